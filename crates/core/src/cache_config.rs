@@ -1,0 +1,105 @@
+//! Configuration of the paged KV cache.
+
+use crate::{Error, Result};
+
+/// How much memory the device KV pool gets.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvCacheSize {
+    /// Exactly this many blocks.
+    NumBlocks(usize),
+    /// This many bytes; the backend says how many blocks fit
+    /// ([`crate::ModelExecutor::num_kv_blocks_for_budget`]).
+    MemoryBytes(u64),
+    /// A fraction of the memory that is free when the engine starts.
+    FractionOfFree(f32),
+}
+
+/// Element type of the stored keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    /// 4 bytes per element: exact.
+    F32,
+    /// 2 bytes per element.
+    F16,
+    /// 2 bytes per element.
+    Bf16,
+}
+
+impl KvCacheDtype {
+    /// Bytes per stored element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            KvCacheDtype::F32 => 4,
+            KvCacheDtype::F16 | KvCacheDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// Block size, pool sizes and caching switches.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheConfig {
+    /// Tokens per block (paper default 16).
+    pub block_size: usize,
+    /// Size of the device pool.
+    pub size: KvCacheSize,
+    /// Bytes of host memory for swapped-out blocks. The host pool never
+    /// holds more blocks than the device pool.
+    pub swap_space_bytes: u64,
+    /// Element type of the cache.
+    pub dtype: KvCacheDtype,
+    /// Automatic prefix caching.
+    pub enable_prefix_caching: bool,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            size: KvCacheSize::FractionOfFree(0.5),
+            swap_space_bytes: 1 << 30,
+            dtype: KvCacheDtype::F32,
+            enable_prefix_caching: true,
+        }
+    }
+}
+
+impl CacheConfig {
+    /// Checks ranges: a power-of-two block size up to 256, a positive pool.
+    pub fn validate(&self) -> Result<()> {
+        if !self.block_size.is_power_of_two() || self.block_size > 256 {
+            return Err(Error::InvalidConfig {
+                field: "block_size",
+                message: format!("must be a power of two between 1 and 256, got {}", self.block_size),
+            });
+        }
+        match self.size {
+            KvCacheSize::NumBlocks(0) | KvCacheSize::MemoryBytes(0) => Err(Error::InvalidConfig {
+                field: "kv_cache_memory",
+                message: "the KV cache must hold at least one block".into(),
+            }),
+            KvCacheSize::FractionOfFree(f) if !(f > 0.0 && f <= 1.0) => Err(Error::InvalidConfig {
+                field: "kv_cache_memory",
+                message: format!("fraction of free memory must be in (0, 1], got {f}"),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation() {
+        CacheConfig::default().validate().unwrap();
+        for bs in [0, 3, 512] {
+            let c = CacheConfig { block_size: bs, ..CacheConfig::default() };
+            assert!(matches!(c.validate(), Err(Error::InvalidConfig { field: "block_size", .. })));
+        }
+        let c = CacheConfig { size: KvCacheSize::FractionOfFree(1.5), ..CacheConfig::default() };
+        assert!(c.validate().is_err());
+        let c = CacheConfig { size: KvCacheSize::NumBlocks(0), ..CacheConfig::default() };
+        assert!(c.validate().is_err());
+    }
+}

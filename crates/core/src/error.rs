@@ -1,0 +1,42 @@
+//! The crate's error type.
+
+/// Everything that can go wrong in `vellum-core`: invalid input from a caller
+/// or a configuration file. Each variant names what was wrong.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A sampling parameter is out of range or inconsistent with another.
+    #[error("invalid sampling parameter `{param}`: {message}")]
+    InvalidSamplingParam {
+        /// The parameter's name as the OpenAI / vLLM API spells it.
+        param: &'static str,
+        /// What is wrong and what is allowed.
+        message: String,
+    },
+    /// A configuration value is out of range or inconsistent.
+    #[error("invalid configuration `{field}`: {message}")]
+    InvalidConfig {
+        /// The configuration field.
+        field: &'static str,
+        /// What is wrong and what is allowed.
+        message: String,
+    },
+    /// A model's `config.json` could not be parsed.
+    #[error("cannot parse model config ({source_name}): {message}")]
+    ModelConfigParse {
+        /// Where the config came from (a path, or "<string>").
+        source_name: String,
+        /// The parser's message.
+        message: String,
+    },
+    /// A model architecture that no model definition implements.
+    #[error("unsupported architecture {0:?}; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")]
+    UnsupportedArchitecture(String),
+    /// A request-state transition that the unified model forbids (e.g.
+    /// scheduling more tokens than remain).
+    #[error("invalid request-state transition: {0}")]
+    InvalidTransition(String),
+    /// A backend failed (out of device memory, a kernel error, ...).
+    #[error("backend error: {0}")]
+    Backend(String),
+}

@@ -1,0 +1,51 @@
+//! # vellum-core — the backend-neutral vocabulary
+//!
+//! Every other crate speaks these types. Nothing here knows about tensors,
+//! threads or devices:
+//!
+//! * [`RequestState`] — a request in the unified representation of the vLLM
+//!   thesis (§4.4, Table 4.1): `num_computed_tokens` chasing
+//!   `num_total_tokens`. Prefill, decode, chunked prefill, prefix-cache hits,
+//!   preemption and speculative acceptance are all updates of those two
+//!   counters.
+//! * [`SamplingParams`] — what a caller asks for, validated into a typed
+//!   [`Error`] before anything is scheduled.
+//! * [`ModelConfig`], [`CacheConfig`], [`SchedulerConfig`] — configuration.
+//! * The three traits of the design card: [`BlockAllocator`] (implemented by
+//!   the paged KV-cache manager and the Orca baselines in `vellum-kvcache`),
+//!   [`AttentionBackend`] and [`ModelExecutor`] (implemented by the backends).
+//!
+//! **The one design decision to know:** KV memory belongs to the backend and
+//! is addressed only by [`BlockId`]. Everything that crosses from the engine
+//! to a backend per step ([`ForwardBatch`], [`BlockOps`]) is plain host data
+//! that a GPU backend uploads as is; no type here assumes that tensors live in
+//! host memory.
+
+mod attention_backend;
+mod block_allocator;
+mod cache_config;
+mod error;
+mod forward_batch;
+mod ids;
+mod model_config;
+mod model_executor;
+mod request;
+mod sampling_params;
+mod scheduler_config;
+
+pub use attention_backend::{AttentionBackend, AttentionMetadata};
+pub use block_allocator::{
+    AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens,
+};
+pub use cache_config::{CacheConfig, KvCacheDtype, KvCacheSize};
+pub use error::Error;
+pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch};
+pub use ids::{BlockId, HostBlockId, RequestId, SeqId, TokenId};
+pub use model_config::{ModelConfig, RopeScaling};
+pub use model_executor::{ModelExecutor, StepOutput};
+pub use request::RequestState;
+pub use sampling_params::{BeamSearchParams, SamplingParams};
+pub use scheduler_config::{PreemptionMode, SchedulerConfig, SchedulingPolicy};
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

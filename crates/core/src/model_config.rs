@@ -1,0 +1,279 @@
+//! A model's shape, parsed from a Hugging Face `config.json`.
+
+use crate::{Error, Result};
+use serde::Deserialize;
+use std::path::Path;
+
+/// Architectures with a model definition in `vellum-models`.
+const SUPPORTED: [&str; 4] =
+    ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"];
+
+/// RoPE frequency scaling (`rope_scaling` in `config.json`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Llama 3.x: low frequencies divided by `factor`, high ones kept, a
+    /// smooth ramp between.
+    Llama3 {
+        /// Scale of the low frequencies.
+        factor: f32,
+        /// Wavelength threshold, as a fraction of the original context.
+        low_freq_factor: f32,
+        /// Wavelength threshold, as a fraction of the original context.
+        high_freq_factor: f32,
+        /// The context the model was trained with.
+        original_max_position_embeddings: usize,
+    },
+    /// Positions divided by `factor`.
+    Linear {
+        /// The divisor.
+        factor: f32,
+    },
+}
+
+/// The fields of `config.json` the model definitions need.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// `architectures[0]`, e.g. `LlamaForCausalLM`.
+    pub architecture: String,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP's hidden layer.
+    pub intermediate_size: usize,
+    /// Number of decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than query heads).
+    pub num_key_value_heads: usize,
+    /// Per-head width; `hidden_size / num_attention_heads` unless given.
+    pub head_dim: usize,
+    /// Longest context the model supports.
+    pub max_position_embeddings: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RoPE frequency scaling, if any.
+    pub rope_scaling: Option<RopeScaling>,
+    /// The LM head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry a bias (Qwen2; Llama's `attention_bias`).
+    pub attention_bias: bool,
+    /// Per-head RMSNorm on queries and keys (Qwen3).
+    pub qk_norm: bool,
+    /// Sliding-window attention width (Mistral), if any.
+    pub sliding_window: Option<usize>,
+    /// Beginning-of-sequence token.
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence tokens (some configs list several).
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+#[derive(Deserialize)]
+struct RawConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    max_position_embeddings: Option<usize>,
+    rms_norm_eps: Option<f32>,
+    rope_theta: Option<f32>,
+    rope_scaling: Option<serde_json::Value>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    sliding_window: Option<serde_json::Value>,
+    use_sliding_window: Option<bool>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<OneOrMany>,
+}
+
+impl ModelConfig {
+    /// Parses `config.json` text. `source_name` appears in errors.
+    pub fn from_json_str(json: &str, source_name: &str) -> Result<Self> {
+        let parse_err = |message: String| Error::ModelConfigParse { source_name: source_name.to_string(), message };
+        let raw: RawConfig = serde_json::from_str(json).map_err(|e| parse_err(e.to_string()))?;
+        let architecture = match (&raw.architectures, &raw.model_type) {
+            (Some(a), _) if !a.is_empty() => a[0].clone(),
+            (_, Some(t)) => match t.as_str() {
+                "llama" => "LlamaForCausalLM".to_string(),
+                "mistral" => "MistralForCausalLM".to_string(),
+                "qwen2" => "Qwen2ForCausalLM".to_string(),
+                "qwen3" => "Qwen3ForCausalLM".to_string(),
+                other => return Err(Error::UnsupportedArchitecture(other.to_string())),
+            },
+            _ => return Err(parse_err("neither `architectures` nor `model_type` is given".into())),
+        };
+        if !SUPPORTED.contains(&architecture.as_str()) {
+            return Err(Error::UnsupportedArchitecture(architecture));
+        }
+        let is_qwen2 = architecture == "Qwen2ForCausalLM";
+        let is_qwen3 = architecture == "Qwen3ForCausalLM";
+        if raw.num_attention_heads == 0 {
+            return Err(parse_err("num_attention_heads is 0".into()));
+        }
+        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        if num_key_value_heads == 0 || raw.num_attention_heads % num_key_value_heads != 0 {
+            return Err(parse_err(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({num_key_value_heads})",
+                raw.num_attention_heads
+            )));
+        }
+        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(parse_err(format!("head_dim must be even and non-zero, got {head_dim}")));
+        }
+        let rope_scaling = match raw.rope_scaling {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => Some(parse_rope_scaling(&v).map_err(parse_err)?),
+        };
+        // Qwen2 configs carry `sliding_window` but only use it with
+        // `use_sliding_window: true`; Mistral uses it when it is a number.
+        let sliding_window = match (raw.sliding_window, raw.use_sliding_window) {
+            (_, Some(false)) => None,
+            (Some(serde_json::Value::Number(n)), _) if !is_qwen2 || raw.use_sliding_window == Some(true) => {
+                n.as_u64().map(|w| w as usize)
+            }
+            _ => None,
+        };
+        Ok(Self {
+            architecture,
+            vocab_size: raw.vocab_size,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            num_attention_heads: raw.num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta: raw.rope_theta.unwrap_or(10_000.0),
+            rope_scaling,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            attention_bias: is_qwen2 || raw.attention_bias.unwrap_or(false),
+            qk_norm: is_qwen3,
+            sliding_window,
+            bos_token_id: raw.bos_token_id,
+            eos_token_ids: match raw.eos_token_id {
+                None => Vec::new(),
+                Some(OneOrMany::One(t)) => vec![t],
+                Some(OneOrMany::Many(ts)) => ts,
+            },
+        })
+    }
+
+    /// Reads and parses a `config.json` file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::ModelConfigParse {
+            source_name: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Self::from_json_str(&text, &path.display().to_string())
+    }
+
+    /// Query heads per key/value head.
+    pub fn num_queries_per_kv(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+
+    /// Elements of K plus V one token occupies across all layers.
+    pub fn kv_elements_per_token(&self) -> usize {
+        2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+    }
+}
+
+fn parse_rope_scaling(v: &serde_json::Value) -> std::result::Result<RopeScaling, String> {
+    let kind = v
+        .get("rope_type")
+        .or_else(|| v.get("type"))
+        .and_then(|t| t.as_str())
+        .ok_or_else(|| "rope_scaling has no `rope_type`".to_string())?;
+    let num = |key: &str| -> std::result::Result<f64, String> {
+        v.get(key).and_then(|x| x.as_f64()).ok_or_else(|| format!("rope_scaling.{key} is missing"))
+    };
+    match kind {
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: num("factor")? as f32,
+            low_freq_factor: num("low_freq_factor")? as f32,
+            high_freq_factor: num("high_freq_factor")? as f32,
+            original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+        }),
+        "linear" => Ok(RopeScaling::Linear { factor: num("factor")? as f32 }),
+        // "default" means no scaling.
+        other => Err(format!("unsupported rope_scaling type {other:?} (supported: llama3, linear)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMOLLM2: &str = r#"{
+      "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+      "hidden_size": 576, "intermediate_size": 1536, "max_position_embeddings": 8192,
+      "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
+      "num_key_value_heads": 3, "rms_norm_eps": 1e-05, "rope_scaling": null,
+      "rope_theta": 100000, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+      "vocab_size": 49152 }"#;
+
+    #[test]
+    fn parses_llama_with_gqa() {
+        let c = ModelConfig::from_json_str(SMOLLM2, "smollm2").unwrap();
+        assert_eq!(c.architecture, "LlamaForCausalLM");
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (9, 3, 64));
+        assert_eq!(c.num_queries_per_kv(), 3);
+        assert!(c.tie_word_embeddings && !c.attention_bias && !c.qk_norm);
+        assert_eq!(c.rope_theta, 100000.0);
+        assert_eq!(c.eos_token_ids, vec![2]);
+        assert_eq!(c.kv_elements_per_token(), 2 * 30 * 3 * 64);
+    }
+
+    #[test]
+    fn parses_llama3_rope_scaling_and_eos_list() {
+        let json = r#"{"architectures":["LlamaForCausalLM"],"vocab_size":128256,"hidden_size":2048,
+          "intermediate_size":8192,"num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,
+          "rope_theta":500000.0,"eos_token_id":[128001,128008,128009],
+          "rope_scaling":{"factor":32.0,"high_freq_factor":4.0,"low_freq_factor":1.0,
+          "original_max_position_embeddings":8192,"rope_type":"llama3"}}"#;
+        let c = ModelConfig::from_json_str(json, "llama3.2").unwrap();
+        assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
+        assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, original_max_position_embeddings: 8192, .. }) if factor == 32.0));
+    }
+
+    #[test]
+    fn qwen_flags() {
+        let base = r#""vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2"#;
+        let q2 = ModelConfig::from_json_str(&format!(r#"{{"architectures":["Qwen2ForCausalLM"],{base},"sliding_window":4096,"use_sliding_window":false}}"#), "q2").unwrap();
+        assert!(q2.attention_bias && !q2.qk_norm && q2.sliding_window.is_none());
+        let q3 = ModelConfig::from_json_str(&format!(r#"{{"architectures":["Qwen3ForCausalLM"],{base},"head_dim":32}}"#), "q3").unwrap();
+        assert!(q3.qk_norm && !q3.attention_bias && q3.head_dim == 32);
+        let m = ModelConfig::from_json_str(&format!(r#"{{"architectures":["MistralForCausalLM"],{base},"sliding_window":4096}}"#), "m").unwrap();
+        assert_eq!(m.sliding_window, Some(4096));
+    }
+
+    #[test]
+    fn errors_are_typed() {
+        assert!(matches!(
+            ModelConfig::from_json_str(r#"{"architectures":["GPT2LMHeadModel"],"vocab_size":1,"hidden_size":2,"intermediate_size":1,"num_hidden_layers":1,"num_attention_heads":1}"#, "x"),
+            Err(Error::UnsupportedArchitecture(a)) if a == "GPT2LMHeadModel"
+        ));
+        assert!(matches!(ModelConfig::from_json_str("{not json", "x"), Err(Error::ModelConfigParse { .. })));
+        assert!(matches!(
+            ModelConfig::from_json_str(r#"{"architectures":["LlamaForCausalLM"],"vocab_size":1,"hidden_size":64,"intermediate_size":1,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":3}"#, "x"),
+            Err(Error::ModelConfigParse { .. })
+        ));
+    }
+}

@@ -1,0 +1,429 @@
+//! The paged KV-cache manager: block tables over a shared block pool.
+//!
+//! ```text
+//!  seq A  block table: [ 7 ][ 1 ][ 3 ]      logical block i holds tokens
+//!  seq B  block table: [ 7 ][ 1 ][ 5 ]      i*block_size .. (i+1)*block_size
+//!                         \    \
+//!  pool:  block 7 ref 2, block 1 ref 2, block 3 ref 1, block 5 ref 1
+//! ```
+//!
+//! * Sharing: `fork` copies a block table and bumps reference counts;
+//!   prefix caching hands a new sequence the blocks of an equal prefix.
+//! * Copy-on-write: a write into a block with more than one holder first
+//!   copies it to a fresh block; the copies of a step are handed to the
+//!   backend in one batch ([`BlockAllocator::take_block_copies`]).
+//! * Waste: a sequence holds `ceil(tokens / block_size)` blocks, so at most
+//!   one partially filled block.
+//!
+//! Complexity: `allocate_slots` is O(new blocks + newly full blocks) plus one
+//! hash-map probe; `free` is O(blocks held); `get_computed_blocks` is one hash
+//! and one probe per full prompt block.
+
+use crate::block_hash::{hash_block_tokens, BlockHash};
+use crate::block_pool::BlockPool;
+use crate::host_pool::HostPool;
+use std::collections::{HashMap, HashSet};
+use vellum_core::{
+    AllocatedSlots, BlockAllocator, BlockCopy, BlockId, BlockSwap, ComputedBlocks, HostBlockId,
+    KvCacheStats, LengthHint, SeqId, SeqTokens,
+};
+
+/// Sizes and switches of a [`KvCacheManager`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvCacheManagerConfig {
+    /// Blocks in the device pool.
+    pub num_blocks: usize,
+    /// Blocks in the host swap pool; clamped to `num_blocks`.
+    pub num_host_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Automatic prefix caching.
+    pub enable_prefix_caching: bool,
+}
+
+impl KvCacheManagerConfig {
+    /// `num_blocks` blocks of `block_size`, prefix caching on, no swap space.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self { num_blocks, num_host_blocks: 0, block_size, enable_prefix_caching: true }
+    }
+}
+
+/// A live sequence's blocks.
+#[derive(Clone, Debug)]
+struct SeqBlocks {
+    block_table: Vec<BlockId>,
+    /// Chained hashes of the leading full blocks (may lag the table).
+    block_hashes: Vec<BlockHash>,
+    /// Tokens with a reserved slot.
+    num_tokens: usize,
+    hint: LengthHint,
+}
+
+/// A swapped-out sequence: the same, in host blocks.
+#[derive(Clone, Debug)]
+struct SwappedSeq {
+    host_table: Vec<HostBlockId>,
+    block_hashes: Vec<BlockHash>,
+    num_tokens: usize,
+    hint: LengthHint,
+}
+
+/// Paged KV-cache manager (paper §4.2–4.5, thesis Listing 4.2).
+#[derive(Clone, Debug)]
+pub struct KvCacheManager {
+    block_size: usize,
+    enable_prefix_caching: bool,
+    pool: BlockPool,
+    host: HostPool,
+    seqs: HashMap<SeqId, SeqBlocks>,
+    swapped: HashMap<SeqId, SwappedSeq>,
+    pending_copies: Vec<BlockCopy>,
+    prefix_cache_queries: u64,
+    prefix_cache_hits: u64,
+}
+
+impl KvCacheManager {
+    /// An empty manager.
+    pub fn new(config: KvCacheManagerConfig) -> Self {
+        assert!(config.block_size > 0 && config.block_size <= u16::MAX as usize, "block size out of range");
+        Self {
+            block_size: config.block_size,
+            enable_prefix_caching: config.enable_prefix_caching,
+            pool: BlockPool::new(config.num_blocks),
+            host: HostPool::new(config.num_host_blocks.min(config.num_blocks)),
+            seqs: HashMap::new(),
+            swapped: HashMap::new(),
+            pending_copies: Vec::new(),
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
+        }
+    }
+
+    /// The block pool (read-only), e.g. for reference counts in tests.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Whether `seq` is swapped out to the host pool.
+    pub fn is_swapped(&self, seq: SeqId) -> bool {
+        self.swapped.contains_key(&seq)
+    }
+
+    /// Tokens `seq` has slots for.
+    pub fn num_tokens(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq).map(|s| s.num_tokens)
+    }
+
+    /// Live (device-resident) sequences.
+    pub fn num_live_seqs(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Forgets every cached prefix held by free blocks.
+    pub fn reset_prefix_cache(&mut self) {
+        self.pool.reset_prefix_cache();
+    }
+
+    /// Blocks needed to hold `num_tokens` tokens.
+    fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size)
+    }
+
+    /// Checks every invariant of the manager; panics with a message on a
+    /// breach. Used after each operation by the property tests.
+    ///
+    /// * each block's reference count equals the block-table entries that
+    ///   point at it (cached free blocks have count zero);
+    /// * a block is in the free queue iff its count is zero; free + used = total;
+    /// * each table has exactly `ceil(num_tokens / block_size)` entries;
+    /// * host reference counts equal the host-table entries.
+    pub fn assert_invariants(&self) {
+        self.pool.assert_consistent();
+        let mut refs = vec![0u32; self.pool.num_blocks()];
+        for (id, s) in &self.seqs {
+            assert_eq!(s.block_table.len(), self.blocks_for(s.num_tokens), "{id}: table length vs tokens");
+            assert!(s.block_hashes.len() <= s.block_table.len(), "{id}: more hashes than blocks");
+            for b in &s.block_table {
+                refs[b.index()] += 1;
+            }
+        }
+        for (i, &r) in refs.iter().enumerate() {
+            assert_eq!(self.pool.ref_cnt(BlockId(i as u32)), r, "block {i}: ref_cnt vs table entries");
+        }
+        let mut host_refs = vec![0u32; self.host.num_blocks()];
+        for s in self.swapped.values() {
+            for b in &s.host_table {
+                host_refs[b.index()] += 1;
+            }
+        }
+        let mut used_host = 0;
+        for (i, &r) in host_refs.iter().enumerate() {
+            assert_eq!(self.host.ref_cnt(HostBlockId(i as u32)), r, "host block {i}: ref_cnt vs tables");
+            used_host += (r > 0) as usize;
+        }
+        assert_eq!(used_host + self.host.num_free_blocks(), self.host.num_blocks(), "host free + used != total");
+    }
+}
+
+impl BlockAllocator for KvCacheManager {
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    fn num_free_blocks(&self) -> usize {
+        self.pool.num_free_blocks()
+    }
+
+    fn get_computed_blocks(&mut self, seq: &SeqTokens<'_>) -> ComputedBlocks {
+        if !self.enable_prefix_caching || seq.token_ids.is_empty() {
+            return ComputedBlocks::default();
+        }
+        // Never the whole sequence: the last token must be computed.
+        let max_blocks = (seq.token_ids.len() - 1) / self.block_size;
+        let mut block_ids = Vec::new();
+        let mut parent = None;
+        for chunk in seq.token_ids.chunks_exact(self.block_size).take(max_blocks) {
+            let h = hash_block_tokens(parent, chunk, None);
+            match self.pool.lookup(h) {
+                Some(b) => block_ids.push(b),
+                None => break,
+            }
+            parent = Some(h);
+        }
+        let num_computed_tokens = block_ids.len() * self.block_size;
+        ComputedBlocks { block_ids, num_computed_tokens }
+    }
+
+    fn allocate_slots(
+        &mut self,
+        seq: &SeqTokens<'_>,
+        num_new_tokens: usize,
+        computed: ComputedBlocks,
+    ) -> Option<AllocatedSlots> {
+        let bs = self.block_size;
+        let total = seq.num_computed_tokens + num_new_tokens;
+        assert!(total <= seq.token_ids.len(), "{}: slots for {total} tokens but only {} are known", seq.seq_id, seq.token_ids.len());
+        assert!(!self.swapped.contains_key(&seq.seq_id), "{} is swapped out; swap it in first", seq.seq_id);
+        let is_new = !self.seqs.contains_key(&seq.seq_id);
+        if is_new {
+            assert_eq!(
+                computed.num_computed_tokens, seq.num_computed_tokens,
+                "{}: a new sequence starts at its prefix-cache hit", seq.seq_id
+            );
+        } else {
+            assert!(computed.block_ids.is_empty(), "{}: computed blocks are only for a new sequence", seq.seq_id);
+        }
+        let cur_blocks = match self.seqs.get(&seq.seq_id) {
+            Some(s) => s.block_table.len(),
+            None => computed.block_ids.len(),
+        };
+        let num_new_blocks = self.blocks_for(total).saturating_sub(cur_blocks);
+        // Copy-on-write: the first slot written lies in a block held by others.
+        let write_block_idx = seq.num_computed_tokens / bs;
+        let cow_block = self.seqs.get(&seq.seq_id).and_then(|s| {
+            let b = *s.block_table.get(write_block_idx)?;
+            (num_new_tokens > 0 && self.pool.ref_cnt(b) > 1).then_some(b)
+        });
+        let num_revived = computed.block_ids.iter().filter(|b| self.pool.is_free(**b)).count();
+        if num_new_blocks + cow_block.is_some() as usize + num_revived > self.pool.num_free_blocks() {
+            return None;
+        }
+
+        if is_new {
+            for &b in &computed.block_ids {
+                self.pool.touch(b);
+            }
+            let block_hashes = computed.block_ids.iter().map(|&b| self.pool.hash(b).expect("computed blocks are cached")).collect();
+            self.prefix_cache_queries += seq.num_prompt_tokens as u64;
+            self.prefix_cache_hits += computed.num_computed_tokens.min(seq.num_prompt_tokens) as u64;
+            self.seqs.insert(
+                seq.seq_id,
+                SeqBlocks { block_table: computed.block_ids, block_hashes, num_tokens: computed.num_computed_tokens, hint: seq.hint },
+            );
+        }
+        let s = self.seqs.get_mut(&seq.seq_id).expect("inserted above");
+        s.hint = seq.hint;
+        let mut first_changed = s.block_table.len();
+        if let Some(old) = cow_block {
+            let new = self.pool.allocate().expect("room checked above");
+            self.pool.set_num_filled(new, self.pool.num_filled(old));
+            self.pool.release(old);
+            self.pending_copies.push(BlockCopy { src: old, dst: new });
+            s.block_table[write_block_idx] = new;
+            first_changed = write_block_idx;
+        }
+        for _ in 0..num_new_blocks {
+            let b = self.pool.allocate().expect("room checked above");
+            s.block_table.push(b);
+        }
+        if let Some(&b) = s.block_table.get(write_block_idx) {
+            assert_eq!(self.pool.ref_cnt(b), 1, "{}: write into shared {b}", seq.seq_id);
+        }
+        // Slots filled by this step.
+        let first_fill = write_block_idx.min(s.block_table.len());
+        for (i, &b) in s.block_table.iter().enumerate().skip(first_fill) {
+            let filled = total.saturating_sub(i * bs).min(bs);
+            if filled > self.pool.num_filled(b) {
+                self.pool.set_num_filled(b, filled);
+            }
+        }
+        s.num_tokens = s.num_tokens.max(total);
+        // Register blocks that this step fills completely.
+        if self.enable_prefix_caching {
+            let num_full = total / bs;
+            while s.block_hashes.len() < num_full {
+                let i = s.block_hashes.len();
+                let h = hash_block_tokens(s.block_hashes.last().copied(), &seq.token_ids[i * bs..(i + 1) * bs], None);
+                s.block_hashes.push(h);
+                self.pool.cache_block(s.block_table[i], h);
+            }
+        }
+        Some(AllocatedSlots { first_changed_block_idx: first_changed })
+    }
+
+    fn fork(&mut self, parent: SeqId, child: SeqId) -> bool {
+        assert!(!self.seqs.contains_key(&child) && !self.swapped.contains_key(&child), "fork onto live {child}");
+        let p = self.seqs.get(&parent).unwrap_or_else(|| panic!("fork of unknown {parent}")).clone();
+        for &b in &p.block_table {
+            self.pool.touch(b);
+        }
+        self.seqs.insert(child, p);
+        true
+    }
+
+    fn free(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            // Reverse order: the tail of a sequence is the least likely to be
+            // shared again, so it lands nearer the head and is evicted first.
+            for &b in s.block_table.iter().rev() {
+                self.pool.release(b);
+            }
+        }
+        if let Some(s) = self.swapped.remove(&seq) {
+            for &b in &s.host_table {
+                self.host.release(b);
+            }
+        }
+    }
+
+    fn block_table(&self, seq: SeqId) -> Option<&[BlockId]> {
+        self.seqs.get(&seq).map(|s| s.block_table.as_slice())
+    }
+
+    fn take_block_copies(&mut self) -> Vec<BlockCopy> {
+        std::mem::take(&mut self.pending_copies)
+    }
+
+    fn swap_out(&mut self, seqs: &[SeqId]) -> Option<Vec<BlockSwap>> {
+        let mut distinct: Vec<BlockId> = seqs
+            .iter()
+            .flat_map(|id| self.seqs.get(id).map(|s| s.block_table.clone()).unwrap_or_default())
+            .collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() > self.host.num_free_blocks() {
+            return None;
+        }
+        let mut mapping: HashMap<BlockId, HostBlockId> = HashMap::with_capacity(distinct.len());
+        let mut swaps = Vec::with_capacity(distinct.len());
+        for &device in &distinct {
+            let host = self.host.allocate(self.pool.num_filled(device)).expect("room checked above");
+            mapping.insert(device, host);
+            swaps.push(BlockSwap { device, host });
+        }
+        // Each host block was allocated with one holder: that is the first
+        // table entry pointing at it; later entries add one each.
+        let mut first_use: HashSet<HostBlockId> = HashSet::with_capacity(distinct.len());
+        for id in seqs {
+            let Some(s) = self.seqs.remove(id) else { continue };
+            let host_table: Vec<HostBlockId> = s.block_table.iter().map(|b| mapping[b]).collect();
+            for &h in &host_table {
+                if !first_use.insert(h) {
+                    self.host.incref(h);
+                }
+            }
+            for &b in &s.block_table {
+                self.pool.release(b);
+            }
+            self.swapped.insert(*id, SwappedSeq { host_table, block_hashes: s.block_hashes, num_tokens: s.num_tokens, hint: s.hint });
+        }
+        Some(swaps)
+    }
+
+    fn swap_in(&mut self, seqs: &[SeqId]) -> Option<Vec<BlockSwap>> {
+        let mut distinct: Vec<HostBlockId> = seqs
+            .iter()
+            .flat_map(|id| self.swapped.get(id).map(|s| s.host_table.clone()).unwrap_or_default())
+            .collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() > self.pool.num_free_blocks() {
+            return None;
+        }
+        let mut mapping: HashMap<HostBlockId, BlockId> = HashMap::with_capacity(distinct.len());
+        let mut swaps = Vec::with_capacity(distinct.len());
+        for &host in &distinct {
+            let device = self.pool.allocate().expect("room checked above");
+            self.pool.set_num_filled(device, self.host.num_filled(host));
+            mapping.insert(host, device);
+            swaps.push(BlockSwap { device, host });
+        }
+        // Each device block was allocated with one holder: hand that to the
+        // first table entry and touch for the others.
+        let mut first_use: HashSet<BlockId> = HashSet::with_capacity(distinct.len());
+        for id in seqs {
+            let Some(s) = self.swapped.remove(id) else { continue };
+            let block_table: Vec<BlockId> = s.host_table.iter().map(|h| mapping[h]).collect();
+            for &b in &block_table {
+                if !first_use.insert(b) {
+                    self.pool.touch(b);
+                }
+            }
+            for &h in &s.host_table {
+                self.host.release(h);
+            }
+            self.seqs.insert(*id, SeqBlocks { block_table, block_hashes: s.block_hashes, num_tokens: s.num_tokens, hint: s.hint });
+        }
+        Some(swaps)
+    }
+
+    fn stats(&self) -> KvCacheStats {
+        let bs = self.block_size;
+        let mut num_used_blocks = 0;
+        let mut num_filled_slots = 0;
+        for (_, filled) in self.pool.used_blocks() {
+            num_used_blocks += 1;
+            num_filled_slots += filled;
+        }
+        let empty = num_used_blocks * bs - num_filled_slots;
+        // Empty slots past a sequence's eventual length will never be filled.
+        let beyond_end: usize = self
+            .seqs
+            .values()
+            .map(|s| {
+                let end = s.hint.true_total_tokens.unwrap_or(s.hint.max_total_tokens).max(s.num_tokens);
+                (s.block_table.len() * bs).saturating_sub(end)
+            })
+            .sum();
+        let internal = beyond_end.min(empty);
+        KvCacheStats {
+            block_size: bs,
+            num_blocks: self.pool.num_blocks(),
+            num_used_blocks,
+            num_cached_free_blocks: self.pool.num_cached_free_blocks(),
+            num_logical_blocks: self.seqs.values().map(|s| s.block_table.len()).sum(),
+            num_filled_slots,
+            num_reserved_slots: empty - internal,
+            num_internal_frag_slots: internal,
+            num_external_frag_slots: 0,
+            num_host_blocks: self.host.num_blocks(),
+            num_used_host_blocks: self.host.num_blocks() - self.host.num_free_blocks(),
+            prefix_cache_queries: self.prefix_cache_queries,
+            prefix_cache_hits: self.prefix_cache_hits,
+        }
+    }
+}
