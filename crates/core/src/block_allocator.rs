@@ -35,6 +35,8 @@ pub struct SeqTokens<'a> {
     /// Which sequence.
     pub seq_id: SeqId,
     /// Every known token id (prompt and output) — the prefix hash reads them.
+    /// Under asynchronous scheduling the slots asked for may run past the
+    /// known tokens by the samples still in flight.
     pub token_ids: &'a [TokenId],
     /// How many of `token_ids` are the prompt.
     pub num_prompt_tokens: usize,
@@ -162,6 +164,14 @@ pub trait BlockAllocator {
 
     /// Releases everything `seq` holds (no-op for an unknown sequence).
     fn free(&mut self, seq: SeqId);
+
+    /// Forgets every slot of `seq` past its first `num_computed_tokens`:
+    /// slots reserved for a step that will not run (a group that could not
+    /// be scheduled whole, a preemption in the same step) or for rejected
+    /// speculative tokens. Blocks no longer needed are released, and no block
+    /// whose tokens were not all computed stays in the prefix cache.
+    /// Reservation-based allocators keep their reservation.
+    fn trim(&mut self, _seq: SeqId, _num_computed_tokens: usize) {}
 
     /// The sequence's block table, or `None` if it holds nothing.
     fn block_table(&self, seq: SeqId) -> Option<&[BlockId]>;

@@ -135,6 +135,27 @@ impl BlockPool {
         }
     }
 
+    /// Registers a used block under `hash`, taking the name over from a
+    /// free block that held the same prefix (e.g. the stale device copy of a
+    /// block that was swapped out and is now swapped back in elsewhere).
+    pub fn recache_block(&mut self, block: BlockId, hash: BlockHash) {
+        if let Some(&old) = self.cached.get(&hash) {
+            if old != block && self.meta[old.index()].ref_cnt == 0 {
+                self.uncache_block(old);
+            }
+        }
+        self.cache_block(block, hash);
+    }
+
+    /// Drops `block`'s prefix-cache registration (its KV was never computed).
+    pub fn uncache_block(&mut self, block: BlockId) {
+        if let Some(h) = self.meta[block.index()].hash.take() {
+            if self.cached.get(&h) == Some(&block) {
+                self.cached.remove(&h);
+            }
+        }
+    }
+
     /// The block holding the prefix named `hash`, if cached.
     pub fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
         self.cached.get(&hash).copied()

@@ -206,7 +206,6 @@ impl BlockAllocator for KvCacheManager {
     ) -> Option<AllocatedSlots> {
         let bs = self.block_size;
         let total = seq.num_computed_tokens + num_new_tokens;
-        assert!(total <= seq.token_ids.len(), "{}: slots for {total} tokens but only {} are known", seq.seq_id, seq.token_ids.len());
         assert!(!self.swapped.contains_key(&seq.seq_id), "{} is swapped out; swap it in first", seq.seq_id);
         let is_new = !self.seqs.contains_key(&seq.seq_id);
         if is_new {
@@ -272,9 +271,11 @@ impl BlockAllocator for KvCacheManager {
             }
         }
         s.num_tokens = s.num_tokens.max(total);
-        // Register blocks that this step fills completely.
+        // Register blocks that this step fills completely and whose tokens
+        // are all known (under asynchronous scheduling the last sampled token
+        // may still be in flight; its block is registered on a later call).
         if self.enable_prefix_caching {
-            let num_full = total / bs;
+            let num_full = total.min(seq.token_ids.len()) / bs;
             while s.block_hashes.len() < num_full {
                 let i = s.block_hashes.len();
                 let h = hash_block_tokens(s.block_hashes.last().copied(), &seq.token_ids[i * bs..(i + 1) * bs], None);
@@ -306,6 +307,31 @@ impl BlockAllocator for KvCacheManager {
         if let Some(s) = self.swapped.remove(&seq) {
             for &b in &s.host_table {
                 self.host.release(b);
+            }
+        }
+    }
+
+    fn trim(&mut self, seq: SeqId, num_computed_tokens: usize) {
+        let bs = self.block_size;
+        let Some(s) = self.seqs.get_mut(&seq) else { return };
+        if num_computed_tokens >= s.num_tokens {
+            return;
+        }
+        // Registrations of blocks not wholly computed are void.
+        let num_full = num_computed_tokens / bs;
+        for i in num_full..s.block_hashes.len() {
+            self.pool.uncache_block(s.block_table[i]);
+        }
+        s.block_hashes.truncate(num_full);
+        let keep = num_computed_tokens.div_ceil(bs);
+        for &b in s.block_table[keep..].iter().rev() {
+            self.pool.release(b);
+        }
+        s.block_table.truncate(keep);
+        s.num_tokens = num_computed_tokens;
+        if let Some(&last) = s.block_table.last() {
+            if self.pool.ref_cnt(last) == 1 {
+                self.pool.set_num_filled(last, num_computed_tokens - (keep - 1) * bs);
             }
         }
     }
@@ -385,6 +411,12 @@ impl BlockAllocator for KvCacheManager {
             }
             for &h in &s.host_table {
                 self.host.release(h);
+            }
+            if self.enable_prefix_caching {
+                // The restored blocks are the live copies of their prefixes.
+                for (&b, &h) in block_table.iter().zip(&s.block_hashes) {
+                    self.pool.recache_block(b, h);
+                }
             }
             self.seqs.insert(*id, SeqBlocks { block_table, block_hashes: s.block_hashes, num_tokens: s.num_tokens, hint: s.hint });
         }

@@ -261,6 +261,7 @@ enum Op {
     Free { pick: usize },
     SwapOut { pick: usize },
     SwapIn { pick: usize },
+    Trim { pick: usize, back: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -272,6 +273,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<usize>().prop_map(|pick| Op::Free { pick }),
         1 => any::<usize>().prop_map(|pick| Op::SwapOut { pick }),
         1 => any::<usize>().prop_map(|pick| Op::SwapIn { pick }),
+        1 => (any::<usize>(), 0usize..6).prop_map(|(pick, back)| Op::Trim { pick, back }),
     ]
 }
 
@@ -370,6 +372,15 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
                 let (id, _) = live.swap_remove(pick % live.len());
                 m.free(id);
                 assert!(m.block_table(id).is_none());
+            }
+            Op::Trim { pick, back } if !live.is_empty() => {
+                // A step that will not run: its slots (and any prefix-cache
+                // registration of uncomputed blocks) are given back.
+                let i = pick % live.len();
+                let (id, s) = &mut live[i];
+                let n = s.num_computed.saturating_sub(back);
+                m.trim(*id, n);
+                s.num_computed = n;
             }
             Op::SwapOut { pick } if !live.is_empty() => {
                 let i = pick % live.len();

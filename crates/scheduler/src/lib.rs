@@ -1,1 +1,25 @@
-//! placeholder
+//! # vellum-scheduler — continuous batching in the unified token model
+//!
+//! Every request is `num_computed_tokens` chasing `num_total_tokens` (thesis
+//! §4.4); each step the [`Scheduler`] hands out Δ tokens per request under a
+//! token budget, and prefill, decode, chunked prefill, prefix hits and
+//! preemption all fall out of that one rule. Policies: FCFS (Algorithm 1),
+//! the thesis's two-level FIFO + shortest-remaining-tokens-first (Algorithm 2,
+//! §4.5.3) and priority.
+//!
+//! **The one design decision to know:** the scheduler is pure logic over a
+//! [`vellum_core::BlockAllocator`] — no tensors, no clocks, no threads. The
+//! same code runs under the engine and under the [`sim`] simulator, which
+//! replays hour-long traces in seconds against the paged manager or the Orca
+//! baselines.
+
+mod error;
+mod request;
+mod scheduler;
+mod scheduler_output;
+pub mod sim;
+
+pub use error::Error;
+pub use request::{FinishReason, Request, RequestStatus, Sequence};
+pub use scheduler::{NewRequest, Scheduler};
+pub use scheduler_output::{BlockTableUpdate, RequestSamples, ScheduledSeq, SchedulerOutput, StepSamples};

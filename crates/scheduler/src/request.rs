@@ -1,0 +1,155 @@
+//! A request (sequence group): one prompt, one or more sequences.
+//!
+//! A request starts with a single sequence. When its prompt is done, parallel
+//! sampling (`n > 1`) forks it into `n` sequences that share the prompt's
+//! blocks; a beam search forks and frees candidates every step (paper §4.4).
+//! The group is scheduled and preempted as one unit.
+
+use vellum_core::{LengthHint, RequestId, RequestState, SamplingParams, SeqId, TokenId};
+
+/// Why a sequence or request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the model's length limit.
+    Length,
+    /// Aborted by the client (or a disconnect).
+    Abort,
+}
+
+impl FinishReason {
+    /// The OpenAI / vLLM spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Where a request is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestStatus {
+    /// Queued, holding no KV blocks (new, or preempted by recompute).
+    Waiting,
+    /// Holding KV blocks on the device.
+    Running,
+    /// Its blocks are in the host pool.
+    Swapped,
+    /// Done.
+    Finished(FinishReason),
+}
+
+/// One sequence of a request.
+#[derive(Clone, Debug)]
+pub struct Sequence {
+    /// Its id (block tables are per sequence).
+    pub seq_id: SeqId,
+    /// Tokens and the two counters.
+    pub state: RequestState,
+    /// `Some` once it stopped.
+    pub finish_reason: Option<FinishReason>,
+    /// Tokens scheduled in steps whose output has not arrived yet.
+    pub(crate) num_in_flight_tokens: usize,
+    /// Samples expected from those steps.
+    pub(crate) num_in_flight_samples: usize,
+    /// Leading block-table entries the executor already has.
+    pub(crate) num_synced_blocks: usize,
+}
+
+impl Sequence {
+    pub(crate) fn new(seq_id: SeqId, state: RequestState) -> Self {
+        Self { seq_id, state, finish_reason: None, num_in_flight_tokens: 0, num_in_flight_samples: 0, num_synced_blocks: 0 }
+    }
+
+    /// `num_computed_tokens` counting steps in flight.
+    pub fn num_scheduled_tokens(&self) -> usize {
+        self.state.num_computed_tokens() + self.num_in_flight_tokens
+    }
+
+    /// `num_total_tokens` counting samples in flight.
+    pub fn num_expected_tokens(&self) -> usize {
+        self.state.num_total_tokens() + self.num_in_flight_samples
+    }
+
+    /// Tokens the next step may compute.
+    pub fn num_schedulable_tokens(&self) -> usize {
+        self.num_expected_tokens() - self.num_scheduled_tokens()
+    }
+
+    /// Still generating.
+    pub fn is_running(&self) -> bool {
+        self.finish_reason.is_none()
+    }
+}
+
+/// A request as the scheduler holds it.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Its id.
+    pub request_id: RequestId,
+    /// What the caller asked for.
+    pub params: SamplingParams,
+    /// Lower runs first under the priority policy.
+    pub priority: i64,
+    /// Arrival time in seconds (for metrics).
+    pub arrival_time: f64,
+    /// Arrival order: FCFS ties and "latest arrival is preempted first".
+    pub(crate) arrival_order: u64,
+    /// Tokens that end a sequence unless `ignore_eos`.
+    pub eos_token_ids: Vec<TokenId>,
+    /// Its sequences (one until the prompt is done).
+    pub seqs: Vec<Sequence>,
+    /// Where it is.
+    pub status: RequestStatus,
+    /// Times it was preempted.
+    pub num_preemptions: u32,
+    /// Longest total length a sequence may reach.
+    pub(crate) max_total_tokens: usize,
+    /// The true eventual length, known only to a simulator.
+    pub true_total_tokens: Option<usize>,
+    /// Parallel samples / beams were forked off the first sequence.
+    pub(crate) forked: bool,
+}
+
+impl Request {
+    /// Prompt length.
+    pub fn num_prompt_tokens(&self) -> usize {
+        self.seqs[0].state.num_prompt_tokens()
+    }
+
+    /// Sequences still generating.
+    pub fn running_seqs(&self) -> impl Iterator<Item = &Sequence> {
+        self.seqs.iter().filter(|s| s.is_running())
+    }
+
+    /// Sequences it may run at once: `n` (or the beam width) before it
+    /// forks, its running sequences after. Counted against `max_num_seqs`.
+    pub fn num_seq_slots(&self) -> usize {
+        if self.forked { self.running_seqs().count() } else { self.params.num_sequences() }
+    }
+
+    /// Tokens the next step may compute, over all running sequences.
+    pub fn num_schedulable_tokens(&self) -> usize {
+        self.running_seqs().map(Sequence::num_schedulable_tokens).sum()
+    }
+
+    /// What the allocator may know about its length.
+    pub(crate) fn length_hint(&self) -> LengthHint {
+        LengthHint { max_total_tokens: self.max_total_tokens, true_total_tokens: self.true_total_tokens }
+    }
+
+    /// Whether any step of it is in flight.
+    pub(crate) fn has_in_flight(&self) -> bool {
+        self.seqs.iter().any(|s| s.num_in_flight_tokens > 0)
+    }
+
+    /// The next sample changes the set of sequences (first sample of a
+    /// parallel-sampling request, or any beam-search step): the next step
+    /// cannot be decided before it arrives.
+    pub(crate) fn next_sample_reshapes(&self) -> bool {
+        self.params.beam_search.is_some() || (!self.forked && self.params.num_sequences() > 1)
+    }
+}
