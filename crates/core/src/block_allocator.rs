@@ -64,6 +64,8 @@ pub struct AllocatedSlots {
     /// the previous call (for incremental block-table updates, thesis
     /// §4.6.2). Equals the table's length when nothing changed.
     pub first_changed_block_idx: usize,
+    /// Length of the block table after the call.
+    pub num_blocks: usize,
 }
 
 /// Memory accounting, in blocks and token slots (paper Fig. 2 categories).

@@ -26,6 +26,7 @@ mod block_allocator;
 mod cache_config;
 mod error;
 mod forward_batch;
+mod id_map;
 mod ids;
 mod model_config;
 mod model_executor;
@@ -40,6 +41,7 @@ pub use block_allocator::{
 pub use cache_config::{CacheConfig, KvCacheDtype, KvCacheSize};
 pub use error::Error;
 pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch};
+pub use id_map::{IdHasher, IdMap, IdSet};
 pub use ids::{BlockId, HostBlockId, RequestId, SeqId, TokenId};
 pub use model_config::{ModelConfig, RopeScaling};
 pub use model_executor::{ModelExecutor, StepOutput};

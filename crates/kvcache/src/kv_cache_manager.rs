@@ -22,7 +22,8 @@
 use crate::block_hash::{hash_block_tokens, BlockHash};
 use crate::block_pool::BlockPool;
 use crate::host_pool::HostPool;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+use vellum_core::{IdMap, IdSet};
 use vellum_core::{
     AllocatedSlots, BlockAllocator, BlockCopy, BlockId, BlockSwap, ComputedBlocks, HostBlockId,
     KvCacheStats, LengthHint, SeqId, SeqTokens,
@@ -75,8 +76,8 @@ pub struct KvCacheManager {
     enable_prefix_caching: bool,
     pool: BlockPool,
     host: HostPool,
-    seqs: HashMap<SeqId, SeqBlocks>,
-    swapped: HashMap<SeqId, SwappedSeq>,
+    seqs: IdMap<SeqId, SeqBlocks>,
+    swapped: IdMap<SeqId, SwappedSeq>,
     pending_copies: Vec<BlockCopy>,
     prefix_cache_queries: u64,
     prefix_cache_hits: u64,
@@ -91,8 +92,8 @@ impl KvCacheManager {
             enable_prefix_caching: config.enable_prefix_caching,
             pool: BlockPool::new(config.num_blocks),
             host: HostPool::new(config.num_host_blocks.min(config.num_blocks)),
-            seqs: HashMap::new(),
-            swapped: HashMap::new(),
+            seqs: IdMap::default(),
+            swapped: IdMap::default(),
             pending_copies: Vec::new(),
             prefix_cache_queries: 0,
             prefix_cache_hits: 0,
@@ -127,6 +128,46 @@ impl KvCacheManager {
     /// Blocks needed to hold `num_tokens` tokens.
     fn blocks_for(&self, num_tokens: usize) -> usize {
         num_tokens.div_ceil(self.block_size)
+    }
+
+    /// Appends `num_new_blocks` blocks to `s`, records the slots this step
+    /// fills, and registers the blocks it completes in the prefix cache.
+    fn grow(
+        pool: &mut BlockPool,
+        s: &mut SeqBlocks,
+        seq: &SeqTokens<'_>,
+        total: usize,
+        num_new_blocks: usize,
+        bs: usize,
+        enable_prefix_caching: bool,
+    ) {
+        for _ in 0..num_new_blocks {
+            s.block_table.push(pool.allocate().expect("room checked by the caller"));
+        }
+        let write_block_idx = seq.num_computed_tokens / bs;
+        if let Some(&b) = s.block_table.get(write_block_idx) {
+            assert_eq!(pool.ref_cnt(b), 1, "{}: write into shared {b}", seq.seq_id);
+        }
+        for (i, &b) in s.block_table.iter().enumerate().skip(write_block_idx) {
+            let filled = total.saturating_sub(i * bs).min(bs);
+            if filled > pool.num_filled(b) {
+                pool.set_num_filled(b, filled);
+            }
+        }
+        s.num_tokens = s.num_tokens.max(total);
+        s.hint = seq.hint;
+        // Register blocks that this step fills completely and whose tokens
+        // are all known (under asynchronous scheduling the last sampled token
+        // may still be in flight; its block is registered on a later call).
+        if enable_prefix_caching {
+            let num_full = total.min(seq.token_ids.len()) / bs;
+            while s.block_hashes.len() < num_full {
+                let i = s.block_hashes.len();
+                let h = hash_block_tokens(s.block_hashes.last().copied(), &seq.token_ids[i * bs..(i + 1) * bs], None);
+                s.block_hashes.push(h);
+                pool.cache_block(s.block_table[i], h);
+            }
+        }
     }
 
     /// Checks every invariant of the manager; panics with a message on a
@@ -206,84 +247,46 @@ impl BlockAllocator for KvCacheManager {
     ) -> Option<AllocatedSlots> {
         let bs = self.block_size;
         let total = seq.num_computed_tokens + num_new_tokens;
-        assert!(!self.swapped.contains_key(&seq.seq_id), "{} is swapped out; swap it in first", seq.seq_id);
-        let is_new = !self.seqs.contains_key(&seq.seq_id);
-        if is_new {
-            assert_eq!(
-                computed.num_computed_tokens, seq.num_computed_tokens,
-                "{}: a new sequence starts at its prefix-cache hit", seq.seq_id
-            );
-        } else {
-            assert!(computed.block_ids.is_empty(), "{}: computed blocks are only for a new sequence", seq.seq_id);
-        }
-        let cur_blocks = match self.seqs.get(&seq.seq_id) {
-            Some(s) => s.block_table.len(),
-            None => computed.block_ids.len(),
-        };
-        let num_new_blocks = self.blocks_for(total).saturating_sub(cur_blocks);
-        // Copy-on-write: the first slot written lies in a block held by others.
         let write_block_idx = seq.num_computed_tokens / bs;
-        let cow_block = self.seqs.get(&seq.seq_id).and_then(|s| {
-            let b = *s.block_table.get(write_block_idx)?;
-            (num_new_tokens > 0 && self.pool.ref_cnt(b) > 1).then_some(b)
-        });
+        let num_free = self.pool.num_free_blocks();
+        if let Some(s) = self.seqs.get_mut(&seq.seq_id) {
+            assert!(computed.block_ids.is_empty(), "{}: computed blocks are only for a new sequence", seq.seq_id);
+            // Copy-on-write: the first slot written lies in a block held by others.
+            let cow = s.block_table.get(write_block_idx).copied().filter(|&b| num_new_tokens > 0 && self.pool.ref_cnt(b) > 1);
+            let num_new_blocks = total.div_ceil(bs).saturating_sub(s.block_table.len());
+            if num_new_blocks + cow.is_some() as usize > num_free {
+                return None;
+            }
+            let mut first_changed = s.block_table.len();
+            if let Some(old) = cow {
+                let new = self.pool.allocate().expect("room checked above");
+                self.pool.set_num_filled(new, self.pool.num_filled(old));
+                self.pool.release(old);
+                self.pending_copies.push(BlockCopy { src: old, dst: new });
+                s.block_table[write_block_idx] = new;
+                first_changed = write_block_idx;
+            }
+            Self::grow(&mut self.pool, s, seq, total, num_new_blocks, bs, self.enable_prefix_caching);
+            return Some(AllocatedSlots { first_changed_block_idx: first_changed, num_blocks: s.block_table.len() });
+        }
+        assert!(!self.swapped.contains_key(&seq.seq_id), "{} is swapped out; swap it in first", seq.seq_id);
+        assert_eq!(computed.num_computed_tokens, seq.num_computed_tokens, "{}: a new sequence starts at its prefix-cache hit", seq.seq_id);
+        let num_new_blocks = total.div_ceil(bs).saturating_sub(computed.block_ids.len());
         let num_revived = computed.block_ids.iter().filter(|b| self.pool.is_free(**b)).count();
-        if num_new_blocks + cow_block.is_some() as usize + num_revived > self.pool.num_free_blocks() {
+        if num_new_blocks + num_revived > num_free {
             return None;
         }
-
-        if is_new {
-            for &b in &computed.block_ids {
-                self.pool.touch(b);
-            }
-            let block_hashes = computed.block_ids.iter().map(|&b| self.pool.hash(b).expect("computed blocks are cached")).collect();
-            self.prefix_cache_queries += seq.num_prompt_tokens as u64;
-            self.prefix_cache_hits += computed.num_computed_tokens.min(seq.num_prompt_tokens) as u64;
-            self.seqs.insert(
-                seq.seq_id,
-                SeqBlocks { block_table: computed.block_ids, block_hashes, num_tokens: computed.num_computed_tokens, hint: seq.hint },
-            );
+        for &b in &computed.block_ids {
+            self.pool.touch(b);
         }
-        let s = self.seqs.get_mut(&seq.seq_id).expect("inserted above");
-        s.hint = seq.hint;
-        let mut first_changed = s.block_table.len();
-        if let Some(old) = cow_block {
-            let new = self.pool.allocate().expect("room checked above");
-            self.pool.set_num_filled(new, self.pool.num_filled(old));
-            self.pool.release(old);
-            self.pending_copies.push(BlockCopy { src: old, dst: new });
-            s.block_table[write_block_idx] = new;
-            first_changed = write_block_idx;
-        }
-        for _ in 0..num_new_blocks {
-            let b = self.pool.allocate().expect("room checked above");
-            s.block_table.push(b);
-        }
-        if let Some(&b) = s.block_table.get(write_block_idx) {
-            assert_eq!(self.pool.ref_cnt(b), 1, "{}: write into shared {b}", seq.seq_id);
-        }
-        // Slots filled by this step.
-        let first_fill = write_block_idx.min(s.block_table.len());
-        for (i, &b) in s.block_table.iter().enumerate().skip(first_fill) {
-            let filled = total.saturating_sub(i * bs).min(bs);
-            if filled > self.pool.num_filled(b) {
-                self.pool.set_num_filled(b, filled);
-            }
-        }
-        s.num_tokens = s.num_tokens.max(total);
-        // Register blocks that this step fills completely and whose tokens
-        // are all known (under asynchronous scheduling the last sampled token
-        // may still be in flight; its block is registered on a later call).
-        if self.enable_prefix_caching {
-            let num_full = total.min(seq.token_ids.len()) / bs;
-            while s.block_hashes.len() < num_full {
-                let i = s.block_hashes.len();
-                let h = hash_block_tokens(s.block_hashes.last().copied(), &seq.token_ids[i * bs..(i + 1) * bs], None);
-                s.block_hashes.push(h);
-                self.pool.cache_block(s.block_table[i], h);
-            }
-        }
-        Some(AllocatedSlots { first_changed_block_idx: first_changed })
+        let block_hashes = computed.block_ids.iter().map(|&b| self.pool.hash(b).expect("computed blocks are cached")).collect();
+        self.prefix_cache_queries += seq.num_prompt_tokens as u64;
+        self.prefix_cache_hits += computed.num_computed_tokens.min(seq.num_prompt_tokens) as u64;
+        let mut s = SeqBlocks { block_table: computed.block_ids, block_hashes, num_tokens: computed.num_computed_tokens, hint: seq.hint };
+        Self::grow(&mut self.pool, &mut s, seq, total, num_new_blocks, bs, self.enable_prefix_caching);
+        let num_blocks = s.block_table.len();
+        self.seqs.insert(seq.seq_id, s);
+        Some(AllocatedSlots { first_changed_block_idx: 0, num_blocks })
     }
 
     fn fork(&mut self, parent: SeqId, child: SeqId) -> bool {
@@ -363,7 +366,7 @@ impl BlockAllocator for KvCacheManager {
         }
         // Each host block was allocated with one holder: that is the first
         // table entry pointing at it; later entries add one each.
-        let mut first_use: HashSet<HostBlockId> = HashSet::with_capacity(distinct.len());
+        let mut first_use: IdSet<HostBlockId> = IdSet::default();
         for id in seqs {
             let Some(s) = self.seqs.remove(id) else { continue };
             let host_table: Vec<HostBlockId> = s.block_table.iter().map(|b| mapping[b]).collect();
@@ -400,7 +403,7 @@ impl BlockAllocator for KvCacheManager {
         }
         // Each device block was allocated with one holder: hand that to the
         // first table entry and touch for the others.
-        let mut first_use: HashSet<BlockId> = HashSet::with_capacity(distinct.len());
+        let mut first_use: IdSet<BlockId> = IdSet::default();
         for id in seqs {
             let Some(s) = self.swapped.remove(id) else { continue };
             let block_table: Vec<BlockId> = s.host_table.iter().map(|h| mapping[h]).collect();

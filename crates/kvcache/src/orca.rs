@@ -14,9 +14,8 @@
 //! and copies the parent's filled blocks.
 
 use crate::buddy_allocator::BuddyAllocator;
-use std::collections::HashMap;
 use vellum_core::{
-    AllocatedSlots, BlockAllocator, BlockCopy, BlockId, ComputedBlocks, KvCacheStats, LengthHint, SeqId, SeqTokens,
+    AllocatedSlots, BlockAllocator, BlockCopy, BlockId, ComputedBlocks, IdMap, KvCacheStats, LengthHint, SeqId, SeqTokens,
 };
 
 /// How much an Orca baseline over-reserves.
@@ -49,7 +48,7 @@ pub struct OrcaAllocator {
     block_size: usize,
     max_model_len: usize,
     buddy: BuddyAllocator,
-    seqs: HashMap<SeqId, Reservation>,
+    seqs: IdMap<SeqId, Reservation>,
     pending_copies: Vec<BlockCopy>,
 }
 
@@ -61,7 +60,7 @@ impl OrcaAllocator {
             block_size,
             max_model_len,
             buddy: BuddyAllocator::new(num_blocks),
-            seqs: HashMap::new(),
+            seqs: IdMap::default(),
             pending_copies: Vec::new(),
         }
     }
@@ -131,15 +130,16 @@ impl BlockAllocator for OrcaAllocator {
             }
             r.num_tokens = r.num_tokens.max(total);
             r.hint = seq.hint;
-            return Some(AllocatedSlots { first_changed_block_idx: r.block_table.len() });
+            return Some(AllocatedSlots { first_changed_block_idx: r.block_table.len(), num_blocks: r.block_table.len() });
         }
         let requested_tokens = self.tokens_to_reserve(seq, total);
         let (block_table, start, order) = self.reserve(requested_tokens)?;
+        let num_blocks = block_table.len();
         self.seqs.insert(
             seq.seq_id,
             Reservation { block_table, start, order, requested_tokens, num_tokens: total, hint: seq.hint },
         );
-        Some(AllocatedSlots { first_changed_block_idx: 0 })
+        Some(AllocatedSlots { first_changed_block_idx: 0, num_blocks })
     }
 
     fn fork(&mut self, parent: SeqId, child: SeqId) -> bool {

@@ -112,6 +112,8 @@ pub struct Request {
     pub true_total_tokens: Option<usize>,
     /// Parallel samples / beams were forked off the first sequence.
     pub(crate) forked: bool,
+    /// The last `schedule()` call that gave it tokens.
+    pub(crate) scheduled_step: u64,
 }
 
 impl Request {

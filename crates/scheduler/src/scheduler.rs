@@ -25,9 +25,9 @@
 use crate::error::Error;
 use crate::request::{FinishReason, Request, RequestStatus, Sequence};
 use crate::scheduler_output::{BlockTableUpdate, RequestSamples, ScheduledSeq, SchedulerOutput, StepSamples};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use vellum_core::{
-    BlockAllocator, ComputedBlocks, PreemptionMode, RequestId, RequestState, SamplingParams, SchedulerConfig,
+    BlockAllocator, ComputedBlocks, IdMap, IdSet, PreemptionMode, RequestId, RequestState, SamplingParams, SchedulerConfig,
     SchedulingPolicy, SeqId, SeqTokens, TokenId,
 };
 
@@ -84,16 +84,19 @@ impl NewRequest {
 pub struct Scheduler<A: BlockAllocator> {
     config: SchedulerConfig,
     allocator: A,
-    requests: HashMap<RequestId, Request>,
+    requests: IdMap<RequestId, Request>,
     waiting: BTreeMap<QueueKey, RequestId>,
     staging: Vec<RequestId>,
-    running: HashSet<RequestId>,
+    /// Running requests in queue order.
+    running: BTreeMap<QueueKey, RequestId>,
     swapped: BTreeMap<QueueKey, RequestId>,
     finished: Vec<Request>,
     finished_since_output: Vec<(RequestId, FinishReason)>,
     in_flight: VecDeque<Vec<ScheduledSeq>>,
     next_arrival: u64,
     next_seq_id: u64,
+    /// Id of the next `schedule()` call (marks requests scheduled in it).
+    next_step_id: u64,
     num_preemptions: u64,
 }
 
@@ -104,16 +107,17 @@ impl<A: BlockAllocator> Scheduler<A> {
         Ok(Self {
             config,
             allocator,
-            requests: HashMap::new(),
+            requests: IdMap::default(),
             waiting: BTreeMap::new(),
             staging: Vec::new(),
-            running: HashSet::new(),
+            running: BTreeMap::new(),
             swapped: BTreeMap::new(),
             finished: Vec::new(),
             finished_since_output: Vec::new(),
             in_flight: VecDeque::new(),
             next_arrival: 0,
             next_seq_id: 0,
+            next_step_id: 1,
             num_preemptions: 0,
         })
     }
@@ -166,6 +170,10 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// Finished requests (with their outputs) since the last call.
     pub fn take_finished_requests(&mut self) -> Vec<Request> {
         std::mem::take(&mut self.finished)
+    }
+
+    fn is_running(&self, id: RequestId) -> bool {
+        self.requests.get(&id).is_some_and(|r| r.status == RequestStatus::Running)
     }
 
     fn queue_key(&self, req: &Request) -> QueueKey {
@@ -226,6 +234,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             max_total_tokens,
             true_total_tokens: new.true_total_tokens,
             forked: false,
+            scheduled_step: 0,
         };
         self.next_arrival += 1;
         self.waiting.insert(self.queue_key(&req), id);
@@ -290,7 +299,8 @@ impl<A: BlockAllocator> Scheduler<A> {
                 self.staging.retain(|r| *r != id);
             }
             RequestStatus::Running => {
-                self.running.remove(&id);
+                let key = self.queue_key(&req);
+                self.running.remove(&key);
             }
             RequestStatus::Swapped => {
                 let key = self.queue_key(&req);
@@ -320,9 +330,9 @@ impl<A: BlockAllocator> Scheduler<A> {
         let mut out = SchedulerOutput { finished_requests: std::mem::take(&mut self.finished_since_output), ..Default::default() };
         let mut step = StepState {
             budget: self.config.max_num_batched_tokens,
-            scheduled: HashSet::new(),
+            step_id: self.next_step_id,
             preempted: false,
-            num_running_seqs: self.running.iter().map(|id| self.requests[id].num_seq_slots()).sum(),
+            num_running_seqs: self.running.values().map(|id| self.requests[id].num_seq_slots()).sum(),
         };
         match self.config.policy {
             SchedulingPolicy::Fcfs | SchedulingPolicy::Priority => self.schedule_in_order(&mut step, &mut out),
@@ -330,14 +340,14 @@ impl<A: BlockAllocator> Scheduler<A> {
         }
         out.block_ops.copies = self.allocator.take_block_copies();
         self.in_flight.push_back(out.scheduled.clone());
+        self.next_step_id += 1;
         out
     }
 
     /// FCFS and priority (thesis Algorithm 1): running requests in queue
     /// order, then swapped-out groups, then waiting requests.
     fn schedule_in_order(&mut self, step: &mut StepState, out: &mut SchedulerOutput) {
-        let mut order: Vec<RequestId> = self.running.iter().copied().collect();
-        order.sort_by_key(|id| self.queue_key(&self.requests[id]));
+        let order: Vec<RequestId> = self.running.values().copied().collect();
         for i in 0..order.len() {
             if step.budget == 0 {
                 break;
@@ -363,26 +373,19 @@ impl<A: BlockAllocator> Scheduler<A> {
                 self.staging.push(id);
             }
         }
+        let victims: Vec<RequestId> = self.running.values().copied().collect();
         let mut order: Vec<(usize, QueueKey, RequestId)> = self
             .running
             .iter()
-            .map(|id| {
-                let r = &self.requests[id];
-                (r.num_schedulable_tokens(), self.queue_key(r), *id)
-            })
+            .map(|(key, id)| (self.requests[id].num_schedulable_tokens(), *key, *id))
             .collect();
         order.sort_unstable();
-        let victims: Vec<RequestId> = {
-            let mut v: Vec<(QueueKey, RequestId)> = order.iter().map(|(_, k, id)| (*k, *id)).collect();
-            v.sort_unstable();
-            v.into_iter().map(|(_, id)| id).collect()
-        };
         self.admit_swapped(step, out);
         let staging = self.staging.clone();
         let mut staged: Vec<(usize, RequestId)> = staging.into_iter().map(|id| (self.staged_delta(id), id)).collect();
         let mut ri = 0;
         while step.budget > 0 {
-            while ri < order.len() && !self.running.contains(&order[ri].2) {
+            while ri < order.len() && !self.is_running(order[ri].2) {
                 ri += 1; // preempted earlier in this step
             }
             let best_staged = staged.iter().enumerate().min_by_key(|(_, (d, id))| (*d, self.requests[id].arrival_order)).map(|(i, (d, _))| (i, *d));
@@ -445,7 +448,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             for s in &mut req.seqs {
                 s.num_synced_blocks = 0;
             }
-            self.running.insert(id);
+            self.running.insert(key, id);
             step.num_running_seqs += n_seqs;
             out.resumed_requests.push(id);
             let order = [id];
@@ -456,8 +459,9 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// Schedules a running request, preempting later arrivals (from the
     /// end of `victims`) while there is no room.
     fn schedule_running(&mut self, id: RequestId, victims: &[RequestId], step: &mut StepState, out: &mut SchedulerOutput) {
-        if !self.running.contains(&id) || step.scheduled.contains(&id) {
-            return;
+        match self.requests.get(&id) {
+            Some(r) if r.status == RequestStatus::Running && r.scheduled_step != step.step_id => {}
+            _ => return,
         }
         loop {
             match self.try_schedule(id, step, out) {
@@ -468,7 +472,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                 }
                 Attempt::NoRoom => {
                     let victim = victims.iter().rev().copied().find(|v| {
-                        *v != id && self.running.contains(v) && !step.scheduled.contains(v) && !self.requests[v].has_in_flight()
+                        *v != id && self.is_running(*v) && self.requests[v].scheduled_step != step.step_id && !self.requests[v].has_in_flight()
                     });
                     match victim {
                         Some(v) => self.preempt(v, step, out),
@@ -498,7 +502,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             self.waiting.remove(&key);
             req.status = RequestStatus::Running;
             if req.num_preemptions == 0 { out.new_requests.push(id) } else { out.resumed_requests.push(id) }
-            self.running.insert(id);
+            self.running.insert(key, id);
             step.num_running_seqs += n_seqs;
         } else {
             // Roll back any partial allocation.
@@ -523,7 +527,9 @@ impl<A: BlockAllocator> Scheduler<A> {
             return Attempt::Idle;
         }
         let hint = req.length_hint();
-        let mut planned: Vec<ScheduledSeq> = Vec::with_capacity(req.seqs.len());
+        // Scheduled sequences go straight to the output; a failed attempt
+        // truncates them away again.
+        let mark = out.scheduled.len();
         let mut budget = step.budget;
         // A sequence recomputing from scratch (after preemption) waits while
         // a sibling is still computing the prompt, so that it then finds the
@@ -547,7 +553,8 @@ impl<A: BlockAllocator> Scheduler<A> {
             if waits_for_leader(seq) {
                 continue;
             }
-            let holds_nothing = self.allocator.block_table(seq.seq_id).is_none();
+            // A sequence whose table the executor has holds blocks; otherwise ask.
+            let holds_nothing = seq.num_synced_blocks == 0 && self.allocator.block_table(seq.seq_id).is_none();
             let fresh = holds_nothing && seq.num_in_flight_tokens == 0 && seq.state.num_computed_tokens() == 0;
             let computed = if fresh {
                 self.allocator.get_computed_blocks(&SeqTokens {
@@ -574,6 +581,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                 delta = delta.min(threshold);
             }
             if delta == 0 || (delta < remaining && !chunked) {
+                out.scheduled.truncate(mark);
                 return Attempt::NoBudget;
             }
             // A sequence holding nothing gets slots from its prefix hit on; one
@@ -587,22 +595,23 @@ impl<A: BlockAllocator> Scheduler<A> {
                 hint,
             };
             let Some(slots) = self.allocator.allocate_slots(&st, start + delta - alloc_from, computed) else {
+                out.scheduled.truncate(mark);
                 return Attempt::NoRoom;
             };
             if hit > 0 {
                 seq.state.apply_prefix_hit(hit).expect("a hit never covers the last token");
             }
-            let table = self.allocator.block_table(seq.seq_id).expect("allocated");
             let changed_from = slots.first_changed_block_idx.min(seq.num_synced_blocks);
-            if changed_from < table.len() {
+            if changed_from < slots.num_blocks {
+                let table = self.allocator.block_table(seq.seq_id).expect("allocated");
                 out.block_table_updates.push(BlockTableUpdate {
                     seq_id: seq.seq_id,
                     start: changed_from,
                     block_ids: table[changed_from..].to_vec(),
                 });
             }
-            seq.num_synced_blocks = table.len();
-            planned.push(ScheduledSeq {
+            seq.num_synced_blocks = slots.num_blocks;
+            out.scheduled.push(ScheduledSeq {
                 request_id: id,
                 seq_id: seq.seq_id,
                 num_scheduled_tokens: delta,
@@ -611,17 +620,16 @@ impl<A: BlockAllocator> Scheduler<A> {
             });
             budget -= delta;
         }
-        if planned.is_empty() {
+        if out.scheduled.len() == mark {
             return Attempt::Idle;
         }
-        for p in &planned {
-            let seq = req.seqs.iter_mut().find(|s| s.seq_id == p.seq_id).expect("planned seq exists");
+        for p in &out.scheduled[mark..] {
+            let seq = req.seqs.iter_mut().find(|s| s.seq_id == p.seq_id).expect("scheduled seq exists");
             seq.num_in_flight_tokens += p.num_scheduled_tokens;
             seq.num_in_flight_samples += p.samples as usize;
         }
         step.budget = budget;
-        step.scheduled.insert(id);
-        out.scheduled.extend(planned);
+        req.scheduled_step = step.step_id;
         Attempt::Scheduled
     }
 
@@ -642,13 +650,13 @@ impl<A: BlockAllocator> Scheduler<A> {
             PreemptionMode::Swap => self.allocator.swap_out(&seq_ids),
             PreemptionMode::Recompute => None,
         };
-        self.running.remove(&id);
+        let key = (if self.config.policy == SchedulingPolicy::Priority { req.priority } else { 0 }, req.arrival_order);
+        self.running.remove(&key);
         step.num_running_seqs -= req.num_seq_slots();
         step.preempted = true;
         req.num_preemptions += 1;
         self.num_preemptions += 1;
         out.preempted_requests.push(id);
-        let key = (if self.config.policy == SchedulingPolicy::Priority { req.priority } else { 0 }, req.arrival_order);
         for s in &mut req.seqs {
             s.num_synced_blocks = 0;
         }
@@ -694,10 +702,19 @@ impl<A: BlockAllocator> Scheduler<A> {
     fn apply_samples(&mut self, rs: &RequestSamples) {
         let Some(req) = self.requests.get_mut(&rs.request_id) else { return };
         let is_beam = req.params.beam_search.is_some();
+        // Fast path: one token for a request whose set of sequences stays.
+        if let [(seq_id, token)] = rs.next[..] {
+            if !is_beam && !req.next_sample_reshapes() {
+                if let Some(reason) = append_token(req, &mut self.allocator, seq_id, token, rs.num_rejected_drafts) {
+                    self.finish_request(rs.request_id, reason);
+                }
+                return;
+            }
+        }
         // 1. Pair each entry with the sequence that takes its token: the
         //    parent for its first entry, a fork of it for every later one
         //    (forked from the parent's state before this token).
-        let mut parents: HashSet<SeqId> = HashSet::new();
+        let mut parents: IdSet<SeqId> = IdSet::default();
         let mut appends: Vec<(SeqId, TokenId, bool)> = Vec::with_capacity(rs.next.len());
         let mut children: Vec<Sequence> = Vec::new();
         for &(parent, token) in &rs.next {
@@ -726,32 +743,11 @@ impl<A: BlockAllocator> Scheduler<A> {
         }
         // 3. Append; check the stop conditions.
         for (seq_id, token, recompute) in appends {
-            let Some(seq) = req.seqs.iter_mut().find(|s| s.seq_id == seq_id) else { continue };
-            if seq.state.num_draft_tokens() > 0 {
-                let delta = seq.state.num_remaining_tokens();
-                seq.state
-                    .apply_speculative_result(delta, rs.num_rejected_drafts, token)
-                    .expect("rejections within the drafts");
-                self.allocator.trim(seq_id, seq.state.num_computed_tokens());
-            } else {
-                seq.state.append_output_token(token).expect("a sampled sequence is caught up");
-            }
+            append_token(req, &mut self.allocator, seq_id, token, rs.num_rejected_drafts);
             if recompute {
-                seq.state.preempt();
-            }
-            let n_out = seq.state.num_output_tokens();
-            let params = &req.params;
-            let stop_token = (!params.ignore_eos && req.eos_token_ids.contains(&token)) || params.stop_token_ids.contains(&token);
-            let reason = if stop_token && n_out >= params.min_tokens {
-                Some(FinishReason::Stop)
-            } else if seq.state.num_total_tokens() >= req.max_total_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            if let Some(r) = reason {
-                seq.finish_reason = Some(r);
-                self.allocator.free(seq_id);
+                if let Some(seq) = req.seqs.iter_mut().find(|s| s.seq_id == seq_id && s.is_running()) {
+                    seq.state.preempt();
+                }
             }
         }
         if is_beam && rs.next.is_empty() {
@@ -779,7 +775,7 @@ impl<A: BlockAllocator> Scheduler<A> {
         for (id, req) in &self.requests {
             match req.status {
                 RequestStatus::Running => {
-                    assert!(self.running.contains(id), "{id} running but not in the running set");
+                    assert_eq!(self.running.get(&self.queue_key(req)), Some(id), "{id} running but not in the running queue");
                     for s in req.running_seqs() {
                         let held = self.allocator.block_table(s.seq_id).map_or(0, |t| t.len());
                         let implied = s.num_scheduled_tokens().div_ceil(bs);
@@ -809,10 +805,44 @@ impl<A: BlockAllocator> Scheduler<A> {
     }
 }
 
+/// Appends a sampled token to one sequence of `req` (verifying drafts under
+/// speculative decoding) and applies the stop conditions; a stopped sequence
+/// frees its blocks. Returns the reason when the whole request is done (a
+/// beam search ends only when the engine says so).
+fn append_token<A: BlockAllocator>(
+    req: &mut Request,
+    allocator: &mut A,
+    seq_id: SeqId,
+    token: TokenId,
+    num_rejected_drafts: usize,
+) -> Option<FinishReason> {
+    let seq = req.seqs.iter_mut().find(|s| s.seq_id == seq_id && s.is_running())?;
+    if seq.state.num_draft_tokens() > 0 {
+        let delta = seq.state.num_remaining_tokens();
+        seq.state.apply_speculative_result(delta, num_rejected_drafts, token).expect("rejections within the drafts");
+        allocator.trim(seq_id, seq.state.num_computed_tokens());
+    } else {
+        seq.state.append_output_token(token).expect("a sampled sequence is caught up");
+    }
+    let n_out = seq.state.num_output_tokens();
+    let params = &req.params;
+    let stop_token = (!params.ignore_eos && req.eos_token_ids.contains(&token)) || params.stop_token_ids.contains(&token);
+    let reason = if stop_token && n_out >= params.min_tokens {
+        FinishReason::Stop
+    } else if seq.state.num_total_tokens() >= req.max_total_tokens {
+        FinishReason::Length
+    } else {
+        return None;
+    };
+    seq.finish_reason = Some(reason);
+    allocator.free(seq_id);
+    (req.params.beam_search.is_none() && req.running_seqs().next().is_none()).then_some(reason)
+}
+
 /// Per-step bookkeeping of `schedule()`.
 struct StepState {
     budget: usize,
-    scheduled: HashSet<RequestId>,
+    step_id: u64,
     preempted: bool,
     num_running_seqs: usize,
 }

@@ -1,0 +1,5 @@
+//! Subcommands of `vellum`, one module each.
+
+pub mod paper_reproduction;
+pub mod plot;
+pub mod simulate;

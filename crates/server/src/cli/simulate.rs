@@ -1,0 +1,116 @@
+//! `vellum simulate`: one simulation (`--json` prints one object), or the
+//! whole paper reproduction (`--reproduce-paper`).
+
+use anyhow::{anyhow, Result};
+use clap::Args;
+use std::path::PathBuf;
+use vellum_core::SchedulingPolicy;
+use vellum_scheduler::sim::{simulate, AllocatorKind, SimConfig, SimReport, Workload};
+
+/// Arguments of `vellum simulate`.
+#[derive(Args, Debug)]
+pub struct SimulateArgs {
+    /// Length distribution: sharegpt | alpaca.
+    #[arg(long, default_value = "sharegpt")]
+    pub workload: String,
+    /// Poisson arrival rate, requests per second.
+    #[arg(long, default_value_t = 1.0)]
+    pub request_rate: f64,
+    /// Arrivals span this many simulated seconds.
+    #[arg(long, default_value_t = 600.0)]
+    pub duration_s: f64,
+    /// KV-cache capacity in token slots (paper Table 1, OPT-13B on one A100: 15.7K).
+    #[arg(long, default_value_t = 15_700)]
+    pub kv_slots: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// paged | orca-max | orca-pow2 | orca-oracle.
+    #[arg(long, default_value = "paged")]
+    pub allocator: String,
+    /// Parallel samples per request.
+    #[arg(long, default_value_t = 1, conflicts_with = "beam_width")]
+    pub n: usize,
+    /// Beam search width (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub beam_width: usize,
+    /// Trace seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Scheduling policy: fcfs | two-level | priority.
+    #[arg(long, default_value = "fcfs")]
+    pub policy: String,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Run every experiment of docs/paper-reproduction.md and rewrite it,
+    /// with figures and JSON, under --out-dir.
+    #[arg(long)]
+    pub reproduce_paper: bool,
+    /// Where --reproduce-paper writes (paper-reproduction.md and figures/).
+    #[arg(long, default_value = "docs")]
+    pub out_dir: PathBuf,
+}
+
+/// Builds the simulation config the arguments describe.
+pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
+    let workload = Workload::parse(&args.workload).ok_or_else(|| anyhow!("--workload must be sharegpt or alpaca, got {:?}", args.workload))?;
+    let allocator = AllocatorKind::parse(&args.allocator)
+        .ok_or_else(|| anyhow!("--allocator must be paged, orca-max, orca-pow2 or orca-oracle, got {:?}", args.allocator))?;
+    let policy = match args.policy.as_str() {
+        "fcfs" => SchedulingPolicy::Fcfs,
+        "two-level" => SchedulingPolicy::TwoLevel { staging_queue_size: 8 },
+        "priority" => SchedulingPolicy::Priority,
+        other => return Err(anyhow!("--policy must be fcfs, two-level or priority, got {other:?}")),
+    };
+    if !(args.request_rate > 0.0 && args.request_rate.is_finite()) {
+        return Err(anyhow!("--request-rate must be positive, got {}", args.request_rate));
+    }
+    if !(args.duration_s > 0.0 && args.duration_s.is_finite()) {
+        return Err(anyhow!("--duration-s must be positive, got {}", args.duration_s));
+    }
+    if !args.block_size.is_power_of_two() || args.kv_slots < args.block_size {
+        return Err(anyhow!("--block-size must be a power of two no larger than --kv-slots"));
+    }
+    if args.n == 0 {
+        return Err(anyhow!("--n must be at least 1"));
+    }
+    let base = SimConfig::default();
+    Ok(SimConfig {
+        workload,
+        request_rate: args.request_rate,
+        duration_s: args.duration_s,
+        kv_slots: args.kv_slots,
+        block_size: args.block_size,
+        allocator,
+        n: args.n,
+        beam_width: args.beam_width,
+        seed: args.seed,
+        scheduler: vellum_core::SchedulerConfig { policy, ..base.scheduler.clone() },
+        ..base
+    })
+}
+
+/// Runs `vellum simulate`.
+pub fn run(args: SimulateArgs) -> Result<()> {
+    if args.reproduce_paper {
+        return super::paper_reproduction::run(&args);
+    }
+    let config = config_from(&args)?;
+    let report = simulate(&config);
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn print_table(r: &SimReport) {
+    println!("workload {:?}, allocator {}, {:.2} req/s: {} requests ({} finished)", r.workload, r.allocator.name(), r.request_rate, r.num_requests, r.num_finished);
+    println!("  KV utilization      mean {:.1}%  p1 {:.1}%  p99 {:.1}%", 100.0 * r.kv_utilization_mean, 100.0 * r.kv_utilization_p1, 100.0 * r.kv_utilization_p99);
+    println!("  batched requests    {:.1} per step", r.avg_batched_requests);
+    println!("  normalized latency  {:.3} s/token", r.normalized_latency_mean_s);
+    println!("  sharing savings     {:.1}%", 100.0 * r.sharing_savings);
+    println!("  preemptions         {}", r.num_preemptions);
+}
