@@ -30,9 +30,13 @@ mod tensor;
 mod weight_source;
 mod gguf_weights;
 mod safetensors_weights;
+mod tokenizer;
+mod chat_template;
 
+pub use chat_template::{ChatMessage, ChatTemplate};
 pub use error::{Error, Result};
 pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights, QuantizedTensor};
 pub use safetensors_weights::SafetensorsWeights;
 pub use tensor::Tensor;
+pub use tokenizer::Tokenizer;
 pub use weight_source::WeightSource;
