@@ -32,10 +32,16 @@ mod gguf_weights;
 mod safetensors_weights;
 mod tokenizer;
 mod chat_template;
+mod default_model;
+mod model_source;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
+pub use default_model::{
+    cache_dir, default_model_path, fetch_default_model, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256,
+};
 pub use error::{Error, Result};
 pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights, QuantizedTensor};
+pub use model_source::{resolve_model, LoadedModel, ModelSource};
 pub use safetensors_weights::SafetensorsWeights;
 pub use tensor::Tensor;
 pub use tokenizer::Tokenizer;
