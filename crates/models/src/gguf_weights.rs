@@ -279,7 +279,7 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
 /// doc). `data` holds rows of `row_len` elements; `n_head` heads of
 /// `head_dim` rows each.
 pub fn unpermute_rows<T: Copy>(data: &[T], row_len: usize, n_head: usize, name: &str) -> Result<Vec<T>> {
-    let n_rows = if row_len == 0 { 0 } else { data.len() / row_len };
+    let n_rows = data.len().checked_div(row_len).unwrap_or(0);
     if n_head == 0 || row_len == 0 || n_rows % n_head != 0 || (n_rows / n_head) % 2 != 0 {
         return Err(Error::ShapeMismatch {
             tensor: name.to_string(),

@@ -23,6 +23,8 @@
 //! [`GgufWeights`] un-permutes them at load, so one model definition serves
 //! both loaders.
 
+#![warn(missing_docs)]
+
 pub mod gguf;
 
 mod error;

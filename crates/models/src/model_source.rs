@@ -26,6 +26,16 @@ pub struct LoadedModel {
     pub chat_template: Option<ChatTemplate>,
 }
 
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel")
+            .field("config", &self.config)
+            .field("tokenizer", &self.tokenizer)
+            .field("has_chat_template", &self.chat_template.is_some())
+            .finish()
+    }
+}
+
 impl ModelSource {
     /// The file or directory.
     pub fn path(&self) -> &Path {
@@ -84,10 +94,11 @@ pub fn resolve_model(spec: Option<&str>) -> Result<ModelSource> {
     }
     if let Some((org, name)) = repo_id(spec) {
         match hub_cache_dir() {
-            Some(hub) => match hub_snapshot(&hub, org, name, &mut tried) {
-                Some(dir) => return Ok(ModelSource::HfDir(dir)),
-                None => {}
-            },
+            Some(hub) => {
+                if let Some(dir) = hub_snapshot(&hub, org, name, &mut tried) {
+                    return Ok(ModelSource::HfDir(dir));
+                }
+            }
             None => tried.push("the Hugging Face hub cache: none of HF_HUB_CACHE, HF_HOME or HOME is set".into()),
         }
     }
@@ -148,6 +159,24 @@ mod tests {
         assert_eq!(repo_id("a/b/c"), None);
         assert_eq!(repo_id("../x"), None);
         assert_eq!(repo_id("model.gguf"), None);
+    }
+
+    #[test]
+    fn finds_hub_cache_snapshots() {
+        let hub = std::env::temp_dir().join(format!("vellum-models-hub-{}", std::process::id()));
+        let repo = hub.join("models--org--tiny");
+        let snapshot = repo.join("snapshots").join("abc123");
+        std::fs::create_dir_all(&snapshot).unwrap();
+        std::fs::create_dir_all(repo.join("refs")).unwrap();
+        let mut tried = Vec::new();
+        assert_eq!(hub_snapshot(&hub, "org", "tiny", &mut tried), None);
+        assert_eq!(tried.len(), 1, "{tried:?}");
+        std::fs::write(snapshot.join("config.json"), "{}").unwrap();
+        assert_eq!(hub_snapshot(&hub, "org", "tiny", &mut tried), Some(snapshot.clone()));
+        std::fs::write(repo.join("refs").join("main"), "abc123\n").unwrap();
+        assert_eq!(hub_snapshot(&hub, "org", "tiny", &mut tried), Some(snapshot));
+        assert_eq!(hub_snapshot(&hub, "org", "other", &mut tried), None);
+        let _ = std::fs::remove_dir_all(&hub);
     }
 
     #[test]

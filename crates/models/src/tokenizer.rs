@@ -83,7 +83,7 @@ impl Tokenizer {
         let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| tokenizer_error(&context, e))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         let pre = file.get("tokenizer.ggml.pre").and_then(MetadataValue::as_str).unwrap_or("default");
-        inner.with_pre_tokenizer(Some(pre_tokenizer(pre).map_err(|what| unsupported(what))?));
+        inner.with_pre_tokenizer(Some(pre_tokenizer(pre).map_err(unsupported)?));
         inner.with_decoder(Some(ByteLevel::default()));
         let special: Vec<AddedToken> = tokens
             .iter()
