@@ -142,6 +142,37 @@ fn real_gguf_tensors_have_hf_names_and_shapes() {
     assert_eq!(e.ggml_type, GgmlType::Q8_0);
 }
 
+/// Expected values computed independently with the `gguf` Python package
+/// (`gguf.quants.dequantize`, float64 sums), and for K its rows un-permuted
+/// with numpy (`reshape(n_kv, 2, hd/2, in)` inverse of llama.cpp's permute).
+#[test]
+fn real_gguf_dequantizes_like_gguf_py() {
+    let w = real_model();
+    let cases: [(&str, f64, f64, [f32; 5]); 4] = [
+        ("model.embed_tokens.weight", -15353.04449415207, 2802153.619805813,
+         [-0.10654449462890625, 0.032978057861328125, 0.08371353149414062, -0.15135955810546875, -0.0417022705078125]),
+        ("model.layers.29.mlp.down_proj.weight", 49.83570861816406, 126250.91435241699,
+         [-0.2733154296875, 0.186279296875, 0.04840087890625, -0.016998291015625, 0.056640625]),
+        ("model.norm.weight", 1038.33203125, 1045.09765625, [1.7578125, 1.8203125, -1.2578125, 1.765625, 1.984375]),
+        // Q rows are permuted, but the first and last rows and the sums are not affected.
+        ("model.layers.0.self_attn.q_proj.weight", 59.22322082519531, 63395.39872741699,
+         [-0.0963134765625, 0.1573486328125, 0.2841796875, 0.3294677734375, -0.255859375]),
+    ];
+    for (name, sum, abs_sum, samples) in cases {
+        let t = w.tensor_f32(name).unwrap();
+        let s: f64 = t.data.iter().map(|&x| f64::from(x)).sum();
+        let a: f64 = t.data.iter().map(|&x| f64::from(x).abs()).sum();
+        assert!((s - sum).abs() < 1e-6 * abs_sum && (a - abs_sum).abs() < 1e-9 * abs_sum, "{name}: {s} {a}");
+        let n = t.data.len();
+        for (i, expected) in [0, 1, 17, 33, n - 1].into_iter().zip(samples) {
+            assert_eq!(t.data[i], expected, "{name}[{i}]");
+        }
+    }
+    let k = w.tensor_f32("model.layers.7.self_attn.k_proj.weight").unwrap();
+    let col5: Vec<f32> = [0, 1, 32, 33, 64, 191].iter().map(|r| k.data[r * 576 + 5]).collect();
+    assert_eq!(col5, [-0.218719482421875, -0.193878173828125, -0.35546875, 0.1446533203125, 0.05792236328125, -0.46044921875]);
+}
+
 #[test]
 fn real_chat_template_renders_the_golden_chat_prompt() {
     let t = ChatTemplate::from_gguf(real_model().gguf()).unwrap().expect("the file has a chat template");
