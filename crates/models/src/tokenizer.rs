@@ -233,3 +233,24 @@ fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {
 fn tokenizer_error(context: &str, e: impl std::fmt::Display) -> Error {
     Error::Tokenizer { context: context.to_string(), message: e.to_string() }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+
+    fn split(pre: &str, text: &str) -> Vec<String> {
+        let mut s = PreTokenizedString::from(text);
+        pre_tokenizer(pre).unwrap().pre_tokenize(&mut s).unwrap();
+        s.get_splits(OffsetReferential::Original, OffsetType::Byte).into_iter().map(|(p, _, _)| p.to_string()).collect()
+    }
+
+    #[test]
+    fn pre_tokenizers_split_as_their_models_do() {
+        assert_eq!(split("smollm", "Hi 2024!"), ["Hi", "Ġ", "2", "0", "2", "4", "!"]);
+        assert_eq!(split("llama-bpe", "Hi 12345 it's"), ["Hi", "Ġ", "123", "45", "Ġit", "'s"]);
+        assert_eq!(split("qwen2", "Hi 123"), ["Hi", "Ġ", "1", "2", "3"]);
+        assert_eq!(split("gpt-2", "Hi 123"), ["Hi", "Ġ123"]);
+        assert!(pre_tokenizer("falcon").unwrap_err().contains("falcon"));
+    }
+}

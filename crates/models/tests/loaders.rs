@@ -1,7 +1,7 @@
 //! Integration tests: the real default model (fetched once into the cache),
 //! tiny checkpoints written here in both formats, and malformed files.
 
-use half::f16;
+use half::{bf16, f16};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use vellum_models::gguf::{GgmlType, GgufFile, MetadataValue};
@@ -190,8 +190,9 @@ fn real_chat_template_renders_the_golden_chat_prompt() {
 
 #[test]
 fn resolve_and_load_the_default_model() {
+    let expected = model_path();
     let source = resolve_model(None).unwrap();
-    assert_eq!(source, ModelSource::Gguf(model_path().to_path_buf()));
+    assert_eq!(source, ModelSource::Gguf(expected.to_path_buf()));
     assert_eq!(resolve_model(model_path().to_str()).unwrap(), source);
     let loaded = source.load().unwrap();
     assert_eq!(loaded.config.num_hidden_layers, 30);
@@ -355,6 +356,10 @@ fn f16_bytes(x: &[f32]) -> Vec<u8> {
     x.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect()
 }
 
+fn bf16_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect()
+}
+
 /// llama.cpp's `permute`: `w.reshape(n_head, 2, hd/2, in).swapaxes(1, 2).reshape(out, in)`.
 fn llama_cpp_permute(w: &[f32], n_rows: usize, row_len: usize, n_head: usize) -> Vec<f32> {
     let hd = n_rows / n_head;
@@ -383,6 +388,7 @@ const VOCAB: usize = 32;
 enum Stored {
     F32,
     F16,
+    BF16,
     Q8_0,
 }
 
@@ -397,14 +403,16 @@ struct TinyTensor {
 }
 
 /// The tiny model's tensors in HF layout (values exactly representable
-/// in their stored type where it is F16).
+/// in their stored type where it is F16 or BF16).
 fn tiny_tensors() -> Vec<TinyTensor> {
     let mut rng = Lcg(7);
     let mut ts = Vec::new();
     let mut add = |hf: String, gguf: String, shape: Vec<usize>, stored: Stored, permute_heads: Option<usize>| {
         let mut values = rng.vec(shape.iter().product());
-        if stored == Stored::F16 {
-            values = values.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
+        match stored {
+            Stored::F16 => values = values.iter().map(|v| f16::from_f32(*v).to_f32()).collect(),
+            Stored::BF16 => values = values.iter().map(|v| bf16::from_f32(*v).to_f32()).collect(),
+            _ => {}
         }
         ts.push(TinyTensor { hf, gguf, shape, stored, permute_heads, values });
     };
@@ -423,7 +431,7 @@ fn tiny_tensors() -> Vec<TinyTensor> {
         add(l("mlp.up_proj.weight"), b("ffn_up.weight"), vec![FFN, HIDDEN], Stored::F32, None);
         add(l("mlp.down_proj.weight"), b("ffn_down.weight"), vec![HIDDEN, FFN], Stored::Q8_0, None);
     }
-    add("model.norm.weight".into(), "output_norm.weight".into(), vec![HIDDEN], Stored::F32, None);
+    add("model.norm.weight".into(), "output_norm.weight".into(), vec![HIDDEN], Stored::BF16, None);
     add("lm_head.weight".into(), "output.weight".into(), vec![VOCAB, HIDDEN], Stored::F32, None);
     ts
 }
@@ -461,6 +469,7 @@ fn tiny_gguf_writer(tensors: &[TinyTensor]) -> GgufWriter {
         let (ty, data) = match t.stored {
             Stored::F32 => (0, f32_bytes(&stored_values)),
             Stored::F16 => (1, f16_bytes(&stored_values)),
+            Stored::BF16 => (30, bf16_bytes(&stored_values)),
             Stored::Q8_0 => (8, quantize_q8_0(&stored_values)),
         };
         let ne: Vec<usize> = t.shape.iter().rev().copied().collect();
@@ -477,8 +486,8 @@ const TINY_CONFIG_JSON: &str = r#"{
   "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"
 }"#;
 
-/// Writes the tiny model as an HF directory: F32 safetensors (F16 where the
-/// GGUF stores F16), in two shards with an index.
+/// Writes the tiny model as an HF directory: F32 safetensors (F16 or BF16
+/// where the GGUF stores those), in two shards with an index.
 fn write_tiny_hf_dir(dir: &Path, tensors: &[TinyTensor]) {
     use safetensors::tensor::TensorView;
     use safetensors::Dtype;
@@ -487,6 +496,7 @@ fn write_tiny_hf_dir(dir: &Path, tensors: &[TinyTensor]) {
         .iter()
         .map(|t| match t.stored {
             Stored::F16 => (Dtype::F16, f16_bytes(&t.values)),
+            Stored::BF16 => (Dtype::BF16, bf16_bytes(&t.values)),
             _ => (Dtype::F32, f32_bytes(&t.values)),
         })
         .collect();
