@@ -145,6 +145,8 @@ fn real_gguf_tensors_have_hf_names_and_shapes() {
 /// Expected values computed independently with the `gguf` Python package
 /// (`gguf.quants.dequantize`, float64 sums), and for K its rows un-permuted
 /// with numpy (`reshape(n_kv, 2, hd/2, in)` inverse of llama.cpp's permute).
+// The literals are gguf-py's values printed in full; each is an exact f32.
+#[allow(clippy::excessive_precision)]
 #[test]
 fn real_gguf_dequantizes_like_gguf_py() {
     let w = real_model();
