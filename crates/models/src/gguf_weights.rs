@@ -91,8 +91,15 @@ impl GgufWeights {
             None => Cow::Borrowed(bytes),
             Some(p) => {
                 let (block, block_bytes) = info.ggml_type.block_layout();
-                let row_bytes = info.ne[0] / block * block_bytes;
-                Cow::Owned(unpermute_rows(bytes, row_bytes, self.n_heads_for(p)?, name)?)
+                let row_len = permuted_row_len(&info.ne);
+                if row_len % block != 0 {
+                    return Err(Error::ShapeMismatch {
+                        tensor: name.to_string(),
+                        expected: vec![row_len.next_multiple_of(block)],
+                        actual: info.shape(),
+                    });
+                }
+                Cow::Owned(unpermute_rows(bytes, row_len / block * block_bytes, self.n_heads_for(p)?, name)?)
             }
         };
         Ok(QuantizedTensor { ggml_type: info.ggml_type, shape, data })
@@ -151,7 +158,7 @@ impl WeightSource for GgufWeights {
         let shape = info.shape();
         let mut data = self.file.tensor_f32(gguf_name)?;
         if let Some(p) = self.projection(name) {
-            data = unpermute_rows(&data, info.ne[0], self.n_heads_for(p)?, name)?;
+            data = unpermute_rows(&data, permuted_row_len(&info.ne), self.n_heads_for(p)?, name)?;
         }
         Ok(Tensor { shape, data })
     }
@@ -273,6 +280,15 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// Elements per permuted row: a weight's row length, or 1 for a bias.
+fn permuted_row_len(ne: &[usize]) -> usize {
+    if ne.len() == 1 {
+        1
+    } else {
+        ne[0]
+    }
 }
 
 /// Restores Hugging Face row order of a GGUF Q/K projection (see the module

@@ -427,6 +427,9 @@ fn tiny_tensors() -> Vec<TinyTensor> {
         add(l("self_attn.q_proj.weight"), b("attn_q.weight"), vec![N_HEAD * HEAD_DIM, HIDDEN], q_type, Some(N_HEAD));
         add(l("self_attn.k_proj.weight"), b("attn_k.weight"), vec![N_KV_HEAD * HEAD_DIM, HIDDEN], k_type, Some(N_KV_HEAD));
         add(l("self_attn.v_proj.weight"), b("attn_v.weight"), vec![N_KV_HEAD * HEAD_DIM, HIDDEN], Stored::Q8_0, None);
+        add(l("self_attn.q_proj.bias"), b("attn_q.bias"), vec![N_HEAD * HEAD_DIM], Stored::F32, Some(N_HEAD));
+        add(l("self_attn.k_proj.bias"), b("attn_k.bias"), vec![N_KV_HEAD * HEAD_DIM], Stored::F32, Some(N_KV_HEAD));
+        add(l("self_attn.v_proj.bias"), b("attn_v.bias"), vec![N_KV_HEAD * HEAD_DIM], Stored::F32, None);
         add(l("self_attn.o_proj.weight"), b("attn_output.weight"), vec![HIDDEN, N_HEAD * HEAD_DIM], Stored::F32, None);
         add(l("post_attention_layernorm.weight"), b("ffn_norm.weight"), vec![HIDDEN], Stored::F16, None);
         add(l("mlp.gate_proj.weight"), b("ffn_gate.weight"), vec![FFN, HIDDEN], Stored::Q8_0, None);
@@ -465,7 +468,7 @@ fn tiny_gguf_writer(tensors: &[TinyTensor]) -> GgufWriter {
     w.kv("test.nested", Kv::Array(9, vec![Kv::Array(4, vec![Kv::U32(1), Kv::U32(2)]), Kv::Array(4, vec![])]));
     for t in tensors {
         let stored_values = match t.permute_heads {
-            Some(n_head) => llama_cpp_permute(&t.values, t.shape[0], t.shape[1], n_head),
+            Some(n_head) => llama_cpp_permute(&t.values, t.shape[0], t.shape.get(1).copied().unwrap_or(1), n_head),
             None => t.values.clone(),
         };
         let (ty, data) = match t.stored {
@@ -484,7 +487,7 @@ const TINY_CONFIG_JSON: &str = r#"{
   "architectures": ["LlamaForCausalLM"], "model_type": "llama",
   "vocab_size": 32, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-  "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": false,
+  "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": false, "attention_bias": true,
   "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"
 }"#;
 
@@ -531,6 +534,7 @@ fn tiny_gguf_and_safetensors_agree() {
     let g = GgufWeights::open(&gguf_path).unwrap();
     let s = SafetensorsWeights::open(&hf_dir).unwrap();
     assert_eq!(g.model_config().unwrap(), s.model_config().unwrap());
+    assert!(g.model_config().unwrap().attention_bias);
     assert_eq!(g.tensor_names(), s.tensor_names());
     assert_eq!(g.tensor_names().len(), tensors.len());
     for t in &tensors {
