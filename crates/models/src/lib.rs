@@ -1,9 +1,50 @@
-//! # vellum-models — model definitions and loaders
+//! # vellum-models — model files: weights, tokenizer, chat template
 //!
-//! Will hold one model definition per architecture (`LlamaForCausalLM`,
-//! `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`), written
-//! once against the backend-neutral contracts of `vellum-core`, plus the
-//! loaders for Hugging Face directories (safetensors) and GGUF files, the
-//! tokenizer and the chat template (the Renderer of thesis §4.3.2).
+//! Reads what a model is made of, from either of two formats:
 //!
-//! Status: empty. It is filled by the "Real models on the CPU backend" issue.
+//! - **GGUF** files ([`gguf::GgufFile`], a small bounds-checked reader over a
+//!   memory map; F32/F16/BF16/Q8_0/Q4_0/Q4_1 dequantize to f32, and the raw
+//!   blocks stay reachable for quantized kernels), and
+//! - **Hugging Face directories** (`config.json` + safetensors, sharded or not).
+//!
+//! Model code reads weights only through the [`WeightSource`] trait
+//! (`tensor_f32(name)`, `contains(name)`, `model_config()`), implemented by
+//! [`GgufWeights`] and [`SafetensorsWeights`]. [`Tokenizer`] and
+//! [`ChatTemplate`] are built from either format too, and [`resolve_model`]
+//! turns a user's model spec (nothing, a `.gguf` path, a directory, or a
+//! hub id in the local cache) into a [`ModelSource`]; with nothing given it
+//! fetches the default model, SmolLM2-135M-Instruct Q4_1.
+//!
+//! **The one decision to know: Hugging Face names and layouts everywhere.**
+//! Tensors are named as in `transformers` (`model.layers.0.self_attn.q_proj.weight`),
+//! matrices are row-major `[out, in]`, and Q/K projections are in Hugging
+//! Face row order, which pairs with half-split ("rotate_half") RoPE. GGUF
+//! files store Llama's Q/K rows permuted for interleaved-pair RoPE;
+//! [`GgufWeights`] un-permutes them at load, so one model definition serves
+//! both loaders.
+
+#![warn(missing_docs)]
+
+pub mod gguf;
+
+mod error;
+mod tensor;
+mod weight_source;
+mod gguf_weights;
+mod safetensors_weights;
+mod tokenizer;
+mod chat_template;
+mod default_model;
+mod model_source;
+
+pub use chat_template::{ChatMessage, ChatTemplate};
+pub use default_model::{
+    cache_dir, default_model_path, fetch_default_model, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256,
+};
+pub use error::{Error, Result};
+pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights, QuantizedTensor};
+pub use model_source::{resolve_model, LoadedModel, ModelSource};
+pub use safetensors_weights::SafetensorsWeights;
+pub use tensor::Tensor;
+pub use tokenizer::Tokenizer;
+pub use weight_source::WeightSource;

@@ -1,0 +1,18 @@
+//! A dense f32 tensor, the unit a [`crate::WeightSource`] hands out.
+
+/// A row-major f32 tensor with its shape. Matrices follow the Hugging Face
+/// convention: a linear layer's weight is `[out_features, in_features]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    /// Dimensions, slowest-varying first.
+    pub shape: Vec<usize>,
+    /// `shape.iter().product()` values.
+    pub data: Vec<f32>,
+}
+
+impl Tensor {
+    /// Total elements.
+    pub fn n_elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+}

@@ -1,0 +1,38 @@
+//! The loader-neutral interface model code reads weights through.
+
+use crate::{Error, Result, Tensor};
+use vellum_core::ModelConfig;
+
+/// A checkpoint's weights, by Hugging Face name and in Hugging Face layout,
+/// whichever file format they came from.
+///
+/// Names: `model.embed_tokens.weight` `[vocab, hidden]`,
+/// `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight` `[out, in]` (and
+/// `.bias` for Qwen2), `model.layers.{i}.self_attn.{q,k}_norm.weight` (Qwen3),
+/// `model.layers.{i}.mlp.{gate,up,down}_proj.weight`,
+/// `model.layers.{i}.{input,post_attention}_layernorm.weight`,
+/// `model.norm.weight`, and `lm_head.weight` unless the embeddings are tied.
+/// Q and K projections use the Hugging Face row order, which pairs with
+/// half-split ("rotate_half") RoPE.
+pub trait WeightSource: Send + Sync {
+    /// The named tensor, converted to f32.
+    fn tensor_f32(&self, name: &str) -> Result<Tensor>;
+
+    /// Whether the checkpoint has the named tensor.
+    fn contains(&self, name: &str) -> bool;
+
+    /// The model's shape and special tokens.
+    fn model_config(&self) -> Result<ModelConfig>;
+
+    /// Names of all tensors, sorted.
+    fn tensor_names(&self) -> Vec<String>;
+
+    /// The named tensor, checked to have shape `expected`.
+    fn tensor_f32_shaped(&self, name: &str, expected: &[usize]) -> Result<Tensor> {
+        let t = self.tensor_f32(name)?;
+        if t.shape != expected {
+            return Err(Error::ShapeMismatch { tensor: name.to_string(), expected: expected.to_vec(), actual: t.shape });
+        }
+        Ok(t)
+    }
+}
