@@ -1,9 +1,20 @@
 //! # vellum-backend-cpu — the reference backend
 //!
-//! Will hold the host-memory implementation of the core traits
-//! ([`vellum_core::ModelExecutor`], [`vellum_core::AttentionBackend`]): GEMM,
-//! RMSNorm, RoPE, SiLU·mul, the fused K/V block write, paged attention over a
-//! mixed prefill/decode batch, block copies for copy-on-write and swapping
-//! between the device pool and the host pool.
+//! The host-memory implementation of the backend contracts: [`CpuOps`]
+//! implements the model operations of `vellum_models::ops::Ops` (linear
+//! layers, RMSNorm, RoPE, SiLU·mul, the fused K/V block write and paged
+//! attention over a mixed prefill/decode batch) and [`CpuExecutor`]
+//! implements [`vellum_core::ModelExecutor`] (block copies for
+//! copy-on-write, swapping to a host pool, one forward pass per step).
 //!
-//! Status: empty. It is filled by the "Real models on the CPU backend" issue.
+//! **The one decision to know:** this is the reference every other backend
+//! is checked against, so it computes in f32 throughout and keeps the KV
+//! cache in f32.
+
+pub mod cpu_executor;
+pub mod cpu_ops;
+pub mod kv_cache;
+pub mod paged_attention;
+
+pub use cpu_executor::CpuExecutor;
+pub use cpu_ops::{CpuOps, HostTensor};

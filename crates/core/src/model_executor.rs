@@ -30,3 +30,21 @@ pub trait ModelExecutor {
     /// Applies `batch.block_ops`, runs the forward pass, returns logits.
     fn execute(&mut self, batch: &ForwardBatch) -> Result<StepOutput>;
 }
+
+impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
+    fn kv_block_bytes(&self, block_size: usize) -> u64 {
+        (**self).kv_block_bytes(block_size)
+    }
+
+    fn num_kv_blocks_for_budget(&self, budget_bytes: u64, block_size: usize) -> usize {
+        (**self).num_kv_blocks_for_budget(budget_bytes, block_size)
+    }
+
+    fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> Result<()> {
+        (**self).initialize_kv_cache(num_blocks, num_host_blocks, block_size)
+    }
+
+    fn execute(&mut self, batch: &ForwardBatch) -> Result<StepOutput> {
+        (**self).execute(batch)
+    }
+}

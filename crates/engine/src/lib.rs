@@ -1,9 +1,19 @@
 //! # vellum-engine — the engine core
 //!
-//! Will hold `EngineCore` (thesis §4.1): each step asks the scheduler for a
-//! batch, has the executor run it, samples, and feeds the sampled tokens back;
-//! an `EngineClient` for token-in/token-out streaming; the sampler, the
-//! incremental detokenizer and the offline `LLM` API.
+//! [`EngineCore`] (thesis §4.1) steps the scheduler, the KV-cache manager,
+//! an executor and the sampler in lockstep: each step asks the scheduler for
+//! a batch, builds the backend's [`vellum_core::ForwardBatch`] (token ids,
+//! positions, slot mapping, block tables kept in sync by incremental
+//! updates), runs it, samples, and feeds the tokens back. [`Llm`] is the
+//! offline API on top (thesis Listing 4.1).
 //!
-//! Status: empty. It is filled by the "Engine, sampling, offline API and
-//! CLI" issue. Backend selection (all backend `cfg`s) will live here.
+//! **The one decision to know:** the engine is generic over
+//! [`vellum_core::ModelExecutor`]; backend selection (every backend `cfg`)
+//! lives in [`Llm`] alone.
+
+mod engine_core;
+mod llm;
+pub mod sampler;
+
+pub use engine_core::{EngineCore, Error, RequestOutput, SequenceOutput};
+pub use llm::{EngineArgs, Llm};

@@ -36,6 +36,9 @@ mod tokenizer;
 mod chat_template;
 mod default_model;
 mod model_source;
+mod llama;
+pub mod ops;
+pub mod rope;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use default_model::{
@@ -43,6 +46,7 @@ pub use default_model::{
 };
 pub use error::{Error, Result};
 pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights, QuantizedTensor};
+pub use llama::LlamaModel;
 pub use model_source::{resolve_model, LoadedModel, ModelSource};
 pub use safetensors_weights::SafetensorsWeights;
 pub use tensor::Tensor;

@@ -1,0 +1,55 @@
+//! [`ModelExecutor`] on the CPU: a Llama-family model over a host KV cache.
+
+use crate::cpu_ops::CpuOps;
+use crate::kv_cache::{KvCache, KvCacheLayout};
+use vellum_core::{Error, ForwardBatch, ModelConfig, ModelExecutor, Result, StepOutput};
+use vellum_models::ops::Ops;
+use vellum_models::{LlamaModel, WeightSource};
+
+/// A model ready to run on the CPU.
+pub struct CpuExecutor {
+    ops: CpuOps,
+    model: LlamaModel<CpuOps>,
+    cache: Option<KvCache>,
+}
+
+impl CpuExecutor {
+    /// Loads `weights` (shapes checked against `config`).
+    pub fn load(weights: &dyn WeightSource, config: ModelConfig, progress: impl FnMut(usize, usize)) -> vellum_models::Result<Self> {
+        let ops = CpuOps;
+        let model = LlamaModel::load(&ops, weights, config, progress)?;
+        Ok(Self { ops, model, cache: None })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn layout(&self, num_blocks: usize, block_size: usize) -> KvCacheLayout {
+        let c = self.model.config();
+        KvCacheLayout { num_blocks, block_size, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim }
+    }
+}
+
+impl ModelExecutor for CpuExecutor {
+    fn kv_block_bytes(&self, block_size: usize) -> u64 {
+        KvCache::block_bytes(&self.layout(1, block_size), self.model.config().num_hidden_layers)
+    }
+
+    fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> Result<()> {
+        let layout = self.layout(num_blocks, block_size);
+        self.cache = Some(KvCache::new(layout, self.model.config().num_hidden_layers, num_host_blocks));
+        Ok(())
+    }
+
+    fn execute(&mut self, batch: &ForwardBatch) -> Result<StepOutput> {
+        let cache = self.cache.as_mut().ok_or_else(|| Error::Backend("execute before initialize_kv_cache".into()))?;
+        cache.swap_blocks(&batch.block_ops.swap_out, true);
+        cache.swap_blocks(&batch.block_ops.swap_in, false);
+        cache.copy_blocks(&batch.block_ops.copies);
+        let block_size = cache.layout.block_size;
+        let logits = self.model.forward(&self.ops, cache, batch, block_size);
+        Ok(StepOutput { logits: self.ops.to_host(&logits), vocab_size: self.model.config().vocab_size })
+    }
+}

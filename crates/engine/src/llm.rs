@@ -1,0 +1,84 @@
+//! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
+
+use crate::engine_core::{EngineCore, Error, RequestOutput};
+use vellum_core::{ModelExecutor, SamplingParams, SchedulerConfig, TokenId};
+use vellum_models::{resolve_model, Tokenizer};
+
+/// How to build an engine. `Default` serves the default model.
+#[derive(Clone, Debug)]
+pub struct EngineArgs {
+    /// A `.gguf` path, a Hugging Face directory, a hub id in the local cache,
+    /// or `None` for the default model (fetched on first use).
+    pub model: Option<String>,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool.
+    pub num_kv_blocks: usize,
+    /// Scheduler budgets and policy.
+    pub scheduler: SchedulerConfig,
+}
+
+impl Default for EngineArgs {
+    fn default() -> Self {
+        Self { model: None, block_size: 16, num_kv_blocks: 2048, scheduler: SchedulerConfig::default() }
+    }
+}
+
+/// An engine with its tokenizer.
+pub struct Llm {
+    engine: EngineCore<Box<dyn ModelExecutor>>,
+    tokenizer: Tokenizer,
+}
+
+impl Llm {
+    /// Resolves and loads the model on the CPU backend.
+    pub fn new(args: EngineArgs) -> Result<Self, Error> {
+        let source = resolve_model(args.model.as_deref())?;
+        let loaded = source.load()?;
+        let config = loaded.config.clone();
+        let eos = config.eos_token_ids.clone();
+        let eos = if eos.is_empty() { loaded.tokenizer.eos_token_ids().to_vec() } else { eos };
+        let scheduler = SchedulerConfig {
+            max_model_len: args.scheduler.max_model_len.min(config.max_position_embeddings),
+            ..args.scheduler
+        };
+        let executor: Box<dyn ModelExecutor> = Self::cpu_executor(&*loaded.weights, config)?;
+        let engine = EngineCore::new(executor, scheduler, args.num_kv_blocks, 0, args.block_size, eos)?;
+        Ok(Self { engine, tokenizer: loaded.tokenizer })
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu_executor(weights: &dyn vellum_models::WeightSource, config: vellum_core::ModelConfig) -> Result<Box<dyn ModelExecutor>, Error> {
+        Ok(Box::new(vellum_backend_cpu::CpuExecutor::load(weights, config, |_, _| {})?))
+    }
+
+    #[cfg(not(feature = "cpu"))]
+    fn cpu_executor(_: &dyn vellum_models::WeightSource, _: vellum_core::ModelConfig) -> Result<Box<dyn ModelExecutor>, Error> {
+        Err(Error::Unsupported("the CPU backend: build with the `cpu` feature"))
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The engine core.
+    pub fn engine(&mut self) -> &mut EngineCore<Box<dyn ModelExecutor>> {
+        &mut self.engine
+    }
+
+    /// Generates for token-id prompts, all batched together.
+    pub fn generate_ids(&mut self, prompts: &[Vec<TokenId>], params: &SamplingParams) -> Result<Vec<RequestOutput>, Error> {
+        for p in prompts {
+            self.engine.add_request(p.clone(), params.clone())?;
+        }
+        self.engine.run_to_completion()
+    }
+
+    /// Generates for text prompts (no special tokens added beyond what the
+    /// tokenizer's configuration says).
+    pub fn generate(&mut self, prompts: &[&str], params: &SamplingParams) -> Result<Vec<RequestOutput>, Error> {
+        let ids = prompts.iter().map(|p| self.tokenizer.encode(p, true)).collect::<Result<Vec<_>, _>>()?;
+        self.generate_ids(&ids, params)
+    }
+}

@@ -1,0 +1,134 @@
+//! Turning a row of logits into a token (and its log-probabilities).
+
+use vellum_core::{SamplingParams, TokenId};
+
+/// A per-request random generator (SplitMix64): the same seed gives the same
+/// text whatever else is in the batch.
+#[derive(Clone, Debug)]
+pub struct SeededRng(u64);
+
+impl SeededRng {
+    /// From a seed.
+    pub fn new(seed: u64) -> Self {
+        Self(seed ^ 0x6a09_e667_f3bc_c909)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// One sampled token with its log-probability and the top alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    /// The token.
+    pub token: TokenId,
+    /// Its log-probability under the model (before sampling filters).
+    pub logprob: f32,
+    /// The `k` most likely (token, logprob), most likely first.
+    pub top_logprobs: Vec<(TokenId, f32)>,
+}
+
+/// Natural-log softmax of a row, computed in f64 for stability.
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = logits.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
+    logits.iter().map(|&x| (x as f64 - lse) as f32).collect()
+}
+
+/// The `k` largest entries, largest first (ties: lower id first).
+pub fn top_k(values: &[f32], k: usize) -> Vec<(TokenId, f32)> {
+    let mut best: Vec<(TokenId, f32)> = Vec::with_capacity(k + 1);
+    for (i, &v) in values.iter().enumerate() {
+        if best.len() < k || v > best[best.len() - 1].1 {
+            let pos = best.partition_point(|&(_, b)| b >= v);
+            best.insert(pos, (i as TokenId, v));
+            best.truncate(k);
+        }
+    }
+    best
+}
+
+/// Samples a token from `logits` under `params`: greedy at temperature 0,
+/// otherwise temperature, top-k, top-p and min-p filtering then a draw from
+/// `rng`. `num_logprobs` alternatives are reported.
+pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng, num_logprobs: usize) -> Sample {
+    let logprobs = log_softmax(logits);
+    let top = top_k(&logprobs, num_logprobs.max(1));
+    let token = if params.temperature == 0.0 {
+        top[0].0
+    } else {
+        draw(logits, params, rng)
+    };
+    let mut top_logprobs = top;
+    top_logprobs.truncate(num_logprobs);
+    Sample { token, logprob: logprobs[token as usize], top_logprobs }
+}
+
+fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng) -> TokenId {
+    let t = params.temperature as f64;
+    let mut cand: Vec<(TokenId, f64)> = logits.iter().enumerate().map(|(i, &x)| (i as TokenId, x as f64 / t)).collect();
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if params.top_k > 0 {
+        cand.truncate(params.top_k as usize);
+    }
+    let m = cand[0].1;
+    let mut probs: Vec<f64> = cand.iter().map(|c| (c.1 - m).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if params.min_p > 0.0 {
+        let floor = params.min_p as f64 * probs[0];
+        let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+        probs.truncate(keep);
+    }
+    if params.top_p < 1.0 {
+        let mut acc = 0.0;
+        let keep = probs.iter().take_while(|&&p| {
+            let before = acc;
+            acc += p;
+            before < params.top_p as f64
+        });
+        let keep = keep.count().max(1);
+        probs.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let mut u = rng.uniform() * total;
+    for (i, p) in probs.iter().enumerate() {
+        if u < *p {
+            return cand[i].0;
+        }
+        u -= p;
+    }
+    cand[probs.len() - 1].0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_and_filters() {
+        let logits = [0.0, 3.0, 1.0, 2.9, -5.0];
+        let g = sample(&logits, &SamplingParams::greedy(1), &mut SeededRng::new(0), 3);
+        assert_eq!(g.token, 1);
+        assert_eq!(g.top_logprobs.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        let p = SamplingParams { temperature: 1.0, top_k: 2, ..SamplingParams::default() };
+        let mut rng = SeededRng::new(1);
+        for _ in 0..200 {
+            let t = sample(&logits, &p, &mut rng, 0).token;
+            assert!(t == 1 || t == 3, "top-k 2 emitted {t}");
+        }
+        let p = SamplingParams { temperature: 1.0, top_p: 0.5, ..SamplingParams::default() };
+        for _ in 0..200 {
+            assert_eq!(sample(&logits, &p, &mut rng, 0).token, 1, "top-p 0.5 keeps only the top token here");
+        }
+        let lp = log_softmax(&logits);
+        let s: f64 = lp.iter().map(|&x| (x as f64).exp()).sum();
+        assert!((s - 1.0).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,51 @@
+//! Rotary position embedding frequencies (with Llama 3 scaling).
+
+use vellum_core::{ModelConfig, RopeScaling};
+
+/// The inverse frequencies of one head's rotation pairs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeTable {
+    /// `head_dim / 2` inverse frequencies.
+    pub inv_freq: Vec<f64>,
+}
+
+impl RopeTable {
+    /// Frequencies for `config` (`rope_theta`, `rope_scaling`).
+    pub fn new(config: &ModelConfig) -> Self {
+        let hd = config.head_dim;
+        let base = config.rope_theta as f64;
+        let mut inv_freq: Vec<f64> = (0..hd / 2).map(|i| 1.0 / base.powf(2.0 * i as f64 / hd as f64)).collect();
+        match config.rope_scaling {
+            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+                let (factor, lo, hi) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64);
+                let old_len = original_max_position_embeddings as f64;
+                let (low_wavelen, high_wavelen) = (old_len / lo, old_len / hi);
+                for f in inv_freq.iter_mut() {
+                    let wavelen = 2.0 * std::f64::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (old_len / wavelen - lo) / (hi - lo);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+            Some(RopeScaling::Linear { factor }) => {
+                for f in inv_freq.iter_mut() {
+                    *f /= factor as f64;
+                }
+            }
+            None => {}
+        }
+        Self { inv_freq }
+    }
+
+    /// `(cos, sin)` of every pair at `position`, in f32.
+    pub fn cos_sin(&self, position: u32, cos: &mut [f32], sin: &mut [f32]) {
+        for (i, f) in self.inv_freq.iter().enumerate() {
+            let angle = position as f64 * f;
+            cos[i] = angle.cos() as f32;
+            sin[i] = angle.sin() as f32;
+        }
+    }
+}
