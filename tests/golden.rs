@@ -74,3 +74,54 @@ fn smollm2_matches_the_float64_reference() {
     let st = llm.engine().scheduler().allocator().stats();
     assert_eq!(st.num_used_blocks, 0);
 }
+
+/// Greedy outputs and logprobs of one prompt under a given engine setup.
+fn run(llm: &mut Llm, prompts: &[Vec<u32>]) -> Vec<(Vec<u32>, Vec<Vec<(u32, f32)>>)> {
+    let params = SamplingParams { logprobs: Some(5), ..SamplingParams::greedy(8) };
+    let outs = llm.generate_ids(prompts, &params).expect("generation runs");
+    outs.into_iter().map(|o| (o.outputs[0].token_ids.clone(), o.outputs[0].logprobs.clone())).collect()
+}
+
+fn assert_close(a: &[(Vec<u32>, Vec<Vec<(u32, f32)>>)], b: &[(Vec<u32>, Vec<Vec<(u32, f32)>>)], what: &str) {
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.0, y.0, "{what}: tokens differ");
+        for (p, q) in x.1.iter().zip(&y.1) {
+            for (u, v) in p.iter().zip(q) {
+                assert_eq!(u.0, v.0, "{what}: top-5 order differs");
+                assert!((u.1 - v.1).abs() < 1e-4, "{what}: logprob {} vs {}", u.1, v.1);
+            }
+        }
+    }
+}
+
+/// Chunked prefill, prefix-cache hits and batch composition must not change
+/// what a sequence computes.
+#[test]
+fn chunking_prefix_hits_and_batching_do_not_change_results() {
+    let cases = golden();
+    let long: Vec<u32> = cases.iter().flat_map(|c| c.prompt_ids.iter().copied()).take(150).collect();
+    let engine = |budget: usize| {
+        Llm::new(EngineArgs {
+            num_kv_blocks: 256,
+            scheduler: SchedulerConfig { max_num_batched_tokens: budget, max_model_len: 2048, ..SchedulerConfig::default() },
+            ..EngineArgs::default()
+        })
+        .expect("the default model loads")
+    };
+    let mut whole = engine(1024);
+    let alone = run(&mut whole, std::slice::from_ref(&long));
+    // The same prompt again: its full blocks now come from the prefix cache.
+    let hits_before = whole.engine().scheduler().allocator().stats().prefix_cache_hits;
+    let cached = run(&mut whole, std::slice::from_ref(&long));
+    assert!(whole.engine().scheduler().allocator().stats().prefix_cache_hits >= hits_before + 144, "9 blocks hit");
+    assert_close(&alone, &cached, "prefix-cache hit");
+    // Batched with other prompts.
+    let mut batch = vec![long.clone()];
+    batch.extend(cases.iter().take(4).map(|c| c.prompt_ids.clone()));
+    let batched = run(&mut whole, &batch);
+    assert_close(&alone, &batched[..1], "batched");
+    // Chunked prefill: a 23-token budget splits the prompt into 7 chunks.
+    let mut chunked = engine(23);
+    let chunks = run(&mut chunked, std::slice::from_ref(&long));
+    assert_close(&alone, &chunks, "chunked prefill");
+}

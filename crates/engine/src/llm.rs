@@ -2,7 +2,7 @@
 
 use crate::engine_core::{EngineCore, Error, RequestOutput};
 use vellum_core::{ModelExecutor, SamplingParams, SchedulerConfig, TokenId};
-use vellum_models::{resolve_model, Tokenizer};
+use vellum_models::{resolve_model, ChatMessage, ChatTemplate, Tokenizer};
 
 /// How to build an engine. `Default` serves the default model.
 #[derive(Clone, Debug)]
@@ -28,6 +28,7 @@ impl Default for EngineArgs {
 pub struct Llm {
     engine: EngineCore<Box<dyn ModelExecutor>>,
     tokenizer: Tokenizer,
+    chat_template: Option<ChatTemplate>,
 }
 
 impl Llm {
@@ -44,7 +45,7 @@ impl Llm {
         };
         let executor: Box<dyn ModelExecutor> = Self::cpu_executor(&*loaded.weights, config)?;
         let engine = EngineCore::new(executor, scheduler, args.num_kv_blocks, 0, args.block_size, eos)?;
-        Ok(Self { engine, tokenizer: loaded.tokenizer })
+        Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template })
     }
 
     #[cfg(feature = "cpu")]
@@ -80,5 +81,19 @@ impl Llm {
     pub fn generate(&mut self, prompts: &[&str], params: &SamplingParams) -> Result<Vec<RequestOutput>, Error> {
         let ids = prompts.iter().map(|p| self.tokenizer.encode(p, true)).collect::<Result<Vec<_>, _>>()?;
         self.generate_ids(&ids, params)
+    }
+
+    /// Renders a conversation with the model's chat template, ready for the
+    /// assistant's turn.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, Error> {
+        let template = self.chat_template.as_ref().ok_or(Error::Unsupported("chat: the model has no chat template"))?;
+        Ok(template.render(messages, true)?)
+    }
+
+    /// Generates one reply per conversation.
+    pub fn chat(&mut self, conversations: &[Vec<ChatMessage>], params: &SamplingParams) -> Result<Vec<RequestOutput>, Error> {
+        let texts = conversations.iter().map(|m| self.render_chat(m)).collect::<Result<Vec<_>, _>>()?;
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        self.generate(&refs, params)
     }
 }

@@ -17,10 +17,17 @@ enum Command {
     /// Replay a synthetic trace through the real scheduler and KV-cache
     /// manager in simulated time (paper §6 memory experiments).
     Simulate(cli::simulate::SimulateArgs),
+    /// Generate completions for prompts with a model (offline, batched).
+    Generate(cli::generate::GenerateArgs),
 }
 
 fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
     match Cli::parse().command {
         Command::Simulate(args) => cli::simulate::run(args),
+        Command::Generate(args) => cli::generate::run(args),
     }
 }

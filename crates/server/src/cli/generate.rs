@@ -1,0 +1,145 @@
+//! `vellum generate`: batched offline generation, optionally as JSON lines.
+//!
+//! With `--json` it prints one object per prompt per line:
+//! `{"prompt", "prompt_token_ids", "outputs": [{"index", "text", "token_ids",
+//! "logprobs", "cumulative_logprob", "finish_reason"}]}`.
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use serde_json::json;
+use std::path::PathBuf;
+use vellum_core::{SamplingParams, SchedulerConfig};
+use vellum_engine::{EngineArgs, Llm};
+use vellum_models::ChatMessage;
+
+/// Arguments of `vellum generate`.
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// A .gguf file, a Hugging Face directory or a hub id in the local cache
+    /// (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// A prompt (repeatable).
+    #[arg(long = "prompt", conflicts_with = "prompts_file")]
+    pub prompts: Vec<String>,
+    /// A JSON file holding a list of prompt strings.
+    #[arg(long)]
+    pub prompts_file: Option<PathBuf>,
+    /// Wrap each prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Most tokens to generate per output.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: i32,
+    /// Drop tokens below this fraction of the top probability.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Seed of each request's generator.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Outputs per prompt.
+    #[arg(long, default_value_t = 1)]
+    pub n: usize,
+    /// Beam search width (not supported by the engine yet).
+    #[arg(long)]
+    pub beam_width: Option<usize>,
+    /// Top log-probabilities returned per generated token.
+    #[arg(long)]
+    pub logprobs: Option<usize>,
+    /// Stop strings (repeatable); the output is cut before the first one.
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+    /// KV blocks of 16 tokens in the cache.
+    #[arg(long, default_value_t = 4096)]
+    pub num_kv_blocks: usize,
+    /// Print JSON lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `vellum generate`.
+pub fn run(args: GenerateArgs) -> Result<()> {
+    if args.beam_width.is_some() {
+        bail!("--beam-width: beam search is not supported by the engine yet");
+    }
+    let prompts: Vec<String> = match &args.prompts_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("{} must hold a JSON list of strings", path.display()))?
+        }
+        None => args.prompts.clone(),
+    };
+    if prompts.is_empty() {
+        bail!("give at least one --prompt or a --prompts-file");
+    }
+    let params = SamplingParams {
+        n: args.n,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        seed: args.seed,
+        max_tokens: Some(args.max_tokens),
+        logprobs: args.logprobs,
+        stop: args.stop.clone(),
+        ..SamplingParams::default()
+    };
+    params.validate().map_err(|e| anyhow!("{e}"))?;
+    tracing::info!(model = args.model.as_deref().unwrap_or("default (SmolLM2-135M-Instruct Q4_1)"), "loading model");
+    let engine_args = EngineArgs {
+        model: args.model.clone(),
+        num_kv_blocks: args.num_kv_blocks,
+        scheduler: SchedulerConfig { max_model_len: 8192, ..SchedulerConfig::default() },
+        ..EngineArgs::default()
+    };
+    let mut llm = Llm::new(engine_args).map_err(|e| anyhow!("{e}"))?;
+    let texts: Vec<String> = if args.chat {
+        prompts.iter().map(|p| llm.render_chat(&[ChatMessage::new("user", p.as_str())])).collect::<Result<_, _>>().map_err(|e| anyhow!("{e}"))?
+    } else {
+        prompts.clone()
+    };
+    let ids = texts.iter().map(|t| llm.tokenizer().encode(t, true)).collect::<Result<Vec<_>, _>>().map_err(|e| anyhow!("{e}"))?;
+    let started = std::time::Instant::now();
+    let outs = llm.generate_ids(&ids, &params).map_err(|e| anyhow!("{e}"))?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut generated = 0;
+    for (prompt, out) in prompts.iter().zip(&outs) {
+        let mut outputs = Vec::new();
+        for (index, o) in out.outputs.iter().enumerate() {
+            generated += o.token_ids.len();
+            let mut text = llm.tokenizer().decode(&o.token_ids, true).map_err(|e| anyhow!("{e}"))?;
+            let mut finish = o.finish_reason.map_or("length", |r| r.as_str());
+            if let Some(cut) = args.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                text.truncate(cut);
+                finish = "stop";
+            }
+            outputs.push(json!({
+                "index": index,
+                "text": text,
+                "token_ids": o.token_ids,
+                "logprobs": args.logprobs.map(|_| o.logprobs.iter().map(|pos| pos.iter().map(|(t, lp)| json!([t, lp])).collect::<Vec<_>>()).collect::<Vec<_>>()),
+                "cumulative_logprob": o.cumulative_logprob,
+                "finish_reason": finish,
+            }));
+        }
+        if args.json {
+            println!("{}", json!({ "prompt": prompt, "prompt_token_ids": out.prompt_token_ids, "outputs": outputs }));
+        } else {
+            println!("=== {prompt:?}");
+            for o in &outputs {
+                println!("--- [{}] {}", o["finish_reason"].as_str().unwrap_or(""), o["text"].as_str().unwrap_or(""));
+            }
+        }
+    }
+    tracing::info!(prompts = prompts.len(), generated, elapsed_s = format!("{elapsed:.2}"), tokens_per_s = format!("{:.1}", generated as f64 / elapsed), "done");
+    Ok(())
+}
