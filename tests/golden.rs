@@ -33,7 +33,7 @@ fn golden() -> Vec<Golden> {
 fn smollm2_matches_the_float64_reference() {
     let cases = golden();
     let args = EngineArgs {
-        num_kv_blocks: 256,
+        kv_cache: vellum::core::KvCacheSize::NumBlocks(256),
         scheduler: SchedulerConfig { max_num_batched_tokens: 512, max_model_len: 2048, ..SchedulerConfig::default() },
         ..EngineArgs::default()
     };
@@ -102,7 +102,7 @@ fn chunking_prefix_hits_and_batching_do_not_change_results() {
     let long: Vec<u32> = cases.iter().flat_map(|c| c.prompt_ids.iter().copied()).take(150).collect();
     let engine = |budget: usize| {
         Llm::new(EngineArgs {
-            num_kv_blocks: 256,
+            kv_cache: vellum::core::KvCacheSize::NumBlocks(256),
             scheduler: SchedulerConfig { max_num_batched_tokens: budget, max_model_len: 2048, ..SchedulerConfig::default() },
             ..EngineArgs::default()
         })

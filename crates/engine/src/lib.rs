@@ -16,4 +16,4 @@ mod llm;
 pub mod sampler;
 
 pub use engine_core::{EngineCore, Error, RequestOutput, SequenceOutput};
-pub use llm::{EngineArgs, Llm};
+pub use llm::{available_memory_bytes, EngineArgs, Llm};

@@ -1,7 +1,7 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
 use crate::engine_core::{EngineCore, Error, RequestOutput};
-use vellum_core::{ModelExecutor, SamplingParams, SchedulerConfig, TokenId};
+use vellum_core::{KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId};
 use vellum_models::{resolve_model, ChatMessage, ChatTemplate, Tokenizer};
 
 /// How to build an engine. `Default` serves the default model.
@@ -12,15 +12,17 @@ pub struct EngineArgs {
     pub model: Option<String>,
     /// Tokens per KV block.
     pub block_size: usize,
-    /// KV blocks in the pool.
-    pub num_kv_blocks: usize,
+    /// Size of the KV pool: blocks, bytes, or a fraction of the memory
+    /// available once the weights are loaded (the profiling step of thesis
+    /// §4.2.1).
+    pub kv_cache: KvCacheSize,
     /// Scheduler budgets and policy.
     pub scheduler: SchedulerConfig,
 }
 
 impl Default for EngineArgs {
     fn default() -> Self {
-        Self { model: None, block_size: 16, num_kv_blocks: 2048, scheduler: SchedulerConfig::default() }
+        Self { model: None, block_size: 16, kv_cache: KvCacheSize::FractionOfFree(0.5), scheduler: SchedulerConfig::default() }
     }
 }
 
@@ -34,6 +36,12 @@ pub struct Llm {
 impl Llm {
     /// Resolves and loads the model on the CPU backend.
     pub fn new(args: EngineArgs) -> Result<Self, Error> {
+        Self::new_with_progress(args, |_, _| {})
+    }
+
+    /// As [`Llm::new`], calling `progress(layers_done, layers)` while the
+    /// weights load.
+    pub fn new_with_progress(args: EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Self, Error> {
         let source = resolve_model(args.model.as_deref())?;
         let loaded = source.load()?;
         let config = loaded.config.clone();
@@ -43,18 +51,41 @@ impl Llm {
             max_model_len: args.scheduler.max_model_len.min(config.max_position_embeddings),
             ..args.scheduler
         };
-        let executor: Box<dyn ModelExecutor> = Self::cpu_executor(&*loaded.weights, config)?;
-        let engine = EngineCore::new(executor, scheduler, args.num_kv_blocks, 0, args.block_size, eos)?;
+        let executor: Box<dyn ModelExecutor> = Self::cpu_executor(&*loaded.weights, config, progress)?;
+        let num_blocks = match args.kv_cache {
+            KvCacheSize::NumBlocks(n) => n,
+            KvCacheSize::MemoryBytes(b) => executor.num_kv_blocks_for_budget(b, args.block_size),
+            KvCacheSize::FractionOfFree(f) => {
+                let avail = available_memory_bytes();
+                executor.num_kv_blocks_for_budget((avail as f64 * f as f64) as u64, args.block_size)
+            }
+        };
+        if num_blocks == 0 {
+            return Err(Error::Backend(vellum_core::Error::InvalidConfig {
+                field: "kv_cache_memory",
+                message: format!("no KV block of {} bytes fits", executor.kv_block_bytes(args.block_size)),
+            }));
+        }
+        tracing::info!(num_blocks, block_size = args.block_size, mib = num_blocks as u64 * executor.kv_block_bytes(args.block_size) >> 20, "KV cache");
+        let engine = EngineCore::new(executor, scheduler, num_blocks, 0, args.block_size, eos)?;
         Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template })
     }
 
     #[cfg(feature = "cpu")]
-    fn cpu_executor(weights: &dyn vellum_models::WeightSource, config: vellum_core::ModelConfig) -> Result<Box<dyn ModelExecutor>, Error> {
-        Ok(Box::new(vellum_backend_cpu::CpuExecutor::load(weights, config, |_, _| {})?))
+    fn cpu_executor(
+        weights: &dyn vellum_models::WeightSource,
+        config: vellum_core::ModelConfig,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<Box<dyn ModelExecutor>, Error> {
+        Ok(Box::new(vellum_backend_cpu::CpuExecutor::load(weights, config, progress)?))
     }
 
     #[cfg(not(feature = "cpu"))]
-    fn cpu_executor(_: &dyn vellum_models::WeightSource, _: vellum_core::ModelConfig) -> Result<Box<dyn ModelExecutor>, Error> {
+    fn cpu_executor(
+        _: &dyn vellum_models::WeightSource,
+        _: vellum_core::ModelConfig,
+        _: impl FnMut(usize, usize),
+    ) -> Result<Box<dyn ModelExecutor>, Error> {
         Err(Error::Unsupported("the CPU backend: build with the `cpu` feature"))
     }
 
@@ -96,4 +127,17 @@ impl Llm {
         let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
         self.generate(&refs, params)
     }
+}
+
+/// Memory the OS says is available (`MemAvailable`), or 4 GiB where it
+/// cannot tell.
+pub fn available_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(4 << 30)
 }

@@ -9,7 +9,7 @@ use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
 use vellum_core::{SamplingParams, SchedulerConfig};
-use vellum_engine::{EngineArgs, Llm};
+use vellum_engine::EngineArgs;
 use vellum_models::ChatMessage;
 
 /// Arguments of `vellum generate`.
@@ -58,9 +58,10 @@ pub struct GenerateArgs {
     /// Stop strings (repeatable); the output is cut before the first one.
     #[arg(long = "stop")]
     pub stop: Vec<String>,
-    /// KV blocks of 16 tokens in the cache.
-    #[arg(long, default_value_t = 4096)]
-    pub num_kv_blocks: usize,
+    /// KV cache size: bytes with a unit (`512MiB`, `4GiB`) or a fraction of
+    /// the memory available after loading the weights (`0.5`).
+    #[arg(long, default_value = "0.5")]
+    pub kv_cache_memory: String,
     /// Print JSON lines.
     #[arg(long)]
     pub json: bool,
@@ -97,11 +98,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     tracing::info!(model = args.model.as_deref().unwrap_or("default (SmolLM2-135M-Instruct Q4_1)"), "loading model");
     let engine_args = EngineArgs {
         model: args.model.clone(),
-        num_kv_blocks: args.num_kv_blocks,
+        kv_cache: super::parse_kv_cache_memory(&args.kv_cache_memory)?,
         scheduler: SchedulerConfig { max_model_len: 8192, ..SchedulerConfig::default() },
         ..EngineArgs::default()
     };
-    let mut llm = Llm::new(engine_args).map_err(|e| anyhow!("{e}"))?;
+    let mut llm = super::load_with_progress(engine_args)?;
     let texts: Vec<String> = if args.chat {
         prompts.iter().map(|p| llm.render_chat(&[ChatMessage::new("user", p.as_str())])).collect::<Result<_, _>>().map_err(|e| anyhow!("{e}"))?
     } else {
