@@ -7,3 +7,6 @@
 //! between the device pool and the host pool.
 //!
 //! Status: empty. It is filled by the "Real models on the CPU backend" issue.
+
+pub mod kv_cache;
+pub mod paged_attention;

@@ -1,0 +1,535 @@
+//! Paged attention on the CPU: the fused K/V block write and causal attention
+//! of a mixed prefill/decode batch through block tables (vLLM paper §4.1, §5.1).
+//!
+//! # Layouts
+//!
+//! ```text
+//! q, out        [num_tokens, num_heads, head_dim]        rows of all sequences, back to back
+//! k, v (new)    [num_tokens, num_kv_heads, head_dim]
+//! cache.k/.v    [num_blocks, block_size, num_kv_heads, head_dim]   (see crate::kv_cache)
+//!
+//! query_start_loc  [0, q0, q0+q1, …]       sequence s owns rows qsl[s]..qsl[s+1]
+//! context_lens[s]  tokens of s in the cache, this step's included
+//! block_tables     row s = physical blocks of s, `block_table_stride` entries
+//!
+//! sequence s, q_len = qsl[s+1]-qsl[s], ctx = context_lens[s]:
+//!
+//!   positions   0 1 2 … ctx-q_len-1 | ctx-q_len … ctx-1
+//!               └ earlier context ┘  └ this step's rows ┘
+//!   row i sits at position p = ctx - q_len + i and attends to 0..=p
+//!   position p lives in block block_tables[s*stride + p / bs], offset p % bs
+//! ```
+//!
+//! # Kernel
+//!
+//! One work item is a (query row, kv head) pair: the `group = num_heads /
+//! num_kv_heads` query heads that share that kv head (grouped-query attention)
+//! are computed together, so every key and value row is loaded once per group.
+//! The work item's output is the contiguous `group * head_dim` run of `out`
+//! it owns, so items run in parallel on rayon without synchronisation.
+//!
+//! Each item makes a single pass over its context in tiles of [`TILE`]
+//! positions (flash-style online softmax): scores of the tile, then the
+//! running max `m`, the running sum `l` and the accumulator (the output slice
+//! itself) are rescaled by `exp(m_old - m_new)` and the tile's values added.
+//! A tile walks the block table block by block and reads keys and values in
+//! place — nothing is gathered into a contiguous buffer. The dot products and
+//! `axpy`s run over contiguous `head_dim` slices with `chunks_exact` and
+//! fixed-width `f32` accumulators so that LLVM vectorises them.
+//!
+//! [`contiguous_attention`] is the same kernel over per-sequence contiguous
+//! K/V: a reference for the tests and the baseline of the benchmark.
+
+use rayon::prelude::*;
+use vellum_core::AttentionMetadata;
+
+use crate::kv_cache::{KvCacheLayout, LayerKvCache};
+
+/// Positions per online-softmax tile.
+const TILE: usize = 64;
+
+/// Below this many multiply-adds (`Σ rows × context × num_heads × head_dim`)
+/// a batch runs on the calling thread: rayon's fork/join costs more than it
+/// saves.
+const PAR_MIN_WORK: usize = 1 << 17;
+
+/// Writes the new tokens' K and V (`[num_tokens, num_kv_heads, head_dim]`)
+/// into their slots: `slot = block_id * block_size + offset` (paper §5.1
+/// "fused reshape and block write").
+///
+/// ```text
+/// k[t, :, :]  ──►  cache.k[slot_mapping[t] / bs, slot_mapping[t] % bs, :, :]
+/// ```
+///
+/// # Panics
+/// If `k`/`v` do not hold `slot_mapping.len()` tokens, a slot is outside the
+/// pool, or the pools do not match `layout`.
+pub fn write_kv(
+    cache: &mut LayerKvCache,
+    layout: &KvCacheLayout,
+    k: &[f32],
+    v: &[f32],
+    slot_mapping: &[u32],
+) {
+    cache.assert_layout(layout, "write_kv");
+    let row = layout.slot_elems();
+    let n = slot_mapping.len();
+    assert!(
+        k.len() == n * row && v.len() == n * row,
+        "write_kv: k/v hold {}/{} floats, {n} tokens × {} kv heads × {} head_dim need {}",
+        k.len(),
+        v.len(),
+        layout.num_kv_heads,
+        layout.head_dim,
+        n * row
+    );
+    if row == 0 {
+        return;
+    }
+    let num_slots = layout.num_slots();
+    for ((&slot, k_row), v_row) in slot_mapping
+        .iter()
+        .zip(k.chunks_exact(row))
+        .zip(v.chunks_exact(row))
+    {
+        let slot = slot as usize;
+        assert!(
+            slot < num_slots,
+            "write_kv: slot {slot} outside the pool of {num_slots} slots"
+        );
+        cache.k[slot * row..(slot + 1) * row].copy_from_slice(k_row);
+        cache.v[slot * row..(slot + 1) * row].copy_from_slice(v_row);
+    }
+}
+
+/// Causal paged attention over a mixed batch (prefill chunks and decodes).
+///
+/// `q`, `out`: `[num_tokens, num_heads, head_dim]`. Sequence `s` owns query
+/// rows `query_start_loc[s]..query_start_loc[s+1]`; its context in the cache
+/// has `context_lens[s]` tokens (including this step's new ones, already
+/// written by [`write_kv`]). Query row `i` of sequence `s` sits at position
+/// `context_lens[s] - q_len + i` and attends to cache positions `0..=` that
+/// position, read through block table row `s`
+/// (`block_tables[s * stride + pos / block_size]`). Grouped-query attention:
+/// query head `h` reads kv head `h / (num_heads / num_kv_heads)`. Softmax in
+/// `f32` with max subtraction; `scale` multiplies `q·k`.
+///
+/// # Panics
+/// On any shape mismatch between `q`, `out`, `layout`, `cache` and `meta`, a
+/// block table too short for its context, or a block id outside the pool —
+/// these are engine invariants, not user input.
+pub fn paged_attention(
+    out: &mut [f32],
+    q: &[f32],
+    cache: &LayerKvCache,
+    layout: &KvCacheLayout,
+    meta: &AttentionMetadata<'_>,
+    num_heads: usize,
+    scale: f32,
+) {
+    cache.assert_layout(layout, "paged_attention");
+    assert_eq!(
+        meta.block_size, layout.block_size,
+        "paged_attention: metadata block_size differs from the cache layout's"
+    );
+    assert!(layout.block_size > 0, "paged_attention: block_size is 0");
+    let shape = Shape::new(
+        num_heads,
+        layout.num_kv_heads,
+        layout.head_dim,
+        "paged_attention",
+    );
+    let num_seqs = check_query_start_loc(meta.query_start_loc, "paged_attention");
+    let num_tokens = meta.query_start_loc[num_seqs] as usize;
+    shape.check_rows(q, out, num_tokens, "paged_attention");
+    assert_eq!(
+        meta.context_lens.len(),
+        num_seqs,
+        "paged_attention: context_lens has {} entries for {num_seqs} sequences",
+        meta.context_lens.len()
+    );
+    let stride = meta.block_table_stride;
+    assert!(
+        meta.block_tables.len() >= num_seqs * stride,
+        "paged_attention: block_tables has {} entries, {num_seqs} rows × stride {stride} need {}",
+        meta.block_tables.len(),
+        num_seqs * stride
+    );
+    let mut work = 0usize;
+    for s in 0..num_seqs {
+        let ctx = meta.context_lens[s] as usize;
+        let q_len = (meta.query_start_loc[s + 1] - meta.query_start_loc[s]) as usize;
+        assert!(
+            q_len <= ctx,
+            "paged_attention: sequence {s} has {q_len} query rows but a context of only {ctx}"
+        );
+        let n_blocks = ctx.div_ceil(layout.block_size);
+        assert!(
+            n_blocks <= stride,
+            "paged_attention: sequence {s} needs {n_blocks} blocks for {ctx} tokens, \
+             block_table_stride is {stride}"
+        );
+        if let Some(&b) = meta.block_tables[s * stride..s * stride + n_blocks]
+            .iter()
+            .find(|&&b| b as usize >= layout.num_blocks)
+        {
+            panic!(
+                "paged_attention: sequence {s} uses block {b}, the pool has {} blocks",
+                layout.num_blocks
+            );
+        }
+        // Σ over rows of (row position + 1) context entries.
+        work += q_len * (2 * ctx - q_len + 1) / 2;
+    }
+    let block_size = layout.block_size;
+    let item = |t: usize, kv_head: usize, out: &mut [f32], scratch: &mut Vec<f32>| {
+        let s = meta.query_start_loc.partition_point(|&x| x as usize <= t) - 1;
+        let q_len = (meta.query_start_loc[s + 1] - meta.query_start_loc[s]) as usize;
+        let ctx = meta.context_lens[s] as usize;
+        let i = t - meta.query_start_loc[s] as usize;
+        let table = &meta.block_tables[s * stride..(s + 1) * stride];
+        let n_ctx = ctx - q_len + i + 1;
+        let rows = Rows {
+            k: &cache.k,
+            v: &cache.v,
+            row_stride: shape.kv_row(),
+            head_off: kv_head * shape.head_dim,
+        };
+        attend_group(
+            out,
+            shape.group_q(q, t, kv_head),
+            &rows,
+            n_ctx,
+            block_size,
+            |b| table[b] as usize * block_size,
+            &shape,
+            scale,
+            scratch,
+        );
+    };
+    run_items(out, &shape, work, item);
+}
+
+/// The same attention over contiguous per-sequence K/V: `k[s]`, `v[s]` are
+/// `[context_len_s, num_kv_heads, head_dim]` (the whole context of sequence
+/// `s`, this step's tokens last). The reference of the tests and the baseline
+/// of the benchmark; it shares the paged kernel, with the context as one run.
+///
+/// # Panics
+/// On shape mismatches, as [`paged_attention`].
+#[allow(clippy::too_many_arguments)] // Signature fixed by the backend plan; mirrors `paged_attention`.
+pub fn contiguous_attention(
+    out: &mut [f32],
+    q: &[f32],
+    k: &[&[f32]],
+    v: &[&[f32]],
+    query_start_loc: &[u32],
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) {
+    let shape = Shape::new(num_heads, num_kv_heads, head_dim, "contiguous_attention");
+    let num_seqs = check_query_start_loc(query_start_loc, "contiguous_attention");
+    let num_tokens = query_start_loc[num_seqs] as usize;
+    shape.check_rows(q, out, num_tokens, "contiguous_attention");
+    assert!(
+        k.len() == num_seqs && v.len() == num_seqs,
+        "contiguous_attention: {}/{} K/V sequences for {num_seqs} sequences",
+        k.len(),
+        v.len()
+    );
+    let row = shape.kv_row();
+    let mut work = 0usize;
+    for s in 0..num_seqs {
+        assert!(
+            k[s].len() == v[s].len() && k[s].len() % row == 0,
+            "contiguous_attention: sequence {s} K/V hold {}/{} floats, not whole rows of {row}",
+            k[s].len(),
+            v[s].len()
+        );
+        let ctx = k[s].len() / row;
+        let q_len = (query_start_loc[s + 1] - query_start_loc[s]) as usize;
+        assert!(
+            q_len <= ctx,
+            "contiguous_attention: sequence {s} has {q_len} query rows but a context of only {ctx}"
+        );
+        work += q_len * (2 * ctx - q_len + 1) / 2;
+    }
+    let item = |t: usize, kv_head: usize, out: &mut [f32], scratch: &mut Vec<f32>| {
+        let s = query_start_loc.partition_point(|&x| x as usize <= t) - 1;
+        let q_len = (query_start_loc[s + 1] - query_start_loc[s]) as usize;
+        let ctx = k[s].len() / row;
+        let i = t - query_start_loc[s] as usize;
+        let n_ctx = ctx - q_len + i + 1;
+        let rows = Rows {
+            k: k[s],
+            v: v[s],
+            row_stride: row,
+            head_off: kv_head * shape.head_dim,
+        };
+        attend_group(
+            out,
+            shape.group_q(q, t, kv_head),
+            &rows,
+            n_ctx,
+            n_ctx,
+            |_| 0,
+            &shape,
+            scale,
+            scratch,
+        );
+    };
+    run_items(out, &shape, work, item);
+}
+
+/// Head counts and sizes of one attention call, validated.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    /// Query heads per kv head.
+    group: usize,
+}
+
+impl Shape {
+    fn new(num_heads: usize, num_kv_heads: usize, head_dim: usize, what: &str) -> Self {
+        assert!(
+            num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0,
+            "{what}: num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}"
+        );
+        assert!(head_dim > 0, "{what}: head_dim is 0");
+        Self {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            group: num_heads / num_kv_heads,
+        }
+    }
+
+    /// Floats per token in the K/V layout.
+    fn kv_row(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Floats of one work item's query/output run: its group of query heads.
+    fn group_len(&self) -> usize {
+        self.group * self.head_dim
+    }
+
+    fn check_rows(&self, q: &[f32], out: &[f32], num_tokens: usize, what: &str) {
+        let n = num_tokens * self.num_heads * self.head_dim;
+        assert!(
+            q.len() == n && out.len() == n,
+            "{what}: q/out hold {}/{} floats, {num_tokens} tokens × {} heads × {} head_dim need {n}",
+            q.len(),
+            out.len(),
+            self.num_heads,
+            self.head_dim
+        );
+    }
+
+    /// Query heads of token `t` that share `kv_head`.
+    fn group_q<'q>(&self, q: &'q [f32], t: usize, kv_head: usize) -> &'q [f32] {
+        let start = (t * self.num_kv_heads + kv_head) * self.group_len();
+        &q[start..start + self.group_len()]
+    }
+}
+
+/// Asserts `query_start_loc` is a non-decreasing offset list starting at 0;
+/// returns the number of sequences.
+fn check_query_start_loc(query_start_loc: &[u32], what: &str) -> usize {
+    assert!(
+        query_start_loc.first() == Some(&0),
+        "{what}: query_start_loc must start with 0, got {:?}",
+        query_start_loc.first()
+    );
+    assert!(
+        query_start_loc.windows(2).all(|w| w[0] <= w[1]),
+        "{what}: query_start_loc is not non-decreasing"
+    );
+    query_start_loc.len() - 1
+}
+
+/// Runs `item(token, kv_head, out_run, scratch)` for every work item, on rayon
+/// when the batch is big enough. `out_run` is the item's
+/// `[group, head_dim]` slice of `out`.
+fn run_items<F>(out: &mut [f32], shape: &Shape, work: usize, item: F)
+where
+    F: Fn(usize, usize, &mut [f32], &mut Vec<f32>) + Sync,
+{
+    let run = shape.group_len();
+    let kvh = shape.num_kv_heads;
+    let work = work.saturating_mul(shape.num_heads * shape.head_dim);
+    let n_items = out.len() / run;
+    if work < PAR_MIN_WORK || n_items < 2 || rayon::current_num_threads() < 2 {
+        let mut scratch = Vec::new();
+        for (c, o) in out.chunks_exact_mut(run).enumerate() {
+            item(c / kvh, c % kvh, o, &mut scratch);
+        }
+    } else {
+        // Aim for a few items per split so small items do not drown in
+        // fork/join overhead while large prefills still balance.
+        let min_len = (n_items / (8 * rayon::current_num_threads())).max(1);
+        out.par_chunks_mut(run)
+            .with_min_len(min_len)
+            .enumerate()
+            .for_each_init(Vec::new, |scratch, (c, o)| {
+                item(c / kvh, c % kvh, o, scratch)
+            });
+    }
+}
+
+/// Keys and values of one kv head: row `r` (a token) of the head starts at
+/// `r * row_stride + head_off` in `k` and `v`.
+struct Rows<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    row_stride: usize,
+    head_off: usize,
+}
+
+/// Attention of the `group` query heads in `q` (`[group, head_dim]`) over
+/// context positions `0..n_ctx`, written to `out` (`[group, head_dim]`).
+///
+/// The context is made of runs of `run_len` consecutive positions; run `r`
+/// starts at row `run_row(r)` of `rows` (a block of the block table, or the
+/// whole contiguous context). One pass over tiles of [`TILE`] positions with
+/// an online softmax; `out` is the accumulator.
+#[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
+#[inline]
+fn attend_group(
+    out: &mut [f32],
+    q: &[f32],
+    rows: &Rows<'_>,
+    n_ctx: usize,
+    run_len: usize,
+    run_row: impl Fn(usize) -> usize,
+    shape: &Shape,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+) {
+    let hd = shape.head_dim;
+    let group = shape.group;
+    // scratch: scores [group, TILE], then running max [group], running sum [group].
+    scratch.clear();
+    scratch.resize(group * TILE + 2 * group, 0.0);
+    let (scores, state) = scratch.split_at_mut(group * TILE);
+    let (m, l) = state.split_at_mut(group);
+    m.fill(f32::NEG_INFINITY);
+    out.fill(0.0);
+
+    let mut tile_start = 0;
+    while tile_start < n_ctx {
+        let tile_end = (tile_start + TILE).min(n_ctx);
+        let tile_len = tile_end - tile_start;
+
+        // 1. Scores of the tile: s[g, j] = scale * q_g · k_j.
+        for_each_row(rows, tile_start, tile_end, run_len, &run_row, |j, base| {
+            let k_row = &rows.k[base..base + hd];
+            for (g, q_g) in q.chunks_exact(hd).enumerate() {
+                scores[g * TILE + j] = scale * dot(q_g, k_row);
+            }
+        });
+
+        // 2. Online softmax: rescale the running state to the new max.
+        for g in 0..group {
+            let s = &mut scores[g * TILE..g * TILE + tile_len];
+            let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let m_new = m[g].max(tile_max);
+            let correction = (m[g] - m_new).exp(); // exp(-inf) = 0 on the first tile
+            let mut sum = 0.0f32;
+            for x in s.iter_mut() {
+                *x = (*x - m_new).exp();
+                sum += *x;
+            }
+            l[g] = l[g] * correction + sum;
+            m[g] = m_new;
+            if correction != 1.0 {
+                out[g * hd..(g + 1) * hd]
+                    .iter_mut()
+                    .for_each(|o| *o *= correction);
+            }
+        }
+
+        // 3. Accumulate the tile's values: out_g += p[g, j] * v_j.
+        for_each_row(rows, tile_start, tile_end, run_len, &run_row, |j, base| {
+            let v_row = &rows.v[base..base + hd];
+            for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+                axpy(o, scores[g * TILE + j], v_row);
+            }
+        });
+
+        tile_start = tile_end;
+    }
+
+    for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+        let inv = 1.0 / l[g];
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// Calls `f(j, offset)` for positions `start..end` (`j` counts from 0), with
+/// `offset` the index of the position's head row in `rows.k`/`rows.v`. Walks
+/// run by run (block by block), so the division happens once per run.
+#[inline(always)]
+fn for_each_row(
+    rows: &Rows<'_>,
+    start: usize,
+    end: usize,
+    run_len: usize,
+    run_row: &impl Fn(usize) -> usize,
+    mut f: impl FnMut(usize, usize),
+) {
+    let mut pos = start;
+    let mut j = 0;
+    while pos < end {
+        let (run, off) = (pos / run_len, pos % run_len);
+        let n = (run_len - off).min(end - pos);
+        let mut base = (run_row(run) + off) * rows.row_stride + rows.head_off;
+        for _ in 0..n {
+            f(j, base);
+            base += rows.row_stride;
+            j += 1;
+        }
+        pos += n;
+    }
+}
+
+/// Lanes of the vectorised accumulators.
+const LANES: usize = 16;
+
+/// `a · b` with [`LANES`] independent `f32` partial sums (vectorisable).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut tail = 0.0f32;
+    for (x, y) in ar.iter().zip(br) {
+        tail += x * y;
+    }
+    // Pairwise reduction of the lanes.
+    let mut w = LANES / 2;
+    while w > 0 {
+        for i in 0..w {
+            acc[i] += acc[i + w];
+        }
+        w /= 2;
+    }
+    acc[0] + tail
+}
+
+/// `y += a * x` (vectorisable).
+#[inline(always)]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
