@@ -22,20 +22,33 @@
 //!
 //! # Kernel
 //!
-//! One work item is a (query row, kv head) pair: the `group = num_heads /
-//! num_kv_heads` query heads that share that kv head (grouped-query attention)
-//! are computed together, so every key and value row is loaded once per group.
-//! The work item's output is the contiguous `group * head_dim` run of `out`
-//! it owns, so items run in parallel on rayon without synchronisation.
+//! A work item is one query row and a range of kv heads, each with the
+//! `group = num_heads / num_kv_heads` query heads that share it
+//! (grouped-query attention), so every key and value row is loaded once per
+//! group. Its output is the contiguous run of `out` it owns, so items run in
+//! parallel on rayon without synchronisation. With enough rows (a decode
+//! batch, a prefill) an item takes all kv heads of its row and reads each
+//! cached token as one dense `num_kv_heads * head_dim` run; with few rows (a
+//! single decode) it takes one kv head, to give every thread work.
+//!
+//! ```text
+//! item (row t, kv heads a..b):  q[t, a*group .. b*group, :]  ->  out[t, same]
+//! per tile of TILE positions:
+//!   runs     = the tile's rows, one run per block touched (resolved once)
+//!   scores   [heads, TILE]  = scale * q_h · k_{pos, kv(h)}
+//!   m, l     running max and sum per head; out *= exp(m_old - m_new)
+//!   out_h   += Σ_pos exp(score - m) * v_{pos, kv(h)}      (16-lane register blocks)
+//! ```
 //!
 //! Each item makes a single pass over its context in tiles of [`TILE`]
-//! positions (flash-style online softmax): scores of the tile, then the
-//! running max `m`, the running sum `l` and the accumulator (the output slice
-//! itself) are rescaled by `exp(m_old - m_new)` and the tile's values added.
-//! A tile walks the block table block by block and reads keys and values in
-//! place — nothing is gathered into a contiguous buffer. The dot products and
-//! `axpy`s run over contiguous `head_dim` slices with `chunks_exact` and
-//! fixed-width `f32` accumulators so that LLVM vectorises them.
+//! positions (flash-style online softmax), reading keys and values in place
+//! through the block table — nothing is gathered into a contiguous buffer. The
+//! next tile's keys and the current tile's values are prefetched: every block
+//! of the paged layout starts a new memory stream that the hardware
+//! prefetcher would only pick up after a few misses. Dot products, `exp`
+//! (a branch-free polynomial) and value accumulation run over contiguous
+//! `head_dim` slices with `chunks_exact` and fixed-width `f32` accumulators so
+//! that LLVM vectorises them.
 //!
 //! [`contiguous_attention`] is the same kernel over per-sequence contiguous
 //! K/V: a reference for the tests and the baseline of the benchmark.
@@ -182,7 +195,7 @@ pub fn paged_attention(
         work += q_len * (2 * ctx - q_len + 1) / 2;
     }
     let block_size = layout.block_size;
-    let item = |t: usize, kv_head: usize, out: &mut [f32], scratch: &mut Vec<f32>| {
+    let item = |t: usize, kv_head: usize, q: &[f32], out: &mut [f32], scratch: &mut Vec<f32>| {
         let s = meta.query_start_loc.partition_point(|&x| x as usize <= t) - 1;
         let q_len = (meta.query_start_loc[s + 1] - meta.query_start_loc[s]) as usize;
         let ctx = meta.context_lens[s] as usize;
@@ -197,7 +210,7 @@ pub fn paged_attention(
         };
         attend_group(
             out,
-            shape.group_q(q, t, kv_head),
+            q,
             &rows,
             n_ctx,
             block_size,
@@ -207,7 +220,7 @@ pub fn paged_attention(
             scratch,
         );
     };
-    run_items(out, &shape, work, item);
+    run_items(out, q, &shape, work, item);
 }
 
 /// The same attention over contiguous per-sequence K/V: `k[s]`, `v[s]` are
@@ -256,7 +269,7 @@ pub fn contiguous_attention(
         );
         work += q_len * (2 * ctx - q_len + 1) / 2;
     }
-    let item = |t: usize, kv_head: usize, out: &mut [f32], scratch: &mut Vec<f32>| {
+    let item = |t: usize, kv_head: usize, q: &[f32], out: &mut [f32], scratch: &mut Vec<f32>| {
         let s = query_start_loc.partition_point(|&x| x as usize <= t) - 1;
         let q_len = (query_start_loc[s + 1] - query_start_loc[s]) as usize;
         let ctx = k[s].len() / row;
@@ -268,19 +281,9 @@ pub fn contiguous_attention(
             row_stride: row,
             head_off: kv_head * shape.head_dim,
         };
-        attend_group(
-            out,
-            shape.group_q(q, t, kv_head),
-            &rows,
-            n_ctx,
-            n_ctx,
-            |_| 0,
-            &shape,
-            scale,
-            scratch,
-        );
+        attend_group(out, q, &rows, n_ctx, n_ctx, |_| 0, &shape, scale, scratch);
     };
-    run_items(out, &shape, work, item);
+    run_items(out, q, &shape, work, item);
 }
 
 /// Head counts and sizes of one attention call, validated.
@@ -329,12 +332,6 @@ impl Shape {
             self.head_dim
         );
     }
-
-    /// Query heads of token `t` that share `kv_head`.
-    fn group_q<'q>(&self, q: &'q [f32], t: usize, kv_head: usize) -> &'q [f32] {
-        let start = (t * self.num_kv_heads + kv_head) * self.group_len();
-        &q[start..start + self.group_len()]
-    }
 }
 
 /// Asserts `query_start_loc` is a non-decreasing offset list starting at 0;
@@ -352,31 +349,54 @@ fn check_query_start_loc(query_start_loc: &[u32], what: &str) -> usize {
     query_start_loc.len() - 1
 }
 
-/// Runs `item(token, kv_head, out_run, scratch)` for every work item, on rayon
-/// when the batch is big enough. `out_run` is the item's
-/// `[group, head_dim]` slice of `out`.
-fn run_items<F>(out: &mut [f32], shape: &Shape, work: usize, item: F)
+/// Runs `item(token, first_kv_head, q_run, out_run, scratch)` for every work
+/// item, on rayon when the batch is big enough.
+///
+/// A work item is one query row and either one kv head or all of them:
+/// `q_run`/`out_run` are its `[kv_heads_per_item * group, head_dim]` slices
+/// of `q` and `out`. With many rows to share out, an item takes all kv heads,
+/// so that it reads every K/V row of the cache as one contiguous
+/// `num_kv_heads * head_dim` run (dense, prefetch-friendly streams through
+/// each block); with few rows (a single decode), one kv head per item gives
+/// the threads something to split.
+fn run_items<F>(out: &mut [f32], q: &[f32], shape: &Shape, work: usize, item: F)
 where
-    F: Fn(usize, usize, &mut [f32], &mut Vec<f32>) + Sync,
+    F: Fn(usize, usize, &[f32], &mut [f32], &mut Vec<f32>) + Sync,
 {
-    let run = shape.group_len();
-    let kvh = shape.num_kv_heads;
+    let threads = rayon::current_num_threads();
     let work = work.saturating_mul(shape.num_heads * shape.head_dim);
-    let n_items = out.len() / run;
-    if work < PAR_MIN_WORK || n_items < 2 || rayon::current_num_threads() < 2 {
+    let parallel = work >= PAR_MIN_WORK && threads >= 2;
+    let num_tokens = out.len() / (shape.num_heads * shape.head_dim);
+    let kv_per_item = if parallel && num_tokens < 4 * threads {
+        1
+    } else {
+        shape.num_kv_heads
+    };
+    let items_per_token = shape.num_kv_heads / kv_per_item;
+    let run = kv_per_item * shape.group_len();
+    let split = |c: usize| (c / items_per_token, (c % items_per_token) * kv_per_item);
+    if !parallel {
         let mut scratch = Vec::new();
-        for (c, o) in out.chunks_exact_mut(run).enumerate() {
-            item(c / kvh, c % kvh, o, &mut scratch);
+        for (c, (q, o)) in q
+            .chunks_exact(run)
+            .zip(out.chunks_exact_mut(run))
+            .enumerate()
+        {
+            let (t, kv_head) = split(c);
+            item(t, kv_head, q, o, &mut scratch);
         }
     } else {
         // Aim for a few items per split so small items do not drown in
         // fork/join overhead while large prefills still balance.
-        let min_len = (n_items / (8 * rayon::current_num_threads())).max(1);
+        let n_items = out.len() / run;
+        let min_len = (n_items / (8 * threads)).max(1);
         out.par_chunks_mut(run)
+            .zip(q.par_chunks(run))
             .with_min_len(min_len)
             .enumerate()
-            .for_each_init(Vec::new, |scratch, (c, o)| {
-                item(c / kvh, c % kvh, o, scratch)
+            .for_each_init(Vec::new, |scratch, (c, (o, q))| {
+                let (t, kv_head) = split(c);
+                item(t, kv_head, q, o, scratch)
             });
     }
 }
@@ -390,8 +410,10 @@ struct Rows<'a> {
     head_off: usize,
 }
 
-/// Attention of the `group` query heads in `q` (`[group, head_dim]`) over
-/// context positions `0..n_ctx`, written to `out` (`[group, head_dim]`).
+/// Attention of the query heads in `q` (`[n_kv * group, head_dim]`, the
+/// groups of `n_kv = q.len() / (group * head_dim)` consecutive kv heads,
+/// the first at `rows.head_off`) over context positions `0..n_ctx`, written
+/// to `out` (same shape as `q`).
 ///
 /// The context is made of runs of `run_len` consecutive positions; run `r`
 /// starts at row `run_row(r)` of `rows` (a block of the block table, or the
@@ -411,40 +433,61 @@ fn attend_group(
     scratch: &mut Vec<f32>,
 ) {
     let hd = shape.head_dim;
-    let group = shape.group;
-    // scratch: scores [group, TILE], then running max [group], running sum [group].
+    let group_len = shape.group_len();
+    // Query heads of the item.
+    let n_q = q.len() / hd;
+    // scratch: scores [n_q, TILE], then running max [n_q], running sum [n_q].
     scratch.clear();
-    scratch.resize(group * TILE + 2 * group, 0.0);
-    let (scores, state) = scratch.split_at_mut(group * TILE);
-    let (m, l) = state.split_at_mut(group);
+    scratch.resize(n_q * TILE + 2 * n_q, 0.0);
+    let (scores, state) = scratch.split_at_mut(n_q * TILE);
+    let (m, l) = state.split_at_mut(n_q);
     m.fill(f32::NEG_INFINITY);
     out.fill(0.0);
 
+    let row_len = q.len() / shape.group;
+    let prefetch_k = |runs: &TileRuns| {
+        runs.for_each_row(rows.row_stride, |_, base| {
+            prefetch(&rows.k[base..base + row_len]);
+        });
+    };
+    // Row runs of the current tile and of the next one.
+    let mut runs = TileRuns::new(rows, 0, TILE.min(n_ctx), run_len, &run_row);
+    prefetch_k(&runs);
     let mut tile_start = 0;
     while tile_start < n_ctx {
         let tile_end = (tile_start + TILE).min(n_ctx);
         let tile_len = tile_end - tile_start;
+        // The next tile's keys stream in while this one is computed: in the
+        // paged layout every block starts a new stream that the hardware
+        // prefetcher would only pick up after a few misses.
+        let next = TileRuns::new(
+            rows,
+            tile_end,
+            (tile_end + TILE).min(n_ctx),
+            run_len,
+            &run_row,
+        );
+        prefetch_k(&next);
 
-        // 1. Scores of the tile: s[g, j] = scale * q_g · k_j.
-        for_each_row(rows, tile_start, tile_end, run_len, &run_row, |j, base| {
-            let k_row = &rows.k[base..base + hd];
-            for (g, q_g) in q.chunks_exact(hd).enumerate() {
-                scores[g * TILE + j] = scale * dot(q_g, k_row);
+        // 1. Scores of the tile: s[h, j] = scale * q_h · k_{j, kv(h)}; the
+        //    item's kv heads of row j lie next to each other.
+        runs.for_each_row(rows.row_stride, |j, base| {
+            prefetch(&rows.v[base..base + row_len]);
+            for (kv, q_kv) in q.chunks_exact(group_len).enumerate() {
+                let k_row = &rows.k[base + kv * hd..base + (kv + 1) * hd];
+                for (g, q_h) in q_kv.chunks_exact(hd).enumerate() {
+                    scores[(kv * shape.group + g) * TILE + j] = scale * dot(q_h, k_row);
+                }
             }
         });
 
         // 2. Online softmax: rescale the running state to the new max.
-        for g in 0..group {
+        for g in 0..n_q {
             let s = &mut scores[g * TILE..g * TILE + tile_len];
             let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let m_new = m[g].max(tile_max);
             let correction = (m[g] - m_new).exp(); // exp(-inf) = 0 on the first tile
-            let mut sum = 0.0f32;
-            for x in s.iter_mut() {
-                *x = (*x - m_new).exp();
-                sum += *x;
-            }
-            l[g] = l[g] * correction + sum;
+            l[g] = l[g] * correction + exp_shifted(s, m_new);
             m[g] = m_new;
             if correction != 1.0 {
                 out[g * hd..(g + 1) * hd]
@@ -453,15 +496,36 @@ fn attend_group(
             }
         }
 
-        // 3. Accumulate the tile's values: out_g += p[g, j] * v_j.
-        for_each_row(rows, tile_start, tile_end, run_len, &run_row, |j, base| {
-            let v_row = &rows.v[base..base + hd];
-            for (g, o) in out.chunks_exact_mut(hd).enumerate() {
-                axpy(o, scores[g * TILE + j], v_row);
+        // 3. Accumulate the tile's values: out_g += Σ_j p[g, j] * v_j, one
+        //    LANES-wide chunk of head_dim at a time so the accumulator stays
+        //    in registers across the tile's rows.
+        for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+            let p = &scores[g * TILE..g * TILE + tile_len];
+            let v_off = (g / shape.group) * hd;
+            let mut c = 0;
+            while c + LANES <= hd {
+                let mut acc = [0.0f32; LANES];
+                acc.copy_from_slice(&o[c..c + LANES]);
+                runs.for_each_row(rows.row_stride, |j, base| {
+                    let v = &rows.v[base + v_off + c..base + v_off + c + LANES];
+                    let pj = p[j];
+                    for (a, x) in acc.iter_mut().zip(v) {
+                        *a += pj * x;
+                    }
+                });
+                o[c..c + LANES].copy_from_slice(&acc);
+                c += LANES;
             }
-        });
+            if c < hd {
+                let o = &mut o[c..];
+                runs.for_each_row(rows.row_stride, |j, base| {
+                    axpy(o, p[j], &rows.v[base + v_off + c..base + v_off + hd]);
+                });
+            }
+        }
 
         tile_start = tile_end;
+        runs = next;
     }
 
     for (g, o) in out.chunks_exact_mut(hd).enumerate() {
@@ -470,30 +534,59 @@ fn attend_group(
     }
 }
 
-/// Calls `f(j, offset)` for positions `start..end` (`j` counts from 0), with
-/// `offset` the index of the position's head row in `rows.k`/`rows.v`. Walks
-/// run by run (block by block), so the division happens once per run.
-#[inline(always)]
-fn for_each_row(
-    rows: &Rows<'_>,
-    start: usize,
-    end: usize,
-    run_len: usize,
-    run_row: &impl Fn(usize) -> usize,
-    mut f: impl FnMut(usize, usize),
-) {
-    let mut pos = start;
-    let mut j = 0;
-    while pos < end {
-        let (run, off) = (pos / run_len, pos % run_len);
-        let n = (run_len - off).min(end - pos);
-        let mut base = (run_row(run) + off) * rows.row_stride + rows.head_off;
-        for _ in 0..n {
-            f(j, base);
-            base += rows.row_stride;
-            j += 1;
+/// The rows of one tile as runs of consecutive rows: `(offset, n)` is `n`
+/// rows whose head rows start at `offset`, `offset + row_stride`, … in
+/// `rows.k`/`rows.v` — one run per block touched (one in all for a
+/// contiguous context). Resolved once per tile, walked by every pass.
+#[derive(Clone, Copy)]
+struct TileRuns {
+    runs: [(usize, usize); TILE],
+    len: usize,
+}
+
+impl TileRuns {
+    /// Runs of positions `start..end` (at most [`TILE`] of them): run `r` of
+    /// `run_len` positions starts at row `run_row(r)`.
+    #[inline(always)]
+    fn new(
+        rows: &Rows<'_>,
+        start: usize,
+        end: usize,
+        run_len: usize,
+        run_row: &impl Fn(usize) -> usize,
+    ) -> Self {
+        debug_assert!(end - start <= TILE || start >= end);
+        let mut t = TileRuns {
+            runs: [(0, 0); TILE],
+            len: 0,
+        };
+        if start >= end {
+            return t;
         }
-        pos += n;
+        let (mut run, mut off) = (start / run_len, start % run_len);
+        let mut pos = start;
+        while pos < end {
+            let n = (run_len - off).min(end - pos);
+            t.runs[t.len] = ((run_row(run) + off) * rows.row_stride + rows.head_off, n);
+            t.len += 1;
+            pos += n;
+            run += 1;
+            off = 0;
+        }
+        t
+    }
+
+    /// Calls `f(j, offset)` for the tile's rows in order (`j` counts from 0).
+    #[inline(always)]
+    fn for_each_row(&self, row_stride: usize, mut f: impl FnMut(usize, usize)) {
+        let mut j = 0;
+        for &(mut base, n) in &self.runs[..self.len] {
+            for _ in 0..n {
+                f(j, base);
+                base += row_stride;
+                j += 1;
+            }
+        }
     }
 }
 
@@ -515,7 +608,12 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     for (x, y) in ar.iter().zip(br) {
         tail += x * y;
     }
-    // Pairwise reduction of the lanes.
+    reduce_lanes(acc) + tail
+}
+
+/// Pairwise sum of the lanes of an accumulator.
+#[inline(always)]
+fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
     let mut w = LANES / 2;
     while w > 0 {
         for i in 0..w {
@@ -523,7 +621,50 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
         w /= 2;
     }
-    acc[0] + tail
+    acc[0]
+}
+
+/// Replaces every `x` of `s` by `exp(x - m)` and returns their sum.
+///
+/// Branch-free Cephes-style `expf` (range reduction to `r ∈ [-ln2/2, ln2/2]`,
+/// degree-5 polynomial, `2^n` built in the exponent bits; relative error
+/// ~1e-7) so that LLVM vectorises the loop; `x - m ≤ 0` here, and arguments
+/// below -87 (where `exp` is under 1.7e-38) are clamped to -87.
+#[inline(always)]
+fn exp_shifted(s: &mut [f32], m: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    for x in s.iter_mut() {
+        let a = (*x - m).max(-87.0);
+        let t = a * LOG2E + MAGIC;
+        let n = t - MAGIC;
+        let r = a - n * LN2_HI - n * LN2_LO;
+        let mut p = 1.987_569_1e-4f32;
+        p = p * r + 1.398_199_9e-3;
+        p = p * r + 8.333_452e-3;
+        p = p * r + 4.166_579_6e-2;
+        p = p * r + 1.666_666_5e-1;
+        p = p * r + 0.5;
+        let e = p * r * r + r + 1.0;
+        // 2^n: n sits in the low bits of t's mantissa (two's complement).
+        let n_bits = t.to_bits().wrapping_sub(MAGIC.to_bits());
+        let two_n = f32::from_bits(n_bits.wrapping_add(127) << 23);
+        *x = e * two_n;
+    }
+    // A separate lane-wise sum: a running scalar sum would keep the loop
+    // above from vectorising (f32 addition is not reassociated).
+    let chunks = s.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    let mut acc = [0.0f32; LANES];
+    for c in chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    reduce_lanes(acc) + tail
 }
 
 /// `y += a * x` (vectorisable).
@@ -532,4 +673,20 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
     }
+}
+
+/// Hints the CPU to load `x` into the cache (one prefetch per 64-byte line).
+#[inline(always)]
+fn prefetch(x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in x.chunks(16) {
+        // SAFETY: prefetching never faults and `line` is a valid slice.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            );
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }

@@ -604,6 +604,23 @@ fn gqa_decode_batch_of_64_runs_in_parallel_and_matches_reference() {
 }
 
 #[test]
+fn single_long_decode_matches_reference() {
+    // One row with a long context: the parallel path with one kv head per item.
+    let c = Case {
+        block_size: 16,
+        num_kv_heads: 3,
+        group: 3,
+        head_dim: 64,
+        seqs: vec![(2000, 1)],
+        shared_blocks: 0,
+        seed: 9,
+    };
+    let b = Batch::build(&c);
+    assert_close(&b.paged(), &b.reference(), "paged vs reference");
+    assert_close(&b.contiguous(), &b.reference(), "contiguous vs reference");
+}
+
+#[test]
 fn long_prefill_matches_reference() {
     let c = Case {
         block_size: 8,
