@@ -40,7 +40,7 @@
 //!   out_h   += Σ_pos exp(score - m) * v_{pos, kv(h)}      (16-lane register blocks)
 //! ```
 //!
-//! Each item makes a single pass over its context in tiles of [`TILE`]
+//! Each item makes a single pass over its context in tiles of `TILE` (64)
 //! positions (flash-style online softmax), reading keys and values in place
 //! through the block table — nothing is gathered into a contiguous buffer. The
 //! next tile's keys and the current tile's values are prefetched: every block
