@@ -1,0 +1,671 @@
+//! Paged attention, the K/V block write and block copies/swaps against plain,
+//! obviously-correct references.
+//!
+//! Every random case builds a mixed batch: each sequence has a logical K/V
+//! history `[ctx, kv_heads, head_dim]`, its earlier context is written to the
+//! cache in a "previous step", this step's tokens with a second `write_kv`,
+//! and its blocks are physical ids drawn out of order from a shuffled pool —
+//! except the shared prefix blocks, which two sequences list in their tables.
+
+use proptest::prelude::*;
+use vellum_backend_cpu::kv_cache::{KvCache, KvCacheLayout, LayerKvCache};
+use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention, write_kv};
+use vellum_core::{AttentionMetadata, BlockCopy, BlockId, BlockSwap, HostBlockId};
+
+/// SplitMix64: deterministic data from the proptest seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f32()).collect()
+    }
+
+    fn shuffle<T>(&mut self, xs: &mut [T]) {
+        for i in (1..xs.len()).rev() {
+            xs.swap(i, self.below(i + 1));
+        }
+    }
+}
+
+/// The naive reference: plain loops, `f64` accumulation, whole score vector.
+/// `k[s]`, `v[s]`: `[ctx_s, kvh, hd]`; `q`: `[tokens, heads, hd]`.
+#[allow(clippy::too_many_arguments)]
+fn reference_attention(
+    q: &[f32],
+    k: &[Vec<f32>],
+    v: &[Vec<f32>],
+    query_start_loc: &[u32],
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; q.len()];
+    let group = num_heads / num_kv_heads;
+    for s in 0..query_start_loc.len() - 1 {
+        let (start, end) = (query_start_loc[s] as usize, query_start_loc[s + 1] as usize);
+        let ctx = k[s].len() / (num_kv_heads * head_dim);
+        let q_len = end - start;
+        for i in 0..q_len {
+            let t = start + i;
+            let pos = ctx - q_len + i;
+            for h in 0..num_heads {
+                let kh = h / group;
+                let qv = &q[(t * num_heads + h) * head_dim..][..head_dim];
+                let scores: Vec<f64> = (0..=pos)
+                    .map(|p| {
+                        let kr = &k[s][(p * num_kv_heads + kh) * head_dim..][..head_dim];
+                        let d: f64 = qv.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        d * scale as f64
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for d in 0..head_dim {
+                    let mut acc = 0.0f64;
+                    for (p, w) in weights.iter().enumerate() {
+                        acc += w * v[s][(p * num_kv_heads + kh) * head_dim + d] as f64;
+                    }
+                    out[(t * num_heads + h) * head_dim + d] = (acc / total) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let tol = 1e-4 * w.abs().max(1.0);
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}: element {i}: got {g}, want {w}"
+        );
+    }
+}
+
+/// Parameters of one random batch.
+#[derive(Clone, Debug)]
+struct Case {
+    block_size: usize,
+    num_kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+    /// Per sequence: (context length after the step, query rows this step).
+    seqs: Vec<(usize, usize)>,
+    /// Full blocks sequence 1 shares with sequence 0 (clamped to what fits).
+    shared_blocks: usize,
+    seed: u64,
+}
+
+fn seq_strategy() -> impl Strategy<Value = (usize, usize)> {
+    // Half decodes (q_len 1), half prefill chunks (q_len up to ctx).
+    (1usize..70, any::<bool>(), any::<u32>()).prop_map(|(ctx, decode, r)| {
+        let q_len = if decode { 1 } else { 1 + r as usize % ctx };
+        (ctx, q_len)
+    })
+}
+
+fn case_strategy() -> impl Strategy<Value = Case> {
+    (
+        prop::sample::select(vec![1usize, 2, 4, 8, 16]),
+        1usize..=3,
+        1usize..=3,
+        prop_oneof![Just(64usize), 4usize..=64],
+        prop::collection::vec(seq_strategy(), 1..=5),
+        0usize..4,
+        any::<u64>(),
+    )
+        .prop_map(
+            |(block_size, num_kv_heads, group, head_dim, seqs, shared_blocks, seed)| Case {
+                block_size,
+                num_kv_heads,
+                group,
+                head_dim,
+                seqs,
+                shared_blocks,
+                seed,
+            },
+        )
+}
+
+/// A built batch: the cache filled through `write_kv`, queries, metadata and
+/// each sequence's logical K/V.
+struct Batch {
+    layout: KvCacheLayout,
+    cache: LayerKvCache,
+    q: Vec<f32>,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    query_start_loc: Vec<u32>,
+    context_lens: Vec<u32>,
+    block_tables: Vec<u32>,
+    stride: usize,
+    num_heads: usize,
+}
+
+impl Batch {
+    fn build(c: &Case) -> Self {
+        let mut rng = Rng(c.seed);
+        let (bs, kvh, hd) = (c.block_size, c.num_kv_heads, c.head_dim);
+        let num_heads = kvh * c.group;
+        let row = kvh * hd;
+        let n_seqs = c.seqs.len();
+        let blocks_of = |ctx: usize| ctx.div_ceil(bs);
+
+        // Sequence 1 shares min(shared_blocks, full blocks of both) prefix blocks with 0.
+        let shared = if n_seqs >= 2 {
+            c.shared_blocks.min(c.seqs[0].0 / bs).min(c.seqs[1].0 / bs)
+        } else {
+            0
+        };
+
+        // Physical ids: a shuffled pool with spare blocks, handed out in order.
+        let needed: usize = c.seqs.iter().map(|&(ctx, _)| blocks_of(ctx)).sum::<usize>() - shared;
+        let num_blocks = needed + 3;
+        let mut free: Vec<u32> = (0..num_blocks as u32).collect();
+        rng.shuffle(&mut free);
+        let stride = c
+            .seqs
+            .iter()
+            .map(|&(ctx, _)| blocks_of(ctx))
+            .max()
+            .unwrap_or(0)
+            + 1;
+        let mut block_tables = vec![0u32; n_seqs * stride];
+        let mut next = 0;
+        for (s, &(ctx, _)) in c.seqs.iter().enumerate() {
+            for b in 0..blocks_of(ctx) {
+                block_tables[s * stride + b] = if s == 1 && b < shared {
+                    block_tables[b]
+                } else {
+                    next += 1;
+                    free[next - 1]
+                };
+            }
+        }
+
+        // Logical K/V; sequence 1's shared prefix equals sequence 0's.
+        let mut k: Vec<Vec<f32>> = c.seqs.iter().map(|&(ctx, _)| rng.vec(ctx * row)).collect();
+        let mut v: Vec<Vec<f32>> = c.seqs.iter().map(|&(ctx, _)| rng.vec(ctx * row)).collect();
+        if shared > 0 {
+            let n = shared * bs * row;
+            let (k0, v0) = (k[0][..n].to_vec(), v[0][..n].to_vec());
+            k[1][..n].copy_from_slice(&k0);
+            v[1][..n].copy_from_slice(&v0);
+        }
+
+        let layout = KvCacheLayout {
+            num_blocks,
+            block_size: bs,
+            num_kv_heads: kvh,
+            head_dim: hd,
+        };
+        let mut cache = LayerKvCache::new(&layout);
+        let slot =
+            |s: usize, p: usize| block_tables[s * stride + p / bs] * bs as u32 + (p % bs) as u32;
+
+        // Earlier steps wrote the context before this step's tokens; this step
+        // writes its new tokens for the whole batch at once.
+        let (mut new_k, mut new_v, mut new_slots) = (vec![], vec![], vec![]);
+        for (s, &(ctx, q_len)) in c.seqs.iter().enumerate() {
+            let old = ctx - q_len;
+            let slots: Vec<u32> = (0..old).map(|p| slot(s, p)).collect();
+            write_kv(
+                &mut cache,
+                &layout,
+                &k[s][..old * row],
+                &v[s][..old * row],
+                &slots,
+            );
+            new_k.extend_from_slice(&k[s][old * row..]);
+            new_v.extend_from_slice(&v[s][old * row..]);
+            new_slots.extend((old..ctx).map(|p| slot(s, p)));
+        }
+        write_kv(&mut cache, &layout, &new_k, &new_v, &new_slots);
+
+        let mut query_start_loc = vec![0u32];
+        for &(_, q_len) in &c.seqs {
+            query_start_loc.push(query_start_loc.last().copied().unwrap_or(0) + q_len as u32);
+        }
+        let num_tokens = *query_start_loc.last().unwrap_or(&0) as usize;
+        let q = rng.vec(num_tokens * num_heads * hd);
+        let context_lens = c.seqs.iter().map(|&(ctx, _)| ctx as u32).collect();
+        Batch {
+            layout,
+            cache,
+            q,
+            k,
+            v,
+            query_start_loc,
+            context_lens,
+            block_tables,
+            stride,
+            num_heads,
+        }
+    }
+
+    fn meta(&self) -> AttentionMetadata<'_> {
+        AttentionMetadata {
+            block_size: self.layout.block_size,
+            slot_mapping: &[],
+            query_start_loc: &self.query_start_loc,
+            context_lens: &self.context_lens,
+            block_tables: &self.block_tables,
+            block_table_stride: self.stride,
+        }
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.layout.head_dim as f32).sqrt()
+    }
+
+    fn paged(&self) -> Vec<f32> {
+        let mut out = vec![f32::NAN; self.q.len()];
+        paged_attention(
+            &mut out,
+            &self.q,
+            &self.cache,
+            &self.layout,
+            &self.meta(),
+            self.num_heads,
+            self.scale(),
+        );
+        out
+    }
+
+    fn contiguous(&self) -> Vec<f32> {
+        let mut out = vec![f32::NAN; self.q.len()];
+        let k: Vec<&[f32]> = self.k.iter().map(Vec::as_slice).collect();
+        let v: Vec<&[f32]> = self.v.iter().map(Vec::as_slice).collect();
+        let l = &self.layout;
+        contiguous_attention(
+            &mut out,
+            &self.q,
+            &k,
+            &v,
+            &self.query_start_loc,
+            self.num_heads,
+            l.num_kv_heads,
+            l.head_dim,
+            self.scale(),
+        );
+        out
+    }
+
+    fn reference(&self) -> Vec<f32> {
+        let l = &self.layout;
+        reference_attention(
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.query_start_loc,
+            self.num_heads,
+            l.num_kv_heads,
+            l.head_dim,
+            self.scale(),
+        )
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+
+    /// Paged attention over out-of-order, partly shared blocks equals the
+    /// naive reference for mixed decode / prefill-chunk batches.
+    #[test]
+    fn paged_matches_reference(c in case_strategy()) {
+        let b = Batch::build(&c);
+        assert_close(&b.paged(), &b.reference(), "paged vs reference");
+    }
+
+    /// The contiguous kernel (the benchmark's baseline) equals the reference.
+    #[test]
+    fn contiguous_matches_reference(c in case_strategy()) {
+        let b = Batch::build(&c);
+        assert_close(&b.contiguous(), &b.reference(), "contiguous vs reference");
+    }
+
+    /// Every token written by `write_kv` reads back from its slot; every other
+    /// slot stays zero.
+    #[test]
+    fn write_kv_reads_back_through_slots(
+        block_size in prop::sample::select(vec![1usize, 2, 4, 8, 16]),
+        num_kv_heads in 1usize..=3,
+        head_dim in 1usize..=64,
+        num_blocks in 1usize..12,
+        fill in 0.0f64..=1.0,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed);
+        let layout = KvCacheLayout { num_blocks, block_size, num_kv_heads, head_dim };
+        let row = layout.slot_elems();
+        let mut slots: Vec<u32> = (0..layout.num_slots() as u32).collect();
+        rng.shuffle(&mut slots);
+        slots.truncate((slots.len() as f64 * fill) as usize);
+        let (k, v) = (rng.vec(slots.len() * row), rng.vec(slots.len() * row));
+        let mut cache = LayerKvCache::new(&layout);
+        write_kv(&mut cache, &layout, &k, &v, &slots);
+        for (t, &slot) in slots.iter().enumerate() {
+            let s = slot as usize;
+            prop_assert_eq!(&cache.k[s * row..(s + 1) * row], &k[t * row..(t + 1) * row]);
+            prop_assert_eq!(&cache.v[s * row..(s + 1) * row], &v[t * row..(t + 1) * row]);
+        }
+        let written: std::collections::HashSet<u32> = slots.iter().copied().collect();
+        for s in (0..layout.num_slots()).filter(|s| !written.contains(&(*s as u32))) {
+            prop_assert!(cache.k[s * row..(s + 1) * row].iter().all(|&x| x == 0.0));
+            prop_assert!(cache.v[s * row..(s + 1) * row].iter().all(|&x| x == 0.0));
+        }
+    }
+
+    /// Prefill in three chunks (write the chunk, attend) equals one whole
+    /// prefill, row for row.
+    #[test]
+    fn chunked_prefill_equals_whole_prefill(
+        len in 3usize..80,
+        cut_a in 0.0f64..1.0,
+        cut_b in 0.0f64..1.0,
+        block_size in prop::sample::select(vec![1usize, 2, 4, 8, 16]),
+        head_dim in prop::sample::select(vec![8usize, 17, 64]),
+        seed in any::<u64>(),
+    ) {
+        let (kvh, heads) = (3, 9);
+        let mut rng = Rng(seed);
+        let row = kvh * head_dim;
+        // Three non-empty chunks [0, a), [a, b), [b, len).
+        let a = 1 + ((len - 2) as f64 * cut_a) as usize;
+        let b = a + 1 + ((len - a - 1) as f64 * cut_b) as usize;
+        let b = b.min(len - 1);
+        prop_assert!(0 < a && a < b && b < len);
+        let n_blocks = len.div_ceil(block_size);
+        let mut table: Vec<u32> = (0..n_blocks as u32 + 2).collect();
+        rng.shuffle(&mut table);
+        let layout = KvCacheLayout { num_blocks: n_blocks + 2, block_size, num_kv_heads: kvh, head_dim };
+        let (k, v, q) = (rng.vec(len * row), rng.vec(len * row), rng.vec(len * heads * head_dim));
+        let slots: Vec<u32> =
+            (0..len).map(|p| table[p / block_size] * block_size as u32 + (p % block_size) as u32).collect();
+        let scale = 0.125;
+        let qrow = heads * head_dim;
+        let attend = |cache: &LayerKvCache, from: usize, to: usize| {
+            let qsl = [0, (to - from) as u32];
+            let ctx = [to as u32];
+            let meta = AttentionMetadata {
+                block_size,
+                slot_mapping: &slots[from..to],
+                query_start_loc: &qsl,
+                context_lens: &ctx,
+                block_tables: &table,
+                block_table_stride: table.len(),
+            };
+            let mut out = vec![f32::NAN; (to - from) * qrow];
+            paged_attention(&mut out, &q[from * qrow..to * qrow], cache, &layout, &meta, heads, scale);
+            out
+        };
+
+        let mut whole_cache = LayerKvCache::new(&layout);
+        write_kv(&mut whole_cache, &layout, &k, &v, &slots);
+        let whole = attend(&whole_cache, 0, len);
+
+        let mut cache = LayerKvCache::new(&layout);
+        let mut chunked = Vec::new();
+        for (from, to) in [(0, a), (a, b), (b, len)] {
+            write_kv(&mut cache, &layout, &k[from * row..to * row], &v[from * row..to * row], &slots[from..to]);
+            chunked.extend(attend(&cache, from, to));
+        }
+        assert_close(&chunked, &whole, "chunked vs whole prefill");
+    }
+}
+
+fn random_cache(
+    rng: &mut Rng,
+    layout: KvCacheLayout,
+    layers: usize,
+    host_blocks: usize,
+) -> KvCache {
+    let mut cache = KvCache::new(layout, layers, host_blocks);
+    for l in cache.layers.iter_mut().chain(cache.host_layers.iter_mut()) {
+        l.k.iter_mut().for_each(|x| *x = rng.f32());
+        l.v.iter_mut().for_each(|x| *x = rng.f32());
+    }
+    cache
+}
+
+fn block(pool: &[f32], layout: &KvCacheLayout, b: usize) -> Vec<f32> {
+    let n = layout.block_elems();
+    pool[b * n..(b + 1) * n].to_vec()
+}
+
+#[test]
+fn copy_blocks_moves_every_layer_k_and_v() {
+    let mut rng = Rng(7);
+    let layout = KvCacheLayout {
+        num_blocks: 8,
+        block_size: 4,
+        num_kv_heads: 3,
+        head_dim: 5,
+    };
+    let mut cache = random_cache(&mut rng, layout, 3, 2);
+    let before = cache.clone();
+    let copies = [
+        BlockCopy {
+            src: BlockId(1),
+            dst: BlockId(6),
+        },
+        BlockCopy {
+            src: BlockId(5),
+            dst: BlockId(0),
+        },
+    ];
+    cache.copy_blocks(&copies);
+    for (l, (after, before)) in cache.layers.iter().zip(&before.layers).enumerate() {
+        for b in 0..layout.num_blocks {
+            let src = match b {
+                6 => 1,
+                0 => 5,
+                b => b,
+            };
+            assert_eq!(
+                block(&after.k, &layout, b),
+                block(&before.k, &layout, src),
+                "layer {l} K block {b}"
+            );
+            assert_eq!(
+                block(&after.v, &layout, b),
+                block(&before.v, &layout, src),
+                "layer {l} V block {b}"
+            );
+        }
+    }
+    assert_eq!(
+        cache.host_layers, before.host_layers,
+        "copy_blocks touched the host pool"
+    );
+}
+
+#[test]
+fn swap_out_then_in_round_trips_every_layer_k_and_v() {
+    let mut rng = Rng(11);
+    let layout = KvCacheLayout {
+        num_blocks: 6,
+        block_size: 2,
+        num_kv_heads: 2,
+        head_dim: 3,
+    };
+    let mut cache = random_cache(&mut rng, layout, 4, 3);
+    let before = cache.clone();
+
+    // Out: device 4 -> host 2, device 1 -> host 0.
+    let out = [
+        BlockSwap {
+            device: BlockId(4),
+            host: HostBlockId(2),
+        },
+        BlockSwap {
+            device: BlockId(1),
+            host: HostBlockId(0),
+        },
+    ];
+    cache.swap_blocks(&out, true);
+    let host = cache.host_layout();
+    for (l, (h, d)) in cache.host_layers.iter().zip(&before.layers).enumerate() {
+        for (hb, db) in [(2, 4), (0, 1)] {
+            assert_eq!(
+                block(&h.k, &host, hb),
+                block(&d.k, &layout, db),
+                "layer {l} K host {hb}"
+            );
+            assert_eq!(
+                block(&h.v, &host, hb),
+                block(&d.v, &layout, db),
+                "layer {l} V host {hb}"
+            );
+        }
+        assert_eq!(
+            block(&h.k, &host, 1),
+            block(&before.host_layers[l].k, &host, 1),
+            "host block 1 changed"
+        );
+    }
+    assert_eq!(
+        cache.layers, before.layers,
+        "swap-out changed the device pool"
+    );
+
+    // The device blocks are reused meanwhile; in: host 2 -> device 0, host 0 -> device 5.
+    for l in &mut cache.layers {
+        l.k.iter_mut().for_each(|x| *x = -7.0);
+        l.v.iter_mut().for_each(|x| *x = -7.0);
+    }
+    let back = [
+        BlockSwap {
+            device: BlockId(0),
+            host: HostBlockId(2),
+        },
+        BlockSwap {
+            device: BlockId(5),
+            host: HostBlockId(0),
+        },
+    ];
+    cache.swap_blocks(&back, false);
+    for (l, (d, orig)) in cache.layers.iter().zip(&before.layers).enumerate() {
+        for (db, ob) in [(0, 4), (5, 1)] {
+            assert_eq!(
+                block(&d.k, &layout, db),
+                block(&orig.k, &layout, ob),
+                "layer {l} K device {db}"
+            );
+            assert_eq!(
+                block(&d.v, &layout, db),
+                block(&orig.v, &layout, ob),
+                "layer {l} V device {db}"
+            );
+        }
+        assert!(
+            block(&d.k, &layout, 2).iter().all(|&x| x == -7.0),
+            "swap-in touched device block 2"
+        );
+    }
+}
+
+#[test]
+fn gqa_decode_batch_of_64_runs_in_parallel_and_matches_reference() {
+    // Big enough to take the rayon path: 64 decodes × 9 heads, ctx up to 300.
+    let c = Case {
+        block_size: 16,
+        num_kv_heads: 3,
+        group: 3,
+        head_dim: 64,
+        seqs: (0..64).map(|i| (1 + (i * 37) % 300, 1)).collect(),
+        shared_blocks: 2,
+        seed: 3,
+    };
+    let b = Batch::build(&c);
+    assert_close(&b.paged(), &b.reference(), "paged vs reference");
+    assert_close(&b.contiguous(), &b.reference(), "contiguous vs reference");
+}
+
+#[test]
+fn single_long_decode_matches_reference() {
+    // One row with a long context: the parallel path with one kv head per item.
+    let c = Case {
+        block_size: 16,
+        num_kv_heads: 3,
+        group: 3,
+        head_dim: 64,
+        seqs: vec![(2000, 1)],
+        shared_blocks: 0,
+        seed: 9,
+    };
+    let b = Batch::build(&c);
+    assert_close(&b.paged(), &b.reference(), "paged vs reference");
+    assert_close(&b.contiguous(), &b.reference(), "contiguous vs reference");
+}
+
+#[test]
+fn long_prefill_matches_reference() {
+    let c = Case {
+        block_size: 8,
+        num_kv_heads: 2,
+        group: 2,
+        head_dim: 32,
+        seqs: vec![(400, 300), (50, 1)],
+        shared_blocks: 0,
+        seed: 5,
+    };
+    let b = Batch::build(&c);
+    assert_close(&b.paged(), &b.reference(), "paged vs reference");
+}
+
+#[test]
+#[should_panic(expected = "block_table_stride")]
+fn block_table_too_short_is_a_broken_invariant() {
+    let layout = KvCacheLayout {
+        num_blocks: 4,
+        block_size: 2,
+        num_kv_heads: 1,
+        head_dim: 4,
+    };
+    let cache = LayerKvCache::new(&layout);
+    let meta = AttentionMetadata {
+        block_size: 2,
+        slot_mapping: &[],
+        query_start_loc: &[0, 1],
+        context_lens: &[5],
+        block_tables: &[0, 1],
+        block_table_stride: 2,
+    };
+    let mut out = vec![0.0; 4];
+    paged_attention(&mut out, &[0.0; 4], &cache, &layout, &meta, 1, 1.0);
+}
+
+#[test]
+#[should_panic(expected = "outside the pool")]
+fn slot_outside_the_pool_is_a_broken_invariant() {
+    let layout = KvCacheLayout {
+        num_blocks: 2,
+        block_size: 2,
+        num_kv_heads: 1,
+        head_dim: 2,
+    };
+    let mut cache = LayerKvCache::new(&layout);
+    write_kv(&mut cache, &layout, &[1.0, 2.0], &[3.0, 4.0], &[4]);
+}
