@@ -47,10 +47,16 @@ impl Llm {
         let config = loaded.config.clone();
         let eos = config.eos_token_ids.clone();
         let eos = if eos.is_empty() { loaded.tokenizer.eos_token_ids().to_vec() } else { eos };
-        let scheduler = SchedulerConfig {
-            max_model_len: args.scheduler.max_model_len.min(config.max_position_embeddings),
-            ..args.scheduler
-        };
+        let mut max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
+        if let Some(window) = config.sliding_window {
+            // Sliding-window attention is not implemented: within the window
+            // full attention is exact, so the context is capped there.
+            if window < max_model_len {
+                tracing::warn!(window, "sliding-window attention is not implemented; max_model_len capped at the window");
+                max_model_len = window;
+            }
+        }
+        let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
         let executor: Box<dyn ModelExecutor> = Self::cpu_executor(&*loaded.weights, config, progress)?;
         let num_blocks = match args.kv_cache {
             KvCacheSize::NumBlocks(n) => n,
