@@ -1,13 +1,12 @@
 //! [`Ops`] on host memory: f32 activations, f32 weights, rayon threads.
 //!
-//! Weights keep the Hugging Face `[out, in]` layout, so every output of
-//! `x · Wᵀ` is a dot product of two contiguous rows; outputs are split across
-//! threads in column blocks. Inner loops are written to auto-vectorise and are
-//! compiled twice — baseline and AVX2 — with the variant picked at run time.
+//! Linear layers run on the `gemm` crate (which picks AVX2/AVX-512 kernels at
+//! run time) with weights transposed at load to `[in, out]`, so the GEMM reads
+//! them without repacking; the output columns are split across the rayon
+//! threads by hand, since the GEMM stays single-threaded for small shapes.
 
 use crate::kv_cache::KvCache;
 use crate::paged_attention::{paged_attention, write_kv};
-use rayon::prelude::*;
 use vellum_core::AttentionMetadata;
 use vellum_models::ops::{AttentionShape, Ops};
 use vellum_models::rope::RopeTable;
@@ -30,56 +29,160 @@ impl HostTensor {
     }
 }
 
-/// A weight matrix `[out, in]`, row-major.
+/// A weight matrix for `x · Wᵀ`, stored transposed as `[in, out]` (`[K, N]`)
+/// so the GEMM reads it without repacking; an embedding table also keeps its
+/// `[vocab, hidden]` rows for lookups.
 #[derive(Clone, Debug)]
 pub struct HostWeight {
     out: usize,
     inp: usize,
-    data: Vec<f32>,
+    /// `[in, out]`, row-major.
+    kn: Vec<f32>,
+    /// `[out, in]` rows, kept for embedding lookups only.
+    rows: Option<Vec<f32>>,
 }
+
+fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0f32; w.len()];
+    const B: usize = 32;
+    for r0 in (0..rows).step_by(B) {
+        for c0 in (0..cols).step_by(B) {
+            for r in r0..(r0 + B).min(rows) {
+                for c in c0..(c0 + B).min(cols) {
+                    t[c * rows + r] = w[r * cols + c];
+                }
+            }
+        }
+    }
+    t
+}
+
+/// A raw pointer that may cross to the worker threads of one `linear` call;
+/// each thread writes a disjoint set of columns.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: threads write disjoint column ranges of the destination and the
+// scope ends before the destination is read or dropped.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
 
 /// The CPU implementation of the model operations.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuOps;
 
-#[inline(always)]
-fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for j in 0..16 {
-            acc[j] += x[j] * y[j];
+/// Up to this many rows, `linear` streams the weight once with AXPYs
+/// instead of calling the GEMM (whose packing dominates at decode sizes).
+const SMALL_M: usize = 8;
+
+/// Splits `n` output columns into one contiguous range per thread (a
+/// multiple of 16 wide) when the work is worth it.
+fn column_ranges(m: usize, n: usize, k: usize) -> Vec<std::ops::Range<usize>> {
+    let parts = if m * n * k >= 1 << 16 { rayon::current_num_threads().max(1) } else { 1 };
+    let width = n.div_ceil(parts).next_multiple_of(16).min(n).max(1);
+    (0..n).step_by(width).map(|n0| n0..(n0 + width).min(n)).collect()
+}
+
+/// `y[m, n] = x[m, k] · W[k, n]` for a few rows: every row of `W` is read
+/// once and added, scaled, into each output row (AXPY), so the weight streams
+/// through memory once per call.
+fn linear_small(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
+    let (n, k) = (w.out, w.inp);
+    let dst = SendPtr(y.as_mut_ptr());
+    rayon::scope(|s| {
+        for cols in column_ranges(m, n, k) {
+            s.spawn(move |_| {
+                let dst = dst;
+                let len = cols.len();
+                let mut acc = vec![0.0f32; m * len];
+                small_kernel(&mut acc, x, &w.kn, n, k, m, cols.start, len);
+                for r in 0..m {
+                    // SAFETY: row r, columns `cols` of y belong to this task alone.
+                    let out = unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * n + cols.start), len) };
+                    out.copy_from_slice(&acc[r * len..(r + 1) * len]);
+                }
+            });
         }
+    });
+}
+
+/// `y[m, n] = x[m, k] · W[k, n]` through the `gemm` crate, output columns
+/// split across threads by hand.
+fn linear_gemm(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
+    let (n, k) = (w.out, w.inp);
+    let dst = SendPtr(y.as_mut_ptr());
+    let (lhs, rhs) = (x.as_ptr() as usize, w.kn.as_ptr() as usize);
+    rayon::scope(|s| {
+        for cols in column_ranges(m, n, k) {
+            s.spawn(move |_| {
+                let dst = dst;
+                // SAFETY: dst is [m, n], lhs [m, k], rhs [k, n], all row-major
+                // and alive for the scope; this task writes `cols` only.
+                unsafe {
+                    gemm::gemm(
+                        m, cols.len(), k,
+                        dst.0.add(cols.start), 1, n as isize, false,
+                        lhs as *const f32, 1, k as isize,
+                        (rhs as *const f32).add(cols.start), 1, n as isize,
+                        0.0, 1.0, false, false, false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            });
+        }
+    });
+}
+
+/// The inner loop of [`linear_small`]: four weight rows per pass, so each
+/// accumulator is loaded and stored a quarter as often.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn small_kernel_generic(acc: &mut [f32], x: &[f32], wkn: &[f32], n: usize, k: usize, m: usize, c0: usize, len: usize) {
+    let mut kk = 0;
+    while kk + 4 <= k {
+        let w0 = &wkn[kk * n + c0..kk * n + c0 + len];
+        let w1 = &wkn[(kk + 1) * n + c0..(kk + 1) * n + c0 + len];
+        let w2 = &wkn[(kk + 2) * n + c0..(kk + 2) * n + c0 + len];
+        let w3 = &wkn[(kk + 3) * n + c0..(kk + 3) * n + c0 + len];
+        for r in 0..m {
+            let (a0, a1, a2, a3) = (x[r * k + kk], x[r * k + kk + 1], x[r * k + kk + 2], x[r * k + kk + 3]);
+            let out = &mut acc[r * len..(r + 1) * len];
+            for j in 0..len {
+                out[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
+            }
+        }
+        kk += 4;
     }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
+    while kk < k {
+        let w0 = &wkn[kk * n + c0..kk * n + c0 + len];
+        for r in 0..m {
+            let a0 = x[r * k + kk];
+            for (o, wv) in acc[r * len..(r + 1) * len].iter_mut().zip(w0) {
+                *o += a0 * wv;
+            }
+        }
+        kk += 1;
     }
-    s
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_generic(a, b)
+#[allow(clippy::too_many_arguments)]
+unsafe fn small_kernel_avx2(acc: &mut [f32], x: &[f32], wkn: &[f32], n: usize, k: usize, m: usize, c0: usize, len: usize) {
+    small_kernel_generic(acc, x, wkn, n, k, m, c0, len)
 }
 
-/// Dot product of two equal-length slices, AVX2 when the CPU has it.
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
+/// Dispatches [`small_kernel_generic`] to the best variant the CPU runs.
+#[allow(clippy::too_many_arguments)]
+fn small_kernel(acc: &mut [f32], x: &[f32], wkn: &[f32], n: usize, k: usize, m: usize, c0: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: the CPU supports the features the function enables.
-            return unsafe { dot_avx2(a, b) };
+            return unsafe { small_kernel_avx2(acc, x, wkn, n, k, m, c0, len) };
         }
     }
-    dot_generic(a, b)
+    small_kernel_generic(acc, x, wkn, n, k, m, c0, len)
 }
-
-/// Output columns computed per task.
-const COL_BLOCK: usize = 64;
 
 impl Ops for CpuOps {
     type Tensor = HostTensor;
@@ -89,13 +192,16 @@ impl Ops for CpuOps {
 
     fn linear_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
         match w.shape[..] {
-            [out, inp] => Ok(HostWeight { out, inp, data: w.data }),
+            [out, inp] => Ok(HostWeight { out, inp, kn: transpose(&w.data, out, inp), rows: None }),
             _ => Err(vellum_models::Error::ShapeMismatch { tensor: name.to_string(), expected: vec![0, 0], actual: w.shape }),
         }
     }
 
     fn embedding_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
-        self.linear_weight(name, w)
+        let rows = w.data.clone();
+        let mut weight = self.linear_weight(name, w)?;
+        weight.rows = Some(rows);
+        Ok(weight)
     }
 
     fn vector(&self, data: Vec<f32>) -> Vec<f32> {
@@ -107,35 +213,29 @@ impl Ops for CpuOps {
         for (row, &id) in out.data.chunks_exact_mut(table.inp).zip(ids) {
             let id = id as usize;
             assert!(id < table.out, "token id {id} outside the vocabulary of {}", table.out);
-            row.copy_from_slice(&table.data[id * table.inp..(id + 1) * table.inp]);
+            let rows = table.rows.as_ref().expect("embedding tables keep their rows");
+            row.copy_from_slice(&rows[id * table.inp..(id + 1) * table.inp]);
         }
         out
     }
 
     fn linear(&self, x: &HostTensor, w: &HostWeight, bias: Option<&Vec<f32>>) -> HostTensor {
         assert_eq!(x.cols, w.inp, "linear: input width {} but weight takes {}", x.cols, w.inp);
-        let (t, n, k) = (x.rows, w.out, w.inp);
-        let tiles: Vec<Vec<f32>> = (0..n.div_ceil(COL_BLOCK))
-            .into_par_iter()
-            .map(|c| {
-                let cols = c * COL_BLOCK..((c + 1) * COL_BLOCK).min(n);
-                let mut tile = vec![0.0f32; t * cols.len()];
-                for (j, o) in cols.clone().enumerate() {
-                    let wrow = &w.data[o * k..(o + 1) * k];
-                    let b = bias.map_or(0.0, |b| b[o]);
-                    for r in 0..t {
-                        tile[r * cols.len() + j] = dot(&x.data[r * k..(r + 1) * k], wrow) + b;
-                    }
+        let (m, n) = (x.rows, w.out);
+        let mut out = HostTensor::zeros(m, n);
+        if m == 0 {
+            return out;
+        }
+        if m <= SMALL_M {
+            linear_small(&mut out.data, &x.data, w, m);
+        } else {
+            linear_gemm(&mut out.data, &x.data, w, m);
+        }
+        if let Some(b) = bias {
+            for row in out.data.chunks_exact_mut(n) {
+                for (y, bi) in row.iter_mut().zip(b) {
+                    *y += bi;
                 }
-                tile
-            })
-            .collect();
-        let mut out = HostTensor::zeros(t, n);
-        for (c, tile) in tiles.iter().enumerate() {
-            let start = c * COL_BLOCK;
-            let width = tile.len() / t.max(1);
-            for r in 0..t {
-                out.data[r * n + start..r * n + start + width].copy_from_slice(&tile[r * width..(r + 1) * width]);
             }
         }
         out
