@@ -33,6 +33,7 @@ mod model_executor;
 mod request;
 mod sampling_params;
 mod scheduler_config;
+mod seeded_rng;
 
 pub use attention_backend::{AttentionBackend, AttentionMetadata};
 pub use block_allocator::{
@@ -48,6 +49,7 @@ pub use model_executor::{ModelExecutor, StepOutput};
 pub use request::RequestState;
 pub use sampling_params::{BeamSearchParams, SamplingParams};
 pub use scheduler_config::{PreemptionMode, SchedulerConfig, SchedulingPolicy};
+pub use seeded_rng::SeededRng;
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

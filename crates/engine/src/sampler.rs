@@ -1,27 +1,7 @@
 //! Turning a row of logits into a token (and its log-probabilities).
 
+pub use vellum_core::SeededRng;
 use vellum_core::{SamplingParams, TokenId};
-
-/// A per-request random generator (SplitMix64): the same seed gives the same
-/// text whatever else is in the batch.
-#[derive(Clone, Debug)]
-pub struct SeededRng(u64);
-
-impl SeededRng {
-    /// From a seed.
-    pub fn new(seed: u64) -> Self {
-        Self(seed ^ 0x6a09_e667_f3bc_c909)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 /// One sampled token with its log-probability and the top alternatives.
 #[derive(Clone, Debug, PartialEq)]

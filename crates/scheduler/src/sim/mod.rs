@@ -8,11 +8,10 @@
 //! memory metrics.
 
 mod cost_model;
-mod rng;
 mod simulator;
 mod workload;
 
 pub use cost_model::CostModel;
-pub use rng::Rng;
+pub use vellum_core::SeededRng as Rng;
 pub use simulator::{simulate, AllocatorKind, SimConfig, SimReport};
 pub use workload::{generate_trace, TraceRequest, Workload};

@@ -1,7 +1,7 @@
 //! Runs a trace through the real scheduler and an allocator in simulated time.
 
 use super::cost_model::CostModel;
-use super::rng::Rng;
+use vellum_core::SeededRng as Rng;
 use super::workload::{generate_trace, Workload};
 use crate::{NewRequest, RequestSamples, Scheduler, StepSamples};
 use serde::Serialize;

@@ -1,6 +1,6 @@
 //! Synthetic request traces shaped like the paper's datasets (§6.1, Fig. 11).
 
-use super::rng::Rng;
+use vellum_core::SeededRng as Rng;
 use serde::Serialize;
 
 /// Which dataset the lengths imitate.

@@ -1,11 +1,12 @@
-//! A small seeded random generator (SplitMix64): reproducible traces with
-//! no dependency.
+//! A small seeded random generator (SplitMix64), with no dependency: the
+//! sampler's per-request generator (same seed, same text, whatever else is in
+//! the batch) and the simulator's reproducible traces.
 
 /// Seeded pseudo-random numbers.
 #[derive(Clone, Debug)]
-pub struct Rng(u64);
+pub struct SeededRng(u64);
 
-impl Rng {
+impl SeededRng {
     /// A generator from a seed.
     pub fn new(seed: u64) -> Self {
         Self(seed ^ 0x853c_49e6_748f_ea9b)
@@ -55,12 +56,12 @@ mod tests {
 
     #[test]
     fn moments_are_right() {
-        let mut r = Rng::new(7);
+        let mut r = SeededRng::new(7);
         let n = 200_000;
         let mean_exp: f64 = (0..n).map(|_| r.exponential(4.0)).sum::<f64>() / n as f64;
         assert!((mean_exp - 0.25).abs() < 0.005, "{mean_exp}");
         let mean_ln: f64 = (0..n).map(|_| r.lognormal_with_mean(161.0, 1.0)).sum::<f64>() / n as f64;
         assert!((mean_ln - 161.0).abs() < 3.0, "{mean_ln}");
-        assert_eq!(Rng::new(1).next_u64(), Rng::new(1).next_u64(), "seeded");
+        assert_eq!(SeededRng::new(1).next_u64(), SeededRng::new(1).next_u64(), "seeded");
     }
 }
