@@ -75,14 +75,17 @@ fn smollm2_matches_the_float64_reference() {
     assert_eq!(st.num_used_blocks, 0);
 }
 
-/// Greedy outputs and logprobs of one prompt under a given engine setup.
-fn run(llm: &mut Llm, prompts: &[Vec<u32>]) -> Vec<(Vec<u32>, Vec<Vec<(u32, f32)>>)> {
+/// A sequence's greedy tokens and, per position, its top-5 (token, logprob).
+type Greedy = (Vec<u32>, Vec<Vec<(u32, f32)>>);
+
+/// Greedy outputs and logprobs of each prompt under a given engine setup.
+fn run(llm: &mut Llm, prompts: &[Vec<u32>]) -> Vec<Greedy> {
     let params = SamplingParams { logprobs: Some(5), ..SamplingParams::greedy(8) };
     let outs = llm.generate_ids(prompts, &params).expect("generation runs");
     outs.into_iter().map(|o| (o.outputs[0].token_ids.clone(), o.outputs[0].logprobs.clone())).collect()
 }
 
-fn assert_close(a: &[(Vec<u32>, Vec<Vec<(u32, f32)>>)], b: &[(Vec<u32>, Vec<Vec<(u32, f32)>>)], what: &str) {
+fn assert_close(a: &[Greedy], b: &[Greedy], what: &str) {
     for (x, y) in a.iter().zip(b) {
         assert_eq!(x.0, y.0, "{what}: tokens differ");
         for (p, q) in x.1.iter().zip(&y.1) {

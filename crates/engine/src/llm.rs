@@ -72,7 +72,7 @@ impl Llm {
                 message: format!("no KV block of {} bytes fits", executor.kv_block_bytes(args.block_size)),
             }));
         }
-        tracing::info!(num_blocks, block_size = args.block_size, mib = num_blocks as u64 * executor.kv_block_bytes(args.block_size) >> 20, "KV cache");
+        tracing::info!(num_blocks, block_size = args.block_size, mib = (num_blocks as u64 * executor.kv_block_bytes(args.block_size)) >> 20, "KV cache");
         let engine = EngineCore::new(executor, scheduler, num_blocks, 0, args.block_size, eos)?;
         Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template })
     }

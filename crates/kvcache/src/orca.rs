@@ -147,8 +147,8 @@ impl BlockAllocator for OrcaAllocator {
         let p = self.seqs.get(&parent).unwrap_or_else(|| panic!("fork of unknown {parent}")).clone();
         let Some((block_table, start, order)) = self.reserve(p.requested_tokens) else { return false };
         let filled_blocks = p.num_tokens.div_ceil(self.block_size);
-        for i in 0..filled_blocks {
-            self.pending_copies.push(BlockCopy { src: p.block_table[i], dst: block_table[i] });
+        for (&src, &dst) in p.block_table.iter().zip(&block_table).take(filled_blocks) {
+            self.pending_copies.push(BlockCopy { src, dst });
         }
         self.seqs.insert(child, Reservation { block_table, start, order, ..p });
         true

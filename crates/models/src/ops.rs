@@ -56,6 +56,7 @@ pub trait Ops: Send + Sync {
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
     /// Writes this step's K and V of `layer` into their slots, then causal
     /// paged attention of `q` over each sequence's cached context.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         cache: &mut Self::KvCache,

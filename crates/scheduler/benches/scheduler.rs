@@ -35,9 +35,7 @@ fn setup(policy: vellum_core::SchedulingPolicy) -> (Scheduler<KvCacheManager>, S
     }
     assert_eq!(s.num_running(), NUM_REQUESTS);
     // From here on every request decodes one token per step.
-    while s.schedule().scheduled.len() != NUM_REQUESTS {
-        unreachable!("all decode together");
-    }
+    assert_eq!(s.schedule().scheduled.len(), NUM_REQUESTS, "all decode together");
     s.update_from_output(&StepSamples { requests: all.clone() });
     (s, StepSamples { requests: all })
 }

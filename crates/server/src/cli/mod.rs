@@ -27,7 +27,7 @@ pub fn parse_kv_cache_memory(s: &str) -> Result<KvCacheSize> {
         .find_map(|(suffix, m)| t.strip_suffix(suffix).map(|n| (n.trim(), *m)))
         .unwrap_or((t, 1));
     let n: f64 = num.parse().map_err(|_| anyhow!("--kv-cache-memory: cannot read {s:?} (use e.g. 4GiB, 512MiB or 0.5)"))?;
-    if !(n > 0.0) {
+    if n.is_nan() || n <= 0.0 {
         bail!("--kv-cache-memory must be positive, got {s:?}");
     }
     Ok(KvCacheSize::MemoryBytes((n * mult as f64) as u64))
