@@ -2,7 +2,7 @@
 
 use crate::cpu_ops::CpuOps;
 use crate::kv_cache::{KvCache, KvCacheLayout};
-use vellum_core::{Error, ForwardBatch, ModelConfig, ModelExecutor, Result, StepOutput};
+use vellum_core::{AttentionBackend, Error, ForwardBatch, ModelConfig, ModelExecutor, Result, StepOutput};
 use vellum_models::ops::Ops;
 use vellum_models::{LlamaModel, WeightSource};
 
@@ -45,9 +45,9 @@ impl ModelExecutor for CpuExecutor {
 
     fn execute(&mut self, batch: &ForwardBatch) -> Result<StepOutput> {
         let cache = self.cache.as_mut().ok_or_else(|| Error::Backend("execute before initialize_kv_cache".into()))?;
-        cache.swap_blocks(&batch.block_ops.swap_out, true);
-        cache.swap_blocks(&batch.block_ops.swap_in, false);
-        cache.copy_blocks(&batch.block_ops.copies);
+        self.ops.swap_blocks(cache, &batch.block_ops.swap_out, true)?;
+        self.ops.swap_blocks(cache, &batch.block_ops.swap_in, false)?;
+        self.ops.copy_blocks(cache, &batch.block_ops.copies)?;
         let block_size = cache.layout.block_size;
         let logits = self.model.forward(&self.ops, cache, batch, block_size);
         Ok(StepOutput { logits: self.ops.to_host(&logits), vocab_size: self.model.config().vocab_size })

@@ -7,7 +7,7 @@
 
 use crate::kv_cache::KvCache;
 use crate::paged_attention::{paged_attention, write_kv};
-use vellum_core::AttentionMetadata;
+use vellum_core::{AttentionBackend, AttentionMetadata, BlockCopy, BlockSwap};
 use vellum_models::ops::{AttentionShape, Ops};
 use vellum_models::rope::RopeTable;
 use vellum_models::Tensor;
@@ -317,12 +317,10 @@ impl Ops for CpuOps {
         meta: &AttentionMetadata<'_>,
         shape: AttentionShape,
     ) -> HostTensor {
-        let layout = cache.layout;
-        let layer_cache = &mut cache.layers[layer];
-        write_kv(layer_cache, &layout, &k.data, &v.data, meta.slot_mapping);
         let mut out = HostTensor::zeros(q.rows, shape.num_heads * shape.head_dim);
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        paged_attention(&mut out.data, &q.data, layer_cache, &layout, meta, shape.num_heads, scale);
+        AttentionBackend::write_kv(self, cache, layer, k, v, meta).expect("host K/V write cannot fail");
+        AttentionBackend::paged_attention(self, cache, layer, q, meta, scale, &mut out).expect("host attention cannot fail");
         out
     }
 
@@ -337,5 +335,53 @@ impl Ops for CpuOps {
 
     fn to_host(&self, x: &HostTensor) -> Vec<f32> {
         x.data.clone()
+    }
+}
+
+/// The core attention contract on host memory; [`Ops::attention`] goes
+/// through it, as a GPU backend's would.
+impl AttentionBackend for CpuOps {
+    type Tensor = HostTensor;
+    type KvCache = KvCache;
+
+    fn kv_block_bytes(&self, cache: &KvCache) -> u64 {
+        KvCache::block_bytes(&cache.layout, cache.layers.len())
+    }
+
+    fn write_kv(
+        &self,
+        cache: &mut KvCache,
+        layer: usize,
+        k: &HostTensor,
+        v: &HostTensor,
+        meta: &AttentionMetadata<'_>,
+    ) -> vellum_core::Result<()> {
+        let layout = cache.layout;
+        write_kv(&mut cache.layers[layer], &layout, &k.data, &v.data, meta.slot_mapping);
+        Ok(())
+    }
+
+    fn paged_attention(
+        &self,
+        cache: &KvCache,
+        layer: usize,
+        q: &HostTensor,
+        meta: &AttentionMetadata<'_>,
+        scale: f32,
+        out: &mut HostTensor,
+    ) -> vellum_core::Result<()> {
+        let num_heads = q.cols / cache.layout.head_dim;
+        paged_attention(&mut out.data, &q.data, &cache.layers[layer], &cache.layout, meta, num_heads, scale);
+        Ok(())
+    }
+
+    fn copy_blocks(&self, cache: &mut KvCache, copies: &[BlockCopy]) -> vellum_core::Result<()> {
+        cache.copy_blocks(copies);
+        Ok(())
+    }
+
+    fn swap_blocks(&self, cache: &mut KvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_core::Result<()> {
+        cache.swap_blocks(swaps, to_host);
+        Ok(())
     }
 }
