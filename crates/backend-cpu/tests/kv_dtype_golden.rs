@@ -26,13 +26,13 @@ const NUM_BLOCKS: usize = 16;
 const F32_TOLERANCE: f64 = 0.02;
 
 /// Half-precision caches: measured on the 9 golden prompts (x86-64, this
-/// kernel) the largest |Δlogprob| on agreeing tokens was 0.0114 nats for
-/// `f16` and 0.0741 for `bf16` (the `f32` cache: 0.0089). The tolerances
-/// below give each about 2× margin. `f16` keeps 11 significant bits, as much
-/// as the drift of the f32 computation already costs; `bf16` keeps 8, and
-/// its error is plainly visible.
-const F16_TOLERANCE: f64 = 10.0;
-const BF16_TOLERANCE: f64 = 10.0;
+/// kernel), the largest |Δlogprob| on agreeing tokens was 0.0032 nats with
+/// an `f16` cache and 0.0242 with `bf16` (`f32`: below 5e-5), and all three
+/// agreed with the reference on all 141 greedy tokens. The tolerances give
+/// about 3× (`f16`) and 2× (`bf16`) margin. `f16` keeps 11 significant bits;
+/// `bf16` keeps 8, and its error is plainly visible.
+const F16_TOLERANCE: f64 = 0.01;
+const BF16_TOLERANCE: f64 = 0.05;
 
 struct Golden {
     prompt_ids: Vec<u32>,
@@ -185,7 +185,7 @@ fn kv_cache_dtypes_against_the_float64_reference() {
             }
         }
         eprintln!(
-            "{dtype:?}: max |Δlogprob| {worst:.4} nats on agreeing tokens; {agreed}/{total} tokens agree; per prompt {per_prompt:?}"
+            "{dtype:?}: max |Δlogprob| {worst:.2e} nats on agreeing tokens; {agreed}/{total} tokens agree; per prompt {per_prompt:?}"
         );
         table.push((dtype, worst, agreed, total));
         assert!(
@@ -194,7 +194,8 @@ fn kv_cache_dtypes_against_the_float64_reference() {
         );
     }
     // A half-precision cache must not lose whole stretches of agreement:
-    // measured, f16 and bf16 agree on as many tokens as f32 (see above).
+    // measured, f16 and bf16 agree on as many tokens as f32 (141); allow
+    // half a prompt's worth of divergence.
     let f32_agreed = table[0].2;
     for &(dtype, _, agreed, _) in &table[1..] {
         assert!(
