@@ -4,14 +4,16 @@
 //! SmolLM2's attention shape: 9 query heads, 3 kv heads, head_dim 64; block
 //! size 16; one query per sequence. Criterion ids are
 //! `decode/{paged,contiguous}/ctx{C}_b{B}`, so the ratio paged/contiguous of
-//! each case reads off two adjacent lines.
+//! each case reads off two adjacent lines. Two cases also run with the cache
+//! stored as f16 and bf16 (`decode/paged_{f16,bf16}/…`; same data, rounded),
+//! the kernel widening each tile to f32.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
 use std::time::Duration;
 use vellum_backend_cpu::kv_cache::{KvCacheLayout, LayerKvCache};
 use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention, write_kv};
-use vellum_core::AttentionMetadata;
+use vellum_core::{AttentionMetadata, KvCacheDtype};
 
 const NUM_HEADS: usize = 9;
 const NUM_KV_HEADS: usize = 3;
@@ -49,7 +51,7 @@ struct DecodeCase {
 }
 
 impl DecodeCase {
-    fn new(ctx: usize, batch: usize) -> Self {
+    fn new(ctx: usize, batch: usize, dtype: KvCacheDtype) -> Self {
         let mut rng = Rng(0x5eed ^ (ctx * 1000 + batch) as u64);
         let row = NUM_KV_HEADS * HEAD_DIM;
         let stride = ctx.div_ceil(BLOCK_SIZE);
@@ -68,7 +70,7 @@ impl DecodeCase {
             block_tables.swap(i, j);
         }
 
-        let mut cache = LayerKvCache::new(&layout);
+        let mut cache = LayerKvCache::new(&layout, dtype);
         let mut k = Vec::with_capacity(batch);
         let mut v = Vec::with_capacity(batch);
         for s in 0..batch {
@@ -141,7 +143,7 @@ fn decode(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(2));
     for ctx in [128usize, 512, 1024, 4096] {
         for batch in [1usize, 16, 64] {
-            let case = DecodeCase::new(ctx, batch);
+            let case = DecodeCase::new(ctx, batch, KvCacheDtype::F32);
             let id = format!("ctx{ctx}_b{batch}");
             // K and V bytes read per call.
             group.throughput(Throughput::Bytes(
@@ -155,6 +157,19 @@ fn decode(c: &mut Criterion) {
             let v: Vec<&[f32]> = case.v.iter().map(Vec::as_slice).collect();
             group.bench_function(BenchmarkId::new("contiguous", &id), |b| {
                 b.iter(|| case.contiguous(black_box(&mut out), &k, &v));
+            });
+        }
+    }
+    // Half-precision caches: a batched decode and a single long decode.
+    for (ctx, batch) in [(1024usize, 64usize), (4096, 1)] {
+        for (name, dtype) in [("paged_f16", KvCacheDtype::F16), ("paged_bf16", KvCacheDtype::Bf16)] {
+            let case = DecodeCase::new(ctx, batch, dtype);
+            group.throughput(Throughput::Bytes(
+                (2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * dtype.size_bytes()) as u64,
+            ));
+            let mut out = vec![0.0f32; case.q.len()];
+            group.bench_function(BenchmarkId::new(name, format!("ctx{ctx}_b{batch}")), |b| {
+                b.iter(|| case.paged(black_box(&mut out)));
             });
         }
     }

@@ -2,7 +2,7 @@
 
 use crate::cpu_ops::CpuOps;
 use crate::kv_cache::{KvCache, KvCacheLayout};
-use vellum_core::{AttentionBackend, Error, ForwardBatch, ModelConfig, ModelExecutor, Result, StepOutput};
+use vellum_core::{AttentionBackend, Error, ForwardBatch, KvCacheDtype, ModelConfig, ModelExecutor, Result, StepOutput};
 use vellum_models::ops::Ops;
 use vellum_models::{LlamaModel, WeightSource};
 
@@ -11,6 +11,7 @@ pub struct CpuExecutor {
     ops: CpuOps,
     model: LlamaModel<CpuOps>,
     cache: Option<KvCache>,
+    kv_cache_dtype: KvCacheDtype,
 }
 
 impl CpuExecutor {
@@ -18,7 +19,21 @@ impl CpuExecutor {
     pub fn load(weights: &dyn WeightSource, config: ModelConfig, progress: impl FnMut(usize, usize)) -> vellum_models::Result<Self> {
         let ops = CpuOps;
         let model = LlamaModel::load(&ops, weights, config, progress)?;
-        Ok(Self { ops, model, cache: None })
+        Ok(Self { ops, model, cache: None, kv_cache_dtype: KvCacheDtype::F32 })
+    }
+
+    /// Stores the KV cache as `dtype` (default `F32`): `f16`/`bf16` halve its
+    /// memory (twice the blocks for the same budget) at some accuracy cost;
+    /// attention still computes in `f32`. Applies to [`ModelExecutor::kv_block_bytes`]
+    /// and to the next [`ModelExecutor::initialize_kv_cache`].
+    pub fn with_kv_cache_dtype(mut self, dtype: KvCacheDtype) -> Self {
+        self.kv_cache_dtype = dtype;
+        self
+    }
+
+    /// The element type the KV cache is (or will be) stored in.
+    pub fn kv_cache_dtype(&self) -> KvCacheDtype {
+        self.kv_cache_dtype
     }
 
     /// The model's configuration.
@@ -34,12 +49,12 @@ impl CpuExecutor {
 
 impl ModelExecutor for CpuExecutor {
     fn kv_block_bytes(&self, block_size: usize) -> u64 {
-        KvCache::block_bytes(&self.layout(1, block_size), self.model.config().num_hidden_layers)
+        KvCache::block_bytes(&self.layout(1, block_size), self.model.config().num_hidden_layers, self.kv_cache_dtype)
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> Result<()> {
         let layout = self.layout(num_blocks, block_size);
-        self.cache = Some(KvCache::new(layout, self.model.config().num_hidden_layers, num_host_blocks));
+        self.cache = Some(KvCache::new(layout, self.model.config().num_hidden_layers, num_host_blocks, self.kv_cache_dtype));
         Ok(())
     }
 

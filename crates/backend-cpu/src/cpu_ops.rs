@@ -345,7 +345,7 @@ impl AttentionBackend for CpuOps {
     type KvCache = KvCache;
 
     fn kv_block_bytes(&self, cache: &KvCache) -> u64 {
-        KvCache::block_bytes(&cache.layout, cache.layers.len())
+        KvCache::block_bytes(&cache.layout, cache.layers.len(), cache.dtype)
     }
 
     fn write_kv(

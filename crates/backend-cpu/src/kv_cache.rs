@@ -1,7 +1,8 @@
 //! The paged KV cache in host memory: one K pool and one V pool per layer,
 //! plus a host swap pool with the same per-block layout.
 //!
-//! Every pool is one row-major `f32` tensor:
+//! Every pool is one row-major tensor of the cache's [`KvCacheDtype`]
+//! (`f32`, `f16` or `bf16`; see [`KvPool`]):
 //!
 //! ```text
 //! K (and V) of one layer:  [num_blocks, block_size, num_kv_heads, head_dim]
@@ -18,13 +19,21 @@
 //! ```
 //!
 //! A block is therefore one contiguous run of
-//! [`KvCacheLayout::block_elems`] floats in each pool, so copy-on-write and
-//! swapping are plain slice copies, two per layer (K and V).
+//! [`KvCacheLayout::block_elems`] elements in each pool, so copy-on-write and
+//! swapping are plain slice copies, two per layer (K and V), whatever the
+//! dtype. Only [`crate::paged_attention::write_kv`] (rounding `f32` to the
+//! storage type) and the attention kernel (widening back to `f32`, tile by
+//! tile) look inside the elements.
 
-use vellum_core::{BlockCopy, BlockSwap};
+use std::ops::Range;
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use vellum_core::{BlockCopy, BlockSwap, KvCacheDtype};
 
 /// Shape of the paged KV cache of one layer: K and V each
-/// `[num_blocks, block_size, num_kv_heads, head_dim]`, row-major `f32`.
+/// `[num_blocks, block_size, num_kv_heads, head_dim]`, row-major (elements of
+/// the cache's dtype).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvCacheLayout {
     /// Physical blocks in the pool.
@@ -38,17 +47,17 @@ pub struct KvCacheLayout {
 }
 
 impl KvCacheLayout {
-    /// Floats one block takes in one pool: `block_size * num_kv_heads * head_dim`.
+    /// Elements one block takes in one pool: `block_size * num_kv_heads * head_dim`.
     pub fn block_elems(&self) -> usize {
         self.block_size * self.num_kv_heads * self.head_dim
     }
 
-    /// Floats one slot (one token) takes in one pool: `num_kv_heads * head_dim`.
+    /// Elements one slot (one token) takes in one pool: `num_kv_heads * head_dim`.
     pub fn slot_elems(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
 
-    /// Floats of one whole pool: `num_blocks * block_elems()`.
+    /// Elements of one whole pool: `num_blocks * block_elems()`.
     pub fn pool_elems(&self) -> usize {
         self.num_blocks * self.block_elems()
     }
@@ -59,33 +68,143 @@ impl KvCacheLayout {
     }
 }
 
-/// K and V pools of one layer, each [`KvCacheLayout::pool_elems`] floats.
+/// One pool's elements in the cache's storage type ([`KvCacheDtype`]):
+/// `f32` (exact), or `f16`/`bf16` (half the memory; values are rounded to
+/// nearest-even when written and widened to `f32` when read).
 #[derive(Clone, Debug, PartialEq)]
-pub struct LayerKvCache {
-    /// Keys, `[num_blocks, block_size, num_kv_heads, head_dim]`.
-    pub k: Vec<f32>,
-    /// Values, same layout as `k`.
-    pub v: Vec<f32>,
+pub enum KvPool {
+    /// 4 bytes per element.
+    F32(Vec<f32>),
+    /// 2 bytes per element: 10-bit mantissa, range ±65504.
+    F16(Vec<f16>),
+    /// 2 bytes per element: 7-bit mantissa, the range of `f32`.
+    Bf16(Vec<bf16>),
 }
 
-impl LayerKvCache {
-    /// Zeroed pools for `layout`.
-    pub fn new(layout: &KvCacheLayout) -> Self {
-        let n = layout.pool_elems();
-        Self {
-            k: vec![0.0; n],
-            v: vec![0.0; n],
+impl KvPool {
+    /// `n` zeros of type `dtype`.
+    pub fn zeros(dtype: KvCacheDtype, n: usize) -> Self {
+        match dtype {
+            KvCacheDtype::F32 => KvPool::F32(vec![0.0; n]),
+            KvCacheDtype::F16 => KvPool::F16(vec![f16::ZERO; n]),
+            KvCacheDtype::Bf16 => KvPool::Bf16(vec![bf16::ZERO; n]),
         }
     }
 
-    /// Asserts that both pools have the size `layout` implies.
+    /// The storage type.
+    pub fn dtype(&self) -> KvCacheDtype {
+        match self {
+            KvPool::F32(_) => KvCacheDtype::F32,
+            KvPool::F16(_) => KvCacheDtype::F16,
+            KvPool::Bf16(_) => KvCacheDtype::Bf16,
+        }
+    }
+
+    /// Elements in the pool.
+    pub fn len(&self) -> usize {
+        match self {
+            KvPool::F32(x) => x.len(),
+            KvPool::F16(x) => x.len(),
+            KvPool::Bf16(x) => x.len(),
+        }
+    }
+
+    /// True for an empty pool.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Stores `src` at elements `offset..offset + src.len()`, rounding to
+    /// nearest (ties to even) for `f16`/`bf16`.
+    pub fn write_f32(&mut self, offset: usize, src: &[f32]) {
+        let range = offset..offset + src.len();
+        match self {
+            KvPool::F32(x) => x[range].copy_from_slice(src),
+            KvPool::F16(x) => x[range].convert_from_f32_slice(src),
+            KvPool::Bf16(x) => x[range].convert_from_f32_slice(src),
+        }
+    }
+
+    /// Reads elements `offset..offset + dst.len()` into `dst` as `f32`.
+    pub fn read_f32(&self, offset: usize, dst: &mut [f32]) {
+        let range = offset..offset + dst.len();
+        match self {
+            KvPool::F32(x) => dst.copy_from_slice(&x[range]),
+            KvPool::F16(x) => x[range].convert_to_f32_slice(dst),
+            KvPool::Bf16(x) => x[range].convert_to_f32_slice(dst),
+        }
+    }
+
+    /// The whole pool as `f32` (for tests and inspection).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len()];
+        self.read_f32(0, &mut out);
+        out
+    }
+
+    /// Copies elements `src` to `dst..` within the pool.
+    fn copy_within(&mut self, src: Range<usize>, dst: usize) {
+        match self {
+            KvPool::F32(x) => x.copy_within(src, dst),
+            KvPool::F16(x) => x.copy_within(src, dst),
+            KvPool::Bf16(x) => x.copy_within(src, dst),
+        }
+    }
+
+    /// Copies `from[src]` to `self[dst..]`; both pools have the same dtype.
+    fn copy_from(&mut self, dst: usize, from: &KvPool, src: Range<usize>) {
+        let to = dst..dst + src.len();
+        match (self, from) {
+            (KvPool::F32(x), KvPool::F32(y)) => x[to].copy_from_slice(&y[src]),
+            (KvPool::F16(x), KvPool::F16(y)) => x[to].copy_from_slice(&y[src]),
+            (KvPool::Bf16(x), KvPool::Bf16(y)) => x[to].copy_from_slice(&y[src]),
+            (x, y) => panic!(
+                "copy between KV pools of different dtypes: {:?} <- {:?}",
+                x.dtype(),
+                y.dtype()
+            ),
+        }
+    }
+}
+
+/// K and V pools of one layer, each [`KvCacheLayout::pool_elems`] elements
+/// of the same [`KvCacheDtype`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerKvCache {
+    /// Keys, `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    pub k: KvPool,
+    /// Values, same layout and dtype as `k`.
+    pub v: KvPool,
+}
+
+impl LayerKvCache {
+    /// Zeroed pools for `layout`, stored as `dtype`.
+    pub fn new(layout: &KvCacheLayout, dtype: KvCacheDtype) -> Self {
+        let n = layout.pool_elems();
+        Self {
+            k: KvPool::zeros(dtype, n),
+            v: KvPool::zeros(dtype, n),
+        }
+    }
+
+    /// The storage type of both pools.
+    pub fn dtype(&self) -> KvCacheDtype {
+        self.k.dtype()
+    }
+
+    /// Asserts that both pools have the size `layout` implies and one dtype.
     pub(crate) fn assert_layout(&self, layout: &KvCacheLayout, what: &str) {
         let n = layout.pool_elems();
         assert!(
             self.k.len() == n && self.v.len() == n,
-            "{what}: K/V pools hold {}/{} floats, layout {layout:?} needs {n}",
+            "{what}: K/V pools hold {}/{} elements, layout {layout:?} needs {n}",
             self.k.len(),
             self.v.len()
+        );
+        assert_eq!(
+            self.k.dtype(),
+            self.v.dtype(),
+            "{what}: K and V pools have different dtypes"
         );
     }
 }
@@ -95,11 +214,14 @@ impl LayerKvCache {
 /// `layers[l]` is layer `l` in the device pool (`layout.num_blocks` blocks);
 /// `host_layers[l]` is layer `l` in the host pool (`num_host_blocks` blocks,
 /// otherwise the same layout). On the CPU backend both live in host memory;
-/// the split keeps block ids of the two pools apart, as on a GPU.
+/// the split keeps block ids of the two pools apart, as on a GPU. Every pool
+/// has the same dtype, so swapping is a plain copy.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvCache {
     /// Layout of one layer of the device pool.
     pub layout: KvCacheLayout,
+    /// Storage type of every pool.
+    pub dtype: KvCacheDtype,
     /// Device pool, one entry per layer.
     pub layers: Vec<LayerKvCache>,
     /// Host swap pool, one entry per layer, `num_host_blocks` blocks each.
@@ -109,27 +231,31 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Zeroed device and host pools for `num_layers` layers.
-    pub fn new(layout: KvCacheLayout, num_layers: usize, num_host_blocks: usize) -> Self {
+    /// Zeroed device and host pools for `num_layers` layers, stored as `dtype`.
+    pub fn new(
+        layout: KvCacheLayout,
+        num_layers: usize,
+        num_host_blocks: usize,
+        dtype: KvCacheDtype,
+    ) -> Self {
         let host_layout = Self::host_layout_of(&layout, num_host_blocks);
         Self {
             layout,
+            dtype,
             layers: (0..num_layers)
-                .map(|_| LayerKvCache::new(&layout))
+                .map(|_| LayerKvCache::new(&layout, dtype))
                 .collect(),
             host_layers: (0..num_layers)
-                .map(|_| LayerKvCache::new(&host_layout))
+                .map(|_| LayerKvCache::new(&host_layout, dtype))
                 .collect(),
             num_host_blocks,
         }
     }
 
-    /// Bytes one block takes across all layers (K and V, `f32`).
-    pub fn block_bytes(layout: &KvCacheLayout, num_layers: usize) -> u64 {
-        // K and V, 4 bytes per f32.
-        2 * layout.block_elems() as u64 * std::mem::size_of::<f32>() as u64 * num_layers as u64
+    /// Bytes one block takes across all layers (K and V, `dtype` elements).
+    pub fn block_bytes(layout: &KvCacheLayout, num_layers: usize, dtype: KvCacheDtype) -> u64 {
+        2 * layout.block_elems() as u64 * dtype.size_bytes() as u64 * num_layers as u64
     }
-
     /// Layout of one layer of the host pool.
     pub fn host_layout(&self) -> KvCacheLayout {
         Self::host_layout_of(&self.layout, self.num_host_blocks)
@@ -183,11 +309,11 @@ impl KvCache {
             let (d, h) = (dev * n..(dev + 1) * n, host * n..(host + 1) * n);
             for (device, host) in self.layers.iter_mut().zip(&mut self.host_layers) {
                 if to_host {
-                    host.k[h.clone()].copy_from_slice(&device.k[d.clone()]);
-                    host.v[h.clone()].copy_from_slice(&device.v[d.clone()]);
+                    host.k.copy_from(h.start, &device.k, d.clone());
+                    host.v.copy_from(h.start, &device.v, d.clone());
                 } else {
-                    device.k[d.clone()].copy_from_slice(&host.k[h.clone()]);
-                    device.v[d.clone()].copy_from_slice(&host.v[h.clone()]);
+                    device.k.copy_from(d.start, &host.k, h.clone());
+                    device.v.copy_from(d.start, &host.v, h.clone());
                 }
             }
         }
@@ -214,9 +340,38 @@ mod tests {
             head_dim: 64,
         };
         assert_eq!(layout.block_elems(), 16 * 3 * 64);
-        assert_eq!(KvCache::block_bytes(&layout, 30), 2 * 16 * 3 * 64 * 4 * 30);
-        let cache = KvCache::new(layout, 2, 4);
-        assert_eq!(cache.layers[1].k.len(), 10 * 16 * 3 * 64);
-        assert_eq!(cache.host_layers[1].v.len(), 4 * 16 * 3 * 64);
+        for (dtype, bytes) in [
+            (KvCacheDtype::F32, 4),
+            (KvCacheDtype::F16, 2),
+            (KvCacheDtype::Bf16, 2),
+        ] {
+            assert_eq!(
+                KvCache::block_bytes(&layout, 30, dtype),
+                2 * 16 * 3 * 64 * bytes * 30
+            );
+            let cache = KvCache::new(layout, 2, 4, dtype);
+            assert_eq!(cache.layers[1].k.len(), 10 * 16 * 3 * 64);
+            assert_eq!(cache.host_layers[1].v.len(), 4 * 16 * 3 * 64);
+            assert_eq!(cache.host_layers[1].dtype(), dtype);
+        }
+    }
+
+    #[test]
+    fn half_pools_round_to_nearest() {
+        let x = [1.0f32 + 1.0 / 4096.0, 1.0 + 3.0 / 2048.0, -0.1, 70000.0];
+        let mut f = KvPool::zeros(KvCacheDtype::F16, 4);
+        f.write_f32(0, &x);
+        // f16 has an ulp of 2^-10 at 1: 1 + 2^-12 rounds down, 1 + 3·2^-11
+        // (halfway) to even; 70000 overflows to infinity.
+        let got = f.to_f32_vec();
+        assert_eq!(&got[..2], &[1.0, 1.0 + 2.0 / 1024.0]);
+        assert!((got[2] + 0.1).abs() <= 0.1 * 2f32.powi(-11));
+        assert_eq!(got[3], f32::INFINITY);
+        let mut b = KvPool::zeros(KvCacheDtype::Bf16, 4);
+        b.write_f32(0, &x);
+        let got = b.to_f32_vec();
+        assert_eq!(&got[..2], &[1.0, 1.0]);
+        assert!((got[2] + 0.1).abs() <= 0.1 * 2f32.powi(-8));
+        assert!((got[3] - 70000.0).abs() <= 70000.0 * 2f32.powi(-8));
     }
 }

@@ -53,10 +53,12 @@
 //! [`contiguous_attention`] is the same kernel over per-sequence contiguous
 //! K/V: a reference for the tests and the baseline of the benchmark.
 
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 use rayon::prelude::*;
 use vellum_core::AttentionMetadata;
 
-use crate::kv_cache::{KvCacheLayout, LayerKvCache};
+use crate::kv_cache::{KvCacheLayout, KvPool, LayerKvCache};
 
 /// Positions per online-softmax tile.
 const TILE: usize = 64;
@@ -110,8 +112,8 @@ pub fn write_kv(
             slot < num_slots,
             "write_kv: slot {slot} outside the pool of {num_slots} slots"
         );
-        cache.k[slot * row..(slot + 1) * row].copy_from_slice(k_row);
-        cache.v[slot * row..(slot + 1) * row].copy_from_slice(v_row);
+        cache.k.write_f32(slot * row, k_row);
+        cache.v.write_f32(slot * row, v_row);
     }
 }
 
@@ -194,33 +196,61 @@ pub fn paged_attention(
         // Σ over rows of (row position + 1) context entries.
         work += q_len * (2 * ctx - q_len + 1) / 2;
     }
-    let block_size = layout.block_size;
-    let item = |t: usize, kv_head: usize, q: &[f32], out: &mut [f32], scratch: &mut Vec<f32>| {
-        let s = meta.query_start_loc.partition_point(|&x| x as usize <= t) - 1;
-        let q_len = (meta.query_start_loc[s + 1] - meta.query_start_loc[s]) as usize;
-        let ctx = meta.context_lens[s] as usize;
-        let i = t - meta.query_start_loc[s] as usize;
-        let table = &meta.block_tables[s * stride..(s + 1) * stride];
-        let n_ctx = ctx - q_len + i + 1;
-        let rows = Rows {
-            k: &cache.k,
-            v: &cache.v,
-            row_stride: shape.kv_row(),
-            head_off: kv_head * shape.head_dim,
-        };
-        attend_group(
-            out,
-            q,
-            &rows,
-            n_ctx,
-            block_size,
-            |b| table[b] as usize * block_size,
-            &shape,
-            scale,
-            scratch,
-        );
+    let call = PagedCall {
+        meta,
+        shape,
+        block_size: layout.block_size,
+        work,
+        scale,
     };
-    run_items(out, q, &shape, work, item);
+    match (&cache.k, &cache.v) {
+        (KvPool::F32(k), KvPool::F32(v)) => call.run(out, q, k, v),
+        (KvPool::F16(k), KvPool::F16(v)) => call.run(out, q, k, v),
+        (KvPool::Bf16(k), KvPool::Bf16(v)) => call.run(out, q, k, v),
+        _ => unreachable!("paged_attention: assert_layout checks that K and V share a dtype"),
+    }
+}
+
+/// A validated [`paged_attention`] call, run over pools of element type `T`.
+struct PagedCall<'a, 'm> {
+    meta: &'a AttentionMetadata<'m>,
+    shape: Shape,
+    block_size: usize,
+    work: usize,
+    scale: f32,
+}
+
+impl PagedCall<'_, '_> {
+    fn run<T: KvElem>(&self, out: &mut [f32], q: &[f32], k: &[T], v: &[T]) {
+        let (meta, shape, block_size) = (self.meta, &self.shape, self.block_size);
+        let stride = meta.block_table_stride;
+        let item = |t: usize, kv_head: usize, q: &[f32], out: &mut [f32], scratch: &mut Vec<f32>| {
+            let s = meta.query_start_loc.partition_point(|&x| x as usize <= t) - 1;
+            let q_len = (meta.query_start_loc[s + 1] - meta.query_start_loc[s]) as usize;
+            let ctx = meta.context_lens[s] as usize;
+            let i = t - meta.query_start_loc[s] as usize;
+            let table = &meta.block_tables[s * stride..(s + 1) * stride];
+            let n_ctx = ctx - q_len + i + 1;
+            let rows = Rows {
+                k,
+                v,
+                row_stride: shape.kv_row(),
+                head_off: kv_head * shape.head_dim,
+            };
+            attend_group(
+                out,
+                q,
+                &rows,
+                n_ctx,
+                block_size,
+                |b| table[b] as usize * block_size,
+                shape,
+                self.scale,
+                scratch,
+            );
+        };
+        run_items(out, q, shape, self.work, item);
+    }
 }
 
 /// The same attention over contiguous per-sequence K/V: `k[s]`, `v[s]` are
@@ -403,11 +433,62 @@ where
 
 /// Keys and values of one kv head: row `r` (a token) of the head starts at
 /// `r * row_stride + head_off` in `k` and `v`.
-struct Rows<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
+struct Rows<'a, T> {
+    k: &'a [T],
+    v: &'a [T],
     row_stride: usize,
     head_off: usize,
+}
+
+/// An element type of the KV pools, read by the kernel as `f32`.
+trait KvElem: Copy + Send + Sync {
+    /// The slice itself when the elements already are `f32`: the kernel then
+    /// reads the pools in place. `None` for `f16`/`bf16`, which the kernel
+    /// widens tile by tile into scratch.
+    fn as_f32(x: &[Self]) -> Option<&[f32]>;
+
+    /// `dst[i] = src[i] as f32` (same lengths).
+    fn widen(src: &[Self], dst: &mut [f32]);
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn as_f32(x: &[f32]) -> Option<&[f32]> {
+        Some(x)
+    }
+
+    #[inline(always)]
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn as_f32(_: &[f16]) -> Option<&[f32]> {
+        None
+    }
+
+    /// `half` uses the F16C instructions when the CPU has them.
+    #[inline(always)]
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+impl KvElem for bf16 {
+    #[inline(always)]
+    fn as_f32(_: &[bf16]) -> Option<&[f32]> {
+        None
+    }
+
+    /// A shift into the high half of an `f32`: exact.
+    #[inline(always)]
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits((s.to_bits() as u32) << 16);
+        }
+    }
 }
 
 /// Attention of the query heads in `q` (`[n_kv * group, head_dim]`, the
@@ -418,13 +499,16 @@ struct Rows<'a> {
 /// The context is made of runs of `run_len` consecutive positions; run `r`
 /// starts at row `run_row(r)` of `rows` (a block of the block table, or the
 /// whole contiguous context). One pass over tiles of [`TILE`] positions with
-/// an online softmax; `out` is the accumulator.
+/// an online softmax; `out` is the accumulator. `f32` pools are read in
+/// place; `f16`/`bf16` pools are widened one tile at a time into two dense
+/// `[TILE, n_kv * head_dim]` scratch buffers (K and V), which the same tile
+/// code then reads.
 #[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
 #[inline]
-fn attend_group(
+fn attend_group<T: KvElem>(
     out: &mut [f32],
     q: &[f32],
-    rows: &Rows<'_>,
+    rows: &Rows<'_, T>,
     n_ctx: usize,
     run_len: usize,
     run_row: impl Fn(usize) -> usize,
@@ -432,27 +516,35 @@ fn attend_group(
     scale: f32,
     scratch: &mut Vec<f32>,
 ) {
-    let hd = shape.head_dim;
-    let group_len = shape.group_len();
     // Query heads of the item.
-    let n_q = q.len() / hd;
-    // scratch: scores [n_q, TILE], then running max [n_q], running sum [n_q].
+    let n_q = q.len() / shape.head_dim;
+    // Elements of one row of the item's kv heads.
+    let row_len = q.len() / shape.group;
+    let in_place = T::as_f32(rows.k).zip(T::as_f32(rows.v));
+    let widened_len = if in_place.is_some() { 0 } else { TILE * row_len };
+    // scratch: scores [n_q, TILE], running max [n_q], running sum [n_q],
+    // then (f16/bf16 only) the widened K and V of the tile.
     scratch.clear();
-    scratch.resize(n_q * TILE + 2 * n_q, 0.0);
-    let (scores, state) = scratch.split_at_mut(n_q * TILE);
-    let (m, l) = state.split_at_mut(n_q);
+    scratch.resize(n_q * TILE + 2 * n_q + 2 * widened_len, 0.0);
+    let (scores, rest) = scratch.split_at_mut(n_q * TILE);
+    let (m, rest) = rest.split_at_mut(n_q);
+    let (l, rest) = rest.split_at_mut(n_q);
+    let (k_tile, v_tile) = rest.split_at_mut(widened_len);
     m.fill(f32::NEG_INFINITY);
     out.fill(0.0);
+    let mut state = SoftmaxState { scores, m, l };
 
-    let row_len = q.len() / shape.group;
-    let prefetch_k = |runs: &TileRuns| {
+    let prefetch_next = |runs: &TileRuns| {
         runs.for_each_row(rows.row_stride, |_, base| {
             prefetch(&rows.k[base..base + row_len]);
+            if in_place.is_none() {
+                prefetch(&rows.v[base..base + row_len]);
+            }
         });
     };
     // Row runs of the current tile and of the next one.
     let mut runs = TileRuns::new(rows, 0, TILE.min(n_ctx), run_len, &run_row);
-    prefetch_k(&runs);
+    prefetch_next(&runs);
     let mut tile_start = 0;
     while tile_start < n_ctx {
         let tile_end = (tile_start + TILE).min(n_ctx);
@@ -467,70 +559,123 @@ fn attend_group(
             run_len,
             &run_row,
         );
-        prefetch_k(&next);
-
-        // 1. Scores of the tile: s[h, j] = scale * q_h · k_{j, kv(h)}; the
-        //    item's kv heads of row j lie next to each other.
-        runs.for_each_row(rows.row_stride, |j, base| {
-            prefetch(&rows.v[base..base + row_len]);
-            for (kv, q_kv) in q.chunks_exact(group_len).enumerate() {
-                let k_row = &rows.k[base + kv * hd..base + (kv + 1) * hd];
-                for (g, q_h) in q_kv.chunks_exact(hd).enumerate() {
-                    scores[(kv * shape.group + g) * TILE + j] = scale * dot(q_h, k_row);
-                }
+        prefetch_next(&next);
+        match in_place {
+            Some((k, v)) => {
+                let rows = Rows {
+                    k,
+                    v,
+                    row_stride: rows.row_stride,
+                    head_off: rows.head_off,
+                };
+                attend_tile(out, q, &rows, &runs, tile_len, shape, scale, &mut state);
             }
-        });
-
-        // 2. Online softmax: rescale the running state to the new max.
-        for g in 0..n_q {
-            let s = &mut scores[g * TILE..g * TILE + tile_len];
-            let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let m_new = m[g].max(tile_max);
-            let correction = (m[g] - m_new).exp(); // exp(-inf) = 0 on the first tile
-            l[g] = l[g] * correction + exp_shifted(s, m_new);
-            m[g] = m_new;
-            if correction != 1.0 {
-                out[g * hd..(g + 1) * hd]
-                    .iter_mut()
-                    .for_each(|o| *o *= correction);
+            None => {
+                runs.for_each_row(rows.row_stride, |j, base| {
+                    let dst = j * row_len..(j + 1) * row_len;
+                    T::widen(&rows.k[base..base + row_len], &mut k_tile[dst.clone()]);
+                    T::widen(&rows.v[base..base + row_len], &mut v_tile[dst]);
+                });
+                let dense = Rows {
+                    k: &*k_tile,
+                    v: &*v_tile,
+                    row_stride: row_len,
+                    head_off: 0,
+                };
+                let dense_runs = TileRuns::one(tile_len);
+                attend_tile(out, q, &dense, &dense_runs, tile_len, shape, scale, &mut state);
             }
         }
-
-        // 3. Accumulate the tile's values: out_g += Σ_j p[g, j] * v_j, one
-        //    LANES-wide chunk of head_dim at a time so the accumulator stays
-        //    in registers across the tile's rows.
-        for (g, o) in out.chunks_exact_mut(hd).enumerate() {
-            let p = &scores[g * TILE..g * TILE + tile_len];
-            let v_off = (g / shape.group) * hd;
-            let mut c = 0;
-            while c + LANES <= hd {
-                let mut acc = [0.0f32; LANES];
-                acc.copy_from_slice(&o[c..c + LANES]);
-                runs.for_each_row(rows.row_stride, |j, base| {
-                    let v = &rows.v[base + v_off + c..base + v_off + c + LANES];
-                    let pj = p[j];
-                    for (a, x) in acc.iter_mut().zip(v) {
-                        *a += pj * x;
-                    }
-                });
-                o[c..c + LANES].copy_from_slice(&acc);
-                c += LANES;
-            }
-            if c < hd {
-                let o = &mut o[c..];
-                runs.for_each_row(rows.row_stride, |j, base| {
-                    axpy(o, p[j], &rows.v[base + v_off + c..base + v_off + hd]);
-                });
-            }
-        }
-
         tile_start = tile_end;
         runs = next;
     }
 
-    for (g, o) in out.chunks_exact_mut(hd).enumerate() {
-        let inv = 1.0 / l[g];
+    for (g, o) in out.chunks_exact_mut(shape.head_dim).enumerate() {
+        let inv = 1.0 / state.l[g];
         o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// Online-softmax state of one work item: the tile's scores `[n_q, TILE]`
+/// and the running max `m` and sum `l` of each query head.
+struct SoftmaxState<'a> {
+    scores: &'a mut [f32],
+    m: &'a mut [f32],
+    l: &'a mut [f32],
+}
+
+/// One tile of [`attend_group`] over `f32` rows: scores, online-softmax
+/// rescaling of `out`, value accumulation.
+#[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
+#[inline(always)]
+fn attend_tile(
+    out: &mut [f32],
+    q: &[f32],
+    rows: &Rows<'_, f32>,
+    runs: &TileRuns,
+    tile_len: usize,
+    shape: &Shape,
+    scale: f32,
+    state: &mut SoftmaxState<'_>,
+) {
+    let hd = shape.head_dim;
+    let group_len = shape.group_len();
+    let row_len = q.len() / shape.group;
+    let SoftmaxState { scores, m, l } = state;
+
+    // 1. Scores of the tile: s[h, j] = scale * q_h · k_{j, kv(h)}; the
+    //    item's kv heads of row j lie next to each other.
+    runs.for_each_row(rows.row_stride, |j, base| {
+        prefetch(&rows.v[base..base + row_len]);
+        for (kv, q_kv) in q.chunks_exact(group_len).enumerate() {
+            let k_row = &rows.k[base + kv * hd..base + (kv + 1) * hd];
+            for (g, q_h) in q_kv.chunks_exact(hd).enumerate() {
+                scores[(kv * shape.group + g) * TILE + j] = scale * dot(q_h, k_row);
+            }
+        }
+    });
+
+    // 2. Online softmax: rescale the running state to the new max.
+    for g in 0..m.len() {
+        let s = &mut scores[g * TILE..g * TILE + tile_len];
+        let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let m_new = m[g].max(tile_max);
+        let correction = (m[g] - m_new).exp(); // exp(-inf) = 0 on the first tile
+        l[g] = l[g] * correction + exp_shifted(s, m_new);
+        m[g] = m_new;
+        if correction != 1.0 {
+            out[g * hd..(g + 1) * hd]
+                .iter_mut()
+                .for_each(|o| *o *= correction);
+        }
+    }
+
+    // 3. Accumulate the tile's values: out_g += Σ_j p[g, j] * v_j, one
+    //    LANES-wide chunk of head_dim at a time so the accumulator stays
+    //    in registers across the tile's rows.
+    for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+        let p = &scores[g * TILE..g * TILE + tile_len];
+        let v_off = (g / shape.group) * hd;
+        let mut c = 0;
+        while c + LANES <= hd {
+            let mut acc = [0.0f32; LANES];
+            acc.copy_from_slice(&o[c..c + LANES]);
+            runs.for_each_row(rows.row_stride, |j, base| {
+                let v = &rows.v[base + v_off + c..base + v_off + c + LANES];
+                let pj = p[j];
+                for (a, x) in acc.iter_mut().zip(v) {
+                    *a += pj * x;
+                }
+            });
+            o[c..c + LANES].copy_from_slice(&acc);
+            c += LANES;
+        }
+        if c < hd {
+            let o = &mut o[c..];
+            runs.for_each_row(rows.row_stride, |j, base| {
+                axpy(o, p[j], &rows.v[base + v_off + c..base + v_off + hd]);
+            });
+        }
     }
 }
 
@@ -548,8 +693,8 @@ impl TileRuns {
     /// Runs of positions `start..end` (at most [`TILE`] of them): run `r` of
     /// `run_len` positions starts at row `run_row(r)`.
     #[inline(always)]
-    fn new(
-        rows: &Rows<'_>,
+    fn new<T>(
+        rows: &Rows<'_, T>,
         start: usize,
         end: usize,
         run_len: usize,
@@ -573,6 +718,17 @@ impl TileRuns {
             run += 1;
             off = 0;
         }
+        t
+    }
+
+    /// One run of `n` rows from offset 0: a dense, widened tile.
+    #[inline(always)]
+    fn one(n: usize) -> Self {
+        let mut t = TileRuns {
+            runs: [(0, 0); TILE],
+            len: 1,
+        };
+        t.runs[0] = (0, n);
         t
     }
 
@@ -677,9 +833,9 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 
 /// Hints the CPU to load `x` into the cache (one prefetch per 64-byte line).
 #[inline(always)]
-fn prefetch(x: &[f32]) {
+fn prefetch<T>(x: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    for line in x.chunks(16) {
+    for line in x.chunks(64 / std::mem::size_of::<T>()) {
         // SAFETY: prefetching never faults and `line` is a valid slice.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(

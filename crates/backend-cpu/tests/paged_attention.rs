@@ -6,11 +6,58 @@
 //! cache in a "previous step", this step's tokens with a second `write_kv`,
 //! and its blocks are physical ids drawn out of order from a shuffled pool —
 //! except the shared prefix blocks, which two sequences list in their tables.
+//!
+//! Every cache test runs for each storage dtype (`f32`, `f16`, `bf16`). A
+//! half-precision cache is compared two ways: with the reference computed on
+//! the K/V rounded to the storage type (what the kernel actually reads; the
+//! `f32` tolerance applies unchanged), and with the reference on the exact
+//! inputs, within the bound that rounding implies (see [`rounding_bound`]).
 
+use half::{bf16, f16};
 use proptest::prelude::*;
-use vellum_backend_cpu::kv_cache::{KvCache, KvCacheLayout, LayerKvCache};
+use vellum_backend_cpu::kv_cache::{KvCache, KvCacheLayout, KvPool, LayerKvCache};
 use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention, write_kv};
-use vellum_core::{AttentionMetadata, BlockCopy, BlockId, BlockSwap, HostBlockId};
+use vellum_core::{AttentionMetadata, BlockCopy, BlockId, BlockSwap, HostBlockId, KvCacheDtype};
+
+const DTYPES: [KvCacheDtype; 3] = [KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16];
+
+/// `x` rounded to `dtype` (nearest, ties to even) and widened back.
+fn round_to(dtype: KvCacheDtype, x: f32) -> f32 {
+    match dtype {
+        KvCacheDtype::F32 => x,
+        KvCacheDtype::F16 => f16::from_f32(x).to_f32(),
+        KvCacheDtype::Bf16 => bf16::from_f32(x).to_f32(),
+    }
+}
+
+fn rounded(dtype: KvCacheDtype, xs: &[f32]) -> Vec<f32> {
+    xs.iter().map(|&x| round_to(dtype, x)).collect()
+}
+
+/// Unit roundoff of `dtype`: `|round(x) - x| <= u |x|` (normal range).
+fn unit_roundoff(dtype: KvCacheDtype) -> f32 {
+    match dtype {
+        KvCacheDtype::F32 => 0.0, // the f32 inputs are stored exactly
+        KvCacheDtype::F16 => 2f32.powi(-11),
+        KvCacheDtype::Bf16 => 2f32.powi(-8),
+    }
+}
+
+/// Largest |paged(rounded K/V) - reference(exact K/V)| that rounding can
+/// cause, for inputs in [-1, 1] (|q|, |k|, |v| <= 1):
+///
+/// - each score `scale * q·k` moves by at most `δ = scale * head_dim * u`
+///   (`|Δk_i| <= u`), so the softmax weights change by a factor within
+///   `e^{±2δ}` and the output, a convex combination of values `|v| <= 1`,
+///   by at most `e^{2δ} - 1`;
+/// - the values themselves move by at most `u`.
+///
+/// Plus the f32 tolerance of [`assert_close`] for the arithmetic.
+fn rounding_bound(dtype: KvCacheDtype, head_dim: usize, scale: f32) -> f32 {
+    let u = unit_roundoff(dtype);
+    let delta = scale * head_dim as f32 * u;
+    (2.0 * delta).exp_m1() + u + 1e-4
+}
 
 /// SplitMix64: deterministic data from the proptest seed.
 struct Rng(u64);
@@ -92,6 +139,16 @@ fn reference_attention(
     out
 }
 
+fn assert_within(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}: element {i}: got {g}, want {w} (tolerance {tol})"
+        );
+    }
+}
+
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
@@ -152,10 +209,14 @@ fn case_strategy() -> impl Strategy<Value = Case> {
 /// each sequence's logical K/V.
 struct Batch {
     layout: KvCacheLayout,
+    dtype: KvCacheDtype,
     cache: LayerKvCache,
     q: Vec<f32>,
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    /// `k`, `v` rounded to `dtype`: what the cache holds.
+    k_stored: Vec<Vec<f32>>,
+    v_stored: Vec<Vec<f32>>,
     query_start_loc: Vec<u32>,
     context_lens: Vec<u32>,
     block_tables: Vec<u32>,
@@ -164,7 +225,7 @@ struct Batch {
 }
 
 impl Batch {
-    fn build(c: &Case) -> Self {
+    fn build(c: &Case, dtype: KvCacheDtype) -> Self {
         let mut rng = Rng(c.seed);
         let (bs, kvh, hd) = (c.block_size, c.num_kv_heads, c.head_dim);
         let num_heads = kvh * c.group;
@@ -220,7 +281,7 @@ impl Batch {
             num_kv_heads: kvh,
             head_dim: hd,
         };
-        let mut cache = LayerKvCache::new(&layout);
+        let mut cache = LayerKvCache::new(&layout, dtype);
         let slot =
             |s: usize, p: usize| block_tables[s * stride + p / bs] * bs as u32 + (p % bs) as u32;
 
@@ -250,12 +311,17 @@ impl Batch {
         let num_tokens = *query_start_loc.last().unwrap_or(&0) as usize;
         let q = rng.vec(num_tokens * num_heads * hd);
         let context_lens = c.seqs.iter().map(|&(ctx, _)| ctx as u32).collect();
+        let k_stored = k.iter().map(|x| rounded(dtype, x)).collect();
+        let v_stored = v.iter().map(|x| rounded(dtype, x)).collect();
         Batch {
             layout,
+            dtype,
             cache,
             q,
             k,
             v,
+            k_stored,
+            v_stored,
             query_start_loc,
             context_lens,
             block_tables,
@@ -312,12 +378,31 @@ impl Batch {
         out
     }
 
+    /// The reference on the exact inputs.
     fn reference(&self) -> Vec<f32> {
+        self.reference_of(&self.k, &self.v)
+    }
+
+    /// The reference on the K/V as stored (rounded to the dtype).
+    fn reference_stored(&self) -> Vec<f32> {
+        self.reference_of(&self.k_stored, &self.v_stored)
+    }
+
+    /// Paged attention against both references (see the module doc).
+    fn check_paged(&self) {
+        let paged = self.paged();
+        let what = format!("paged ({:?}) vs reference", self.dtype);
+        assert_close(&paged, &self.reference_stored(), &format!("{what} on stored K/V"));
+        let tol = rounding_bound(self.dtype, self.layout.head_dim, self.scale());
+        assert_within(&paged, &self.reference(), tol, &format!("{what} on exact K/V"));
+    }
+
+    fn reference_of(&self, k: &[Vec<f32>], v: &[Vec<f32>]) -> Vec<f32> {
         let l = &self.layout;
         reference_attention(
             &self.q,
-            &self.k,
-            &self.v,
+            k,
+            v,
             &self.query_start_loc,
             self.num_heads,
             l.num_kv_heads,
@@ -334,19 +419,20 @@ proptest! {
     /// naive reference for mixed decode / prefill-chunk batches.
     #[test]
     fn paged_matches_reference(c in case_strategy()) {
-        let b = Batch::build(&c);
-        assert_close(&b.paged(), &b.reference(), "paged vs reference");
+        for dtype in DTYPES {
+            Batch::build(&c, dtype).check_paged();
+        }
     }
 
     /// The contiguous kernel (the benchmark's baseline) equals the reference.
     #[test]
     fn contiguous_matches_reference(c in case_strategy()) {
-        let b = Batch::build(&c);
+        let b = Batch::build(&c, KvCacheDtype::F32);
         assert_close(&b.contiguous(), &b.reference(), "contiguous vs reference");
     }
 
-    /// Every token written by `write_kv` reads back from its slot; every other
-    /// slot stays zero.
+    /// Every token written by `write_kv` reads back from its slot (rounded to
+    /// the storage dtype); every other slot stays zero.
     #[test]
     fn write_kv_reads_back_through_slots(
         block_size in prop::sample::select(vec![1usize, 2, 4, 8, 16]),
@@ -363,17 +449,21 @@ proptest! {
         rng.shuffle(&mut slots);
         slots.truncate((slots.len() as f64 * fill) as usize);
         let (k, v) = (rng.vec(slots.len() * row), rng.vec(slots.len() * row));
-        let mut cache = LayerKvCache::new(&layout);
-        write_kv(&mut cache, &layout, &k, &v, &slots);
-        for (t, &slot) in slots.iter().enumerate() {
-            let s = slot as usize;
-            prop_assert_eq!(&cache.k[s * row..(s + 1) * row], &k[t * row..(t + 1) * row]);
-            prop_assert_eq!(&cache.v[s * row..(s + 1) * row], &v[t * row..(t + 1) * row]);
-        }
-        let written: std::collections::HashSet<u32> = slots.iter().copied().collect();
-        for s in (0..layout.num_slots()).filter(|s| !written.contains(&(*s as u32))) {
-            prop_assert!(cache.k[s * row..(s + 1) * row].iter().all(|&x| x == 0.0));
-            prop_assert!(cache.v[s * row..(s + 1) * row].iter().all(|&x| x == 0.0));
+        for dtype in DTYPES {
+            let mut cache = LayerKvCache::new(&layout, dtype);
+            write_kv(&mut cache, &layout, &k, &v, &slots);
+            prop_assert_eq!(cache.dtype(), dtype);
+            let (ck, cv) = (cache.k.to_f32_vec(), cache.v.to_f32_vec());
+            for (t, &slot) in slots.iter().enumerate() {
+                let s = slot as usize;
+                prop_assert_eq!(&ck[s * row..(s + 1) * row], &rounded(dtype, &k[t * row..(t + 1) * row])[..]);
+                prop_assert_eq!(&cv[s * row..(s + 1) * row], &rounded(dtype, &v[t * row..(t + 1) * row])[..]);
+            }
+            let written: std::collections::HashSet<u32> = slots.iter().copied().collect();
+            for s in (0..layout.num_slots()).filter(|s| !written.contains(&(*s as u32))) {
+                prop_assert!(ck[s * row..(s + 1) * row].iter().all(|&x| x == 0.0));
+                prop_assert!(cv[s * row..(s + 1) * row].iter().all(|&x| x == 0.0));
+            }
         }
     }
 
@@ -421,17 +511,19 @@ proptest! {
             out
         };
 
-        let mut whole_cache = LayerKvCache::new(&layout);
-        write_kv(&mut whole_cache, &layout, &k, &v, &slots);
-        let whole = attend(&whole_cache, 0, len);
+        for dtype in DTYPES {
+            let mut whole_cache = LayerKvCache::new(&layout, dtype);
+            write_kv(&mut whole_cache, &layout, &k, &v, &slots);
+            let whole = attend(&whole_cache, 0, len);
 
-        let mut cache = LayerKvCache::new(&layout);
-        let mut chunked = Vec::new();
-        for (from, to) in [(0, a), (a, b), (b, len)] {
-            write_kv(&mut cache, &layout, &k[from * row..to * row], &v[from * row..to * row], &slots[from..to]);
-            chunked.extend(attend(&cache, from, to));
+            let mut cache = LayerKvCache::new(&layout, dtype);
+            let mut chunked = Vec::new();
+            for (from, to) in [(0, a), (a, b), (b, len)] {
+                write_kv(&mut cache, &layout, &k[from * row..to * row], &v[from * row..to * row], &slots[from..to]);
+                chunked.extend(attend(&cache, from, to));
+            }
+            assert_close(&chunked, &whole, &format!("chunked vs whole prefill ({dtype:?})"));
         }
-        assert_close(&chunked, &whole, "chunked vs whole prefill");
     }
 }
 
@@ -440,22 +532,32 @@ fn random_cache(
     layout: KvCacheLayout,
     layers: usize,
     host_blocks: usize,
+    dtype: KvCacheDtype,
 ) -> KvCache {
-    let mut cache = KvCache::new(layout, layers, host_blocks);
+    let mut cache = KvCache::new(layout, layers, host_blocks, dtype);
     for l in cache.layers.iter_mut().chain(cache.host_layers.iter_mut()) {
-        l.k.iter_mut().for_each(|x| *x = rng.f32());
-        l.v.iter_mut().for_each(|x| *x = rng.f32());
+        let (k, v) = (rng.vec(l.k.len()), rng.vec(l.v.len()));
+        l.k.write_f32(0, &k);
+        l.v.write_f32(0, &v);
     }
     cache
 }
 
-fn block(pool: &[f32], layout: &KvCacheLayout, b: usize) -> Vec<f32> {
-    let n = layout.block_elems();
-    pool[b * n..(b + 1) * n].to_vec()
+/// Block `b` of `pool`, widened to f32 (exact, so equal blocks compare equal).
+fn block(pool: &KvPool, layout: &KvCacheLayout, b: usize) -> Vec<f32> {
+    let mut out = vec![0.0; layout.block_elems()];
+    pool.read_f32(b * out.len(), &mut out);
+    out
 }
 
 #[test]
 fn copy_blocks_moves_every_layer_k_and_v() {
+    for dtype in DTYPES {
+        copy_blocks_moves_every_layer_k_and_v_in(dtype);
+    }
+}
+
+fn copy_blocks_moves_every_layer_k_and_v_in(dtype: KvCacheDtype) {
     let mut rng = Rng(7);
     let layout = KvCacheLayout {
         num_blocks: 8,
@@ -463,7 +565,7 @@ fn copy_blocks_moves_every_layer_k_and_v() {
         num_kv_heads: 3,
         head_dim: 5,
     };
-    let mut cache = random_cache(&mut rng, layout, 3, 2);
+    let mut cache = random_cache(&mut rng, layout, 3, 2, dtype);
     let before = cache.clone();
     let copies = [
         BlockCopy {
@@ -486,12 +588,12 @@ fn copy_blocks_moves_every_layer_k_and_v() {
             assert_eq!(
                 block(&after.k, &layout, b),
                 block(&before.k, &layout, src),
-                "layer {l} K block {b}"
+                "{dtype:?} layer {l} K block {b}"
             );
             assert_eq!(
                 block(&after.v, &layout, b),
                 block(&before.v, &layout, src),
-                "layer {l} V block {b}"
+                "{dtype:?} layer {l} V block {b}"
             );
         }
     }
@@ -503,6 +605,12 @@ fn copy_blocks_moves_every_layer_k_and_v() {
 
 #[test]
 fn swap_out_then_in_round_trips_every_layer_k_and_v() {
+    for dtype in DTYPES {
+        swap_out_then_in_round_trips_every_layer_k_and_v_in(dtype);
+    }
+}
+
+fn swap_out_then_in_round_trips_every_layer_k_and_v_in(dtype: KvCacheDtype) {
     let mut rng = Rng(11);
     let layout = KvCacheLayout {
         num_blocks: 6,
@@ -510,7 +618,7 @@ fn swap_out_then_in_round_trips_every_layer_k_and_v() {
         num_kv_heads: 2,
         head_dim: 3,
     };
-    let mut cache = random_cache(&mut rng, layout, 4, 3);
+    let mut cache = random_cache(&mut rng, layout, 4, 3, dtype);
     let before = cache.clone();
 
     // Out: device 4 -> host 2, device 1 -> host 0.
@@ -531,12 +639,12 @@ fn swap_out_then_in_round_trips_every_layer_k_and_v() {
             assert_eq!(
                 block(&h.k, &host, hb),
                 block(&d.k, &layout, db),
-                "layer {l} K host {hb}"
+                "{dtype:?} layer {l} K host {hb}"
             );
             assert_eq!(
                 block(&h.v, &host, hb),
                 block(&d.v, &layout, db),
-                "layer {l} V host {hb}"
+                "{dtype:?} layer {l} V host {hb}"
             );
         }
         assert_eq!(
@@ -552,8 +660,9 @@ fn swap_out_then_in_round_trips_every_layer_k_and_v() {
 
     // The device blocks are reused meanwhile; in: host 2 -> device 0, host 0 -> device 5.
     for l in &mut cache.layers {
-        l.k.iter_mut().for_each(|x| *x = -7.0);
-        l.v.iter_mut().for_each(|x| *x = -7.0);
+        let fill = vec![-7.0; l.k.len()];
+        l.k.write_f32(0, &fill);
+        l.v.write_f32(0, &fill);
     }
     let back = [
         BlockSwap {
@@ -571,12 +680,12 @@ fn swap_out_then_in_round_trips_every_layer_k_and_v() {
             assert_eq!(
                 block(&d.k, &layout, db),
                 block(&orig.k, &layout, ob),
-                "layer {l} K device {db}"
+                "{dtype:?} layer {l} K device {db}"
             );
             assert_eq!(
                 block(&d.v, &layout, db),
                 block(&orig.v, &layout, ob),
-                "layer {l} V device {db}"
+                "{dtype:?} layer {l} V device {db}"
             );
         }
         assert!(
@@ -598,8 +707,10 @@ fn gqa_decode_batch_of_64_runs_in_parallel_and_matches_reference() {
         shared_blocks: 2,
         seed: 3,
     };
-    let b = Batch::build(&c);
-    assert_close(&b.paged(), &b.reference(), "paged vs reference");
+    for dtype in DTYPES {
+        Batch::build(&c, dtype).check_paged();
+    }
+    let b = Batch::build(&c, KvCacheDtype::F32);
     assert_close(&b.contiguous(), &b.reference(), "contiguous vs reference");
 }
 
@@ -615,8 +726,10 @@ fn single_long_decode_matches_reference() {
         shared_blocks: 0,
         seed: 9,
     };
-    let b = Batch::build(&c);
-    assert_close(&b.paged(), &b.reference(), "paged vs reference");
+    for dtype in DTYPES {
+        Batch::build(&c, dtype).check_paged();
+    }
+    let b = Batch::build(&c, KvCacheDtype::F32);
     assert_close(&b.contiguous(), &b.reference(), "contiguous vs reference");
 }
 
@@ -631,8 +744,9 @@ fn long_prefill_matches_reference() {
         shared_blocks: 0,
         seed: 5,
     };
-    let b = Batch::build(&c);
-    assert_close(&b.paged(), &b.reference(), "paged vs reference");
+    for dtype in DTYPES {
+        Batch::build(&c, dtype).check_paged();
+    }
 }
 
 #[test]
@@ -644,7 +758,7 @@ fn block_table_too_short_is_a_broken_invariant() {
         num_kv_heads: 1,
         head_dim: 4,
     };
-    let cache = LayerKvCache::new(&layout);
+    let cache = LayerKvCache::new(&layout, KvCacheDtype::F32);
     let meta = AttentionMetadata {
         block_size: 2,
         slot_mapping: &[],
@@ -666,6 +780,6 @@ fn slot_outside_the_pool_is_a_broken_invariant() {
         num_kv_heads: 1,
         head_dim: 2,
     };
-    let mut cache = LayerKvCache::new(&layout);
+    let mut cache = LayerKvCache::new(&layout, KvCacheDtype::F16);
     write_kv(&mut cache, &layout, &[1.0, 2.0], &[3.0, 4.0], &[4]);
 }
