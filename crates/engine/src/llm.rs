@@ -1,7 +1,7 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
 use crate::engine_core::{EngineCore, Error, RequestOutput};
-use vellum_core::{KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId};
+use vellum_core::{KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId};
 use vellum_models::{resolve_model, ChatMessage, ChatTemplate, Tokenizer};
 
 /// How to build an engine. `Default` serves the default model.
@@ -16,13 +16,21 @@ pub struct EngineArgs {
     /// available once the weights are loaded (the profiling step of thesis
     /// §4.2.1).
     pub kv_cache: KvCacheSize,
+    /// Element type of the stored keys and values.
+    pub kv_cache_dtype: KvCacheDtype,
     /// Scheduler budgets and policy.
     pub scheduler: SchedulerConfig,
 }
 
 impl Default for EngineArgs {
     fn default() -> Self {
-        Self { model: None, block_size: 16, kv_cache: KvCacheSize::FractionOfFree(0.5), scheduler: SchedulerConfig::default() }
+        Self {
+            model: None,
+            block_size: 16,
+            kv_cache: KvCacheSize::FractionOfFree(0.5),
+            kv_cache_dtype: KvCacheDtype::F32,
+            scheduler: SchedulerConfig::default(),
+        }
     }
 }
 
@@ -57,7 +65,7 @@ impl Llm {
             }
         }
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
-        let executor: Box<dyn ModelExecutor> = Self::cpu_executor(&*loaded.weights, config, progress)?;
+        let executor: Box<dyn ModelExecutor> = Self::cpu_executor(&*loaded.weights, config, args.kv_cache_dtype, progress)?;
         let num_blocks = match args.kv_cache {
             KvCacheSize::NumBlocks(n) => n,
             KvCacheSize::MemoryBytes(b) => executor.num_kv_blocks_for_budget(b, args.block_size),
@@ -81,15 +89,17 @@ impl Llm {
     fn cpu_executor(
         weights: &dyn vellum_models::WeightSource,
         config: vellum_core::ModelConfig,
+        kv_cache_dtype: KvCacheDtype,
         progress: impl FnMut(usize, usize),
     ) -> Result<Box<dyn ModelExecutor>, Error> {
-        Ok(Box::new(vellum_backend_cpu::CpuExecutor::load(weights, config, progress)?))
+        Ok(Box::new(vellum_backend_cpu::CpuExecutor::load(weights, config, progress)?.with_kv_cache_dtype(kv_cache_dtype)))
     }
 
     #[cfg(not(feature = "cpu"))]
     fn cpu_executor(
         _: &dyn vellum_models::WeightSource,
         _: vellum_core::ModelConfig,
+        _: KvCacheDtype,
         _: impl FnMut(usize, usize),
     ) -> Result<Box<dyn ModelExecutor>, Error> {
         Err(Error::Unsupported("the CPU backend: build with the `cpu` feature"))

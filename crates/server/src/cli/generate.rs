@@ -62,6 +62,9 @@ pub struct GenerateArgs {
     /// the memory available after loading the weights (`0.5`).
     #[arg(long, default_value = "0.5")]
     pub kv_cache_memory: String,
+    /// Element type of the KV cache: auto (= float32), float32, float16, bfloat16.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
     /// Print JSON lines.
     #[arg(long)]
     pub json: bool,
@@ -99,6 +102,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let engine_args = EngineArgs {
         model: args.model.clone(),
         kv_cache: super::parse_kv_cache_memory(&args.kv_cache_memory)?,
+        kv_cache_dtype: match args.kv_cache_dtype.as_str() {
+            "auto" | "float32" | "fp32" => vellum_core::KvCacheDtype::F32,
+            "float16" | "fp16" | "half" => vellum_core::KvCacheDtype::F16,
+            "bfloat16" | "bf16" => vellum_core::KvCacheDtype::Bf16,
+            other => bail!("--kv-cache-dtype must be auto, float32, float16 or bfloat16, got {other:?}"),
+        },
         scheduler: SchedulerConfig { max_model_len: 8192, ..SchedulerConfig::default() },
         ..EngineArgs::default()
     };
