@@ -200,12 +200,14 @@ impl<E: ModelExecutor> EngineCore<E> {
             let rec = self.req_records.get_mut(&rid).expect("live request has a record");
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
             let req = self.scheduler.request(rid).expect("live");
+            let seq = req.seqs.iter().find(|q| q.seq_id == sid).expect("sampling sequence exists");
+            let history = (seq.state.prompt_token_ids(), seq.state.output_token_ids());
             // The first sample of a parallel-sampling request draws n tokens.
             let draws = if req.seqs.len() == 1 && rec.params.n > 1 { rec.params.n } else { 1 };
             let k = rec.params.logprobs.unwrap_or(0);
             let mut next = Vec::with_capacity(draws);
             for _ in 0..draws {
-                let Sample { token, logprob, top_logprobs } = sample(row_logits, &rec.params, &mut rec.rng, k);
+                let Sample { token, logprob, top_logprobs } = sample(row_logits, &rec.params, &mut rec.rng, k, history);
                 next.push((sid, token));
                 if draws == 1 {
                     let r = self.seq_records.entry(sid).or_default();

@@ -34,18 +34,71 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<(TokenId, f32)> {
     best
 }
 
-/// Samples a token from `logits` under `params`: greedy at temperature 0,
-/// otherwise temperature, top-k, top-p and min-p filtering then a draw from
-/// `rng`. `num_logprobs` alternatives are reported.
-pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng, num_logprobs: usize) -> Sample {
+/// Whether `params` asks for any repetition, frequency or presence penalty.
+pub fn has_penalties(params: &SamplingParams) -> bool {
+    params.repetition_penalty != 1.0 || params.frequency_penalty != 0.0 || params.presence_penalty != 0.0
+}
+
+/// Applies the penalties of `params` to `logits` in place:
+/// repetition (Hugging Face style, over prompt and output: a positive logit is
+/// divided by the penalty, a negative one multiplied), then frequency
+/// (`-= f · count in output`) and presence (`-= p` once a token is in the
+/// output), as the OpenAI API and vLLM define them.
+pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, prompt: &[TokenId], output: &[TokenId]) {
+    if params.repetition_penalty != 1.0 {
+        let mut seen = vec![false; logits.len()];
+        for &t in prompt.iter().chain(output) {
+            if let Some(s) = seen.get_mut(t as usize) {
+                *s = true;
+            }
+        }
+        for (l, s) in logits.iter_mut().zip(&seen) {
+            if *s {
+                *l = if *l > 0.0 { *l / params.repetition_penalty } else { *l * params.repetition_penalty };
+            }
+        }
+    }
+    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+        let mut counts = std::collections::HashMap::<TokenId, u32>::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= params.frequency_penalty * c as f32 + params.presence_penalty;
+            }
+        }
+    }
+}
+
+/// Samples a token under `params`: greedy at temperature 0, otherwise
+/// temperature, top-k, top-p and min-p filtering then a draw from `rng`.
+/// `history` (prompt, output) enables the penalties. The reported
+/// log-probabilities (`num_logprobs` alternatives) are the model's own,
+/// before penalties and filters.
+pub fn sample(
+    logits: &[f32],
+    params: &SamplingParams,
+    rng: &mut SeededRng,
+    num_logprobs: usize,
+    history: (&[TokenId], &[TokenId]),
+) -> Sample {
     let logprobs = log_softmax(logits);
-    let top = top_k(&logprobs, num_logprobs.max(1));
-    let token = if params.temperature == 0.0 {
-        top[0].0
+    let mut top_logprobs = top_k(&logprobs, num_logprobs.max(1));
+    let penalized;
+    let scores = if has_penalties(params) {
+        let mut l = logits.to_vec();
+        apply_penalties(&mut l, params, history.0, history.1);
+        penalized = l;
+        &penalized[..]
     } else {
-        draw(logits, params, rng)
+        logits
     };
-    let mut top_logprobs = top;
+    let token = if params.temperature == 0.0 {
+        if scores.as_ptr() == logits.as_ptr() { top_logprobs[0].0 } else { top_k(scores, 1)[0].0 }
+    } else {
+        draw(scores, params, rng)
+    };
     top_logprobs.truncate(num_logprobs);
     Sample { token, logprob: logprobs[token as usize], top_logprobs }
 }
@@ -94,21 +147,38 @@ mod tests {
     #[test]
     fn greedy_and_filters() {
         let logits = [0.0, 3.0, 1.0, 2.9, -5.0];
-        let g = sample(&logits, &SamplingParams::greedy(1), &mut SeededRng::new(0), 3);
+        let g = sample(&logits, &SamplingParams::greedy(1), &mut SeededRng::new(0), 3, (&[], &[]));
         assert_eq!(g.token, 1);
         assert_eq!(g.top_logprobs.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 2]);
         let p = SamplingParams { temperature: 1.0, top_k: 2, ..SamplingParams::default() };
         let mut rng = SeededRng::new(1);
         for _ in 0..200 {
-            let t = sample(&logits, &p, &mut rng, 0).token;
+            let t = sample(&logits, &p, &mut rng, 0, (&[], &[])).token;
             assert!(t == 1 || t == 3, "top-k 2 emitted {t}");
         }
         let p = SamplingParams { temperature: 1.0, top_p: 0.4, ..SamplingParams::default() };
         for _ in 0..200 {
-            assert_eq!(sample(&logits, &p, &mut rng, 0).token, 1, "top-p 0.4 keeps only the top token (p ≈ 0.47)");
+            assert_eq!(sample(&logits, &p, &mut rng, 0, (&[], &[])).token, 1, "top-p 0.4 keeps only the top token (p ≈ 0.47)");
         }
         let lp = log_softmax(&logits);
         let s: f64 = lp.iter().map(|&x| (x as f64).exp()).sum();
         assert!((s - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn penalties_follow_the_openai_and_hf_definitions() {
+        let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy(1) };
+        let mut l = vec![4.0, -4.0, 1.0];
+        apply_penalties(&mut l, &p, &[0], &[1]);
+        assert_eq!(l, vec![2.0, -8.0, 1.0], "positive divided, negative multiplied, unseen kept");
+        let p = SamplingParams { frequency_penalty: 0.5, presence_penalty: 1.0, ..SamplingParams::greedy(1) };
+        let mut l = vec![0.0; 3];
+        apply_penalties(&mut l, &p, &[2, 2], &[0, 0, 1]);
+        assert_eq!(l, vec![-2.0, -1.5, 0.0], "counts come from the output only");
+        // Greedy picks the penalized maximum; logprobs stay the model's.
+        let logits = [3.0, 2.9, 0.0];
+        let s = sample(&logits, &SamplingParams { presence_penalty: 1.0, ..SamplingParams::greedy(1) }, &mut SeededRng::new(0), 1, (&[], &[0]));
+        assert_eq!(s.token, 1);
+        assert_eq!(s.top_logprobs[0].0, 0);
     }
 }

@@ -43,6 +43,15 @@ pub struct GenerateArgs {
     /// Drop tokens below this fraction of the top probability.
     #[arg(long, default_value_t = 0.0)]
     pub min_p: f32,
+    /// Penalty on tokens already in the prompt or output (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Penalty per occurrence of a token in the output.
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Penalty once a token is in the output.
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
     /// Seed of each request's generator.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -91,6 +100,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         top_p: args.top_p,
         top_k: args.top_k,
         min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        frequency_penalty: args.frequency_penalty,
+        presence_penalty: args.presence_penalty,
         seed: args.seed,
         max_tokens: Some(args.max_tokens),
         logprobs: args.logprobs,
