@@ -128,3 +128,17 @@ fn chunking_prefix_hits_and_batching_do_not_change_results() {
     let chunks = run(&mut chunked, std::slice::from_ref(&long));
     assert_close(&alone, &chunks, "chunked prefill");
 }
+
+/// A stop string ends the request as soon as the text contains it.
+#[test]
+fn stop_strings_end_generation_early() {
+    let mut llm = Llm::new(EngineArgs { kv_cache: vellum::core::KvCacheSize::NumBlocks(64), ..EngineArgs::default() })
+        .expect("the default model loads");
+    let prompt = vec![golden()[0].prompt_ids.clone()]; // greedy: " Paris.\n\nThe answer is: 2018-01"
+    let params = SamplingParams { stop: vec!["answer".into()], ..SamplingParams::greedy(16) };
+    let out = &llm.generate_ids(&prompt, &params).expect("runs")[0].outputs[0];
+    let text = llm.tokenizer().decode(&out.token_ids, true).expect("decodes");
+    assert!(text.contains("answer") && !text.contains("2018"), "stopped right after the stop string: {text:?}");
+    assert_eq!(out.finish_reason, Some(vellum::scheduler::FinishReason::Stop));
+    assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0, "its blocks were freed");
+}

@@ -148,12 +148,31 @@ impl<E: ModelExecutor> EngineCore<E> {
         Ok(self.collect_finished())
     }
 
+    /// Ends a request from outside (a stop string matched, a client went
+    /// away): its blocks are freed now and its output is returned by the
+    /// next `step()`.
+    pub fn finish_request(&mut self, id: RequestId, reason: vellum_scheduler::FinishReason) -> bool {
+        self.scheduler.finish_request(id, reason)
+    }
+
+    /// Outputs of requests that finished outside a step (see
+    /// [`EngineCore::finish_request`]) and have not been returned yet.
+    pub fn take_finished(&mut self) -> Vec<RequestOutput> {
+        self.collect_finished()
+    }
+
+    /// Generated tokens of a live request's first sequence.
+    pub fn output_token_ids(&self, id: RequestId) -> Option<&[TokenId]> {
+        self.scheduler.request(id).map(|r| r.seqs[0].state.output_token_ids())
+    }
+
     /// Runs until every queued request finished; outputs in request order.
     pub fn run_to_completion(&mut self) -> Result<Vec<RequestOutput>, Error> {
         let mut done = Vec::new();
         while self.has_unfinished_requests() {
             done.extend(self.step()?);
         }
+        done.extend(self.collect_finished());
         done.sort_by_key(|r| r.request_id);
         Ok(done)
     }

@@ -116,11 +116,37 @@ impl Llm {
     }
 
     /// Generates for token-id prompts, all batched together.
+    ///
+    /// Stop strings end a single-sample request as soon as its text contains
+    /// one (the tokens stay in `token_ids`; callers cut the text at the stop
+    /// string, as `vellum generate` does).
     pub fn generate_ids(&mut self, prompts: &[Vec<TokenId>], params: &SamplingParams) -> Result<Vec<RequestOutput>, Error> {
+        let mut ids = Vec::with_capacity(prompts.len());
         for p in prompts {
-            self.engine.add_request(p.clone(), params.clone())?;
+            ids.push(self.engine.add_request(p.clone(), params.clone())?);
         }
-        self.engine.run_to_completion()
+        if params.stop.is_empty() || params.num_sequences() > 1 {
+            return self.engine.run_to_completion();
+        }
+        let mut done = Vec::new();
+        // Text already scanned per request (only the tail can hold a new match).
+        let mut scanned: Vec<usize> = vec![0; ids.len()];
+        let longest_stop = params.stop.iter().map(String::len).max().unwrap_or(0);
+        while self.engine.has_unfinished_requests() {
+            done.extend(self.engine.step()?);
+            for (i, &id) in ids.iter().enumerate() {
+                let Some(tokens) = self.engine.output_token_ids(id) else { continue };
+                let text = self.tokenizer.decode(tokens, true)?;
+                let from = floor_char_boundary(&text, scanned[i].saturating_sub(longest_stop));
+                if params.stop.iter().any(|s| text[from..].contains(s.as_str())) {
+                    self.engine.finish_request(id, vellum_scheduler::FinishReason::Stop);
+                }
+                scanned[i] = text.len();
+            }
+        }
+        done.extend(self.engine.take_finished());
+        done.sort_by_key(|r| r.request_id);
+        Ok(done)
     }
 
     /// Generates for text prompts (no special tokens added beyond what the
@@ -156,4 +182,13 @@ pub fn available_memory_bytes() -> u64 {
             Some(kib * 1024)
         })
         .unwrap_or(4 << 30)
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_char_boundary(s: &str, i: usize) -> usize {
+    let mut i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
 }
