@@ -19,6 +19,9 @@ enum Command {
     Simulate(cli::simulate::SimulateArgs),
     /// Generate completions for prompts with a model (offline, batched).
     Generate(cli::generate::GenerateArgs),
+    /// Measure throughput on the local model.
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCommand),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -29,5 +32,6 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Simulate(args) => cli::simulate::run(args),
         Command::Generate(args) => cli::generate::run(args),
+        Command::Bench(cmd) => cli::bench::run(cmd),
     }
 }

@@ -1,5 +1,6 @@
 //! Subcommands of `vellum`, one module each.
 
+pub mod bench;
 pub mod generate;
 pub mod paper_reproduction;
 pub mod plot;

@@ -1,0 +1,123 @@
+//! `vellum bench throughput`: offline throughput in the shape of vLLM's
+//! benchmark_throughput (fixed input/output lengths or the ShareGPT-like
+//! synthetic lengths; every request is submitted at once).
+
+use anyhow::{anyhow, bail, Result};
+use clap::{Args, Subcommand};
+use serde_json::json;
+use vellum_core::{SamplingParams, SchedulerConfig, SeededRng};
+use vellum_engine::EngineArgs;
+use vellum_scheduler::sim::{generate_trace, Workload};
+
+/// `vellum bench ...`
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Requests/s and tokens/s of a batch of requests submitted at once.
+    Throughput(ThroughputArgs),
+}
+
+/// Arguments of `vellum bench throughput`.
+#[derive(Args, Debug)]
+pub struct ThroughputArgs {
+    /// Model (default: SmolLM2-135M-Instruct Q4_1).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Prompt tokens per request (random ids), unless --dataset is given.
+    #[arg(long, default_value_t = 128)]
+    pub input_len: usize,
+    /// Generated tokens per request (EOS ignored).
+    #[arg(long, default_value_t = 128)]
+    pub output_len: usize,
+    /// Requests.
+    #[arg(long, default_value_t = 64)]
+    pub num_prompts: usize,
+    /// `sharegpt` for ShareGPT-like synthetic lengths instead of fixed ones.
+    #[arg(long)]
+    pub dataset: Option<String>,
+    /// Token budget per step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// KV cache size (e.g. 4GiB, or a fraction of available memory).
+    #[arg(long, default_value = "0.5")]
+    pub kv_cache_memory: String,
+    /// Trace seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `vellum bench ...`.
+pub fn run(cmd: BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Throughput(args) => throughput(args),
+    }
+}
+
+fn throughput(args: ThroughputArgs) -> Result<()> {
+    let lengths: Vec<(usize, usize)> = match args.dataset.as_deref() {
+        None => vec![(args.input_len, args.output_len); args.num_prompts],
+        Some("sharegpt") => generate_trace(Workload::ShareGpt, 1e6, f64::MAX, 2048, args.seed)
+            .into_iter()
+            .take(args.num_prompts)
+            .map(|r| (r.prompt_len, r.output_len))
+            .collect(),
+        Some(other) => bail!("--dataset must be sharegpt, got {other:?}"),
+    };
+    if lengths.is_empty() || lengths.iter().any(|&(i, o)| i == 0 || o == 0) {
+        bail!("--num-prompts, --input-len and --output-len must be positive");
+    }
+    let engine_args = EngineArgs {
+        model: args.model.clone(),
+        kv_cache: super::parse_kv_cache_memory(&args.kv_cache_memory)?,
+        scheduler: SchedulerConfig {
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_num_seqs: args.max_num_seqs,
+            max_model_len: 8192,
+            ..SchedulerConfig::default()
+        },
+        ..EngineArgs::default()
+    };
+    let mut llm = super::load_with_progress(engine_args)?;
+    let vocab = llm.tokenizer().vocab_size() as u64;
+    let mut rng = SeededRng::new(args.seed);
+    let started = std::time::Instant::now();
+    for &(input, output) in &lengths {
+        // Random ordinary tokens (skip the first 100 ids, where specials live).
+        let prompt: Vec<u32> = (0..input).map(|_| (100 + rng.next_u64() % (vocab - 100)) as u32).collect();
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(output) };
+        llm.engine().add_request(prompt, params).map_err(|e| anyhow!("{e}"))?;
+    }
+    let outs = llm.engine().run_to_completion().map_err(|e| anyhow!("{e}"))?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let prompt_tokens: usize = lengths.iter().map(|l| l.0).sum();
+    let output_tokens: usize = outs.iter().flat_map(|o| &o.outputs).map(|s| s.token_ids.len()).sum();
+    let report = json!({
+        "num_requests": outs.len(),
+        "elapsed_s": elapsed,
+        "requests_per_s": outs.len() as f64 / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) as f64 / elapsed,
+        "output_tokens_per_s": output_tokens as f64 / elapsed,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "threads": rayon_threads(),
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!(
+            "{} requests in {:.2} s: {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s",
+            outs.len(), elapsed, report["requests_per_s"].as_f64().unwrap_or(0.0),
+            report["total_tokens_per_s"].as_f64().unwrap_or(0.0), report["output_tokens_per_s"].as_f64().unwrap_or(0.0)
+        );
+    }
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
