@@ -19,6 +19,8 @@ enum Command {
     Simulate(cli::simulate::SimulateArgs),
     /// Generate completions for prompts with a model (offline, batched).
     Generate(cli::generate::GenerateArgs),
+    /// Chat with a model in the terminal, streaming its replies.
+    Chat(cli::chat::ChatArgs),
     /// Measure throughput on the local model.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
@@ -33,5 +35,6 @@ fn main() -> anyhow::Result<()> {
         Command::Simulate(args) => cli::simulate::run(args),
         Command::Generate(args) => cli::generate::run(args),
         Command::Bench(cmd) => cli::bench::run(cmd),
+        Command::Chat(args) => cli::chat::run(args),
     }
 }
