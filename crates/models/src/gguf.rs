@@ -228,7 +228,7 @@ fn parse(bytes: &[u8]) -> std::result::Result<Parsed, String> {
         },
     };
     // Each tensor entry takes at least 8 + 4 + 4 + 8 bytes.
-    if n_tensors.checked_mul(24).map_or(true, |b| b > c.remaining()) {
+    if n_tensors.checked_mul(24).is_none_or(|b| b > c.remaining()) {
         return Err(format!("tensor count {n_tensors} does not fit in the file"));
     }
     let mut raw = Vec::with_capacity(n_tensors);

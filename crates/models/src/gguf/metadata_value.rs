@@ -144,7 +144,7 @@ impl MetadataValue {
                     4..=6 => 4,
                     _ => 8,
                 };
-                if n.checked_mul(min_elem).map_or(true, |bytes| bytes > cursor.remaining()) {
+                if n.checked_mul(min_elem).is_none_or(|bytes| bytes > cursor.remaining()) {
                     return Err(format!(
                         "{what}: array at offset {at} claims {n} elements, more than the {} bytes left",
                         cursor.remaining()
