@@ -142,3 +142,26 @@ fn stop_strings_end_generation_early() {
     assert_eq!(out.finish_reason, Some(vellum::scheduler::FinishReason::Stop));
     assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0, "its blocks were freed");
 }
+
+/// Parallel samples each carry their own tokens and logprobs, and share the
+/// prompt's blocks while they run.
+#[test]
+fn parallel_samples_have_their_own_logprobs() {
+    let mut llm = Llm::new(EngineArgs { kv_cache: vellum::core::KvCacheSize::NumBlocks(64), ..EngineArgs::default() })
+        .expect("the default model loads");
+    let prompt = vec![golden()[3].prompt_ids.clone()];
+    let params = SamplingParams { n: 3, temperature: 1.0, seed: Some(7), logprobs: Some(2), ignore_eos: true, max_tokens: Some(6), ..SamplingParams::default() };
+    let outs = llm.generate_ids(&prompt, &params).expect("runs");
+    let seqs = &outs[0].outputs;
+    assert_eq!(seqs.len(), 3);
+    for s in seqs {
+        assert_eq!(s.token_ids.len(), 6);
+        assert_eq!(s.logprobs.len(), 6, "one top-2 list per generated token");
+        assert!(s.cumulative_logprob < 0.0);
+    }
+    // Same seed, same texts.
+    let again = llm.generate_ids(&prompt, &params).expect("runs");
+    let toks = |o: &[vellum::engine::RequestOutput]| o[0].outputs.iter().map(|s| s.token_ids.clone()).collect::<Vec<_>>();
+    assert_eq!(toks(&outs), toks(&again), "seeded sampling reproduces");
+    assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0);
+}

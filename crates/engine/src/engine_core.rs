@@ -69,6 +69,9 @@ pub struct EngineCore<E: ModelExecutor> {
     /// The executor-side copy of every block table, kept by incremental updates.
     block_tables: IdMap<SeqId, Vec<BlockId>>,
     seq_records: IdMap<SeqId, SeqRecord>,
+    /// Records of a parallel-sampling request's first draws, one per
+    /// sequence-to-be, assigned once the scheduler has forked them.
+    fork_records: IdMap<RequestId, Vec<SeqRecord>>,
     req_records: IdMap<RequestId, ReqRecord>,
     finished: VecDeque<RequestOutput>,
     next_request_id: u64,
@@ -98,6 +101,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             block_size,
             block_tables: IdMap::default(),
             seq_records: IdMap::default(),
+            fork_records: IdMap::default(),
             req_records: IdMap::default(),
             finished: VecDeque::new(),
             next_request_id: 0,
@@ -145,6 +149,20 @@ impl<E: ModelExecutor> EngineCore<E> {
         let result = self.executor.execute(&batch)?;
         let samples = self.sample(&result.logits, result.vocab_size, &sampling);
         self.scheduler.update_from_output(&samples);
+        // The scheduler forked parallel samples in draw order: parent first.
+        let forks: Vec<(RequestId, Vec<SeqRecord>)> = self.fork_records.drain().collect();
+        for (rid, recs) in forks {
+            match self.scheduler.request(rid) {
+                Some(req) => {
+                    for (seq, rec) in req.seqs.iter().zip(recs) {
+                        self.seq_records.insert(seq.seq_id, rec);
+                    }
+                }
+                None => {
+                    self.fork_records.insert(rid, recs); // finished in this step
+                }
+            }
+        }
         Ok(self.collect_finished())
     }
 
@@ -225,16 +243,21 @@ impl<E: ModelExecutor> EngineCore<E> {
             let draws = if req.seqs.len() == 1 && rec.params.n > 1 { rec.params.n } else { 1 };
             let k = rec.params.logprobs.unwrap_or(0);
             let mut next = Vec::with_capacity(draws);
+            let mut first_draws = Vec::new();
             for _ in 0..draws {
                 let Sample { token, logprob, top_logprobs } = sample(row_logits, &rec.params, &mut rec.rng, k, history);
                 next.push((sid, token));
+                let logprobs = if rec.params.logprobs.is_some() { vec![top_logprobs] } else { Vec::new() };
                 if draws == 1 {
                     let r = self.seq_records.entry(sid).or_default();
                     r.cumulative += logprob as f64;
-                    if rec.params.logprobs.is_some() {
-                        r.logprobs.push(top_logprobs);
-                    }
+                    r.logprobs.extend(logprobs);
+                } else {
+                    first_draws.push(SeqRecord { logprobs, cumulative: logprob as f64 });
                 }
+            }
+            if !first_draws.is_empty() {
+                self.fork_records.insert(rid, first_draws);
             }
             match per_req.last_mut() {
                 Some(last) if last.request_id == rid => last.next.extend(next),
@@ -247,6 +270,11 @@ impl<E: ModelExecutor> EngineCore<E> {
     fn collect_finished(&mut self) -> Vec<RequestOutput> {
         for req in self.scheduler.take_finished_requests() {
             self.req_records.remove(&req.request_id);
+            if let Some(recs) = self.fork_records.remove(&req.request_id) {
+                for (seq, rec) in req.seqs.iter().zip(recs) {
+                    self.seq_records.insert(seq.seq_id, rec);
+                }
+            }
             let prompt = req.seqs[0].state.prompt_token_ids().to_vec();
             let outputs = req
                 .seqs
