@@ -58,6 +58,9 @@ pub struct SamplingParams {
     pub prompt_logprobs: Option<usize>,
     /// Beam search instead of sampling.
     pub beam_search: Option<BeamSearchParams>,
+    /// Added to the logits of these tokens before sampling (OpenAI's
+    /// `logit_bias`, each in [-100, 100]).
+    pub logit_bias: Vec<(TokenId, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -81,6 +84,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             beam_search: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -179,6 +183,11 @@ impl SamplingParams {
                 ));
             }
         }
+        for &(token, bias) in &self.logit_bias {
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(invalid("logit_bias", format!("bias of token {token} must be in [-100, 100], got {bias}")));
+            }
+        }
         if self.stop.iter().any(String::is_empty) {
             return Err(invalid("stop", "stop strings must not be empty"));
         }
@@ -242,6 +251,8 @@ mod tests {
         assert_eq!(err_param(SamplingParams { max_tokens: Some(0), ..d() }), "max_tokens");
         assert_eq!(err_param(SamplingParams { min_tokens: 20, max_tokens: Some(10), ..d() }), "min_tokens");
         assert_eq!(err_param(SamplingParams { stop: vec![String::new()], ..d() }), "stop");
+        assert_eq!(err_param(SamplingParams { logit_bias: vec![(3, 101.0)], ..d() }), "logit_bias");
+        assert_eq!(err_param(SamplingParams { logit_bias: vec![(3, f32::NAN)], ..d() }), "logit_bias");
         assert_eq!(err_param(SamplingParams { logprobs: Some(21), ..d() }), "logprobs");
         assert_eq!(err_param(SamplingParams { prompt_logprobs: Some(99), ..d() }), "prompt_logprobs");
         let beam = |w, lp| Some(BeamSearchParams { beam_width: w, length_penalty: lp });

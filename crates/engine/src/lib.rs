@@ -11,9 +11,12 @@
 //! [`vellum_core::ModelExecutor`]; backend selection (every backend `cfg`)
 //! lives in [`Llm`] alone.
 
+mod client;
+pub mod detokenizer;
 mod engine_core;
 mod llm;
 pub mod sampler;
 
-pub use engine_core::{EngineCore, Error, RequestOutput, SequenceOutput};
+pub use engine_core::{EngineCore, EngineCounters, Error, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};
+pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream};
 pub use llm::{available_memory_bytes, EngineArgs, Llm};

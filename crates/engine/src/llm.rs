@@ -1,7 +1,10 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
-use crate::engine_core::{EngineCore, Error, RequestOutput};
-use vellum_core::{KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId};
+use crate::client::EngineClient;
+use crate::detokenizer::TextStream;
+use crate::engine_core::{EngineCore, Error, RequestOutput, StepOutputs};
+use vellum_core::{IdMap, KvCacheDtype, KvCacheSize, ModelExecutor, RequestId, SamplingParams, SchedulerConfig, TokenId};
+use vellum_scheduler::FinishReason;
 use vellum_models::{resolve_model, ChatMessage, ChatTemplate, Tokenizer};
 
 /// How to build an engine. `Default` serves the default model.
@@ -36,7 +39,7 @@ impl Default for EngineArgs {
 
 /// An engine with its tokenizer.
 pub struct Llm {
-    engine: EngineCore<Box<dyn ModelExecutor>>,
+    engine: EngineCore<Box<dyn ModelExecutor + Send>>,
     tokenizer: Tokenizer,
     chat_template: Option<ChatTemplate>,
 }
@@ -65,7 +68,7 @@ impl Llm {
             }
         }
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
-        let executor: Box<dyn ModelExecutor> = Self::cpu_executor(&*loaded.weights, config, args.kv_cache_dtype, progress)?;
+        let executor: Box<dyn ModelExecutor + Send> = Self::cpu_executor(&*loaded.weights, config, args.kv_cache_dtype, progress)?;
         let num_blocks = match args.kv_cache {
             KvCacheSize::NumBlocks(n) => n,
             KvCacheSize::MemoryBytes(b) => executor.num_kv_blocks_for_budget(b, args.block_size),
@@ -91,7 +94,7 @@ impl Llm {
         config: vellum_core::ModelConfig,
         kv_cache_dtype: KvCacheDtype,
         progress: impl FnMut(usize, usize),
-    ) -> Result<Box<dyn ModelExecutor>, Error> {
+    ) -> Result<Box<dyn ModelExecutor + Send>, Error> {
         Ok(Box::new(vellum_backend_cpu::CpuExecutor::load(weights, config, progress)?.with_kv_cache_dtype(kv_cache_dtype)))
     }
 
@@ -101,8 +104,14 @@ impl Llm {
         _: vellum_core::ModelConfig,
         _: KvCacheDtype,
         _: impl FnMut(usize, usize),
-    ) -> Result<Box<dyn ModelExecutor>, Error> {
+    ) -> Result<Box<dyn ModelExecutor + Send>, Error> {
         Err(Error::Unsupported("the CPU backend: build with the `cpu` feature"))
+    }
+
+    /// Moves the engine onto its own thread: the client, the tokenizer and
+    /// the chat template (for the server).
+    pub fn into_client(self) -> (EngineClient, Tokenizer, Option<ChatTemplate>) {
+        (EngineClient::spawn(self.engine), self.tokenizer, self.chat_template)
     }
 
     /// The tokenizer.
@@ -111,40 +120,74 @@ impl Llm {
     }
 
     /// The engine core.
-    pub fn engine(&mut self) -> &mut EngineCore<Box<dyn ModelExecutor>> {
+    pub fn engine(&mut self) -> &mut EngineCore<Box<dyn ModelExecutor + Send>> {
         &mut self.engine
     }
 
-    /// Generates for token-id prompts, all batched together.
-    ///
-    /// Stop strings end a single-sample request as soon as its text contains
-    /// one (the tokens stay in `token_ids`; callers cut the text at the stop
-    /// string, as `vellum generate` does).
+    /// Generates for token-id prompts, all batched together. Outputs come
+    /// in prompt order, with `text` detokenized incrementally and cut at the
+    /// first stop string; a single-sample request ends as soon as its text
+    /// holds one (its blocks freed at once).
     pub fn generate_ids(&mut self, prompts: &[Vec<TokenId>], params: &SamplingParams) -> Result<Vec<RequestOutput>, Error> {
         let mut ids = Vec::with_capacity(prompts.len());
         for p in prompts {
-            ids.push(self.engine.add_request(p.clone(), params.clone())?);
-        }
-        if params.stop.is_empty() || params.num_sequences() > 1 {
-            return self.engine.run_to_completion();
-        }
-        let mut done = Vec::new();
-        // Text already scanned per request (only the tail can hold a new match).
-        let mut scanned: Vec<usize> = vec![0; ids.len()];
-        let longest_stop = params.stop.iter().map(String::len).max().unwrap_or(0);
-        while self.engine.has_unfinished_requests() {
-            done.extend(self.engine.step()?);
-            for (i, &id) in ids.iter().enumerate() {
-                let Some(tokens) = self.engine.output_token_ids(id) else { continue };
-                let text = self.tokenizer.decode(tokens, true)?;
-                let from = floor_char_boundary(&text, scanned[i].saturating_sub(longest_stop));
-                if params.stop.iter().any(|s| text[from..].contains(s.as_str())) {
-                    self.engine.finish_request(id, vellum_scheduler::FinishReason::Stop);
+            match self.engine.add_request(p.clone(), params.clone()) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    // All or nothing: the prompts queued before go too.
+                    for id in ids {
+                        self.engine.finish_request(id, FinishReason::Abort);
+                    }
+                    let _ = self.engine.take_finished();
+                    return Err(e);
                 }
-                scanned[i] = text.len();
             }
         }
-        done.extend(self.engine.take_finished());
+        let mut texts: IdMap<RequestId, Vec<TextStream>> = IdMap::default();
+        for (id, p) in ids.iter().zip(prompts) {
+            let n = params.num_sequences();
+            texts.insert(*id, (0..n).map(|_| TextStream::new(p, &params.stop, true)).collect());
+        }
+        let mut done = Vec::new();
+        loop {
+            let out = if self.engine.has_unfinished_requests() {
+                self.engine.step_streaming()?
+            } else {
+                StepOutputs { deltas: Vec::new(), finished: self.engine.take_finished() }
+            };
+            for d in &out.deltas {
+                let Some(streams) = texts.get_mut(&d.request_id) else { continue };
+                let Some(ts) = streams.get_mut(d.index) else { continue };
+                ts.push(&self.tokenizer, &d.token_ids)?;
+                if ts.stopped() && streams.iter().all(TextStream::stopped) {
+                    self.engine.finish_request(d.request_id, FinishReason::Stop);
+                }
+            }
+            for mut r in out.finished {
+                let mut streams = texts.remove(&r.request_id).unwrap_or_default();
+                for o in &mut r.outputs {
+                    let ts = match streams.get_mut(o.index) {
+                        // Beam search and best_of stream nothing: decode now.
+                        Some(ts) if params.beam_search.is_none() && params.num_sequences() == params.n => ts,
+                        _ => {
+                            let mut ts = TextStream::new(&r.prompt_token_ids, &params.stop, true);
+                            ts.push(&self.tokenizer, &o.token_ids)?;
+                            streams.push(ts);
+                            streams.last_mut().expect("just pushed")
+                        }
+                    };
+                    ts.finish(&self.tokenizer)?;
+                    if ts.stopped() {
+                        o.finish_reason = Some(FinishReason::Stop);
+                    }
+                    o.text = ts.text().to_string();
+                }
+                done.push(r);
+            }
+            if !self.engine.has_unfinished_requests() && texts.is_empty() {
+                break;
+            }
+        }
         done.sort_by_key(|r| r.request_id);
         Ok(done)
     }
@@ -184,11 +227,3 @@ pub fn available_memory_bytes() -> u64 {
         .unwrap_or(4 << 30)
 }
 
-/// The largest char boundary of `s` at or below `i`.
-fn floor_char_boundary(s: &str, i: usize) -> usize {
-    let mut i = i.min(s.len());
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}

@@ -36,7 +36,10 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<(TokenId, f32)> {
 
 /// Whether `params` asks for any repetition, frequency or presence penalty.
 pub fn has_penalties(params: &SamplingParams) -> bool {
-    params.repetition_penalty != 1.0 || params.frequency_penalty != 0.0 || params.presence_penalty != 0.0
+    params.repetition_penalty != 1.0
+        || params.frequency_penalty != 0.0
+        || params.presence_penalty != 0.0
+        || !params.logit_bias.is_empty()
 }
 
 /// Applies the penalties of `params` to `logits` in place:
@@ -67,6 +70,11 @@ pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, prompt: &[To
             if let Some(l) = logits.get_mut(t as usize) {
                 *l -= params.frequency_penalty * c as f32 + params.presence_penalty;
             }
+        }
+    }
+    for &(t, bias) in &params.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += bias;
         }
     }
 }
@@ -180,5 +188,13 @@ mod tests {
         let s = sample(&logits, &SamplingParams { presence_penalty: 1.0, ..SamplingParams::greedy(1) }, &mut SeededRng::new(0), 1, (&[], &[0]));
         assert_eq!(s.token, 1);
         assert_eq!(s.top_logprobs[0].0, 0);
+        // logit_bias: -100 bans a token, +100 forces one.
+        let ban = SamplingParams { logit_bias: vec![(0, -100.0)], ..SamplingParams::greedy(1) };
+        assert_eq!(sample(&logits, &ban, &mut SeededRng::new(0), 0, (&[], &[])).token, 1);
+        let force = SamplingParams { logit_bias: vec![(2, 100.0)], temperature: 1.0, ..SamplingParams::default() };
+        let mut rng = SeededRng::new(3);
+        for _ in 0..100 {
+            assert_eq!(sample(&logits, &force, &mut rng, 0, (&[], &[])).token, 2);
+        }
     }
 }

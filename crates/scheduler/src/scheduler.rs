@@ -426,7 +426,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             num_computed_tokens: 0,
             hint: req.length_hint(),
         };
-        let hit = self.allocator.get_computed_blocks(&st).num_computed_tokens;
+        let hit = if req.params.prompt_logprobs.is_some() { 0 } else { self.allocator.get_computed_blocks(&st).num_computed_tokens };
         req.num_schedulable_tokens().saturating_sub(hit)
     }
 
@@ -527,6 +527,8 @@ impl<A: BlockAllocator> Scheduler<A> {
             return Attempt::Idle;
         }
         let hint = req.length_hint();
+        // Prompt logprobs need every prompt position computed: no prefix hit.
+        let use_prefix_cache = req.params.prompt_logprobs.is_none();
         // Scheduled sequences go straight to the output; a failed attempt
         // truncates them away again.
         let mark = out.scheduled.len();
@@ -556,7 +558,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             // A sequence whose table the executor has holds blocks; otherwise ask.
             let holds_nothing = seq.num_synced_blocks == 0 && self.allocator.block_table(seq.seq_id).is_none();
             let fresh = holds_nothing && seq.num_in_flight_tokens == 0 && seq.state.num_computed_tokens() == 0;
-            let computed = if fresh {
+            let computed = if fresh && use_prefix_cache {
                 self.allocator.get_computed_blocks(&SeqTokens {
                     seq_id: seq.seq_id,
                     token_ids: seq.state.token_ids(),

@@ -1,0 +1,302 @@
+//! [`EngineClient`]: the engine loop on its own thread, token in / token out
+//! over channels (thesis §4.1's EngineCoreClient).
+//!
+//! ```text
+//!  callers ──Command (std mpsc)──▶ engine thread: loop { drain commands; step; route }
+//!     ▲                                   │
+//!     └──RequestEvent (tokio mpsc, one per request)──┘
+//! ```
+//!
+//! Any number of callers (threads or async tasks) submit requests and read
+//! their events from a [`RequestStream`]. Dropping a stream before its
+//! request finished aborts the request: a client that disconnects has its
+//! KV blocks freed before the next step runs.
+
+use crate::engine_core::{EngineCore, EngineCounters, Error, RequestOutput, SequenceDelta};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc as tmpsc;
+use vellum_core::{BlockAllocator, IdMap, KvCacheStats, ModelExecutor, RequestId, SamplingParams, TokenId};
+use vellum_scheduler::FinishReason;
+
+/// What a request's stream carries.
+#[derive(Clone, Debug)]
+pub enum RequestEvent {
+    /// New tokens of one sequence.
+    Delta(SequenceDelta),
+    /// The request ended; the final outputs (with every token).
+    Finished(RequestOutput),
+    /// The engine failed while running the request.
+    Error(String),
+}
+
+/// A snapshot of the engine, refreshed after every step (for metrics).
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    /// Requests running (holding KV blocks).
+    pub num_running: usize,
+    /// Requests waiting (new, or preempted by recompute).
+    pub num_waiting: usize,
+    /// Requests swapped out to host memory.
+    pub num_swapped: usize,
+    /// KV-cache accounting.
+    pub kv: KvCacheStats,
+    /// Preemptions so far.
+    pub num_preemptions: u64,
+    /// Steps, tokens and phase times so far.
+    pub counters: EngineCounters,
+    /// Requests aborted because their caller went away.
+    pub num_aborted_by_disconnect: u64,
+    /// Finished requests by reason: stop, length, abort.
+    pub finished_by_reason: [u64; 3],
+}
+
+enum Command {
+    Add {
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        priority: i64,
+        events: tmpsc::UnboundedSender<RequestEvent>,
+        reply: mpsc::SyncSender<Result<RequestId, Error>>,
+    },
+    Finish(RequestId, FinishReason, bool),
+    Shutdown,
+}
+
+struct Shared {
+    stats: Mutex<EngineStats>,
+    num_waiting: AtomicU64,
+}
+
+/// A handle to the engine thread. Cheap to clone; the thread stops when
+/// [`EngineClient::shutdown`] is called or the last handle is dropped.
+#[derive(Clone)]
+pub struct EngineClient {
+    commands: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+    thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+impl EngineClient {
+    /// Moves `engine` onto a new thread that steps it while there is work.
+    pub fn spawn<E: ModelExecutor + Send + 'static>(engine: EngineCore<E>) -> Self {
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared { stats: Mutex::new(EngineStats::default()), num_waiting: AtomicU64::new(0) });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("vellum-engine".into())
+            .spawn(move || engine_loop(engine, rx, s))
+            .expect("spawning the engine thread");
+        Self { commands: tx, shared, thread: Arc::new(Mutex::new(Some(thread))) }
+    }
+
+    /// Queues a request; its tokens arrive on the returned stream. Errors
+    /// (invalid parameters, prompt too long) are returned here, before any
+    /// stream exists.
+    pub fn add_request(&self, prompt: Vec<TokenId>, params: SamplingParams, priority: i64) -> Result<RequestStream, Error> {
+        let (events, rx) = tmpsc::unbounded_channel();
+        let (reply, reply_rx) = mpsc::sync_channel(1);
+        self.commands
+            .send(Command::Add { prompt, params, priority, events, reply })
+            .map_err(|_| Error::Unsupported("the engine has shut down"))?;
+        let id = reply_rx.recv().map_err(|_| Error::Unsupported("the engine has shut down"))??;
+        Ok(RequestStream { id, events: rx, commands: self.commands.clone(), done: false })
+    }
+
+    /// Ends a request now (its blocks are freed before the next step).
+    pub fn finish(&self, id: RequestId, reason: FinishReason) {
+        let _ = self.commands.send(Command::Finish(id, reason, false));
+    }
+
+    /// The latest engine snapshot.
+    pub fn stats(&self) -> EngineStats {
+        self.shared.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Requests waiting, as of the last step.
+    pub fn num_waiting(&self) -> u64 {
+        self.shared.num_waiting.load(Ordering::Relaxed)
+    }
+
+    /// Stops the engine thread: requests still running are aborted (their
+    /// streams get `Finished` with reason abort). Waits for the thread.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+        let handle = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The events of one request. Dropping it before `Finished` aborts the
+/// request.
+pub struct RequestStream {
+    id: RequestId,
+    events: tmpsc::UnboundedReceiver<RequestEvent>,
+    commands: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    /// The engine's id for the request.
+    pub fn request_id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The next event; `None` once the request finished.
+    pub async fn next(&mut self) -> Option<RequestEvent> {
+        if self.done {
+            return None;
+        }
+        let ev = self.events.recv().await;
+        self.note(&ev);
+        ev
+    }
+
+    /// Blocking form of [`RequestStream::next`] (not in an async context).
+    pub fn next_blocking(&mut self) -> Option<RequestEvent> {
+        if self.done {
+            return None;
+        }
+        let ev = self.events.blocking_recv();
+        self.note(&ev);
+        ev
+    }
+
+    /// Ends the request early with `reason` (e.g. a stop string matched).
+    pub fn finish(&self, reason: FinishReason) {
+        let _ = self.commands.send(Command::Finish(self.id, reason, false));
+    }
+
+    fn note(&mut self, ev: &Option<RequestEvent>) {
+        if matches!(ev, None | Some(RequestEvent::Finished(_)) | Some(RequestEvent::Error(_))) {
+            self.done = true;
+        }
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.commands.send(Command::Finish(self.id, FinishReason::Abort, true));
+        }
+    }
+}
+
+fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
+    let mut streams: IdMap<RequestId, tmpsc::UnboundedSender<RequestEvent>> = IdMap::default();
+    let mut stats = EngineStats::default();
+    let mut shutting_down = false;
+    loop {
+        // Idle: block for the next command. Busy: take what has arrived.
+        let mut first = if engine.has_unfinished_requests() || shutting_down {
+            None
+        } else {
+            match rx.recv_timeout(Duration::from_secs(3600)) {
+                Ok(c) => Some(c),
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        loop {
+            let cmd = match first.take() {
+                Some(c) => c,
+                None => match rx.try_recv() {
+                    Ok(c) => c,
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        shutting_down = true;
+                        break;
+                    }
+                },
+            };
+            match cmd {
+                Command::Add { prompt, params, priority, events, reply } => {
+                    if shutting_down {
+                        let _ = reply.send(Err(Error::Unsupported("the engine is shutting down")));
+                        continue;
+                    }
+                    let r = engine.add_request_with_priority(prompt, params, priority);
+                    if let Ok(id) = r {
+                        streams.insert(id, events);
+                    }
+                    let _ = reply.send(r);
+                }
+                Command::Finish(id, reason, disconnected) => {
+                    if engine.finish_request(id, reason) && disconnected {
+                        stats.num_aborted_by_disconnect += 1;
+                    }
+                }
+                Command::Shutdown => shutting_down = true,
+            }
+        }
+        if shutting_down {
+            let live: Vec<RequestId> = streams.keys().copied().collect();
+            for id in live {
+                engine.finish_request(id, FinishReason::Abort);
+            }
+        }
+        let outputs = if engine.has_unfinished_requests() {
+            engine.step_streaming()
+        } else {
+            Ok(crate::engine_core::StepOutputs { deltas: Vec::new(), finished: engine.take_finished() })
+        };
+        match outputs {
+            Ok(out) => {
+                let mut gone = Vec::new();
+                for d in out.deltas {
+                    let id = d.request_id;
+                    if let Some(tx) = streams.get(&id) {
+                        if tx.send(RequestEvent::Delta(d)).is_err() {
+                            gone.push(id);
+                        }
+                    }
+                }
+                for f in out.finished {
+                    let reason = f.outputs.iter().find_map(|o| o.finish_reason).unwrap_or(FinishReason::Abort);
+                    stats.finished_by_reason[reason as usize] += 1;
+                    if let Some(tx) = streams.remove(&f.request_id) {
+                        let _ = tx.send(RequestEvent::Finished(f));
+                    }
+                }
+                for id in gone {
+                    // The receiver is gone without a Drop message (cannot
+                    // happen with RequestStream, but a raw receiver may).
+                    if engine.finish_request(id, FinishReason::Abort) {
+                        stats.num_aborted_by_disconnect += 1;
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "engine step failed; failing every live request");
+                let msg = e.to_string();
+                let live: Vec<RequestId> = streams.keys().copied().collect();
+                for id in live {
+                    engine.finish_request(id, FinishReason::Abort);
+                    if let Some(tx) = streams.remove(&id) {
+                        let _ = tx.send(RequestEvent::Error(msg.clone()));
+                    }
+                }
+                let _ = engine.take_finished();
+            }
+        }
+        let sched = engine.scheduler();
+        stats.num_running = sched.num_running();
+        stats.num_waiting = sched.num_waiting();
+        stats.num_swapped = sched.num_swapped();
+        stats.kv = sched.allocator().stats();
+        stats.num_preemptions = sched.num_preemptions();
+        stats.counters = engine.counters();
+        shared.num_waiting.store(stats.num_waiting as u64, Ordering::Relaxed);
+        if let Ok(mut s) = shared.stats.lock() {
+            *s = stats.clone();
+        }
+        if shutting_down && !engine.has_unfinished_requests() && streams.is_empty() {
+            return;
+        }
+    }
+}
+
