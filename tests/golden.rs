@@ -139,6 +139,8 @@ fn stop_strings_end_generation_early() {
     let out = &llm.generate_ids(&prompt, &params).expect("runs")[0].outputs[0];
     let text = llm.tokenizer().decode(&out.token_ids, true).expect("decodes");
     assert!(text.contains("answer") && !text.contains("2018"), "stopped right after the stop string: {text:?}");
+    assert!(!out.text.contains("answer") && text.starts_with(&out.text), "the stop string and what follows are cut: {:?}", out.text);
+    assert_eq!(out.text, " Paris.\n\nThe ", "held-back text that did not become the stop string is released");
     assert_eq!(out.finish_reason, Some(vellum::scheduler::FinishReason::Stop));
     assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0, "its blocks were freed");
 }
@@ -164,4 +166,69 @@ fn parallel_samples_have_their_own_logprobs() {
     let toks = |o: &[vellum::engine::RequestOutput]| o[0].outputs.iter().map(|s| s.token_ids.clone()).collect::<Vec<_>>();
     assert_eq!(toks(&outs), toks(&again), "seeded sampling reproduces");
     assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0);
+}
+
+/// Streaming detokenization never emits a broken character, and the pieces
+/// add up to the full decode, for text whose characters span several
+/// byte-level tokens.
+#[test]
+fn incremental_detokenizer_is_exact_on_multibyte_text() {
+    use vellum::engine::detokenizer::IncrementalDetokenizer;
+    let llm = Llm::new(EngineArgs { kv_cache: vellum::core::KvCacheSize::NumBlocks(16), ..EngineArgs::default() })
+        .expect("the default model loads");
+    let tok = llm.tokenizer();
+    for text in ["naïve café — 東京タワー 🚀🦀 ok", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ∮ E⋅da = Q", "Ελληνικά и русский, 한국어!"] {
+        let ids = tok.encode(text, false).expect("encodes");
+        let multi = ids.iter().filter(|&&t| tok.decode(&[t], false).expect("decodes").contains('\u{FFFD}')).count();
+        assert!(multi > 0, "{text:?}: some tokens hold partial characters, so the test means something");
+        let prompt = tok.encode("Say:", false).expect("encodes");
+        let mut d = IncrementalDetokenizer::new(&prompt, true);
+        let mut pieces = Vec::new();
+        for &t in &ids {
+            pieces.push(d.push(tok, t).expect("decodes"));
+        }
+        pieces.push(d.flush(tok).expect("decodes"));
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{text:?}: a broken character was emitted: {pieces:?}");
+        assert_eq!(pieces.concat(), tok.decode(&ids, true).expect("decodes"));
+    }
+}
+
+/// 200 requests with mixed parameters on the real model, with a KV cache
+/// small enough to force preemption: all complete and every block returns.
+#[test]
+fn two_hundred_mixed_requests_on_the_real_model_return_every_block() {
+    use vellum::core::BeamSearchParams;
+    let mut llm = Llm::new(EngineArgs {
+        kv_cache: vellum::core::KvCacheSize::NumBlocks(48),
+        scheduler: SchedulerConfig { max_num_batched_tokens: 256, max_model_len: 256, ..SchedulerConfig::default() },
+        ..EngineArgs::default()
+    })
+    .expect("the default model loads");
+    let words = ["The", " capital", " of", " France", " is", " a", " city", " where", " people", " live", "."];
+    let mut n_expected = Vec::new();
+    for i in 0..200usize {
+        let len = 3 + (i * 7) % 30;
+        let prompt: Vec<u32> = (0..len)
+            .map(|j| llm.tokenizer().encode(words[(i + j) % words.len()], false).expect("encodes")[0])
+            .collect();
+        let max_tokens = Some(1 + i % 6);
+        let params = match i % 5 {
+            0 => SamplingParams { max_tokens, ..SamplingParams::greedy(1) },
+            1 => SamplingParams { n: 2, max_tokens, seed: Some(i as u64), ..SamplingParams::default() },
+            2 => SamplingParams { max_tokens, beam_search: Some(BeamSearchParams { beam_width: 2, length_penalty: 1.0 }), ..SamplingParams::greedy(1) },
+            3 => SamplingParams { max_tokens, top_k: 20, stop: vec![".".into()], logprobs: Some(1), ..SamplingParams::default() },
+            _ => SamplingParams { max_tokens, top_p: 0.9, presence_penalty: 0.5, ..SamplingParams::default() },
+        };
+        n_expected.push(params.n);
+        llm.engine().add_request(prompt, params).expect("accepted");
+    }
+    let outs = llm.engine().run_to_completion().expect("runs");
+    assert_eq!(outs.len(), 200);
+    for (o, n) in outs.iter().zip(&n_expected) {
+        assert_eq!(o.outputs.len(), *n);
+        assert!(o.outputs.iter().all(|s| !s.token_ids.is_empty()));
+    }
+    let kv = llm.engine().scheduler().allocator().stats();
+    assert_eq!(kv.num_used_blocks, 0, "every block returned");
+    llm.engine().scheduler().assert_invariants();
 }

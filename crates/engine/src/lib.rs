@@ -19,4 +19,4 @@ pub mod sampler;
 
 pub use engine_core::{EngineCore, EngineCounters, Error, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream};
-pub use llm::{available_memory_bytes, EngineArgs, Llm};
+pub use llm::{available_memory_bytes, EngineArgs, KvSharing, Llm};

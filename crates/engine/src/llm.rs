@@ -3,7 +3,7 @@
 use crate::client::EngineClient;
 use crate::detokenizer::TextStream;
 use crate::engine_core::{EngineCore, Error, RequestOutput, StepOutputs};
-use vellum_core::{IdMap, KvCacheDtype, KvCacheSize, ModelExecutor, RequestId, SamplingParams, SchedulerConfig, TokenId};
+use vellum_core::{BlockAllocator, IdMap, KvCacheDtype, KvCacheSize, ModelExecutor, RequestId, SamplingParams, SchedulerConfig, TokenId};
 use vellum_scheduler::FinishReason;
 use vellum_models::{resolve_model, ChatMessage, ChatTemplate, Tokenizer};
 
@@ -42,6 +42,29 @@ pub struct Llm {
     engine: EngineCore<Box<dyn ModelExecutor + Send>>,
     tokenizer: Tokenizer,
     chat_template: Option<ChatTemplate>,
+    kv_sharing: KvSharing,
+}
+
+/// KV blocks of the last `generate` call at its peak: physical blocks held
+/// against the blocks the sequences' tables reference (shared blocks count
+/// once per table). The gap is what sharing saved (paper §4.4, Fig. 15).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KvSharing {
+    /// Most physical blocks held at once.
+    pub peak_used_blocks: usize,
+    /// Logical blocks (sum of block-table lengths) at that step.
+    pub logical_blocks_at_peak: usize,
+}
+
+impl KvSharing {
+    /// `1 - physical / logical` at the peak.
+    pub fn saved_fraction_at_peak(&self) -> f64 {
+        if self.logical_blocks_at_peak == 0 {
+            0.0
+        } else {
+            1.0 - self.peak_used_blocks as f64 / self.logical_blocks_at_peak as f64
+        }
+    }
 }
 
 impl Llm {
@@ -85,7 +108,7 @@ impl Llm {
         }
         tracing::info!(num_blocks, block_size = args.block_size, mib = (num_blocks as u64 * executor.kv_block_bytes(args.block_size)) >> 20, "KV cache");
         let engine = EngineCore::new(executor, scheduler, num_blocks, 0, args.block_size, eos)?;
-        Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template })
+        Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template, kv_sharing: KvSharing::default() })
     }
 
     #[cfg(feature = "cpu")]
@@ -112,6 +135,11 @@ impl Llm {
     /// the chat template (for the server).
     pub fn into_client(self) -> (EngineClient, Tokenizer, Option<ChatTemplate>) {
         (EngineClient::spawn(self.engine), self.tokenizer, self.chat_template)
+    }
+
+    /// KV sharing during the last `generate` call.
+    pub fn kv_sharing(&self) -> KvSharing {
+        self.kv_sharing
     }
 
     /// The tokenizer.
@@ -149,12 +177,17 @@ impl Llm {
             texts.insert(*id, (0..n).map(|_| TextStream::new(p, &params.stop, true)).collect());
         }
         let mut done = Vec::new();
+        self.kv_sharing = KvSharing::default();
         loop {
             let out = if self.engine.has_unfinished_requests() {
                 self.engine.step_streaming()?
             } else {
                 StepOutputs { deltas: Vec::new(), finished: self.engine.take_finished() }
             };
+            let kv = self.engine.scheduler().allocator().stats();
+            if kv.num_used_blocks > self.kv_sharing.peak_used_blocks {
+                self.kv_sharing = KvSharing { peak_used_blocks: kv.num_used_blocks, logical_blocks_at_peak: kv.num_logical_blocks };
+            }
             for d in &out.deltas {
                 let Some(streams) = texts.get_mut(&d.request_id) else { continue };
                 let Some(ts) = streams.get_mut(d.index) else { continue };

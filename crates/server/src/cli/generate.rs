@@ -8,7 +8,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
-use vellum_core::{SamplingParams, SchedulerConfig};
+use vellum_core::{BeamSearchParams, SamplingParams, SchedulerConfig};
 use vellum_engine::EngineArgs;
 use vellum_models::ChatMessage;
 
@@ -58,12 +58,19 @@ pub struct GenerateArgs {
     /// Outputs per prompt.
     #[arg(long, default_value_t = 1)]
     pub n: usize,
-    /// Beam search width (not supported by the engine yet).
+    /// Beam search with this many candidates (returns the best `--n`).
     #[arg(long)]
     pub beam_width: Option<usize>,
+    /// Beam search's length normalisation exponent (score = logprob / len^p).
+    #[arg(long, default_value_t = 1.0)]
+    pub length_penalty: f32,
     /// Top log-probabilities returned per generated token.
     #[arg(long)]
     pub logprobs: Option<usize>,
+    /// Top log-probabilities returned per prompt token (adds a
+    /// "prompt_logprobs" key to the JSON).
+    #[arg(long)]
+    pub prompt_logprobs: Option<usize>,
     /// Stop strings (repeatable); the output is cut before the first one.
     #[arg(long = "stop")]
     pub stop: Vec<String>,
@@ -81,9 +88,6 @@ pub struct GenerateArgs {
 
 /// Runs `vellum generate`.
 pub fn run(args: GenerateArgs) -> Result<()> {
-    if args.beam_width.is_some() {
-        bail!("--beam-width: beam search is not supported by the engine yet");
-    }
     let prompts: Vec<String> = match &args.prompts_file {
         Some(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -106,7 +110,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         seed: args.seed,
         max_tokens: Some(args.max_tokens),
         logprobs: args.logprobs,
+        prompt_logprobs: args.prompt_logprobs,
         stop: args.stop.clone(),
+        beam_search: args.beam_width.map(|beam_width| BeamSearchParams { beam_width, length_penalty: args.length_penalty }),
         ..SamplingParams::default()
     };
     params.validate().map_err(|e| anyhow!("{e}"))?;
@@ -136,25 +142,26 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut generated = 0;
     for (prompt, out) in prompts.iter().zip(&outs) {
         let mut outputs = Vec::new();
-        for (index, o) in out.outputs.iter().enumerate() {
+        for o in &out.outputs {
             generated += o.token_ids.len();
-            let mut text = llm.tokenizer().decode(&o.token_ids, true).map_err(|e| anyhow!("{e}"))?;
-            let mut finish = o.finish_reason.map_or("length", |r| r.as_str());
-            if let Some(cut) = args.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-                text.truncate(cut);
-                finish = "stop";
-            }
             outputs.push(json!({
-                "index": index,
-                "text": text,
+                "index": o.index,
+                "text": o.text,
                 "token_ids": o.token_ids,
                 "logprobs": args.logprobs.map(|_| o.logprobs.iter().map(|pos| pos.iter().map(|(t, lp)| json!([t, lp])).collect::<Vec<_>>()).collect::<Vec<_>>()),
                 "cumulative_logprob": o.cumulative_logprob,
-                "finish_reason": finish,
+                "finish_reason": o.finish_reason.map_or("length", |r| r.as_str()),
             }));
         }
+        let mut line = json!({ "prompt": prompt, "prompt_token_ids": out.prompt_token_ids, "outputs": outputs });
+        if let Some(pl) = &out.prompt_logprobs {
+            line["prompt_logprobs"] = pl
+                .iter()
+                .map(|p| p.as_ref().map(|p| json!({"token_id": p.token_id, "logprob": p.logprob, "top": p.top.iter().map(|(t, lp)| json!([t, lp])).collect::<Vec<_>>()})))
+                .collect();
+        }
         if args.json {
-            println!("{}", json!({ "prompt": prompt, "prompt_token_ids": out.prompt_token_ids, "outputs": outputs }));
+            println!("{line}");
         } else {
             println!("=== {prompt:?}");
             for o in &outputs {
@@ -162,6 +169,13 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             }
         }
     }
+    let kv = llm.kv_sharing();
+    tracing::info!(
+        peak_used_blocks = kv.peak_used_blocks,
+        logical_blocks_at_peak = kv.logical_blocks_at_peak,
+        saved_by_sharing = format!("{:.1}%", 100.0 * kv.saved_fraction_at_peak()),
+        "KV blocks (physical vs. what the block tables reference)"
+    );
     tracing::info!(prompts = prompts.len(), generated, elapsed_s = format!("{elapsed:.2}"), tokens_per_s = format!("{:.1}", generated as f64 / elapsed), "done");
     Ok(())
 }

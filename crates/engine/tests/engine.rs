@@ -1,0 +1,407 @@
+//! Engine logic on a fake model: sampling statistics, beam search against an
+//! exhaustive search, parallel-sample sharing, prompt logprobs, aborts and a
+//! mixed workload, each checked against an independent computation.
+//!
+//! The fake model is a *paged token store*: its "KV cache" keeps the token
+//! written at every slot, and its logits are a pseudo-random function of the
+//! whole prefix read back through the block table. A wrong slot mapping,
+//! block table, copy-on-write or swap therefore changes the logits, so these
+//! tests also check the engine's bookkeeping against the KV layout.
+
+use std::collections::HashMap;
+use vellum_core::{
+    BeamSearchParams, BlockAllocator, ForwardBatch, ModelExecutor, PreemptionMode, SamplingParams, SchedulerConfig, StepOutput,
+    TokenId,
+};
+use vellum_engine::sampler::log_softmax;
+use vellum_engine::{EngineCore, RequestOutput};
+use vellum_scheduler::FinishReason;
+
+const EOS: TokenId = 0;
+
+/// Logits of the fake model after `prefix`: deterministic in (seed, prefix).
+fn fake_logits(seed: u64, vocab: usize, prefix: &[TokenId]) -> Vec<f32> {
+    let mut h = seed ^ 0xcbf2_9ce4_8422_2325;
+    for &t in prefix {
+        h = (h ^ t as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    (0..vocab)
+        .map(|i| {
+            let mut x = h ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            x ^= x >> 31;
+            x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            x ^= x >> 29;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 6.0 - 3.0
+        })
+        .collect()
+}
+
+struct FakeModel {
+    seed: u64,
+    vocab: usize,
+    block_size: usize,
+    slots: Vec<Option<TokenId>>,
+    host: Vec<Option<TokenId>>,
+}
+
+impl FakeModel {
+    fn new(seed: u64, vocab: usize) -> Self {
+        Self { seed, vocab, block_size: 0, slots: Vec::new(), host: Vec::new() }
+    }
+}
+
+impl ModelExecutor for FakeModel {
+    fn kv_block_bytes(&self, block_size: usize) -> u64 {
+        block_size as u64
+    }
+
+    fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_core::Result<()> {
+        self.block_size = block_size;
+        self.slots = vec![None; num_blocks * block_size];
+        self.host = vec![None; num_host_blocks * block_size];
+        Ok(())
+    }
+
+    fn execute(&mut self, b: &ForwardBatch) -> vellum_core::Result<StepOutput> {
+        let bs = self.block_size;
+        for s in &b.block_ops.swap_out {
+            let (d, h) = (s.device.0 as usize * bs, s.host.0 as usize * bs);
+            let block: Vec<_> = self.slots[d..d + bs].to_vec();
+            self.host[h..h + bs].copy_from_slice(&block);
+        }
+        for s in &b.block_ops.swap_in {
+            let (d, h) = (s.device.0 as usize * bs, s.host.0 as usize * bs);
+            let block: Vec<_> = self.host[h..h + bs].to_vec();
+            self.slots[d..d + bs].copy_from_slice(&block);
+        }
+        for c in &b.block_ops.copies {
+            let (src, dst) = (c.src.0 as usize * bs, c.dst.0 as usize * bs);
+            let block: Vec<_> = self.slots[src..src + bs].to_vec();
+            self.slots[dst..dst + bs].copy_from_slice(&block);
+        }
+        for (i, &slot) in b.slot_mapping.iter().enumerate() {
+            self.slots[slot as usize] = Some(b.token_ids[i]);
+        }
+        let mut logits = Vec::with_capacity(b.logits_indices.len() * self.vocab);
+        for &row in &b.logits_indices {
+            let s = b.query_start_loc.windows(2).position(|w| (w[0]..w[1]).contains(&row)).expect("row in a sequence");
+            let pos = b.positions[row as usize] as usize;
+            let table = &b.block_tables[s * b.block_table_stride..(s + 1) * b.block_table_stride];
+            let prefix: Vec<TokenId> = (0..=pos)
+                .map(|p| self.slots[table[p / bs] as usize * bs + p % bs].expect("every slot of the context was written"))
+                .collect();
+            logits.extend(fake_logits(self.seed, self.vocab, &prefix));
+        }
+        Ok(StepOutput { logits, vocab_size: self.vocab })
+    }
+}
+
+fn engine(seed: u64, vocab: usize, num_blocks: usize, config: SchedulerConfig) -> EngineCore<FakeModel> {
+    EngineCore::new(FakeModel::new(seed, vocab), config, num_blocks, 64, 4, vec![EOS]).expect("engine")
+}
+
+fn config() -> SchedulerConfig {
+    SchedulerConfig { max_model_len: 256, max_num_batched_tokens: 64, ..SchedulerConfig::default() }
+}
+
+fn run(e: &mut EngineCore<FakeModel>, prompts: &[Vec<TokenId>], params: &SamplingParams) -> Vec<RequestOutput> {
+    for p in prompts {
+        e.add_request(p.clone(), params.clone()).expect("accepted");
+    }
+    let out = e.run_to_completion().expect("runs");
+    assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0, "every block returned");
+    out
+}
+
+fn argmax(v: &[f32]) -> TokenId {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as TokenId
+}
+
+#[test]
+fn greedy_follows_the_model_and_temperature_zero_is_greedy() {
+    let prompts: Vec<Vec<TokenId>> = (0..6).map(|i| (1..=(3 + 5 * i)).map(|t| (t % 40 + 1) as TokenId).collect()).collect();
+    let mut e = engine(7, 50, 128, config());
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(12) };
+    for (p, out) in prompts.iter().zip(run(&mut e, &prompts, &params)) {
+        let mut seq = p.clone();
+        for &t in &out.outputs[0].token_ids {
+            assert_eq!(t, argmax(&fake_logits(7, 50, &seq)), "greedy picks the arg-max of the model");
+            seq.push(t);
+        }
+        assert_eq!(out.outputs[0].token_ids.len(), 12);
+    }
+}
+
+#[test]
+fn top_k_top_p_and_min_p_never_emit_excluded_tokens() {
+    let vocab = 30;
+    let prompts: Vec<Vec<TokenId>> = (0..8).map(|i| vec![i + 1, 2 * i + 3, 5]).collect();
+    let cases = [
+        SamplingParams { top_k: 3, ..SamplingParams::default() },
+        SamplingParams { top_p: 0.5, ..SamplingParams::default() },
+        SamplingParams { min_p: 0.3, temperature: 1.5, ..SamplingParams::default() },
+    ];
+    for (ci, base) in cases.iter().enumerate() {
+        let params = SamplingParams { max_tokens: Some(20), ignore_eos: true, seed: None, ..base.clone() };
+        let mut e = engine(11, vocab, 256, config());
+        for (p, out) in prompts.iter().zip(run(&mut e, &prompts, &params)) {
+            let mut seq = p.clone();
+            for &t in &out.outputs[0].token_ids {
+                let lp = log_softmax(&fake_logits(11, vocab, &seq));
+                let mut order: Vec<usize> = (0..vocab).collect();
+                order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
+                let rank = order.iter().position(|&x| x == t as usize).expect("in vocab");
+                let allowed = match ci {
+                    0 => rank < 3,
+                    1 => order[..rank].iter().map(|&x| (lp[x] as f64).exp()).sum::<f64>() < 0.5,
+                    _ => {
+                        // min_p applies after temperature.
+                        let scaled: Vec<f32> = fake_logits(11, vocab, &seq).iter().map(|x| x / 1.5).collect();
+                        let p = log_softmax(&scaled);
+                        (p[t as usize] as f64).exp() >= 0.3 * (p[order[0]] as f64).exp()
+                    }
+                };
+                assert!(allowed, "case {ci}: token {t} of rank {rank} is excluded");
+                seq.push(t);
+            }
+        }
+    }
+}
+
+#[test]
+fn seeded_requests_reproduce_whatever_the_batch() {
+    let vocab = 40;
+    let target = vec![3, 1, 4, 1, 5, 9, 2, 6];
+    let params = SamplingParams { seed: Some(42), temperature: 0.9, max_tokens: Some(16), ignore_eos: true, ..SamplingParams::default() };
+    let alone = run(&mut engine(3, vocab, 128, config()), std::slice::from_ref(&target), &params);
+    let mut crowd: Vec<Vec<TokenId>> = (0..5).map(|i| vec![i + 2; 5 + i as usize * 7]).collect();
+    crowd.insert(2, target.clone());
+    let other = SamplingParams { seed: None, ..params.clone() };
+    let mut e = engine(3, vocab, 128, SchedulerConfig { max_num_batched_tokens: 16, ..config() });
+    for (i, p) in crowd.iter().enumerate() {
+        e.add_request(p.clone(), if i == 2 { params.clone() } else { other.clone() }).expect("accepted");
+    }
+    let outs = e.run_to_completion().expect("runs");
+    assert_eq!(outs[2].outputs[0].token_ids, alone[0].outputs[0].token_ids, "same seed → same tokens, batched or not");
+    let unseeded: Vec<_> = outs.iter().enumerate().filter(|(i, _)| *i != 2).map(|(_, o)| o.outputs[0].token_ids.clone()).collect();
+    assert!(unseeded.windows(2).any(|w| w[0] != w[1]), "different requests draw differently");
+}
+
+/// Every complete hypothesis (ends in EOS, or reaches `max_len` tokens) with
+/// its cumulative logprob.
+fn exhaustive(seed: u64, vocab: usize, prompt: &[TokenId], max_len: usize, eos: bool) -> Vec<(Vec<TokenId>, f64)> {
+    let mut out = Vec::new();
+    let mut stack = vec![(Vec::new(), 0.0f64)];
+    while let Some((gen, cum)) = stack.pop() {
+        let mut prefix = prompt.to_vec();
+        prefix.extend(&gen);
+        let lp = log_softmax(&fake_logits(seed, vocab, &prefix));
+        for t in 0..vocab as TokenId {
+            let mut g = gen.clone();
+            g.push(t);
+            let c = cum + lp[t as usize] as f64;
+            if (eos && t == EOS) || g.len() == max_len {
+                out.push((g, c));
+            } else {
+                stack.push((g, c));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn beam_search_wide_enough_finds_the_exhaustive_optimum() {
+    let vocab: usize = 4;
+    let max_len: usize = 4;
+    for seed in 0..6u64 {
+        let prompt: Vec<TokenId> = vec![1, 2, 3, (seed % 3) as TokenId + 1];
+        // Wide enough to keep every prefix: beam search is then exact.
+        let width = vocab.pow(max_len as u32 - 1);
+        for (eos, length_penalty) in [(true, 0.0f32), (false, 1.0)] {
+            let all = exhaustive(seed, vocab, &prompt, max_len, eos);
+            let score = |g: &[TokenId], c: f64| c / (g.len() as f64).powf(length_penalty as f64);
+            let best = all.iter().max_by(|a, b| score(&a.0, a.1).total_cmp(&score(&b.0, b.1))).expect("some");
+            let params = SamplingParams {
+                n: 2,
+                max_tokens: Some(max_len),
+                ignore_eos: !eos,
+                beam_search: Some(BeamSearchParams { beam_width: width, length_penalty }),
+                ..SamplingParams::greedy(max_len)
+            };
+            let mut e = engine(seed, vocab, 512, SchedulerConfig { max_num_seqs: 256, max_num_batched_tokens: 512, ..config() });
+            let out = run(&mut e, std::slice::from_ref(&prompt), &params);
+            let top = &out[0].outputs[0];
+            assert_eq!(out[0].outputs.len(), 2, "n best returned");
+            assert_eq!(top.token_ids, best.0, "seed {seed}, eos {eos}: beam search's best is the exhaustive optimum");
+            assert!((top.cumulative_logprob - best.1).abs() < 1e-4);
+            let second = &out[0].outputs[1];
+            assert!(score(&second.token_ids, second.cumulative_logprob) <= score(&top.token_ids, top.cumulative_logprob));
+        }
+    }
+}
+
+#[test]
+fn narrow_beam_beats_or_ties_greedy_and_shares_blocks() {
+    let vocab = 20;
+    let prompt: Vec<TokenId> = (1..=33).collect();
+    let params = SamplingParams {
+        max_tokens: Some(12),
+        beam_search: Some(BeamSearchParams { beam_width: 4, length_penalty: 0.0 }),
+        ignore_eos: true,
+        ..SamplingParams::greedy(12)
+    };
+    let mut e = engine(5, vocab, 256, config());
+    e.add_request(prompt.clone(), params).expect("accepted");
+    let mut saw_sharing = false;
+    let mut outs = Vec::new();
+    while e.has_unfinished_requests() {
+        outs.extend(e.step().expect("step"));
+        let kv = e.scheduler().allocator().stats();
+        saw_sharing |= kv.num_logical_blocks > kv.num_used_blocks;
+    }
+    outs.extend(e.take_finished());
+    let greedy = run(&mut engine(5, vocab, 256, config()), std::slice::from_ref(&prompt), &SamplingParams { ignore_eos: true, ..SamplingParams::greedy(12) });
+    let g = &greedy[0].outputs[0];
+    let b = &outs[0].outputs[0];
+    assert_eq!(b.token_ids.len(), 12);
+    assert!(b.cumulative_logprob >= g.cumulative_logprob - 1e-6, "beam {} < greedy {}", b.cumulative_logprob, g.cumulative_logprob);
+    assert!(saw_sharing, "beam candidates share the prompt's blocks");
+    assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0);
+}
+
+#[test]
+fn parallel_samples_share_prompt_blocks_in_the_kv_accounting() {
+    let prompt: Vec<TokenId> = (1..=64).map(|t| t % 30 + 1).collect();
+    let params = SamplingParams { n: 4, max_tokens: Some(8), ignore_eos: true, seed: Some(1), ..SamplingParams::default() };
+    let mut e = engine(9, 40, 256, config());
+    e.add_request(prompt, params).expect("accepted");
+    let mut best_saving = 0;
+    let mut outs = Vec::new();
+    while e.has_unfinished_requests() {
+        outs.extend(e.step().expect("step"));
+        let kv = e.scheduler().allocator().stats();
+        best_saving = best_saving.max(kv.num_logical_blocks - kv.num_used_blocks);
+    }
+    // 64 prompt tokens = 16 full blocks of 4, held once instead of 4 times.
+    assert!(best_saving >= 3 * 16, "sharing saved {best_saving} blocks");
+    let o = &outs[0].outputs;
+    assert_eq!(o.len(), 4);
+    assert_eq!(o.iter().map(|s| s.index).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert!(o.iter().all(|s| s.token_ids.len() == 8 && s.token_logprobs.len() == 8));
+    assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0);
+}
+
+#[test]
+fn prompt_logprobs_match_the_model_with_chunking_and_a_cached_prefix() {
+    let vocab = 25;
+    let prompt: Vec<TokenId> = (0..37).map(|i| (i * 7 % 24 + 1) as TokenId).collect();
+    let params = SamplingParams { prompt_logprobs: Some(3), ..SamplingParams::greedy(2) };
+    // Small budget: the prompt is computed in chunks. Twice: the second
+    // request would hit the prefix cache, which prompt logprobs bypass.
+    let mut e = engine(13, vocab, 128, SchedulerConfig { max_num_batched_tokens: 8, ..config() });
+    for _ in 0..2 {
+        let out = run(&mut e, std::slice::from_ref(&prompt), &params);
+        let pl = out[0].prompt_logprobs.as_ref().expect("asked for");
+        assert_eq!(pl.len(), prompt.len());
+        assert!(pl[0].is_none(), "nothing predicts the first token");
+        for pos in 1..prompt.len() {
+            let p = pl[pos].as_ref().unwrap_or_else(|| panic!("position {pos} computed"));
+            let lp = log_softmax(&fake_logits(13, vocab, &prompt[..pos]));
+            assert_eq!(p.token_id, prompt[pos]);
+            assert!((p.logprob - lp[prompt[pos] as usize]).abs() < 1e-6);
+            assert_eq!(p.top.len(), 3);
+            assert_eq!(p.top[0].0, argmax(&lp));
+        }
+    }
+}
+
+#[test]
+fn aborting_frees_every_block_at_once() {
+    let mut e = engine(1, 30, 64, config());
+    let mut ids = Vec::new();
+    for i in 0..6u32 {
+        let prompt: Vec<TokenId> = (0..(10 + 9 * i)).map(|t| t % 29 + 1).collect();
+        let n = 1 + (i as usize % 3);
+        let params = SamplingParams { n, max_tokens: Some(50), ignore_eos: true, ..SamplingParams::default() };
+        ids.push(e.add_request(prompt, params).expect("accepted"));
+    }
+    for _ in 0..5 {
+        e.step().expect("step");
+    }
+    assert!(e.scheduler().allocator().stats().num_used_blocks > 0);
+    for id in ids {
+        assert!(e.finish_request(id, FinishReason::Abort));
+    }
+    assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0, "freed before any further step");
+    let outs = e.take_finished();
+    assert_eq!(outs.len(), 6);
+    assert!(outs.iter().all(|o| o.outputs.iter().all(|s| s.finish_reason == Some(FinishReason::Abort))));
+    assert!(!e.has_unfinished_requests());
+    e.scheduler().assert_invariants();
+}
+
+/// Deterministic mixed parameters for request `i`.
+fn mixed_params(i: usize) -> SamplingParams {
+    let max_tokens = Some(1 + (i * 7) % 24);
+    match i % 6 {
+        0 => SamplingParams { max_tokens, ..SamplingParams::greedy(1) },
+        1 => SamplingParams { n: 3, max_tokens, seed: Some(i as u64), ..SamplingParams::default() },
+        2 => SamplingParams { max_tokens, beam_search: Some(BeamSearchParams { beam_width: 3, length_penalty: 1.0 }), ..SamplingParams::greedy(1) },
+        3 => SamplingParams { max_tokens, top_k: 5, logprobs: Some(2), ..SamplingParams::default() },
+        4 => SamplingParams { max_tokens, n: 2, best_of: Some(3), top_p: 0.8, ..SamplingParams::default() },
+        _ => SamplingParams { max_tokens, prompt_logprobs: Some(1), repetition_penalty: 1.3, ..SamplingParams::default() },
+    }
+}
+
+#[test]
+fn two_hundred_mixed_requests_under_memory_pressure_return_every_block() {
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let config = SchedulerConfig { preemption_mode: mode, max_num_batched_tokens: 96, ..config() };
+        // 60 blocks of 4 tokens: far fewer than the load wants, so requests
+        // are preempted and resumed throughout.
+        let mut e = EngineCore::new(FakeModel::new(21, 32), config, 60, 120, 4, vec![EOS]).expect("engine");
+        let mut expected = HashMap::new();
+        let mut outs = Vec::new();
+        for i in 0..200 {
+            let prompt: Vec<TokenId> = (0..(2 + (i * 13) % 40)).map(|t| ((t + i) % 31 + 1) as TokenId).collect();
+            let params = mixed_params(i);
+            let id = e.add_request(prompt, params.clone()).expect("accepted");
+            expected.insert(id, params);
+            if i % 10 == 9 {
+                outs.extend(e.step().expect("step"));
+                e.scheduler().assert_invariants();
+            }
+        }
+        while e.has_unfinished_requests() {
+            outs.extend(e.step().expect("step"));
+            e.scheduler().assert_invariants();
+        }
+        outs.extend(e.take_finished());
+        assert_eq!(outs.len(), 200, "{mode:?}: every request finished");
+        for o in &outs {
+            let p = &expected[&o.request_id];
+            assert_eq!(o.outputs.len(), p.n, "{mode:?}: n outputs");
+            for s in &o.outputs {
+                assert!(!s.token_ids.is_empty() && s.token_ids.len() <= p.max_tokens.unwrap_or(0));
+                if p.logprobs.is_some() {
+                    assert_eq!(s.logprobs.len(), s.token_ids.len());
+                }
+            }
+            if p.prompt_logprobs.is_some() {
+                let pl = o.prompt_logprobs.as_ref().expect("prompt logprobs");
+                assert!(pl.iter().skip(1).all(Option::is_some), "{mode:?}: every prompt position, even after preemption");
+            }
+        }
+        let kv = e.scheduler().allocator().stats();
+        assert_eq!(kv.num_used_blocks, 0, "{mode:?}: every block returned");
+        assert_eq!(kv.num_used_host_blocks, 0, "{mode:?}: every host block returned");
+        assert!(e.scheduler().num_preemptions() > 0, "{mode:?}: the load did preempt");
+    }
+}
