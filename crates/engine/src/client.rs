@@ -56,7 +56,7 @@ pub struct EngineStats {
 enum Command {
     Add {
         prompt: Vec<TokenId>,
-        params: SamplingParams,
+        params: Box<SamplingParams>,
         priority: i64,
         events: tmpsc::UnboundedSender<RequestEvent>,
         reply: mpsc::SyncSender<Result<RequestId, Error>>,
@@ -99,7 +99,7 @@ impl EngineClient {
         let (events, rx) = tmpsc::unbounded_channel();
         let (reply, reply_rx) = mpsc::sync_channel(1);
         self.commands
-            .send(Command::Add { prompt, params, priority, events, reply })
+            .send(Command::Add { prompt, params: Box::new(params), priority, events, reply })
             .map_err(|_| Error::Unsupported("the engine has shut down"))?;
         let id = reply_rx.recv().map_err(|_| Error::Unsupported("the engine has shut down"))??;
         Ok(RequestStream { id, events: rx, commands: self.commands.clone(), done: false })
@@ -219,7 +219,7 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                         let _ = reply.send(Err(Error::Unsupported("the engine is shutting down")));
                         continue;
                     }
-                    let r = engine.add_request_with_priority(prompt, params, priority);
+                    let r = engine.add_request_with_priority(prompt, *params, priority);
                     if let Ok(id) = r {
                         streams.insert(id, events);
                     }

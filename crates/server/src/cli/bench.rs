@@ -14,6 +14,8 @@ use vellum_scheduler::sim::{generate_trace, Workload};
 pub enum BenchCommand {
     /// Requests/s and tokens/s of a batch of requests submitted at once.
     Throughput(ThroughputArgs),
+    /// Latency of one batch (mean, p50/p90/p99), prefill and decode speed.
+    Latency(super::bench_latency::LatencyArgs),
 }
 
 /// Arguments of `vellum bench throughput`.
@@ -55,6 +57,7 @@ pub struct ThroughputArgs {
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Throughput(args) => throughput(args),
+        BenchCommand::Latency(args) => super::bench_latency::run(args),
     }
 }
 
@@ -92,7 +95,19 @@ fn throughput(args: ThroughputArgs) -> Result<()> {
         let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(output) };
         llm.engine().add_request(prompt, params).map_err(|e| anyhow!("{e}"))?;
     }
-    let outs = llm.engine().run_to_completion().map_err(|e| anyhow!("{e}"))?;
+    let bar = indicatif::ProgressBar::new(lengths.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} requests {msg}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut outs = Vec::with_capacity(lengths.len());
+    let engine = llm.engine();
+    while engine.has_unfinished_requests() {
+        outs.extend(engine.step().map_err(|e| anyhow!("{e}"))?);
+        bar.set_position(outs.len() as u64);
+        bar.set_message(format!("{:.0} tok/s", engine.counters().generation_tokens as f64 / started.elapsed().as_secs_f64()));
+    }
+    outs.extend(engine.take_finished());
+    bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
     let prompt_tokens: usize = lengths.iter().map(|l| l.0).sum();
     let output_tokens: usize = outs.iter().flat_map(|o| &o.outputs).map(|s| s.token_ids.len()).sum();

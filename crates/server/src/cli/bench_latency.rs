@@ -1,0 +1,160 @@
+//! `vellum bench latency`: the latency of one batch, in the shape of vLLM's
+//! benchmark_latency (`--batch-size --input-len --output-len`, warm-up and
+//! measured iterations; mean and p50/p90/p99).
+//!
+//! Each iteration also splits its time at the step that produced the
+//! batch's first tokens: prefill throughput (prompt tokens / time to first
+//! tokens) and decode throughput (tokens after the first / the rest). These
+//! are the figures llama.cpp's batched-bench reports, so the two can be
+//! compared side by side (benchmarks/).
+
+use anyhow::{anyhow, bail, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use std::time::Instant;
+use vellum_core::{SamplingParams, SchedulerConfig, SeededRng};
+use vellum_engine::EngineArgs;
+
+/// Arguments of `vellum bench latency`.
+#[derive(Args, Debug)]
+pub struct LatencyArgs {
+    /// Model (default: SmolLM2-135M-Instruct Q4_1).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Requests in the batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Prompt tokens per request (random ordinary token ids).
+    #[arg(long, default_value_t = 32)]
+    pub input_len: usize,
+    /// Generated tokens per request (EOS ignored).
+    #[arg(long, default_value_t = 128)]
+    pub output_len: usize,
+    /// Unmeasured iterations first.
+    #[arg(long, default_value_t = 1)]
+    pub num_iters_warmup: usize,
+    /// Measured iterations.
+    #[arg(long, default_value_t = 3)]
+    pub num_iters: usize,
+    /// Token budget per step (the whole batch's prompts fit by default).
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// KV cache size (e.g. 4GiB, or a fraction of available memory).
+    #[arg(long, default_value = "0.5")]
+    pub kv_cache_memory: String,
+    /// Seed of the random prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Iteration {
+    latency_s: f64,
+    first_tokens_s: f64,
+}
+
+/// Runs `vellum bench latency`.
+pub fn run(args: LatencyArgs) -> Result<()> {
+    if args.batch_size == 0 || args.input_len == 0 || args.output_len < 2 || args.num_iters == 0 {
+        bail!("--batch-size, --input-len and --num-iters must be positive and --output-len at least 2");
+    }
+    let engine_args = EngineArgs {
+        model: args.model.clone(),
+        kv_cache: super::parse_kv_cache_memory(&args.kv_cache_memory)?,
+        scheduler: SchedulerConfig {
+            max_num_batched_tokens: args.max_num_batched_tokens.max(args.batch_size),
+            max_num_seqs: args.batch_size.max(1),
+            max_model_len: (args.input_len + args.output_len).max(2048),
+            ..SchedulerConfig::default()
+        },
+        ..EngineArgs::default()
+    };
+    let mut llm = super::load_with_progress(engine_args)?;
+    let vocab = llm.tokenizer().vocab_size() as u64;
+    let mut rng = SeededRng::new(args.seed);
+    let total = args.num_iters_warmup + args.num_iters;
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} iterations").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    let mut iters = Vec::new();
+    let counters_before = llm.engine().counters();
+    for it in 0..total {
+        bar.set_message(if it < args.num_iters_warmup { "warm-up" } else { "measuring" });
+        let engine = llm.engine();
+        let started = Instant::now();
+        for _ in 0..args.batch_size {
+            // Fresh random prompts every iteration: no prefix-cache hits.
+            let prompt: Vec<u32> = (0..args.input_len).map(|_| (100 + rng.next_u64() % (vocab - 100)) as u32).collect();
+            let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len) };
+            engine.add_request(prompt, params).map_err(|e| anyhow!("{e}"))?;
+        }
+        let mut first_tokens_s = None;
+        let mut seen = 0;
+        while engine.has_unfinished_requests() {
+            let out = engine.step_streaming().map_err(|e| anyhow!("{e}"))?;
+            seen += out.deltas.len();
+            if first_tokens_s.is_none() && seen >= args.batch_size {
+                first_tokens_s = Some(started.elapsed().as_secs_f64());
+            }
+        }
+        engine.take_finished();
+        let latency_s = started.elapsed().as_secs_f64();
+        if it >= args.num_iters_warmup {
+            iters.push(Iteration { latency_s, first_tokens_s: first_tokens_s.unwrap_or(latency_s) });
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let c = llm.engine().counters();
+    let phase = |now: f64, before: f64| now - before;
+    let (sched, exec, samp) = (
+        phase(c.schedule_s, counters_before.schedule_s),
+        phase(c.execute_s, counters_before.execute_s),
+        phase(c.sample_s, counters_before.sample_s),
+    );
+    let mut lat: Vec<f64> = iters.iter().map(|i| i.latency_s).collect();
+    lat.sort_by(f64::total_cmp);
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let first: Vec<f64> = iters.iter().map(|i| i.first_tokens_s).collect();
+    let decode: Vec<f64> = iters.iter().map(|i| i.latency_s - i.first_tokens_s).collect();
+    let b = args.batch_size as f64;
+    let report = json!({
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
+        "avg_latency_s": mean(&lat),
+        "p50_latency_s": percentile(&lat, 50.0),
+        "p90_latency_s": percentile(&lat, 90.0),
+        "p99_latency_s": percentile(&lat, 99.0),
+        "prefill_tokens_per_s": b * args.input_len as f64 / mean(&first),
+        "decode_tokens_per_s": b * (args.output_len - 1) as f64 / mean(&decode),
+        "time_share": { "schedule": sched / (sched + exec + samp), "execute": exec / (sched + exec + samp), "sample": samp / (sched + exec + samp) },
+        "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!(
+            "batch {} × ({} in, {} out): latency avg {:.3} s, p50 {:.3}, p90 {:.3}, p99 {:.3}; prefill {:.1} tok/s, decode {:.1} tok/s; \
+             time in schedule {:.2}%, execute {:.2}%, sample {:.2}%",
+            args.batch_size, args.input_len, args.output_len, mean(&lat), percentile(&lat, 50.0), percentile(&lat, 90.0),
+            percentile(&lat, 99.0), report["prefill_tokens_per_s"].as_f64().unwrap_or(0.0),
+            report["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
+            100.0 * sched / (sched + exec + samp), 100.0 * exec / (sched + exec + samp), 100.0 * samp / (sched + exec + samp),
+        );
+    }
+    Ok(())
+}
+
+/// Linear-interpolated percentile of sorted values (numpy's default).
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = p / 100.0 * (sorted.len() - 1) as f64;
+    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+}
