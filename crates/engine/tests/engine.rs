@@ -405,3 +405,58 @@ fn two_hundred_mixed_requests_under_memory_pressure_return_every_block() {
         assert!(e.scheduler().num_preemptions() > 0, "{mode:?}: the load did preempt");
     }
 }
+
+#[test]
+fn engine_client_streams_tokens_and_frees_blocks_of_dropped_streams() {
+    use vellum_engine::{EngineClient, RequestEvent};
+    let client = EngineClient::spawn(engine(17, 40, 128, config()));
+    // Eight callers on their own threads, each streaming one request.
+    let handles: Vec<_> = (0..8u32)
+        .map(|i| {
+            let c = client.clone();
+            std::thread::spawn(move || {
+                let prompt: Vec<TokenId> = (0..(5 + i)).map(|t| t % 39 + 1).collect();
+                let params = SamplingParams { ignore_eos: true, n: 1 + (i as usize % 2), seed: Some(i as u64), ..SamplingParams::default() };
+                let params = SamplingParams { max_tokens: Some(10), ..params };
+                let mut stream = c.add_request(prompt, params, 0).expect("accepted");
+                let mut streamed: HashMap<usize, Vec<TokenId>> = HashMap::new();
+                loop {
+                    match stream.next_blocking() {
+                        Some(RequestEvent::Delta(d)) => streamed.entry(d.index).or_default().extend(d.token_ids),
+                        Some(RequestEvent::Finished(out)) => return (streamed, out),
+                        Some(RequestEvent::Error(e)) => panic!("engine error: {e}"),
+                        None => panic!("stream ended without Finished"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        let (streamed, out) = h.join().expect("caller");
+        for o in &out.outputs {
+            assert_eq!(streamed.get(&o.index), Some(&o.token_ids), "the deltas add up to the final tokens");
+            assert_eq!(o.token_ids.len(), 10);
+        }
+    }
+    // A caller that goes away mid-stream: its request is aborted.
+    let long = SamplingParams { ignore_eos: true, max_tokens: Some(200), ..SamplingParams::default() };
+    let mut stream = client.add_request(vec![1, 2, 3, 4, 5, 6, 7, 8, 9], long, 0).expect("accepted");
+    assert!(matches!(stream.next_blocking(), Some(RequestEvent::Delta(_))));
+    drop(stream);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let s = client.stats();
+        if s.num_aborted_by_disconnect == 1 && s.num_running == 0 && s.num_waiting == 0 {
+            assert_eq!(s.kv.num_used_blocks, 0, "the dropped request's blocks are free");
+            assert_eq!(s.finished_by_reason, [0, 8, 1], "8 by length, 1 aborted");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "abort not applied: {s:?}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // Bad input comes back as a typed error, before any stream exists.
+    let too_long = SamplingParams { max_tokens: Some(1000), ..SamplingParams::default() };
+    assert!(client.add_request(vec![1, 2, 3], too_long, 0).is_err());
+    client.shutdown();
+    assert!(client.add_request(vec![1], SamplingParams::default(), 0).is_err(), "no requests after shutdown");
+}
