@@ -7,6 +7,27 @@
 //! updates), runs it, samples, and feeds the tokens back. [`Llm`] is the
 //! offline API on top (thesis Listing 4.1).
 //!
+//! ```no_run
+//! use vellum_core::SamplingParams;
+//! use vellum_engine::{EngineArgs, LLM};
+//! use vellum_models::ChatMessage;
+//!
+//! // No model given: the default SmolLM2-135M-Instruct is fetched and used.
+//! let mut llm = LLM::new(EngineArgs::default())?;
+//! let params = SamplingParams { temperature: 0.8, top_p: 0.95, max_tokens: Some(64), ..SamplingParams::default() };
+//! for out in llm.generate(&["The capital of France is", "Paged attention is"], &params)? {
+//!     println!("{}", out.outputs[0].text);
+//! }
+//! let chat = vec![ChatMessage::new("user", "Write a haiku about the sea.")];
+//! let reply = llm.chat(&[chat], &params)?;
+//! println!("{}", reply[0].outputs[0].text);
+//! # Ok::<(), vellum_engine::Error>(())
+//! ```
+//!
+//! For serving, [`Llm::into_client`] moves the engine onto its own thread:
+//! an [`EngineClient`] takes requests from any number of callers and streams
+//! each one's tokens back on its own [`RequestStream`].
+//!
 //! **The one decision to know:** the engine is generic over
 //! [`vellum_core::ModelExecutor`]; backend selection (every backend `cfg`)
 //! lives in [`Llm`] alone.
@@ -20,3 +41,6 @@ pub mod sampler;
 pub use engine_core::{EngineCore, EngineCounters, Error, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream};
 pub use llm::{available_memory_bytes, EngineArgs, KvSharing, Llm};
+
+/// The offline API under the name thesis Listing 4.1 gives it.
+pub use llm::Llm as LLM;
