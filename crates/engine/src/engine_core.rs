@@ -318,6 +318,15 @@ impl<E: ModelExecutor> EngineCore<E> {
         self.scheduler.finish_request(id, reason)
     }
 
+    /// Ends one output sequence (`index`) of a request, e.g. when a stop
+    /// string matched in one of several parallel samples; the request ends
+    /// with its last sequence.
+    pub fn finish_sequence(&mut self, id: RequestId, index: usize, reason: vellum_scheduler::FinishReason) -> bool {
+        let Some(req) = self.scheduler.request(id) else { return false };
+        let sid = req.seqs.iter().map(|s| s.seq_id).find(|sid| self.seq_records.get(sid).map_or(index == 0, |r| r.index == index));
+        sid.is_some_and(|sid| self.scheduler.finish_sequence(id, sid, reason))
+    }
+
     /// Outputs of requests that finished outside a step (see
     /// [`EngineCore::finish_request`]) and have not been returned yet.
     pub fn take_finished(&mut self) -> Vec<RequestOutput> {

@@ -154,8 +154,8 @@ impl Llm {
 
     /// Generates for token-id prompts, all batched together. Outputs come
     /// in prompt order, with `text` detokenized incrementally and cut at the
-    /// first stop string; a single-sample request ends as soon as its text
-    /// holds one (its blocks freed at once).
+    /// first stop string; a sequence ends as soon as its text holds one (its
+    /// blocks freed at once).
     pub fn generate_ids(&mut self, prompts: &[Vec<TokenId>], params: &SamplingParams) -> Result<Vec<RequestOutput>, Error> {
         let mut ids = Vec::with_capacity(prompts.len());
         for p in prompts {
@@ -191,9 +191,10 @@ impl Llm {
             for d in &out.deltas {
                 let Some(streams) = texts.get_mut(&d.request_id) else { continue };
                 let Some(ts) = streams.get_mut(d.index) else { continue };
+                let was_stopped = ts.stopped();
                 ts.push(&self.tokenizer, &d.token_ids)?;
-                if ts.stopped() && streams.iter().all(TextStream::stopped) {
-                    self.engine.finish_request(d.request_id, FinishReason::Stop);
+                if ts.stopped() && !was_stopped {
+                    self.engine.finish_sequence(d.request_id, d.index, FinishReason::Stop);
                 }
             }
             for mut r in out.finished {

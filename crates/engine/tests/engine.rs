@@ -42,11 +42,13 @@ struct FakeModel {
     block_size: usize,
     slots: Vec<Option<TokenId>>,
     host: Vec<Option<TokenId>>,
+    /// Time each step takes (a real model takes some).
+    step_time: std::time::Duration,
 }
 
 impl FakeModel {
     fn new(seed: u64, vocab: usize) -> Self {
-        Self { seed, vocab, block_size: 0, slots: Vec::new(), host: Vec::new() }
+        Self { seed, vocab, block_size: 0, slots: Vec::new(), host: Vec::new(), step_time: std::time::Duration::ZERO }
     }
 }
 
@@ -63,6 +65,7 @@ impl ModelExecutor for FakeModel {
     }
 
     fn execute(&mut self, b: &ForwardBatch) -> vellum_core::Result<StepOutput> {
+        std::thread::sleep(self.step_time);
         let bs = self.block_size;
         for s in &b.block_ops.swap_out {
             let (d, h) = (s.device.0 as usize * bs, s.host.0 as usize * bs);
@@ -409,7 +412,9 @@ fn two_hundred_mixed_requests_under_memory_pressure_return_every_block() {
 #[test]
 fn engine_client_streams_tokens_and_frees_blocks_of_dropped_streams() {
     use vellum_engine::{EngineClient, RequestEvent};
-    let client = EngineClient::spawn(engine(17, 40, 128, config()));
+    let mut model = FakeModel::new(17, 40);
+    model.step_time = std::time::Duration::from_millis(2);
+    let client = EngineClient::spawn(EngineCore::new(model, config(), 128, 64, 4, vec![EOS]).expect("engine"));
     // Eight callers on their own threads, each streaming one request.
     let handles: Vec<_> = (0..8u32)
         .map(|i| {
@@ -459,4 +464,25 @@ fn engine_client_streams_tokens_and_frees_blocks_of_dropped_streams() {
     assert!(client.add_request(vec![1, 2, 3], too_long, 0).is_err());
     client.shutdown();
     assert!(client.add_request(vec![1], SamplingParams::default(), 0).is_err(), "no requests after shutdown");
+}
+
+#[test]
+fn finishing_one_parallel_sample_frees_its_blocks_and_the_rest_go_on() {
+    let prompt: Vec<TokenId> = (1..=9).collect();
+    let params = SamplingParams { n: 3, max_tokens: Some(30), ignore_eos: true, seed: Some(4), ..SamplingParams::default() };
+    let mut e = engine(23, 40, 128, config());
+    let id = e.add_request(prompt, params).expect("accepted");
+    for _ in 0..4 {
+        e.step().expect("step");
+    }
+    let used = e.scheduler().allocator().stats().num_used_blocks;
+    assert!(e.finish_sequence(id, 1, FinishReason::Stop));
+    assert!(!e.finish_sequence(id, 1, FinishReason::Stop), "already finished");
+    assert!(e.scheduler().allocator().stats().num_used_blocks < used, "its own blocks were freed");
+    let outs = e.run_to_completion().expect("runs");
+    let o = &outs[0].outputs;
+    assert_eq!(o[1].finish_reason, Some(FinishReason::Stop));
+    assert!(o[1].token_ids.len() < 30);
+    assert_eq!((o[0].token_ids.len(), o[2].token_ids.len()), (30, 30), "the siblings ran to the end");
+    assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0);
 }

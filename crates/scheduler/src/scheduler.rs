@@ -320,6 +320,26 @@ impl<A: BlockAllocator> Scheduler<A> {
         true
     }
 
+    /// Ends one sequence of a request from outside (a stop string matched
+    /// in one of several parallel samples): its blocks are freed now; the
+    /// request finishes when no sequence runs. Returns false for an unknown
+    /// or finished sequence, or one with a step in flight.
+    pub fn finish_sequence(&mut self, id: RequestId, seq_id: SeqId, reason: FinishReason) -> bool {
+        let Some(req) = self.requests.get_mut(&id) else { return false };
+        if req.seqs.len() == 1 || req.params.beam_search.is_some() {
+            return req.seqs[0].seq_id == seq_id && req.params.beam_search.is_none() && self.finish_request(id, reason);
+        }
+        let Some(seq) = req.seqs.iter_mut().find(|s| s.seq_id == seq_id && s.is_running() && s.num_in_flight_tokens == 0) else {
+            return false;
+        };
+        seq.finish_reason = Some(reason);
+        self.allocator.free(seq_id);
+        if req.running_seqs().next().is_none() {
+            self.finish_request(id, reason);
+        }
+        true
+    }
+
     /// Client abort.
     pub fn abort(&mut self, id: RequestId) -> bool {
         self.finish_request(id, FinishReason::Abort)
