@@ -59,7 +59,7 @@ enum Command {
         params: Box<SamplingParams>,
         priority: i64,
         events: tmpsc::UnboundedSender<RequestEvent>,
-        reply: mpsc::SyncSender<Result<RequestId, Error>>,
+        reply: tokio::sync::oneshot::Sender<Result<RequestId, Error>>,
     },
     Finish(RequestId, FinishReason, bool),
     Shutdown,
@@ -94,15 +94,37 @@ impl EngineClient {
 
     /// Queues a request; its tokens arrive on the returned stream. Errors
     /// (invalid parameters, prompt too long) are returned here, before any
-    /// stream exists.
+    /// stream exists. The engine takes new requests between steps, so this
+    /// waits up to one step: async callers use
+    /// [`EngineClient::add_request_async`].
     pub fn add_request(&self, prompt: Vec<TokenId>, params: SamplingParams, priority: i64) -> Result<RequestStream, Error> {
+        let (reply_rx, stream) = self.send_add(prompt, params, priority)?;
+        let id = reply_rx.blocking_recv().map_err(|_| Error::Unsupported("the engine has shut down"))??;
+        Ok(stream(id))
+    }
+
+    /// [`EngineClient::add_request`] for async callers: awaits the engine's
+    /// answer without blocking a runtime thread.
+    pub async fn add_request_async(&self, prompt: Vec<TokenId>, params: SamplingParams, priority: i64) -> Result<RequestStream, Error> {
+        let (reply_rx, stream) = self.send_add(prompt, params, priority)?;
+        let id = reply_rx.await.map_err(|_| Error::Unsupported("the engine has shut down"))??;
+        Ok(stream(id))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn send_add(
+        &self,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        priority: i64,
+    ) -> Result<(tokio::sync::oneshot::Receiver<Result<RequestId, Error>>, impl FnOnce(RequestId) -> RequestStream), Error> {
         let (events, rx) = tmpsc::unbounded_channel();
-        let (reply, reply_rx) = mpsc::sync_channel(1);
+        let (reply, reply_rx) = tokio::sync::oneshot::channel();
         self.commands
             .send(Command::Add { prompt, params: Box::new(params), priority, events, reply })
             .map_err(|_| Error::Unsupported("the engine has shut down"))?;
-        let id = reply_rx.recv().map_err(|_| Error::Unsupported("the engine has shut down"))??;
-        Ok(RequestStream { id, events: rx, commands: self.commands.clone(), done: false })
+        let commands = self.commands.clone();
+        Ok((reply_rx, move |id| RequestStream { id, events: rx, commands, done: false }))
     }
 
     /// Ends a request now (its blocks are freed before the next step).
