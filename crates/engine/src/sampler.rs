@@ -111,16 +111,54 @@ pub fn sample(
     Sample { token, logprob: logprobs[token as usize], top_logprobs }
 }
 
+/// Draws a token. Only the candidates the filters can keep are sorted: the
+/// top `k`, or for top-p / min-p alone a prefix of the ranking grown until
+/// the cut falls inside it; with no filter the draw walks the vocabulary in
+/// id order, unsorted.
 fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng) -> TokenId {
     let t = params.temperature as f64;
-    let mut cand: Vec<(TokenId, f64)> = logits.iter().enumerate().map(|(i, &x)| (i as TokenId, x as f64 / t)).collect();
-    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    if params.top_k > 0 {
-        cand.truncate(params.top_k as usize);
+    let v = logits.len();
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let weight = |x: f32| ((x as f64 - m) / t).exp();
+    let k = if params.top_k > 0 { (params.top_k as usize).min(v) } else { v };
+    if k == v && params.top_p >= 1.0 && params.min_p <= 0.0 {
+        let total: f64 = logits.iter().map(|&x| weight(x)).sum();
+        let mut u = rng.uniform() * total;
+        for (i, &x) in logits.iter().enumerate() {
+            let w = weight(x);
+            if u < w {
+                return i as TokenId;
+            }
+            u -= w;
+        }
+        return argmax(logits);
     }
-    let m = cand[0].1;
-    let mut probs: Vec<f64> = cand.iter().map(|c| (c.1 - m).exp()).collect();
-    let total: f64 = probs.iter().sum();
+    // Ranking: larger logit first, lower id on ties.
+    let desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let mut order: Vec<u32> = (0..v as u32).collect();
+    let z_full = if k == v { logits.iter().map(|&x| weight(x)).sum::<f64>() } else { 0.0 };
+    let mut take = if k < v { k } else { 64.min(v) };
+    loop {
+        if take < v {
+            order.select_nth_unstable_by(take - 1, desc);
+        }
+        order[..take].sort_unstable_by(desc);
+        if take == k || take == v {
+            break;
+        }
+        // Without top-k, a prefix suffices once the min-p or top-p cut
+        // falls inside it.
+        let top = weight(logits[order[0] as usize]);
+        let last = weight(logits[order[take - 1] as usize]);
+        let mass: f64 = order[..take].iter().map(|&i| weight(logits[i as usize])).sum::<f64>() / z_full;
+        if (params.min_p > 0.0 && last < params.min_p as f64 * top) || (params.top_p < 1.0 && mass >= params.top_p as f64) {
+            break;
+        }
+        take = (take * 4).min(v);
+    }
+    let cand = &order[..take];
+    let mut probs: Vec<f64> = cand.iter().map(|&i| weight(logits[i as usize])).collect();
+    let total: f64 = if k < v { probs.iter().sum() } else { z_full };
     probs.iter_mut().for_each(|p| *p /= total);
     if params.min_p > 0.0 {
         let floor = params.min_p as f64 * probs[0];
@@ -141,11 +179,15 @@ fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng) -> TokenId
     let mut u = rng.uniform() * total;
     for (i, p) in probs.iter().enumerate() {
         if u < *p {
-            return cand[i].0;
+            return cand[i];
         }
         u -= p;
     }
-    cand[probs.len() - 1].0
+    cand[probs.len() - 1]
+}
+
+fn argmax(v: &[f32]) -> TokenId {
+    top_k(v, 1)[0].0
 }
 
 #[cfg(test)]
@@ -195,6 +237,40 @@ mod tests {
         let mut rng = SeededRng::new(3);
         for _ in 0..100 {
             assert_eq!(sample(&logits, &force, &mut rng, 0, (&[], &[])).token, 2);
+        }
+    }
+
+    /// The filters on a large vocabulary (where only a prefix of the ranking
+    /// is sorted) keep exactly the set a full sort keeps.
+    #[test]
+    fn filters_on_a_large_vocabulary_match_a_full_sort() {
+        let mut rng = SeededRng::new(9);
+        let logits: Vec<f32> = (0..5000).map(|_| (rng.uniform() * 12.0) as f32).collect();
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let t = 0.7f64;
+        let w: Vec<f64> = logits.iter().map(|&x| ((x as f64 - logits[order[0]] as f64) / t).exp()).collect();
+        let z: f64 = w.iter().sum();
+        for (top_p, min_p) in [(0.9f32, 0.0f32), (1.0, 0.05), (0.5, 0.01)] {
+            // Brute force: the allowed set from the full ranking.
+            let mut allowed = std::collections::HashSet::new();
+            let mut acc = 0.0;
+            for &i in &order {
+                let p = w[i] / z;
+                if (min_p > 0.0 && p < min_p as f64 * w[order[0]] / z) || (top_p < 1.0 && acc >= top_p as f64) {
+                    break;
+                }
+                allowed.insert(i as TokenId);
+                acc += p;
+            }
+            let params = SamplingParams { temperature: t as f32, top_p, min_p, ..SamplingParams::default() };
+            let mut seen = std::collections::HashSet::new();
+            for _ in 0..3000 {
+                let tok = draw(&logits, &params, &mut rng);
+                assert!(allowed.contains(&tok), "top_p {top_p} min_p {min_p}: {tok} is excluded");
+                seen.insert(tok);
+            }
+            assert!(seen.len() > allowed.len() / 2, "top_p {top_p} min_p {min_p}: the allowed set is sampled ({} of {})", seen.len(), allowed.len());
         }
     }
 }
