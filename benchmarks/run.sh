@@ -20,7 +20,9 @@ WORKLOADS=${WORKLOADS:-"1:128:128 64:128:128"}   # batch:input:output
 if ! "$VENV/bin/python" -c "import llama_cpp, numpy" 2>/dev/null; then
     echo "== installing llama-cpp-python into $VENV (builds llama.cpp from source)" >&2
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet numpy "llama-cpp-python==0.3.36"
+    # Native build (AVX-512 where the CPU has it), the library only.
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+        "$VENV/bin/pip" install --quiet --no-binary llama-cpp-python numpy "llama-cpp-python==0.3.36"
 fi
 cargo build --release --locked -p vellum-server >&2
 VELLUM=./target/release/vellum
