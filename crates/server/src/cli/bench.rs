@@ -14,6 +14,12 @@ use vellum_scheduler::sim::{generate_trace, Workload};
 pub enum BenchCommand {
     /// Requests/s and tokens/s of a batch of requests submitted at once.
     Throughput(ThroughputArgs),
+    /// Online serving: Poisson (or fixed-concurrency) load on any
+    /// OpenAI-compatible endpoint; TTFT, TPOT, ITL, latency, throughput.
+    Serve(super::bench_serve::ServeBenchArgs),
+    /// Plots `bench serve --save-result` files: normalized latency against
+    /// request rate (the paper's Fig. 12).
+    ServePlot(super::bench_serve::ServePlotArgs),
 }
 
 /// Arguments of `vellum bench throughput`.
@@ -55,6 +61,8 @@ pub struct ThroughputArgs {
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Throughput(args) => throughput(args),
+        BenchCommand::Serve(args) => super::bench_serve::run(args),
+        BenchCommand::ServePlot(args) => super::bench_serve::plot(args),
     }
 }
 

@@ -1,6 +1,7 @@
 //! Subcommands of `vellum`, one module each.
 
 pub mod bench;
+pub mod bench_serve;
 pub mod chat;
 pub mod generate;
 pub mod paper_reproduction;
