@@ -288,9 +288,7 @@ impl Generation {
         self.recorded = true;
         let e2e = self.started.elapsed().as_secs_f64();
         let aborted = !self.prompts.iter().all(|p| p.finished);
-        let finish_reason = if aborted {
-            "abort"
-        } else if self.finish_reasons.contains(&"abort") {
+        let finish_reason = if aborted || self.finish_reasons.contains(&"abort") {
             "abort"
         } else if self.finish_reasons.iter().all(|&r| r == "stop") {
             "stop"
