@@ -234,6 +234,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ..SchedulerConfig::default()
     };
     scheduler.validate().map_err(|e| anyhow!("{e}"))?;
+    if scheduler.preemption_mode == PreemptionMode::Swap {
+        tracing::warn!("--preemption-mode swap: the engine gives the server no host swap pool yet, so preemption falls back to recompute");
+    }
     let engine_args = EngineArgs {
         model: args.model.clone(),
         block_size: args.block_size,
