@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod cli;
+mod serve;
 
 /// Vellum: an LLM inference and serving engine built on PagedAttention.
 #[derive(Parser)]
@@ -14,6 +15,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API (like `vllm serve`).
+    Serve(serve::ServeArgs),
     /// Replay a synthetic trace through the real scheduler and KV-cache
     /// manager in simulated time (paper §6 memory experiments).
     Simulate(cli::simulate::SimulateArgs),
@@ -21,7 +24,8 @@ enum Command {
     Generate(cli::generate::GenerateArgs),
     /// Chat with a model in the terminal, streaming its replies.
     Chat(cli::chat::ChatArgs),
-    /// Measure throughput on the local model.
+    /// Benchmarks: offline throughput, or online serving against any
+    /// OpenAI-compatible endpoint.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
 }
@@ -32,6 +36,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Serve(args) => serve::run(args),
         Command::Simulate(args) => cli::simulate::run(args),
         Command::Generate(args) => cli::generate::run(args),
         Command::Bench(cmd) => cli::bench::run(cmd),

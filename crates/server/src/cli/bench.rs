@@ -16,6 +16,12 @@ pub enum BenchCommand {
     Throughput(ThroughputArgs),
     /// Latency of one batch (mean, p50/p90/p99), prefill and decode speed.
     Latency(super::bench_latency::LatencyArgs),
+    /// Online serving: Poisson (or fixed-concurrency) load on any
+    /// OpenAI-compatible endpoint; TTFT, TPOT, ITL, latency, throughput.
+    Serve(super::bench_serve::ServeBenchArgs),
+    /// Plots `bench serve --save-result` files: normalized latency against
+    /// request rate (the paper's Fig. 12).
+    ServePlot(super::bench_serve::ServePlotArgs),
 }
 
 /// Arguments of `vellum bench throughput`.
@@ -58,6 +64,8 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Throughput(args) => throughput(args),
         BenchCommand::Latency(args) => super::bench_latency::run(args),
+        BenchCommand::Serve(args) => super::bench_serve::run(args),
+        BenchCommand::ServePlot(args) => super::bench_serve::plot(args),
     }
 }
 

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_latency;
+pub mod bench_serve;
 pub mod chat;
 pub mod generate;
 pub mod paper_reproduction;

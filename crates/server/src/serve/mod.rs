@@ -1,0 +1,368 @@
+//! `vellum serve`: the OpenAI-compatible HTTP server (thesis §4.1–4.2).
+//!
+//! ```text
+//!  HTTP (axum, 2 tokio workers) ──add_request──▶ EngineClient ──▶ engine thread (steps)
+//!        ▲                                                │
+//!        └──────────── RequestStream (deltas) ◀───────────┘
+//! ```
+//!
+//! Each HTTP request holds the [`vellum_engine::RequestStream`]s of its
+//! engine requests; dropping them (client gone) aborts the requests and
+//! frees their KV blocks before the next engine step.
+
+mod error;
+mod generation;
+mod metrics;
+mod openai;
+mod protocol;
+
+use anyhow::{anyhow, bail, Context, Result};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use clap::Args;
+use error::ApiError;
+use metrics::Metrics;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use vellum_core::{PreemptionMode, SchedulerConfig, SchedulingPolicy};
+use vellum_engine::{EngineArgs, EngineClient};
+use vellum_models::{ChatTemplate, Tokenizer};
+
+/// Arguments of `vellum serve` (named and defaulted like vLLM's).
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// A .gguf file, a Hugging Face directory or a hub id in the local cache
+    /// (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    pub model: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 = any free port; the chosen one is logged).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer <KEY>` on /v1/* (also read from
+    /// VLLM_API_KEY).
+    #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Model name(s) the API answers to (default: the model argument, or
+    /// SmolLM2-135M-Instruct). The first is the one reported.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// Longest prompt + output in tokens (default: the model's context).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Most sequences running in one engine step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Reuse the KV blocks of shared prompt prefixes (always on: the
+    /// engine has no switch yet; `--no-enable-prefix-caching` is refused).
+    #[arg(long, default_value_t = true, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turn prefix caching off (not supported yet).
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+    /// KV cache size: bytes with a unit (`512MiB`, `4GiB`) or a fraction of
+    /// the memory available after loading the weights (`0.5`); the CPU
+    /// stand-in for vLLM's --gpu-memory-utilization.
+    #[arg(long, default_value = "2GiB")]
+    pub kv_cache_memory: String,
+    /// A chat template: a file, or the Jinja source itself (default: the
+    /// model's own).
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// fcfs, two-level (thesis §4.5.3) or priority (lower `priority` first).
+    #[arg(long, default_value = "fcfs")]
+    pub scheduling_policy: String,
+    /// recompute or swap.
+    #[arg(long, default_value = "recompute")]
+    pub preemption_mode: String,
+    /// Compute backend (this build: cpu).
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    /// Requests allowed to wait before new ones get 503.
+    #[arg(long, default_value_t = 4096)]
+    pub max_waiting_requests: usize,
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before
+    /// they are aborted.
+    #[arg(long, default_value_t = 10.0)]
+    pub shutdown_timeout: f64,
+}
+
+/// What every handler shares.
+pub struct AppState {
+    engine: EngineClient,
+    tokenizer: Tokenizer,
+    chat_template: Option<ChatTemplate>,
+    served_names: Vec<String>,
+    model_path: String,
+    max_model_len: usize,
+    api_key: Option<String>,
+    max_waiting_requests: usize,
+    metrics: Metrics,
+    created: u64,
+    shutting_down: AtomicBool,
+}
+
+fn parse_policy(s: &str) -> Result<SchedulingPolicy> {
+    Ok(match s {
+        "fcfs" => SchedulingPolicy::Fcfs,
+        "two-level" | "two_level" => SchedulingPolicy::TwoLevel { staging_queue_size: 8 },
+        "priority" => SchedulingPolicy::Priority,
+        other => bail!("--scheduling-policy must be fcfs, two-level or priority, got {other:?}"),
+    })
+}
+
+fn parse_preemption(s: &str) -> Result<PreemptionMode> {
+    Ok(match s {
+        "recompute" => PreemptionMode::Recompute,
+        "swap" => PreemptionMode::Swap,
+        other => bail!("--preemption-mode must be recompute or swap, got {other:?}"),
+    })
+}
+
+fn load_chat_template(spec: &str, tokenizer: &Tokenizer) -> Result<ChatTemplate> {
+    let path = std::path::Path::new(spec);
+    let source = if path.is_file() {
+        std::fs::read_to_string(path).with_context(|| format!("reading --chat-template {spec}"))?
+    } else if spec.contains("{{") || spec.contains("{%") {
+        spec.to_string()
+    } else {
+        bail!("--chat-template {spec:?} is neither a file nor a Jinja template");
+    };
+    let piece = |id: Option<u32>| id.and_then(|i| tokenizer.token_to_piece(i));
+    let eos = piece(tokenizer.eos_token_ids().first().copied());
+    ChatTemplate::new(source, piece(tokenizer.bos_token_id()), eos).map_err(|e| anyhow!("--chat-template: {e}"))
+}
+
+/// Constant-time comparison (no early exit on the first differing byte).
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() ^ b.len()) as u64;
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= (x ^ y) as u64;
+    }
+    diff == 0
+}
+
+async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !constant_time_eq(given.trim().as_bytes(), key.as_bytes()) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> StatusCode {
+    if state.shutting_down.load(Ordering::Relaxed) {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+async fn metrics_handler(State(state): State<Arc<AppState>>) -> Response {
+    let body = state.metrics.render(&state.engine.stats());
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")
+        .body(Body::from(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!("No route for {} {}", req.method(), req.uri().path()))
+}
+
+/// The router (every endpoint), for a given state.
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/models", get(openai::models))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_handler))
+        .route("/tokenize", post(openai::tokenize))
+        .route("/detokenize", post(openai::detokenize))
+        .route("/version", get(openai::version))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Runs `vellum serve` until SIGINT/SIGTERM.
+pub fn run(args: ServeArgs) -> Result<()> {
+    if args.no_enable_prefix_caching {
+        bail!("--no-enable-prefix-caching: the engine always caches prefixes (no switch yet)");
+    }
+    if args.backend != "cpu" {
+        bail!("--backend {:?}: this build has the cpu backend only", args.backend);
+    }
+    if args.block_size == 0 {
+        bail!("--block-size must be at least 1");
+    }
+    if !(args.shutdown_timeout >= 0.0 && args.shutdown_timeout.is_finite()) {
+        bail!("--shutdown-timeout must be a non-negative number of seconds");
+    }
+    let scheduler = SchedulerConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        // The model's context caps it when loading.
+        max_model_len: args.max_model_len.unwrap_or(usize::MAX / 4),
+        policy: parse_policy(&args.scheduling_policy)?,
+        preemption_mode: parse_preemption(&args.preemption_mode)?,
+        ..SchedulerConfig::default()
+    };
+    scheduler.validate().map_err(|e| anyhow!("{e}"))?;
+    if scheduler.preemption_mode == PreemptionMode::Swap {
+        tracing::warn!("--preemption-mode swap: the engine gives the server no host swap pool yet, so preemption falls back to recompute");
+    }
+    let engine_args = EngineArgs {
+        model: args.model.clone(),
+        block_size: args.block_size,
+        kv_cache: crate::cli::parse_kv_cache_memory(&args.kv_cache_memory)?,
+        scheduler,
+        ..EngineArgs::default()
+    };
+    tracing::info!(model = args.model.as_deref().unwrap_or("default (SmolLM2-135M-Instruct Q4_1)"), "loading model");
+    let mut llm = crate::cli::load_with_progress(engine_args)?;
+    let max_model_len = llm.engine().scheduler().config().max_model_len;
+    if let Some(asked) = args.max_model_len {
+        if asked > max_model_len {
+            tracing::warn!(asked, max_model_len, "--max-model-len is above the model's context; capped");
+        }
+    }
+    let (engine, tokenizer, model_template) = llm.into_client();
+    let chat_template = match &args.chat_template {
+        Some(spec) => Some(load_chat_template(spec, &tokenizer)?),
+        None => model_template,
+    };
+    let model_path = args.model.clone().unwrap_or_else(|| "SmolLM2-135M-Instruct".to_string());
+    let served_names = if args.served_model_name.is_empty() { vec![model_path.clone()] } else { args.served_model_name.clone() };
+    let state = Arc::new(AppState {
+        engine: engine.clone(),
+        tokenizer,
+        chat_template,
+        metrics: Metrics::new(&served_names[0], max_model_len),
+        served_names,
+        model_path,
+        max_model_len,
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        max_waiting_requests: args.max_waiting_requests,
+        created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        shutting_down: AtomicBool::new(false),
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let result = runtime.block_on(serve(state, &args));
+    engine.shutdown();
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result?;
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() -> &'static str {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => "SIGINT",
+        _ = term => "SIGTERM",
+    }
+}
+
+async fn serve(state: Arc<AppState>, args: &ServeArgs) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(
+        url = format!("http://{addr}"),
+        model = state.served_names[0],
+        max_model_len = state.max_model_len,
+        api_key = state.api_key.is_some(),
+        "serving (OpenAI API under /v1)"
+    );
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let deadline = Duration::from_secs_f64(args.shutdown_timeout);
+    let st = state.clone();
+    tokio::spawn(async move {
+        let which = shutdown_signal().await;
+        tracing::info!(signal = which, deadline_s = deadline.as_secs_f64(), "shutting down: no new requests; in-flight ones get the deadline");
+        st.shutting_down.store(true, Ordering::Relaxed);
+        let _ = stop_tx.send(true);
+        tokio::time::sleep(deadline).await;
+        let running = st.engine.stats();
+        if running.num_running + running.num_waiting + running.num_swapped > 0 {
+            tracing::warn!(running = running.num_running, waiting = running.num_waiting, "deadline passed: aborting in-flight requests");
+        }
+        // Aborts what is left: streams end with finish_reason "abort".
+        let engine = st.engine.clone();
+        let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
+        // Connections that still hang on get a few seconds more.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        tracing::warn!("connections still open after the deadline; exiting");
+        std::process::exit(0);
+    });
+    let app = router(state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = stop_rx.wait_for(|v| *v).await;
+        })
+        .await
+        .context("serving")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_compares_whole_keys() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn policies_parse() {
+        assert_eq!(parse_policy("priority").unwrap(), SchedulingPolicy::Priority);
+        assert!(parse_policy("lifo").is_err());
+        assert_eq!(parse_preemption("swap").unwrap(), PreemptionMode::Swap);
+        assert!(parse_preemption("x").is_err());
+    }
+}

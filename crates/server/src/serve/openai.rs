@@ -1,0 +1,512 @@
+//! The OpenAI endpoints: `/v1/completions`, `/v1/chat/completions` (both
+//! with `stream: true` as server-sent events), `/v1/models`, and vLLM's
+//! `/tokenize`, `/detokenize`, `/version`.
+
+use tracing::Instrument;
+use super::error::{too_long, ApiError};
+use super::generation::{Generation, Piece, TokenInfo};
+use super::protocol::{self, ChatRequest, Common, CompletionRequest, Prompt};
+use super::AppState;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream;
+use serde_json::{json, Map, Value};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use vellum_core::{SamplingParams, TokenId};
+
+/// Which endpoint a generation answers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// How the output is rendered.
+struct Format {
+    kind: Kind,
+    model: String,
+    created: u64,
+    /// Top logprobs asked for (`None`: no logprobs).
+    logprobs: Option<usize>,
+    tokens_as_ids: bool,
+    include_usage: bool,
+    /// Completions with `echo`: the prompt text per prompt.
+    echo: Option<Vec<String>>,
+}
+
+/// Most top logprobs per token (vLLM's default `max_logprobs`; the engine checks it too).
+const MAX_LOGPROBS: usize = 20;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+fn request_id(prefix: &str) -> String {
+    let n = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{prefix}-{:012x}{n:06x}", (t as u64) & 0xffff_ffff_ffff)
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+impl AppState {
+    fn check_model(&self, model: &Option<String>) -> Result<String, ApiError> {
+        match model {
+            None => Ok(self.served_names[0].clone()),
+            Some(m) if self.served_names.iter().any(|n| n == m) => Ok(m.clone()),
+            Some(m) => Err(ApiError::not_found(format!("The model `{m}` does not exist."))),
+        }
+    }
+
+    fn admit(&self) -> Result<(), ApiError> {
+        if self.shutting_down.load(Ordering::Relaxed) {
+            return Err(ApiError::unavailable("The server is shutting down."));
+        }
+        let waiting = self.engine.num_waiting();
+        if waiting >= self.max_waiting_requests as u64 {
+            self.metrics.rejected_busy();
+            return Err(ApiError::unavailable(format!(
+                "The server is overloaded: {waiting} requests are waiting (--max-waiting-requests {}). Retry later.",
+                self.max_waiting_requests
+            )));
+        }
+        Ok(())
+    }
+
+    fn token_text(&self, id: TokenId, as_ids: bool) -> String {
+        if as_ids {
+            format!("token_id:{id}")
+        } else {
+            self.tokenizer.decode(&[id], false).unwrap_or_default()
+        }
+    }
+
+    /// 400 when a prompt plus `max_tokens` cannot fit the context.
+    fn check_length(&self, prompts: &[Vec<TokenId>], max_tokens: Option<usize>) -> Result<(), ApiError> {
+        for p in prompts {
+            let requested = p.len() + max_tokens.unwrap_or(0);
+            if p.len() >= self.max_model_len || requested > self.max_model_len {
+                return Err(too_long(p.len(), max_tokens.unwrap_or(0), self.max_model_len));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn log_unknown(unknown: &std::collections::BTreeMap<String, Value>) {
+    let names = protocol::unknown_fields(unknown);
+    if !names.is_empty() {
+        tracing::debug!(fields = ?names, "ignoring unknown request fields");
+    }
+}
+
+fn json_response(v: Value) -> Response {
+    (StatusCode::OK, Json(v)).into_response()
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    state.metrics.http_request();
+    let req: CompletionRequest = protocol::parse_body(&body)?;
+    log_unknown(&req.unknown);
+    let model = state.check_model(&req.common.model)?;
+    if req.suffix.is_some() {
+        return Err(ApiError::bad_request("suffix is not currently supported", Some("suffix")));
+    }
+    let vocab = state.tokenizer.vocab_size();
+    let prompts: Vec<Vec<TokenId>> = match &req.prompt {
+        None => return Err(ApiError::bad_request("prompt is required", Some("prompt"))),
+        Some(Prompt::Text(s)) => vec![encode(&state, s)?],
+        Some(Prompt::Texts(v)) => v.iter().map(|s| encode(&state, s)).collect::<Result<_, _>>()?,
+        Some(Prompt::Tokens(ids)) => vec![protocol::token_prompt(ids, vocab)?],
+        Some(Prompt::TokenLists(v)) => v.iter().map(|ids| protocol::token_prompt(ids, vocab)).collect::<Result<_, _>>()?,
+    };
+    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+        return Err(ApiError::bad_request("The prompt is empty.", Some("prompt")));
+    }
+    let logprobs = match req.logprobs {
+        None => None,
+        Some(k) if !(0..=MAX_LOGPROBS as i64).contains(&k) => {
+            return Err(ApiError::bad_request(
+                format!("logprobs must be between 0 and {}, got {k}", MAX_LOGPROBS),
+                Some("logprobs"),
+            ))
+        }
+        Some(k) => Some(k as usize),
+    };
+    let params = protocol::sampling_params(&req.common, Some(16), logprobs, vocab)?;
+    let echo = if req.echo.unwrap_or(false) {
+        Some(prompts.iter().map(|p| state.tokenizer.decode(p, false).unwrap_or_default()).collect())
+    } else {
+        None
+    };
+    let format = Format {
+        kind: Kind::Completion,
+        model,
+        created: unix_now(),
+        logprobs,
+        tokens_as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
+        include_usage: req.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        echo,
+    };
+    generate(state, request_id("cmpl"), prompts, params, &req.common, format).await
+}
+
+fn encode(state: &AppState, text: &str) -> Result<Vec<TokenId>, ApiError> {
+    state.tokenizer.encode(text, true).map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), Some("prompt")))
+}
+
+/// Renders chat messages with the chat template.
+fn render_chat(state: &AppState, messages: &[protocol::Message], add_generation_prompt: bool) -> Result<String, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad_request("messages must not be empty", Some("messages")));
+    }
+    let template = state
+        .chat_template
+        .as_ref()
+        .ok_or_else(|| ApiError::bad_request("The model has no chat template; pass one with --chat-template.", Some("messages")))?;
+    let msgs = messages
+        .iter()
+        .map(|m| Ok(json!({"role": m.role, "content": protocol::message_text(m)?})))
+        .collect::<Result<Vec<Value>, ApiError>>()?;
+    template
+        .render(&msgs, add_generation_prompt)
+        .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}"), Some("messages")))
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    state.metrics.http_request();
+    let req: ChatRequest = protocol::parse_body(&body)?;
+    log_unknown(&req.unknown);
+    let model = state.check_model(&req.common.model)?;
+    let text = render_chat(&state, &req.messages, req.add_generation_prompt.unwrap_or(true))?;
+    let prompt = encode(&state, &text)?;
+    let logprobs = if req.logprobs.unwrap_or(false) {
+        match req.top_logprobs.unwrap_or(0) {
+            k if (0..=MAX_LOGPROBS as i64).contains(&k) => Some(k as usize),
+            k => {
+                return Err(ApiError::bad_request(
+                    format!("top_logprobs must be between 0 and {}, got {k}", MAX_LOGPROBS),
+                    Some("top_logprobs"),
+                ))
+            }
+        }
+    } else if req.top_logprobs.is_some_and(|k| k > 0) {
+        return Err(ApiError::bad_request("top_logprobs requires logprobs to be true", Some("top_logprobs")));
+    } else {
+        None
+    };
+    let vocab = state.tokenizer.vocab_size();
+    let params = protocol::sampling_params(&req.common, None, logprobs, vocab)?;
+    let format = Format {
+        kind: Kind::Chat,
+        model,
+        created: unix_now(),
+        logprobs,
+        tokens_as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
+        include_usage: req.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        echo: None,
+    };
+    generate(state, request_id("chatcmpl"), vec![prompt], params, &req.common, format).await
+}
+
+async fn generate(
+    state: Arc<AppState>,
+    id: String,
+    prompts: Vec<Vec<TokenId>>,
+    params: SamplingParams,
+    common: &Common,
+    format: Format,
+) -> Result<Response, ApiError> {
+    state.check_length(&prompts, params.max_tokens)?;
+    state.admit()?;
+    let span = tracing::info_span!("request", request_id = %id, user = common.user.as_deref().unwrap_or(""));
+    let gen = Generation::start(
+        state.clone(),
+        id,
+        prompts,
+        &params,
+        common.priority.unwrap_or(0),
+        common.skip_special_tokens.unwrap_or(true),
+    )
+    .instrument(span)
+    .await?;
+    if common.stream.unwrap_or(false) {
+        Ok(sse_response(state, gen, format))
+    } else {
+        collect(state, gen, format).await
+    }
+}
+
+/// Per-choice accumulated output (non-streaming).
+#[derive(Default)]
+struct Choice {
+    text: String,
+    tokens: Vec<TokenInfo>,
+    finish_reason: Option<&'static str>,
+}
+
+async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result<Response, ApiError> {
+    let mut choices: Vec<Choice> = (0..gen.num_choices()).map(|_| Choice::default()).collect();
+    while let Some(pieces) = gen.next().await {
+        for p in pieces? {
+            if let Some(c) = choices.get_mut(p.choice) {
+                c.text.push_str(&p.text);
+                c.tokens.extend(p.tokens);
+                if p.finish_reason.is_some() {
+                    c.finish_reason = p.finish_reason;
+                }
+            }
+        }
+    }
+    let n_per_prompt = choices.len() / f.echo.as_ref().map_or(1, |e| e.len().max(1));
+    let usage = usage(gen.prompt_tokens, gen.completion_tokens());
+    let body = match f.kind {
+        Kind::Completion => {
+            let out: Vec<Value> = choices
+                .into_iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let prefix = f.echo.as_ref().and_then(|e| e.get(i / n_per_prompt.max(1))).cloned().unwrap_or_default();
+                    let logprobs = f.logprobs.map(|_| completion_logprobs(&state, &c.tokens, &f, prefix.len()));
+                    json!({"index": i, "text": prefix + &c.text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": null})
+                })
+                .collect();
+            json!({"id": gen.id, "object": "text_completion", "created": f.created, "model": f.model, "choices": out, "usage": usage})
+        }
+        Kind::Chat => {
+            let out: Vec<Value> = choices
+                .into_iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let logprobs = f.logprobs.map(|_| json!({"content": chat_logprobs(&state, &c.tokens, &f)}));
+                    json!({
+                        "index": i,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": null
+                    })
+                })
+                .collect();
+            json!({"id": gen.id, "object": "chat.completion", "created": f.created, "model": f.model, "choices": out, "usage": usage})
+        }
+    };
+    Ok(json_response(body))
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+fn completion_logprobs(state: &AppState, tokens: &[TokenInfo], f: &Format, start_offset: usize) -> Value {
+    let mut offset = start_offset;
+    let mut texts = Vec::new();
+    let mut lps = Vec::new();
+    let mut tops = Vec::new();
+    let mut offsets = Vec::new();
+    for t in tokens {
+        let text = state.token_text(t.id, f.tokens_as_ids);
+        offsets.push(offset);
+        offset += text.len();
+        texts.push(text);
+        lps.push(finite(t.logprob));
+        let mut top = Map::new();
+        for &(id, lp) in &t.top {
+            top.insert(state.token_text(id, f.tokens_as_ids), finite(lp));
+        }
+        tops.push(Value::Object(top));
+    }
+    json!({"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+}
+
+fn chat_logprobs(state: &AppState, tokens: &[TokenInfo], f: &Format) -> Vec<Value> {
+    let k = f.logprobs.unwrap_or(0);
+    tokens
+        .iter()
+        .map(|t| {
+            let text = state.token_text(t.id, f.tokens_as_ids);
+            let top: Vec<Value> = t
+                .top
+                .iter()
+                .take(k)
+                .map(|&(id, lp)| {
+                    let s = state.token_text(id, f.tokens_as_ids);
+                    json!({"token": s, "logprob": finite(lp), "bytes": s.as_bytes()})
+                })
+                .collect();
+            json!({"token": text, "logprob": finite(t.logprob), "bytes": text.as_bytes(), "top_logprobs": top})
+        })
+        .collect()
+}
+
+/// JSON has no -inf: clamp as vLLM does.
+fn finite(v: f32) -> Value {
+    if v.is_finite() {
+        json!(v)
+    } else {
+        json!(-9999.0)
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+struct SseState {
+    state: Arc<AppState>,
+    gen: Generation,
+    f: Format,
+    queued: std::collections::VecDeque<Bytes>,
+    done: bool,
+}
+
+fn chunk(s: &SseState, choices: Vec<Value>) -> Value {
+    let object = if s.f.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+    let mut v = json!({"id": s.gen.id, "object": object, "created": s.f.created, "model": s.f.model, "choices": choices});
+    if s.f.include_usage {
+        v["usage"] = Value::Null;
+    }
+    v
+}
+
+fn piece_choice(s: &SseState, p: &Piece) -> Value {
+    match s.f.kind {
+        Kind::Completion => {
+            let logprobs = s.f.logprobs.map(|_| completion_logprobs(&s.state, &p.tokens, &s.f, 0));
+            json!({"index": p.choice, "text": p.text, "logprobs": logprobs, "finish_reason": p.finish_reason, "stop_reason": null})
+        }
+        Kind::Chat => {
+            let delta = if p.text.is_empty() && p.finish_reason.is_some() { json!({}) } else { json!({"content": p.text}) };
+            let logprobs = s.f.logprobs.map(|_| json!({"content": chat_logprobs(&s.state, &p.tokens, &s.f)}));
+            json!({"index": p.choice, "delta": delta, "logprobs": logprobs, "finish_reason": p.finish_reason})
+        }
+    }
+}
+
+fn sse_response(state: Arc<AppState>, gen: Generation, f: Format) -> Response {
+    let mut s = SseState { state, gen, f, queued: Default::default(), done: false };
+    // Opening chunks: the assistant role (chat) or the echoed prompt.
+    let n = s.gen.num_choices();
+    match s.f.kind {
+        Kind::Chat => {
+            let choices =
+                (0..n).map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})).collect();
+            let c = chunk(&s, choices);
+            s.queued.push_back(sse(&c));
+        }
+        Kind::Completion => {
+            if let Some(echo) = s.f.echo.clone() {
+                let per = (n / echo.len().max(1)).max(1);
+                let choices =
+                    (0..n).map(|i| json!({"index": i, "text": echo.get(i / per).cloned().unwrap_or_default(), "logprobs": null, "finish_reason": null})).collect();
+                let c = chunk(&s, choices);
+                s.queued.push_back(sse(&c));
+            }
+        }
+    }
+    let body = stream::unfold(s, |mut s| async move {
+        loop {
+            if let Some(b) = s.queued.pop_front() {
+                return Some((Ok::<Bytes, Infallible>(b), s));
+            }
+            if s.done {
+                return None;
+            }
+            match s.gen.next().await {
+                Some(Ok(pieces)) => {
+                    let choices: Vec<Value> = pieces.iter().map(|p| piece_choice(&s, p)).collect();
+                    let c = chunk(&s, choices);
+                    s.queued.push_back(sse(&c));
+                }
+                Some(Err(e)) => {
+                    s.queued.push_back(sse(&e.body()));
+                    s.queued.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    s.done = true;
+                }
+                None => {
+                    if s.f.include_usage {
+                        let object = if s.f.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+                        let v = json!({
+                            "id": s.gen.id, "object": object, "created": s.f.created, "model": s.f.model,
+                            "choices": [], "usage": usage(s.gen.prompt_tokens, s.gen.completion_tokens())
+                        });
+                        s.queued.push_back(sse(&v));
+                    }
+                    s.queued.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    s.done = true;
+                }
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| ApiError::internal("building the response failed").into_response())
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let data: Vec<Value> = state
+        .served_names
+        .iter()
+        .map(|n| {
+            json!({"id": n, "object": "model", "created": state.created, "owned_by": "vellum", "root": state.model_path, "parent": null, "max_model_len": state.max_model_len})
+        })
+        .collect();
+    json_response(json!({"object": "list", "data": data}))
+}
+
+/// `POST /tokenize`: `{"prompt": "..."}` or `{"messages": [...]}`.
+pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Req {
+        model: Option<String>,
+        prompt: Option<String>,
+        messages: Option<Vec<protocol::Message>>,
+        add_special_tokens: Option<bool>,
+        add_generation_prompt: Option<bool>,
+    }
+    let req: Req = protocol::parse_body(&body)?;
+    state.check_model(&req.model)?;
+    let text = match (&req.prompt, &req.messages) {
+        (Some(p), None) => p.clone(),
+        (None, Some(m)) => render_chat(&state, m, req.add_generation_prompt.unwrap_or(true))?,
+        _ => return Err(ApiError::bad_request("give exactly one of prompt or messages", Some("prompt"))),
+    };
+    let tokens = state
+        .tokenizer
+        .encode(&text, req.add_special_tokens.unwrap_or(true))
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize: {e}"), Some("prompt")))?;
+    Ok(json_response(json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens})))
+}
+
+/// `POST /detokenize`: `{"tokens": [...]}`.
+pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Req {
+        model: Option<String>,
+        tokens: Vec<i64>,
+    }
+    let req: Req = protocol::parse_body(&body)?;
+    state.check_model(&req.model)?;
+    let ids = protocol::token_prompt(&req.tokens, state.tokenizer.vocab_size()).map_err(|mut e| {
+        e.param = Some("tokens".into());
+        e
+    })?;
+    let text = state.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad_request(format!("cannot detokenize: {e}"), Some("tokens")))?;
+    Ok(json_response(json!({"prompt": text})))
+}
+
+/// `GET /version`.
+pub async fn version() -> Response {
+    json_response(json!({"version": env!("CARGO_PKG_VERSION")}))
+}

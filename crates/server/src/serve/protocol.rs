@@ -1,0 +1,307 @@
+//! The OpenAI request bodies (with vLLM's extra sampling fields), and their
+//! translation into [`SamplingParams`].
+
+use super::error::ApiError;
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use vellum_core::{BeamSearchParams, SamplingParams, TokenId};
+
+/// `prompt`: a string, strings, token ids, or lists of token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// One text prompt.
+    Text(String),
+    /// Several text prompts.
+    Texts(Vec<String>),
+    /// One prompt as token ids.
+    Tokens(Vec<i64>),
+    /// Several prompts as token ids.
+    TokenLists(Vec<Vec<i64>>),
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub n: Option<i64>,
+    pub best_of: Option<i64>,
+    pub stop: Option<Stop>,
+    pub stop_token_ids: Option<Vec<i64>>,
+    pub seed: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+    // vLLM's extras.
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub min_tokens: Option<i64>,
+    pub ignore_eos: Option<bool>,
+    pub use_beam_search: Option<bool>,
+    pub length_penalty: Option<f32>,
+    pub priority: Option<i64>,
+    pub return_tokens_as_token_ids: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Option<Prompt>,
+    pub echo: Option<bool>,
+    /// Top logprobs per token (0..=20); `null` = none.
+    pub logprobs: Option<i64>,
+    pub suffix: Option<String>,
+    #[serde(flatten)]
+    pub common: Common,
+    /// Fields we do not know: accepted, logged, ignored.
+    #[serde(flatten)]
+    pub unknown: BTreeMap<String, Value>,
+}
+
+/// One chat message. `content` is a string or a list of text parts.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Value>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    pub common: Common,
+    #[serde(flatten)]
+    pub unknown: BTreeMap<String, Value>,
+}
+
+/// Field names that `Common` takes; `flatten` hands them to `unknown` too,
+/// so they are filtered out before logging.
+const KNOWN: &[&str] = &[
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "best_of", "stop", "stop_token_ids", "seed",
+    "presence_penalty", "frequency_penalty", "logit_bias", "stream", "stream_options", "user", "top_k", "min_p",
+    "repetition_penalty", "min_tokens", "ignore_eos", "use_beam_search", "length_penalty", "priority",
+    "return_tokens_as_token_ids", "skip_special_tokens", "prompt", "echo", "logprobs", "suffix",
+    "messages", "top_logprobs", "add_generation_prompt",
+];
+
+/// The names of fields nobody reads (for the debug log).
+pub fn unknown_fields(unknown: &BTreeMap<String, Value>) -> Vec<&str> {
+    unknown.keys().map(String::as_str).filter(|k| !KNOWN.contains(k)).collect()
+}
+
+/// Parses a JSON body into `T`, every failure a 400 naming what is wrong.
+pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if bytes.is_empty() {
+        return Err(ApiError::bad_request("The request body is empty; a JSON object is expected.", None));
+    }
+    serde_json::from_slice(bytes).map_err(|e| {
+        let what = if e.is_syntax() || e.is_eof() { "Malformed JSON" } else { "Invalid request" };
+        ApiError::bad_request(format!("{what}: {e}"), None)
+    })
+}
+
+fn non_negative(param: &'static str, v: i64) -> Result<usize, ApiError> {
+    usize::try_from(v).map_err(|_| ApiError::bad_request(format!("{param} must be non-negative, got {v}"), Some(param)))
+}
+
+fn token_id(param: &'static str, v: i64, vocab: usize) -> Result<TokenId, ApiError> {
+    match u32::try_from(v) {
+        Ok(t) if (t as usize) < vocab => Ok(t),
+        _ => Err(ApiError::bad_request(format!("token id {v} is out of vocabulary (0..{vocab})"), Some(param))),
+    }
+}
+
+/// Token-id prompts, checked against the vocabulary.
+pub fn token_prompt(ids: &[i64], vocab: usize) -> Result<Vec<TokenId>, ApiError> {
+    ids.iter().map(|&t| token_id("prompt", t, vocab)).collect()
+}
+
+/// Builds the engine's parameters. `default_max_tokens` is 16 for
+/// completions and `None` (up to the context) for chat; `logprobs` the top
+/// count asked for, already checked.
+pub fn sampling_params(
+    c: &Common,
+    default_max_tokens: Option<usize>,
+    logprobs: Option<usize>,
+    vocab: usize,
+) -> Result<SamplingParams, ApiError> {
+    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+        Some(v) => {
+            let param = if c.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
+            if v < 1 {
+                return Err(ApiError::bad_request(format!("{param} must be at least 1, got {v}"), Some(param)));
+            }
+            Some(non_negative(param, v)?)
+        }
+        None => default_max_tokens,
+    };
+    let n = match c.n {
+        Some(v) if v < 1 => return Err(ApiError::bad_request(format!("n must be at least 1, got {v}"), Some("n"))),
+        Some(v) if v > 64 => return Err(ApiError::bad_request(format!("n must be at most 64, got {v}"), Some("n"))),
+        Some(v) => v as usize,
+        None => 1,
+    };
+    let best_of = match c.best_of {
+        Some(v) if v > 64 => return Err(ApiError::bad_request(format!("best_of must be at most 64, got {v}"), Some("best_of"))),
+        Some(v) => Some(non_negative("best_of", v)?),
+        None => None,
+    };
+    let mut logit_bias = Vec::new();
+    for (k, &bias) in c.logit_bias.iter().flatten() {
+        let id: i64 = k
+            .trim()
+            .parse()
+            .map_err(|_| ApiError::bad_request(format!("logit_bias keys must be token ids, got {k:?}"), Some("logit_bias")))?;
+        logit_bias.push((token_id("logit_bias", id, vocab)?, bias));
+    }
+    let stop = match &c.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s.clone()],
+        Some(Stop::Many(v)) => v.clone(),
+    };
+    let stop_token_ids =
+        c.stop_token_ids.iter().flatten().map(|&t| token_id("stop_token_ids", t, vocab)).collect::<Result<Vec<_>, _>>()?;
+    let beam_search = if c.use_beam_search.unwrap_or(false) {
+        Some(BeamSearchParams { beam_width: best_of.unwrap_or(n).max(n), length_penalty: c.length_penalty.unwrap_or(1.0) })
+    } else {
+        None
+    };
+    let d = SamplingParams::default();
+    let params = SamplingParams {
+        n,
+        best_of: if beam_search.is_some() { None } else { best_of.filter(|&b| b != n) },
+        temperature: if beam_search.is_some() { 0.0 } else { c.temperature.unwrap_or(1.0) },
+        top_p: c.top_p.unwrap_or(d.top_p),
+        top_k: c.top_k.unwrap_or(d.top_k),
+        min_p: c.min_p.unwrap_or(d.min_p),
+        seed: c.seed.map(|s| s as u64),
+        presence_penalty: c.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
+        stop,
+        stop_token_ids,
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+        max_tokens,
+        min_tokens: match c.min_tokens {
+            Some(v) => non_negative("min_tokens", v)?,
+            None => 0,
+        },
+        logprobs,
+        prompt_logprobs: None,
+        beam_search,
+        logit_bias,
+    };
+    params.validate().map_err(|e| match e {
+        vellum_core::Error::InvalidSamplingParam { param, message } => {
+            ApiError::bad_request(format!("{param}: {message}"), Some(param))
+        }
+        other => ApiError::bad_request(other.to_string(), None),
+    })?;
+    Ok(params)
+}
+
+/// A message's content as text: a string, or the text parts of a list.
+pub fn message_text(m: &Message) -> Result<String, ApiError> {
+    match &m.content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(ApiError::bad_request(
+                            format!("unsupported content part type {:?}: only text parts are supported", kind.unwrap_or("?")),
+                            Some("messages"),
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(other) => Err(ApiError::bad_request(
+            format!("message content must be a string or a list of parts, got {other}"),
+            Some("messages"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_forms_parse() {
+        let r: CompletionRequest = parse_body(br#"{"prompt": [1, 2, 3], "foo": 1, "max_tokens": 4}"#).unwrap();
+        assert!(matches!(r.prompt, Some(Prompt::Tokens(ref v)) if v == &[1, 2, 3]));
+        assert_eq!(unknown_fields(&r.unknown), vec!["foo"]);
+        assert_eq!(r.common.max_tokens, Some(4));
+        let r: CompletionRequest = parse_body(br#"{"prompt": [[1], [2, 3]]}"#).unwrap();
+        assert!(matches!(r.prompt, Some(Prompt::TokenLists(_))));
+        let r: CompletionRequest = parse_body(br#"{"prompt": ["a", "b"], "stop": "x"}"#).unwrap();
+        assert!(matches!(r.prompt, Some(Prompt::Texts(_))));
+    }
+
+    #[test]
+    fn malformed_and_mistyped_bodies_are_400() {
+        let e = parse_body::<CompletionRequest>(b"{\"prompt\": ").unwrap_err();
+        assert_eq!(e.status.as_u16(), 400);
+        assert!(e.message.starts_with("Malformed JSON"), "{}", e.message);
+        let e = parse_body::<CompletionRequest>(br#"{"prompt": "a", "max_tokens": "many"}"#).unwrap_err();
+        assert_eq!(e.status.as_u16(), 400);
+        let e = parse_body::<ChatRequest>(br#"{"model": "x"}"#).unwrap_err();
+        assert!(e.message.contains("messages"), "{}", e.message);
+    }
+
+    #[test]
+    fn params_are_checked_and_named() {
+        let c = |s: &str| parse_body::<CompletionRequest>(s.as_bytes()).unwrap().common;
+        let p = sampling_params(&c(r#"{"temperature": 0, "max_tokens": 5, "logit_bias": {"7": 5}}"#), Some(16), None, 100).unwrap();
+        assert_eq!(p.max_tokens, Some(5));
+        assert_eq!(p.logit_bias, vec![(7, 5.0)]);
+        let e = sampling_params(&c(r#"{"temperature": -1}"#), Some(16), None, 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+        let e = sampling_params(&c(r#"{"max_tokens": 0}"#), Some(16), None, 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let e = sampling_params(&c(r#"{"logit_bias": {"1000": 1}}"#), Some(16), None, 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logit_bias"));
+        let e = sampling_params(&c(r#"{"n": 0}"#), Some(16), None, 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("n"));
+        let p = sampling_params(&c(r#"{"max_completion_tokens": 3, "max_tokens": 9}"#), None, None, 100).unwrap();
+        assert_eq!(p.max_tokens, Some(3));
+    }
+}

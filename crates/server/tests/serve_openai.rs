@@ -1,0 +1,59 @@
+//! The official `openai` Python client against the real `vellum serve`
+//! (default model, small KV cache): completions, chat, streaming, n > 1,
+//! logprobs, stop strings and the error cases.
+
+mod common;
+
+use common::{python_with_openai, run_python, Server};
+
+const KEY: &str = "test-key-123";
+const MODEL: &str = "smol";
+const MAX_MODEL_LEN: &str = "512";
+
+#[test]
+fn openai_python_client_drives_the_server() {
+    let python = python_with_openai();
+    let server = Server::start(&[
+        "--kv-cache-memory",
+        "96MiB",
+        "--max-model-len",
+        MAX_MODEL_LEN,
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        MODEL,
+    ]);
+    run_python(&python, "openai_client.py", &[server.base_url(), KEY.into(), MODEL.into(), MAX_MODEL_LEN.into()]);
+}
+
+#[test]
+fn queue_full_is_503_and_sigterm_exits_cleanly() {
+    // With no room in the waiting queue every generation request is refused.
+    let mut server = Server::start(&["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--max-waiting-requests", "0"]);
+    let json = [("Content-Type", "application/json")];
+    let (status, body) = server.request("POST", "/v1/completions", &json, r#"{"prompt": "hi", "max_tokens": 2}"#);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("\"ServiceUnavailableError\""), "{body}");
+    assert!(server.get("/metrics").1.contains("vellum:requests_rejected_busy_total{model_name=\"SmolLM2-135M-Instruct\",engine=\"0\"} 1"));
+    // /health, /v1/models stay up; unknown routes are JSON 404s.
+    assert_eq!(server.get("/health").0, 200);
+    let (status, body) = server.get("/v1/models");
+    assert_eq!(status, 200);
+    assert!(body.contains("\"SmolLM2-135M-Instruct\""), "{body}");
+    let (status, body) = server.get("/nope");
+    assert_eq!(status, 404);
+    assert!(body.contains("NotFoundError"), "{body}");
+
+    // SIGTERM: the server stops and exits 0.
+    let pid = server.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = server.child.try_wait().expect("waiting") {
+            break s;
+        }
+        assert!(start.elapsed().as_secs() < 20, "the server did not exit within 20 s of SIGTERM");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "exit status {status:?}");
+}
