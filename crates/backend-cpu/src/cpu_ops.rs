@@ -6,6 +6,7 @@
 //! threads by hand, since the GEMM stays single-threaded for small shapes.
 
 use crate::kv_cache::KvCache;
+use crate::quant::{self, QuantActs, QuantKind, QuantWeight, WeightFormat};
 use crate::paged_attention::{paged_attention, write_kv};
 use vellum_core::{AttentionBackend, AttentionMetadata, BlockCopy, BlockSwap};
 use vellum_models::ops::{AttentionShape, Ops};
@@ -36,8 +37,10 @@ impl HostTensor {
 pub struct HostWeight {
     out: usize,
     inp: usize,
-    /// `[in, out]`, row-major.
+    /// `[in, out]`, row-major (empty when the weight is quantized).
     kn: Vec<f32>,
+    /// The block-quantized weight, when the format is not f32.
+    q: Option<QuantWeight>,
     /// `[out, in]` rows, kept for embedding lookups only.
     rows: Option<Vec<f32>>,
 }
@@ -90,7 +93,72 @@ unsafe impl Sync for SendPtr {}
 
 /// The CPU implementation of the model operations.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct CpuOps;
+pub struct CpuOps {
+    weight_format: WeightFormat,
+}
+
+impl CpuOps {
+    /// Operations that store linear weights as `format`.
+    pub fn new(weight_format: WeightFormat) -> Self {
+        Self { weight_format }
+    }
+
+    /// The requested weight format.
+    pub fn weight_format(&self) -> WeightFormat {
+        self.weight_format
+    }
+
+    /// The storage a `[n, k]` weight gets: `None` for f32.
+    fn resolve(&self, w: &[f32], n: usize, k: usize) -> Option<QuantKind> {
+        if n == 0 || k == 0 {
+            return None;
+        }
+        match self.weight_format {
+            WeightFormat::F32 => None,
+            WeightFormat::Q8 => Some(QuantKind::Q8),
+            WeightFormat::Q4 => Some(QuantKind::Q4),
+            WeightFormat::Auto if !quant::has_simd() => None,
+            WeightFormat::Auto if quant::is_q4_exact(w, n, k) => Some(QuantKind::Q4),
+            WeightFormat::Auto => Some(QuantKind::Q8),
+        }
+    }
+}
+
+impl HostWeight {
+    /// The storage of this weight (`None`: f32).
+    pub fn quant_kind(&self) -> Option<QuantKind> {
+        self.q.as_ref().map(|q| q.kind)
+    }
+}
+
+/// `y[m, n] = x[m, k] · Wᵀ` on the quantized weight: activations quantized
+/// once, output columns split across threads.
+fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, m: usize) {
+    let (n, k) = (w.n, w.k);
+    thread_local! {
+        static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
+    }
+    let mut run = |acts: &mut QuantActs| {
+        QuantActs::quantize(x, m, k, acts);
+        let acts = &*acts;
+        let dst = SendPtr(y.as_mut_ptr());
+        rayon::scope(|s| {
+            for cols in column_ranges(m, n, k) {
+                s.spawn(move |_| {
+                    let dst = dst;
+                    // SAFETY: y is [m, n]; this task writes columns `cols` only.
+                    unsafe { quant::gemm(dst.0, n, acts, w, 0..m, cols) };
+                });
+            }
+        });
+    };
+    // The buffer is reused across calls; a re-entrant call (from a rayon
+    // worker that stole work while waiting) gets a fresh one.
+    ACTS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut acts) => run(&mut acts),
+        Err(_) => run(&mut QuantActs::default()),
+    });
+}
 
 /// Up to this many rows, `linear` streams the weight once with AXPYs
 /// instead of calling the GEMM (whose packing dominates at decode sizes).
@@ -214,7 +282,10 @@ impl Ops for CpuOps {
 
     fn linear_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
         match w.shape[..] {
-            [out, inp] => Ok(HostWeight { out, inp, kn: transpose(&w.data, out, inp), rows: None }),
+            [out, inp] => match self.resolve(&w.data, out, inp) {
+                None => Ok(HostWeight { out, inp, kn: transpose(&w.data, out, inp), q: None, rows: None }),
+                Some(kind) => Ok(HostWeight { out, inp, kn: Vec::new(), q: Some(QuantWeight::quantize(&w.data, out, inp, kind)), rows: None }),
+            },
             _ => Err(vellum_models::Error::ShapeMismatch { tensor: name.to_string(), expected: vec![0, 0], actual: w.shape }),
         }
     }
@@ -248,7 +319,9 @@ impl Ops for CpuOps {
         if m == 0 {
             return out;
         }
-        if m <= SMALL_M {
+        if let Some(q) = &w.q {
+            linear_quant(&mut out.data, &x.data, q, m);
+        } else if m <= SMALL_M {
             linear_small(&mut out.data, &x.data, w, m);
         } else {
             linear_gemm(&mut out.data, &x.data, w, m);
