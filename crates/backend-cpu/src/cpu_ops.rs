@@ -119,10 +119,36 @@ impl CpuOps {
             WeightFormat::Q4 => Some(QuantKind::Q4),
             WeightFormat::Auto if !quant::has_simd() => None,
             WeightFormat::Auto if quant::is_q4_exact(w, n, k) => Some(QuantKind::Q4),
-            WeightFormat::Auto => Some(QuantKind::Q8),
+            WeightFormat::Auto if quant::is_q8_exact(w, n, k) => Some(QuantKind::Q8),
+            WeightFormat::Auto => None,
         }
     }
 }
+
+impl CpuOps {
+    /// Prepares a `[out, in]` weight; `hybrid`: under [`WeightFormat::Auto`],
+    /// a quantized weight also keeps its f32 copy for large batches.
+    fn weight(&self, name: &str, w: Tensor, hybrid: bool) -> vellum_models::Result<HostWeight> {
+        match w.shape[..] {
+            [out, inp] => match self.resolve(&w.data, out, inp) {
+                None => Ok(HostWeight { out, inp, kn: transpose(&w.data, out, inp), q: None, rows: None }),
+                Some(kind) => {
+                    let keep_f32 = hybrid && self.weight_format == WeightFormat::Auto;
+                    let kn = if keep_f32 { transpose(&w.data, out, inp) } else { Vec::new() };
+                    Ok(HostWeight { out, inp, kn, q: Some(QuantWeight::quantize(&w.data, out, inp, kind)), rows: None })
+                }
+            },
+            _ => Err(vellum_models::Error::ShapeMismatch { tensor: name.to_string(), expected: vec![0, 0], actual: w.shape }),
+        }
+    }
+}
+
+/// Above this many rows, a weight that also has its f32 copy runs on the f32
+/// GEMM: on AVX2 the f32 GEMM (16 f32 FMAs per cycle) out-computes the
+/// integer kernel (int16 `vpmaddwd` plus per-block scaling) once the batch
+/// makes the product compute-bound; below it, the 4-bit weights' fewer
+/// bytes win (decode is memory-bound).
+const QUANT_MAX_M: usize = 16;
 
 impl HostWeight {
     /// The storage of this weight (`None`: f32).
@@ -281,18 +307,14 @@ impl Ops for CpuOps {
     type KvCache = KvCache;
 
     fn linear_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
-        match w.shape[..] {
-            [out, inp] => match self.resolve(&w.data, out, inp) {
-                None => Ok(HostWeight { out, inp, kn: transpose(&w.data, out, inp), q: None, rows: None }),
-                Some(kind) => Ok(HostWeight { out, inp, kn: Vec::new(), q: Some(QuantWeight::quantize(&w.data, out, inp, kind)), rows: None }),
-            },
-            _ => Err(vellum_models::Error::ShapeMismatch { tensor: name.to_string(), expected: vec![0, 0], actual: w.shape }),
-        }
+        self.weight(name, w, true)
     }
 
     fn embedding_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
         let rows = w.data.clone();
-        let mut weight = self.linear_weight(name, w)?;
+        // The tied LM head runs on the quantized table at every batch size
+        // (the GEMM is slow on its 49k-wide output at small and mid batches).
+        let mut weight = self.weight(name, w, false)?;
         weight.rows = Some(rows);
         Ok(weight)
     }
@@ -319,7 +341,8 @@ impl Ops for CpuOps {
         if m == 0 {
             return out;
         }
-        if let Some(q) = &w.q {
+        let f32_ok = !w.kn.is_empty();
+        if let Some(q) = w.q.as_ref().filter(|_| m <= QUANT_MAX_M || !f32_ok) {
             linear_quant(&mut out.data, &x.data, q, m);
         } else if m <= SMALL_M {
             linear_small(&mut out.data, &x.data, w, m);

@@ -36,9 +36,10 @@ pub enum WeightFormat {
     /// 4-bit asymmetric blocks of 32 (GGML Q4_1: f16 `d`, `m`), int16
     /// activations. Lossy unless the weight came from a Q4_1 file.
     Q4,
-    /// [`WeightFormat::Q4`] for a weight that it stores exactly (every
-    /// weight of a Q4_1 GGUF), else [`WeightFormat::Q8`]; [`WeightFormat::F32`]
-    /// when the CPU has no fast integer kernel (AVX2).
+    /// Lossless: [`WeightFormat::Q4`] for a weight that it stores exactly
+    /// (every weight of a Q4_1 GGUF), else [`WeightFormat::Q8`] for one that
+    /// it stores exactly (Q8_0), else [`WeightFormat::F32`] — also when the
+    /// CPU has no fast integer kernel (AVX2).
     #[default]
     Auto,
 }
@@ -157,6 +158,20 @@ fn q4_exact(vals: &[f32]) -> bool {
     vals.iter().zip(&q).all(|(&v, &qi)| (f32::from(qi) * d + m).to_bits() == v.to_bits())
 }
 
+/// Whether symmetric 8-bit blocks reproduce `vals` bit for bit (true of
+/// every block of a Q8_0 GGUF: its scale is `max |w| / 127` exactly).
+fn q8_exact(vals: &[f32]) -> bool {
+    let amax = vals.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    vals.iter().all(|&v| (((v * id).round().clamp(-127.0, 127.0)) * d).to_bits() == v.to_bits() || (v == 0.0 && d == 0.0))
+}
+
+/// Whether every block of the `[n, k]` weight `w` is exactly a Q8_0 block.
+pub fn is_q8_exact(w: &[f32], n: usize, k: usize) -> bool {
+    (0..n).all(|c| w[c * k..(c + 1) * k].chunks(BLOCK).all(q8_exact))
+}
+
 /// Whether every block of the `[n, k]` weight `w` is exactly a Q4_1 block.
 pub fn is_q4_exact(w: &[f32], n: usize, k: usize) -> bool {
     (0..n).all(|c| w[c * k..(c + 1) * k].chunks(BLOCK).all(q4_exact))
@@ -271,8 +286,27 @@ pub struct QuantActs {
     pub data: Vec<u8>,
 }
 
-/// Quantizes one row of `k` activations into `pairs` records.
+/// Quantizes one row of `k` activations into `pairs` records (compiled
+/// again with AVX2 enabled, where `round` is one instruction).
 fn quantize_row(x: &[f32], out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_simd() {
+            // SAFETY: the CPU supports the features the function enables.
+            return unsafe { quantize_row_avx2(x, out) };
+        }
+    }
+    quantize_row_generic(x, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_row_avx2(x: &[f32], out: &mut [u8]) {
+    quantize_row_generic(x, out)
+}
+
+#[inline(always)]
+fn quantize_row_generic(x: &[f32], out: &mut [u8]) {
     let k = x.len();
     let pairs = out.len() / XREC;
     for j in 0..pairs {
@@ -285,12 +319,14 @@ fn quantize_row(x: &[f32], out: &mut [u8]) {
             let d = amax / XMAX;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             let mut sum = 0.0f32;
-            for e in 0..BLOCK {
-                let v = vals.get(e).copied().unwrap_or(0.0);
+            let mut q = [0i16; BLOCK];
+            for (qe, &v) in q.iter_mut().zip(vals) {
                 sum += v;
-                let q = (v * id).round().clamp(-XMAX, XMAX) as i16;
+                *qe = (v * id).round_ties_even().clamp(-XMAX, XMAX) as i16;
+            }
+            for (e, qe) in q.iter().enumerate() {
                 let p = 2 * pos(b, e);
-                r[p..p + 2].copy_from_slice(&q.to_le_bytes());
+                r[p..p + 2].copy_from_slice(&qe.to_le_bytes());
             }
             r[XSCALES + 4 * b..XSCALES + 4 * b + 4].copy_from_slice(&d.to_le_bytes());
             r[XSCALES + 8 + 4 * b..XSCALES + 12 + 4 * b].copy_from_slice(&(sum / 4.0).to_le_bytes());
@@ -458,11 +494,14 @@ mod avx2 {
         }
     }
 
-    /// Tile sizes: rows × outputs per register block.
-    pub const TR: usize = 4;
-    pub const TC: usize = 2;
+    /// Activation bytes a row block may take (stays in L2 while every
+    /// output of the thread's range streams past it).
+    const ROW_BLOCK_BYTES: usize = 96 * 1024;
 
-    /// `y[rows, cols]`, row stride `ldy`.
+    /// `y[rows, cols]`, row stride `ldy`: rows in blocks that stay in cache;
+    /// within a block, 4 rows × 1 output per register tile (the widened
+    /// weight pair is reused by 4 rows), or for 1–3 rows, up to 4 outputs at
+    /// once (independent accumulator chains).
     ///
     /// # Safety
     /// The CPU must support the enabled features; `y` must be valid for
@@ -472,31 +511,47 @@ mod avx2 {
         let pairs = w.pairs;
         let rec = w.kind.record();
         let q8 = w.kind == QuantKind::Q8;
-        let mut c = cols.start;
-        while c < cols.end {
-            let cc = (cols.end - c).min(TC);
-            // SAFETY: output c's records exist (c < n).
-            let wp = unsafe { w.data.as_ptr().add(c * pairs * rec) };
-            let mut r = rows.start;
-            while r < rows.end {
-                let rr = (rows.end - r).min(TR);
-                // SAFETY: row r's records exist; the caller owns y's cells.
-                let (xp, yp) = unsafe { (x.data.as_ptr().add(r * pairs * XREC), y.add(r * ldy + c)) };
-                macro_rules! go {
-                    ($($R:literal, $C:literal);*) => {
-                        match (rr, cc, q8) {
-                            $(
-                                ($R, $C, false) => unsafe { tile::<$R, $C, false>(yp, ldy, xp, wp, pairs) },
-                                ($R, $C, true) => unsafe { tile::<$R, $C, true>(yp, ldy, xp, wp, pairs) },
-                            )*
-                            _ => unreachable!("tile sizes are at most {TR}×{TC}"),
-                        }
-                    };
+        let block = (ROW_BLOCK_BYTES / (pairs * XREC)).max(4) / 4 * 4;
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = (r0 + block).min(rows.end);
+            let mut c = cols.start;
+            while c < cols.end {
+                let mut r = r0;
+                // Full 4-row tiles, one output at a time.
+                let mut cc = 1;
+                while r1 - r >= 4 {
+                    // SAFETY: records of output c and rows r..r+4 exist; the caller owns y's cells.
+                    unsafe {
+                        let (wp, xp, yp) = (w.data.as_ptr().add(c * pairs * rec), x.data.as_ptr().add(r * pairs * XREC), y.add(r * ldy + c));
+                        if q8 { tile::<4, 1, true>(yp, ldy, xp, wp, pairs) } else { tile::<4, 1, false>(yp, ldy, xp, wp, pairs) }
+                    }
+                    r += 4;
                 }
-                go!(1, 1; 1, 2; 2, 1; 2, 2; 3, 1; 3, 2; 4, 1; 4, 2);
-                r += rr;
+                if r < r1 {
+                    // 1–3 rows left: several outputs per tile.
+                    let rr = r1 - r;
+                    cc = if r == r0 { (cols.end - c).min(if rr == 1 { 4 } else { 2 }) } else { 1 };
+                    // SAFETY: as above, for outputs c..c+cc.
+                    unsafe {
+                        let (wp, xp, yp) = (w.data.as_ptr().add(c * pairs * rec), x.data.as_ptr().add(r * pairs * XREC), y.add(r * ldy + c));
+                        macro_rules! go {
+                            ($($R:literal, $C:literal);*) => {
+                                match (rr, cc, q8) {
+                                    $(
+                                        ($R, $C, false) => tile::<$R, $C, false>(yp, ldy, xp, wp, pairs),
+                                        ($R, $C, true) => tile::<$R, $C, true>(yp, ldy, xp, wp, pairs),
+                                    )*
+                                    _ => unreachable!("tiles of 1–3 rows take at most 4 outputs"),
+                                }
+                            };
+                        }
+                        go!(1, 1; 1, 2; 1, 3; 1, 4; 2, 1; 2, 2; 3, 1; 3, 2);
+                    }
+                }
+                c += cc;
             }
-            c += cc;
+            r0 = r1;
         }
     }
 }
@@ -547,6 +602,30 @@ mod tests {
     }
 
     #[test]
+    fn q8_round_trips_q8_0_blocks() {
+        let mut s = 11u64;
+        let mut w = Vec::new();
+        for blk in 0..30 {
+            let d = f16::from_f32(rng(&mut s).abs() * 0.01 + 1e-4).to_f32();
+            for e in 0..BLOCK {
+                let q: i32 = if e == 5 { if blk % 2 == 0 { 127 } else { -127 } } else { (rng(&mut s) * 127.0) as i32 };
+                w.push(q as f32 * d);
+            }
+        }
+        w[64..96].fill(0.0);
+        assert!(is_q8_exact(&w, 3, 320));
+        let qw = QuantWeight::quantize(&w, 3, 320, QuantKind::Q8);
+        let mut row = vec![0.0; 320];
+        for c in 0..3 {
+            qw.dequantize_row(c, &mut row);
+            assert_eq!(row, w[c * 320..(c + 1) * 320]);
+        }
+        let smooth: Vec<f32> = (0..320).map(|i| (i as f32 * 0.37).sin()).collect();
+        assert!(!is_q8_exact(&smooth, 1, 320));
+        assert!(!is_q4_exact(&smooth, 1, 320));
+    }
+
+    #[test]
     fn q4_round_trips_q4_1_blocks() {
         // Values built as GGUF's dequantizer builds them.
         let mut s = 7u64;
@@ -585,7 +664,7 @@ mod tests {
     #[test]
     fn kernels_match_f64_reference_on_odd_shapes() {
         let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        for &(m, n, k) in &[(1, 1, 1), (1, 3, 31), (2, 7, 33), (3, 5, 64), (5, 13, 100), (4, 6, 128), (9, 31, 576), (17, 4, 96), (6, 11, 1536)] {
+        for &(m, n, k) in &[(1, 1, 1), (1, 3, 31), (2, 7, 33), (3, 5, 64), (5, 13, 100), (4, 6, 128), (9, 31, 576), (17, 4, 96), (6, 11, 1536), (50, 5, 1536)] {
             for kind in [QuantKind::Q4, QuantKind::Q8] {
                 let w: Vec<f32> = (0..n * k).map(|_| rng(&mut s) * 0.1).collect();
                 // Activations with an outlier per row, as hidden states have.
