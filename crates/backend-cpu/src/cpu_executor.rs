@@ -83,7 +83,10 @@ impl ModelExecutor for CpuExecutor {
         self.ops.swap_blocks(cache, &batch.block_ops.swap_in, false)?;
         self.ops.copy_blocks(cache, &batch.block_ops.copies)?;
         let block_size = cache.layout.block_size;
-        let logits = self.model.forward(&self.ops, cache, batch, block_size);
+        // The pass runs on a rayon worker, so each op's parallel section
+        // starts from the pool (one hand-off per step instead of one per op).
+        let (model, ops) = (&self.model, &self.ops);
+        let logits = rayon::scope(|_| model.forward(ops, cache, batch, block_size));
         Ok(StepOutput { logits: self.ops.to_host(&logits), vocab_size: self.model.config().vocab_size })
     }
 }

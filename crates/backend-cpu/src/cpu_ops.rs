@@ -143,6 +143,9 @@ impl CpuOps {
     }
 }
 
+/// Element-wise ops split across the rayon threads from this many values.
+const PAR_ELEMENTS: usize = 1 << 16;
+
 /// Above this many rows, a weight that also has its f32 copy runs on the f32
 /// GEMM: on AVX2 the f32 GEMM (16 f32 FMAs per cycle) out-computes the
 /// integer kernel (int16 `vpmaddwd` plus per-block scaling) once the batch
@@ -168,8 +171,14 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, m: usize) {
         QuantActs::quantize(x, m, k, acts);
         let acts = &*acts;
         let dst = SendPtr(y.as_mut_ptr());
+        let ranges = column_ranges(m, n, k);
+        if ranges.len() == 1 {
+            // SAFETY: y is [m, n] and borrowed mutably here.
+            unsafe { quant::gemm(dst.0, n, acts, w, 0..m, 0..n) };
+            return;
+        }
         rayon::scope(|s| {
-            for cols in column_ranges(m, n, k) {
+            for cols in ranges {
                 s.spawn(move |_| {
                     let dst = dst;
                     // SAFETY: y is [m, n]; this task writes columns `cols` only.
@@ -362,12 +371,18 @@ impl Ops for CpuOps {
     fn rms_norm(&self, x: &HostTensor, w: &Vec<f32>, eps: f32, group: usize) -> HostTensor {
         assert!(group > 0 && x.cols % group == 0 && w.len() == group, "rms_norm: width {} group {group} weight {}", x.cols, w.len());
         let mut out = x.clone();
-        for g in out.data.chunks_exact_mut(group) {
+        let norm = |g: &mut [f32]| {
             let ms = g.iter().map(|v| v * v).sum::<f32>() / group as f32;
             let inv = 1.0 / (ms + eps).sqrt();
             for (v, wi) in g.iter_mut().zip(w) {
                 *v = *v * inv * wi;
             }
+        };
+        if out.data.len() >= PAR_ELEMENTS {
+            use rayon::prelude::*;
+            out.data.par_chunks_exact_mut(group).for_each(norm);
+        } else {
+            out.data.chunks_exact_mut(group).for_each(norm);
         }
         out
     }
@@ -392,7 +407,13 @@ impl Ops for CpuOps {
 
     fn silu_mul(&self, gate: &HostTensor, up: &HostTensor) -> HostTensor {
         assert_eq!((gate.rows, gate.cols), (up.rows, up.cols), "silu_mul: shapes differ");
-        let data = gate.data.iter().zip(&up.data).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        let silu = |(g, u): (&f32, &f32)| g / (1.0 + (-g).exp()) * u;
+        let data = if gate.data.len() >= PAR_ELEMENTS {
+            use rayon::prelude::*;
+            gate.data.par_iter().zip(&up.data).map(silu).collect()
+        } else {
+            gate.data.iter().zip(&up.data).map(silu).collect()
+        };
         HostTensor { rows: gate.rows, cols: gate.cols, data }
     }
 

@@ -64,9 +64,14 @@ pub const BLOCK: usize = 32;
 const PAIR: usize = 2 * BLOCK;
 /// Offset of the scales in an activation pair record (after 64 i16 `qx`).
 const XSCALES: usize = 2 * PAIR;
-/// Bytes of one quantized activation pair: 64 i16 `qx`, 2 f32 `dx`, 2 f32
-/// `sx/4` (each lane pair of a 256-bit register repeats 4 times).
-const XREC: usize = XSCALES + 16;
+/// Bytes of one quantized activation pair: 64 i16 `qx`, 2 f32 `dx`.
+const XREC: usize = XSCALES + 8;
+
+/// Per-block values (weight offsets `m`, activation sums `sx`) per row,
+/// padded with zeros to whole 256-bit registers.
+fn padded_blocks(pairs: usize) -> usize {
+    (2 * pairs).next_multiple_of(8)
+}
 /// Largest activation magnitude after quantization.
 const XMAX: f32 = 32767.0;
 
@@ -86,7 +91,8 @@ fn unpos(p: usize) -> (usize, usize) {
 /// Quantized storage kind (the resolved format of one weight).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantKind {
-    /// 4-bit, f16 scales: a pair is 32 bytes of nibbles + 4 f16.
+    /// 4-bit, f16 scales: a pair is 32 bytes of nibbles + 2 f16 `d`
+    /// (the offsets `m` live in their own array).
     Q4,
     /// 8-bit signed, f32 scales: a pair is 64 bytes + 2 f32.
     Q8,
@@ -96,7 +102,7 @@ impl QuantKind {
     /// Bytes of one weight pair record.
     pub const fn record(self) -> usize {
         match self {
-            QuantKind::Q4 => 32 + 8,
+            QuantKind::Q4 => 32 + 4,
             QuantKind::Q8 => 64 + 8,
         }
     }
@@ -115,6 +121,9 @@ pub struct QuantWeight {
     pub kind: QuantKind,
     /// `n · pairs` records of `kind.record()` bytes.
     pub data: Vec<u8>,
+    /// Per-block offsets `m` as f16 bits, [`padded_blocks`] per output
+    /// (zero for Q8).
+    pub mins: Vec<u16>,
 }
 
 /// Per-block quantization of one block of `vals` (≤ 32 real values).
@@ -169,12 +178,14 @@ fn q8_exact(vals: &[f32]) -> bool {
 
 /// Whether every block of the `[n, k]` weight `w` is exactly a Q8_0 block.
 pub fn is_q8_exact(w: &[f32], n: usize, k: usize) -> bool {
-    (0..n).all(|c| w[c * k..(c + 1) * k].chunks(BLOCK).all(q8_exact))
+    use rayon::prelude::*;
+    (0..n).into_par_iter().all(|c| w[c * k..(c + 1) * k].chunks(BLOCK).all(q8_exact))
 }
 
 /// Whether every block of the `[n, k]` weight `w` is exactly a Q4_1 block.
 pub fn is_q4_exact(w: &[f32], n: usize, k: usize) -> bool {
-    (0..n).all(|c| w[c * k..(c + 1) * k].chunks(BLOCK).all(q4_exact))
+    use rayon::prelude::*;
+    (0..n).into_par_iter().all(|c| w[c * k..(c + 1) * k].chunks(BLOCK).all(q4_exact))
 }
 
 impl QuantWeight {
@@ -183,9 +194,11 @@ impl QuantWeight {
         assert_eq!(w.len(), n * k, "quantize: {} values for [{n}, {k}]", w.len());
         let pairs = k.div_ceil(PAIR);
         let rec = kind.record();
+        let nbp = padded_blocks(pairs);
         let mut data = vec![0u8; n * pairs * rec];
-        let chunks: Vec<(usize, &mut [u8])> = data.chunks_mut(pairs * rec).enumerate().collect();
-        let work = |(c, out): (usize, &mut [u8])| {
+        let mut mins = vec![0u16; n * nbp];
+        let chunks: Vec<(usize, (&mut [u8], &mut [u16]))> = data.chunks_mut(pairs * rec).zip(mins.chunks_mut(nbp)).enumerate().collect();
+        let work = |(c, (out, mout)): (usize, (&mut [u8], &mut [u16]))| {
             let row = &w[c * k..(c + 1) * k];
             for j in 0..pairs {
                 let r = &mut out[j * rec..(j + 1) * rec];
@@ -205,7 +218,7 @@ impl QuantWeight {
                                 }
                             }
                             r[32 + 2 * b..34 + 2 * b].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-                            r[36 + 2 * b..38 + 2 * b].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+                            mout[2 * j + b] = f16::from_f32(m).to_bits();
                         }
                         QuantKind::Q8 => {
                             let amax = vals.iter().fold(0.0f32, |a, v| a.max(v.abs()));
@@ -222,7 +235,7 @@ impl QuantWeight {
         };
         use rayon::prelude::*;
         chunks.into_par_iter().for_each(work);
-        Self { n, k, pairs, kind, data }
+        Self { n, k, pairs, kind, data, mins }
     }
 
     /// (q, d, m) of value position `p` in pair `j` of output `c`.
@@ -241,13 +254,12 @@ impl QuantWeight {
         }
     }
 
+    /// (d, m) of block `b` of pair `j` of output `c`, whose record is `r`.
     #[inline]
-    fn scales(&self, r: &[u8], b: usize) -> (f32, f32) {
+    fn scales(&self, r: &[u8], c: usize, j: usize, b: usize) -> (f32, f32) {
+        let m = f16::from_bits(self.mins[c * padded_blocks(self.pairs) + 2 * j + b]).to_f32();
         match self.kind {
-            QuantKind::Q4 => (
-                f16::from_le_bytes([r[32 + 2 * b], r[33 + 2 * b]]).to_f32(),
-                f16::from_le_bytes([r[36 + 2 * b], r[37 + 2 * b]]).to_f32(),
-            ),
+            QuantKind::Q4 => (f16::from_le_bytes([r[32 + 2 * b], r[33 + 2 * b]]).to_f32(), m),
             QuantKind::Q8 => (f32::from_le_bytes([r[64 + 4 * b], r[65 + 4 * b], r[66 + 4 * b], r[67 + 4 * b]]), 0.0),
         }
     }
@@ -261,7 +273,7 @@ impl QuantWeight {
                 let (b, e) = unpos(p);
                 let idx = j * PAIR + b * BLOCK + e;
                 if idx < self.k {
-                    let (d, m) = self.scales(r, b);
+                    let (d, m) = self.scales(r, c, j, b);
                     out[idx] = self.q_at(r, p) as f32 * d + m;
                 }
             }
@@ -270,7 +282,7 @@ impl QuantWeight {
 
     /// Bytes of quantized storage.
     pub fn bytes(&self) -> usize {
-        self.data.len()
+        self.data.len() + 2 * self.mins.len()
     }
 }
 
@@ -284,29 +296,31 @@ pub struct QuantActs {
     pub pairs: usize,
     /// The records.
     pub data: Vec<u8>,
+    /// Exact f32 sum of each block, [`padded_blocks`] per row.
+    pub sums: Vec<f32>,
 }
 
 /// Quantizes one row of `k` activations into `pairs` records (compiled
 /// again with AVX2 enabled, where `round` is one instruction).
-fn quantize_row(x: &[f32], out: &mut [u8]) {
+fn quantize_row(x: &[f32], out: &mut [u8], sums: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if has_simd() {
             // SAFETY: the CPU supports the features the function enables.
-            return unsafe { quantize_row_avx2(x, out) };
+            return unsafe { quantize_row_avx2(x, out, sums) };
         }
     }
-    quantize_row_generic(x, out)
+    quantize_row_generic(x, out, sums)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_row_avx2(x: &[f32], out: &mut [u8]) {
-    quantize_row_generic(x, out)
+unsafe fn quantize_row_avx2(x: &[f32], out: &mut [u8], sums: &mut [f32]) {
+    quantize_row_generic(x, out, sums)
 }
 
 #[inline(always)]
-fn quantize_row_generic(x: &[f32], out: &mut [u8]) {
+fn quantize_row_generic(x: &[f32], out: &mut [u8], sums: &mut [f32]) {
     let k = x.len();
     let pairs = out.len() / XREC;
     for j in 0..pairs {
@@ -329,7 +343,7 @@ fn quantize_row_generic(x: &[f32], out: &mut [u8]) {
                 r[p..p + 2].copy_from_slice(&qe.to_le_bytes());
             }
             r[XSCALES + 4 * b..XSCALES + 4 * b + 4].copy_from_slice(&d.to_le_bytes());
-            r[XSCALES + 8 + 4 * b..XSCALES + 12 + 4 * b].copy_from_slice(&(sum / 4.0).to_le_bytes());
+            sums[2 * j + b] = sum;
         }
     }
 }
@@ -342,16 +356,19 @@ impl QuantActs {
         into.pairs = pairs;
         into.data.clear();
         into.data.resize(rows * pairs * XREC, 0);
+        let nbp = padded_blocks(pairs);
+        into.sums.clear();
+        into.sums.resize(rows * nbp, 0.0);
         if k == 0 {
             return;
         }
         let per = pairs * XREC;
         if rows * k >= 1 << 15 {
             use rayon::prelude::*;
-            into.data.par_chunks_mut(per).zip(x.par_chunks(k)).for_each(|(o, xr)| quantize_row(xr, o));
+            into.data.par_chunks_mut(per).zip(into.sums.par_chunks_mut(nbp)).zip(x.par_chunks(k)).for_each(|((o, sm), xr)| quantize_row(xr, o, sm));
         } else {
-            for (o, xr) in into.data.chunks_mut(per).zip(x.chunks(k)) {
-                quantize_row(xr, o);
+            for ((o, sm), xr) in into.data.chunks_mut(per).zip(into.sums.chunks_mut(nbp)).zip(x.chunks(k)) {
+                quantize_row(xr, o, sm);
             }
         }
     }
@@ -380,10 +397,10 @@ pub fn gemm_scalar(y: &mut [f32], ldy: usize, x: &QuantActs, w: &QuantWeight, ro
                     isum[(p / 2) % 2] += w.q_at(wr, p) * i32::from(i16::from_le_bytes([xr[2 * p], xr[2 * p + 1]]));
                 }
                 for (b, &s) in isum.iter().enumerate() {
-                    let (d, m) = w.scales(wr, b);
+                    let (d, m) = w.scales(wr, c, j, b);
                     let dx = f32_at(xr, XSCALES + 4 * b);
-                    let sx4 = f32_at(xr, XSCALES + 8 + 4 * b);
-                    acc += s as f32 * (d * dx) + m * sx4 * 4.0;
+                    let sx = x.sums[r * padded_blocks(x.pairs) + 2 * j + b];
+                    acc += s as f32 * (d * dx) + m * sx;
                 }
             }
             y[r * ldy + c] = acc;
@@ -405,12 +422,12 @@ pub fn has_simd() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{QuantActs, QuantKind, QuantWeight, XREC, XSCALES};
+    use super::{padded_blocks, QuantActs, QuantKind, QuantWeight, XREC, XSCALES};
     use std::arch::x86_64::*;
 
     /// A weight pair widened to i16: positions 0..16, 16..32, 32..48, 48..64;
-    /// then its d and m patterns.
-    type Wide = ([__m256i; 4], __m256, __m256);
+    /// then its d pattern.
+    type Wide = ([__m256i; 4], __m256);
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -420,7 +437,7 @@ mod avx2 {
             if Q8 {
                 let w = [0, 16, 32, 48].map(|o| _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(o) as *const __m128i)));
                 let d = _mm256_castpd_ps(_mm256_set1_pd((p.add(64) as *const f64).read_unaligned()));
-                (w, d, _mm256_setzero_ps())
+                (w, d)
             } else {
                 // Bytes widened to i16: the low nibble is `& 15`, the high one `>> 4`.
                 let z0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
@@ -428,8 +445,7 @@ mod avx2 {
                 let mask = _mm256_set1_epi16(0x0f);
                 let w = [_mm256_and_si256(z0, mask), _mm256_and_si256(z1, mask), _mm256_srli_epi16(z0, 4), _mm256_srli_epi16(z1, 4)];
                 let d = _mm256_cvtph_ps(_mm_set1_epi32((p.add(32) as *const i32).read_unaligned()));
-                let m = _mm256_cvtph_ps(_mm_set1_epi32((p.add(36) as *const i32).read_unaligned()));
-                (w, d, m)
+                (w, d)
             }
         }
     }
@@ -463,24 +479,50 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// Where a tile reads: records and per-block arrays at its first
+    /// output / row.
+    #[derive(Clone, Copy)]
+    struct TileArgs {
+        y: *mut f32,
+        ldy: usize,
+        x: *const u8,
+        sums: *const f32,
+        w: *const u8,
+        mins: *const u16,
+        pairs: usize,
+    }
+
     /// A tile of `R` rows × `C` outputs over every pair.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const R: usize, const C: usize, const Q8: bool>(y: *mut f32, ldy: usize, x: *const u8, w: *const u8, pairs: usize) {
+    unsafe fn tile<const R: usize, const C: usize, const Q8: bool>(t: TileArgs) {
+        let TileArgs { y, ldy, x, sums, w, mins, pairs } = t;
         let rec = if Q8 { QuantKind::Q8.record() } else { QuantKind::Q4.record() };
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         for j in 0..pairs {
             for c in 0..C {
                 // SAFETY: record j of output c and of every row exists.
                 unsafe {
-                    let (wv, d, m) = load_w::<Q8>(w.add((c * pairs + j) * rec));
+                    let (wv, d) = load_w::<Q8>(w.add((c * pairs + j) * rec));
                     for (r, accr) in acc.iter_mut().enumerate() {
                         let xr = x.add((r * pairs + j) * XREC);
                         let isum = dot(&wv, xr);
                         let s = _mm256_mul_ps(d, bcast2(xr.add(XSCALES)));
                         accr[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, accr[c]);
-                        if !Q8 {
-                            accr[c] = _mm256_fmadd_ps(m, bcast2(xr.add(XSCALES + 8)), accr[c]);
+                    }
+                }
+            }
+        }
+        if !Q8 {
+            // The offsets: Σ_b m_b · sx_b, eight blocks per step.
+            let nbp = padded_blocks(pairs);
+            for g in (0..nbp).step_by(8) {
+                for c in 0..C {
+                    // SAFETY: nbp offsets per output and sums per row exist.
+                    unsafe {
+                        let m = _mm256_cvtph_ps(_mm_loadu_si128(mins.add(c * nbp + g) as *const __m128i));
+                        for (r, accr) in acc.iter_mut().enumerate() {
+                            accr[c] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sums.add(r * nbp + g)), accr[c]);
                         }
                     }
                 }
@@ -512,6 +554,19 @@ mod avx2 {
         let rec = w.kind.record();
         let q8 = w.kind == QuantKind::Q8;
         let block = (ROW_BLOCK_BYTES / (pairs * XREC)).max(4) / 4 * 4;
+        let nbp = padded_blocks(pairs);
+        // SAFETY (the pointer offsets): r < x.rows and c < w.n everywhere below.
+        let args = |r: usize, c: usize| unsafe {
+            TileArgs {
+                y: y.add(r * ldy + c),
+                ldy,
+                x: x.data.as_ptr().add(r * pairs * XREC),
+                sums: x.sums.as_ptr().add(r * nbp),
+                w: w.data.as_ptr().add(c * pairs * rec),
+                mins: w.mins.as_ptr().add(c * nbp),
+                pairs,
+            }
+        };
         let mut r0 = rows.start;
         while r0 < rows.end {
             let r1 = (r0 + block).min(rows.end);
@@ -523,8 +578,8 @@ mod avx2 {
                 while r1 - r >= 4 {
                     // SAFETY: records of output c and rows r..r+4 exist; the caller owns y's cells.
                     unsafe {
-                        let (wp, xp, yp) = (w.data.as_ptr().add(c * pairs * rec), x.data.as_ptr().add(r * pairs * XREC), y.add(r * ldy + c));
-                        if q8 { tile::<4, 1, true>(yp, ldy, xp, wp, pairs) } else { tile::<4, 1, false>(yp, ldy, xp, wp, pairs) }
+                        let t = args(r, c);
+                        if q8 { tile::<4, 1, true>(t) } else { tile::<4, 1, false>(t) }
                     }
                     r += 4;
                 }
@@ -534,13 +589,13 @@ mod avx2 {
                     cc = if r == r0 { (cols.end - c).min(if rr == 1 { 4 } else { 2 }) } else { 1 };
                     // SAFETY: as above, for outputs c..c+cc.
                     unsafe {
-                        let (wp, xp, yp) = (w.data.as_ptr().add(c * pairs * rec), x.data.as_ptr().add(r * pairs * XREC), y.add(r * ldy + c));
+                        let t = args(r, c);
                         macro_rules! go {
                             ($($R:literal, $C:literal);*) => {
                                 match (rr, cc, q8) {
                                     $(
-                                        ($R, $C, false) => tile::<$R, $C, false>(yp, ldy, xp, wp, pairs),
-                                        ($R, $C, true) => tile::<$R, $C, true>(yp, ldy, xp, wp, pairs),
+                                        ($R, $C, false) => tile::<$R, $C, false>(t),
+                                        ($R, $C, true) => tile::<$R, $C, true>(t),
                                     )*
                                     _ => unreachable!("tiles of 1–3 rows take at most 4 outputs"),
                                 }
