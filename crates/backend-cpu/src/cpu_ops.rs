@@ -126,17 +126,12 @@ impl CpuOps {
 }
 
 impl CpuOps {
-    /// Prepares a `[out, in]` weight; `hybrid`: under [`WeightFormat::Auto`],
-    /// a quantized weight also keeps its f32 copy for large batches.
-    fn weight(&self, name: &str, w: Tensor, hybrid: bool) -> vellum_models::Result<HostWeight> {
+    /// Prepares a `[out, in]` weight in the resolved format.
+    fn weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
         match w.shape[..] {
             [out, inp] => match self.resolve(&w.data, out, inp) {
                 None => Ok(HostWeight { out, inp, kn: transpose(&w.data, out, inp), q: None, rows: None }),
-                Some(kind) => {
-                    let keep_f32 = hybrid && self.weight_format == WeightFormat::Auto;
-                    let kn = if keep_f32 { transpose(&w.data, out, inp) } else { Vec::new() };
-                    Ok(HostWeight { out, inp, kn, q: Some(QuantWeight::quantize(&w.data, out, inp, kind)), rows: None })
-                }
+                Some(kind) => Ok(HostWeight { out, inp, kn: Vec::new(), q: Some(QuantWeight::quantize(&w.data, out, inp, kind)), rows: None }),
             },
             _ => Err(vellum_models::Error::ShapeMismatch { tensor: name.to_string(), expected: vec![0, 0], actual: w.shape }),
         }
@@ -146,12 +141,6 @@ impl CpuOps {
 /// Element-wise ops split across the rayon threads from this many values.
 const PAR_ELEMENTS: usize = 1 << 16;
 
-/// Above this many rows, a weight that also has its f32 copy runs on the f32
-/// GEMM: on AVX2 the f32 GEMM (16 f32 FMAs per cycle) out-computes the
-/// integer kernel (int16 `vpmaddwd` plus per-block scaling) once the batch
-/// makes the product compute-bound; below it, the 4-bit weights' fewer
-/// bytes win (decode is memory-bound).
-const QUANT_MAX_M: usize = 16;
 
 impl HostWeight {
     /// The storage of this weight (`None`: f32).
@@ -316,14 +305,12 @@ impl Ops for CpuOps {
     type KvCache = KvCache;
 
     fn linear_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
-        self.weight(name, w, true)
+        self.weight(name, w)
     }
 
     fn embedding_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
         let rows = w.data.clone();
-        // The tied LM head runs on the quantized table at every batch size
-        // (the GEMM is slow on its 49k-wide output at small and mid batches).
-        let mut weight = self.weight(name, w, false)?;
+        let mut weight = self.weight(name, w)?;
         weight.rows = Some(rows);
         Ok(weight)
     }
@@ -350,13 +337,13 @@ impl Ops for CpuOps {
         if m == 0 {
             return out;
         }
-        let f32_ok = !w.kn.is_empty();
-        if let Some(q) = w.q.as_ref().filter(|_| m <= QUANT_MAX_M || !f32_ok) {
-            linear_quant(&mut out.data, &x.data, q, m);
-        } else if m <= SMALL_M {
-            linear_small(&mut out.data, &x.data, w, m);
-        } else {
-            linear_gemm(&mut out.data, &x.data, w, m);
+        // A quantized weight runs the integer kernel at every batch size: a
+        // row's result is then bitwise independent of the batch it came in
+        // (chunked prefill, prefix-cache hits, batch composition).
+        match &w.q {
+            Some(q) => linear_quant(&mut out.data, &x.data, q, m),
+            None if m <= SMALL_M => linear_small(&mut out.data, &x.data, w, m),
+            None => linear_gemm(&mut out.data, &x.data, w, m),
         }
         if let Some(b) = bias {
             for row in out.data.chunks_exact_mut(n) {
@@ -500,5 +487,99 @@ impl AttentionBackend for CpuOps {
     fn swap_blocks(&self, cache: &mut KvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_core::Result<()> {
         cache.swap_blocks(swaps, to_host);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> u32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (*seed >> 33) as u32
+    }
+
+    /// A `[n, k]` weight whose blocks are exact Q4_1 blocks (as a Q4_1 GGUF
+    /// dequantizes), `k` a multiple of 32.
+    fn q4_weight(n: usize, k: usize, seed: &mut u64) -> Vec<f32> {
+        let mut w = Vec::with_capacity(n * k);
+        for _ in 0..n * k / 32 {
+            let d = half::f16::from_f32((lcg(seed) % 1000) as f32 * 1e-5 + 1e-3).to_f32();
+            let m = half::f16::from_f32((lcg(seed) % 1000) as f32 * -1e-5).to_f32();
+            for e in 0..32u32 {
+                let q = match e {
+                    0 => 0,
+                    1 => 15,
+                    _ => lcg(seed) % 16,
+                };
+                w.push(q as f32 * d + m);
+            }
+        }
+        w
+    }
+
+    fn acts(m: usize, k: usize, seed: &mut u64) -> HostTensor {
+        let data = (0..m * k).map(|i| if i % 211 == 7 { 30.0 } else { (lcg(seed) % 2001) as f32 / 1000.0 - 1.0 }).collect();
+        HostTensor { rows: m, cols: k, data }
+    }
+
+    #[test]
+    fn every_format_matches_f64_and_auto_picks_lossless_storage() {
+        let mut seed = 5u64;
+        for &(m, n, k) in &[(1, 37, 96), (3, 64, 576), (20, 33, 160), (40, 48, 64)] {
+            let w = q4_weight(n, k, &mut seed);
+            let x = acts(m, k, &mut seed);
+            let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+            for (format, kind, tol) in [
+                (WeightFormat::F32, None, 1e-5),
+                (WeightFormat::Q4, Some(QuantKind::Q4), 1e-3),
+                (WeightFormat::Q8, Some(QuantKind::Q8), 2e-2),
+                (WeightFormat::Auto, Some(QuantKind::Q4).filter(|_| quant::has_simd()), 1e-3),
+            ] {
+                let ops = CpuOps::new(format);
+                let wt = ops.linear_weight("w", Tensor { shape: vec![n, k], data: w.clone() }).expect("2-D weight");
+                assert_eq!(wt.quant_kind(), kind, "{format:?}");
+                let y = ops.linear(&x, &wt, Some(&bias));
+                let (mut err, mut norm) = (0.0f64, 0.0f64);
+                for r in 0..m {
+                    for c in 0..n {
+                        let exact: f64 = (0..k).map(|i| x.data[r * k + i] as f64 * w[c * k + i] as f64).sum::<f64>() + bias[c] as f64;
+                        err += (y.data[r * n + c] as f64 - exact).powi(2);
+                        norm += exact * exact;
+                    }
+                }
+                let rel = (err / norm).sqrt();
+                assert!(rel <= tol, "{format:?} ({m},{n},{k}): relative error {rel}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_computes_the_same_alone_or_in_a_large_batch() {
+        // Auto switches kernels with the batch size; a row's result must not.
+        let mut seed = 9u64;
+        let (m, n, k) = (40, 50, 192);
+        let w = q4_weight(n, k, &mut seed);
+        let x = acts(m, k, &mut seed);
+        for format in [WeightFormat::Auto, WeightFormat::Q4, WeightFormat::F32] {
+            let ops = CpuOps::new(format);
+            let wt = ops.linear_weight("w", Tensor { shape: vec![n, k], data: w.clone() }).expect("2-D weight");
+            let all = ops.linear(&x, &wt, None);
+            for r in [0, 7, 39] {
+                let one = HostTensor { rows: 1, cols: k, data: x.data[r * k..(r + 1) * k].to_vec() };
+                let y = ops.linear(&one, &wt, None);
+                for c in 0..n {
+                    let (a, b) = (all.data[r * n + c], y.data[c]);
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{format:?} row {r} col {c}: {a} in the batch, {b} alone");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn non_matrix_weights_are_typed_errors() {
+        let ops = CpuOps::default();
+        let err = ops.linear_weight("w", Tensor { shape: vec![4], data: vec![0.0; 4] });
+        assert!(matches!(err, Err(vellum_models::Error::ShapeMismatch { .. })));
     }
 }
