@@ -142,7 +142,7 @@ fn quant_block(vals: &[f32], levels: u32, f16_scales: bool) -> ([u8; BLOCK], f32
     let round = |v: f32| if f16_scales { f16::from_f32(v).to_f32() } else { v };
     let m = round(lo);
     let mut d = round((hi - m) / levels as f32);
-    if !(d > 0.0) || !d.is_finite() {
+    if d.is_nan() || d <= 0.0 || !d.is_finite() {
         d = 0.0;
     }
     if d > 0.0 {
@@ -198,8 +198,9 @@ impl QuantWeight {
         let nbp = padded_blocks(pairs);
         let mut data = vec![0u8; n * pairs * rec];
         let mut mins = vec![0u16; n * nbp];
-        let chunks: Vec<(usize, (&mut [u8], &mut [u16]))> = data.chunks_mut(pairs * rec).zip(mins.chunks_mut(nbp)).enumerate().collect();
-        let work = |(c, (out, mout)): (usize, (&mut [u8], &mut [u16]))| {
+        type Column<'a> = (usize, (&'a mut [u8], &'a mut [u16]));
+        let chunks: Vec<Column<'_>> = data.chunks_mut(pairs * rec).zip(mins.chunks_mut(nbp)).enumerate().collect();
+        let work = |(c, (out, mout)): Column<'_>| {
             let row = &w[c * k..(c + 1) * k];
             for j in 0..pairs {
                 let r = &mut out[j * rec..(j + 1) * rec];
