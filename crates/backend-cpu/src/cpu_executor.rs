@@ -2,6 +2,7 @@
 
 use crate::cpu_ops::CpuOps;
 use crate::kv_cache::{KvCache, KvCacheLayout};
+use crate::quant::WeightFormat;
 use vellum_core::{AttentionBackend, Error, ForwardBatch, KvCacheDtype, ModelConfig, ModelExecutor, Result, StepOutput};
 use vellum_models::ops::Ops;
 use vellum_models::{LlamaModel, WeightSource};
@@ -15,9 +16,22 @@ pub struct CpuExecutor {
 }
 
 impl CpuExecutor {
-    /// Loads `weights` (shapes checked against `config`).
+    /// Loads `weights` (shapes checked against `config`) in the default
+    /// weight format ([`WeightFormat::Auto`], or `VELLUM_CPU_WEIGHTS`).
     pub fn load(weights: &dyn WeightSource, config: ModelConfig, progress: impl FnMut(usize, usize)) -> vellum_models::Result<Self> {
-        let ops = CpuOps;
+        Self::load_with_format(weights, config, WeightFormat::from_env(), progress)
+    }
+
+    /// Loads `weights` with linear layers stored as `format` (the default,
+    /// [`WeightFormat::Auto`], keeps a Q4_1 file's 4-bit blocks and runs
+    /// integer kernels; [`WeightFormat::F32`] is the f32 reference).
+    pub fn load_with_format(
+        weights: &dyn WeightSource,
+        config: ModelConfig,
+        format: WeightFormat,
+        progress: impl FnMut(usize, usize),
+    ) -> vellum_models::Result<Self> {
+        let ops = CpuOps::new(format);
         let model = LlamaModel::load(&ops, weights, config, progress)?;
         Ok(Self { ops, model, cache: None, kv_cache_dtype: KvCacheDtype::F32 })
     }
@@ -34,6 +48,11 @@ impl CpuExecutor {
     /// The element type the KV cache is (or will be) stored in.
     pub fn kv_cache_dtype(&self) -> KvCacheDtype {
         self.kv_cache_dtype
+    }
+
+    /// The weight format requested at load.
+    pub fn weight_format(&self) -> WeightFormat {
+        self.ops.weight_format()
     }
 
     /// The model's configuration.
@@ -64,7 +83,10 @@ impl ModelExecutor for CpuExecutor {
         self.ops.swap_blocks(cache, &batch.block_ops.swap_in, false)?;
         self.ops.copy_blocks(cache, &batch.block_ops.copies)?;
         let block_size = cache.layout.block_size;
-        let logits = self.model.forward(&self.ops, cache, batch, block_size);
+        // The pass runs on a rayon worker, so each op's parallel section
+        // starts from the pool (one hand-off per step instead of one per op).
+        let (model, ops) = (&self.model, &self.ops);
+        let logits = rayon::scope(|_| model.forward(ops, cache, batch, block_size));
         Ok(StepOutput { logits: self.ops.to_host(&logits), vocab_size: self.model.config().vocab_size })
     }
 }

@@ -6,6 +6,7 @@
 //! threads by hand, since the GEMM stays single-threaded for small shapes.
 
 use crate::kv_cache::KvCache;
+use crate::quant::{self, QuantActs, QuantKind, QuantWeight, WeightFormat};
 use crate::paged_attention::{paged_attention, write_kv};
 use vellum_core::{AttentionBackend, AttentionMetadata, BlockCopy, BlockSwap};
 use vellum_models::ops::{AttentionShape, Ops};
@@ -36,8 +37,10 @@ impl HostTensor {
 pub struct HostWeight {
     out: usize,
     inp: usize,
-    /// `[in, out]`, row-major.
+    /// `[in, out]`, row-major (empty when the weight is quantized).
     kn: Vec<f32>,
+    /// The block-quantized weight, when the format is not f32.
+    q: Option<QuantWeight>,
     /// `[out, in]` rows, kept for embedding lookups only.
     rows: Option<Vec<f32>>,
 }
@@ -90,7 +93,96 @@ unsafe impl Sync for SendPtr {}
 
 /// The CPU implementation of the model operations.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct CpuOps;
+pub struct CpuOps {
+    weight_format: WeightFormat,
+}
+
+impl CpuOps {
+    /// Operations that store linear weights as `format`.
+    pub fn new(weight_format: WeightFormat) -> Self {
+        Self { weight_format }
+    }
+
+    /// The requested weight format.
+    pub fn weight_format(&self) -> WeightFormat {
+        self.weight_format
+    }
+
+    /// The storage a `[n, k]` weight gets: `None` for f32.
+    fn resolve(&self, w: &[f32], n: usize, k: usize) -> Option<QuantKind> {
+        if n == 0 || k == 0 {
+            return None;
+        }
+        match self.weight_format {
+            WeightFormat::F32 => None,
+            WeightFormat::Q8 => Some(QuantKind::Q8),
+            WeightFormat::Q4 => Some(QuantKind::Q4),
+            WeightFormat::Auto if !quant::has_simd() => None,
+            WeightFormat::Auto if quant::is_q4_exact(w, n, k) => Some(QuantKind::Q4),
+            WeightFormat::Auto if quant::is_q8_exact(w, n, k) => Some(QuantKind::Q8),
+            WeightFormat::Auto => None,
+        }
+    }
+}
+
+impl CpuOps {
+    /// Prepares a `[out, in]` weight in the resolved format.
+    fn weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
+        match w.shape[..] {
+            [out, inp] => match self.resolve(&w.data, out, inp) {
+                None => Ok(HostWeight { out, inp, kn: transpose(&w.data, out, inp), q: None, rows: None }),
+                Some(kind) => Ok(HostWeight { out, inp, kn: Vec::new(), q: Some(QuantWeight::quantize(&w.data, out, inp, kind)), rows: None }),
+            },
+            _ => Err(vellum_models::Error::ShapeMismatch { tensor: name.to_string(), expected: vec![0, 0], actual: w.shape }),
+        }
+    }
+}
+
+/// Element-wise ops split across the rayon threads from this many values.
+const PAR_ELEMENTS: usize = 1 << 16;
+
+
+impl HostWeight {
+    /// The storage of this weight (`None`: f32).
+    pub fn quant_kind(&self) -> Option<QuantKind> {
+        self.q.as_ref().map(|q| q.kind)
+    }
+}
+
+/// `y[m, n] = x[m, k] · Wᵀ` on the quantized weight: activations quantized
+/// once, output columns split across threads.
+fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, m: usize) {
+    let (n, k) = (w.n, w.k);
+    thread_local! {
+        static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
+    }
+    let mut run = |acts: &mut QuantActs| {
+        QuantActs::quantize(x, m, k, acts);
+        let acts = &*acts;
+        let dst = SendPtr(y.as_mut_ptr());
+        let ranges = column_ranges(m, n, k);
+        if ranges.len() == 1 {
+            // SAFETY: y is [m, n] and borrowed mutably here.
+            unsafe { quant::gemm(dst.0, n, acts, w, 0..m, 0..n) };
+            return;
+        }
+        rayon::scope(|s| {
+            for cols in ranges {
+                s.spawn(move |_| {
+                    let dst = dst;
+                    // SAFETY: y is [m, n]; this task writes columns `cols` only.
+                    unsafe { quant::gemm(dst.0, n, acts, w, 0..m, cols) };
+                });
+            }
+        });
+    };
+    // The buffer is reused across calls; a re-entrant call (from a rayon
+    // worker that stole work while waiting) gets a fresh one.
+    ACTS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut acts) => run(&mut acts),
+        Err(_) => run(&mut QuantActs::default()),
+    });
+}
 
 /// Up to this many rows, `linear` streams the weight once with AXPYs
 /// instead of calling the GEMM (whose packing dominates at decode sizes).
@@ -213,15 +305,12 @@ impl Ops for CpuOps {
     type KvCache = KvCache;
 
     fn linear_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
-        match w.shape[..] {
-            [out, inp] => Ok(HostWeight { out, inp, kn: transpose(&w.data, out, inp), rows: None }),
-            _ => Err(vellum_models::Error::ShapeMismatch { tensor: name.to_string(), expected: vec![0, 0], actual: w.shape }),
-        }
+        self.weight(name, w)
     }
 
     fn embedding_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
         let rows = w.data.clone();
-        let mut weight = self.linear_weight(name, w)?;
+        let mut weight = self.weight(name, w)?;
         weight.rows = Some(rows);
         Ok(weight)
     }
@@ -248,10 +337,13 @@ impl Ops for CpuOps {
         if m == 0 {
             return out;
         }
-        if m <= SMALL_M {
-            linear_small(&mut out.data, &x.data, w, m);
-        } else {
-            linear_gemm(&mut out.data, &x.data, w, m);
+        // A quantized weight runs the integer kernel at every batch size: a
+        // row's result is then bitwise independent of the batch it came in
+        // (chunked prefill, prefix-cache hits, batch composition).
+        match &w.q {
+            Some(q) => linear_quant(&mut out.data, &x.data, q, m),
+            None if m <= SMALL_M => linear_small(&mut out.data, &x.data, w, m),
+            None => linear_gemm(&mut out.data, &x.data, w, m),
         }
         if let Some(b) = bias {
             for row in out.data.chunks_exact_mut(n) {
@@ -266,12 +358,18 @@ impl Ops for CpuOps {
     fn rms_norm(&self, x: &HostTensor, w: &Vec<f32>, eps: f32, group: usize) -> HostTensor {
         assert!(group > 0 && x.cols % group == 0 && w.len() == group, "rms_norm: width {} group {group} weight {}", x.cols, w.len());
         let mut out = x.clone();
-        for g in out.data.chunks_exact_mut(group) {
+        let norm = |g: &mut [f32]| {
             let ms = g.iter().map(|v| v * v).sum::<f32>() / group as f32;
             let inv = 1.0 / (ms + eps).sqrt();
             for (v, wi) in g.iter_mut().zip(w) {
                 *v = *v * inv * wi;
             }
+        };
+        if out.data.len() >= PAR_ELEMENTS {
+            use rayon::prelude::*;
+            out.data.par_chunks_exact_mut(group).for_each(norm);
+        } else {
+            out.data.chunks_exact_mut(group).for_each(norm);
         }
         out
     }
@@ -296,7 +394,13 @@ impl Ops for CpuOps {
 
     fn silu_mul(&self, gate: &HostTensor, up: &HostTensor) -> HostTensor {
         assert_eq!((gate.rows, gate.cols), (up.rows, up.cols), "silu_mul: shapes differ");
-        let data = gate.data.iter().zip(&up.data).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        let silu = |(g, u): (&f32, &f32)| g / (1.0 + (-g).exp()) * u;
+        let data = if gate.data.len() >= PAR_ELEMENTS {
+            use rayon::prelude::*;
+            gate.data.par_iter().zip(&up.data).map(silu).collect()
+        } else {
+            gate.data.iter().zip(&up.data).map(silu).collect()
+        };
         HostTensor { rows: gate.rows, cols: gate.cols, data }
     }
 
@@ -383,5 +487,99 @@ impl AttentionBackend for CpuOps {
     fn swap_blocks(&self, cache: &mut KvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_core::Result<()> {
         cache.swap_blocks(swaps, to_host);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> u32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (*seed >> 33) as u32
+    }
+
+    /// A `[n, k]` weight whose blocks are exact Q4_1 blocks (as a Q4_1 GGUF
+    /// dequantizes), `k` a multiple of 32.
+    fn q4_weight(n: usize, k: usize, seed: &mut u64) -> Vec<f32> {
+        let mut w = Vec::with_capacity(n * k);
+        for _ in 0..n * k / 32 {
+            let d = half::f16::from_f32((lcg(seed) % 1000) as f32 * 1e-5 + 1e-3).to_f32();
+            let m = half::f16::from_f32((lcg(seed) % 1000) as f32 * -1e-5).to_f32();
+            for e in 0..32u32 {
+                let q = match e {
+                    0 => 0,
+                    1 => 15,
+                    _ => lcg(seed) % 16,
+                };
+                w.push(q as f32 * d + m);
+            }
+        }
+        w
+    }
+
+    fn acts(m: usize, k: usize, seed: &mut u64) -> HostTensor {
+        let data = (0..m * k).map(|i| if i % 211 == 7 { 30.0 } else { (lcg(seed) % 2001) as f32 / 1000.0 - 1.0 }).collect();
+        HostTensor { rows: m, cols: k, data }
+    }
+
+    #[test]
+    fn every_format_matches_f64_and_auto_picks_lossless_storage() {
+        let mut seed = 5u64;
+        for &(m, n, k) in &[(1, 37, 96), (3, 64, 576), (20, 33, 160), (40, 48, 64)] {
+            let w = q4_weight(n, k, &mut seed);
+            let x = acts(m, k, &mut seed);
+            let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+            for (format, kind, tol) in [
+                (WeightFormat::F32, None, 1e-5),
+                (WeightFormat::Q4, Some(QuantKind::Q4), 1e-3),
+                (WeightFormat::Q8, Some(QuantKind::Q8), 2e-2),
+                (WeightFormat::Auto, Some(QuantKind::Q4).filter(|_| quant::has_simd()), 1e-3),
+            ] {
+                let ops = CpuOps::new(format);
+                let wt = ops.linear_weight("w", Tensor { shape: vec![n, k], data: w.clone() }).expect("2-D weight");
+                assert_eq!(wt.quant_kind(), kind, "{format:?}");
+                let y = ops.linear(&x, &wt, Some(&bias));
+                let (mut err, mut norm) = (0.0f64, 0.0f64);
+                for r in 0..m {
+                    for c in 0..n {
+                        let exact: f64 = (0..k).map(|i| x.data[r * k + i] as f64 * w[c * k + i] as f64).sum::<f64>() + bias[c] as f64;
+                        err += (y.data[r * n + c] as f64 - exact).powi(2);
+                        norm += exact * exact;
+                    }
+                }
+                let rel = (err / norm).sqrt();
+                assert!(rel <= tol, "{format:?} ({m},{n},{k}): relative error {rel}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_computes_the_same_alone_or_in_a_large_batch() {
+        // Auto switches kernels with the batch size; a row's result must not.
+        let mut seed = 9u64;
+        let (m, n, k) = (40, 50, 192);
+        let w = q4_weight(n, k, &mut seed);
+        let x = acts(m, k, &mut seed);
+        for format in [WeightFormat::Auto, WeightFormat::Q4, WeightFormat::F32] {
+            let ops = CpuOps::new(format);
+            let wt = ops.linear_weight("w", Tensor { shape: vec![n, k], data: w.clone() }).expect("2-D weight");
+            let all = ops.linear(&x, &wt, None);
+            for r in [0, 7, 39] {
+                let one = HostTensor { rows: 1, cols: k, data: x.data[r * k..(r + 1) * k].to_vec() };
+                let y = ops.linear(&one, &wt, None);
+                for c in 0..n {
+                    let (a, b) = (all.data[r * n + c], y.data[c]);
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{format:?} row {r} col {c}: {a} in the batch, {b} alone");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn non_matrix_weights_are_typed_errors() {
+        let ops = CpuOps::default();
+        let err = ops.linear_weight("w", Tensor { shape: vec![4], data: vec![0.0; 4] });
+        assert!(matches!(err, Err(vellum_models::Error::ShapeMismatch { .. })));
     }
 }

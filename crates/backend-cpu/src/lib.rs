@@ -17,6 +17,8 @@ pub mod cpu_executor;
 pub mod cpu_ops;
 pub mod kv_cache;
 pub mod paged_attention;
+pub mod quant;
 
 pub use cpu_executor::CpuExecutor;
 pub use cpu_ops::{CpuOps, HostTensor};
+pub use quant::WeightFormat;
