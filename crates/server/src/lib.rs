@@ -1,3 +1,5 @@
 //! # vellum-server — the `vellum` command line and the HTTP server
 //!
-//! Will hold `vellum serve`, the OpenAI-compatible HTTP server.
+//! Everything lives in the `vellum` binary (`src/main.rs`): `vellum serve`,
+//! the OpenAI-compatible HTTP server (`src/serve/`), and the other
+//! subcommands (`src/cli/`). See docs/serving.md.

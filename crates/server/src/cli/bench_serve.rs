@@ -467,6 +467,20 @@ pub fn plot(args: ServePlotArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    /// A parser around the arguments, as the real command line has.
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ServeBenchArgs,
+    }
+
+    impl ServeBenchArgs {
+        fn parse_from<const N: usize>(argv: [&str; N]) -> Self {
+            Cli::parse_from(argv).args
+        }
+    }
 
     #[test]
     fn base_urls_and_rates_parse() {
@@ -477,6 +491,20 @@ mod tests {
         assert_eq!(parse_rates("1, 2.5,inf").unwrap(), vec![1.0, 2.5, f64::INFINITY]);
         assert!(parse_rates("0").is_err());
         assert!(parse_rates("x").is_err());
+    }
+
+    #[test]
+    fn sharegpt_trace_has_the_asked_count_within_the_length_cap() {
+        let args = ServeBenchArgs::parse_from(["x", "--dataset", "sharegpt", "--num-prompts", "300", "--max-len", "512"]);
+        let t = trace(&args).unwrap();
+        assert_eq!(t.len(), 300);
+        assert!(t.iter().all(|&(i, o)| i >= 1 && o >= 1 && i + o <= 512), "{t:?}");
+        let mean_out = t.iter().map(|l| l.1).sum::<usize>() as f64 / 300.0;
+        assert!(mean_out > 50.0, "long-tailed outputs, mean {mean_out}");
+        let fixed = ServeBenchArgs::parse_from(["x", "--num-prompts", "3", "--input-len", "7", "--output-len", "5"]);
+        assert_eq!(trace(&fixed).unwrap(), vec![(7, 5); 3]);
+        let bad = ServeBenchArgs::parse_from(["x", "--dataset", "alpaca"]);
+        assert!(trace(&bad).is_err());
     }
 
     #[test]
