@@ -62,6 +62,7 @@ enum Command {
         reply: tokio::sync::oneshot::Sender<Result<RequestId, Error>>,
     },
     Finish(RequestId, FinishReason, bool),
+    FinishSequence(RequestId, usize, FinishReason),
     Shutdown,
 }
 
@@ -130,6 +131,13 @@ impl EngineClient {
     /// Ends a request now (its blocks are freed before the next step).
     pub fn finish(&self, id: RequestId, reason: FinishReason) {
         let _ = self.commands.send(Command::Finish(id, reason, false));
+    }
+
+    /// Ends one output sequence (`index`) of a request (a stop string
+    /// matched in one of several parallel samples): its blocks are freed
+    /// before the next step; its siblings go on.
+    pub fn finish_sequence(&self, id: RequestId, index: usize, reason: FinishReason) {
+        let _ = self.commands.send(Command::FinishSequence(id, index, reason));
     }
 
     /// The latest engine snapshot.
@@ -251,6 +259,9 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                     if engine.finish_request(id, reason) && disconnected {
                         stats.num_aborted_by_disconnect += 1;
                     }
+                }
+                Command::FinishSequence(id, index, reason) => {
+                    engine.finish_sequence(id, index, reason);
                 }
                 Command::Shutdown => shutting_down = true,
             }

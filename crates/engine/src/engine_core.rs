@@ -59,6 +59,9 @@ pub struct RequestOutput {
     pub prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
     /// One per returned sequence, ordered by `index`.
     pub outputs: Vec<SequenceOutput>,
+    /// Seconds from `add_request` to the first step that computed any of
+    /// its tokens (vLLM's queue time); `None` if it never ran.
+    pub queue_time_s: Option<f64>,
 }
 
 /// The log-probability of one prompt token given the tokens before it.
@@ -140,6 +143,8 @@ struct ReqRecord {
     params: SamplingParams,
     /// Per prompt position; filled as prompt chunks are computed.
     prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
+    arrival: Instant,
+    first_scheduled: Option<Instant>,
 }
 
 /// Records of sequences the scheduler is about to fork (or a beam search to
@@ -181,21 +186,35 @@ pub struct EngineCore<E: ModelExecutor> {
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
-    /// An engine over `executor` with `num_blocks` KV blocks of `block_size`.
+    /// An engine over `executor` with `num_blocks` KV blocks of `block_size`
+    /// (and `num_host_blocks` of swap space), prefix caching on.
     pub fn new(
-        mut executor: E,
+        executor: E,
         scheduler_config: SchedulerConfig,
         num_blocks: usize,
         num_host_blocks: usize,
         block_size: usize,
         eos_token_ids: Vec<TokenId>,
     ) -> Result<Self, Error> {
+        Self::with_prefix_caching(executor, scheduler_config, num_blocks, num_host_blocks, block_size, eos_token_ids, true)
+    }
+
+    /// As [`EngineCore::new`], with automatic prefix caching on or off.
+    pub fn with_prefix_caching(
+        mut executor: E,
+        scheduler_config: SchedulerConfig,
+        num_blocks: usize,
+        num_host_blocks: usize,
+        block_size: usize,
+        eos_token_ids: Vec<TokenId>,
+        enable_prefix_caching: bool,
+    ) -> Result<Self, Error> {
         executor.initialize_kv_cache(num_blocks, num_host_blocks, block_size)?;
         let kv = KvCacheManager::new(vellum_kvcache::KvCacheManagerConfig {
             num_blocks,
             num_host_blocks,
             block_size,
-            enable_prefix_caching: true,
+            enable_prefix_caching,
         });
         Ok(Self {
             scheduler: Scheduler::new(scheduler_config, kv)?,
@@ -246,7 +265,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             ..NewRequest::new(id, prompt_token_ids, params.clone())
         })?;
         let prompt_logprobs = params.prompt_logprobs.map(|_| vec![None; num_prompt]);
-        self.req_records.insert(id, ReqRecord { rng: SeededRng::new(seed), params, prompt_logprobs });
+        self.req_records.insert(id, ReqRecord { rng: SeededRng::new(seed), params, prompt_logprobs, arrival: Instant::now(), first_scheduled: None });
         Ok(id)
     }
 
@@ -363,7 +382,11 @@ impl<E: ModelExecutor> EngineCore<E> {
         let mut b = ForwardBatch { block_table_stride: stride, block_ops: out.block_ops.clone(), ..ForwardBatch::default() };
         b.query_start_loc.push(0);
         let mut rows = Vec::new();
+        let now = Instant::now();
         for s in &out.scheduled {
+            if let Some(rec) = self.req_records.get_mut(&s.request_id) {
+                rec.first_scheduled.get_or_insert(now);
+            }
             let req = self.scheduler.request(s.request_id).expect("scheduled request is live");
             let seq = req.seqs.iter().find(|q| q.seq_id == s.seq_id).expect("scheduled sequence exists");
             let table = &self.block_tables[&s.seq_id];
@@ -636,9 +659,11 @@ impl<E: ModelExecutor> EngineCore<E> {
                     }
                 }
             }
+            let queue_time_s = rec.as_ref().and_then(|r| r.first_scheduled.map(|t| (t - r.arrival).as_secs_f64()));
             self.finished.push_back(RequestOutput {
                 request_id: req.request_id,
                 prompt_token_ids: prompt,
+                queue_time_s,
                 prompt_logprobs: rec.and_then(|r| r.prompt_logprobs),
                 outputs: outputs.into_iter().map(|o| o.1).collect(),
             });

@@ -23,6 +23,11 @@ pub struct EngineArgs {
     pub kv_cache_dtype: KvCacheDtype,
     /// Scheduler budgets and policy.
     pub scheduler: SchedulerConfig,
+    /// Automatic prefix caching (vLLM's `--enable-prefix-caching`).
+    pub enable_prefix_caching: bool,
+    /// Bytes of host memory for KV blocks swapped out on preemption
+    /// (vLLM's `--swap-space`); 0 = none, swap preemption then recomputes.
+    pub swap_space_bytes: u64,
 }
 
 impl Default for EngineArgs {
@@ -33,6 +38,8 @@ impl Default for EngineArgs {
             kv_cache: KvCacheSize::FractionOfFree(0.5),
             kv_cache_dtype: KvCacheDtype::F32,
             scheduler: SchedulerConfig::default(),
+            enable_prefix_caching: true,
+            swap_space_bytes: 0,
         }
     }
 }
@@ -107,7 +114,8 @@ impl Llm {
             }));
         }
         tracing::info!(num_blocks, block_size = args.block_size, mib = (num_blocks as u64 * executor.kv_block_bytes(args.block_size)) >> 20, "KV cache");
-        let engine = EngineCore::new(executor, scheduler, num_blocks, 0, args.block_size, eos)?;
+        let num_host_blocks = (args.swap_space_bytes / executor.kv_block_bytes(args.block_size).max(1)) as usize;
+        let engine = EngineCore::with_prefix_caching(executor, scheduler, num_blocks, num_host_blocks, args.block_size, eos, args.enable_prefix_caching)?;
         Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template, kv_sharing: KvSharing::default() })
     }
 

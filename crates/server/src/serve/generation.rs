@@ -72,6 +72,8 @@ pub struct Generation {
     pub prompt_tokens: usize,
     finish_reasons: Vec<&'static str>,
     recorded: bool,
+    /// The engine's queue time of the first prompt.
+    queue_time: Option<f64>,
 }
 
 fn reason_str(r: Option<FinishReason>) -> &'static str {
@@ -128,6 +130,7 @@ impl Generation {
             prompt_tokens,
             finish_reasons: Vec::new(),
             recorded: false,
+            queue_time: None,
         })
     }
 
@@ -165,17 +168,23 @@ impl Generation {
                         self.last_token = Some(now);
                     }
                     let mut out = Vec::new();
+                    let was_done = self.prompts.get(p).and_then(|ps| ps.seqs.get(d.index)).is_some_and(|s| s.done);
                     if let Some(piece) = self.push_tokens(p, d.index, &d.token_ids, &d.token_logprobs, &d.logprobs) {
                         out.push(piece);
                     }
                     let prompt = &self.prompts[p];
-                    if !prompt.finished && prompt.seqs.iter().all(|s| s.done) {
-                        // Every sequence hit a stop string: end it now.
-                        self.state.engine.finish(prompt.request_id, FinishReason::Stop);
+                    let now_done = prompt.seqs.get(d.index).is_some_and(|s| s.done);
+                    if !prompt.finished && now_done && !was_done {
+                        // A stop string matched: that sequence ends now and
+                        // frees its blocks (the request with its last one).
+                        self.state.engine.finish_sequence(prompt.request_id, d.index, FinishReason::Stop);
                     }
                     out
                 }
                 RequestEvent::Finished(r) => {
+                    if p == 0 {
+                        self.queue_time = r.queue_time_s;
+                    }
                     if self.first_token.is_none() {
                         self.first_token = Some(Instant::now());
                     }
@@ -301,7 +310,7 @@ impl Generation {
         let mean_step = if c.num_steps == 0 { 0.0 } else { (c.schedule_s + c.execute_s + c.sample_s) / c.num_steps as f64 };
         let record = RequestRecord {
             ttft,
-            queue_time: ttft.map(|t| (t - mean_step).max(0.0)),
+            queue_time: self.queue_time.or(ttft.map(|t| (t - mean_step).max(0.0))),
             inter_token: std::mem::take(&mut self.inter_token),
             e2e,
             prompt_tokens: self.prompt_tokens,

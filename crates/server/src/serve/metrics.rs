@@ -270,7 +270,7 @@ impl Metrics {
             ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", &m.e2e),
             (
                 "vllm:request_queue_time_seconds",
-                "Histogram of time spent waiting before the first engine step that ran the request (approximated: time to first token less one engine step).",
+                "Histogram of time spent waiting before the first engine step that ran the request (from arrival to the first engine step that computed any of its tokens).",
                 &m.queue,
             ),
             ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", &m.prompt_tokens),

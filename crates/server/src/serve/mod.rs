@@ -66,13 +66,16 @@ pub struct ServeArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Reuse the KV blocks of shared prompt prefixes (always on: the
-    /// engine has no switch yet; `--no-enable-prefix-caching` is refused).
+    /// Reuse the KV blocks of shared prompt prefixes (on by default).
     #[arg(long, default_value_t = true, overrides_with = "no_enable_prefix_caching")]
     pub enable_prefix_caching: bool,
-    /// Turn prefix caching off (not supported yet).
+    /// Turn automatic prefix caching off.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// GiB of host memory for KV blocks swapped out by `--preemption-mode
+    /// swap` (vLLM's --swap-space; reserved only in swap mode).
+    #[arg(long, default_value_t = 4.0)]
+    pub swap_space: f64,
     /// KV cache size: bytes with a unit (`512MiB`, `4GiB`) or a fraction of
     /// the memory available after loading the weights (`0.5`); the CPU
     /// stand-in for vLLM's --gpu-memory-utilization.
@@ -212,8 +215,8 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// Runs `vellum serve` until SIGINT/SIGTERM.
 pub fn run(args: ServeArgs) -> Result<()> {
-    if args.no_enable_prefix_caching {
-        bail!("--no-enable-prefix-caching: the engine always caches prefixes (no switch yet)");
+    if !(args.swap_space >= 0.0 && args.swap_space.is_finite()) {
+        bail!("--swap-space must be a non-negative number of GiB");
     }
     if args.backend != "cpu" {
         bail!("--backend {:?}: this build has the cpu backend only", args.backend);
@@ -234,13 +237,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ..SchedulerConfig::default()
     };
     scheduler.validate().map_err(|e| anyhow!("{e}"))?;
-    if scheduler.preemption_mode == PreemptionMode::Swap {
-        tracing::warn!("--preemption-mode swap: the engine gives the server no host swap pool yet, so preemption falls back to recompute");
-    }
     let engine_args = EngineArgs {
         model: args.model.clone(),
         block_size: args.block_size,
         kv_cache: crate::cli::parse_kv_cache_memory(&args.kv_cache_memory)?,
+        enable_prefix_caching: !args.no_enable_prefix_caching,
+        swap_space_bytes: if scheduler.preemption_mode == PreemptionMode::Swap { (args.swap_space * (1u64 << 30) as f64) as u64 } else { 0 },
         scheduler,
         ..EngineArgs::default()
     };
