@@ -157,7 +157,7 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, m: usize) {
         static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
     }
     let mut run = |acts: &mut QuantActs| {
-        QuantActs::quantize(x, m, k, acts);
+        QuantActs::quantize_cached(x, m, k, acts);
         let acts = &*acts;
         let dst = SendPtr(y.as_mut_ptr());
         let ranges = column_ranges(m, n, k);

@@ -298,8 +298,11 @@ pub struct QuantActs {
     pub pairs: usize,
     /// The records.
     pub data: Vec<u8>,
-    /// Exact f32 sum of each block, [`padded_blocks`] per row.
+    /// Sum of each block's dequantized values, [`padded_blocks`] per row.
     pub sums: Vec<f32>,
+    /// The activations these records were made from (see
+    /// [`QuantActs::quantize_cached`]).
+    src: Vec<f32>,
 }
 
 /// One block of activations as int16: (q, dx, Σ dx·q). The offset term
@@ -362,6 +365,23 @@ fn quantize_row_generic(x: &[f32], out: &mut [u8], sums: &mut [f32]) {
 impl QuantActs {
     /// Quantizes `rows × k` row-major activations (rows in parallel when many).
     pub fn quantize(x: &[f32], rows: usize, k: usize, into: &mut QuantActs) {
+        into.src.clear();
+        Self::quantize_into(x, rows, k, into)
+    }
+
+    /// [`QuantActs::quantize`], skipped when `x` equals the activations of
+    /// the previous call (the Q, K and V projections, or gate and up, read
+    /// the same input). Comparing is ~10× cheaper than quantizing.
+    pub fn quantize_cached(x: &[f32], rows: usize, k: usize, into: &mut QuantActs) {
+        if into.rows == rows && into.pairs == k.div_ceil(PAIR) && into.src.len() == x.len() && into.src == x {
+            return;
+        }
+        Self::quantize_into(x, rows, k, into);
+        into.src.clear();
+        into.src.extend_from_slice(x);
+    }
+
+    fn quantize_into(x: &[f32], rows: usize, k: usize, into: &mut QuantActs) {
         let pairs = k.div_ceil(PAIR);
         into.rows = rows;
         into.pairs = pairs;
@@ -768,6 +788,27 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn cached_quantization_follows_its_input() {
+        let mut s = 21u64;
+        let x: Vec<f32> = (0..3 * 100).map(|_| rng(&mut s)).collect();
+        let mut fresh = QuantActs::default();
+        let mut cached = QuantActs::default();
+        QuantActs::quantize_cached(&x, 3, 100, &mut cached);
+        QuantActs::quantize_cached(&x, 3, 100, &mut cached);
+        QuantActs::quantize(&x, 3, 100, &mut fresh);
+        assert_eq!((&cached.data, &cached.sums), (&fresh.data, &fresh.sums));
+        let mut y = x.clone();
+        y[150] += 0.5;
+        QuantActs::quantize_cached(&y, 3, 100, &mut cached);
+        QuantActs::quantize(&y, 3, 100, &mut fresh);
+        assert_eq!((&cached.data, &cached.sums), (&fresh.data, &fresh.sums));
+        // Same values, another shape.
+        QuantActs::quantize_cached(&y, 2, 150, &mut cached);
+        QuantActs::quantize(&y, 2, 150, &mut fresh);
+        assert_eq!((&cached.data, &cached.sums, cached.rows), (&fresh.data, &fresh.sums, 2));
     }
 
     #[test]
