@@ -22,7 +22,7 @@ if ! "$VENV/bin/python" -c "import llama_cpp, numpy" 2>/dev/null; then
     python3 -m venv "$VENV"
     # Native build (AVX-512 where the CPU has it), the library only.
     CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF" \
-        "$VENV/bin/pip" install --quiet --no-binary llama-cpp-python numpy "llama-cpp-python==0.3.36"
+        "$VENV/bin/pip" install --quiet --no-cache-dir --no-binary llama-cpp-python numpy "llama-cpp-python==0.3.36"
 fi
 cargo build --release --locked -p vellum-server >&2
 VELLUM=./target/release/vellum
