@@ -50,12 +50,12 @@ done
 python3 - "$OUT" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print(f"{'workload':<24}{'metric':<16}{'vellum':>10}{'llama.cpp':>11}{'ratio':>8}")
+print(f"{'workload':<28}{'metric':<16}{'vellum':>10}{'llama.cpp':>11}{'ratio':>8}")
 seen = {}  # the latest result of each workload today
 for r in rows:
     seen[(r['vellum']['batch_size'], r['vellum']['input_len'], r['vellum']['output_len'])] = r
 for (b, i, o), r in seen.items():
     for m, name in [("prefill_tokens_per_s", "prefill tok/s"), ("decode_tokens_per_s", "decode tok/s")]:
         v, l = r['vellum'][m], r['llama_cpp'][m]
-        print(f"{f'{b} seq x ({i} in, {o} out)':<24}{name:<16}{v:>10.1f}{l:>11.1f}{v / l:>7.2f}x")
+        print(f"{f'{b} seq x ({i} in, {o} out)':<28}{name:<16}{v:>10.1f}{l:>11.1f}{v / l:>7.2f}x")
 PY

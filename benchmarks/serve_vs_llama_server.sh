@@ -70,5 +70,5 @@ else
     echo "llama-server not found (set LLAMA_SERVER): only Vellum was measured" >&2
 fi
 
-"$VELLUM" bench serve-plot "$OUT/rates.jsonl" --out docs/figures/serve-normalized-latency.svg --y-max 1.0
+"$VELLUM" bench serve-plot "$OUT/rates.jsonl" --out docs/figures/serve-normalized-latency.svg --y-max "${Y_MAX:-0.08}"
 echo "results: $OUT/rates.jsonl $OUT/concurrency.jsonl"
