@@ -296,8 +296,9 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                     }
                 }
                 for id in gone {
-                    // The receiver is gone without a Drop message (cannot
-                    // happen with RequestStream, but a raw receiver may).
+                    // The receiver is gone without a Drop message: the
+                    // caller of `add_request_async` went away before the
+                    // engine's answer, so no stream was ever built.
                     if engine.finish_request(id, FinishReason::Abort) {
                         stats.num_aborted_by_disconnect += 1;
                     }

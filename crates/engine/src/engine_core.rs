@@ -439,7 +439,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             let seq = req.seqs.iter().find(|q| q.seq_id == sid).expect("sampling sequence exists");
             let history = (seq.state.prompt_token_ids(), seq.state.output_token_ids());
             // The first sample of a parallel-sampling request draws n tokens.
-            let draws = if !req_forked(req) && rec.params.num_sequences() > 1 { rec.params.num_sequences() } else { 1 };
+            let draws = if req.seqs.len() == 1 && rec.params.num_sequences() > 1 { rec.params.num_sequences() } else { 1 };
             let k = rec.params.logprobs.unwrap_or(0);
             let mut next = Vec::with_capacity(draws);
             let mut pending = PendingRecords::default();
@@ -649,13 +649,8 @@ impl<E: ModelExecutor> EngineCore<E> {
                 outputs.sort_by_key(|o| o.1.index);
                 for (_, o, reported) in &outputs {
                     if *reported < o.token_ids.len() {
-                        self.final_deltas.push(SequenceDelta {
-                            request_id: req.request_id,
-                            index: o.index,
-                            token_ids: o.token_ids[*reported..].to_vec(),
-                            logprobs: o.logprobs.get(*reported..).map(<[_]>::to_vec).unwrap_or_default(),
-                            token_logprobs: o.token_logprobs.get(*reported..).map(<[_]>::to_vec).unwrap_or_default(),
-                        });
+                        let d = tail(req.request_id, o.index, *reported, &o.token_ids, &o.logprobs, &o.token_logprobs);
+                        self.final_deltas.push(d);
                     }
                 }
             }
@@ -670,11 +665,6 @@ impl<E: ModelExecutor> EngineCore<E> {
         }
         self.finished.drain(..).collect()
     }
-}
-
-/// Whether the request already forked its parallel samples.
-fn req_forked(req: &vellum_scheduler::Request) -> bool {
-    req.seqs.len() > 1
 }
 
 fn push_samples(per_req: &mut Vec<RequestSamples>, rid: RequestId, next: Vec<(SeqId, TokenId)>) {
@@ -705,11 +695,23 @@ fn delta(records: &mut IdMap<SeqId, SeqRecord>, rid: RequestId, sid: SeqId, outp
     }
     let from = rec.reported;
     rec.reported = output.len();
-    Some(SequenceDelta {
+    Some(tail(rid, rec.index, from, output, &rec.logprobs, &rec.token_logprobs))
+}
+
+/// A sequence's tokens (and their logprobs) from position `from` on.
+fn tail(
+    rid: RequestId,
+    index: usize,
+    from: usize,
+    tokens: &[TokenId],
+    logprobs: &[Vec<(TokenId, f32)>],
+    token_logprobs: &[f32],
+) -> SequenceDelta {
+    SequenceDelta {
         request_id: rid,
-        index: rec.index,
-        token_ids: output[from..].to_vec(),
-        logprobs: rec.logprobs.get(from..).map(<[_]>::to_vec).unwrap_or_default(),
-        token_logprobs: rec.token_logprobs.get(from..).map(<[_]>::to_vec).unwrap_or_default(),
-    })
+        index,
+        token_ids: tokens[from..].to_vec(),
+        logprobs: logprobs.get(from..).map(<[_]>::to_vec).unwrap_or_default(),
+        token_logprobs: token_logprobs.get(from..).map(<[_]>::to_vec).unwrap_or_default(),
+    }
 }

@@ -94,12 +94,11 @@ fn throughput(args: ThroughputArgs) -> Result<()> {
         ..EngineArgs::default()
     };
     let mut llm = super::load_with_progress(engine_args)?;
-    let vocab = llm.tokenizer().vocab_size() as u64;
+    let vocab = llm.tokenizer().vocab_size();
     let mut rng = SeededRng::new(args.seed);
     let started = std::time::Instant::now();
     for &(input, output) in &lengths {
-        // Random ordinary tokens (skip the first 100 ids, where specials live).
-        let prompt: Vec<u32> = (0..input).map(|_| (100 + rng.next_u64() % (vocab - 100)) as u32).collect();
+        let prompt = super::random_prompt(&mut rng, vocab, input);
         let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(output) };
         llm.engine().add_request(prompt, params).map_err(|e| anyhow!("{e}"))?;
     }

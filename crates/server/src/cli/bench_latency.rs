@@ -73,7 +73,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         ..EngineArgs::default()
     };
     let mut llm = super::load_with_progress(engine_args)?;
-    let vocab = llm.tokenizer().vocab_size() as u64;
+    let vocab = llm.tokenizer().vocab_size();
     let mut rng = SeededRng::new(args.seed);
     let total = args.num_iters_warmup + args.num_iters;
     let bar = ProgressBar::new(total as u64);
@@ -86,7 +86,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         let started = Instant::now();
         for _ in 0..args.batch_size {
             // Fresh random prompts every iteration: no prefix-cache hits.
-            let prompt: Vec<u32> = (0..args.input_len).map(|_| (100 + rng.next_u64() % (vocab - 100)) as u32).collect();
+            let prompt = super::random_prompt(&mut rng, vocab, args.input_len);
             let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len) };
             engine.add_request(prompt, params).map_err(|e| anyhow!("{e}"))?;
         }
@@ -126,9 +126,9 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         "output_len": args.output_len,
         "num_iters": args.num_iters,
         "avg_latency_s": mean(&lat),
-        "p50_latency_s": percentile(&lat, 50.0),
-        "p90_latency_s": percentile(&lat, 90.0),
-        "p99_latency_s": percentile(&lat, 99.0),
+        "p50_latency_s": super::percentile(&lat, 50.0),
+        "p90_latency_s": super::percentile(&lat, 90.0),
+        "p99_latency_s": super::percentile(&lat, 99.0),
         "prefill_tokens_per_s": b * args.input_len as f64 / mean(&first),
         "decode_tokens_per_s": b * (args.output_len - 1) as f64 / mean(&decode),
         "time_share": { "schedule": sched / (sched + exec + samp), "execute": exec / (sched + exec + samp), "sample": samp / (sched + exec + samp) },
@@ -140,21 +140,11 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         println!(
             "batch {} × ({} in, {} out): latency avg {:.3} s, p50 {:.3}, p90 {:.3}, p99 {:.3}; prefill {:.1} tok/s, decode {:.1} tok/s; \
              time in schedule {:.2}%, execute {:.2}%, sample {:.2}%",
-            args.batch_size, args.input_len, args.output_len, mean(&lat), percentile(&lat, 50.0), percentile(&lat, 90.0),
-            percentile(&lat, 99.0), report["prefill_tokens_per_s"].as_f64().unwrap_or(0.0),
+            args.batch_size, args.input_len, args.output_len, mean(&lat), super::percentile(&lat, 50.0), super::percentile(&lat, 90.0),
+            super::percentile(&lat, 99.0), report["prefill_tokens_per_s"].as_f64().unwrap_or(0.0),
             report["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
             100.0 * sched / (sched + exec + samp), 100.0 * exec / (sched + exec + samp), 100.0 * samp / (sched + exec + samp),
         );
     }
     Ok(())
-}
-
-/// Linear-interpolated percentile of sorted values (numpy's default).
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = p / 100.0 * (sorted.len() - 1) as f64;
-    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
-    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
 }

@@ -231,12 +231,8 @@ fn stats(v: &mut [f64]) -> Value {
         return json!({"mean": null, "median": null, "p99": null});
     }
     v.sort_by(|a, b| a.total_cmp(b));
-    let pct = |p: f64| {
-        let idx = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
-        v[idx.min(v.len() - 1)]
-    };
     let mean = v.iter().sum::<f64>() / v.len() as f64;
-    json!({"mean": mean, "median": pct(50.0), "p99": pct(99.0)})
+    json!({"mean": mean, "median": super::percentile(v, 50.0), "p99": super::percentile(v, 99.0)})
 }
 
 fn trace(args: &ServeBenchArgs) -> Result<Vec<(usize, usize)>> {
@@ -511,8 +507,9 @@ mod tests {
     fn percentiles() {
         let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
         let s = stats(&mut v);
-        assert_eq!(s["median"], json!(51.0));
-        assert_eq!(s["p99"], json!(99.0));
+        // numpy's (and vLLM's benchmark_serving's) interpolated definition.
+        assert_eq!(s["median"], json!(50.5));
+        assert!((s["p99"].as_f64().unwrap() - 99.01).abs() < 1e-9);
         assert_eq!(s["mean"], json!(50.5));
     }
 }

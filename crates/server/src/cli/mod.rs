@@ -49,3 +49,20 @@ pub fn load_with_progress(args: EngineArgs) -> Result<Llm> {
     bar.finish_and_clear();
     Ok(llm)
 }
+
+/// `len` random ordinary token ids (above the first 100 ids, where special
+/// tokens live), for benchmark prompts.
+pub fn random_prompt(rng: &mut vellum_core::SeededRng, vocab_size: usize, len: usize) -> Vec<u32> {
+    let span = vocab_size.saturating_sub(100).max(1) as u64;
+    (0..len).map(|_| (100 + rng.next_u64() % span) as u32).collect()
+}
+
+/// Linear-interpolated percentile of sorted values (numpy's default).
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = p / 100.0 * (sorted.len() - 1) as f64;
+    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+}
