@@ -10,6 +10,8 @@
 //! * [`models`] — model definitions and loaders.
 //! * [`engine`] — the engine core and the offline API.
 
+#![deny(missing_docs)]
+
 pub use vellum_core as core;
 pub use vellum_engine as engine;
 pub use vellum_kvcache as kvcache;

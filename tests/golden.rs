@@ -11,7 +11,7 @@
 
 use serde::Deserialize;
 use vellum::core::{BlockAllocator, SamplingParams, SchedulerConfig};
-use vellum::engine::{EngineArgs, Llm};
+use vellum::engine::{Device, EngineArgs, Llm};
 
 #[derive(Deserialize)]
 struct Golden {
@@ -31,8 +31,26 @@ fn golden() -> Vec<Golden> {
 
 #[test]
 fn smollm2_matches_the_float64_reference() {
+    matches_the_float64_reference(Device::Cpu);
+}
+
+/// The same golden prompts, batched, through the WGSL backend (lavapipe in CI).
+#[cfg(feature = "wgpu")]
+#[test]
+fn smollm2_matches_the_float64_reference_on_wgpu() {
+    matches_the_float64_reference(Device::Wgpu);
+}
+
+#[cfg(not(feature = "wgpu"))]
+#[test]
+fn wgpu_golden_and_equivalence_tests_skipped_build_has_no_wgpu_feature() {
+    eprintln!("skipped: build with `--features wgpu` to run the golden and equivalence tests on the WGSL backend");
+}
+
+fn matches_the_float64_reference(device: Device) {
     let cases = golden();
     let args = EngineArgs {
+        device,
         kv_cache: vellum::core::KvCacheSize::NumBlocks(256),
         scheduler: SchedulerConfig { max_num_batched_tokens: 512, max_model_len: 2048, ..SchedulerConfig::default() },
         ..EngineArgs::default()
@@ -66,10 +84,15 @@ fn smollm2_matches_the_float64_reference() {
             }
         }
         let needed = if i == 2 { 5 } else { 8.min(c.greedy_ids.len()) };
-        assert!(agreed >= needed, "prompt {i}: only {agreed} tokens agree (need {needed}): ours {:?} reference {:?}", ours.token_ids, c.greedy_ids);
+        assert!(
+            agreed >= needed,
+            "prompt {i}: only {agreed} tokens agree (need {needed}): ours {:?} reference {:?}",
+            ours.token_ids,
+            c.greedy_ids
+        );
         eprintln!("prompt {i}: {agreed}/{} tokens agree", c.greedy_ids.len());
     }
-    eprintln!("largest logprob difference on agreeing tokens: {worst:.5} nats");
+    eprintln!("{device}: largest logprob difference on agreeing tokens: {worst:.5} nats");
     // Every block is returned once the requests are done.
     let st = llm.engine().scheduler().allocator().stats();
     assert_eq!(st.num_used_blocks, 0);
@@ -101,10 +124,22 @@ fn assert_close(a: &[Greedy], b: &[Greedy], what: &str) {
 /// what a sequence computes.
 #[test]
 fn chunking_prefix_hits_and_batching_do_not_change_results() {
+    chunking_prefix_hits_and_batching_leave_results(Device::Cpu);
+}
+
+/// The same on the WGSL backend.
+#[cfg(feature = "wgpu")]
+#[test]
+fn chunking_prefix_hits_and_batching_do_not_change_results_on_wgpu() {
+    chunking_prefix_hits_and_batching_leave_results(Device::Wgpu);
+}
+
+fn chunking_prefix_hits_and_batching_leave_results(device: Device) {
     let cases = golden();
     let long: Vec<u32> = cases.iter().flat_map(|c| c.prompt_ids.iter().copied()).take(150).collect();
     let engine = |budget: usize| {
         Llm::new(EngineArgs {
+            device,
             kv_cache: vellum::core::KvCacheSize::NumBlocks(256),
             scheduler: SchedulerConfig { max_num_batched_tokens: budget, max_model_len: 2048, ..SchedulerConfig::default() },
             ..EngineArgs::default()
@@ -145,6 +180,43 @@ fn stop_strings_end_generation_early() {
     assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0, "its blocks were freed");
 }
 
+/// The one output path: streamed pieces add up to each output's final text,
+/// every sequence gets exactly one finish reason, and a stop string ends one
+/// parallel sample (its text cut) while the others go on.
+#[test]
+fn streamed_pieces_add_up_to_the_final_texts() {
+    let mut llm = Llm::new(EngineArgs { kv_cache: vellum::core::KvCacheSize::NumBlocks(64), ..EngineArgs::default() })
+        .expect("the default model loads");
+    let prompt = vec![golden()[3].prompt_ids.clone()];
+    let params = SamplingParams {
+        n: 3,
+        temperature: 1.0,
+        seed: Some(11),
+        stop: vec![" the".into()],
+        max_tokens: Some(24),
+        ..SamplingParams::default()
+    };
+    let mut streamed = vec![String::new(); 3];
+    let mut finishes = vec![0; 3];
+    let outs = llm
+        .generate_ids_streaming(&prompt, &params, |p| {
+            streamed[p.index].push_str(&p.text);
+            finishes[p.index] += p.finish_reason.is_some() as usize;
+        })
+        .expect("runs");
+    assert_eq!(finishes, [1, 1, 1], "one finish per sequence");
+    for o in &outs[0].outputs {
+        assert_eq!(streamed[o.index], o.text, "sample {}: the pieces are the text", o.index);
+        assert!(!o.text.contains(" the"), "sample {}: cut before the stop string: {:?}", o.index, o.text);
+    }
+    assert!(
+        outs[0].outputs.iter().any(|o| o.finish_reason == Some(vellum::scheduler::FinishReason::Stop)),
+        "some sample met the stop string: {:?}",
+        outs[0].outputs.iter().map(|o| &o.text).collect::<Vec<_>>()
+    );
+    assert_eq!(llm.engine().kv_stats().num_used_blocks, 0, "every block returned");
+}
+
 /// Parallel samples each carry their own tokens and logprobs, and share the
 /// prompt's blocks while they run.
 #[test]
@@ -152,7 +224,15 @@ fn parallel_samples_have_their_own_logprobs() {
     let mut llm = Llm::new(EngineArgs { kv_cache: vellum::core::KvCacheSize::NumBlocks(64), ..EngineArgs::default() })
         .expect("the default model loads");
     let prompt = vec![golden()[3].prompt_ids.clone()];
-    let params = SamplingParams { n: 3, temperature: 1.0, seed: Some(7), logprobs: Some(2), ignore_eos: true, max_tokens: Some(6), ..SamplingParams::default() };
+    let params = SamplingParams {
+        n: 3,
+        temperature: 1.0,
+        seed: Some(7),
+        logprobs: Some(2),
+        ignore_eos: true,
+        max_tokens: Some(6),
+        ..SamplingParams::default()
+    };
     let outs = llm.generate_ids(&prompt, &params).expect("runs");
     let seqs = &outs[0].outputs;
     assert_eq!(seqs.len(), 3);
@@ -177,7 +257,8 @@ fn incremental_detokenizer_is_exact_on_multibyte_text() {
     let llm = Llm::new(EngineArgs { kv_cache: vellum::core::KvCacheSize::NumBlocks(16), ..EngineArgs::default() })
         .expect("the default model loads");
     let tok = llm.tokenizer();
-    for text in ["naïve café — 東京タワー 🚀🦀 ok", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ∮ E⋅da = Q", "Ελληνικά и русский, 한국어!"] {
+    for text in ["naïve café — 東京タワー 🚀🦀 ok", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ∮ E⋅da = Q", "Ελληνικά и русский, 한국어!"]
+    {
         let ids = tok.encode(text, false).expect("encodes");
         let multi = ids.iter().filter(|&&t| tok.decode(&[t], false).expect("decodes").contains('\u{FFFD}')).count();
         assert!(multi > 0, "{text:?}: some tokens hold partial characters, so the test means something");
@@ -208,14 +289,16 @@ fn two_hundred_mixed_requests_on_the_real_model_return_every_block() {
     let mut n_expected = Vec::new();
     for i in 0..200usize {
         let len = 3 + (i * 7) % 30;
-        let prompt: Vec<u32> = (0..len)
-            .map(|j| llm.tokenizer().encode(words[(i + j) % words.len()], false).expect("encodes")[0])
-            .collect();
+        let prompt: Vec<u32> = (0..len).map(|j| llm.tokenizer().encode(words[(i + j) % words.len()], false).expect("encodes")[0]).collect();
         let max_tokens = Some(1 + i % 6);
         let params = match i % 5 {
             0 => SamplingParams { max_tokens, ..SamplingParams::greedy(1) },
             1 => SamplingParams { n: 2, max_tokens, seed: Some(i as u64), ..SamplingParams::default() },
-            2 => SamplingParams { max_tokens, beam_search: Some(BeamSearchParams { beam_width: 2, length_penalty: 1.0 }), ..SamplingParams::greedy(1) },
+            2 => SamplingParams {
+                max_tokens,
+                beam_search: Some(BeamSearchParams { beam_width: 2, length_penalty: 1.0 }),
+                ..SamplingParams::greedy(1)
+            },
             3 => SamplingParams { max_tokens, top_k: 20, stop: vec![".".into()], logprobs: Some(1), ..SamplingParams::default() },
             _ => SamplingParams { max_tokens, top_p: 0.9, presence_penalty: 0.5, ..SamplingParams::default() },
         };

@@ -13,29 +13,13 @@ use std::hint::black_box;
 use std::time::Duration;
 use vellum_backend_cpu::kv_cache::{KvCacheLayout, LayerKvCache};
 use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention, write_kv};
-use vellum_core::{AttentionMetadata, KvCacheDtype};
+use vellum_core::SeededRng as Rng;
+use vellum_core::{AttentionMetadata, AttentionShape, KvCacheDtype};
 
 const NUM_HEADS: usize = 9;
 const NUM_KV_HEADS: usize = 3;
 const HEAD_DIM: usize = 64;
 const BLOCK_SIZE: usize = 16;
-
-/// SplitMix64, for data and the block permutation.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
 
 /// One decode case: `batch` sequences of `ctx` tokens, both layouts.
 struct DecodeCase {
@@ -52,16 +36,11 @@ struct DecodeCase {
 
 impl DecodeCase {
     fn new(ctx: usize, batch: usize, dtype: KvCacheDtype) -> Self {
-        let mut rng = Rng(0x5eed ^ (ctx * 1000 + batch) as u64);
+        let mut rng = Rng::new(0x5eed ^ (ctx * 1000 + batch) as u64);
         let row = NUM_KV_HEADS * HEAD_DIM;
         let stride = ctx.div_ceil(BLOCK_SIZE);
         let num_blocks = batch * stride;
-        let layout = KvCacheLayout {
-            num_blocks,
-            block_size: BLOCK_SIZE,
-            num_kv_heads: NUM_KV_HEADS,
-            head_dim: HEAD_DIM,
-        };
+        let layout = KvCacheLayout { num_blocks, block_size: BLOCK_SIZE, num_kv_heads: NUM_KV_HEADS, head_dim: HEAD_DIM };
 
         // Random physical order (Fisher-Yates over all blocks of the batch).
         let mut block_tables: Vec<u32> = (0..num_blocks as u32).collect();
@@ -74,19 +53,15 @@ impl DecodeCase {
         let mut k = Vec::with_capacity(batch);
         let mut v = Vec::with_capacity(batch);
         for s in 0..batch {
-            let ks: Vec<f32> = (0..ctx * row).map(|_| rng.f32()).collect();
-            let vs: Vec<f32> = (0..ctx * row).map(|_| rng.f32()).collect();
+            let ks: Vec<f32> = (0..ctx * row).map(|_| rng.signed_f32()).collect();
+            let vs: Vec<f32> = (0..ctx * row).map(|_| rng.signed_f32()).collect();
             let table = &block_tables[s * stride..(s + 1) * stride];
-            let slots: Vec<u32> = (0..ctx)
-                .map(|p| table[p / BLOCK_SIZE] * BLOCK_SIZE as u32 + (p % BLOCK_SIZE) as u32)
-                .collect();
+            let slots: Vec<u32> = (0..ctx).map(|p| table[p / BLOCK_SIZE] * BLOCK_SIZE as u32 + (p % BLOCK_SIZE) as u32).collect();
             write_kv(&mut cache, &layout, &ks, &vs, &slots);
             k.push(ks);
             v.push(vs);
         }
-        let q = (0..batch * NUM_HEADS * HEAD_DIM)
-            .map(|_| rng.f32())
-            .collect();
+        let q = (0..batch * NUM_HEADS * HEAD_DIM).map(|_| rng.signed_f32()).collect();
         DecodeCase {
             layout,
             cache,
@@ -109,46 +84,24 @@ impl DecodeCase {
             block_tables: &self.block_tables,
             block_table_stride: self.stride,
         };
-        paged_attention(
-            out,
-            &self.q,
-            &self.cache,
-            &self.layout,
-            &meta,
-            NUM_HEADS,
-            0.125,
-        );
+        let attn = AttentionShape { scale: 0.125, ..AttentionShape::new(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM) };
+        paged_attention(out, &self.q, &self.cache, &self.layout, &meta, &attn);
     }
 
     fn contiguous(&self, out: &mut [f32], k: &[&[f32]], v: &[&[f32]]) {
-        contiguous_attention(
-            out,
-            &self.q,
-            k,
-            v,
-            &self.query_start_loc,
-            NUM_HEADS,
-            NUM_KV_HEADS,
-            HEAD_DIM,
-            0.125,
-        );
+        contiguous_attention(out, &self.q, k, v, &self.query_start_loc, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 0.125);
     }
 }
 
 fn decode(c: &mut Criterion) {
     let mut group = c.benchmark_group("decode");
-    group
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(2));
+    group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     for ctx in [128usize, 512, 1024, 4096] {
         for batch in [1usize, 16, 64] {
             let case = DecodeCase::new(ctx, batch, KvCacheDtype::F32);
             let id = format!("ctx{ctx}_b{batch}");
             // K and V bytes read per call.
-            group.throughput(Throughput::Bytes(
-                (2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 4) as u64,
-            ));
+            group.throughput(Throughput::Bytes((2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 4) as u64));
             let mut out = vec![0.0f32; case.q.len()];
             group.bench_function(BenchmarkId::new("paged", &id), |b| {
                 b.iter(|| case.paged(black_box(&mut out)));
@@ -164,9 +117,7 @@ fn decode(c: &mut Criterion) {
     for (ctx, batch) in [(1024usize, 64usize), (4096, 1)] {
         for (name, dtype) in [("paged_f16", KvCacheDtype::F16), ("paged_bf16", KvCacheDtype::Bf16)] {
             let case = DecodeCase::new(ctx, batch, dtype);
-            group.throughput(Throughput::Bytes(
-                (2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * dtype.size_bytes()) as u64,
-            ));
+            group.throughput(Throughput::Bytes((2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * dtype.size_bytes()) as u64));
             let mut out = vec![0.0f32; case.q.len()];
             group.bench_function(BenchmarkId::new(name, format!("ctx{ctx}_b{batch}")), |b| {
                 b.iter(|| case.paged(black_box(&mut out)));

@@ -4,8 +4,9 @@
 //! `cargo run --release -p vellum-backend-cpu --example linear_bench`.
 
 use vellum_backend_cpu::{CpuOps, HostTensor, WeightFormat};
+use vellum_models::gguf::GgmlType;
 use vellum_models::ops::Ops;
-use vellum_models::Tensor;
+use vellum_models::WeightView;
 
 fn cpu_time() -> f64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -14,30 +15,29 @@ fn cpu_time() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
-/// Q4_1-exact values, as a Q4_1 GGUF dequantizes them.
-fn q4_weight(n: usize, k: usize, seed: &mut u64) -> Vec<f32> {
-    let mut next = || {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (*seed >> 33) as u32
-    };
-    let mut w = Vec::with_capacity(n * k);
+/// A Q4_1 weight `[n, k]` as a GGUF stores it (20-byte blocks of 32).
+fn q4_weight(n: usize, k: usize, rng: &mut vellum_core::SeededRng) -> WeightView<'static> {
+    let mut next = || (rng.next_u64() >> 33) as u32;
+    let mut bytes = Vec::with_capacity(n * k / 32 * 20);
     for _ in 0..n * k / 32 {
-        let d = half::f16::from_f32((next() % 1000) as f32 * 1e-5 + 1e-3).to_f32();
-        let m = half::f16::from_f32((next() % 1000) as f32 * -1e-4).to_f32();
-        for e in 0..32u32 {
+        bytes.extend_from_slice(&half::f16::from_f32((next() % 1000) as f32 * 1e-5 + 1e-3).to_le_bytes());
+        bytes.extend_from_slice(&half::f16::from_f32((next() % 1000) as f32 * -1e-4).to_le_bytes());
+        for j in 0..16u32 {
             // Every block spans the full 0..=15 range, as llama.cpp's quantizer makes it.
-            let q = match e { 0 => 0, 1 => 15, _ => next() % 16 };
-            w.push(q as f32 * d + m);
+            let lo = if j == 0 { 0 } else { next() % 16 };
+            let hi = if j == 1 { 15 } else { next() % 16 };
+            bytes.push((lo | (hi << 4)) as u8);
         }
     }
-    w
+    WeightView::new("w", vec![n, k], GgmlType::Q4_1, bytes.into()).expect("whole blocks")
 }
 
 fn main() {
-    let mut seed = 1u64;
+    let mut seed = vellum_core::SeededRng::new(1);
     let shapes = [(576, 576, "q/o"), (192, 576, "k/v"), (1536, 576, "gate/up"), (576, 1536, "down"), (49152, 576, "lm_head")];
     let formats = [WeightFormat::F32, WeightFormat::Auto];
-    let ms: Vec<usize> = std::env::var("MS").ok().map(|s| s.split(",").filter_map(|v| v.parse().ok()).collect()).unwrap_or(vec![1, 64, 512]);
+    let ms: Vec<usize> =
+        std::env::var("MS").ok().map(|s| s.split(",").filter_map(|v| v.parse().ok()).collect()).unwrap_or(vec![1, 64, 512]);
     for &m in &ms {
         for &(n, k, name) in &shapes {
             if n == 49152 && m == 512 {
@@ -48,13 +48,13 @@ fn main() {
             let mut line = format!("m={m:4} {name:8} [{n}x{k}]");
             for f in formats {
                 let ops = CpuOps::new(f);
-                let wt = ops.linear_weight("w", Tensor { shape: vec![n, k], data: w.clone() }).expect("weight");
+                let wt = ops.linear_weight(w.clone()).expect("weight");
                 assert_eq!(wt.quant_kind().is_some(), f != WeightFormat::F32, "{f:?} resolved to {:?}", wt.quant_kind());
-                let _ = ops.linear(&x, &wt, None);
+                let _ = ops.linear(&x, &wt, None).expect("shapes match");
                 let reps = ((2e8 / (m * n * k) as f64).ceil() as usize).clamp(1, 2000);
                 let t0 = cpu_time();
                 for _ in 0..reps {
-                    std::hint::black_box(ops.linear(&x, &wt, None));
+                    let _ = std::hint::black_box(ops.linear(&x, &wt, None));
                 }
                 let dt = (cpu_time() - t0) / reps as f64;
                 line += &format!("  {f:?}: {:8.1} us {:6.1} GMAC/s", dt * 1e6, (m * n * k) as f64 / dt * 1e-9);

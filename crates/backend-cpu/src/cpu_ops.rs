@@ -5,13 +5,14 @@
 //! them without repacking; the output columns are split across the rayon
 //! threads by hand, since the GEMM stays single-threaded for small shapes.
 
-use crate::kv_cache::KvCache;
-use crate::quant::{self, QuantActs, QuantKind, QuantWeight, WeightFormat};
+use crate::kv_cache::{KvCache, KvCacheLayout};
+use crate::linear::HostWeight;
 use crate::paged_attention::{paged_attention, write_kv};
-use vellum_core::{AttentionBackend, AttentionMetadata, BlockCopy, BlockSwap};
-use vellum_models::ops::{AttentionShape, Ops};
+use crate::quant::{self, WeightFormat};
+use vellum_core::{AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheSpec, KvMemory};
+use vellum_models::ops::{OpResult, Ops};
 use vellum_models::rope::RopeTable;
-use vellum_models::Tensor;
+use vellum_models::WeightView;
 
 /// Row-major activations `[rows, cols]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -30,67 +31,6 @@ impl HostTensor {
     }
 }
 
-/// A weight matrix for `x · Wᵀ`, stored transposed as `[in, out]` (`[K, N]`)
-/// so the GEMM reads it without repacking; an embedding table also keeps its
-/// `[vocab, hidden]` rows for lookups.
-#[derive(Clone, Debug)]
-pub struct HostWeight {
-    out: usize,
-    inp: usize,
-    /// `[in, out]`, row-major (empty when the weight is quantized).
-    kn: Vec<f32>,
-    /// The block-quantized weight, when the format is not f32.
-    q: Option<QuantWeight>,
-    /// `[out, in]` rows, kept for embedding lookups only.
-    rows: Option<Vec<f32>>,
-}
-
-/// A zeroed buffer for a weight, backed by transparent huge pages where the
-/// OS allows it (fewer TLB misses when the weights stream through memory:
-/// +10–20% bandwidth measured on this project's machine). The advice is given
-/// before the first write, while the zeroed pages are still untouched.
-fn weight_buffer(len: usize) -> Vec<f32> {
-    let v = vec![0.0f32; len];
-    #[cfg(target_os = "linux")]
-    {
-        const PAGE: usize = 4096;
-        let start = (v.as_ptr() as usize).next_multiple_of(PAGE);
-        let end = (v.as_ptr() as usize + len * 4) / PAGE * PAGE;
-        if end > start {
-            // SAFETY: the range lies inside `v`'s allocation; MADV_HUGEPAGE
-            // only advises the kernel and never changes the contents.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
-    v
-}
-
-fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut t = weight_buffer(w.len());
-    const B: usize = 32;
-    for r0 in (0..rows).step_by(B) {
-        for c0 in (0..cols).step_by(B) {
-            for r in r0..(r0 + B).min(rows) {
-                for c in c0..(c0 + B).min(cols) {
-                    t[c * rows + r] = w[r * cols + c];
-                }
-            }
-        }
-    }
-    t
-}
-
-/// A raw pointer that may cross to the worker threads of one `linear` call;
-/// each thread writes a disjoint set of columns.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: threads write disjoint column ranges of the destination and the
-// scope ends before the destination is read or dropped.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
 /// The CPU implementation of the model operations.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuOps {
@@ -108,255 +48,107 @@ impl CpuOps {
         self.weight_format
     }
 
-    /// The storage a `[n, k]` weight gets: `None` for f32.
-    fn resolve(&self, w: &[f32], n: usize, k: usize) -> Option<QuantKind> {
-        if n == 0 || k == 0 {
-            return None;
-        }
-        match self.weight_format {
-            WeightFormat::F32 => None,
-            WeightFormat::Q8 => Some(QuantKind::Q8),
-            WeightFormat::Q4 => Some(QuantKind::Q4),
-            WeightFormat::Auto if !quant::has_simd() => None,
-            WeightFormat::Auto if quant::is_q4_exact(w, n, k) => Some(QuantKind::Q4),
-            WeightFormat::Auto if quant::is_q8_exact(w, n, k) => Some(QuantKind::Q8),
-            WeightFormat::Auto => None,
-        }
-    }
-}
-
-impl CpuOps {
-    /// Prepares a `[out, in]` weight in the resolved format.
-    fn weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
-        match w.shape[..] {
-            [out, inp] => match self.resolve(&w.data, out, inp) {
-                None => Ok(HostWeight { out, inp, kn: transpose(&w.data, out, inp), q: None, rows: None }),
-                Some(kind) => Ok(HostWeight { out, inp, kn: Vec::new(), q: Some(QuantWeight::quantize(&w.data, out, inp, kind)), rows: None }),
-            },
-            _ => Err(vellum_models::Error::ShapeMismatch { tensor: name.to_string(), expected: vec![0, 0], actual: w.shape }),
-        }
+    fn weight(&self, w: &WeightView<'_>) -> vellum_models::Result<HostWeight> {
+        HostWeight::from_view(w, self.weight_format)
     }
 }
 
 /// Element-wise ops split across the rayon threads from this many values.
 const PAR_ELEMENTS: usize = 1 << 16;
 
+/// One step's inputs on the host: the batch's metadata, borrowed by the
+/// kernels as an [`AttentionMetadata`].
+#[derive(Clone, Debug)]
+pub struct HostStep {
+    batch: ForwardBatch,
+    block_size: usize,
+}
 
-impl HostWeight {
-    /// The storage of this weight (`None`: f32).
-    pub fn quant_kind(&self) -> Option<QuantKind> {
-        self.q.as_ref().map(|q| q.kind)
+impl HostStep {
+    /// The step's attention metadata.
+    pub fn meta(&self) -> AttentionMetadata<'_> {
+        self.batch.attention_metadata(self.block_size)
     }
 }
 
-/// `y[m, n] = x[m, k] · Wᵀ` on the quantized weight: activations quantized
-/// once, output columns split across threads.
-fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, m: usize) {
-    let (n, k) = (w.n, w.k);
-    thread_local! {
-        static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
+/// Host memory the OS reports available (`MemAvailable`), or 4 GiB where it
+/// cannot tell.
+pub fn available_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(4 << 30)
+}
+
+fn check(cond: bool, what: impl FnOnce() -> String) -> OpResult<()> {
+    if cond {
+        Ok(())
+    } else {
+        Err(Error::Backend(what()))
     }
-    let mut run = |acts: &mut QuantActs| {
-        QuantActs::quantize_cached(x, m, k, acts);
-        let acts = &*acts;
-        let dst = SendPtr(y.as_mut_ptr());
-        let ranges = column_ranges(m, n, k);
-        if ranges.len() == 1 {
-            // SAFETY: y is [m, n] and borrowed mutably here.
-            unsafe { quant::gemm(dst.0, n, acts, w, 0..m, 0..n) };
-            return;
-        }
-        rayon::scope(|s| {
-            for cols in ranges {
-                s.spawn(move |_| {
-                    let dst = dst;
-                    // SAFETY: y is [m, n]; this task writes columns `cols` only.
-                    unsafe { quant::gemm(dst.0, n, acts, w, 0..m, cols) };
-                });
-            }
-        });
-    };
-    // The buffer is reused across calls; a re-entrant call (from a rayon
-    // worker that stole work while waiting) gets a fresh one.
-    ACTS.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut acts) => run(&mut acts),
-        Err(_) => run(&mut QuantActs::default()),
-    });
-}
-
-/// Up to this many rows, `linear` streams the weight once with AXPYs
-/// instead of calling the GEMM (whose packing dominates at decode sizes).
-const SMALL_M: usize = 8;
-
-/// Splits `n` output columns into one contiguous range per thread (a
-/// multiple of 16 wide) when the work is worth it.
-fn column_ranges(m: usize, n: usize, k: usize) -> Vec<std::ops::Range<usize>> {
-    let parts = if m * n * k >= 1 << 16 { rayon::current_num_threads().max(1) } else { 1 };
-    let width = n.div_ceil(parts).next_multiple_of(16).min(n).max(1);
-    (0..n).step_by(width).map(|n0| n0..(n0 + width).min(n)).collect()
-}
-
-/// `y[m, n] = x[m, k] · W[k, n]` for a few rows: every row of `W` is read
-/// once and added, scaled, into each output row (AXPY), so the weight streams
-/// through memory once per call.
-fn linear_small(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
-    let (n, k) = (w.out, w.inp);
-    let dst = SendPtr(y.as_mut_ptr());
-    rayon::scope(|s| {
-        for cols in column_ranges(m, n, k) {
-            s.spawn(move |_| {
-                let dst = dst;
-                let len = cols.len();
-                let mut acc = vec![0.0f32; m * len];
-                small_kernel(&mut acc, x, &w.kn, n, k, m, cols.start, len);
-                for r in 0..m {
-                    // SAFETY: row r, columns `cols` of y belong to this task alone.
-                    let out = unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * n + cols.start), len) };
-                    out.copy_from_slice(&acc[r * len..(r + 1) * len]);
-                }
-            });
-        }
-    });
-}
-
-/// `y[m, n] = x[m, k] · W[k, n]` through the `gemm` crate, output columns
-/// split across threads by hand.
-fn linear_gemm(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
-    let (n, k) = (w.out, w.inp);
-    let dst = SendPtr(y.as_mut_ptr());
-    let (lhs, rhs) = (x.as_ptr() as usize, w.kn.as_ptr() as usize);
-    rayon::scope(|s| {
-        for cols in column_ranges(m, n, k) {
-            s.spawn(move |_| {
-                let dst = dst;
-                // SAFETY: dst is [m, n], lhs [m, k], rhs [k, n], all row-major
-                // and alive for the scope; this task writes `cols` only.
-                unsafe {
-                    gemm::gemm(
-                        m, cols.len(), k,
-                        dst.0.add(cols.start), 1, n as isize, false,
-                        lhs as *const f32, 1, k as isize,
-                        (rhs as *const f32).add(cols.start), 1, n as isize,
-                        0.0, 1.0, false, false, false,
-                        gemm::Parallelism::None,
-                    );
-                }
-            });
-        }
-    });
-}
-
-/// The inner loop of [`linear_small`]: four weight rows per pass, so each
-/// accumulator is loaded and stored a quarter as often.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn small_kernel_generic(acc: &mut [f32], x: &[f32], wkn: &[f32], n: usize, k: usize, m: usize, c0: usize, len: usize) {
-    let mut kk = 0;
-    while kk + 4 <= k {
-        let w0 = &wkn[kk * n + c0..kk * n + c0 + len];
-        let w1 = &wkn[(kk + 1) * n + c0..(kk + 1) * n + c0 + len];
-        let w2 = &wkn[(kk + 2) * n + c0..(kk + 2) * n + c0 + len];
-        let w3 = &wkn[(kk + 3) * n + c0..(kk + 3) * n + c0 + len];
-        for r in 0..m {
-            let (a0, a1, a2, a3) = (x[r * k + kk], x[r * k + kk + 1], x[r * k + kk + 2], x[r * k + kk + 3]);
-            let out = &mut acc[r * len..(r + 1) * len];
-            for j in 0..len {
-                out[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
-            }
-        }
-        kk += 4;
-    }
-    while kk < k {
-        let w0 = &wkn[kk * n + c0..kk * n + c0 + len];
-        for r in 0..m {
-            let a0 = x[r * k + kk];
-            for (o, wv) in acc[r * len..(r + 1) * len].iter_mut().zip(w0) {
-                *o += a0 * wv;
-            }
-        }
-        kk += 1;
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn small_kernel_avx2(acc: &mut [f32], x: &[f32], wkn: &[f32], n: usize, k: usize, m: usize, c0: usize, len: usize) {
-    small_kernel_generic(acc, x, wkn, n, k, m, c0, len)
-}
-
-/// Dispatches [`small_kernel_generic`] to the best variant the CPU runs.
-#[allow(clippy::too_many_arguments)]
-fn small_kernel(acc: &mut [f32], x: &[f32], wkn: &[f32], n: usize, k: usize, m: usize, c0: usize, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports the features the function enables.
-            return unsafe { small_kernel_avx2(acc, x, wkn, n, k, m, c0, len) };
-        }
-    }
-    small_kernel_generic(acc, x, wkn, n, k, m, c0, len)
 }
 
 impl Ops for CpuOps {
-    type Tensor = HostTensor;
     type Weight = HostWeight;
     type Vector = Vec<f32>;
-    type KvCache = KvCache;
+    type Rope = RopeTable;
 
-    fn linear_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
-        self.weight(name, w)
+    fn linear_weight(&self, w: WeightView<'_>) -> vellum_models::Result<HostWeight> {
+        self.weight(&w)
     }
 
-    fn embedding_weight(&self, name: &str, w: Tensor) -> vellum_models::Result<HostWeight> {
-        let rows = w.data.clone();
-        let mut weight = self.weight(name, w)?;
-        weight.rows = Some(rows);
-        Ok(weight)
+    fn embedding_weight(&self, w: WeightView<'_>) -> vellum_models::Result<HostWeight> {
+        // One copy serves both lookups (rows dequantized on demand) and the
+        // tied LM head.
+        self.weight(&w)
     }
 
-    fn vector(&self, data: Vec<f32>) -> Vec<f32> {
-        data
+    fn vector(&self, _name: &str, data: &[f32]) -> vellum_models::Result<Vec<f32>> {
+        Ok(data.to_vec())
     }
 
-    fn embed(&self, table: &HostWeight, ids: &[u32]) -> HostTensor {
+    fn rope_table(&self, table: &RopeTable) -> vellum_models::Result<RopeTable> {
+        Ok(table.clone())
+    }
+
+    fn embed(&self, table: &HostWeight, step: &HostStep) -> OpResult<HostTensor> {
+        let ids = &step.batch.token_ids;
         let mut out = HostTensor::zeros(ids.len(), table.inp);
         for (row, &id) in out.data.chunks_exact_mut(table.inp).zip(ids) {
             let id = id as usize;
-            assert!(id < table.out, "token id {id} outside the vocabulary of {}", table.out);
-            let rows = table.rows.as_ref().expect("embedding tables keep their rows");
-            row.copy_from_slice(&rows[id * table.inp..(id + 1) * table.inp]);
+            check(id < table.out, || format!("token id {id} outside the vocabulary of {}", table.out))?;
+            table.row(id, row);
         }
-        out
+        Ok(out)
     }
 
-    fn linear(&self, x: &HostTensor, w: &HostWeight, bias: Option<&Vec<f32>>) -> HostTensor {
-        assert_eq!(x.cols, w.inp, "linear: input width {} but weight takes {}", x.cols, w.inp);
+    fn linear(&self, x: &HostTensor, w: &HostWeight, bias: Option<&Vec<f32>>) -> OpResult<HostTensor> {
+        check(x.cols == w.inp, || format!("linear: input width {} but the weight takes {}", x.cols, w.inp))?;
         let (m, n) = (x.rows, w.out);
         let mut out = HostTensor::zeros(m, n);
         if m == 0 {
-            return out;
+            return Ok(out);
         }
-        // A quantized weight runs the integer kernel at every batch size: a
-        // row's result is then bitwise independent of the batch it came in
-        // (chunked prefill, prefix-cache hits, batch composition).
-        match &w.q {
-            Some(q) => linear_quant(&mut out.data, &x.data, q, m),
-            None if m <= SMALL_M => linear_small(&mut out.data, &x.data, w, m),
-            None => linear_gemm(&mut out.data, &x.data, w, m),
-        }
+        crate::linear::matmul(&mut out.data, &x.data, w, m);
         if let Some(b) = bias {
+            check(b.len() == n, || format!("linear: bias of {} for {n} outputs", b.len()))?;
             for row in out.data.chunks_exact_mut(n) {
                 for (y, bi) in row.iter_mut().zip(b) {
                     *y += bi;
                 }
             }
         }
-        out
+        Ok(out)
     }
 
-    fn rms_norm(&self, x: &HostTensor, w: &Vec<f32>, eps: f32, group: usize) -> HostTensor {
-        assert!(group > 0 && x.cols % group == 0 && w.len() == group, "rms_norm: width {} group {group} weight {}", x.cols, w.len());
+    fn rms_norm(&self, x: &HostTensor, w: &Vec<f32>, eps: f32, group: usize) -> OpResult<HostTensor> {
+        check(group > 0 && x.cols % group == 0 && w.len() == group, || {
+            format!("rms_norm: width {} group {group} weight {}", x.cols, w.len())
+        })?;
         let mut out = x.clone();
         let norm = |g: &mut [f32]| {
             let ms = g.iter().map(|v| v * v).sum::<f32>() / group as f32;
@@ -371,11 +163,15 @@ impl Ops for CpuOps {
         } else {
             out.data.chunks_exact_mut(group).for_each(norm);
         }
-        out
+        Ok(out)
     }
 
-    fn rope(&self, x: &mut HostTensor, head_dim: usize, positions: &[u32], table: &RopeTable) {
-        assert_eq!(x.rows, positions.len(), "rope: one position per row");
+    fn rope(&self, x: &mut HostTensor, table: &RopeTable, step: &HostStep) -> OpResult<()> {
+        let positions = &step.batch.positions;
+        let head_dim = table.head_dim();
+        check(x.rows == positions.len() && head_dim > 0 && x.cols % head_dim == 0, || {
+            format!("rope: {} rows of width {} for {} positions, head_dim {head_dim}", x.rows, x.cols, positions.len())
+        })?;
         let half = head_dim / 2;
         let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
         let cols = x.cols;
@@ -390,10 +186,11 @@ impl Ops for CpuOps {
                 }
             }
         }
+        Ok(())
     }
 
-    fn silu_mul(&self, gate: &HostTensor, up: &HostTensor) -> HostTensor {
-        assert_eq!((gate.rows, gate.cols), (up.rows, up.cols), "silu_mul: shapes differ");
+    fn silu_mul(&self, gate: &HostTensor, up: &HostTensor) -> OpResult<HostTensor> {
+        check((gate.rows, gate.cols) == (up.rows, up.cols), || "silu_mul: shapes differ".into())?;
         let silu = |(g, u): (&f32, &f32)| g / (1.0 + (-g).exp()) * u;
         let data = if gate.data.len() >= PAR_ELEMENTS {
             use rayon::prelude::*;
@@ -401,67 +198,67 @@ impl Ops for CpuOps {
         } else {
             gate.data.iter().zip(&up.data).map(silu).collect()
         };
-        HostTensor { rows: gate.rows, cols: gate.cols, data }
+        Ok(HostTensor { rows: gate.rows, cols: gate.cols, data })
     }
 
-    fn add_assign(&self, x: &mut HostTensor, y: &HostTensor) {
-        assert_eq!(x.data.len(), y.data.len(), "add_assign: shapes differ");
+    fn add_assign(&self, x: &mut HostTensor, y: &HostTensor) -> OpResult<()> {
+        check(x.data.len() == y.data.len(), || "add_assign: shapes differ".into())?;
         for (a, b) in x.data.iter_mut().zip(&y.data) {
             *a += b;
         }
+        Ok(())
     }
 
-    fn attention(
-        &self,
-        cache: &mut KvCache,
-        layer: usize,
-        q: &HostTensor,
-        k: &HostTensor,
-        v: &HostTensor,
-        meta: &AttentionMetadata<'_>,
-        shape: AttentionShape,
-    ) -> HostTensor {
-        let mut out = HostTensor::zeros(q.rows, shape.num_heads * shape.head_dim);
-        let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        AttentionBackend::write_kv(self, cache, layer, k, v, meta).expect("host K/V write cannot fail");
-        AttentionBackend::paged_attention(self, cache, layer, q, meta, scale, &mut out).expect("host attention cannot fail");
-        out
-    }
-
-    fn gather_rows(&self, x: &HostTensor, rows: &[u32]) -> HostTensor {
+    fn logits_rows(&self, x: &HostTensor, step: &HostStep) -> OpResult<HostTensor> {
+        let rows = &step.batch.logits_indices;
         let mut out = HostTensor::zeros(rows.len(), x.cols);
         for (dst, &r) in out.data.chunks_exact_mut(x.cols).zip(rows) {
             let r = r as usize;
+            check(r < x.rows, || format!("logits row {r} outside the batch of {}", x.rows))?;
             dst.copy_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
         }
-        out
+        Ok(out)
     }
 
-    fn to_host(&self, x: &HostTensor) -> Vec<f32> {
-        x.data.clone()
+    fn to_host(&self, x: &HostTensor) -> OpResult<Vec<f32>> {
+        Ok(x.data.clone())
+    }
+
+    fn run_forward<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        // The pass runs on a rayon worker, so each op's parallel section
+        // starts from the pool (one hand-off per step instead of one per op).
+        rayon::scope(|_| f())
     }
 }
 
-/// The core attention contract on host memory; [`Ops::attention`] goes
-/// through it, as a GPU backend's would.
+/// The core attention contract on host memory.
 impl AttentionBackend for CpuOps {
     type Tensor = HostTensor;
     type KvCache = KvCache;
+    type Step = HostStep;
 
-    fn kv_block_bytes(&self, cache: &KvCache) -> u64 {
-        KvCache::block_bytes(&cache.layout, cache.layers.len(), cache.dtype)
+    fn describe(&self) -> String {
+        let simd = if quant::has_simd() { "avx2" } else { "scalar" };
+        format!("cpu ({simd}, {} threads, weights {:?})", rayon::current_num_threads(), self.weight_format)
     }
 
-    fn write_kv(
-        &self,
-        cache: &mut KvCache,
-        layer: usize,
-        k: &HostTensor,
-        v: &HostTensor,
-        meta: &AttentionMetadata<'_>,
-    ) -> vellum_core::Result<()> {
+    fn kv_memory(&self, _spec: &KvCacheSpec) -> KvMemory {
+        KvMemory { available_bytes: available_memory_bytes(), max_blocks: None }
+    }
+
+    fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<KvCache> {
+        let layout = KvCacheLayout { num_blocks, block_size: spec.block_size, num_kv_heads: spec.num_kv_heads, head_dim: spec.head_dim };
+        Ok(KvCache::new(layout, spec.num_layers, num_host_blocks, spec.dtype))
+    }
+
+    fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<HostStep> {
+        Ok(HostStep { batch: batch.clone(), block_size })
+    }
+
+    fn write_kv(&self, cache: &mut KvCache, layer: usize, k: &HostTensor, v: &HostTensor, step: &HostStep) -> vellum_core::Result<()> {
         let layout = cache.layout;
-        write_kv(&mut cache.layers[layer], &layout, &k.data, &v.data, meta.slot_mapping);
+        let pools = cache.layers.get_mut(layer).ok_or_else(|| Error::Backend(format!("write_kv: no layer {layer}")))?;
+        write_kv(pools, &layout, &k.data, &v.data, &step.batch.slot_mapping);
         Ok(())
     }
 
@@ -470,13 +267,13 @@ impl AttentionBackend for CpuOps {
         cache: &KvCache,
         layer: usize,
         q: &HostTensor,
-        meta: &AttentionMetadata<'_>,
-        scale: f32,
-        out: &mut HostTensor,
-    ) -> vellum_core::Result<()> {
-        let num_heads = q.cols / cache.layout.head_dim;
-        paged_attention(&mut out.data, &q.data, &cache.layers[layer], &cache.layout, meta, num_heads, scale);
-        Ok(())
+        step: &HostStep,
+        shape: &AttentionShape,
+    ) -> vellum_core::Result<HostTensor> {
+        let pools = cache.layers.get(layer).ok_or_else(|| Error::Backend(format!("paged_attention: no layer {layer}")))?;
+        let mut out = HostTensor::zeros(q.rows, shape.num_heads * shape.head_dim);
+        paged_attention(&mut out.data, &q.data, pools, &cache.layout, &step.meta(), shape);
+        Ok(out)
     }
 
     fn copy_blocks(&self, cache: &mut KvCache, copies: &[BlockCopy]) -> vellum_core::Result<()> {
@@ -493,41 +290,42 @@ impl AttentionBackend for CpuOps {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::QuantKind;
 
-    fn lcg(seed: &mut u64) -> u32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (*seed >> 33) as u32
+    use vellum_core::SeededRng;
+
+    fn lcg(rng: &mut SeededRng) -> u32 {
+        (rng.next_u64() >> 33) as u32
     }
 
-    /// A `[n, k]` weight whose blocks are exact Q4_1 blocks (as a Q4_1 GGUF
-    /// dequantizes), `k` a multiple of 32.
-    fn q4_weight(n: usize, k: usize, seed: &mut u64) -> Vec<f32> {
-        let mut w = Vec::with_capacity(n * k);
+    /// A Q4_1 `[n, k]` weight as a GGUF stores it (`k` a multiple of 32),
+    /// and its values.
+    fn q4_weight(n: usize, k: usize, seed: &mut SeededRng) -> (WeightView<'static>, Vec<f32>) {
+        let mut bytes = Vec::with_capacity(n * k / 32 * 20);
         for _ in 0..n * k / 32 {
-            let d = half::f16::from_f32((lcg(seed) % 1000) as f32 * 1e-5 + 1e-3).to_f32();
-            let m = half::f16::from_f32((lcg(seed) % 1000) as f32 * -1e-5).to_f32();
-            for e in 0..32u32 {
-                let q = match e {
-                    0 => 0,
-                    1 => 15,
-                    _ => lcg(seed) % 16,
-                };
-                w.push(q as f32 * d + m);
+            bytes.extend_from_slice(&half::f16::from_f32((lcg(seed) % 1000) as f32 * 1e-5 + 1e-3).to_le_bytes());
+            bytes.extend_from_slice(&half::f16::from_f32((lcg(seed) % 1000) as f32 * -1e-5).to_le_bytes());
+            for j in 0..16u32 {
+                let lo = if j == 0 { 0 } else { lcg(seed) % 16 };
+                let hi = if j == 1 { 15 } else { lcg(seed) % 16 };
+                bytes.push((lo | (hi << 4)) as u8);
             }
         }
-        w
+        let view = WeightView::new("w", vec![n, k], vellum_models::gguf::GgmlType::Q4_1, bytes.into()).expect("whole blocks");
+        let values = view.to_f32().expect("Q4_1 dequantizes");
+        (view, values)
     }
 
-    fn acts(m: usize, k: usize, seed: &mut u64) -> HostTensor {
+    fn acts(m: usize, k: usize, seed: &mut SeededRng) -> HostTensor {
         let data = (0..m * k).map(|i| if i % 211 == 7 { 30.0 } else { (lcg(seed) % 2001) as f32 / 1000.0 - 1.0 }).collect();
         HostTensor { rows: m, cols: k, data }
     }
 
     #[test]
     fn every_format_matches_f64_and_auto_picks_lossless_storage() {
-        let mut seed = 5u64;
+        let mut seed = SeededRng::new(5);
         for &(m, n, k) in &[(1, 37, 96), (3, 64, 576), (20, 33, 160), (40, 48, 64)] {
-            let w = q4_weight(n, k, &mut seed);
+            let (view, w) = q4_weight(n, k, &mut seed);
             let x = acts(m, k, &mut seed);
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
             for (format, kind, tol) in [
@@ -537,9 +335,9 @@ mod tests {
                 (WeightFormat::Auto, Some(QuantKind::Q4).filter(|_| quant::has_simd()), 1e-3),
             ] {
                 let ops = CpuOps::new(format);
-                let wt = ops.linear_weight("w", Tensor { shape: vec![n, k], data: w.clone() }).expect("2-D weight");
+                let wt = ops.linear_weight(view.clone()).expect("2-D weight");
                 assert_eq!(wt.quant_kind(), kind, "{format:?}");
-                let y = ops.linear(&x, &wt, Some(&bias));
+                let y = ops.linear(&x, &wt, Some(&bias)).expect("shapes match");
                 let (mut err, mut norm) = (0.0f64, 0.0f64);
                 for r in 0..m {
                     for c in 0..n {
@@ -557,17 +355,17 @@ mod tests {
     #[test]
     fn a_row_computes_the_same_alone_or_in_a_large_batch() {
         // Auto switches kernels with the batch size; a row's result must not.
-        let mut seed = 9u64;
+        let mut seed = SeededRng::new(9);
         let (m, n, k) = (40, 50, 192);
-        let w = q4_weight(n, k, &mut seed);
+        let (view, _) = q4_weight(n, k, &mut seed);
         let x = acts(m, k, &mut seed);
         for format in [WeightFormat::Auto, WeightFormat::Q4, WeightFormat::F32] {
             let ops = CpuOps::new(format);
-            let wt = ops.linear_weight("w", Tensor { shape: vec![n, k], data: w.clone() }).expect("2-D weight");
-            let all = ops.linear(&x, &wt, None);
+            let wt = ops.linear_weight(view.clone()).expect("2-D weight");
+            let all = ops.linear(&x, &wt, None).expect("shapes match");
             for r in [0, 7, 39] {
                 let one = HostTensor { rows: 1, cols: k, data: x.data[r * k..(r + 1) * k].to_vec() };
-                let y = ops.linear(&one, &wt, None);
+                let y = ops.linear(&one, &wt, None).expect("shapes match");
                 for c in 0..n {
                     let (a, b) = (all.data[r * n + c], y.data[c]);
                     assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{format:?} row {r} col {c}: {a} in the batch, {b} alone");
@@ -576,10 +374,73 @@ mod tests {
         }
     }
 
+    /// Random GGUF blocks of `ty` for an `[n, k]` weight, f16 fields small.
+    fn random_blocks(ty: vellum_models::gguf::GgmlType, n: usize, k: usize, seed: &mut SeededRng) -> WeightView<'static> {
+        use vellum_models::gguf::GgmlType;
+        let (block, nb) = ty.block_layout();
+        let mut bytes: Vec<u8> = (0..n * k / block * nb).map(|_| seed.below(256) as u8).collect();
+        let halves: &[usize] = match ty {
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q5_1 => &[0, 2],
+            GgmlType::Q2_K => &[80, 82],
+            GgmlType::Q3_K => &[108],
+            GgmlType::Q6_K => &[208],
+            _ => &[0],
+        };
+        for b in bytes.chunks_exact_mut(nb) {
+            for &at in halves {
+                b[at..at + 2].copy_from_slice(&half::f16::from_f32(seed.signed_f32() * 0.01).to_le_bytes());
+            }
+        }
+        WeightView::new("w", vec![n, k], ty, bytes.into()).expect("whole blocks")
+    }
+
+    #[test]
+    fn gguf_blocks_multiply_and_look_up_their_exact_values() {
+        use vellum_models::gguf::GgmlType;
+        let mut seed = SeededRng::new(21);
+        let types = [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q5_1, GgmlType::Q5_0];
+        for ty in types {
+            let (n, k) = (70, 512);
+            let view = random_blocks(ty, n, k, &mut seed);
+            let w = view.to_f32().expect("dequantizable");
+            let ops = CpuOps::new(WeightFormat::Auto);
+            let wt = ops.embedding_weight(view.clone()).expect("2-D weight");
+            if ty == GgmlType::Q5_0 {
+                assert_eq!(wt.quant_kind(), Some(QuantKind::Q8).filter(|_| quant::has_simd()), "Q5_0 runs the integer kernel");
+            } else {
+                assert_eq!(wt.gguf_blocks(), Some(ty), "{ty}: the file's blocks are kept");
+                assert_eq!(wt.memory_bytes(), view.data.len(), "{ty}: no larger than the file");
+            }
+            // Lookups return the exact values, whatever the storage.
+            let mut row = vec![0.0; k];
+            for r in [0, 33, n - 1] {
+                wt.row(r, &mut row);
+                assert_eq!(row, w[r * k..(r + 1) * k], "{ty} row {r}");
+            }
+            for m in [1, 5, 12, 40] {
+                let x = acts(m, k, &mut seed);
+                let y = ops.linear(&x, &wt, None).expect("shapes match");
+                for r in 0..m {
+                    for c in 0..n {
+                        let exact: f64 = (0..k).map(|i| x.data[r * k + i] as f64 * w[c * k + i] as f64).sum();
+                        let scale: f64 = (0..k).map(|i| (x.data[r * k + i] as f64 * w[c * k + i] as f64).abs()).sum();
+                        let got = y.data[r * n + c] as f64;
+                        // f32 sums (int16 activations for Q5_0): relative to the terms' magnitude.
+                        let tol = if ty == GgmlType::Q5_0 { 1e-4 } else { 1e-6 };
+                        assert!((got - exact).abs() <= tol * scale + 1e-9, "{ty} m={m} ({r},{c}): {got} vs {exact}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn non_matrix_weights_are_typed_errors() {
         let ops = CpuOps::default();
-        let err = ops.linear_weight("w", Tensor { shape: vec![4], data: vec![0.0; 4] });
+        let err = ops.linear_weight(WeightView::from_f32("w", vec![4], &[0.0; 4]));
         assert!(matches!(err, Err(vellum_models::Error::ShapeMismatch { .. })));
+        let x = HostTensor { rows: 1, cols: 3, data: vec![0.0; 3] };
+        let w = ops.linear_weight(WeightView::from_f32("w", vec![2, 4], &[0.0; 8])).expect("2-D weight");
+        assert!(matches!(ops.linear(&x, &w, None), Err(Error::Backend(_))), "a width mismatch is an error, not a panic");
     }
 }

@@ -125,7 +125,9 @@ impl KvPool {
         }
     }
 
-    /// Reads elements `offset..offset + dst.len()` into `dst` as `f32`.
+    /// Reads elements `offset..offset + dst.len()` into `dst` as `f32`
+    /// (feature `reference`: for tests).
+    #[cfg(any(test, feature = "reference"))]
     pub fn read_f32(&self, offset: usize, dst: &mut [f32]) {
         let range = offset..offset + dst.len();
         match self {
@@ -135,7 +137,8 @@ impl KvPool {
         }
     }
 
-    /// The whole pool as `f32` (for tests and inspection).
+    /// The whole pool as `f32` (feature `reference`: for tests).
+    #[cfg(any(test, feature = "reference"))]
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len()];
         self.read_f32(0, &mut out);
@@ -158,11 +161,7 @@ impl KvPool {
             (KvPool::F32(x), KvPool::F32(y)) => x[to].copy_from_slice(&y[src]),
             (KvPool::F16(x), KvPool::F16(y)) => x[to].copy_from_slice(&y[src]),
             (KvPool::Bf16(x), KvPool::Bf16(y)) => x[to].copy_from_slice(&y[src]),
-            (x, y) => panic!(
-                "copy between KV pools of different dtypes: {:?} <- {:?}",
-                x.dtype(),
-                y.dtype()
-            ),
+            (x, y) => panic!("copy between KV pools of different dtypes: {:?} <- {:?}", x.dtype(), y.dtype()),
         }
     }
 }
@@ -181,10 +180,7 @@ impl LayerKvCache {
     /// Zeroed pools for `layout`, stored as `dtype`.
     pub fn new(layout: &KvCacheLayout, dtype: KvCacheDtype) -> Self {
         let n = layout.pool_elems();
-        Self {
-            k: KvPool::zeros(dtype, n),
-            v: KvPool::zeros(dtype, n),
-        }
+        Self { k: KvPool::zeros(dtype, n), v: KvPool::zeros(dtype, n) }
     }
 
     /// The storage type of both pools.
@@ -201,11 +197,7 @@ impl LayerKvCache {
             self.k.len(),
             self.v.len()
         );
-        assert_eq!(
-            self.k.dtype(),
-            self.v.dtype(),
-            "{what}: K and V pools have different dtypes"
-        );
+        assert_eq!(self.k.dtype(), self.v.dtype(), "{what}: K and V pools have different dtypes");
     }
 }
 
@@ -232,31 +224,19 @@ pub struct KvCache {
 
 impl KvCache {
     /// Zeroed device and host pools for `num_layers` layers, stored as `dtype`.
-    pub fn new(
-        layout: KvCacheLayout,
-        num_layers: usize,
-        num_host_blocks: usize,
-        dtype: KvCacheDtype,
-    ) -> Self {
+    pub fn new(layout: KvCacheLayout, num_layers: usize, num_host_blocks: usize, dtype: KvCacheDtype) -> Self {
         let host_layout = Self::host_layout_of(&layout, num_host_blocks);
         Self {
             layout,
             dtype,
-            layers: (0..num_layers)
-                .map(|_| LayerKvCache::new(&layout, dtype))
-                .collect(),
-            host_layers: (0..num_layers)
-                .map(|_| LayerKvCache::new(&host_layout, dtype))
-                .collect(),
+            layers: (0..num_layers).map(|_| LayerKvCache::new(&layout, dtype)).collect(),
+            host_layers: (0..num_layers).map(|_| LayerKvCache::new(&host_layout, dtype)).collect(),
             num_host_blocks,
         }
     }
 
-    /// Bytes one block takes across all layers (K and V, `dtype` elements).
-    pub fn block_bytes(layout: &KvCacheLayout, num_layers: usize, dtype: KvCacheDtype) -> u64 {
-        2 * layout.block_elems() as u64 * dtype.size_bytes() as u64 * num_layers as u64
-    }
-    /// Layout of one layer of the host pool.
+    /// Layout of one layer of the host pool (feature `reference`: for tests).
+    #[cfg(any(test, feature = "reference"))]
     pub fn host_layout(&self) -> KvCacheLayout {
         Self::host_layout_of(&self.layout, self.num_host_blocks)
     }
@@ -294,12 +274,7 @@ impl KvCache {
         let n = self.layout.block_elems();
         for s in swaps {
             let (dev, host) = (s.device.index(), s.host.index());
-            assert!(
-                dev < self.layout.num_blocks,
-                "swap_blocks: {} outside the device pool of {} blocks",
-                s.device,
-                self.layout.num_blocks
-            );
+            assert!(dev < self.layout.num_blocks, "swap_blocks: {} outside the device pool of {} blocks", s.device, self.layout.num_blocks);
             assert!(
                 host < self.num_host_blocks,
                 "swap_blocks: host block {} outside the host pool of {} blocks",
@@ -320,10 +295,7 @@ impl KvCache {
     }
 
     fn host_layout_of(layout: &KvCacheLayout, num_host_blocks: usize) -> KvCacheLayout {
-        KvCacheLayout {
-            num_blocks: num_host_blocks,
-            ..*layout
-        }
+        KvCacheLayout { num_blocks: num_host_blocks, ..*layout }
     }
 }
 
@@ -333,22 +305,11 @@ mod tests {
 
     #[test]
     fn block_bytes_counts_k_and_v_of_every_layer() {
-        let layout = KvCacheLayout {
-            num_blocks: 10,
-            block_size: 16,
-            num_kv_heads: 3,
-            head_dim: 64,
-        };
+        let layout = KvCacheLayout { num_blocks: 10, block_size: 16, num_kv_heads: 3, head_dim: 64 };
         assert_eq!(layout.block_elems(), 16 * 3 * 64);
-        for (dtype, bytes) in [
-            (KvCacheDtype::F32, 4),
-            (KvCacheDtype::F16, 2),
-            (KvCacheDtype::Bf16, 2),
-        ] {
-            assert_eq!(
-                KvCache::block_bytes(&layout, 30, dtype),
-                2 * 16 * 3 * 64 * bytes * 30
-            );
+        for (dtype, bytes) in [(KvCacheDtype::F32, 4), (KvCacheDtype::F16, 2), (KvCacheDtype::Bf16, 2)] {
+            let spec = vellum_core::KvCacheSpec { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, dtype };
+            assert_eq!(spec.block_bytes(), 2 * 16 * 3 * 64 * bytes * 30);
             let cache = KvCache::new(layout, 2, 4, dtype);
             assert_eq!(cache.layers[1].k.len(), 10 * 16 * 3 * 64);
             assert_eq!(cache.host_layers[1].v.len(), 4 * 16 * 3 * 64);

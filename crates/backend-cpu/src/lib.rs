@@ -3,22 +3,28 @@
 //! The host-memory implementation of the backend contracts: [`CpuOps`]
 //! implements the model operations of `vellum_models::ops::Ops` (linear
 //! layers, RMSNorm, RoPE, SiLU·mul, the fused K/V block write and paged
-//! attention over a mixed prefill/decode batch) and [`CpuExecutor`]
-//! implements [`vellum_core::ModelExecutor`] (block copies for
-//! copy-on-write, swapping to a host pool, one forward pass per step).
+//! attention over a mixed prefill/decode batch) and the core
+//! [`vellum_core::AttentionBackend`] (host KV pools, block copies for
+//! copy-on-write, swapping to a host pool); [`CpuExecutor`] is the generic
+//! `vellum_models::ModelRunner` over it.
 //!
 //! **The one decision to know:** this is the reference every other backend
 //! is checked against, so it computes in f32 throughout; the KV cache is f32
 //! by default and f16 or bf16 on request (`CpuExecutor::with_kv_cache_dtype`;
 //! measured cost on the golden prompts: ≤ 0.003 nats for f16, ≤ 0.025 for
 //! bf16, no greedy token changed).
+//!
+//! [`CpuExecutor`]: cpu_executor::CpuExecutor
+
+#![deny(missing_docs)]
 
 pub mod cpu_executor;
 pub mod cpu_ops;
 pub mod kv_cache;
+pub mod linear;
 pub mod paged_attention;
 pub mod quant;
 
 pub use cpu_executor::CpuExecutor;
-pub use cpu_ops::{CpuOps, HostTensor};
+pub use cpu_ops::{available_memory_bytes, CpuOps, HostStep, HostTensor};
 pub use quant::WeightFormat;

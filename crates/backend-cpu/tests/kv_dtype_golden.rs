@@ -15,7 +15,7 @@
 //! comparison of that prompt stops there.
 
 use serde_json::Value;
-use vellum_backend_cpu::CpuExecutor;
+use vellum_backend_cpu::{CpuExecutor, CpuOps};
 use vellum_core::{ForwardBatch, KvCacheDtype, ModelExecutor};
 
 const BLOCK_SIZE: usize = 16;
@@ -42,19 +42,11 @@ struct Golden {
 }
 
 fn golden() -> Vec<Golden> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/golden/smollm2-135m-instruct-q4_1.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/golden/smollm2-135m-instruct-q4_1.json");
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
     let json: Value = serde_json::from_str(&text).expect("golden file parses");
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array()
-            .expect("an id list")
-            .iter()
-            .map(|x| x.as_u64().expect("a token id") as u32)
-            .collect()
-    };
+    let ids =
+        |v: &Value| -> Vec<u32> { v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("a token id") as u32).collect() };
     json.as_array()
         .expect("a list of prompts")
         .iter()
@@ -69,12 +61,7 @@ fn golden() -> Vec<Golden> {
                     step.as_array()
                         .expect("a step")
                         .iter()
-                        .map(|p| {
-                            (
-                                p[0].as_u64().expect("a token id") as u32,
-                                p[1].as_f64().expect("a logprob"),
-                            )
-                        })
+                        .map(|p| (p[0].as_u64().expect("a token id") as u32, p[1].as_f64().expect("a logprob")))
                         .collect()
                 })
                 .collect(),
@@ -136,10 +123,7 @@ fn compare(exec: &mut CpuExecutor, c: &Golden, dtype: KvCacheDtype, i: usize) ->
                 ref_top.iter().any(|x| x.0 == t),
                 "{dtype:?} prompt {i} step {j}: our token {t} not in the reference top-5 {ref_top:?}"
             );
-            assert!(
-                our_top.iter().any(|x| x.0 == r),
-                "{dtype:?} prompt {i} step {j}: reference token {r} not in our top-5 {our_top:?}"
-            );
+            assert!(our_top.iter().any(|x| x.0 == r), "{dtype:?} prompt {i} step {j}: reference token {r} not in our top-5 {our_top:?}");
             break;
         }
         worst = worst.max((lp[t as usize] - ref_top[0].1).abs());
@@ -155,20 +139,14 @@ fn compare(exec: &mut CpuExecutor, c: &Golden, dtype: KvCacheDtype, i: usize) ->
 #[test]
 fn kv_cache_dtypes_against_the_float64_reference() {
     let cases = golden();
-    let loaded = vellum_models::resolve_model(None)
-        .and_then(|m| m.load())
-        .expect("the default model loads");
+    let loaded = vellum_models::resolve_model(None).and_then(|m| m.load()).expect("the default model loads");
     let mut table = Vec::new();
-    for (dtype, tolerance) in [
-        (KvCacheDtype::F32, F32_TOLERANCE),
-        (KvCacheDtype::F16, F16_TOLERANCE),
-        (KvCacheDtype::Bf16, BF16_TOLERANCE),
-    ] {
-        let mut exec = CpuExecutor::load(&*loaded.weights, loaded.config.clone(), |_, _| {})
+    for (dtype, tolerance) in [(KvCacheDtype::F32, F32_TOLERANCE), (KvCacheDtype::F16, F16_TOLERANCE), (KvCacheDtype::Bf16, BF16_TOLERANCE)]
+    {
+        let mut exec = CpuExecutor::load(CpuOps::default(), &*loaded.weights, loaded.config.clone(), |_, _| {})
             .expect("the weights load")
             .with_kv_cache_dtype(dtype);
-        exec.initialize_kv_cache(NUM_BLOCKS, 0, BLOCK_SIZE)
-            .expect("the cache allocates");
+        exec.initialize_kv_cache(NUM_BLOCKS, 0, BLOCK_SIZE).expect("the cache allocates");
         let (mut worst, mut agreed, mut total) = (0.0f64, 0, 0);
         let mut per_prompt = Vec::new();
         for (i, c) in cases.iter().enumerate() {
@@ -188,19 +166,13 @@ fn kv_cache_dtypes_against_the_float64_reference() {
             "{dtype:?}: max |Δlogprob| {worst:.2e} nats on agreeing tokens; {agreed}/{total} tokens agree; per prompt {per_prompt:?}"
         );
         table.push((dtype, worst, agreed, total));
-        assert!(
-            worst <= tolerance,
-            "{dtype:?}: largest logprob difference {worst:.4} nats exceeds {tolerance}"
-        );
+        assert!(worst <= tolerance, "{dtype:?}: largest logprob difference {worst:.4} nats exceeds {tolerance}");
     }
     // A half-precision cache must not lose whole stretches of agreement:
     // measured, f16 and bf16 agree on as many tokens as f32 (141); allow
     // half a prompt's worth of divergence.
     let f32_agreed = table[0].2;
     for &(dtype, _, agreed, _) in &table[1..] {
-        assert!(
-            agreed + 8 >= f32_agreed,
-            "{dtype:?}: {agreed} agreeing tokens, f32 has {f32_agreed}"
-        );
+        assert!(agreed + 8 >= f32_agreed, "{dtype:?}: {agreed} agreeing tokens, f32 has {f32_agreed}");
     }
 }

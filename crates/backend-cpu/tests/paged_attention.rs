@@ -17,7 +17,8 @@ use half::{bf16, f16};
 use proptest::prelude::*;
 use vellum_backend_cpu::kv_cache::{KvCache, KvCacheLayout, KvPool, LayerKvCache};
 use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention, write_kv};
-use vellum_core::{AttentionMetadata, BlockCopy, BlockId, BlockSwap, HostBlockId, KvCacheDtype};
+use vellum_core::SeededRng as Rng;
+use vellum_core::{AttentionMetadata, AttentionShape, BlockCopy, BlockId, BlockSwap, HostBlockId, KvCacheDtype};
 
 const DTYPES: [KvCacheDtype; 3] = [KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16];
 
@@ -59,51 +60,12 @@ fn rounding_bound(dtype: KvCacheDtype, head_dim: usize, scale: f32) -> f32 {
     (2.0 * delta).exp_m1() + u + 1e-4
 }
 
-/// SplitMix64: deterministic data from the proptest seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f32()).collect()
-    }
-
-    fn shuffle<T>(&mut self, xs: &mut [T]) {
-        for i in (1..xs.len()).rev() {
-            xs.swap(i, self.below(i + 1));
-        }
-    }
-}
-
 /// The naive reference: plain loops, `f64` accumulation, whole score vector.
-/// `k[s]`, `v[s]`: `[ctx_s, kvh, hd]`; `q`: `[tokens, heads, hd]`.
-#[allow(clippy::too_many_arguments)]
-fn reference_attention(
-    q: &[f32],
-    k: &[Vec<f32>],
-    v: &[Vec<f32>],
-    query_start_loc: &[u32],
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    scale: f32,
-) -> Vec<f32> {
+/// `k[s]`, `v[s]`: `[ctx_s, kvh, hd]`; `q`: `[tokens, heads, hd]`. A query
+/// at position `pos` sees the last `window` positions up to its own; scores
+/// are soft-capped when `attn` says so.
+fn reference_attention(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], query_start_loc: &[u32], attn: &AttentionShape) -> Vec<f32> {
+    let (num_heads, num_kv_heads, head_dim, scale) = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale);
     let mut out = vec![0.0f32; q.len()];
     let group = num_heads / num_kv_heads;
     for s in 0..query_start_loc.len() - 1 {
@@ -116,11 +78,12 @@ fn reference_attention(
             for h in 0..num_heads {
                 let kh = h / group;
                 let qv = &q[(t * num_heads + h) * head_dim..][..head_dim];
-                let scores: Vec<f64> = (0..=pos)
+                let first = attn.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let scores: Vec<f64> = (first..=pos)
                     .map(|p| {
                         let kr = &k[s][(p * num_kv_heads + kh) * head_dim..][..head_dim];
-                        let d: f64 = qv.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
-                        d * scale as f64
+                        let d: f64 = qv.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64;
+                        attn.logit_softcap.map_or(d, |cap| cap as f64 * (d / cap as f64).tanh())
                     })
                     .collect();
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -128,7 +91,7 @@ fn reference_attention(
                 let total: f64 = weights.iter().sum();
                 for d in 0..head_dim {
                     let mut acc = 0.0f64;
-                    for (p, w) in weights.iter().enumerate() {
+                    for (p, w) in (first..).zip(&weights) {
                         acc += w * v[s][(p * num_kv_heads + kh) * head_dim + d] as f64;
                     }
                     out[(t * num_heads + h) * head_dim + d] = (acc / total) as f32;
@@ -142,10 +105,7 @@ fn reference_attention(
 fn assert_within(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol,
-            "{what}: element {i}: got {g}, want {w} (tolerance {tol})"
-        );
+        assert!((g - w).abs() <= tol, "{what}: element {i}: got {g}, want {w} (tolerance {tol})");
     }
 }
 
@@ -153,10 +113,7 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let tol = 1e-4 * w.abs().max(1.0);
-        assert!(
-            (g - w).abs() <= tol,
-            "{what}: element {i}: got {g}, want {w}"
-        );
+        assert!((g - w).abs() <= tol, "{what}: element {i}: got {g}, want {w}");
     }
 }
 
@@ -171,6 +128,10 @@ struct Case {
     seqs: Vec<(usize, usize)>,
     /// Full blocks sequence 1 shares with sequence 0 (clamped to what fits).
     shared_blocks: usize,
+    /// Sliding window, if any.
+    window: Option<usize>,
+    /// Score soft-cap, if any.
+    softcap: Option<f32>,
     seed: u64,
 }
 
@@ -190,19 +151,21 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         prop_oneof![Just(64usize), 4usize..=64],
         prop::collection::vec(seq_strategy(), 1..=5),
         0usize..4,
+        prop_oneof![3 => Just(None), 1 => (1usize..40).prop_map(Some)],
+        prop_oneof![3 => Just(None), 1 => prop::sample::select(vec![0.5f32, 5.0, 30.0]).prop_map(Some)],
         any::<u64>(),
     )
-        .prop_map(
-            |(block_size, num_kv_heads, group, head_dim, seqs, shared_blocks, seed)| Case {
-                block_size,
-                num_kv_heads,
-                group,
-                head_dim,
-                seqs,
-                shared_blocks,
-                seed,
-            },
-        )
+        .prop_map(|(block_size, num_kv_heads, group, head_dim, seqs, shared_blocks, window, softcap, seed)| Case {
+            block_size,
+            num_kv_heads,
+            group,
+            head_dim,
+            seqs,
+            shared_blocks,
+            window,
+            softcap,
+            seed,
+        })
 }
 
 /// A built batch: the cache filled through `write_kv`, queries, metadata and
@@ -221,12 +184,12 @@ struct Batch {
     context_lens: Vec<u32>,
     block_tables: Vec<u32>,
     stride: usize,
-    num_heads: usize,
+    attn: AttentionShape,
 }
 
 impl Batch {
     fn build(c: &Case, dtype: KvCacheDtype) -> Self {
-        let mut rng = Rng(c.seed);
+        let mut rng = Rng::new(c.seed);
         let (bs, kvh, hd) = (c.block_size, c.num_kv_heads, c.head_dim);
         let num_heads = kvh * c.group;
         let row = kvh * hd;
@@ -234,24 +197,14 @@ impl Batch {
         let blocks_of = |ctx: usize| ctx.div_ceil(bs);
 
         // Sequence 1 shares min(shared_blocks, full blocks of both) prefix blocks with 0.
-        let shared = if n_seqs >= 2 {
-            c.shared_blocks.min(c.seqs[0].0 / bs).min(c.seqs[1].0 / bs)
-        } else {
-            0
-        };
+        let shared = if n_seqs >= 2 { c.shared_blocks.min(c.seqs[0].0 / bs).min(c.seqs[1].0 / bs) } else { 0 };
 
         // Physical ids: a shuffled pool with spare blocks, handed out in order.
         let needed: usize = c.seqs.iter().map(|&(ctx, _)| blocks_of(ctx)).sum::<usize>() - shared;
         let num_blocks = needed + 3;
         let mut free: Vec<u32> = (0..num_blocks as u32).collect();
         rng.shuffle(&mut free);
-        let stride = c
-            .seqs
-            .iter()
-            .map(|&(ctx, _)| blocks_of(ctx))
-            .max()
-            .unwrap_or(0)
-            + 1;
+        let stride = c.seqs.iter().map(|&(ctx, _)| blocks_of(ctx)).max().unwrap_or(0) + 1;
         let mut block_tables = vec![0u32; n_seqs * stride];
         let mut next = 0;
         for (s, &(ctx, _)) in c.seqs.iter().enumerate() {
@@ -266,8 +219,8 @@ impl Batch {
         }
 
         // Logical K/V; sequence 1's shared prefix equals sequence 0's.
-        let mut k: Vec<Vec<f32>> = c.seqs.iter().map(|&(ctx, _)| rng.vec(ctx * row)).collect();
-        let mut v: Vec<Vec<f32>> = c.seqs.iter().map(|&(ctx, _)| rng.vec(ctx * row)).collect();
+        let mut k: Vec<Vec<f32>> = c.seqs.iter().map(|&(ctx, _)| rng.signed_vec(ctx * row)).collect();
+        let mut v: Vec<Vec<f32>> = c.seqs.iter().map(|&(ctx, _)| rng.signed_vec(ctx * row)).collect();
         if shared > 0 {
             let n = shared * bs * row;
             let (k0, v0) = (k[0][..n].to_vec(), v[0][..n].to_vec());
@@ -275,15 +228,9 @@ impl Batch {
             v[1][..n].copy_from_slice(&v0);
         }
 
-        let layout = KvCacheLayout {
-            num_blocks,
-            block_size: bs,
-            num_kv_heads: kvh,
-            head_dim: hd,
-        };
+        let layout = KvCacheLayout { num_blocks, block_size: bs, num_kv_heads: kvh, head_dim: hd };
         let mut cache = LayerKvCache::new(&layout, dtype);
-        let slot =
-            |s: usize, p: usize| block_tables[s * stride + p / bs] * bs as u32 + (p % bs) as u32;
+        let slot = |s: usize, p: usize| block_tables[s * stride + p / bs] * bs as u32 + (p % bs) as u32;
 
         // Earlier steps wrote the context before this step's tokens; this step
         // writes its new tokens for the whole batch at once.
@@ -291,13 +238,7 @@ impl Batch {
         for (s, &(ctx, q_len)) in c.seqs.iter().enumerate() {
             let old = ctx - q_len;
             let slots: Vec<u32> = (0..old).map(|p| slot(s, p)).collect();
-            write_kv(
-                &mut cache,
-                &layout,
-                &k[s][..old * row],
-                &v[s][..old * row],
-                &slots,
-            );
+            write_kv(&mut cache, &layout, &k[s][..old * row], &v[s][..old * row], &slots);
             new_k.extend_from_slice(&k[s][old * row..]);
             new_v.extend_from_slice(&v[s][old * row..]);
             new_slots.extend((old..ctx).map(|p| slot(s, p)));
@@ -309,7 +250,7 @@ impl Batch {
             query_start_loc.push(query_start_loc.last().copied().unwrap_or(0) + q_len as u32);
         }
         let num_tokens = *query_start_loc.last().unwrap_or(&0) as usize;
-        let q = rng.vec(num_tokens * num_heads * hd);
+        let q = rng.signed_vec(num_tokens * num_heads * hd);
         let context_lens = c.seqs.iter().map(|&(ctx, _)| ctx as u32).collect();
         let k_stored = k.iter().map(|x| rounded(dtype, x)).collect();
         let v_stored = v.iter().map(|x| rounded(dtype, x)).collect();
@@ -326,7 +267,7 @@ impl Batch {
             context_lens,
             block_tables,
             stride,
-            num_heads,
+            attn: AttentionShape { sliding_window: c.window, logit_softcap: c.softcap, ..AttentionShape::new(num_heads, kvh, hd) },
         }
     }
 
@@ -341,21 +282,9 @@ impl Batch {
         }
     }
 
-    fn scale(&self) -> f32 {
-        1.0 / (self.layout.head_dim as f32).sqrt()
-    }
-
     fn paged(&self) -> Vec<f32> {
         let mut out = vec![f32::NAN; self.q.len()];
-        paged_attention(
-            &mut out,
-            &self.q,
-            &self.cache,
-            &self.layout,
-            &self.meta(),
-            self.num_heads,
-            self.scale(),
-        );
+        paged_attention(&mut out, &self.q, &self.cache, &self.layout, &self.meta(), &self.attn);
         out
     }
 
@@ -370,10 +299,10 @@ impl Batch {
             &k,
             &v,
             &self.query_start_loc,
-            self.num_heads,
+            self.attn.num_heads,
             l.num_kv_heads,
             l.head_dim,
-            self.scale(),
+            self.attn.scale,
         );
         out
     }
@@ -393,22 +322,12 @@ impl Batch {
         let paged = self.paged();
         let what = format!("paged ({:?}) vs reference", self.dtype);
         assert_close(&paged, &self.reference_stored(), &format!("{what} on stored K/V"));
-        let tol = rounding_bound(self.dtype, self.layout.head_dim, self.scale());
+        let tol = rounding_bound(self.dtype, self.layout.head_dim, self.attn.scale);
         assert_within(&paged, &self.reference(), tol, &format!("{what} on exact K/V"));
     }
 
     fn reference_of(&self, k: &[Vec<f32>], v: &[Vec<f32>]) -> Vec<f32> {
-        let l = &self.layout;
-        reference_attention(
-            &self.q,
-            k,
-            v,
-            &self.query_start_loc,
-            self.num_heads,
-            l.num_kv_heads,
-            l.head_dim,
-            self.scale(),
-        )
+        reference_attention(&self.q, k, v, &self.query_start_loc, &self.attn)
     }
 }
 
@@ -424,9 +343,11 @@ proptest! {
         }
     }
 
-    /// The contiguous kernel (the benchmark's baseline) equals the reference.
+    /// The contiguous kernel (the benchmark's baseline; full causal
+    /// attention only) equals the reference.
     #[test]
     fn contiguous_matches_reference(c in case_strategy()) {
+        let c = Case { window: None, softcap: None, ..c };
         let b = Batch::build(&c, KvCacheDtype::F32);
         assert_close(&b.contiguous(), &b.reference(), "contiguous vs reference");
     }
@@ -442,13 +363,13 @@ proptest! {
         fill in 0.0f64..=1.0,
         seed in any::<u64>(),
     ) {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let layout = KvCacheLayout { num_blocks, block_size, num_kv_heads, head_dim };
         let row = layout.slot_elems();
         let mut slots: Vec<u32> = (0..layout.num_slots() as u32).collect();
         rng.shuffle(&mut slots);
         slots.truncate((slots.len() as f64 * fill) as usize);
-        let (k, v) = (rng.vec(slots.len() * row), rng.vec(slots.len() * row));
+        let (k, v) = (rng.signed_vec(slots.len() * row), rng.signed_vec(slots.len() * row));
         for dtype in DTYPES {
             let mut cache = LayerKvCache::new(&layout, dtype);
             write_kv(&mut cache, &layout, &k, &v, &slots);
@@ -479,7 +400,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let (kvh, heads) = (3, 9);
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let row = kvh * head_dim;
         // Three non-empty chunks [0, a), [a, b), [b, len).
         let a = 1 + ((len - 2) as f64 * cut_a) as usize;
@@ -490,7 +411,7 @@ proptest! {
         let mut table: Vec<u32> = (0..n_blocks as u32 + 2).collect();
         rng.shuffle(&mut table);
         let layout = KvCacheLayout { num_blocks: n_blocks + 2, block_size, num_kv_heads: kvh, head_dim };
-        let (k, v, q) = (rng.vec(len * row), rng.vec(len * row), rng.vec(len * heads * head_dim));
+        let (k, v, q) = (rng.signed_vec(len * row), rng.signed_vec(len * row), rng.signed_vec(len * heads * head_dim));
         let slots: Vec<u32> =
             (0..len).map(|p| table[p / block_size] * block_size as u32 + (p % block_size) as u32).collect();
         let scale = 0.125;
@@ -507,7 +428,8 @@ proptest! {
                 block_table_stride: table.len(),
             };
             let mut out = vec![f32::NAN; (to - from) * qrow];
-            paged_attention(&mut out, &q[from * qrow..to * qrow], cache, &layout, &meta, heads, scale);
+            let attn = AttentionShape { scale, ..AttentionShape::new(heads, kvh, head_dim) };
+            paged_attention(&mut out, &q[from * qrow..to * qrow], cache, &layout, &meta, &attn);
             out
         };
 
@@ -527,16 +449,10 @@ proptest! {
     }
 }
 
-fn random_cache(
-    rng: &mut Rng,
-    layout: KvCacheLayout,
-    layers: usize,
-    host_blocks: usize,
-    dtype: KvCacheDtype,
-) -> KvCache {
+fn random_cache(rng: &mut Rng, layout: KvCacheLayout, layers: usize, host_blocks: usize, dtype: KvCacheDtype) -> KvCache {
     let mut cache = KvCache::new(layout, layers, host_blocks, dtype);
     for l in cache.layers.iter_mut().chain(cache.host_layers.iter_mut()) {
-        let (k, v) = (rng.vec(l.k.len()), rng.vec(l.v.len()));
+        let (k, v) = (rng.signed_vec(l.k.len()), rng.signed_vec(l.v.len()));
         l.k.write_f32(0, &k);
         l.v.write_f32(0, &v);
     }
@@ -558,25 +474,11 @@ fn copy_blocks_moves_every_layer_k_and_v() {
 }
 
 fn copy_blocks_moves_every_layer_k_and_v_in(dtype: KvCacheDtype) {
-    let mut rng = Rng(7);
-    let layout = KvCacheLayout {
-        num_blocks: 8,
-        block_size: 4,
-        num_kv_heads: 3,
-        head_dim: 5,
-    };
+    let mut rng = Rng::new(7);
+    let layout = KvCacheLayout { num_blocks: 8, block_size: 4, num_kv_heads: 3, head_dim: 5 };
     let mut cache = random_cache(&mut rng, layout, 3, 2, dtype);
     let before = cache.clone();
-    let copies = [
-        BlockCopy {
-            src: BlockId(1),
-            dst: BlockId(6),
-        },
-        BlockCopy {
-            src: BlockId(5),
-            dst: BlockId(0),
-        },
-    ];
+    let copies = [BlockCopy { src: BlockId(1), dst: BlockId(6) }, BlockCopy { src: BlockId(5), dst: BlockId(0) }];
     cache.copy_blocks(&copies);
     for (l, (after, before)) in cache.layers.iter().zip(&before.layers).enumerate() {
         for b in 0..layout.num_blocks {
@@ -585,22 +487,11 @@ fn copy_blocks_moves_every_layer_k_and_v_in(dtype: KvCacheDtype) {
                 0 => 5,
                 b => b,
             };
-            assert_eq!(
-                block(&after.k, &layout, b),
-                block(&before.k, &layout, src),
-                "{dtype:?} layer {l} K block {b}"
-            );
-            assert_eq!(
-                block(&after.v, &layout, b),
-                block(&before.v, &layout, src),
-                "{dtype:?} layer {l} V block {b}"
-            );
+            assert_eq!(block(&after.k, &layout, b), block(&before.k, &layout, src), "{dtype:?} layer {l} K block {b}");
+            assert_eq!(block(&after.v, &layout, b), block(&before.v, &layout, src), "{dtype:?} layer {l} V block {b}");
         }
     }
-    assert_eq!(
-        cache.host_layers, before.host_layers,
-        "copy_blocks touched the host pool"
-    );
+    assert_eq!(cache.host_layers, before.host_layers, "copy_blocks touched the host pool");
 }
 
 #[test]
@@ -611,52 +502,23 @@ fn swap_out_then_in_round_trips_every_layer_k_and_v() {
 }
 
 fn swap_out_then_in_round_trips_every_layer_k_and_v_in(dtype: KvCacheDtype) {
-    let mut rng = Rng(11);
-    let layout = KvCacheLayout {
-        num_blocks: 6,
-        block_size: 2,
-        num_kv_heads: 2,
-        head_dim: 3,
-    };
+    let mut rng = Rng::new(11);
+    let layout = KvCacheLayout { num_blocks: 6, block_size: 2, num_kv_heads: 2, head_dim: 3 };
     let mut cache = random_cache(&mut rng, layout, 4, 3, dtype);
     let before = cache.clone();
 
     // Out: device 4 -> host 2, device 1 -> host 0.
-    let out = [
-        BlockSwap {
-            device: BlockId(4),
-            host: HostBlockId(2),
-        },
-        BlockSwap {
-            device: BlockId(1),
-            host: HostBlockId(0),
-        },
-    ];
+    let out = [BlockSwap { device: BlockId(4), host: HostBlockId(2) }, BlockSwap { device: BlockId(1), host: HostBlockId(0) }];
     cache.swap_blocks(&out, true);
     let host = cache.host_layout();
     for (l, (h, d)) in cache.host_layers.iter().zip(&before.layers).enumerate() {
         for (hb, db) in [(2, 4), (0, 1)] {
-            assert_eq!(
-                block(&h.k, &host, hb),
-                block(&d.k, &layout, db),
-                "{dtype:?} layer {l} K host {hb}"
-            );
-            assert_eq!(
-                block(&h.v, &host, hb),
-                block(&d.v, &layout, db),
-                "{dtype:?} layer {l} V host {hb}"
-            );
+            assert_eq!(block(&h.k, &host, hb), block(&d.k, &layout, db), "{dtype:?} layer {l} K host {hb}");
+            assert_eq!(block(&h.v, &host, hb), block(&d.v, &layout, db), "{dtype:?} layer {l} V host {hb}");
         }
-        assert_eq!(
-            block(&h.k, &host, 1),
-            block(&before.host_layers[l].k, &host, 1),
-            "host block 1 changed"
-        );
+        assert_eq!(block(&h.k, &host, 1), block(&before.host_layers[l].k, &host, 1), "host block 1 changed");
     }
-    assert_eq!(
-        cache.layers, before.layers,
-        "swap-out changed the device pool"
-    );
+    assert_eq!(cache.layers, before.layers, "swap-out changed the device pool");
 
     // The device blocks are reused meanwhile; in: host 2 -> device 0, host 0 -> device 5.
     for l in &mut cache.layers {
@@ -664,34 +526,14 @@ fn swap_out_then_in_round_trips_every_layer_k_and_v_in(dtype: KvCacheDtype) {
         l.k.write_f32(0, &fill);
         l.v.write_f32(0, &fill);
     }
-    let back = [
-        BlockSwap {
-            device: BlockId(0),
-            host: HostBlockId(2),
-        },
-        BlockSwap {
-            device: BlockId(5),
-            host: HostBlockId(0),
-        },
-    ];
+    let back = [BlockSwap { device: BlockId(0), host: HostBlockId(2) }, BlockSwap { device: BlockId(5), host: HostBlockId(0) }];
     cache.swap_blocks(&back, false);
     for (l, (d, orig)) in cache.layers.iter().zip(&before.layers).enumerate() {
         for (db, ob) in [(0, 4), (5, 1)] {
-            assert_eq!(
-                block(&d.k, &layout, db),
-                block(&orig.k, &layout, ob),
-                "{dtype:?} layer {l} K device {db}"
-            );
-            assert_eq!(
-                block(&d.v, &layout, db),
-                block(&orig.v, &layout, ob),
-                "{dtype:?} layer {l} V device {db}"
-            );
+            assert_eq!(block(&d.k, &layout, db), block(&orig.k, &layout, ob), "{dtype:?} layer {l} K device {db}");
+            assert_eq!(block(&d.v, &layout, db), block(&orig.v, &layout, ob), "{dtype:?} layer {l} V device {db}");
         }
-        assert!(
-            block(&d.k, &layout, 2).iter().all(|&x| x == -7.0),
-            "swap-in touched device block 2"
-        );
+        assert!(block(&d.k, &layout, 2).iter().all(|&x| x == -7.0), "swap-in touched device block 2");
     }
 }
 
@@ -705,6 +547,8 @@ fn gqa_decode_batch_of_64_runs_in_parallel_and_matches_reference() {
         head_dim: 64,
         seqs: (0..64).map(|i| (1 + (i * 37) % 300, 1)).collect(),
         shared_blocks: 2,
+        window: None,
+        softcap: None,
         seed: 3,
     };
     for dtype in DTYPES {
@@ -724,6 +568,8 @@ fn single_long_decode_matches_reference() {
         head_dim: 64,
         seqs: vec![(2000, 1)],
         shared_blocks: 0,
+        window: None,
+        softcap: None,
         seed: 9,
     };
     for dtype in DTYPES {
@@ -742,22 +588,24 @@ fn long_prefill_matches_reference() {
         head_dim: 32,
         seqs: vec![(400, 300), (50, 1)],
         shared_blocks: 0,
+        window: None,
+        softcap: None,
         seed: 5,
     };
     for dtype in DTYPES {
         Batch::build(&c, dtype).check_paged();
+    }
+    // The same with a window shorter than a tile and a soft-cap (Gemma's
+    // local layers): only the last `window` keys of each query count.
+    for dtype in DTYPES {
+        Batch::build(&Case { window: Some(37), softcap: Some(20.0), ..c.clone() }, dtype).check_paged();
     }
 }
 
 #[test]
 #[should_panic(expected = "block_table_stride")]
 fn block_table_too_short_is_a_broken_invariant() {
-    let layout = KvCacheLayout {
-        num_blocks: 4,
-        block_size: 2,
-        num_kv_heads: 1,
-        head_dim: 4,
-    };
+    let layout = KvCacheLayout { num_blocks: 4, block_size: 2, num_kv_heads: 1, head_dim: 4 };
     let cache = LayerKvCache::new(&layout, KvCacheDtype::F32);
     let meta = AttentionMetadata {
         block_size: 2,
@@ -768,18 +616,13 @@ fn block_table_too_short_is_a_broken_invariant() {
         block_table_stride: 2,
     };
     let mut out = vec![0.0; 4];
-    paged_attention(&mut out, &[0.0; 4], &cache, &layout, &meta, 1, 1.0);
+    paged_attention(&mut out, &[0.0; 4], &cache, &layout, &meta, &AttentionShape::new(1, 1, 4));
 }
 
 #[test]
 #[should_panic(expected = "outside the pool")]
 fn slot_outside_the_pool_is_a_broken_invariant() {
-    let layout = KvCacheLayout {
-        num_blocks: 2,
-        block_size: 2,
-        num_kv_heads: 1,
-        head_dim: 2,
-    };
+    let layout = KvCacheLayout { num_blocks: 2, block_size: 2, num_kv_heads: 1, head_dim: 2 };
     let mut cache = LayerKvCache::new(&layout, KvCacheDtype::F16);
     write_kv(&mut cache, &layout, &[1.0, 2.0], &[3.0, 4.0], &[4]);
 }

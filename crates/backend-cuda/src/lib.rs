@@ -7,3 +7,5 @@
 //! Status: empty. Nothing here runs yet; the crate exists so that the
 //! workspace has the shape of the design card and the `cuda` feature of the
 //! `vellum` facade has somewhere to point.
+
+#![deny(missing_docs)]

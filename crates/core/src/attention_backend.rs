@@ -1,8 +1,12 @@
-//! The attention contract: paged attention over block tables.
+//! The attention contract: paged attention over block tables, on whatever
+//! device holds the KV cache.
 
-use crate::{BlockCopy, BlockSwap, Result};
+use crate::{BlockCopy, BlockSwap, ForwardBatch, KvCacheDtype, Result};
 
-/// Per-step attention metadata, borrowed from a [`crate::ForwardBatch`].
+/// Per-step attention metadata on the host, borrowed from a
+/// [`ForwardBatch`] (see its module doc for the layout). Host backends read
+/// it directly; device backends upload it once per step in
+/// [`AttentionBackend::prepare_step`].
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionMetadata<'a> {
     /// Tokens per block.
@@ -19,16 +23,123 @@ pub struct AttentionMetadata<'a> {
     pub block_table_stride: usize,
 }
 
+impl ForwardBatch {
+    /// The batch's attention metadata for blocks of `block_size` tokens.
+    pub fn attention_metadata(&self, block_size: usize) -> AttentionMetadata<'_> {
+        AttentionMetadata {
+            block_size,
+            slot_mapping: &self.slot_mapping,
+            query_start_loc: &self.query_start_loc,
+            context_lens: &self.context_lens,
+            block_tables: &self.block_tables,
+            block_table_stride: self.block_table_stride,
+        }
+    }
+}
+
+/// What one attention layer computes, beyond the step's metadata.
+///
+/// Query row `i` at position `p` attends to the cached positions
+/// `max(0, p + 1 - sliding_window) ..= p` of its sequence (all of `0..=p`
+/// without a window); query head `h` reads kv head
+/// `h / (num_heads / num_kv_heads)`. A score is `scale · q·k`, then
+/// `cap · tanh(score / cap)` with a soft-cap (Gemma 2).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Multiplies `q·k` (usually `1/√head_dim`; some models set their own).
+    pub scale: f32,
+    /// Keys visible to a query, its own included (Mistral, Gemma local
+    /// layers); `None` is full causal attention.
+    pub sliding_window: Option<usize>,
+    /// Soft-cap of the attention logits, if any.
+    pub logit_softcap: Option<f32>,
+}
+
+impl AttentionShape {
+    /// Full causal attention with the default scale `1/√head_dim`.
+    pub fn new(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Self {
+        Self { num_heads, num_kv_heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt(), sliding_window: None, logit_softcap: None }
+    }
+
+    /// Query heads per kv head.
+    pub fn group(&self) -> usize {
+        self.num_heads / self.num_kv_heads.max(1)
+    }
+
+    /// The first cached position a query at `position` sees.
+    pub fn first_visible(&self, position: usize) -> usize {
+        match self.sliding_window {
+            Some(w) => (position + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
+}
+
+/// The geometry of a paged KV cache: every layer holds a K pool and a V pool
+/// of `[num_blocks, block_size, num_kv_heads, head_dim]` elements of `dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvCacheSpec {
+    /// Decoder layers (each with its own K and V pool).
+    pub num_layers: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Storage type of the elements.
+    pub dtype: KvCacheDtype,
+}
+
+impl KvCacheSpec {
+    /// Elements of one block in one pool (one layer's K, or its V).
+    pub fn block_elems(&self) -> usize {
+        self.block_size * self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes of one block in one pool.
+    pub fn pool_block_bytes(&self) -> u64 {
+        (self.block_elems() * self.dtype.size_bytes()) as u64
+    }
+
+    /// Bytes one block takes across all layers, K and V.
+    pub fn block_bytes(&self) -> u64 {
+        2 * self.num_layers as u64 * self.pool_block_bytes()
+    }
+}
+
+/// What a backend can give the KV cache (thesis §4.2.1: the pool is sized
+/// from what is left once the weights are loaded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvMemory {
+    /// Bytes free on the device that holds the cache, after the weights.
+    pub available_bytes: u64,
+    /// The most blocks the device can address, if it has a limit below its
+    /// memory (a storage binding of at most 128 MiB per pool on lavapipe).
+    pub max_blocks: Option<usize>,
+}
+
 /// Attention through a paged KV cache that the backend owns.
 ///
-/// The model code calls these per layer: first [`write_kv`] stores the new
-/// keys and values of the whole batch in their slots ("fused reshape and block
-/// write", paper §5.1), then [`paged_attention`] lets every query attend to
-/// its sequence's context through the block table. Because all writes of a
+/// Per step, the engine's [`ForwardBatch`] is handed to the backend once
+/// ([`prepare_step`]: a device backend uploads positions, slot mapping,
+/// block tables, query offsets, context lengths and logits rows there);
+/// every op of that step reads the prepared [`AttentionBackend::Step`].
+/// Per layer, model code first calls [`write_kv`] to store the batch's new
+/// keys and values in their slots ("fused reshape and block write", paper
+/// §5.1), then [`paged_attention`] lets every query attend to its
+/// sequence's context through the block table. Because all writes of a
 /// layer precede its attention, a sequence may read blocks that another
-/// sequence of the same batch fills in the same step (a prefix-cache hit on a
-/// block being computed).
+/// sequence of the same batch fills in the same step (a prefix-cache hit on
+/// a block being computed).
 ///
+/// [`prepare_step`]: AttentionBackend::prepare_step
 /// [`write_kv`]: AttentionBackend::write_kv
 /// [`paged_attention`]: AttentionBackend::paged_attention
 pub trait AttentionBackend {
@@ -36,32 +147,36 @@ pub trait AttentionBackend {
     type Tensor;
     /// The K/V pools of every layer, device and host.
     type KvCache;
+    /// One step's inputs, where the backend's kernels read them.
+    type Step;
 
-    /// Bytes one block takes across all layers, K and V.
-    fn kv_block_bytes(&self, cache: &Self::KvCache) -> u64;
+    /// A short description for logs (`cpu (avx2)`, `wgpu: llvmpipe (Vulkan)`).
+    fn describe(&self) -> String;
 
-    /// Stores `k`, `v` (`[tokens, kv_heads, head_dim]`) of `layer` in the
-    /// slots of `meta.slot_mapping`.
-    fn write_kv(
-        &self,
-        cache: &mut Self::KvCache,
-        layer: usize,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        meta: &AttentionMetadata<'_>,
-    ) -> Result<()>;
+    /// Memory the backend can give a cache of `spec`'s geometry.
+    fn kv_memory(&self, spec: &KvCacheSpec) -> KvMemory;
 
-    /// Causal attention of `q` (`[tokens, heads, head_dim]`) over the cached
-    /// context of each sequence, written to `out`.
+    /// Allocates `num_blocks` device blocks and `num_host_blocks` host
+    /// (swap) blocks of `spec`'s geometry.
+    fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> Result<Self::KvCache>;
+
+    /// Makes one step's inputs available to the kernels.
+    fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> Result<Self::Step>;
+
+    /// Stores `k`, `v` (`[tokens, kv_heads · head_dim]`) of `layer` in the
+    /// slots of the step's slot mapping.
+    fn write_kv(&self, cache: &mut Self::KvCache, layer: usize, k: &Self::Tensor, v: &Self::Tensor, step: &Self::Step) -> Result<()>;
+
+    /// Causal attention of `q` (`[tokens, heads · head_dim]`) over the
+    /// cached context of each sequence, as `shape` describes.
     fn paged_attention(
         &self,
         cache: &Self::KvCache,
         layer: usize,
         q: &Self::Tensor,
-        meta: &AttentionMetadata<'_>,
-        scale: f32,
-        out: &mut Self::Tensor,
-    ) -> Result<()>;
+        step: &Self::Step,
+        shape: &AttentionShape,
+    ) -> Result<Self::Tensor>;
 
     /// One batched copy for copy-on-write.
     fn copy_blocks(&self, cache: &mut Self::KvCache, copies: &[BlockCopy]) -> Result<()>;

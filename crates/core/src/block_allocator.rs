@@ -109,7 +109,11 @@ impl KvCacheStats {
     /// Filled slots over used (allocated or reserved) slots; 1 when empty.
     pub fn utilization(&self) -> f64 {
         let used = self.num_used_slots();
-        if used == 0 { 1.0 } else { self.num_filled_slots as f64 / used as f64 }
+        if used == 0 {
+            1.0
+        } else {
+            self.num_filled_slots as f64 / used as f64
+        }
     }
 
     /// Blocks saved by sharing over blocks needed without it (paper Fig. 15).
@@ -152,12 +156,7 @@ pub trait BlockAllocator {
     /// `seq.num_computed_tokens` (plus `computed` blocks from the prefix cache
     /// for a sequence that holds nothing yet). `None` means no room; then
     /// nothing has changed.
-    fn allocate_slots(
-        &mut self,
-        seq: &SeqTokens<'_>,
-        num_new_tokens: usize,
-        computed: ComputedBlocks,
-    ) -> Option<AllocatedSlots>;
+    fn allocate_slots(&mut self, seq: &SeqTokens<'_>, num_new_tokens: usize, computed: ComputedBlocks) -> Option<AllocatedSlots>;
 
     /// `child` gets `parent`'s blocks (parallel sampling, beam candidates).
     /// A paged allocator shares them; a contiguous one copies.

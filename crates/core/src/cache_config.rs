@@ -8,14 +8,15 @@ pub enum KvCacheSize {
     /// Exactly this many blocks.
     NumBlocks(usize),
     /// This many bytes; the backend says how many blocks fit
-    /// ([`crate::ModelExecutor::num_kv_blocks_for_budget`]).
+    /// ([`crate::ModelExecutor::num_kv_blocks`]).
     MemoryBytes(u64),
-    /// A fraction of the memory that is free when the engine starts.
+    /// A fraction of the memory the backend reports free once the weights
+    /// are loaded ([`crate::ModelExecutor::kv_memory`]).
     FractionOfFree(f32),
 }
 
 /// Element type of the stored keys and values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KvCacheDtype {
     /// 4 bytes per element: exact.
     F32,
@@ -73,10 +74,9 @@ impl CacheConfig {
             });
         }
         match self.size {
-            KvCacheSize::NumBlocks(0) | KvCacheSize::MemoryBytes(0) => Err(Error::InvalidConfig {
-                field: "kv_cache_memory",
-                message: "the KV cache must hold at least one block".into(),
-            }),
+            KvCacheSize::NumBlocks(0) | KvCacheSize::MemoryBytes(0) => {
+                Err(Error::InvalidConfig { field: "kv_cache_memory", message: "the KV cache must hold at least one block".into() })
+            }
             KvCacheSize::FractionOfFree(f) if !(f > 0.0 && f <= 1.0) => Err(Error::InvalidConfig {
                 field: "kv_cache_memory",
                 message: format!("fraction of free memory must be in (0, 1], got {f}"),

@@ -24,19 +24,36 @@ pub enum Error {
     /// A model's `config.json` could not be parsed.
     #[error("cannot parse model config ({source_name}): {message}")]
     ModelConfigParse {
-        /// Where the config came from (a path, or "<string>").
+        /// Where the config came from (a path, or `"<string>"`).
         source_name: String,
         /// The parser's message.
         message: String,
     },
     /// A model architecture that no model definition implements.
-    #[error("unsupported architecture {0:?}; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")]
+    #[error("unsupported architecture {0:?}; supported: {list}", list = crate::supported_architectures())]
     UnsupportedArchitecture(String),
     /// A request-state transition that the unified model forbids (e.g.
     /// scheduling more tokens than remain).
     #[error("invalid request-state transition: {0}")]
     InvalidTransition(String),
-    /// A backend failed (out of device memory, a kernel error, ...).
+    /// A backend failed (a kernel error, a lost device, ...).
     #[error("backend error: {0}")]
     Backend(String),
+    /// A device allocation failed.
+    #[error("out of device memory: {what} needs {bytes} bytes")]
+    OutOfMemory {
+        /// What was being allocated.
+        what: String,
+        /// Bytes asked for.
+        bytes: u64,
+    },
+    /// This build lacks what a request asks for (a backend left out at
+    /// compile time, a device that is not present).
+    #[error("{what} is not available: {hint}")]
+    Unavailable {
+        /// What was asked for.
+        what: String,
+        /// How to get it.
+        hint: String,
+    },
 }

@@ -21,6 +21,9 @@
 //! that a GPU backend uploads as is; no type here assumes that tensors live in
 //! host memory.
 
+#![deny(missing_docs)]
+
+mod architecture;
 mod attention_backend;
 mod block_allocator;
 mod cache_config;
@@ -35,10 +38,9 @@ mod sampling_params;
 mod scheduler_config;
 mod seeded_rng;
 
-pub use attention_backend::{AttentionBackend, AttentionMetadata};
-pub use block_allocator::{
-    AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens,
-};
+pub use architecture::{find_architecture, find_model_type, supported_architectures, Architecture, ModelFamily, ARCHITECTURES};
+pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape, KvCacheSpec, KvMemory};
+pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
 pub use cache_config::{CacheConfig, KvCacheDtype, KvCacheSize};
 pub use error::Error;
 pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch};

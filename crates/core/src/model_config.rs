@@ -1,12 +1,8 @@
 //! A model's shape, parsed from a Hugging Face `config.json`.
 
-use crate::{Error, Result};
+use crate::{find_architecture, find_model_type, Architecture, Error, Result};
 use serde::Deserialize;
 use std::path::Path;
-
-/// Architectures with a model definition in `vellum-models`.
-const SUPPORTED: [&str; 4] =
-    ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"];
 
 /// RoPE frequency scaling (`rope_scaling` in `config.json`).
 #[derive(Clone, Debug, PartialEq)]
@@ -106,22 +102,11 @@ impl ModelConfig {
     pub fn from_json_str(json: &str, source_name: &str) -> Result<Self> {
         let parse_err = |message: String| Error::ModelConfigParse { source_name: source_name.to_string(), message };
         let raw: RawConfig = serde_json::from_str(json).map_err(|e| parse_err(e.to_string()))?;
-        let architecture = match (&raw.architectures, &raw.model_type) {
-            (Some(a), _) if !a.is_empty() => a[0].clone(),
-            (_, Some(t)) => match t.as_str() {
-                "llama" => "LlamaForCausalLM".to_string(),
-                "mistral" => "MistralForCausalLM".to_string(),
-                "qwen2" => "Qwen2ForCausalLM".to_string(),
-                "qwen3" => "Qwen3ForCausalLM".to_string(),
-                other => return Err(Error::UnsupportedArchitecture(other.to_string())),
-            },
+        let arch = match (&raw.architectures, &raw.model_type) {
+            (Some(a), _) if !a.is_empty() => find_architecture(&a[0]).ok_or_else(|| Error::UnsupportedArchitecture(a[0].clone()))?,
+            (_, Some(t)) => find_model_type(t).ok_or_else(|| Error::UnsupportedArchitecture(t.clone()))?,
             _ => return Err(parse_err("neither `architectures` nor `model_type` is given".into())),
         };
-        if !SUPPORTED.contains(&architecture.as_str()) {
-            return Err(Error::UnsupportedArchitecture(architecture));
-        }
-        let is_qwen2 = architecture == "Qwen2ForCausalLM";
-        let is_qwen3 = architecture == "Qwen3ForCausalLM";
         if raw.num_attention_heads == 0 {
             return Err(parse_err("num_attention_heads is 0".into()));
         }
@@ -144,13 +129,13 @@ impl ModelConfig {
         // `use_sliding_window: true`; Mistral uses it when it is a number.
         let sliding_window = match (raw.sliding_window, raw.use_sliding_window) {
             (_, Some(false)) => None,
-            (Some(serde_json::Value::Number(n)), _) if !is_qwen2 || raw.use_sliding_window == Some(true) => {
+            (Some(serde_json::Value::Number(n)), _) if !arch.sliding_window_opt_in || raw.use_sliding_window == Some(true) => {
                 n.as_u64().map(|w| w as usize)
             }
             _ => None,
         };
         Ok(Self {
-            architecture,
+            architecture: arch.name.to_string(),
             vocab_size: raw.vocab_size,
             hidden_size: raw.hidden_size,
             intermediate_size: raw.intermediate_size,
@@ -163,8 +148,8 @@ impl ModelConfig {
             rope_theta: raw.rope_theta.unwrap_or(10_000.0),
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            attention_bias: is_qwen2 || raw.attention_bias.unwrap_or(false),
-            qk_norm: is_qwen3,
+            attention_bias: arch.qkv_bias || raw.attention_bias.unwrap_or(false),
+            qk_norm: arch.qk_norm,
             sliding_window,
             bos_token_id: raw.bos_token_id,
             eos_token_ids: match raw.eos_token_id {
@@ -177,11 +162,15 @@ impl ModelConfig {
 
     /// Reads and parses a `config.json` file.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::ModelConfigParse {
-            source_name: path.display().to_string(),
-            message: e.to_string(),
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::ModelConfigParse { source_name: path.display().to_string(), message: e.to_string() })?;
         Self::from_json_str(&text, &path.display().to_string())
+    }
+
+    /// The registry entry of [`ModelConfig::architecture`] (parsing only
+    /// accepts registered architectures).
+    pub fn arch(&self) -> Option<&'static Architecture> {
+        find_architecture(&self.architecture)
     }
 
     /// Query heads per key/value head.
@@ -250,17 +239,24 @@ mod tests {
           "original_max_position_embeddings":8192,"rope_type":"llama3"}}"#;
         let c = ModelConfig::from_json_str(json, "llama3.2").unwrap();
         assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
-        assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, original_max_position_embeddings: 8192, .. }) if factor == 32.0));
+        assert!(
+            matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, original_max_position_embeddings: 8192, .. }) if factor == 32.0)
+        );
     }
 
     #[test]
     fn qwen_flags() {
         let base = r#""vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2"#;
-        let q2 = ModelConfig::from_json_str(&format!(r#"{{"architectures":["Qwen2ForCausalLM"],{base},"sliding_window":4096,"use_sliding_window":false}}"#), "q2").unwrap();
+        let q2 = ModelConfig::from_json_str(
+            &format!(r#"{{"architectures":["Qwen2ForCausalLM"],{base},"sliding_window":4096,"use_sliding_window":false}}"#),
+            "q2",
+        )
+        .unwrap();
         assert!(q2.attention_bias && !q2.qk_norm && q2.sliding_window.is_none());
         let q3 = ModelConfig::from_json_str(&format!(r#"{{"architectures":["Qwen3ForCausalLM"],{base},"head_dim":32}}"#), "q3").unwrap();
         assert!(q3.qk_norm && !q3.attention_bias && q3.head_dim == 32);
-        let m = ModelConfig::from_json_str(&format!(r#"{{"architectures":["MistralForCausalLM"],{base},"sliding_window":4096}}"#), "m").unwrap();
+        let m = ModelConfig::from_json_str(&format!(r#"{{"architectures":["MistralForCausalLM"],{base},"sliding_window":4096}}"#), "m")
+            .unwrap();
         assert_eq!(m.sliding_window, Some(4096));
     }
 
@@ -272,7 +268,10 @@ mod tests {
         ));
         assert!(matches!(ModelConfig::from_json_str("{not json", "x"), Err(Error::ModelConfigParse { .. })));
         assert!(matches!(
-            ModelConfig::from_json_str(r#"{"architectures":["LlamaForCausalLM"],"vocab_size":1,"hidden_size":64,"intermediate_size":1,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":3}"#, "x"),
+            ModelConfig::from_json_str(
+                r#"{"architectures":["LlamaForCausalLM"],"vocab_size":1,"hidden_size":64,"intermediate_size":1,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":3}"#,
+                "x"
+            ),
             Err(Error::ModelConfigParse { .. })
         ));
     }

@@ -1,6 +1,6 @@
 //! The contract between the engine and a backend that runs a model.
 
-use crate::{ForwardBatch, Result};
+use crate::{Error, ForwardBatch, KvCacheSize, KvMemory, Result};
 
 /// Logits of the rows a [`ForwardBatch`] asked for, brought to the host for
 /// sampling.
@@ -14,14 +14,34 @@ pub struct StepOutput {
 
 /// Runs a model's forward pass over a paged KV cache that it owns.
 pub trait ModelExecutor {
+    /// The backend and device, for logs.
+    fn describe(&self) -> String;
+
     /// Bytes one KV block of `block_size` tokens takes across all layers.
     fn kv_block_bytes(&self, block_size: usize) -> u64;
 
-    /// Memory profiling (thesis §4.2.1): how many KV blocks fit in
-    /// `budget_bytes` once weights and activations are accounted for.
-    fn num_kv_blocks_for_budget(&self, budget_bytes: u64, block_size: usize) -> usize {
+    /// What the device can give the KV cache once the weights are loaded.
+    fn kv_memory(&self, block_size: usize) -> KvMemory;
+
+    /// Memory profiling (thesis §4.2.1): how many KV blocks of `block_size`
+    /// tokens to allocate for `size`, within the device's limits.
+    fn num_kv_blocks(&self, size: KvCacheSize, block_size: usize) -> Result<usize> {
         let per_block = self.kv_block_bytes(block_size).max(1);
-        (budget_bytes / per_block) as usize
+        let memory = self.kv_memory(block_size);
+        let wanted = match size {
+            KvCacheSize::NumBlocks(n) => n,
+            KvCacheSize::MemoryBytes(b) => (b / per_block) as usize,
+            KvCacheSize::FractionOfFree(f) => ((memory.available_bytes as f64 * f as f64) as u64 / per_block) as usize,
+        };
+        // A device that addresses fewer blocks per pool caps the cache there.
+        let blocks = memory.max_blocks.map_or(wanted, |max| wanted.min(max));
+        if blocks == 0 {
+            return Err(Error::InvalidConfig {
+                field: "kv_cache_memory",
+                message: format!("no KV block of {per_block} bytes fits ({size:?}, {} bytes available)", memory.available_bytes),
+            });
+        }
+        Ok(blocks)
     }
 
     /// Allocates the device pool and the host swap pool.
@@ -32,12 +52,20 @@ pub trait ModelExecutor {
 }
 
 impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+
     fn kv_block_bytes(&self, block_size: usize) -> u64 {
         (**self).kv_block_bytes(block_size)
     }
 
-    fn num_kv_blocks_for_budget(&self, budget_bytes: u64, block_size: usize) -> usize {
-        (**self).num_kv_blocks_for_budget(budget_bytes, block_size)
+    fn kv_memory(&self, block_size: usize) -> KvMemory {
+        (**self).kv_memory(block_size)
+    }
+
+    fn num_kv_blocks(&self, size: KvCacheSize, block_size: usize) -> Result<usize> {
+        (**self).num_kv_blocks(size, block_size)
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> Result<()> {

@@ -152,9 +152,7 @@ impl RequestState {
     /// Only before the first output token.
     pub fn extend_prompt(&mut self, new_tokens: &[TokenId]) -> Result<()> {
         if self.token_ids.len() != self.num_prompt_tokens {
-            return Err(Error::InvalidTransition(
-                "extend_prompt after output tokens or drafts exist".to_string(),
-            ));
+            return Err(Error::InvalidTransition("extend_prompt after output tokens or drafts exist".to_string()));
         }
         self.token_ids.extend_from_slice(new_tokens);
         self.num_prompt_tokens += new_tokens.len();
@@ -166,9 +164,7 @@ impl RequestState {
     /// `num_total_tokens ← L_prompt + 1`.
     pub fn apply_remote_prefill(&mut self, first_token: TokenId) -> Result<()> {
         if self.token_ids.len() != self.num_prompt_tokens || self.num_computed_tokens != 0 {
-            return Err(Error::InvalidTransition(
-                "remote prefill on a request that already progressed".to_string(),
-            ));
+            return Err(Error::InvalidTransition("remote prefill on a request that already progressed".to_string()));
         }
         self.num_computed_tokens = self.num_prompt_tokens;
         self.token_ids.push(first_token);
@@ -197,12 +193,7 @@ impl RequestState {
     /// `num_computed_tokens += Δ - L_rejected`,
     /// `num_total_tokens += L_draft - L_rejected + 1` (counted from before
     /// the drafts were added).
-    pub fn apply_speculative_result(
-        &mut self,
-        delta: usize,
-        num_rejected: usize,
-        bonus: TokenId,
-    ) -> Result<()> {
+    pub fn apply_speculative_result(&mut self, delta: usize, num_rejected: usize, bonus: TokenId) -> Result<()> {
         if num_rejected > self.num_draft_tokens || delta != self.num_remaining_tokens() {
             return Err(Error::InvalidTransition(format!(
                 "speculative result Δ={delta}, rejected={num_rejected} with {} drafts and {} remaining",

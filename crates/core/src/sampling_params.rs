@@ -129,10 +129,7 @@ impl SamplingParams {
         }
         if let Some(best_of) = self.best_of {
             if best_of < self.n {
-                return Err(invalid(
-                    "best_of",
-                    format!("must be greater than or equal to n ({}), got {best_of}", self.n),
-                ));
+                return Err(invalid("best_of", format!("must be greater than or equal to n ({}), got {best_of}", self.n)));
             }
             if best_of > 1 && self.is_greedy() {
                 return Err(invalid("best_of", "must be 1 when using greedy sampling (temperature 0)"));
@@ -167,10 +164,7 @@ impl SamplingParams {
             return Err(invalid("frequency_penalty", format!("must be in [-2, 2], got {}", self.frequency_penalty)));
         }
         if self.repetition_penalty <= 0.0 {
-            return Err(invalid(
-                "repetition_penalty",
-                format!("must be greater than 0, got {}", self.repetition_penalty),
-            ));
+            return Err(invalid("repetition_penalty", format!("must be greater than 0, got {}", self.repetition_penalty)));
         }
         if let Some(max_tokens) = self.max_tokens {
             if max_tokens < 1 {
@@ -204,10 +198,7 @@ impl SamplingParams {
             }
             finite("length_penalty", beam.length_penalty)?;
             if self.n > beam.beam_width {
-                return Err(invalid(
-                    "n",
-                    format!("must be at most the beam width ({}), got {}", beam.beam_width, self.n),
-                ));
+                return Err(invalid("n", format!("must be at most the beam width ({}), got {}", beam.beam_width, self.n)));
             }
             if self.best_of.is_some() {
                 return Err(invalid("best_of", "is not supported together with beam search"));

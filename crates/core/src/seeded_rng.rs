@@ -31,6 +31,23 @@ impl SeededRng {
         (self.uniform() * n as f64) as usize % n.max(1)
     }
 
+    /// Uniform in [-1, 1), as f32 (test data, random weights).
+    pub fn signed_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    /// `n` values of [`SeededRng::signed_f32`].
+    pub fn signed_vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.signed_f32()).collect()
+    }
+
+    /// Shuffles `xs` in place (Fisher–Yates).
+    pub fn shuffle<T>(&mut self, xs: &mut [T]) {
+        for i in (1..xs.len()).rev() {
+            xs.swap(i, self.below(i + 1));
+        }
+    }
+
     /// Exponential with the given rate (Poisson inter-arrival times).
     pub fn exponential(&mut self, rate: f64) -> f64 {
         -(1.0 - self.uniform()).ln() / rate

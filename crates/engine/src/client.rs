@@ -12,13 +12,14 @@
 //! request finished aborts the request: a client that disconnects has its
 //! KV blocks freed before the next step runs.
 
-use crate::engine_core::{EngineCore, EngineCounters, Error, RequestOutput, SequenceDelta};
+use crate::engine_core::{EngineCore, EngineCounters, Error};
+use crate::outputs::{RequestOutput, SequenceDelta};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc as tmpsc;
-use vellum_core::{BlockAllocator, IdMap, KvCacheStats, ModelExecutor, RequestId, SamplingParams, TokenId};
+use vellum_core::{IdMap, KvCacheStats, ModelExecutor, RequestId, SamplingParams, TokenId};
 use vellum_scheduler::FinishReason;
 
 /// What a request's stream carries.
@@ -49,7 +50,7 @@ pub struct EngineStats {
     pub counters: EngineCounters,
     /// Requests aborted because their caller went away.
     pub num_aborted_by_disconnect: u64,
-    /// Finished requests by reason: stop, length, abort.
+    /// Finished requests by reason, indexed by `FinishReason::index`.
     pub finished_by_reason: [u64; 3],
 }
 
@@ -275,7 +276,7 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
         let outputs = if engine.has_unfinished_requests() {
             engine.step_streaming()
         } else {
-            Ok(crate::engine_core::StepOutputs { deltas: Vec::new(), finished: engine.take_finished() })
+            Ok(crate::outputs::StepOutputs { deltas: Vec::new(), finished: engine.take_finished() })
         };
         match outputs {
             Ok(out) => {
@@ -290,7 +291,7 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                 }
                 for f in out.finished {
                     let reason = f.outputs.iter().find_map(|o| o.finish_reason).unwrap_or(FinishReason::Abort);
-                    stats.finished_by_reason[reason as usize] += 1;
+                    stats.finished_by_reason[reason.index()] += 1;
                     if let Some(tx) = streams.remove(&f.request_id) {
                         let _ = tx.send(RequestEvent::Finished(f));
                     }
@@ -317,12 +318,12 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                 let _ = engine.take_finished();
             }
         }
-        let sched = engine.scheduler();
-        stats.num_running = sched.num_running();
-        stats.num_waiting = sched.num_waiting();
-        stats.num_swapped = sched.num_swapped();
-        stats.kv = sched.allocator().stats();
-        stats.num_preemptions = sched.num_preemptions();
+        let queues = engine.queue_stats();
+        stats.num_running = queues.num_running;
+        stats.num_waiting = queues.num_waiting;
+        stats.num_swapped = queues.num_swapped;
+        stats.kv = engine.kv_stats();
+        stats.num_preemptions = queues.num_preemptions;
         stats.counters = engine.counters();
         shared.num_waiting.store(stats.num_waiting as u64, Ordering::Relaxed);
         if let Ok(mut s) = shared.stats.lock() {
@@ -333,4 +334,3 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
         }
     }
 }
-

@@ -30,17 +30,27 @@
 //!
 //! **The one decision to know:** the engine is generic over
 //! [`vellum_core::ModelExecutor`]; backend selection (every backend `cfg`)
-//! lives in [`Llm`] alone.
+//! lives in [`backend::make_executor`] alone, driven by [`Device`].
 
+#![deny(missing_docs)]
+
+pub mod backend;
+mod beam;
 mod client;
 pub mod detokenizer;
 mod engine_core;
 mod llm;
+pub mod output_processor;
+mod outputs;
 pub mod sampler;
+mod sequences;
 
-pub use engine_core::{EngineCore, EngineCounters, Error, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};
+pub use backend::{make_executor, Device};
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream};
-pub use llm::{available_memory_bytes, EngineArgs, KvSharing, Llm};
+pub use engine_core::{EngineCore, EngineCounters, Error, QueueStats};
+pub use llm::{EngineArgs, KvSharing, Llm};
+pub use output_processor::{OutputPiece, OutputProcessor, Processed, TokenOutput};
+pub use outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};
 
 /// The offline API under the name thesis Listing 4.1 gives it.
 pub use llm::Llm as LLM;

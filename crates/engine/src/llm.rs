@@ -1,11 +1,13 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
+use crate::backend::{make_executor, Device};
 use crate::client::EngineClient;
-use crate::detokenizer::TextStream;
-use crate::engine_core::{EngineCore, Error, RequestOutput, StepOutputs};
-use vellum_core::{BlockAllocator, IdMap, KvCacheDtype, KvCacheSize, ModelExecutor, RequestId, SamplingParams, SchedulerConfig, TokenId};
-use vellum_scheduler::FinishReason;
+use crate::engine_core::{EngineCore, Error};
+use crate::output_processor::{OutputPiece, OutputProcessor};
+use crate::outputs::{RequestOutput, StepOutputs};
+use vellum_core::{KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId};
 use vellum_models::{resolve_model, ChatMessage, ChatTemplate, Tokenizer};
+use vellum_scheduler::FinishReason;
 
 /// How to build an engine. `Default` serves the default model.
 #[derive(Clone, Debug)]
@@ -13,6 +15,8 @@ pub struct EngineArgs {
     /// A `.gguf` path, a Hugging Face directory, a hub id in the local cache,
     /// or `None` for the default model (fetched on first use).
     pub model: Option<String>,
+    /// The backend that runs the model.
+    pub device: Device,
     /// Tokens per KV block.
     pub block_size: usize,
     /// Size of the KV pool: blocks, bytes, or a fraction of the memory
@@ -34,6 +38,7 @@ impl Default for EngineArgs {
     fn default() -> Self {
         Self {
             model: None,
+            device: Device::default(),
             block_size: 16,
             kv_cache: KvCacheSize::FractionOfFree(0.5),
             kv_cache_dtype: KvCacheDtype::F32,
@@ -75,7 +80,7 @@ impl KvSharing {
 }
 
 impl Llm {
-    /// Resolves and loads the model on the CPU backend.
+    /// Resolves and loads the model on `args.device`.
     pub fn new(args: EngineArgs) -> Result<Self, Error> {
         Self::new_with_progress(args, |_, _| {})
     }
@@ -83,60 +88,30 @@ impl Llm {
     /// As [`Llm::new`], calling `progress(layers_done, layers)` while the
     /// weights load.
     pub fn new_with_progress(args: EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Self, Error> {
+        // Before any file is read: a backend this build lacks is the user's first error.
+        args.device.ensure_compiled()?;
         let source = resolve_model(args.model.as_deref())?;
         let loaded = source.load()?;
         let config = loaded.config.clone();
         let eos = config.eos_token_ids.clone();
         let eos = if eos.is_empty() { loaded.tokenizer.eos_token_ids().to_vec() } else { eos };
-        let mut max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
-        if let Some(window) = config.sliding_window {
-            // Sliding-window attention is not implemented: within the window
-            // full attention is exact, so the context is capped there.
-            if window < max_model_len {
-                tracing::warn!(window, "sliding-window attention is not implemented; max_model_len capped at the window");
-                max_model_len = window;
-            }
-        }
+        let max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
-        let executor: Box<dyn ModelExecutor + Send> = Self::cpu_executor(&*loaded.weights, config, args.kv_cache_dtype, progress)?;
-        let num_blocks = match args.kv_cache {
-            KvCacheSize::NumBlocks(n) => n,
-            KvCacheSize::MemoryBytes(b) => executor.num_kv_blocks_for_budget(b, args.block_size),
-            KvCacheSize::FractionOfFree(f) => {
-                let avail = available_memory_bytes();
-                executor.num_kv_blocks_for_budget((avail as f64 * f as f64) as u64, args.block_size)
-            }
-        };
-        if num_blocks == 0 {
-            return Err(Error::Backend(vellum_core::Error::InvalidConfig {
-                field: "kv_cache_memory",
-                message: format!("no KV block of {} bytes fits", executor.kv_block_bytes(args.block_size)),
-            }));
-        }
-        tracing::info!(num_blocks, block_size = args.block_size, mib = (num_blocks as u64 * executor.kv_block_bytes(args.block_size)) >> 20, "KV cache");
+        let executor = make_executor(args.device, &*loaded.weights, config, args.kv_cache_dtype, progress)?;
+        let num_blocks = executor.num_kv_blocks(args.kv_cache, args.block_size)?;
+        let block_bytes = executor.kv_block_bytes(args.block_size);
+        tracing::info!(backend = %executor.describe(), num_blocks, block_size = args.block_size, mib = (num_blocks as u64 * block_bytes) >> 20, "KV cache");
         let num_host_blocks = (args.swap_space_bytes / executor.kv_block_bytes(args.block_size).max(1)) as usize;
-        let engine = EngineCore::with_prefix_caching(executor, scheduler, num_blocks, num_host_blocks, args.block_size, eos, args.enable_prefix_caching)?;
+        let engine = EngineCore::with_prefix_caching(
+            executor,
+            scheduler,
+            num_blocks,
+            num_host_blocks,
+            args.block_size,
+            eos,
+            args.enable_prefix_caching,
+        )?;
         Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template, kv_sharing: KvSharing::default() })
-    }
-
-    #[cfg(feature = "cpu")]
-    fn cpu_executor(
-        weights: &dyn vellum_models::WeightSource,
-        config: vellum_core::ModelConfig,
-        kv_cache_dtype: KvCacheDtype,
-        progress: impl FnMut(usize, usize),
-    ) -> Result<Box<dyn ModelExecutor + Send>, Error> {
-        Ok(Box::new(vellum_backend_cpu::CpuExecutor::load(weights, config, progress)?.with_kv_cache_dtype(kv_cache_dtype)))
-    }
-
-    #[cfg(not(feature = "cpu"))]
-    fn cpu_executor(
-        _: &dyn vellum_models::WeightSource,
-        _: vellum_core::ModelConfig,
-        _: KvCacheDtype,
-        _: impl FnMut(usize, usize),
-    ) -> Result<Box<dyn ModelExecutor + Send>, Error> {
-        Err(Error::Unsupported("the CPU backend: build with the `cpu` feature"))
     }
 
     /// Moves the engine onto its own thread: the client, the tokenizer and
@@ -165,10 +140,25 @@ impl Llm {
     /// first stop string; a sequence ends as soon as its text holds one (its
     /// blocks freed at once).
     pub fn generate_ids(&mut self, prompts: &[Vec<TokenId>], params: &SamplingParams) -> Result<Vec<RequestOutput>, Error> {
+        self.generate_ids_streaming(prompts, params, |_| {})
+    }
+
+    /// [`Llm::generate_ids`], calling `on_piece` with every piece of text as
+    /// it is generated (beam search and `best_of` produce theirs at the end).
+    pub fn generate_ids_streaming(
+        &mut self,
+        prompts: &[Vec<TokenId>],
+        params: &SamplingParams,
+        mut on_piece: impl FnMut(&OutputPiece),
+    ) -> Result<Vec<RequestOutput>, Error> {
+        let mut outputs = OutputProcessor::new();
         let mut ids = Vec::with_capacity(prompts.len());
         for p in prompts {
             match self.engine.add_request(p.clone(), params.clone()) {
-                Ok(id) => ids.push(id),
+                Ok(id) => {
+                    outputs.add_request(id, p, params, true);
+                    ids.push(id);
+                }
                 Err(e) => {
                     // All or nothing: the prompts queued before go too.
                     for id in ids {
@@ -179,56 +169,24 @@ impl Llm {
                 }
             }
         }
-        let mut texts: IdMap<RequestId, Vec<TextStream>> = IdMap::default();
-        for (id, p) in ids.iter().zip(prompts) {
-            let n = params.num_sequences();
-            texts.insert(*id, (0..n).map(|_| TextStream::new(p, &params.stop, true)).collect());
-        }
         let mut done = Vec::new();
         self.kv_sharing = KvSharing::default();
-        loop {
-            let out = if self.engine.has_unfinished_requests() {
+        while !outputs.is_empty() {
+            let step = if self.engine.has_unfinished_requests() {
                 self.engine.step_streaming()?
             } else {
                 StepOutputs { deltas: Vec::new(), finished: self.engine.take_finished() }
             };
-            let kv = self.engine.scheduler().allocator().stats();
+            let kv = self.engine.kv_stats();
             if kv.num_used_blocks > self.kv_sharing.peak_used_blocks {
                 self.kv_sharing = KvSharing { peak_used_blocks: kv.num_used_blocks, logical_blocks_at_peak: kv.num_logical_blocks };
             }
-            for d in &out.deltas {
-                let Some(streams) = texts.get_mut(&d.request_id) else { continue };
-                let Some(ts) = streams.get_mut(d.index) else { continue };
-                let was_stopped = ts.stopped();
-                ts.push(&self.tokenizer, &d.token_ids)?;
-                if ts.stopped() && !was_stopped {
-                    self.engine.finish_sequence(d.request_id, d.index, FinishReason::Stop);
-                }
+            let processed = outputs.process(&self.tokenizer, step)?;
+            for (id, index) in processed.stopped {
+                self.engine.finish_sequence(id, index, FinishReason::Stop);
             }
-            for mut r in out.finished {
-                let mut streams = texts.remove(&r.request_id).unwrap_or_default();
-                for o in &mut r.outputs {
-                    let ts = match streams.get_mut(o.index) {
-                        // Beam search and best_of stream nothing: decode now.
-                        Some(ts) if params.beam_search.is_none() && params.num_sequences() == params.n => ts,
-                        _ => {
-                            let mut ts = TextStream::new(&r.prompt_token_ids, &params.stop, true);
-                            ts.push(&self.tokenizer, &o.token_ids)?;
-                            streams.push(ts);
-                            streams.last_mut().expect("just pushed")
-                        }
-                    };
-                    ts.finish(&self.tokenizer)?;
-                    if ts.stopped() {
-                        o.finish_reason = Some(FinishReason::Stop);
-                    }
-                    o.text = ts.text().to_string();
-                }
-                done.push(r);
-            }
-            if !self.engine.has_unfinished_requests() && texts.is_empty() {
-                break;
-            }
+            processed.pieces.iter().for_each(&mut on_piece);
+            done.extend(processed.finished);
         }
         done.sort_by_key(|r| r.request_id);
         Ok(done)
@@ -255,17 +213,3 @@ impl Llm {
         self.generate(&refs, params)
     }
 }
-
-/// Memory the OS says is available (`MemAvailable`), or 4 GiB where it
-/// cannot tell.
-pub fn available_memory_bytes() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(kib * 1024)
-        })
-        .unwrap_or(4 << 30)
-}
-

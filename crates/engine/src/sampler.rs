@@ -36,10 +36,7 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<(TokenId, f32)> {
 
 /// Whether `params` asks for any repetition, frequency or presence penalty.
 pub fn has_penalties(params: &SamplingParams) -> bool {
-    params.repetition_penalty != 1.0
-        || params.frequency_penalty != 0.0
-        || params.presence_penalty != 0.0
-        || !params.logit_bias.is_empty()
+    params.repetition_penalty != 1.0 || params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 || !params.logit_bias.is_empty()
 }
 
 /// Applies the penalties of `params` to `logits` in place:
@@ -103,7 +100,11 @@ pub fn sample(
         logits
     };
     let token = if params.temperature == 0.0 {
-        if scores.as_ptr() == logits.as_ptr() { top_logprobs[0].0 } else { top_k(scores, 1)[0].0 }
+        if scores.as_ptr() == logits.as_ptr() {
+            top_logprobs[0].0
+        } else {
+            top_k(scores, 1)[0].0
+        }
     } else {
         draw(scores, params, rng)
     };
@@ -227,7 +228,8 @@ mod tests {
         assert_eq!(l, vec![-2.0, -1.5, 0.0], "counts come from the output only");
         // Greedy picks the penalized maximum; logprobs stay the model's.
         let logits = [3.0, 2.9, 0.0];
-        let s = sample(&logits, &SamplingParams { presence_penalty: 1.0, ..SamplingParams::greedy(1) }, &mut SeededRng::new(0), 1, (&[], &[0]));
+        let s =
+            sample(&logits, &SamplingParams { presence_penalty: 1.0, ..SamplingParams::greedy(1) }, &mut SeededRng::new(0), 1, (&[], &[0]));
         assert_eq!(s.token, 1);
         assert_eq!(s.top_logprobs[0].0, 0);
         // logit_bias: -100 bans a token, +100 forces one.
@@ -270,7 +272,12 @@ mod tests {
                 assert!(allowed.contains(&tok), "top_p {top_p} min_p {min_p}: {tok} is excluded");
                 seen.insert(tok);
             }
-            assert!(seen.len() > allowed.len() / 2, "top_p {top_p} min_p {min_p}: the allowed set is sampled ({} of {})", seen.len(), allowed.len());
+            assert!(
+                seen.len() > allowed.len() / 2,
+                "top_p {top_p} min_p {min_p}: the allowed set is sampled ({} of {})",
+                seen.len(),
+                allowed.len()
+            );
         }
     }
 }

@@ -10,8 +10,7 @@
 
 use std::collections::HashMap;
 use vellum_core::{
-    BeamSearchParams, BlockAllocator, ForwardBatch, ModelExecutor, PreemptionMode, SamplingParams, SchedulerConfig, StepOutput,
-    TokenId,
+    BeamSearchParams, BlockAllocator, ForwardBatch, ModelExecutor, PreemptionMode, SamplingParams, SchedulerConfig, StepOutput, TokenId,
 };
 use vellum_engine::sampler::log_softmax;
 use vellum_engine::{EngineCore, RequestOutput};
@@ -53,8 +52,16 @@ impl FakeModel {
 }
 
 impl ModelExecutor for FakeModel {
+    fn describe(&self) -> String {
+        "paged token store".into()
+    }
+
     fn kv_block_bytes(&self, block_size: usize) -> u64 {
         block_size as u64
+    }
+
+    fn kv_memory(&self, _block_size: usize) -> vellum_core::KvMemory {
+        vellum_core::KvMemory { available_bytes: 1 << 20, max_blocks: None }
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_core::Result<()> {
@@ -270,7 +277,11 @@ fn narrow_beam_beats_or_ties_greedy_and_shares_blocks() {
         saw_sharing |= kv.num_logical_blocks > kv.num_used_blocks;
     }
     outs.extend(e.take_finished());
-    let greedy = run(&mut engine(5, vocab, 256, config()), std::slice::from_ref(&prompt), &SamplingParams { ignore_eos: true, ..SamplingParams::greedy(12) });
+    let greedy = run(
+        &mut engine(5, vocab, 256, config()),
+        std::slice::from_ref(&prompt),
+        &SamplingParams { ignore_eos: true, ..SamplingParams::greedy(12) },
+    );
     let g = &greedy[0].outputs[0];
     let b = &outs[0].outputs[0];
     assert_eq!(b.token_ids.len(), 12);
@@ -356,7 +367,11 @@ fn mixed_params(i: usize) -> SamplingParams {
     match i % 6 {
         0 => SamplingParams { max_tokens, ..SamplingParams::greedy(1) },
         1 => SamplingParams { n: 3, max_tokens, seed: Some(i as u64), ..SamplingParams::default() },
-        2 => SamplingParams { max_tokens, beam_search: Some(BeamSearchParams { beam_width: 3, length_penalty: 1.0 }), ..SamplingParams::greedy(1) },
+        2 => SamplingParams {
+            max_tokens,
+            beam_search: Some(BeamSearchParams { beam_width: 3, length_penalty: 1.0 }),
+            ..SamplingParams::greedy(1)
+        },
         3 => SamplingParams { max_tokens, top_k: 5, logprobs: Some(2), ..SamplingParams::default() },
         4 => SamplingParams { max_tokens, n: 2, best_of: Some(3), top_p: 0.8, ..SamplingParams::default() },
         _ => SamplingParams { max_tokens, prompt_logprobs: Some(1), repetition_penalty: 1.3, ..SamplingParams::default() },
@@ -421,7 +436,8 @@ fn engine_client_streams_tokens_and_frees_blocks_of_dropped_streams() {
             let c = client.clone();
             std::thread::spawn(move || {
                 let prompt: Vec<TokenId> = (0..(5 + i)).map(|t| t % 39 + 1).collect();
-                let params = SamplingParams { ignore_eos: true, n: 1 + (i as usize % 2), seed: Some(i as u64), ..SamplingParams::default() };
+                let params =
+                    SamplingParams { ignore_eos: true, n: 1 + (i as usize % 2), seed: Some(i as u64), ..SamplingParams::default() };
                 let params = SamplingParams { max_tokens: Some(10), ..params };
                 let mut stream = c.add_request(prompt, params, 0).expect("accepted");
                 let mut streamed: HashMap<usize, Vec<TokenId>> = HashMap::new();

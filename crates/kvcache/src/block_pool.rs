@@ -61,11 +61,7 @@ pub struct BlockPool {
 impl BlockPool {
     /// A pool of `num_blocks` free blocks.
     pub fn new(num_blocks: usize) -> Self {
-        Self {
-            meta: vec![BlockMeta::default(); num_blocks],
-            free_queue: FreeBlockQueue::new(num_blocks),
-            cached: HashToBlock::default(),
-        }
+        Self { meta: vec![BlockMeta::default(); num_blocks], free_queue: FreeBlockQueue::new(num_blocks), cached: HashToBlock::default() }
     }
 
     /// Blocks in the pool.
@@ -198,11 +194,7 @@ impl BlockPool {
 
     /// Used blocks (reference count above zero) and their filled slots.
     pub fn used_blocks(&self) -> impl Iterator<Item = (BlockId, usize)> + '_ {
-        self.meta
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.ref_cnt > 0)
-            .map(|(i, m)| (BlockId(i as u32), m.num_filled as usize))
+        self.meta.iter().enumerate().filter(|(_, m)| m.ref_cnt > 0).map(|(i, m)| (BlockId(i as u32), m.num_filled as usize))
     }
 
     /// Checks the pool's own invariants; panics with a message on a breach.

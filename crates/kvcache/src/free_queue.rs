@@ -98,8 +98,16 @@ impl FreeBlockQueue {
     pub fn remove(&mut self, block: u32) {
         assert!(self.in_queue[block as usize], "block {block} is not free");
         let (p, n) = (self.prev[block as usize], self.next[block as usize]);
-        if p == NIL { self.head = n } else { self.next[p as usize] = n }
-        if n == NIL { self.tail = p } else { self.prev[n as usize] = p }
+        if p == NIL {
+            self.head = n
+        } else {
+            self.next[p as usize] = n
+        }
+        if n == NIL {
+            self.tail = p
+        } else {
+            self.prev[n as usize] = p
+        }
         self.in_queue[block as usize] = false;
         self.len -= 1;
     }

@@ -22,12 +22,11 @@
 use crate::block_hash::{hash_block_tokens, BlockHash};
 use crate::block_pool::BlockPool;
 use crate::host_pool::HostPool;
-use std::collections::HashMap;
-use vellum_core::{IdMap, IdSet};
+use std::collections::BTreeMap;
 use vellum_core::{
-    AllocatedSlots, BlockAllocator, BlockCopy, BlockId, BlockSwap, ComputedBlocks, HostBlockId,
-    KvCacheStats, LengthHint, SeqId, SeqTokens,
+    AllocatedSlots, BlockAllocator, BlockCopy, BlockId, BlockSwap, ComputedBlocks, HostBlockId, KvCacheStats, LengthHint, SeqId, SeqTokens,
 };
+use vellum_core::{IdMap, IdSet};
 
 /// Sizes and switches of a [`KvCacheManager`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -239,12 +238,7 @@ impl BlockAllocator for KvCacheManager {
         ComputedBlocks { block_ids, num_computed_tokens }
     }
 
-    fn allocate_slots(
-        &mut self,
-        seq: &SeqTokens<'_>,
-        num_new_tokens: usize,
-        computed: ComputedBlocks,
-    ) -> Option<AllocatedSlots> {
+    fn allocate_slots(&mut self, seq: &SeqTokens<'_>, num_new_tokens: usize, computed: ComputedBlocks) -> Option<AllocatedSlots> {
         let bs = self.block_size;
         let total = seq.num_computed_tokens + num_new_tokens;
         let write_block_idx = seq.num_computed_tokens / bs;
@@ -348,33 +342,14 @@ impl BlockAllocator for KvCacheManager {
     }
 
     fn swap_out(&mut self, seqs: &[SeqId]) -> Option<Vec<BlockSwap>> {
-        let mut distinct: Vec<BlockId> = seqs
-            .iter()
-            .flat_map(|id| self.seqs.get(id).map(|s| s.block_table.clone()).unwrap_or_default())
-            .collect();
-        distinct.sort_unstable();
-        distinct.dedup();
-        if distinct.len() > self.host.num_free_blocks() {
-            return None;
-        }
-        let mut mapping: HashMap<BlockId, HostBlockId> = HashMap::with_capacity(distinct.len());
-        let mut swaps = Vec::with_capacity(distinct.len());
-        for &device in &distinct {
-            let host = self.host.allocate(self.pool.num_filled(device)).expect("room checked above");
-            mapping.insert(device, host);
-            swaps.push(BlockSwap { device, host });
-        }
-        // Each host block was allocated with one holder: that is the first
-        // table entry pointing at it; later entries add one each.
-        let mut first_use: IdSet<HostBlockId> = IdSet::default();
+        let tables = seqs.iter().filter_map(|id| self.seqs.get(id)).flat_map(|s| s.block_table.iter().copied());
+        let (host, pool) = (&mut self.host, &self.pool);
+        let mapping = map_distinct(tables, host.num_free_blocks(), |device| host.allocate(pool.num_filled(device)).expect("room checked"))?;
+        let swaps = mapping.iter().map(|(&device, &host)| BlockSwap { device, host }).collect();
+        let mut first_use = IdSet::default();
         for id in seqs {
             let Some(s) = self.seqs.remove(id) else { continue };
-            let host_table: Vec<HostBlockId> = s.block_table.iter().map(|b| mapping[b]).collect();
-            for &h in &host_table {
-                if !first_use.insert(h) {
-                    self.host.incref(h);
-                }
-            }
+            let host_table = translate(&s.block_table, &mapping, &mut first_use, |h| self.host.incref(h));
             for &b in &s.block_table {
                 self.pool.release(b);
             }
@@ -384,34 +359,18 @@ impl BlockAllocator for KvCacheManager {
     }
 
     fn swap_in(&mut self, seqs: &[SeqId]) -> Option<Vec<BlockSwap>> {
-        let mut distinct: Vec<HostBlockId> = seqs
-            .iter()
-            .flat_map(|id| self.swapped.get(id).map(|s| s.host_table.clone()).unwrap_or_default())
-            .collect();
-        distinct.sort_unstable();
-        distinct.dedup();
-        if distinct.len() > self.pool.num_free_blocks() {
-            return None;
-        }
-        let mut mapping: HashMap<HostBlockId, BlockId> = HashMap::with_capacity(distinct.len());
-        let mut swaps = Vec::with_capacity(distinct.len());
-        for &host in &distinct {
-            let device = self.pool.allocate().expect("room checked above");
-            self.pool.set_num_filled(device, self.host.num_filled(host));
-            mapping.insert(host, device);
-            swaps.push(BlockSwap { device, host });
-        }
-        // Each device block was allocated with one holder: hand that to the
-        // first table entry and touch for the others.
-        let mut first_use: IdSet<BlockId> = IdSet::default();
+        let tables = seqs.iter().filter_map(|id| self.swapped.get(id)).flat_map(|s| s.host_table.iter().copied());
+        let (host, pool) = (&self.host, &mut self.pool);
+        let mapping = map_distinct(tables, pool.num_free_blocks(), |h| {
+            let device = pool.allocate().expect("room checked");
+            pool.set_num_filled(device, host.num_filled(h));
+            device
+        })?;
+        let swaps = mapping.iter().map(|(&host, &device)| BlockSwap { device, host }).collect();
+        let mut first_use = IdSet::default();
         for id in seqs {
             let Some(s) = self.swapped.remove(id) else { continue };
-            let block_table: Vec<BlockId> = s.host_table.iter().map(|h| mapping[h]).collect();
-            for &b in &block_table {
-                if !first_use.insert(b) {
-                    self.pool.touch(b);
-                }
-            }
+            let block_table = translate(&s.host_table, &mapping, &mut first_use, |b| self.pool.touch(b));
             for &h in &s.host_table {
                 self.host.release(h);
             }
@@ -461,4 +420,44 @@ impl BlockAllocator for KvCacheManager {
             prefix_cache_hits: self.prefix_cache_hits,
         }
     }
+}
+
+/// Swapping, either way: each distinct block of the tables (a shared block
+/// once) gets a block of the other pool from `allocate`, in block order;
+/// `None` when fewer than that are `free`.
+fn map_distinct<F: Copy + Ord + std::hash::Hash, T>(
+    tables: impl Iterator<Item = F>,
+    free: usize,
+    allocate: impl FnMut(F) -> T,
+) -> Option<BTreeMap<F, T>> {
+    let mut distinct: Vec<F> = tables.collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() > free {
+        return None;
+    }
+    let mut allocate = allocate;
+    Some(distinct.into_iter().map(|b| (b, allocate(b))).collect())
+}
+
+/// A block table through a swap's mapping. Each new block was allocated
+/// with one holder, the first table entry pointing at it (over all tables
+/// of the swap, tracked in `first_use`); every later entry takes another
+/// reference through `add_ref`.
+fn translate<F: Ord, T: Copy + Eq + std::hash::Hash>(
+    table: &[F],
+    mapping: &BTreeMap<F, T>,
+    first_use: &mut IdSet<T>,
+    mut add_ref: impl FnMut(T),
+) -> Vec<T> {
+    table
+        .iter()
+        .map(|b| {
+            let t = mapping[b];
+            if !first_use.insert(t) {
+                add_ref(t);
+            }
+            t
+        })
+        .collect()
 }

@@ -19,6 +19,8 @@
 //! not an error; a broken contract (double free, writing into a shared block)
 //! panics with a message.
 
+#![deny(missing_docs)]
+
 mod block_hash;
 mod block_pool;
 mod buddy_allocator;

@@ -14,9 +14,7 @@
 //! and copies the parent's filled blocks.
 
 use crate::buddy_allocator::BuddyAllocator;
-use vellum_core::{
-    AllocatedSlots, BlockAllocator, BlockCopy, BlockId, ComputedBlocks, IdMap, KvCacheStats, LengthHint, SeqId, SeqTokens,
-};
+use vellum_core::{AllocatedSlots, BlockAllocator, BlockCopy, BlockId, ComputedBlocks, IdMap, KvCacheStats, LengthHint, SeqId, SeqTokens};
 
 /// How much an Orca baseline over-reserves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,14 +53,7 @@ pub struct OrcaAllocator {
 impl OrcaAllocator {
     /// `num_blocks` blocks of `block_size` tokens.
     pub fn new(mode: OrcaMode, num_blocks: usize, block_size: usize, max_model_len: usize) -> Self {
-        Self {
-            mode,
-            block_size,
-            max_model_len,
-            buddy: BuddyAllocator::new(num_blocks),
-            seqs: IdMap::default(),
-            pending_copies: Vec::new(),
-        }
+        Self { mode, block_size, max_model_len, buddy: BuddyAllocator::new(num_blocks), seqs: IdMap::default(), pending_copies: Vec::new() }
     }
 
     /// Tokens this mode reserves for a sequence.
@@ -115,12 +106,7 @@ impl BlockAllocator for OrcaAllocator {
         ComputedBlocks::default()
     }
 
-    fn allocate_slots(
-        &mut self,
-        seq: &SeqTokens<'_>,
-        num_new_tokens: usize,
-        computed: ComputedBlocks,
-    ) -> Option<AllocatedSlots> {
+    fn allocate_slots(&mut self, seq: &SeqTokens<'_>, num_new_tokens: usize, computed: ComputedBlocks) -> Option<AllocatedSlots> {
         assert!(computed.block_ids.is_empty(), "Orca has no prefix cache");
         let total = seq.num_computed_tokens + num_new_tokens;
         if let Some(r) = self.seqs.get_mut(&seq.seq_id) {
@@ -135,10 +121,7 @@ impl BlockAllocator for OrcaAllocator {
         let requested_tokens = self.tokens_to_reserve(seq, total);
         let (block_table, start, order) = self.reserve(requested_tokens)?;
         let num_blocks = block_table.len();
-        self.seqs.insert(
-            seq.seq_id,
-            Reservation { block_table, start, order, requested_tokens, num_tokens: total, hint: seq.hint },
-        );
+        self.seqs.insert(seq.seq_id, Reservation { block_table, start, order, requested_tokens, num_tokens: total, hint: seq.hint });
         Some(AllocatedSlots { first_changed_block_idx: 0, num_blocks })
     }
 

@@ -317,7 +317,10 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
     let mut swapped: Vec<(SeqId, ShadowSeq)> = Vec::new();
     let mut next_id = 0u64;
     let hint = LengthHint { max_total_tokens: 64, true_total_tokens: None };
-    let view = |id: SeqId, s: &ShadowSeq| -> (Vec<u32>, usize, usize) { let _ = id; (s.tokens.clone(), s.num_prompt, s.num_computed) };
+    let view = |id: SeqId, s: &ShadowSeq| -> (Vec<u32>, usize, usize) {
+        let _ = id;
+        (s.tokens.clone(), s.num_prompt, s.num_computed)
+    };
     for op in ops {
         match op {
             Op::Add { prompt, chunk } => {
@@ -349,7 +352,8 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
                 }
                 let n_new = chunk.min(s.tokens.len() - s.num_computed);
                 let (tokens, num_prompt, num_computed) = view(*id, s);
-                let st = SeqTokens { seq_id: *id, token_ids: &tokens, num_prompt_tokens: num_prompt, num_computed_tokens: num_computed, hint };
+                let st =
+                    SeqTokens { seq_id: *id, token_ids: &tokens, num_prompt_tokens: num_prompt, num_computed_tokens: num_computed, hint };
                 if m.allocate_slots(&st, n_new, ComputedBlocks::default()).is_some() {
                     sh.apply_copies(&mut m);
                     sh.write(&m, *id, &tokens, num_computed, num_computed + n_new);
@@ -405,7 +409,11 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
                     let (id, s) = swapped.swap_remove(i);
                     let table = m.block_table(id).unwrap().to_vec();
                     for pos in 0..s.num_computed {
-                        assert_eq!(sh.device[&table[pos / bs]][pos % bs].as_deref(), Some(&s.tokens[..=pos]), "{id} lost token {pos} in swap");
+                        assert_eq!(
+                            sh.device[&table[pos / bs]][pos % bs].as_deref(),
+                            Some(&s.tokens[..=pos]),
+                            "{id} lost token {pos} in swap"
+                        );
                     }
                     live.push((id, s));
                 }

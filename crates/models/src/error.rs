@@ -80,7 +80,7 @@ pub enum Error {
         what: String,
     },
     /// The model's architecture has no model definition.
-    #[error("{}: unsupported architecture {architecture:?} (supported: llama, qwen2, qwen3)", path.display())]
+    #[error("{}: unsupported architecture {architecture:?} (supported: {list})", path.display(), list = vellum_core::supported_architectures())]
     UnsupportedArchitecture {
         /// The file.
         path: PathBuf,
@@ -123,6 +123,10 @@ pub enum Error {
         /// Shell commands that do the same by hand.
         manual: String,
     },
+    /// The backend failed while taking a weight (out of device memory, a
+    /// lost device).
+    #[error(transparent)]
+    Backend(#[from] vellum_core::Error),
     /// A downloaded file's SHA-256 differs from the expected one.
     #[error("{}: sha256 is {actual}, expected {expected}", path.display())]
     ChecksumMismatch {

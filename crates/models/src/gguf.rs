@@ -17,7 +17,7 @@ mod ggml_type;
 mod metadata_value;
 mod tensor_info;
 
-pub use dequantize::dequantize;
+pub use dequantize::{dequantize, dequantize_into};
 pub use ggml_type::{GgmlType, DEQUANTIZABLE};
 pub use metadata_value::MetadataValue;
 pub use tensor_info::TensorInfo;
@@ -243,8 +243,7 @@ fn parse(bytes: &[u8]) -> std::result::Result<Parsed, String> {
             ne.push(c.len(&format!("dimensions of `{name}`"))?);
         }
         let type_id = c.u32(&format!("type of `{name}`"))?;
-        let ggml_type =
-            GgmlType::from_id(type_id).ok_or_else(|| format!("tensor `{name}` has unknown ggml type id {type_id}"))?;
+        let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| format!("tensor `{name}` has unknown ggml type id {type_id}"))?;
         let offset = c.len(&format!("offset of `{name}`"))?;
         raw.push((name, ne, ggml_type, offset));
     }

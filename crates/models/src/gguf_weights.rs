@@ -14,12 +14,12 @@
 //! [`GgufWeights`] undoes this at load, so one model definition with
 //! rotate_half RoPE serves both loaders. Qwen2/Qwen3 files are not permuted.
 
-use crate::gguf::{GgmlType, GgufFile, MetadataValue};
-use crate::{Error, Result, Tensor, WeightSource};
+use crate::gguf::{GgufFile, MetadataValue};
+use crate::{Error, Result, WeightSource, WeightView};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
-use vellum_core::ModelConfig;
+use vellum_core::{find_model_type, ModelConfig};
 
 /// A GGUF checkpoint seen through Hugging Face names and layouts.
 #[derive(Debug)]
@@ -29,21 +29,6 @@ pub struct GgufWeights {
     hf_to_gguf: BTreeMap<String, String>,
     /// `general.architecture`.
     architecture: String,
-}
-
-/// A tensor's stored blocks, for backends that compute on quantized data.
-///
-/// `shape` is row-major in Hugging Face layout (`[out, in]` for a linear
-/// layer); each row is `shape.last() / block` blocks of `ggml_type`, and the
-/// rows are in Hugging Face order (Q/K already un-permuted).
-#[derive(Clone, Debug)]
-pub struct QuantizedTensor<'a> {
-    /// The block type.
-    pub ggml_type: GgmlType,
-    /// Row-major shape.
-    pub shape: Vec<usize>,
-    /// The blocks, row after row.
-    pub data: Cow<'a, [u8]>,
 }
 
 /// Which projection a tensor is, for Q/K un-permutation.
@@ -62,11 +47,7 @@ impl GgufWeights {
     /// Wraps an already open GGUF file.
     pub fn from_file(file: GgufFile) -> Result<Self> {
         let architecture = file.get_str("general.architecture")?.to_string();
-        let hf_to_gguf = file
-            .tensors()
-            .iter()
-            .filter_map(|t| hf_name(&t.name).map(|hf| (hf, t.name.clone())))
-            .collect();
+        let hf_to_gguf = file.tensors().iter().filter_map(|t| hf_name(&t.name).map(|hf| (hf, t.name.clone()))).collect();
         Ok(Self { file, hf_to_gguf, architecture })
     }
 
@@ -82,7 +63,7 @@ impl GgufWeights {
 
     /// The tensor's stored blocks, rows in Hugging Face order. Borrowed from
     /// the map except for Llama Q/K projections, whose rows are reordered.
-    pub fn tensor_quantized(&self, name: &str) -> Result<QuantizedTensor<'_>> {
+    fn view(&self, name: &str) -> Result<WeightView<'_>> {
         let gguf_name = self.require(name)?;
         let info = self.file.tensor_info(gguf_name).ok_or_else(|| self.missing(name))?;
         let bytes = self.file.tensor_bytes(gguf_name)?;
@@ -102,7 +83,7 @@ impl GgufWeights {
                 Cow::Owned(unpermute_rows(bytes, row_len / block * block_bytes, self.n_heads_for(p)?, name)?)
             }
         };
-        Ok(QuantizedTensor { ggml_type: info.ggml_type, shape, data })
+        WeightView::new(name, shape, info.ggml_type, data)
     }
 
     fn require(&self, name: &str) -> Result<&str> {
@@ -115,7 +96,7 @@ impl GgufWeights {
 
     /// Whether `name` is a Q or K projection whose rows GGUF permuted.
     fn projection(&self, name: &str) -> Option<Projection> {
-        if self.architecture != "llama" {
+        if !find_model_type(&self.architecture).is_some_and(|a| a.gguf_permuted_qk) {
             return None;
         }
         if name.ends_with(".self_attn.q_proj.weight") || name.ends_with(".self_attn.q_proj.bias") {
@@ -152,15 +133,8 @@ impl GgufWeights {
 }
 
 impl WeightSource for GgufWeights {
-    fn tensor_f32(&self, name: &str) -> Result<Tensor> {
-        let gguf_name = self.require(name)?;
-        let info = self.file.tensor_info(gguf_name).ok_or_else(|| self.missing(name))?;
-        let shape = info.shape();
-        let mut data = self.file.tensor_f32(gguf_name)?;
-        if let Some(p) = self.projection(name) {
-            data = unpermute_rows(&data, permuted_row_len(&info.ne), self.n_heads_for(p)?, name)?;
-        }
-        Ok(Tensor { shape, data })
+    fn tensor(&self, name: &str) -> Result<WeightView<'_>> {
+        self.view(name)
     }
 
     fn contains(&self, name: &str) -> bool {
@@ -175,13 +149,9 @@ impl WeightSource for GgufWeights {
         let f = &self.file;
         let a = self.architecture.as_str();
         let path = f.path();
-        let hf_arch = match a {
-            "llama" => "LlamaForCausalLM",
-            "qwen2" => "Qwen2ForCausalLM",
-            "qwen3" => "Qwen3ForCausalLM",
-            other => {
-                return Err(Error::UnsupportedArchitecture { path: path.to_path_buf(), architecture: other.to_string() })
-            }
+        let hf_arch = match find_model_type(a) {
+            Some(arch) => arch.name,
+            None => return Err(Error::UnsupportedArchitecture { path: path.to_path_buf(), architecture: a.to_string() }),
         };
         let key = |k: &str| format!("{a}.{k}");
         let hidden = f.get_usize(&key("embedding_length"))?;
@@ -190,9 +160,10 @@ impl WeightSource for GgufWeights {
             Some(MetadataValue::Array(tokens)) => tokens.len(),
             _ => match self.optional_usize(&key("vocab_size"))? {
                 Some(v) => v,
-                None => f.tensor_info("token_embd.weight").and_then(|t| t.ne.get(1).copied()).ok_or_else(|| {
-                    Error::MissingMetadata { path: path.to_path_buf(), key: "tokenizer.ggml.tokens".into() }
-                })?,
+                None => f
+                    .tensor_info("token_embd.weight")
+                    .and_then(|t| t.ne.get(1).copied())
+                    .ok_or_else(|| Error::MissingMetadata { path: path.to_path_buf(), key: "tokenizer.ggml.tokens".into() })?,
             },
         };
         let mut eos = Vec::new();
@@ -297,11 +268,7 @@ fn permuted_row_len(ne: &[usize]) -> usize {
 pub fn unpermute_rows<T: Copy>(data: &[T], row_len: usize, n_head: usize, name: &str) -> Result<Vec<T>> {
     let n_rows = data.len().checked_div(row_len).unwrap_or(0);
     if n_head == 0 || row_len == 0 || n_rows % n_head != 0 || (n_rows / n_head) % 2 != 0 {
-        return Err(Error::ShapeMismatch {
-            tensor: name.to_string(),
-            expected: vec![n_head, 2, row_len],
-            actual: vec![n_rows, row_len],
-        });
+        return Err(Error::ShapeMismatch { tensor: name.to_string(), expected: vec![n_head, 2, row_len], actual: vec![n_rows, row_len] });
     }
     let head_dim = n_rows / n_head;
     let half = head_dim / 2;

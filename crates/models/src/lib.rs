@@ -3,7 +3,7 @@
 //! Reads what a model is made of, from either of two formats:
 //!
 //! - **GGUF** files ([`gguf::GgufFile`], a small bounds-checked reader over a
-//!   memory map; F32/F16/BF16/Q8_0/Q4_0/Q4_1 dequantize to f32, and the raw
+//!   memory map; F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants Q2_K–Q6_K dequantize to f32, and the raw
 //!   blocks stay reachable for quantized kernels), and
 //! - **Hugging Face directories** (`config.json` + safetensors, sharded or not).
 //!
@@ -23,32 +23,34 @@
 //! [`GgufWeights`] un-permutes them at load, so one model definition serves
 //! both loaders.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod gguf;
 
-mod error;
-mod tensor;
-mod weight_source;
-mod gguf_weights;
-mod safetensors_weights;
-mod tokenizer;
 mod chat_template;
 mod default_model;
-mod model_source;
+mod error;
+mod gguf_weights;
 mod llama;
+mod model_source;
 pub mod ops;
+mod registry;
 pub mod rope;
+mod runner;
+mod safetensors_weights;
+mod tensor;
+mod tokenizer;
+mod weight_source;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use default_model::{
-    cache_dir, default_model_path, fetch_default_model, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256,
-};
+pub use default_model::{cache_dir, default_model_path, fetch_default_model, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256};
 pub use error::{Error, Result};
-pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights, QuantizedTensor};
+pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights};
 pub use llama::LlamaModel;
 pub use model_source::{resolve_model, LoadedModel, ModelSource};
+pub use registry::{load_model, CausalLm};
+pub use runner::ModelRunner;
 pub use safetensors_weights::SafetensorsWeights;
 pub use tensor::Tensor;
 pub use tokenizer::Tokenizer;
-pub use weight_source::WeightSource;
+pub use weight_source::{WeightSource, WeightView};

@@ -10,10 +10,11 @@
 //!  rows of logits_indices ─ RMSNorm ─ lm_head (tied: embed) ─ logits
 //! ```
 
-use crate::ops::{AttentionShape, Ops};
+use crate::ops::{OpResult, Ops};
+use crate::registry::CausalLm;
 use crate::rope::RopeTable;
-use crate::{Error, Result, WeightSource};
-use vellum_core::{AttentionMetadata, ForwardBatch, ModelConfig};
+use crate::{Result, WeightSource};
+use vellum_core::{AttentionShape, KvCacheDtype, KvCacheSpec, ModelConfig};
 
 struct Layer<O: Ops> {
     input_norm: O::Vector,
@@ -36,23 +37,20 @@ pub struct LlamaModel<O: Ops> {
     lm_head: Option<O::Weight>,
     norm: O::Vector,
     layers: Vec<Layer<O>>,
-    rope: RopeTable,
+    rope: O::Rope,
+    attention: AttentionShape,
 }
 
 impl<O: Ops> LlamaModel<O> {
     /// Loads every weight through `ops`, checking shapes against `config`.
     /// `progress(done, total)` is called after each layer.
     pub fn load(ops: &O, weights: &dyn WeightSource, config: ModelConfig, mut progress: impl FnMut(usize, usize)) -> Result<Self> {
-        const ARCHS: [&str; 4] = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"];
-        if !ARCHS.contains(&config.architecture.as_str()) {
-            return Err(Error::UnsupportedArchitecture { path: Default::default(), architecture: config.architecture.clone() });
-        }
         let (h, hd) = (config.hidden_size, config.head_dim);
         let (nq, nkv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
         let im = config.intermediate_size;
-        let mat = |name: &str, shape: [usize; 2]| -> Result<O::Weight> { ops.linear_weight(name, weights.tensor_f32_shaped(name, &shape)?) };
-        let vec = |name: &str, len: usize| -> Result<O::Vector> { Ok(ops.vector(weights.tensor_f32_shaped(name, &[len])?.data)) };
-        let embed_tokens = ops.embedding_weight("model.embed_tokens.weight", weights.tensor_f32_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?)?;
+        let mat = |name: &str, shape: [usize; 2]| -> Result<O::Weight> { ops.linear_weight(weights.tensor_shaped(name, &shape)?) };
+        let vec = |name: &str, len: usize| -> Result<O::Vector> { ops.vector(name, &weights.tensor_f32_shaped(name, &[len])?.data) };
+        let embed_tokens = ops.embedding_weight(weights.tensor_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?)?;
         let lm_head = if config.tie_word_embeddings || !weights.contains("lm_head.weight") {
             None
         } else {
@@ -62,7 +60,11 @@ impl<O: Ops> LlamaModel<O> {
         for i in 0..config.num_hidden_layers {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let qkv_bias = if config.attention_bias {
-                Some([vec(&p("self_attn.q_proj.bias"), nq)?, vec(&p("self_attn.k_proj.bias"), nkv)?, vec(&p("self_attn.v_proj.bias"), nkv)?])
+                Some([
+                    vec(&p("self_attn.q_proj.bias"), nq)?,
+                    vec(&p("self_attn.k_proj.bias"), nkv)?,
+                    vec(&p("self_attn.v_proj.bias"), nkv)?,
+                ])
             } else {
                 None
             };
@@ -87,50 +89,49 @@ impl<O: Ops> LlamaModel<O> {
             progress(i + 1, config.num_hidden_layers);
         }
         let norm = vec("model.norm.weight", h)?;
-        let rope = RopeTable::new(&config);
-        Ok(Self { config, embed_tokens, lm_head, norm, layers, rope })
+        let rope = ops.rope_table(&RopeTable::new(&config))?;
+        let attention = AttentionShape {
+            sliding_window: config.sliding_window,
+            ..AttentionShape::new(config.num_attention_heads, config.num_key_value_heads, hd)
+        };
+        Ok(Self { config, embed_tokens, lm_head, norm, layers, rope, attention })
     }
+}
 
-    /// The model's configuration.
-    pub fn config(&self) -> &ModelConfig {
+impl<O: Ops> CausalLm<O> for LlamaModel<O> {
+    fn config(&self) -> &ModelConfig {
         &self.config
     }
 
-    /// One forward pass over a mixed batch; returns the logits of the rows
-    /// `batch.logits_indices` lists, `[rows, vocab]`.
-    pub fn forward(&self, ops: &O, cache: &mut O::KvCache, batch: &ForwardBatch, block_size: usize) -> O::Tensor {
+    fn kv_cache_spec(&self, block_size: usize, dtype: KvCacheDtype) -> KvCacheSpec {
+        let c = &self.config;
+        KvCacheSpec { num_layers: c.num_hidden_layers, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim, block_size, dtype }
+    }
+
+    fn forward(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
-        let shape = AttentionShape { num_heads: c.num_attention_heads, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
-        let meta = AttentionMetadata {
-            block_size,
-            slot_mapping: &batch.slot_mapping,
-            query_start_loc: &batch.query_start_loc,
-            context_lens: &batch.context_lens,
-            block_tables: &batch.block_tables,
-            block_table_stride: batch.block_table_stride,
-        };
-        let mut h = ops.embed(&self.embed_tokens, &batch.token_ids);
+        let mut h = ops.embed(&self.embed_tokens, step)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let x = ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size);
+            let x = ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?;
             let bias = layer.qkv_bias.as_ref();
-            let mut q = ops.linear(&x, &layer.q_proj, bias.map(|b| &b[0]));
-            let mut k = ops.linear(&x, &layer.k_proj, bias.map(|b| &b[1]));
-            let v = ops.linear(&x, &layer.v_proj, bias.map(|b| &b[2]));
+            let mut q = ops.linear(&x, &layer.q_proj, bias.map(|b| &b[0]))?;
+            let mut k = ops.linear(&x, &layer.k_proj, bias.map(|b| &b[1]))?;
+            let v = ops.linear(&x, &layer.v_proj, bias.map(|b| &b[2]))?;
             if let Some([qn, kn]) = &layer.qk_norm {
-                q = ops.rms_norm(&q, qn, eps, c.head_dim);
-                k = ops.rms_norm(&k, kn, eps, c.head_dim);
+                q = ops.rms_norm(&q, qn, eps, c.head_dim)?;
+                k = ops.rms_norm(&k, kn, eps, c.head_dim)?;
             }
-            ops.rope(&mut q, c.head_dim, &batch.positions, &self.rope);
-            ops.rope(&mut k, c.head_dim, &batch.positions, &self.rope);
-            let attn = ops.attention(cache, l, &q, &k, &v, &meta, shape);
-            ops.add_assign(&mut h, &ops.linear(&attn, &layer.o_proj, None));
-            let x = ops.rms_norm(&h, &layer.post_attention_norm, eps, c.hidden_size);
-            let act = ops.silu_mul(&ops.linear(&x, &layer.gate_proj, None), &ops.linear(&x, &layer.up_proj, None));
-            ops.add_assign(&mut h, &ops.linear(&act, &layer.down_proj, None));
+            ops.rope(&mut q, &self.rope, step)?;
+            ops.rope(&mut k, &self.rope, step)?;
+            let attn = ops.attention(cache, l, &q, &k, &v, step, &self.attention)?;
+            ops.add_assign(&mut h, &ops.linear(&attn, &layer.o_proj, None)?)?;
+            let x = ops.rms_norm(&h, &layer.post_attention_norm, eps, c.hidden_size)?;
+            let act = ops.silu_mul(&ops.linear(&x, &layer.gate_proj, None)?, &ops.linear(&x, &layer.up_proj, None)?)?;
+            ops.add_assign(&mut h, &ops.linear(&act, &layer.down_proj, None)?)?;
         }
-        let last = ops.gather_rows(&h, &batch.logits_indices);
-        let last = ops.rms_norm(&last, &self.norm, eps, c.hidden_size);
+        let last = ops.logits_rows(&h, step)?;
+        let last = ops.rms_norm(&last, &self.norm, eps, c.hidden_size)?;
         ops.linear(&last, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
     }
 }

@@ -2,58 +2,68 @@
 //!
 //! A model definition (e.g. [`crate::LlamaModel`]) is written once against
 //! [`Ops`]; each backend implements it for its own storage: host vectors on
-//! the CPU, device buffers on a GPU. Attention goes through the backend's
-//! paged KV cache and is addressed by the per-step metadata of
-//! [`vellum_core::ForwardBatch`].
+//! the CPU, device buffers on a GPU. [`Ops`] extends the core
+//! [`AttentionBackend`] (the paged KV cache, the per-step inputs and the
+//! attention kernels) with the dense operations of a transformer.
+//!
+//! The contract, as a GPU backend meets it:
+//! - **Weights** arrive as [`WeightView`]s, the bytes the file stores with
+//!   their type (f32/f16/bf16 or GGUF blocks), so each backend picks its own
+//!   layout (the CPU keeps Q4_1 blocks for its integer kernels; a GPU
+//!   uploads the blocks and dequantizes in its shaders).
+//! - **Per-step inputs** (token ids, positions, slot mapping, block tables,
+//!   query offsets, context lengths, logits rows) reach the backend once, in
+//!   [`AttentionBackend::prepare_step`]; ops read the prepared step.
+//! - **Every op can fail**: a lost device or an allocation that does not fit
+//!   is a [`vellum_core::Error`], never a panic. Loading fails with this
+//!   crate's [`crate::Error`].
 
 use crate::rope::RopeTable;
-use crate::{Result, Tensor};
-use vellum_core::AttentionMetadata;
+use crate::{Result, WeightView};
+use vellum_core::{AttentionBackend, AttentionShape};
 
-/// Shape of one attention layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AttentionShape {
-    /// Query heads.
-    pub num_heads: usize,
-    /// Key/value heads.
-    pub num_kv_heads: usize,
-    /// Width of a head.
-    pub head_dim: usize,
-}
+/// `Result` of an op at run time.
+pub type OpResult<T> = vellum_core::Result<T>;
 
 /// Backend operations over activations `[rows, cols]` (one row per token).
-pub trait Ops: Send + Sync {
-    /// Activations.
-    type Tensor;
+pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send + Sync> + Send + Sync {
     /// A linear layer's weight, in whatever layout (or quantization) the
     /// backend computes fastest with.
     type Weight: Send + Sync;
     /// A 1-D parameter (norm weight, bias).
     type Vector: Send + Sync;
-    /// The paged KV cache of every layer.
-    type KvCache;
+    /// RoPE rotations for every position of the model's context.
+    type Rope: Send + Sync;
 
     /// Prepares a `[out, in]` weight for [`Ops::linear`].
-    fn linear_weight(&self, name: &str, w: Tensor) -> Result<Self::Weight>;
+    fn linear_weight(&self, w: WeightView<'_>) -> Result<Self::Weight>;
     /// Prepares an embedding table `[vocab, hidden]` (also usable as a tied
     /// LM head through [`Ops::linear`]).
-    fn embedding_weight(&self, name: &str, w: Tensor) -> Result<Self::Weight>;
+    fn embedding_weight(&self, w: WeightView<'_>) -> Result<Self::Weight>;
     /// Uploads a 1-D parameter.
-    fn vector(&self, data: Vec<f32>) -> Self::Vector;
+    fn vector(&self, name: &str, data: &[f32]) -> Result<Self::Vector>;
+    /// Prepares the rotations of `table` for [`Ops::rope`].
+    fn rope_table(&self, table: &RopeTable) -> Result<Self::Rope>;
 
-    /// Rows of the embedding table for `ids`.
-    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    /// Rows of the embedding table for the step's token ids.
+    fn embed(&self, table: &Self::Weight, step: &Self::Step) -> OpResult<Self::Tensor>;
     /// `x · Wᵀ (+ bias)`.
-    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Vector>) -> Self::Tensor;
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Vector>) -> OpResult<Self::Tensor>;
     /// RMSNorm over each row (`group` = row width), or over each `group`-wide
     /// slice of a row (per-head norms, Qwen3).
-    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32, group: usize) -> Self::Tensor;
-    /// Half-split RoPE on `[rows, heads · head_dim]`, row i at `positions[i]`.
-    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], table: &RopeTable);
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32, group: usize) -> OpResult<Self::Tensor>;
+    /// Half-split RoPE on `[rows, heads · head_dim]`, row i at the step's
+    /// position i.
+    fn rope(&self, x: &mut Self::Tensor, rope: &Self::Rope, step: &Self::Step) -> OpResult<()>;
     /// `silu(gate) * up`.
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> OpResult<Self::Tensor>;
     /// `x += y`.
-    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> OpResult<()>;
+    /// The rows whose logits the step returns (its `logits_indices`).
+    fn logits_rows(&self, x: &Self::Tensor, step: &Self::Step) -> OpResult<Self::Tensor>;
+    /// Copies activations to the host, row-major.
+    fn to_host(&self, x: &Self::Tensor) -> OpResult<Vec<f32>>;
+
     /// Writes this step's K and V of `layer` into their slots, then causal
     /// paged attention of `q` over each sequence's cached context.
     #[allow(clippy::too_many_arguments)]
@@ -64,11 +74,16 @@ pub trait Ops: Send + Sync {
         q: &Self::Tensor,
         k: &Self::Tensor,
         v: &Self::Tensor,
-        meta: &AttentionMetadata<'_>,
-        shape: AttentionShape,
-    ) -> Self::Tensor;
-    /// The listed rows.
-    fn gather_rows(&self, x: &Self::Tensor, rows: &[u32]) -> Self::Tensor;
-    /// Copies activations to the host, row-major.
-    fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+        step: &Self::Step,
+        shape: &AttentionShape,
+    ) -> OpResult<Self::Tensor> {
+        self.write_kv(cache, layer, k, v, step)?;
+        self.paged_attention(cache, layer, q, step, shape)
+    }
+
+    /// Runs one forward pass `f` where the backend's ops run best (the CPU
+    /// backend moves it onto its thread pool once per step).
+    fn run_forward<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
 }

@@ -7,6 +7,9 @@ use vellum_core::{ModelConfig, RopeScaling};
 pub struct RopeTable {
     /// `head_dim / 2` inverse frequencies.
     pub inv_freq: Vec<f64>,
+    /// Positions the model addresses (`max_position_embeddings`); a
+    /// backend that tabulates the rotations covers `0..max_positions`.
+    pub max_positions: usize,
 }
 
 impl RopeTable {
@@ -37,7 +40,12 @@ impl RopeTable {
             }
             None => {}
         }
-        Self { inv_freq }
+        Self { inv_freq, max_positions: config.max_position_embeddings }
+    }
+
+    /// Width of the head the table rotates.
+    pub fn head_dim(&self) -> usize {
+        2 * self.inv_freq.len()
     }
 
     /// `(cos, sin)` of every pair at `position`, in f32.

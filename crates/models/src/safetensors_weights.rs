@@ -1,11 +1,12 @@
 //! [`WeightSource`] over a Hugging Face model directory: `config.json` plus
 //! `model.safetensors`, or shards listed in `model.safetensors.index.json`.
 
-use crate::{Error, Result, Tensor, WeightSource};
-use half::{bf16, f16};
+use crate::gguf::GgmlType;
+use crate::{Error, Result, WeightSource, WeightView};
 use memmap2::Mmap;
 use safetensors::tensor::Metadata;
 use safetensors::{Dtype, SafeTensors};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -47,8 +48,7 @@ impl SafetensorsWeights {
     /// Opens a directory holding `config.json` and the safetensors file(s).
     pub fn open(dir: &Path) -> Result<Self> {
         let config_path = dir.join("config.json");
-        let config = ModelConfig::from_file(&config_path)
-            .map_err(|source| Error::ModelConfig { path: config_path.clone(), source })?;
+        let config = ModelConfig::from_file(&config_path).map_err(|source| Error::ModelConfig { path: config_path.clone(), source })?;
         let files = shard_files(dir)?;
         let mut shards = Vec::with_capacity(files.len());
         let mut index = BTreeMap::new();
@@ -74,13 +74,13 @@ impl SafetensorsWeights {
 }
 
 impl WeightSource for SafetensorsWeights {
-    fn tensor_f32(&self, name: &str) -> Result<Tensor> {
+    fn tensor(&self, name: &str) -> Result<WeightView<'_>> {
         let shard = self
             .index
             .get(name)
             .map(|&i| &self.shards[i])
             .ok_or_else(|| Error::MissingTensor { path: self.dir.clone(), tensor: name.to_string() })?;
-        shard.tensor_f32(name)
+        shard.tensor(name)
     }
 
     fn contains(&self, name: &str) -> bool {
@@ -105,12 +105,12 @@ impl Shard {
         }
         // SAFETY: read-only map; the file is assumed not to change while open.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-        let (header_len, metadata) = SafeTensors::read_metadata(&mmap)
-            .map_err(|e| Error::MalformedSafetensors { path: path.clone(), what: e.to_string() })?;
+        let (header_len, metadata) =
+            SafeTensors::read_metadata(&mmap).map_err(|e| Error::MalformedSafetensors { path: path.clone(), what: e.to_string() })?;
         Ok(Self { path, mmap, data_start: 8 + header_len, metadata })
     }
 
-    fn tensor_f32(&self, name: &str) -> Result<Tensor> {
+    fn tensor(&self, name: &str) -> Result<WeightView<'_>> {
         let malformed = |what: String| Error::MalformedSafetensors { path: self.path.clone(), what };
         let info = self.metadata.info(name).ok_or_else(|| malformed(format!("no entry for `{name}`")))?;
         let (start, end) = info.data_offsets;
@@ -118,10 +118,10 @@ impl Shard {
             .mmap
             .get(self.data_start + start..self.data_start + end)
             .ok_or_else(|| malformed(format!("tensor `{name}`: data offsets {start}..{end} out of bounds")))?;
-        let n_elements: usize = info.shape.iter().product();
-        let elem_size = match info.dtype {
-            Dtype::F32 => 4,
-            Dtype::F16 | Dtype::BF16 => 2,
+        let dtype = match info.dtype {
+            Dtype::F32 => GgmlType::F32,
+            Dtype::F16 => GgmlType::F16,
+            Dtype::BF16 => GgmlType::BF16,
             other => {
                 return Err(Error::UnsupportedTensorType {
                     path: self.path.clone(),
@@ -131,20 +131,8 @@ impl Shard {
                 })
             }
         };
-        if bytes.len() != n_elements * elem_size {
-            return Err(malformed(format!(
-                "tensor `{name}`: {} bytes for shape {:?} of {:?}",
-                bytes.len(),
-                info.shape,
-                info.dtype
-            )));
-        }
-        let data = match info.dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            _ => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        };
-        Ok(Tensor { shape: info.shape.clone(), data })
+        WeightView::new(name, info.shape.clone(), dtype, Cow::Borrowed(bytes))
+            .map_err(|_| malformed(format!("tensor `{name}`: {} bytes for shape {:?} of {:?}", bytes.len(), info.shape, info.dtype)))
     }
 }
 
@@ -158,8 +146,8 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index_path = dir.join(INDEX_FILE);
     if index_path.is_file() {
         let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
-        let index: ShardIndex = serde_json::from_str(&text)
-            .map_err(|e| Error::MalformedSafetensors { path: index_path.clone(), what: e.to_string() })?;
+        let index: ShardIndex =
+            serde_json::from_str(&text).map_err(|e| Error::MalformedSafetensors { path: index_path.clone(), what: e.to_string() })?;
         let files: BTreeSet<&String> = index.weight_map.values().collect();
         return files
             .into_iter()
@@ -178,8 +166,5 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if single.is_file() {
         return Ok(vec![single]);
     }
-    Err(Error::io(
-        dir,
-        std::io::Error::new(std::io::ErrorKind::NotFound, format!("neither {SINGLE_FILE} nor {INDEX_FILE} is here")),
-    ))
+    Err(Error::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, format!("neither {SINGLE_FILE} nor {INDEX_FILE} is here"))))
 }

@@ -20,9 +20,11 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 const SPECIAL_TOKEN_TYPES: [i64; 2] = [3, 4];
 
 /// Llama 3's split regex (`tokenizer.ggml.pre = llama-bpe`).
-const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's split regex (`tokenizer.ggml.pre = qwen2`): digits one by one.
-const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A tokenizer with the model's special token ids.
 pub struct Tokenizer {
@@ -96,11 +98,9 @@ impl Tokenizer {
         let token_id = |key: &str| -> Result<Option<u32>> {
             match file.get(key) {
                 None => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|id| u32::try_from(id).ok())
-                    .map(Some)
-                    .ok_or_else(|| file.bad_type(key, "a u32 token id", v)),
+                Some(v) => {
+                    v.as_u64().and_then(|id| u32::try_from(id).ok()).map(Some).ok_or_else(|| file.bad_type(key, "a u32 token id", v))
+                }
             }
         };
         let bos_token_id = token_id("tokenizer.ggml.bos_token_id")?;
@@ -113,8 +113,8 @@ impl Tokenizer {
             }
         }
         // Absent means no BOS: the files that want one say so.
-        let prepend_bos = file.get("tokenizer.ggml.add_bos_token").and_then(MetadataValue::as_bool).unwrap_or(false)
-            && bos_token_id.is_some();
+        let prepend_bos =
+            file.get("tokenizer.ggml.add_bos_token").and_then(MetadataValue::as_bool).unwrap_or(false) && bos_token_id.is_some();
         Ok(Self { inner, bos_token_id, eos_token_ids, prepend_bos, source: context })
     }
 
@@ -214,10 +214,7 @@ fn pre_tokenizer(pre: &str) -> std::result::Result<PreTokenizerWrapper, String> 
 
 /// A GGUF array of strings.
 fn string_array<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {
-    file.get_array(key)?
-        .iter()
-        .map(|v| v.as_str().ok_or_else(|| file.bad_type(key, "an array of strings", v)))
-        .collect()
+    file.get_array(key)?.iter().map(|v| v.as_str().ok_or_else(|| file.bad_type(key, "an array of strings", v))).collect()
 }
 
 fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {
@@ -225,9 +222,7 @@ fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| Error::Tokenizer { context: path.display().to_string(), message: e.to_string() })
+    serde_json::from_str(&text).map(Some).map_err(|e| Error::Tokenizer { context: path.display().to_string(), message: e.to_string() })
 }
 
 fn tokenizer_error(context: &str, e: impl std::fmt::Display) -> Error {

@@ -1,13 +1,12 @@
 //! Integration tests: the real default model (fetched once into the cache),
 //! tiny checkpoints written here in both formats, and malformed files.
 
-
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use vellum_models::gguf::{GgmlType, GgufFile, MetadataValue};
 use vellum_models::{
-    fetch_default_model, resolve_model, ChatMessage, ChatTemplate, Error, GgufWeights, ModelSource,
-    SafetensorsWeights, Tokenizer, WeightSource,
+    fetch_default_model, resolve_model, ChatMessage, ChatTemplate, Error, GgufWeights, ModelSource, SafetensorsWeights, Tokenizer,
+    WeightSource,
 };
 
 // ---------------------------------------------------------------- helpers
@@ -123,11 +122,11 @@ fn real_gguf_tensors_have_hf_names_and_shapes() {
     assert!(matches!(w.tensor_f32("lm_head.weight"), Err(Error::MissingTensor { .. })));
 
     // Quantized blocks, rows in HF order, dequantize to the same values.
-    let qq = w.tensor_quantized("model.layers.0.self_attn.q_proj.weight").unwrap();
-    assert_eq!((qq.ggml_type, qq.shape.clone()), (GgmlType::Q4_1, vec![576, 576]));
-    assert_eq!(vellum_models::gguf::dequantize(qq.ggml_type, &qq.data, 576 * 576).unwrap(), q.data);
-    let e = w.tensor_quantized("model.embed_tokens.weight").unwrap();
-    assert_eq!(e.ggml_type, GgmlType::Q8_0);
+    let qq = w.tensor("model.layers.0.self_attn.q_proj.weight").unwrap();
+    assert_eq!((qq.dtype, qq.shape.clone()), (GgmlType::Q4_1, vec![576, 576]));
+    assert_eq!(vellum_models::gguf::dequantize(qq.dtype, &qq.data, 576 * 576).unwrap(), q.data);
+    let e = w.tensor("model.embed_tokens.weight").unwrap();
+    assert_eq!(e.dtype, GgmlType::Q8_0);
 }
 
 /// Expected values computed independently with the `gguf` Python package
@@ -139,14 +138,26 @@ fn real_gguf_tensors_have_hf_names_and_shapes() {
 fn real_gguf_dequantizes_like_gguf_py() {
     let w = real_model();
     let cases: [(&str, f64, f64, [f32; 5]); 4] = [
-        ("model.embed_tokens.weight", -15353.04449415207, 2802153.619805813,
-         [-0.10654449462890625, 0.032978057861328125, 0.08371353149414062, -0.15135955810546875, -0.0417022705078125]),
-        ("model.layers.29.mlp.down_proj.weight", 49.83570861816406, 126250.91435241699,
-         [-0.2733154296875, 0.186279296875, 0.04840087890625, -0.016998291015625, 0.056640625]),
+        (
+            "model.embed_tokens.weight",
+            -15353.04449415207,
+            2802153.619805813,
+            [-0.10654449462890625, 0.032978057861328125, 0.08371353149414062, -0.15135955810546875, -0.0417022705078125],
+        ),
+        (
+            "model.layers.29.mlp.down_proj.weight",
+            49.83570861816406,
+            126250.91435241699,
+            [-0.2733154296875, 0.186279296875, 0.04840087890625, -0.016998291015625, 0.056640625],
+        ),
         ("model.norm.weight", 1038.33203125, 1045.09765625, [1.7578125, 1.8203125, -1.2578125, 1.765625, 1.984375]),
         // Q rows are permuted, but the first and last rows and the sums are not affected.
-        ("model.layers.0.self_attn.q_proj.weight", 59.22322082519531, 63395.39872741699,
-         [-0.0963134765625, 0.1573486328125, 0.2841796875, 0.3294677734375, -0.255859375]),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            59.22322082519531,
+            63395.39872741699,
+            [-0.0963134765625, 0.1573486328125, 0.2841796875, 0.3294677734375, -0.255859375],
+        ),
     ];
     for (name, sum, abs_sum, samples) in cases {
         let t = w.tensor_f32(name).unwrap();
@@ -224,8 +235,8 @@ fn tiny_gguf_and_safetensors_agree() {
             assert!((x - y).abs() <= tol, "{}[{i}]: gguf {x} vs safetensors {y}", t.hf);
         }
         // Raw blocks, rows in HF order, dequantize to the same values.
-        let q = g.tensor_quantized(&t.hf).unwrap();
-        assert_eq!(vellum_models::gguf::dequantize(q.ggml_type, &q.data, a.n_elements()).unwrap(), a.data);
+        let q = g.tensor(&t.hf).unwrap();
+        assert_eq!(vellum_models::gguf::dequantize(q.dtype, &q.data, a.n_elements()).unwrap(), a.data);
     }
 
     // Every metadata value type parsed back.
@@ -256,7 +267,7 @@ fn tiny_gguf_and_safetensors_agree() {
 #[test]
 fn unpermuted_qk_with_rotate_half_equals_gguf_layout_with_interleaved_rope() {
     let (n_head, hd, d_in) = (2, 8, 5);
-    let mut rng = Lcg(3);
+    let mut rng = Lcg::new(3);
     let wq = rng.vec(n_head * hd * d_in);
     let wk = rng.vec(n_head * hd * d_in);
     let (x, y) = (rng.vec(d_in), rng.vec(d_in));
@@ -326,7 +337,11 @@ fn safetensors_errors_are_typed() {
     let data = [0u8; 8];
     let view = TensorView::new(safetensors::Dtype::I32, vec![2], &data).unwrap();
     std::fs::write(&shard, safetensors::serialize([("model.norm.weight", view)], None).unwrap()).unwrap();
-    std::fs::write(dir.join("model.safetensors.index.json"), r#"{"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}"#).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        r#"{"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
     let s = SafetensorsWeights::open(&dir).unwrap();
     assert!(matches!(s.tensor_f32("model.norm.weight"), Err(Error::UnsupportedTensorType { dtype, .. }) if dtype == "I32"));
     let _ = std::fs::remove_dir_all(&dir);
@@ -373,7 +388,7 @@ fn malformed_gguf_gives_typed_errors() {
     assert!(matches!(open_bytes(&dir, "count.gguf", &huge_count), Err(Error::MalformedGguf { .. })));
 
     // Random byte corruption never panics.
-    let mut rng = Lcg(11);
+    let mut rng = Lcg::new(11);
     for _ in 0..300 {
         let mut bytes = good.clone();
         for _ in 0..4 {
@@ -387,14 +402,14 @@ fn malformed_gguf_gives_typed_errors() {
         });
     }
 
-    // An unsupported tensor type opens, and fails by name on conversion.
+    // An unsupported tensor type (IQ2_XXS, type 16) opens, and fails by name on conversion.
     let mut w = GgufWriter::new();
     w.kv("general.architecture", Kv::Str("llama".into()));
-    w.tensor("blk.0.ffn_down.weight", &[256, 2], 14, vec![0; 2 * 210]);
-    let f = open_bytes(&dir, "q6k.gguf", &w.build().0).unwrap();
+    w.tensor("blk.0.ffn_down.weight", &[256, 2], 16, vec![0; 2 * 66]);
+    let f = open_bytes(&dir, "iq2.gguf", &w.build().0).unwrap();
     match f.tensor_f32("blk.0.ffn_down.weight") {
         Err(Error::UnsupportedTensorType { tensor, dtype, .. }) => {
-            assert_eq!((tensor.as_str(), dtype.as_str()), ("blk.0.ffn_down.weight", "Q6_K"))
+            assert_eq!((tensor.as_str(), dtype.as_str()), ("blk.0.ffn_down.weight", "IQ2_XXS"))
         }
         other => panic!("{other:?}"),
     }

@@ -31,7 +31,9 @@ fn setup(policy: vellum_core::SchedulingPolicy) -> (Scheduler<KvCacheManager>, S
         let requests: Vec<RequestSamples> =
             out.scheduled.iter().map(|x| RequestSamples::tokens(x.request_id, vec![(x.seq_id, 7)])).collect();
         s.update_from_output(&StepSamples { requests });
-        all.extend(out.scheduled.iter().filter(|x| x.num_computed_tokens == 0).map(|x| RequestSamples::tokens(x.request_id, vec![(x.seq_id, 7)])));
+        all.extend(
+            out.scheduled.iter().filter(|x| x.num_computed_tokens == 0).map(|x| RequestSamples::tokens(x.request_id, vec![(x.seq_id, 7)])),
+        );
     }
     assert_eq!(s.num_running(), NUM_REQUESTS);
     // From here on every request decodes one token per step.
@@ -43,10 +45,9 @@ fn setup(policy: vellum_core::SchedulingPolicy) -> (Scheduler<KvCacheManager>, S
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("scheduler");
     g.sample_size(20);
-    for (name, policy) in [
-        ("fcfs", vellum_core::SchedulingPolicy::Fcfs),
-        ("two_level", vellum_core::SchedulingPolicy::TwoLevel { staging_queue_size: 8 }),
-    ] {
+    for (name, policy) in
+        [("fcfs", vellum_core::SchedulingPolicy::Fcfs), ("two_level", vellum_core::SchedulingPolicy::TwoLevel { staging_queue_size: 8 })]
+    {
         g.bench_function(format!("{name}_1000_running_x{STEPS}_steps"), |b| {
             b.iter_batched(
                 || setup(policy),

@@ -9,17 +9,20 @@
 //!
 //! **The one design decision to know:** the scheduler is pure logic over a
 //! [`vellum_core::BlockAllocator`] — no tensors, no clocks, no threads. The
-//! same code runs under the engine and under the [`sim`] simulator, which
-//! replays hour-long traces in seconds against the paged manager or the Orca
-//! baselines.
+//! same code runs under the engine and under the `vellum-simulator` crate,
+//! which replays hour-long traces in seconds against the paged manager or
+//! the Orca baselines. What a step changed comes back from
+//! [`Scheduler::update_from_output`] as a [`StepUpdate`], from which a caller
+//! keeps its own view of the sequences.
+
+#![deny(missing_docs)]
 
 mod error;
 mod request;
 mod scheduler;
 mod scheduler_output;
-pub mod sim;
 
 pub use error::Error;
 pub use request::{FinishReason, Request, RequestStatus, Sequence};
 pub use scheduler::{NewRequest, Scheduler};
-pub use scheduler_output::{BlockTableUpdate, RequestSamples, ScheduledSeq, SchedulerOutput, StepSamples};
+pub use scheduler_output::{BlockTableUpdate, RequestSamples, ScheduledSeq, SchedulerOutput, SeqFork, StepSamples, StepUpdate};

@@ -9,6 +9,7 @@ use vellum_core::{LengthHint, RequestId, RequestState, SamplingParams, SeqId, To
 
 /// Why a sequence or request ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum FinishReason {
     /// EOS, a stop token or a stop string.
     Stop,
@@ -19,7 +20,15 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
-    /// The OpenAI / vLLM spelling.
+    /// Every reason, in the order of [`FinishReason::index`].
+    pub const ALL: [FinishReason; 3] = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort];
+
+    /// Position in [`FinishReason::ALL`] (for per-reason counters).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The OpenAI / vLLM spelling (the one spelling, everywhere).
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Stop => "stop",
@@ -130,7 +139,11 @@ impl Request {
     /// Sequences it may run at once: `n` (or the beam width) before it
     /// forks, its running sequences after. Counted against `max_num_seqs`.
     pub fn num_seq_slots(&self) -> usize {
-        if self.forked { self.running_seqs().count() } else { self.params.num_sequences() }
+        if self.forked {
+            self.running_seqs().count()
+        } else {
+            self.params.num_sequences()
+        }
     }
 
     /// Tokens the next step may compute, over all running sequences.

@@ -101,3 +101,39 @@ pub struct StepSamples {
     /// Per request that sampled.
     pub requests: Vec<RequestSamples>,
 }
+
+/// A sequence forked for one entry of [`RequestSamples::next`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqFork {
+    /// The request.
+    pub request_id: RequestId,
+    /// Index of the entry in `next` whose token the fork took.
+    pub entry: usize,
+    /// The sequence it was forked from (its state before this step's token).
+    pub parent: SeqId,
+    /// The new sequence.
+    pub child: SeqId,
+}
+
+/// What [`crate::Scheduler::update_from_output`] changed, so that an engine
+/// can keep its own view of every sequence from these diffs instead of
+/// reading the scheduler's requests.
+///
+/// Every entry `(parent, token)` of a [`RequestSamples::next`] appended its
+/// token to `parent` itself (its first entry), to a fork listed in
+/// [`StepUpdate::forks`] (its later entries), or to nothing when listed in
+/// [`StepUpdate::skipped`] (the parent had stopped).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepUpdate {
+    /// New sequences: parallel samples' first draws, beam candidates.
+    pub forks: Vec<SeqFork>,
+    /// `(request, entry)` whose token no sequence took.
+    pub skipped: Vec<(RequestId, usize)>,
+    /// Sequences that stopped: EOS or a stop token, a length limit, the end
+    /// of a beam search.
+    pub finished_seqs: Vec<(RequestId, SeqId, FinishReason)>,
+    /// Beam candidates no entry extended: freed, with no output.
+    pub dropped_seqs: Vec<(RequestId, SeqId)>,
+    /// Requests that ended (also reported by the next `schedule()`).
+    pub finished_requests: Vec<(RequestId, FinishReason)>,
+}

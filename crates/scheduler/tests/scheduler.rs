@@ -4,13 +4,10 @@
 use proptest::prelude::*;
 use std::collections::HashMap;
 use vellum_core::{
-    BeamSearchParams, BlockAllocator, PreemptionMode, RequestId, SamplingParams, SchedulerConfig, SchedulingPolicy,
-    SeqId, TokenId,
+    BeamSearchParams, BlockAllocator, PreemptionMode, RequestId, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId,
 };
 use vellum_kvcache::{KvCacheManager, KvCacheManagerConfig};
-use vellum_scheduler::{
-    Error, FinishReason, NewRequest, RequestSamples, Scheduler, SchedulerOutput, StepSamples,
-};
+use vellum_scheduler::{Error, FinishReason, NewRequest, RequestSamples, Scheduler, SchedulerOutput, StepSamples};
 
 const EOS: TokenId = 2;
 
@@ -403,9 +400,15 @@ fn bad_requests_get_typed_errors() {
     let bad = SamplingParams { top_p: 0.0, ..SamplingParams::default() };
     assert!(matches!(s.add_request(NewRequest::new(RequestId(2), prompt(4, 0), bad)), Err(Error::InvalidParams(_))));
     s.add_request(NewRequest::new(RequestId(3), prompt(4, 0), SamplingParams::greedy(2))).unwrap();
-    assert!(matches!(s.add_request(NewRequest::new(RequestId(3), prompt(4, 0), SamplingParams::greedy(2))), Err(Error::DuplicateRequest(_))));
+    assert!(matches!(
+        s.add_request(NewRequest::new(RequestId(3), prompt(4, 0), SamplingParams::greedy(2))),
+        Err(Error::DuplicateRequest(_))
+    ));
     let mut tiny = sched(2, 4, SchedulerConfig { max_model_len: 100, ..SchedulerConfig::default() });
-    assert!(matches!(tiny.add_request(NewRequest::new(RequestId(0), prompt(10, 0), SamplingParams::greedy(5))), Err(Error::ExceedsKvCapacity { .. })));
+    assert!(matches!(
+        tiny.add_request(NewRequest::new(RequestId(0), prompt(10, 0), SamplingParams::greedy(5))),
+        Err(Error::ExceedsKvCapacity { .. })
+    ));
     assert_eq!(s.num_waiting(), 1, "refused requests left nothing behind");
 }
 
@@ -421,9 +424,8 @@ struct Arrival {
 }
 
 fn arrival() -> impl Strategy<Value = Arrival> {
-    (0usize..30, 1usize..60, any::<bool>(), 1usize..12, prop_oneof![4 => Just(1usize), 1 => 2usize..4]).prop_map(
-        |(at_step, prompt_len, shared_prefix, max_tokens, n)| Arrival { at_step, prompt_len, shared_prefix, max_tokens, n },
-    )
+    (0usize..30, 1usize..60, any::<bool>(), 1usize..12, prop_oneof![4 => Just(1usize), 1 => 2usize..4])
+        .prop_map(|(at_step, prompt_len, shared_prefix, max_tokens, n)| Arrival { at_step, prompt_len, shared_prefix, max_tokens, n })
 }
 
 fn policy() -> impl Strategy<Value = SchedulingPolicy> {

@@ -3,3 +3,5 @@
 //! Everything lives in the `vellum` binary (`src/main.rs`): `vellum serve`,
 //! the OpenAI-compatible HTTP server (`src/serve/`), and the other
 //! subcommands (`src/cli/`). See docs/serving.md.
+
+#![deny(missing_docs)]

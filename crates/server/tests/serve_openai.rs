@@ -13,17 +13,34 @@ const MAX_MODEL_LEN: &str = "512";
 #[test]
 fn openai_python_client_drives_the_server() {
     let python = python_with_openai();
-    let server = Server::start(&[
-        "--kv-cache-memory",
-        "96MiB",
-        "--max-model-len",
-        MAX_MODEL_LEN,
-        "--api-key",
-        KEY,
-        "--served-model-name",
-        MODEL,
-    ]);
+    let server =
+        Server::start(&["--kv-cache-memory", "96MiB", "--max-model-len", MAX_MODEL_LEN, "--api-key", KEY, "--served-model-name", MODEL]);
     run_python(&python, "openai_client.py", &[server.base_url(), KEY.into(), MODEL.into(), MAX_MODEL_LEN.into()]);
+}
+
+/// `vellum serve --device wgpu` (lavapipe in CI) answers the OpenAI
+/// endpoints, and its greedy text is the CPU backend's.
+#[cfg(feature = "wgpu")]
+#[test]
+fn serve_on_wgpu_answers_the_openai_client() {
+    let python = python_with_openai();
+    let expected = {
+        let cpu = Server::start(&["--kv-cache-memory", "32MiB", "--max-model-len", "256"]);
+        let body = r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}"#;
+        let (status, body) = cpu.request("POST", "/v1/completions", &[("Content-Type", "application/json")], body);
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        v["choices"][0]["text"].as_str().expect("text").to_string()
+    };
+    let server = Server::start(&["--device", "wgpu", "--kv-cache-memory", "32MiB", "--max-model-len", "256"]);
+    assert!(server.log_contains("wgpu adapter"), "the adapter is logged at start");
+    run_python(&python, "openai_device.py", &[server.base_url(), expected]);
+}
+
+#[cfg(not(feature = "wgpu"))]
+#[test]
+fn serve_on_wgpu_skipped_build_has_no_wgpu_feature() {
+    eprintln!("skipped: build vellum-server with `--features wgpu` to test `serve --device wgpu`");
 }
 
 #[test]

@@ -28,11 +28,7 @@ impl<'a> Cursor<'a> {
     /// The next `n` bytes, or an error naming `what` if the file ends first.
     pub(crate) fn take(&mut self, n: usize, what: &str) -> ReadResult<&'a [u8]> {
         if n > self.remaining() {
-            return Err(format!(
-                "file ends while reading {what} at offset {} (needs {n} bytes, {} left)",
-                self.pos,
-                self.remaining()
-            ));
+            return Err(format!("file ends while reading {what} at offset {} (needs {n} bytes, {} left)", self.pos, self.remaining()));
         }
         let slice = &self.bytes[self.pos..self.pos + n];
         self.pos += n;

@@ -44,7 +44,7 @@ pub enum GgmlType {
 }
 
 /// The types [`crate::gguf::dequantize`] converts to f32.
-pub const DEQUANTIZABLE: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
+pub const DEQUANTIZABLE: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
 
 impl GgmlType {
     /// The type with ggml's numeric id, if it is one this crate knows.
@@ -163,7 +163,8 @@ impl GgmlType {
 
     /// Whether [`crate::gguf::dequantize`] supports this type.
     pub fn is_dequantizable(self) -> bool {
-        matches!(self, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1)
+        use GgmlType::*;
+        matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
     }
 }
 

@@ -8,18 +8,20 @@
 use half::{bf16, f16};
 use std::path::Path;
 
-/// Deterministic pseudo-random values in [-1, 1).
-pub struct Lcg(pub u64);
+/// Deterministic pseudo-random values in [-1, 1) (the workspace's one
+/// generator).
+pub struct Lcg(vellum_core::SeededRng);
 impl Lcg {
+    pub fn new(seed: u64) -> Self {
+        Self(vellum_core::SeededRng::new(seed))
+    }
     pub fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        self.0.signed_f32()
     }
     pub fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
+        self.0.signed_vec(n)
     }
 }
-
 
 /// A GGUF metadata value as written: type id then payload.
 pub enum Kv {
@@ -223,7 +225,7 @@ pub struct TinyTensor {
 /// The tiny model's tensors in HF layout (values exactly representable
 /// in their stored type where it is F16 or BF16).
 pub fn tiny_tensors() -> Vec<TinyTensor> {
-    let mut rng = Lcg(7);
+    let mut rng = Lcg::new(7);
     let mut ts = Vec::new();
     let mut add = |hf: String, gguf: String, shape: Vec<usize>, stored: Stored, permute_heads: Option<usize>| {
         let mut values = rng.vec(shape.iter().product());
@@ -336,4 +338,3 @@ pub fn write_tiny_hf_dir(dir: &Path, tensors: &[TinyTensor]) {
     let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
 }
-

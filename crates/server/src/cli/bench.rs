@@ -2,12 +2,12 @@
 //! benchmark_throughput (fixed input/output lengths or the ShareGPT-like
 //! synthetic lengths; every request is submitted at once).
 
+use super::engine_flags::{EngineDefaults, EngineFlags};
 use anyhow::{anyhow, bail, Result};
 use clap::{Args, Subcommand};
 use serde_json::json;
-use vellum_core::{SamplingParams, SchedulerConfig, SeededRng};
-use vellum_engine::EngineArgs;
-use vellum_scheduler::sim::{generate_trace, Workload};
+use vellum_core::{SamplingParams, SeededRng};
+use vellum_simulator::{generate_trace, Workload};
 
 /// `vellum bench ...`
 #[derive(Subcommand, Debug)]
@@ -42,21 +42,14 @@ pub struct ThroughputArgs {
     /// `sharegpt` for ShareGPT-like synthetic lengths instead of fixed ones.
     #[arg(long)]
     pub dataset: Option<String>,
-    /// Token budget per step.
-    #[arg(long, default_value_t = 2048)]
-    pub max_num_batched_tokens: usize,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: usize,
-    /// KV cache size (e.g. 4GiB, or a fraction of available memory).
-    #[arg(long, default_value = "0.5")]
-    pub kv_cache_memory: String,
     /// Trace seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub engine: EngineFlags,
 }
 
 /// Runs `vellum bench ...`.
@@ -82,17 +75,7 @@ fn throughput(args: ThroughputArgs) -> Result<()> {
     if lengths.is_empty() || lengths.iter().any(|&(i, o)| i == 0 || o == 0) {
         bail!("--num-prompts, --input-len and --output-len must be positive");
     }
-    let engine_args = EngineArgs {
-        model: args.model.clone(),
-        kv_cache: super::parse_kv_cache_memory(&args.kv_cache_memory)?,
-        scheduler: SchedulerConfig {
-            max_num_batched_tokens: args.max_num_batched_tokens,
-            max_num_seqs: args.max_num_seqs,
-            max_model_len: 8192,
-            ..SchedulerConfig::default()
-        },
-        ..EngineArgs::default()
-    };
+    let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::default())?;
     let mut llm = super::load_with_progress(engine_args)?;
     let vocab = llm.tokenizer().vocab_size();
     let mut rng = SeededRng::new(args.seed);
@@ -104,7 +87,8 @@ fn throughput(args: ThroughputArgs) -> Result<()> {
     }
     let bar = indicatif::ProgressBar::new(lengths.len() as u64);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} requests {msg}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} requests {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let mut outs = Vec::with_capacity(lengths.len());
     let engine = llm.engine();
@@ -133,8 +117,11 @@ fn throughput(args: ThroughputArgs) -> Result<()> {
     } else {
         println!(
             "{} requests in {:.2} s: {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s",
-            outs.len(), elapsed, report["requests_per_s"].as_f64().unwrap_or(0.0),
-            report["total_tokens_per_s"].as_f64().unwrap_or(0.0), report["output_tokens_per_s"].as_f64().unwrap_or(0.0)
+            outs.len(),
+            elapsed,
+            report["requests_per_s"].as_f64().unwrap_or(0.0),
+            report["total_tokens_per_s"].as_f64().unwrap_or(0.0),
+            report["output_tokens_per_s"].as_f64().unwrap_or(0.0)
         );
     }
     Ok(())

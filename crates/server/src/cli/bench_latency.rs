@@ -8,13 +8,13 @@
 //! are the figures llama.cpp's batched-bench reports, so the two can be
 //! compared side by side (benchmarks/).
 
+use super::engine_flags::{EngineDefaults, EngineFlags};
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use std::time::Instant;
-use vellum_core::{SamplingParams, SchedulerConfig, SeededRng};
-use vellum_engine::EngineArgs;
+use vellum_core::{SamplingParams, SeededRng};
 
 /// Arguments of `vellum bench latency`.
 #[derive(Args, Debug)]
@@ -37,18 +37,14 @@ pub struct LatencyArgs {
     /// Measured iterations.
     #[arg(long, default_value_t = 3)]
     pub num_iters: usize,
-    /// Token budget per step (the whole batch's prompts fit by default).
-    #[arg(long, default_value_t = 8192)]
-    pub max_num_batched_tokens: usize,
-    /// KV cache size (e.g. 4GiB, or a fraction of available memory).
-    #[arg(long, default_value = "0.5")]
-    pub kv_cache_memory: String,
     /// Seed of the random prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub engine: EngineFlags,
 }
 
 struct Iteration {
@@ -61,17 +57,13 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     if args.batch_size == 0 || args.input_len == 0 || args.output_len < 2 || args.num_iters == 0 {
         bail!("--batch-size, --input-len and --num-iters must be positive and --output-len at least 2");
     }
-    let engine_args = EngineArgs {
-        model: args.model.clone(),
-        kv_cache: super::parse_kv_cache_memory(&args.kv_cache_memory)?,
-        scheduler: SchedulerConfig {
-            max_num_batched_tokens: args.max_num_batched_tokens.max(args.batch_size),
-            max_num_seqs: args.batch_size.max(1),
-            max_model_len: (args.input_len + args.output_len).max(2048),
-            ..SchedulerConfig::default()
-        },
-        ..EngineArgs::default()
+    // The whole batch's prompts fit in one step unless the flags say otherwise.
+    let defaults = EngineDefaults {
+        max_num_seqs: args.batch_size,
+        max_num_batched_tokens: (args.batch_size * args.input_len).max(8192),
+        max_model_len: (args.input_len + args.output_len).max(2048),
     };
+    let engine_args = args.engine.engine_args(args.model.clone(), defaults)?;
     let mut llm = super::load_with_progress(engine_args)?;
     let vocab = llm.tokenizer().vocab_size();
     let mut rng = SeededRng::new(args.seed);
@@ -140,10 +132,18 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         println!(
             "batch {} × ({} in, {} out): latency avg {:.3} s, p50 {:.3}, p90 {:.3}, p99 {:.3}; prefill {:.1} tok/s, decode {:.1} tok/s; \
              time in schedule {:.2}%, execute {:.2}%, sample {:.2}%",
-            args.batch_size, args.input_len, args.output_len, mean(&lat), super::percentile(&lat, 50.0), super::percentile(&lat, 90.0),
-            super::percentile(&lat, 99.0), report["prefill_tokens_per_s"].as_f64().unwrap_or(0.0),
+            args.batch_size,
+            args.input_len,
+            args.output_len,
+            mean(&lat),
+            super::percentile(&lat, 50.0),
+            super::percentile(&lat, 90.0),
+            super::percentile(&lat, 99.0),
+            report["prefill_tokens_per_s"].as_f64().unwrap_or(0.0),
             report["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
-            100.0 * sched / (sched + exec + samp), 100.0 * exec / (sched + exec + samp), 100.0 * samp / (sched + exec + samp),
+            100.0 * sched / (sched + exec + samp),
+            100.0 * exec / (sched + exec + samp),
+            100.0 * samp / (sched + exec + samp),
         );
     }
     Ok(())

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vellum_core::SeededRng;
-use vellum_scheduler::sim::{generate_trace, Workload};
+use vellum_simulator::{generate_trace, Workload};
 
 /// Arguments of `vellum bench serve`.
 #[derive(Args, Debug, Clone)]
@@ -297,7 +297,11 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             let result = run_rate(&args, target.clone(), &lengths, rate).await?;
             if let Some(path) = &args.save_result {
                 use std::io::Write;
-                let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .with_context(|| format!("opening {}", path.display()))?;
                 writeln!(f, "{result}")?;
             }
             if args.json {
@@ -360,8 +364,7 @@ async fn run_rate(args: &ServeBenchArgs, target: Arc<Target>, lengths: &[(usize,
     let output_tokens: usize = ok.iter().map(|o| o.output_tokens).sum();
     let input_tokens: usize = ok.iter().map(|o| o.prompt_len).sum();
     let mut ttft: Vec<f64> = ok.iter().map(|o| o.ttft).collect();
-    let mut tpot: Vec<f64> =
-        ok.iter().filter(|o| o.output_tokens > 1).map(|o| (o.e2e - o.ttft) / (o.output_tokens - 1) as f64).collect();
+    let mut tpot: Vec<f64> = ok.iter().filter(|o| o.output_tokens > 1).map(|o| (o.e2e - o.ttft) / (o.output_tokens - 1) as f64).collect();
     let mut itl: Vec<f64> = ok.iter().flat_map(|o| o.itl.iter().copied()).collect();
     let mut e2e: Vec<f64> = ok.iter().map(|o| o.e2e).collect();
     let mut norm: Vec<f64> = ok.iter().filter(|o| o.output_tokens > 0).map(|o| o.e2e / o.output_tokens as f64).collect();
@@ -455,7 +458,14 @@ pub fn plot(args: ServePlotArgs) -> Result<()> {
     for s in &mut series {
         s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
     }
-    super::plot::line_chart(&args.out, "Normalized latency vs request rate", "Request rate (req/s)", "Median normalized latency (s/token)", &series, args.y_max)?;
+    super::plot::line_chart(
+        &args.out,
+        "Normalized latency vs request rate",
+        "Request rate (req/s)",
+        "Median normalized latency (s/token)",
+        &series,
+        args.y_max,
+    )?;
     println!("wrote {}", args.out.display());
     Ok(())
 }

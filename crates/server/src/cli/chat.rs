@@ -1,11 +1,11 @@
 //! `vellum chat`: an interactive conversation in the terminal, streamed token
 //! by token through the model's chat template.
 
+use super::engine_flags::{EngineDefaults, EngineFlags};
 use anyhow::{anyhow, Result};
 use clap::Args;
 use std::io::{BufRead, Write};
-use vellum_core::{SamplingParams, SchedulerConfig};
-use vellum_engine::EngineArgs;
+use vellum_core::SamplingParams;
 use vellum_models::ChatMessage;
 
 /// Arguments of `vellum chat`.
@@ -29,26 +29,24 @@ pub struct ChatArgs {
     /// Seed of the generator.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// KV cache size (e.g. 1GiB, or a fraction of available memory).
-    #[arg(long, default_value = "1GiB")]
-    pub kv_cache_memory: String,
+    /// Stop strings (repeatable): a reply ends before the first one.
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+    #[command(flatten)]
+    pub engine: EngineFlags,
 }
 
 /// Runs `vellum chat`: one line of input is one user turn; an empty line or
 /// end of input quits.
 pub fn run(args: ChatArgs) -> Result<()> {
-    let engine_args = EngineArgs {
-        model: args.model.clone(),
-        kv_cache: super::parse_kv_cache_memory(&args.kv_cache_memory)?,
-        scheduler: SchedulerConfig { max_model_len: 8192, ..SchedulerConfig::default() },
-        ..EngineArgs::default()
-    };
+    let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::default())?;
     let mut llm = super::load_with_progress(engine_args)?;
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
         seed: args.seed,
         max_tokens: Some(args.max_tokens),
+        stop: args.stop.clone(),
         ..SamplingParams::default()
     };
     params.validate().map_err(|e| anyhow!("{e}"))?;
@@ -66,24 +64,15 @@ pub fn run(args: ChatArgs) -> Result<()> {
         messages.push(ChatMessage::new("user", line.trim_end()));
         let prompt = llm.render_chat(&messages).map_err(|e| anyhow!("{e}"))?;
         let ids = llm.tokenizer().encode(&prompt, true).map_err(|e| anyhow!("{e}"))?;
-        let id = llm.engine().add_request(ids, params.clone()).map_err(|e| anyhow!("{e}"))?;
-        // Stream: print the decoded text as it grows, never half a character.
-        let mut printed = 0;
-        let mut reply = String::new();
-        while llm.engine().has_unfinished_requests() {
-            let finished = llm.engine().step().map_err(|e| anyhow!("{e}"))?;
-            let tokens = match llm.engine().output_token_ids(id) {
-                Some(t) => t.to_vec(),
-                None => finished.iter().find(|r| r.request_id == id).map(|r| r.outputs[0].token_ids.clone()).unwrap_or_default(),
-            };
-            let text = llm.tokenizer().decode(&tokens, true).map_err(|e| anyhow!("{e}"))?;
-            if text.len() > printed && !text.ends_with('\u{FFFD}') {
-                write!(out, "{}", &text[printed..])?;
-                out.flush()?;
-                printed = text.len();
-            }
-            reply = text;
-        }
+        // Streamed through the engine's output path: text appears as it is
+        // generated, never half a character, cut at a stop string.
+        let outs = llm
+            .generate_ids_streaming(&[ids], &params, |piece| {
+                let _ = write!(out, "{}", piece.text);
+                let _ = out.flush();
+            })
+            .map_err(|e| anyhow!("{e}"))?;
+        let reply = outs.first().and_then(|o| o.outputs.first()).map(|o| o.text.clone()).unwrap_or_default();
         writeln!(out)?;
         messages.push(ChatMessage::new("assistant", reply.as_str()));
     }

@@ -4,12 +4,12 @@
 //! `{"prompt", "prompt_token_ids", "outputs": [{"index", "text", "token_ids",
 //! "logprobs", "cumulative_logprob", "finish_reason"}]}`.
 
+use super::engine_flags::{EngineDefaults, EngineFlags};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
-use vellum_core::{BeamSearchParams, SamplingParams, SchedulerConfig};
-use vellum_engine::EngineArgs;
+use vellum_core::{BeamSearchParams, SamplingParams};
 use vellum_models::ChatMessage;
 
 /// Arguments of `vellum generate`.
@@ -74,16 +74,11 @@ pub struct GenerateArgs {
     /// Stop strings (repeatable); the output is cut before the first one.
     #[arg(long = "stop")]
     pub stop: Vec<String>,
-    /// KV cache size: bytes with a unit (`512MiB`, `4GiB`) or a fraction of
-    /// the memory available after loading the weights (`0.5`).
-    #[arg(long, default_value = "0.5")]
-    pub kv_cache_memory: String,
-    /// Element type of the KV cache: auto (= float32), float32, float16, bfloat16.
-    #[arg(long, default_value = "auto")]
-    pub kv_cache_dtype: String,
     /// Print JSON lines.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub engine: EngineFlags,
 }
 
 /// Runs `vellum generate`.
@@ -117,21 +112,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     params.validate().map_err(|e| anyhow!("{e}"))?;
     tracing::info!(model = args.model.as_deref().unwrap_or("default (SmolLM2-135M-Instruct Q4_1)"), "loading model");
-    let engine_args = EngineArgs {
-        model: args.model.clone(),
-        kv_cache: super::parse_kv_cache_memory(&args.kv_cache_memory)?,
-        kv_cache_dtype: match args.kv_cache_dtype.as_str() {
-            "auto" | "float32" | "fp32" => vellum_core::KvCacheDtype::F32,
-            "float16" | "fp16" | "half" => vellum_core::KvCacheDtype::F16,
-            "bfloat16" | "bf16" => vellum_core::KvCacheDtype::Bf16,
-            other => bail!("--kv-cache-dtype must be auto, float32, float16 or bfloat16, got {other:?}"),
-        },
-        scheduler: SchedulerConfig { max_model_len: 8192, ..SchedulerConfig::default() },
-        ..EngineArgs::default()
-    };
+    let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::default())?;
     let mut llm = super::load_with_progress(engine_args)?;
     let texts: Vec<String> = if args.chat {
-        prompts.iter().map(|p| llm.render_chat(&[ChatMessage::new("user", p.as_str())])).collect::<Result<_, _>>().map_err(|e| anyhow!("{e}"))?
+        prompts
+            .iter()
+            .map(|p| llm.render_chat(&[ChatMessage::new("user", p.as_str())]))
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow!("{e}"))?
     } else {
         prompts.clone()
     };
@@ -176,6 +164,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         saved_by_sharing = format!("{:.1}%", 100.0 * kv.saved_fraction_at_peak()),
         "KV blocks (physical vs. what the block tables reference)"
     );
-    tracing::info!(prompts = prompts.len(), generated, elapsed_s = format!("{elapsed:.2}"), tokens_per_s = format!("{:.1}", generated as f64 / elapsed), "done");
+    tracing::info!(
+        prompts = prompts.len(),
+        generated,
+        elapsed_s = format!("{elapsed:.2}"),
+        tokens_per_s = format!("{:.1}", generated as f64 / elapsed),
+        "done"
+    );
     Ok(())
 }

@@ -4,43 +4,22 @@ pub mod bench;
 pub mod bench_latency;
 pub mod bench_serve;
 pub mod chat;
+pub mod engine_flags;
 pub mod generate;
 pub mod paper_reproduction;
 pub mod plot;
 pub mod simulate;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use vellum_core::KvCacheSize;
 use vellum_engine::{EngineArgs, Llm};
-
-/// Parses `--kv-cache-memory`: `4GiB`, `512MiB`, `1000000` (bytes) or a
-/// fraction of available memory such as `0.5`.
-pub fn parse_kv_cache_memory(s: &str) -> Result<KvCacheSize> {
-    let t = s.trim();
-    if let Ok(f) = t.parse::<f32>() {
-        if t.contains('.') || f <= 1.0 {
-            if !(f > 0.0 && f <= 1.0) {
-                bail!("--kv-cache-memory fraction must be in (0, 1], got {t}");
-            }
-            return Ok(KvCacheSize::FractionOfFree(f));
-        }
-    }
-    let (num, mult) = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("GB", 1_000_000_000), ("MB", 1_000_000), ("B", 1)]
-        .iter()
-        .find_map(|(suffix, m)| t.strip_suffix(suffix).map(|n| (n.trim(), *m)))
-        .unwrap_or((t, 1));
-    let n: f64 = num.parse().map_err(|_| anyhow!("--kv-cache-memory: cannot read {s:?} (use e.g. 4GiB, 512MiB or 0.5)"))?;
-    if n.is_nan() || n <= 0.0 {
-        bail!("--kv-cache-memory must be positive, got {s:?}");
-    }
-    Ok(KvCacheSize::MemoryBytes((n * mult as f64) as u64))
-}
 
 /// Loads the model with a progress bar over its layers.
 pub fn load_with_progress(args: EngineArgs) -> Result<Llm> {
     let bar = ProgressBar::new(0);
-    bar.set_style(ProgressStyle::with_template("loading weights {bar:30} {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_style(
+        ProgressStyle::with_template("loading weights {bar:30} {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     let llm = Llm::new_with_progress(args, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);

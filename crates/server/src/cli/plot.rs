@@ -42,14 +42,27 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
         chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(err)?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.9)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw().map_err(err)?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(err)?;
     root.present().map_err(err)?;
     Ok(())
 }
 
 /// Grouped bars: one group per label, one bar per series, values printed
 /// on top (the paper's Figs. 13 and 15).
-pub fn bar_chart(path: &Path, title: &str, y_label: &str, groups: &[String], series: &[(String, Vec<f64>)], value_fmt: fn(f64) -> String) -> Result<()> {
+pub fn bar_chart(
+    path: &Path,
+    title: &str,
+    y_label: &str,
+    groups: &[String],
+    series: &[(String, Vec<f64>)],
+    value_fmt: fn(f64) -> String,
+) -> Result<()> {
     let y_max = series.iter().flat_map(|s| s.1.iter().copied()).fold(0.0f64, f64::max) * 1.2;
     let n_series = series.len().max(1) as f64;
     let root = SVGBackend::new(path, (640, 420)).into_drawing_area();
@@ -68,7 +81,11 @@ pub fn bar_chart(path: &Path, title: &str, y_label: &str, groups: &[String], ser
         .x_labels(groups.len() * 2 + 1)
         .x_label_formatter(&|x| {
             let i = x.floor() as usize;
-            if (x - x.floor() - 0.5).abs() < 0.01 && i < labels.len() { labels[i].clone() } else { String::new() }
+            if (x - x.floor() - 0.5).abs() < 0.01 && i < labels.len() {
+                labels[i].clone()
+            } else {
+                String::new()
+            }
         })
         .y_desc(y_label)
         .draw()
@@ -91,7 +108,13 @@ pub fn bar_chart(path: &Path, title: &str, y_label: &str, groups: &[String], ser
             }))
             .map_err(err)?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.9)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw().map_err(err)?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(err)?;
     root.present().map_err(err)?;
     Ok(())
 }

@@ -5,7 +5,9 @@ use anyhow::{anyhow, Result};
 use clap::Args;
 use std::path::PathBuf;
 use vellum_core::SchedulingPolicy;
-use vellum_scheduler::sim::{simulate, AllocatorKind, SimConfig, SimReport, Workload};
+use vellum_simulator::{
+    calibrate, simulate, AllocatorKind, SimConfig, SimReport, Workload, PAPER_FIG13A_RATIO_VS_MAX, PAPER_FIG13A_RATIO_VS_ORACLE,
+};
 
 /// Arguments of `vellum simulate`.
 #[derive(Args, Debug)]
@@ -47,6 +49,10 @@ pub struct SimulateArgs {
     /// with figures and JSON, under --out-dir.
     #[arg(long)]
     pub reproduce_paper: bool,
+    /// Fit the cost model's time scale to the paper's Fig. 13a (paged
+    /// batches 2.2× Orca (Oracle) on ShareGPT at 2 req/s) and print it.
+    #[arg(long)]
+    pub calibrate: bool,
     /// Where --reproduce-paper writes (paper-reproduction.md and figures/).
     #[arg(long, default_value = "docs")]
     pub out_dir: PathBuf,
@@ -54,7 +60,8 @@ pub struct SimulateArgs {
 
 /// Builds the simulation config the arguments describe.
 pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
-    let workload = Workload::parse(&args.workload).ok_or_else(|| anyhow!("--workload must be sharegpt or alpaca, got {:?}", args.workload))?;
+    let workload =
+        Workload::parse(&args.workload).ok_or_else(|| anyhow!("--workload must be sharegpt or alpaca, got {:?}", args.workload))?;
     let allocator = AllocatorKind::parse(&args.allocator)
         .ok_or_else(|| anyhow!("--allocator must be paged, orca-max, orca-pow2 or orca-oracle, got {:?}", args.allocator))?;
     let policy = match args.policy.as_str() {
@@ -96,6 +103,37 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     if args.reproduce_paper {
         return super::paper_reproduction::run(&args);
     }
+    if args.calibrate {
+        let base = SimConfig {
+            duration_s: args.duration_s,
+            seed: args.seed,
+            kv_slots: args.kv_slots,
+            block_size: args.block_size,
+            ..SimConfig::default()
+        };
+        let c = calibrate(&base, PAPER_FIG13A_RATIO_VS_ORACLE);
+        if args.json {
+            println!("{}", serde_json::to_string(&c)?);
+        } else {
+            println!(
+                "time scale {:.2} over the first-principles model ({} simulations): {:.1} ms per step + {:.3} ms per batched token + {:.2} µs per context token",
+                c.time_scale,
+                c.simulations,
+                c.cost_model.fixed_s * 1e3,
+                c.cost_model.per_token_s * 1e3,
+                c.cost_model.per_context_token_s * 1e6
+            );
+            println!(
+                "ShareGPT @ 2 req/s: paged {:.1}, Orca (Oracle) {:.1}, Orca (Max) {:.1} batched requests: {:.2}× / {:.2}× (paper {PAPER_FIG13A_RATIO_VS_ORACLE}× / {PAPER_FIG13A_RATIO_VS_MAX}×)",
+                c.paged_batched,
+                c.oracle_batched,
+                c.max_batched,
+                c.ratio_vs_oracle(),
+                c.ratio_vs_max()
+            );
+        }
+        return Ok(());
+    }
     let config = config_from(&args)?;
     let report = simulate(&config);
     if args.json {
@@ -107,8 +145,20 @@ pub fn run(args: SimulateArgs) -> Result<()> {
 }
 
 fn print_table(r: &SimReport) {
-    println!("workload {:?}, allocator {}, {:.2} req/s: {} requests ({} finished)", r.workload, r.allocator.name(), r.request_rate, r.num_requests, r.num_finished);
-    println!("  KV utilization      mean {:.1}%  p1 {:.1}%  p99 {:.1}%", 100.0 * r.kv_utilization_mean, 100.0 * r.kv_utilization_p1, 100.0 * r.kv_utilization_p99);
+    println!(
+        "workload {:?}, allocator {}, {:.2} req/s: {} requests ({} finished)",
+        r.workload,
+        r.allocator.name(),
+        r.request_rate,
+        r.num_requests,
+        r.num_finished
+    );
+    println!(
+        "  KV utilization      mean {:.1}%  p1 {:.1}%  p99 {:.1}%",
+        100.0 * r.kv_utilization_mean,
+        100.0 * r.kv_utilization_p1,
+        100.0 * r.kv_utilization_p99
+    );
     println!("  batched requests    {:.1} per step", r.avg_batched_requests);
     println!("  normalized latency  {:.3} s/token", r.normalized_latency_mean_s);
     println!("  sharing savings     {:.1}%", 100.0 * r.sharing_savings);

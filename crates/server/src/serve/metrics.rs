@@ -8,22 +8,18 @@
 use std::fmt::Write;
 use std::sync::Mutex;
 use vellum_engine::EngineStats;
+use vellum_scheduler::FinishReason;
 
 /// vLLM's `time_to_first_token_seconds` buckets.
-const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
-    2560.0,
-];
+const TTFT_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
 /// vLLM's `inter_token_latency_seconds` / `time_per_output_token_seconds` buckets.
-const ITL_BUCKETS: &[f64] =
-    &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+const ITL_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 /// vLLM's request-latency buckets (e2e, queue time).
-const REQUEST_LATENCY_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-];
+const REQUEST_LATENCY_BUCKETS: &[f64] =
+    &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0];
 
 /// The finish reasons vLLM labels `request_success_total` with.
-pub const FINISH_REASONS: [&str; 3] = ["stop", "length", "abort"];
 
 #[derive(Clone, Debug)]
 struct Histogram {
@@ -99,8 +95,8 @@ pub struct RequestRecord {
     pub prompt_tokens: usize,
     /// Output tokens returned.
     pub generation_tokens: usize,
-    /// `stop`, `length` or `abort`.
-    pub finish_reason: &'static str,
+    /// Why it ended (`None` counts as aborted).
+    pub finish_reason: Option<FinishReason>,
 }
 
 /// The server's metrics.
@@ -144,9 +140,9 @@ impl Metrics {
         for &g in &r.inter_token {
             m.itl.observe(g);
         }
-        let i = FINISH_REASONS.iter().position(|&f| f == r.finish_reason).unwrap_or(2);
-        m.success[i] += 1;
-        if r.finish_reason != "abort" {
+        let reason = r.finish_reason.unwrap_or(FinishReason::Abort);
+        m.success[reason.index()] += 1;
+        if reason != FinishReason::Abort {
             m.e2e.observe(r.e2e);
             m.prompt_tokens.observe(r.prompt_tokens as f64);
             m.generation_tokens.observe(r.generation_tokens as f64);
@@ -254,14 +250,19 @@ impl Metrics {
         );
         let Ok(m) = self.inner.lock() else { return out };
         metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", m.prompt_tokens_total as f64);
-        metric("vellum:requests_rejected_busy_total", "counter", "Requests refused with 503 because the queue was full.", m.rejected_busy as f64);
+        metric(
+            "vellum:requests_rejected_busy_total",
+            "counter",
+            "Requests refused with 503 because the queue was full.",
+            m.rejected_busy as f64,
+        );
         metric("vellum:http_generation_requests_total", "counter", "HTTP requests to the generation endpoints.", m.http_requests as f64);
         let _ = writeln!(
             out,
             "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter"
         );
-        for (reason, v) in FINISH_REASONS.iter().zip(m.success) {
-            let _ = writeln!(out, "vllm:request_success_total{{{labels},finished_reason=\"{reason}\"}} {v}");
+        for (reason, v) in FinishReason::ALL.iter().zip(m.success) {
+            let _ = writeln!(out, "vllm:request_success_total{{{labels},finished_reason=\"{}\"}} {v}", reason.as_str());
         }
         let hists: [(&str, &str, &Histogram); 7] = [
             ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", &m.ttft),
@@ -311,9 +312,9 @@ mod tests {
             e2e: 0.4,
             prompt_tokens: 7,
             generation_tokens: 3,
-            finish_reason: "length",
+            finish_reason: Some(FinishReason::Length),
         });
-        m.record(&RequestRecord { finish_reason: "abort", e2e: 9.0, ..Default::default() });
+        m.record(&RequestRecord { finish_reason: Some(FinishReason::Abort), e2e: 9.0, ..Default::default() });
         let text = m.render(&EngineStats::default());
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{model_name=\"m\",engine=\"0\",le=\"0.02\"} 0\n"));
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{model_name=\"m\",engine=\"0\",le=\"0.04\"} 1\n"));

@@ -16,6 +16,7 @@ mod metrics;
 mod openai;
 mod protocol;
 
+use crate::cli::engine_flags::{EngineDefaults, EngineFlags};
 use anyhow::{anyhow, bail, Context, Result};
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -30,8 +31,7 @@ use metrics::Metrics;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use vellum_core::{PreemptionMode, SchedulerConfig, SchedulingPolicy};
-use vellum_engine::{EngineArgs, EngineClient};
+use vellum_engine::EngineClient;
 use vellum_models::{ChatTemplate, Tokenizer};
 
 /// Arguments of `vellum serve` (named and defaulted like vLLM's).
@@ -54,46 +54,10 @@ pub struct ServeArgs {
     /// SmolLM2-135M-Instruct). The first is the one reported.
     #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
-    /// Longest prompt + output in tokens (default: the model's context).
-    #[arg(long)]
-    pub max_model_len: Option<usize>,
-    /// Most sequences running in one engine step.
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: usize,
-    /// Token budget of one engine step.
-    #[arg(long, default_value_t = 2048)]
-    pub max_num_batched_tokens: usize,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
-    /// Reuse the KV blocks of shared prompt prefixes (on by default).
-    #[arg(long, default_value_t = true, overrides_with = "no_enable_prefix_caching")]
-    pub enable_prefix_caching: bool,
-    /// Turn automatic prefix caching off.
-    #[arg(long, overrides_with = "enable_prefix_caching")]
-    pub no_enable_prefix_caching: bool,
-    /// GiB of host memory for KV blocks swapped out by `--preemption-mode
-    /// swap` (vLLM's --swap-space; reserved only in swap mode).
-    #[arg(long, default_value_t = 4.0)]
-    pub swap_space: f64,
-    /// KV cache size: bytes with a unit (`512MiB`, `4GiB`) or a fraction of
-    /// the memory available after loading the weights (`0.5`); the CPU
-    /// stand-in for vLLM's --gpu-memory-utilization.
-    #[arg(long, default_value = "2GiB")]
-    pub kv_cache_memory: String,
     /// A chat template: a file, or the Jinja source itself (default: the
     /// model's own).
     #[arg(long)]
     pub chat_template: Option<String>,
-    /// fcfs, two-level (thesis §4.5.3) or priority (lower `priority` first).
-    #[arg(long, default_value = "fcfs")]
-    pub scheduling_policy: String,
-    /// recompute or swap.
-    #[arg(long, default_value = "recompute")]
-    pub preemption_mode: String,
-    /// Compute backend (this build: cpu).
-    #[arg(long, default_value = "cpu")]
-    pub backend: String,
     /// Requests allowed to wait before new ones get 503.
     #[arg(long, default_value_t = 4096)]
     pub max_waiting_requests: usize,
@@ -101,6 +65,8 @@ pub struct ServeArgs {
     /// they are aborted.
     #[arg(long, default_value_t = 10.0)]
     pub shutdown_timeout: f64,
+    #[command(flatten)]
+    pub engine: EngineFlags,
 }
 
 /// What every handler shares.
@@ -116,23 +82,6 @@ pub struct AppState {
     metrics: Metrics,
     created: u64,
     shutting_down: AtomicBool,
-}
-
-fn parse_policy(s: &str) -> Result<SchedulingPolicy> {
-    Ok(match s {
-        "fcfs" => SchedulingPolicy::Fcfs,
-        "two-level" | "two_level" => SchedulingPolicy::TwoLevel { staging_queue_size: 8 },
-        "priority" => SchedulingPolicy::Priority,
-        other => bail!("--scheduling-policy must be fcfs, two-level or priority, got {other:?}"),
-    })
-}
-
-fn parse_preemption(s: &str) -> Result<PreemptionMode> {
-    Ok(match s {
-        "recompute" => PreemptionMode::Recompute,
-        "swap" => PreemptionMode::Swap,
-        other => bail!("--preemption-mode must be recompute or swap, got {other:?}"),
-    })
 }
 
 fn load_chat_template(spec: &str, tokenizer: &Tokenizer) -> Result<ChatTemplate> {
@@ -162,12 +111,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
+        let given =
+            req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
         if !constant_time_eq(given.trim().as_bytes(), key.as_bytes()) {
             return ApiError::unauthorized().into_response();
         }
@@ -215,41 +160,14 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// Runs `vellum serve` until SIGINT/SIGTERM.
 pub fn run(args: ServeArgs) -> Result<()> {
-    if !(args.swap_space >= 0.0 && args.swap_space.is_finite()) {
-        bail!("--swap-space must be a non-negative number of GiB");
-    }
-    if args.backend != "cpu" {
-        bail!("--backend {:?}: this build has the cpu backend only", args.backend);
-    }
-    if args.block_size == 0 {
-        bail!("--block-size must be at least 1");
-    }
     if !(args.shutdown_timeout >= 0.0 && args.shutdown_timeout.is_finite()) {
         bail!("--shutdown-timeout must be a non-negative number of seconds");
     }
-    let scheduler = SchedulerConfig {
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        // The model's context caps it when loading.
-        max_model_len: args.max_model_len.unwrap_or(usize::MAX / 4),
-        policy: parse_policy(&args.scheduling_policy)?,
-        preemption_mode: parse_preemption(&args.preemption_mode)?,
-        ..SchedulerConfig::default()
-    };
-    scheduler.validate().map_err(|e| anyhow!("{e}"))?;
-    let engine_args = EngineArgs {
-        model: args.model.clone(),
-        block_size: args.block_size,
-        kv_cache: crate::cli::parse_kv_cache_memory(&args.kv_cache_memory)?,
-        enable_prefix_caching: !args.no_enable_prefix_caching,
-        swap_space_bytes: if scheduler.preemption_mode == PreemptionMode::Swap { (args.swap_space * (1u64 << 30) as f64) as u64 } else { 0 },
-        scheduler,
-        ..EngineArgs::default()
-    };
+    let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::default())?;
     tracing::info!(model = args.model.as_deref().unwrap_or("default (SmolLM2-135M-Instruct Q4_1)"), "loading model");
     let mut llm = crate::cli::load_with_progress(engine_args)?;
-    let max_model_len = llm.engine().scheduler().config().max_model_len;
-    if let Some(asked) = args.max_model_len {
+    let max_model_len = llm.engine().max_model_len();
+    if let Some(asked) = args.engine.max_model_len {
         if asked > max_model_len {
             tracing::warn!(asked, max_model_len, "--max-model-len is above the model's context; capped");
         }
@@ -321,7 +239,11 @@ async fn serve(state: Arc<AppState>, args: &ServeArgs) -> Result<()> {
     let st = state.clone();
     tokio::spawn(async move {
         let which = shutdown_signal().await;
-        tracing::info!(signal = which, deadline_s = deadline.as_secs_f64(), "shutting down: no new requests; in-flight ones get the deadline");
+        tracing::info!(
+            signal = which,
+            deadline_s = deadline.as_secs_f64(),
+            "shutting down: no new requests; in-flight ones get the deadline"
+        );
         st.shutting_down.store(true, Ordering::Relaxed);
         let _ = stop_tx.send(true);
         tokio::time::sleep(deadline).await;
@@ -358,13 +280,5 @@ mod tests {
         assert!(!constant_time_eq(b"secret", b"secret2"));
         assert!(!constant_time_eq(b"", b"x"));
         assert!(constant_time_eq(b"", b""));
-    }
-
-    #[test]
-    fn policies_parse() {
-        assert_eq!(parse_policy("priority").unwrap(), SchedulingPolicy::Priority);
-        assert!(parse_policy("lifo").is_err());
-        assert_eq!(parse_preemption("swap").unwrap(), PreemptionMode::Swap);
-        assert!(parse_preemption("x").is_err());
     }
 }

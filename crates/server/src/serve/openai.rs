@@ -2,7 +2,6 @@
 //! with `stream: true` as server-sent events), `/v1/models`, and vLLM's
 //! `/tokenize`, `/detokenize`, `/version`.
 
-use tracing::Instrument;
 use super::error::{too_long, ApiError};
 use super::generation::{Generation, Piece, TokenInfo};
 use super::protocol::{self, ChatRequest, Common, CompletionRequest, Prompt};
@@ -17,6 +16,7 @@ use serde_json::{json, Map, Value};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use tracing::Instrument;
 use vellum_core::{SamplingParams, TokenId};
 
 /// Which endpoint a generation answers.
@@ -132,10 +132,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
     let logprobs = match req.logprobs {
         None => None,
         Some(k) if !(0..=MAX_LOGPROBS as i64).contains(&k) => {
-            return Err(ApiError::bad_request(
-                format!("logprobs must be between 0 and {}, got {k}", MAX_LOGPROBS),
-                Some("logprobs"),
-            ))
+            return Err(ApiError::bad_request(format!("logprobs must be between 0 and {}, got {k}", MAX_LOGPROBS), Some("logprobs")))
         }
         Some(k) => Some(k as usize),
     };
@@ -227,16 +224,10 @@ async fn generate(
     state.check_length(&prompts, params.max_tokens)?;
     state.admit()?;
     let span = tracing::info_span!("request", request_id = %id, user = common.user.as_deref().unwrap_or(""));
-    let gen = Generation::start(
-        state.clone(),
-        id,
-        prompts,
-        &params,
-        common.priority.unwrap_or(0),
-        common.skip_special_tokens.unwrap_or(true),
-    )
-    .instrument(span)
-    .await?;
+    let gen =
+        Generation::start(state.clone(), id, prompts, &params, common.priority.unwrap_or(0), common.skip_special_tokens.unwrap_or(true))
+            .instrument(span)
+            .await?;
     if common.stream.unwrap_or(false) {
         Ok(sse_response(state, gen, format))
     } else {
@@ -396,8 +387,9 @@ fn sse_response(state: Arc<AppState>, gen: Generation, f: Format) -> Response {
     let n = s.gen.num_choices();
     match s.f.kind {
         Kind::Chat => {
-            let choices =
-                (0..n).map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})).collect();
+            let choices = (0..n)
+                .map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+                .collect();
             let c = chunk(&s, choices);
             s.queued.push_back(sse(&c));
         }

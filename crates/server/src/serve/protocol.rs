@@ -110,11 +110,39 @@ pub struct ChatRequest {
 /// Field names that `Common` takes; `flatten` hands them to `unknown` too,
 /// so they are filtered out before logging.
 const KNOWN: &[&str] = &[
-    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "best_of", "stop", "stop_token_ids", "seed",
-    "presence_penalty", "frequency_penalty", "logit_bias", "stream", "stream_options", "user", "top_k", "min_p",
-    "repetition_penalty", "min_tokens", "ignore_eos", "use_beam_search", "length_penalty", "priority",
-    "return_tokens_as_token_ids", "skip_special_tokens", "prompt", "echo", "logprobs", "suffix",
-    "messages", "top_logprobs", "add_generation_prompt",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "best_of",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stream",
+    "stream_options",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "use_beam_search",
+    "length_penalty",
+    "priority",
+    "return_tokens_as_token_ids",
+    "skip_special_tokens",
+    "prompt",
+    "echo",
+    "logprobs",
+    "suffix",
+    "messages",
+    "top_logprobs",
+    "add_generation_prompt",
 ];
 
 /// The names of fields nobody reads (for the debug log).
@@ -192,8 +220,7 @@ pub fn sampling_params(
         Some(Stop::One(s)) => vec![s.clone()],
         Some(Stop::Many(v)) => v.clone(),
     };
-    let stop_token_ids =
-        c.stop_token_ids.iter().flatten().map(|&t| token_id("stop_token_ids", t, vocab)).collect::<Result<Vec<_>, _>>()?;
+    let stop_token_ids = c.stop_token_ids.iter().flatten().map(|&t| token_id("stop_token_ids", t, vocab)).collect::<Result<Vec<_>, _>>()?;
     let beam_search = if c.use_beam_search.unwrap_or(false) {
         Some(BeamSearchParams { beam_width: best_of.unwrap_or(n).max(n), length_penalty: c.length_penalty.unwrap_or(1.0) })
     } else {
@@ -225,9 +252,7 @@ pub fn sampling_params(
         logit_bias,
     };
     params.validate().map_err(|e| match e {
-        vellum_core::Error::InvalidSamplingParam { param, message } => {
-            ApiError::bad_request(format!("{param}: {message}"), Some(param))
-        }
+        vellum_core::Error::InvalidSamplingParam { param, message } => ApiError::bad_request(format!("{param}: {message}"), Some(param)),
         other => ApiError::bad_request(other.to_string(), None),
     })?;
     Ok(params)
@@ -253,10 +278,9 @@ pub fn message_text(m: &Message) -> Result<String, ApiError> {
             }
             Ok(text)
         }
-        Some(other) => Err(ApiError::bad_request(
-            format!("message content must be a string or a list of parts, got {other}"),
-            Some("messages"),
-        )),
+        Some(other) => {
+            Err(ApiError::bad_request(format!("message content must be a string or a list of parts, got {other}"), Some("messages")))
+        }
     }
 }
 

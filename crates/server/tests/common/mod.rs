@@ -14,6 +14,8 @@ pub struct Server {
     pub child: Child,
     pub port: u16,
     pub log: mpsc::Receiver<String>,
+    /// What the server logged before it listened (ANSI codes stripped).
+    pub startup_log: Vec<String>,
 }
 
 impl Server {
@@ -38,12 +40,14 @@ impl Server {
             }
         });
         let deadline = Instant::now() + Duration::from_secs(180);
+        let mut startup_log = Vec::new();
         let port = loop {
             let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|_| {
                 let _ = child.kill();
                 panic!("vellum serve did not log its address within 180 s (exit: {:?})", child.try_wait())
             });
             let plain = strip_ansi(&line);
+            startup_log.push(plain.clone());
             if let Some(at) = plain.find("http://127.0.0.1:") {
                 let digits: String = plain[at + 17..].chars().take_while(char::is_ascii_digit).collect();
                 if let Ok(p) = digits.parse::<u16>() {
@@ -51,13 +55,18 @@ impl Server {
                 }
             }
         };
-        let server = Server { child, port, log: rx };
+        let server = Server { child, port, log: rx, startup_log };
         let start = Instant::now();
         while server.get("/health").0 != 200 {
             assert!(start.elapsed() < Duration::from_secs(30), "/health did not answer 200");
             std::thread::sleep(Duration::from_millis(100));
         }
         server
+    }
+
+    /// Whether a line logged before the server listened contains `needle`.
+    pub fn log_contains(&self, needle: &str) -> bool {
+        self.startup_log.iter().any(|l| l.contains(needle))
     }
 
     pub fn base_url(&self) -> String {

@@ -1,4 +1,4 @@
-//! # The simulator: the real scheduler and KV-cache manager in simulated time
+//! # vellum-simulator — the real scheduler and KV-cache manager in simulated time
 //!
 //! A fake executor charges each step a time from a [`CostModel`]; nothing
 //! sleeps, so an hour-long trace runs in seconds. Traces ([`Workload`]) have
@@ -7,11 +7,15 @@
 //! manager or an Orca baseline and returns a [`SimReport`] with the paper's
 //! memory metrics.
 
+#![deny(missing_docs)]
+
+mod calibration;
 mod cost_model;
 mod simulator;
 mod workload;
 
-pub use cost_model::CostModel;
-pub use vellum_core::SeededRng as Rng;
+pub use calibration::{calibrate, Calibration, PAPER_FIG13A_RATIO_VS_MAX, PAPER_FIG13A_RATIO_VS_ORACLE};
+pub use cost_model::{CostModel, FITTED_TIME_SCALE};
 pub use simulator::{simulate, AllocatorKind, SimConfig, SimReport};
+pub use vellum_core::SeededRng as Rng;
 pub use workload::{generate_trace, TraceRequest, Workload};

@@ -1,15 +1,13 @@
 //! Runs a trace through the real scheduler and an allocator in simulated time.
 
-use super::cost_model::CostModel;
-use vellum_core::SeededRng as Rng;
-use super::workload::{generate_trace, Workload};
-use crate::{NewRequest, RequestSamples, Scheduler, StepSamples};
+use crate::cost_model::CostModel;
+use crate::workload::{generate_trace, Workload};
 use serde::Serialize;
 use std::collections::HashMap;
-use vellum_core::{
-    BeamSearchParams, BlockAllocator, RequestId, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId,
-};
+use vellum_core::SeededRng as Rng;
+use vellum_core::{BeamSearchParams, BlockAllocator, RequestId, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId};
 use vellum_kvcache::{KvCacheManager, KvCacheManagerConfig, OrcaAllocator, OrcaMode};
+use vellum_scheduler::{NewRequest, RequestSamples, Scheduler, StepSamples};
 
 /// Which allocator manages the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -183,10 +181,13 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
     let trace = generate_trace(config.workload, config.request_rate, config.duration_s, config.max_model_len, config.seed);
     let sched_config = SchedulerConfig { max_model_len: config.max_model_len, ..config.scheduler.clone() };
     let mut sched = Scheduler::new(sched_config, allocator).expect("simulator config is valid");
+    sched.keep_finished_requests(false);
     let mut rng = Rng::new(config.seed.wrapping_add(1));
     let mut acc = Accumulator::default();
     let mut arrival: HashMap<RequestId, (f64, usize)> = HashMap::new();
     let mut normalized = Vec::new();
+    // Requests whose first sample was drawn (parallel samples, beams).
+    let mut forked: std::collections::HashSet<RequestId> = std::collections::HashSet::new();
     let (mut t, mut next, mut num_steps) = (0.0f64, 0usize, 0u64);
     let time_cap = config.duration_s * 20.0 + 600.0;
     while t < time_cap {
@@ -198,8 +199,7 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
                 n: config.n,
                 max_tokens: Some(r.output_len),
                 ignore_eos: true,
-                beam_search: (config.beam_width > 0)
-                    .then_some(BeamSearchParams { beam_width: config.beam_width, length_penalty: 1.0 }),
+                beam_search: (config.beam_width > 0).then_some(BeamSearchParams { beam_width: config.beam_width, length_penalty: 1.0 }),
                 temperature: if config.beam_width > 0 { 0.0 } else { 1.0 },
                 ..SamplingParams::default()
             };
@@ -240,7 +240,7 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
         let mut requests = Vec::with_capacity(per_req.len());
         for (id, seqs) in per_req {
             let width = if config.beam_width > 0 { config.beam_width } else { config.n };
-            let first = sched.request(id).is_some_and(|r| r.seqs.len() == 1 && width > 1);
+            let first = width > 1 && forked.insert(id);
             let next_tokens: Vec<(SeqId, TokenId)> = if config.beam_width > 0 || first {
                 (0..width).map(|_| (seqs[rng.below(seqs.len())], 3 + rng.below(49_000) as TokenId)).collect()
             } else {
@@ -248,9 +248,9 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
             };
             requests.push(RequestSamples::tokens(id, next_tokens));
         }
-        sched.update_from_output(&StepSamples { requests });
-        for f in sched.take_finished_requests() {
-            if let Some((at, out_len)) = arrival.get(&f.request_id) {
+        let update = sched.update_from_output(&StepSamples { requests });
+        for (id, _) in &update.finished_requests {
+            if let Some((at, out_len)) = arrival.get(id) {
                 normalized.push((t - at) / (*out_len).max(1) as f64);
             }
         }
@@ -304,7 +304,12 @@ mod tests {
         let base = SimConfig { workload: Workload::Alpaca, duration_s: 20.0, request_rate: 2.0, ..SimConfig::default() };
         let par = simulate(&SimConfig { n: 4, ..base.clone() });
         let beam = simulate(&SimConfig { beam_width: 4, ..base });
-        assert!(par.sharing_savings > 0.0 && beam.sharing_savings > par.sharing_savings, "{} {}", par.sharing_savings, beam.sharing_savings);
+        assert!(
+            par.sharing_savings > 0.0 && beam.sharing_savings > par.sharing_savings,
+            "{} {}",
+            par.sharing_savings,
+            beam.sharing_savings
+        );
         assert_eq!(par.num_finished, par.num_requests);
     }
 }

@@ -1,0 +1,499 @@
+//! The attention kernel behind [`super::paged_attention`]: work items over
+//! query rows and kv heads, tiles of `TILE` positions with an online
+//! softmax, and the vectorisable inner loops (see the module doc of
+//! `paged_attention`).
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Positions per online-softmax tile.
+const TILE: usize = 64;
+
+/// Below this many multiply-adds (`Σ rows × context × num_heads × head_dim`)
+/// a batch runs on the calling thread: rayon's fork/join costs more than it
+/// saves.
+const PAR_MIN_WORK: usize = 1 << 17;
+
+/// Head counts and sizes of one attention call, validated.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shape {
+    pub(super) num_heads: usize,
+    pub(super) num_kv_heads: usize,
+    pub(super) head_dim: usize,
+    /// Query heads per kv head.
+    pub(super) group: usize,
+    /// Multiplies `q·k`.
+    pub(super) scale: f32,
+    /// Soft-cap of the scores (`cap · tanh(s / cap)`), if any.
+    pub(super) softcap: Option<f32>,
+}
+
+impl Shape {
+    pub(super) fn new(num_heads: usize, num_kv_heads: usize, head_dim: usize, what: &str) -> Self {
+        assert!(
+            num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0,
+            "{what}: num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}"
+        );
+        assert!(head_dim > 0, "{what}: head_dim is 0");
+        Self { num_heads, num_kv_heads, head_dim, group: num_heads / num_kv_heads, scale: 1.0 / (head_dim as f32).sqrt(), softcap: None }
+    }
+
+    /// Floats per token in the K/V layout.
+    pub(super) fn kv_row(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Floats of one work item's query/output run: its group of query heads.
+    pub(super) fn group_len(&self) -> usize {
+        self.group * self.head_dim
+    }
+
+    pub(super) fn check_rows(&self, q: &[f32], out: &[f32], num_tokens: usize, what: &str) {
+        let n = num_tokens * self.num_heads * self.head_dim;
+        assert!(
+            q.len() == n && out.len() == n,
+            "{what}: q/out hold {}/{} floats, {num_tokens} tokens × {} heads × {} head_dim need {n}",
+            q.len(),
+            out.len(),
+            self.num_heads,
+            self.head_dim
+        );
+    }
+}
+
+/// Asserts `query_start_loc` is a non-decreasing offset list starting at 0;
+/// returns the number of sequences.
+pub(super) fn check_query_start_loc(query_start_loc: &[u32], what: &str) -> usize {
+    assert!(query_start_loc.first() == Some(&0), "{what}: query_start_loc must start with 0, got {:?}", query_start_loc.first());
+    assert!(query_start_loc.windows(2).all(|w| w[0] <= w[1]), "{what}: query_start_loc is not non-decreasing");
+    query_start_loc.len() - 1
+}
+
+/// Runs `item(token, first_kv_head, q_run, out_run, scratch)` for every work
+/// item, on rayon when the batch is big enough.
+///
+/// A work item is one query row and either one kv head or all of them:
+/// `q_run`/`out_run` are its `[kv_heads_per_item * group, head_dim]` slices
+/// of `q` and `out`. With many rows to share out, an item takes all kv heads,
+/// so that it reads every K/V row of the cache as one contiguous
+/// `num_kv_heads * head_dim` run (dense, prefetch-friendly streams through
+/// each block); with few rows (a single decode), one kv head per item gives
+/// the threads something to split.
+pub(super) fn run_items<F>(out: &mut [f32], q: &[f32], shape: &Shape, work: usize, item: F)
+where
+    F: Fn(usize, usize, &[f32], &mut [f32], &mut Vec<f32>) + Sync,
+{
+    let threads = rayon::current_num_threads();
+    let work = work.saturating_mul(shape.num_heads * shape.head_dim);
+    let parallel = work >= PAR_MIN_WORK && threads >= 2;
+    let num_tokens = out.len() / (shape.num_heads * shape.head_dim);
+    let kv_per_item = if parallel && num_tokens < 4 * threads { 1 } else { shape.num_kv_heads };
+    let items_per_token = shape.num_kv_heads / kv_per_item;
+    let run = kv_per_item * shape.group_len();
+    let split = |c: usize| (c / items_per_token, (c % items_per_token) * kv_per_item);
+    if !parallel {
+        let mut scratch = Vec::new();
+        for (c, (q, o)) in q.chunks_exact(run).zip(out.chunks_exact_mut(run)).enumerate() {
+            let (t, kv_head) = split(c);
+            item(t, kv_head, q, o, &mut scratch);
+        }
+    } else {
+        // Aim for a few items per split so small items do not drown in
+        // fork/join overhead while large prefills still balance.
+        let n_items = out.len() / run;
+        let min_len = (n_items / (8 * threads)).max(1);
+        out.par_chunks_mut(run).zip(q.par_chunks(run)).with_min_len(min_len).enumerate().for_each_init(Vec::new, |scratch, (c, (o, q))| {
+            let (t, kv_head) = split(c);
+            item(t, kv_head, q, o, scratch)
+        });
+    }
+}
+
+/// Keys and values of one kv head: row `r` (a token) of the head starts at
+/// `r * row_stride + head_off` in `k` and `v`.
+pub(super) struct Rows<'a, T> {
+    pub(super) k: &'a [T],
+    pub(super) v: &'a [T],
+    pub(super) row_stride: usize,
+    pub(super) head_off: usize,
+}
+
+/// An element type of the KV pools, read by the kernel as `f32`.
+pub(super) trait KvElem: Copy + Send + Sync {
+    /// The slice itself when the elements already are `f32`: the kernel then
+    /// reads the pools in place. `None` for `f16`/`bf16`, which the kernel
+    /// widens tile by tile into scratch.
+    fn as_f32(x: &[Self]) -> Option<&[f32]>;
+
+    /// `dst[i] = src[i] as f32` (same lengths).
+    fn widen(src: &[Self], dst: &mut [f32]);
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn as_f32(x: &[f32]) -> Option<&[f32]> {
+        Some(x)
+    }
+
+    #[inline(always)]
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn as_f32(_: &[f16]) -> Option<&[f32]> {
+        None
+    }
+
+    /// `half` uses the F16C instructions when the CPU has them.
+    #[inline(always)]
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+impl KvElem for bf16 {
+    #[inline(always)]
+    fn as_f32(_: &[bf16]) -> Option<&[f32]> {
+        None
+    }
+
+    /// A shift into the high half of an `f32`: exact.
+    #[inline(always)]
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits((s.to_bits() as u32) << 16);
+        }
+    }
+}
+
+/// Attention of the query heads in `q` (`[n_kv * group, head_dim]`, the
+/// groups of `n_kv = q.len() / (group * head_dim)` consecutive kv heads,
+/// the first at `rows.head_off`) over context `positions`, written
+/// to `out` (same shape as `q`).
+///
+/// The context is made of runs of `run_len` consecutive positions; run `r`
+/// starts at row `run_row(r)` of `rows` (a block of the block table, or the
+/// whole contiguous context). One pass over tiles of [`TILE`] positions with
+/// an online softmax; `out` is the accumulator. `f32` pools are read in
+/// place; `f16`/`bf16` pools are widened one tile at a time into two dense
+/// `[TILE, n_kv * head_dim]` scratch buffers (K and V), which the same tile
+/// code then reads.
+#[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
+#[inline]
+pub(super) fn attend_group<T: KvElem>(
+    out: &mut [f32],
+    q: &[f32],
+    rows: &Rows<'_, T>,
+    positions: std::ops::Range<usize>,
+    run_len: usize,
+    run_row: impl Fn(usize) -> usize,
+    shape: &Shape,
+    scratch: &mut Vec<f32>,
+) {
+    let (first, n_ctx) = (positions.start, positions.end);
+    // Query heads of the item.
+    let n_q = q.len() / shape.head_dim;
+    // Elements of one row of the item's kv heads.
+    let row_len = q.len() / shape.group;
+    let in_place = T::as_f32(rows.k).zip(T::as_f32(rows.v));
+    let widened_len = if in_place.is_some() { 0 } else { TILE * row_len };
+    // scratch: scores [n_q, TILE], running max [n_q], running sum [n_q],
+    // then (f16/bf16 only) the widened K and V of the tile.
+    scratch.clear();
+    scratch.resize(n_q * TILE + 2 * n_q + 2 * widened_len, 0.0);
+    let (scores, rest) = scratch.split_at_mut(n_q * TILE);
+    let (m, rest) = rest.split_at_mut(n_q);
+    let (l, rest) = rest.split_at_mut(n_q);
+    let (k_tile, v_tile) = rest.split_at_mut(widened_len);
+    m.fill(f32::NEG_INFINITY);
+    out.fill(0.0);
+    let mut state = SoftmaxState { scores, m, l };
+
+    let prefetch_next = |runs: &TileRuns| {
+        runs.for_each_row(rows.row_stride, |_, base| {
+            prefetch(&rows.k[base..base + row_len]);
+            if in_place.is_none() {
+                prefetch(&rows.v[base..base + row_len]);
+            }
+        });
+    };
+    // Row runs of the current tile and of the next one.
+    let mut runs = TileRuns::new(rows, first, (first + TILE).min(n_ctx), run_len, &run_row);
+    prefetch_next(&runs);
+    let mut tile_start = first;
+    while tile_start < n_ctx {
+        let tile_end = (tile_start + TILE).min(n_ctx);
+        let tile_len = tile_end - tile_start;
+        // The next tile's keys stream in while this one is computed: in the
+        // paged layout every block starts a new stream that the hardware
+        // prefetcher would only pick up after a few misses.
+        let next = TileRuns::new(rows, tile_end, (tile_end + TILE).min(n_ctx), run_len, &run_row);
+        prefetch_next(&next);
+        match in_place {
+            Some((k, v)) => {
+                let rows = Rows { k, v, row_stride: rows.row_stride, head_off: rows.head_off };
+                attend_tile(out, q, &rows, &runs, tile_len, shape, &mut state);
+            }
+            None => {
+                runs.for_each_row(rows.row_stride, |j, base| {
+                    let dst = j * row_len..(j + 1) * row_len;
+                    T::widen(&rows.k[base..base + row_len], &mut k_tile[dst.clone()]);
+                    T::widen(&rows.v[base..base + row_len], &mut v_tile[dst]);
+                });
+                let dense = Rows { k: &*k_tile, v: &*v_tile, row_stride: row_len, head_off: 0 };
+                let dense_runs = TileRuns::one(tile_len);
+                attend_tile(out, q, &dense, &dense_runs, tile_len, shape, &mut state);
+            }
+        }
+        tile_start = tile_end;
+        runs = next;
+    }
+
+    for (g, o) in out.chunks_exact_mut(shape.head_dim).enumerate() {
+        let inv = 1.0 / state.l[g];
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// Online-softmax state of one work item: the tile's scores `[n_q, TILE]`
+/// and the running max `m` and sum `l` of each query head.
+struct SoftmaxState<'a> {
+    scores: &'a mut [f32],
+    m: &'a mut [f32],
+    l: &'a mut [f32],
+}
+
+/// One tile of [`attend_group`] over `f32` rows: scores, online-softmax
+/// rescaling of `out`, value accumulation.
+#[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
+#[inline(always)]
+fn attend_tile(
+    out: &mut [f32],
+    q: &[f32],
+    rows: &Rows<'_, f32>,
+    runs: &TileRuns,
+    tile_len: usize,
+    shape: &Shape,
+    state: &mut SoftmaxState<'_>,
+) {
+    let scale = shape.scale;
+    let hd = shape.head_dim;
+    let group_len = shape.group_len();
+    let row_len = q.len() / shape.group;
+    let SoftmaxState { scores, m, l } = state;
+
+    // 1. Scores of the tile: s[h, j] = scale * q_h · k_{j, kv(h)}; the
+    //    item's kv heads of row j lie next to each other.
+    runs.for_each_row(rows.row_stride, |j, base| {
+        prefetch(&rows.v[base..base + row_len]);
+        for (kv, q_kv) in q.chunks_exact(group_len).enumerate() {
+            let k_row = &rows.k[base + kv * hd..base + (kv + 1) * hd];
+            for (g, q_h) in q_kv.chunks_exact(hd).enumerate() {
+                let s = scale * dot(q_h, k_row);
+                scores[(kv * shape.group + g) * TILE + j] = match shape.softcap {
+                    Some(cap) => cap * (s / cap).tanh(),
+                    None => s,
+                };
+            }
+        }
+    });
+
+    // 2. Online softmax: rescale the running state to the new max.
+    for g in 0..m.len() {
+        let s = &mut scores[g * TILE..g * TILE + tile_len];
+        let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let m_new = m[g].max(tile_max);
+        let correction = (m[g] - m_new).exp(); // exp(-inf) = 0 on the first tile
+        l[g] = l[g] * correction + exp_shifted(s, m_new);
+        m[g] = m_new;
+        if correction != 1.0 {
+            out[g * hd..(g + 1) * hd].iter_mut().for_each(|o| *o *= correction);
+        }
+    }
+
+    // 3. Accumulate the tile's values: out_g += Σ_j p[g, j] * v_j, one
+    //    LANES-wide chunk of head_dim at a time so the accumulator stays
+    //    in registers across the tile's rows.
+    for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+        let p = &scores[g * TILE..g * TILE + tile_len];
+        let v_off = (g / shape.group) * hd;
+        let mut c = 0;
+        while c + LANES <= hd {
+            let mut acc = [0.0f32; LANES];
+            acc.copy_from_slice(&o[c..c + LANES]);
+            runs.for_each_row(rows.row_stride, |j, base| {
+                let v = &rows.v[base + v_off + c..base + v_off + c + LANES];
+                let pj = p[j];
+                for (a, x) in acc.iter_mut().zip(v) {
+                    *a += pj * x;
+                }
+            });
+            o[c..c + LANES].copy_from_slice(&acc);
+            c += LANES;
+        }
+        if c < hd {
+            let o = &mut o[c..];
+            runs.for_each_row(rows.row_stride, |j, base| {
+                axpy(o, p[j], &rows.v[base + v_off + c..base + v_off + hd]);
+            });
+        }
+    }
+}
+
+/// The rows of one tile as runs of consecutive rows: `(offset, n)` is `n`
+/// rows whose head rows start at `offset`, `offset + row_stride`, … in
+/// `rows.k`/`rows.v` — one run per block touched (one in all for a
+/// contiguous context). Resolved once per tile, walked by every pass.
+#[derive(Clone, Copy)]
+pub(super) struct TileRuns {
+    runs: [(usize, usize); TILE],
+    len: usize,
+}
+
+impl TileRuns {
+    /// Runs of positions `start..end` (at most [`TILE`] of them): run `r` of
+    /// `run_len` positions starts at row `run_row(r)`.
+    #[inline(always)]
+    fn new<T>(rows: &Rows<'_, T>, start: usize, end: usize, run_len: usize, run_row: &impl Fn(usize) -> usize) -> Self {
+        debug_assert!(end - start <= TILE || start >= end);
+        let mut t = TileRuns { runs: [(0, 0); TILE], len: 0 };
+        if start >= end {
+            return t;
+        }
+        let (mut run, mut off) = (start / run_len, start % run_len);
+        let mut pos = start;
+        while pos < end {
+            let n = (run_len - off).min(end - pos);
+            t.runs[t.len] = ((run_row(run) + off) * rows.row_stride + rows.head_off, n);
+            t.len += 1;
+            pos += n;
+            run += 1;
+            off = 0;
+        }
+        t
+    }
+
+    /// One run of `n` rows from offset 0: a dense, widened tile.
+    #[inline(always)]
+    fn one(n: usize) -> Self {
+        let mut t = TileRuns { runs: [(0, 0); TILE], len: 1 };
+        t.runs[0] = (0, n);
+        t
+    }
+
+    /// Calls `f(j, offset)` for the tile's rows in order (`j` counts from 0).
+    #[inline(always)]
+    fn for_each_row(&self, row_stride: usize, mut f: impl FnMut(usize, usize)) {
+        let mut j = 0;
+        for &(mut base, n) in &self.runs[..self.len] {
+            for _ in 0..n {
+                f(j, base);
+                base += row_stride;
+                j += 1;
+            }
+        }
+    }
+}
+
+/// Lanes of the vectorised accumulators.
+const LANES: usize = 16;
+
+/// `a · b` with [`LANES`] independent `f32` partial sums (vectorisable).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut tail = 0.0f32;
+    for (x, y) in ar.iter().zip(br) {
+        tail += x * y;
+    }
+    reduce_lanes(acc) + tail
+}
+
+/// Pairwise sum of the lanes of an accumulator.
+#[inline(always)]
+fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
+    let mut w = LANES / 2;
+    while w > 0 {
+        for i in 0..w {
+            acc[i] += acc[i + w];
+        }
+        w /= 2;
+    }
+    acc[0]
+}
+
+/// Replaces every `x` of `s` by `exp(x - m)` and returns their sum.
+///
+/// Branch-free Cephes-style `expf` (range reduction to `r ∈ [-ln2/2, ln2/2]`,
+/// degree-5 polynomial, `2^n` built in the exponent bits; relative error
+/// ~1e-7) so that LLVM vectorises the loop; `x - m ≤ 0` here, and arguments
+/// below -87 (where `exp` is under 1.7e-38) are clamped to -87.
+#[inline(always)]
+fn exp_shifted(s: &mut [f32], m: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    for x in s.iter_mut() {
+        let a = (*x - m).max(-87.0);
+        let t = a * LOG2E + MAGIC;
+        let n = t - MAGIC;
+        let r = a - n * LN2_HI - n * LN2_LO;
+        let mut p = 1.987_569_1e-4f32;
+        p = p * r + 1.398_199_9e-3;
+        p = p * r + 8.333_452e-3;
+        p = p * r + 4.166_579_6e-2;
+        p = p * r + 1.666_666_5e-1;
+        p = p * r + 0.5;
+        let e = p * r * r + r + 1.0;
+        // 2^n: n sits in the low bits of t's mantissa (two's complement).
+        let n_bits = t.to_bits().wrapping_sub(MAGIC.to_bits());
+        let two_n = f32::from_bits(n_bits.wrapping_add(127) << 23);
+        *x = e * two_n;
+    }
+    // A separate lane-wise sum: a running scalar sum would keep the loop
+    // above from vectorising (f32 addition is not reassociated).
+    let chunks = s.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    let mut acc = [0.0f32; LANES];
+    for c in chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    reduce_lanes(acc) + tail
+}
+
+/// `y += a * x` (vectorisable).
+#[inline(always)]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// Hints the CPU to load `x` into the cache (one prefetch per 64-byte line).
+#[inline(always)]
+fn prefetch<T>(x: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in x.chunks(64 / std::mem::size_of::<T>()) {
+        // SAFETY: prefetching never faults and `line` is a valid slice.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr().cast());
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}

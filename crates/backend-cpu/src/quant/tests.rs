@@ -1,0 +1,246 @@
+//! The formats against GGUF's blocks and an f64 reference; the dispatching
+//! kernel against the scalar one.
+
+use super::*;
+
+use vellum_core::SeededRng;
+
+fn rng(r: &mut SeededRng) -> f32 {
+    r.signed_f32()
+}
+
+#[test]
+fn positions_are_a_permutation() {
+    let mut seen = [false; PAIR];
+    for b in 0..2 {
+        for e in 0..BLOCK {
+            let p = pos(b, e);
+            assert!(!seen[p]);
+            seen[p] = true;
+            assert_eq!(unpos(p), (b, e));
+        }
+    }
+}
+
+/// GGML blocks of `ty` for `n` rows of `k` values, with extreme codes.
+fn ggml_blocks(ty: GgmlType, n: usize, k: usize, s: &mut SeededRng) -> Vec<u8> {
+    let mut out = Vec::new();
+    for blk in 0..n * k / BLOCK {
+        let d = f16::from_f32(rng(s).abs() * 0.01 + 1e-4);
+        out.extend_from_slice(&d.to_le_bytes());
+        match ty {
+            GgmlType::Q8_0 => {
+                for e in 0..BLOCK {
+                    let q: i8 = if e == 5 {
+                        if blk % 2 == 0 {
+                            127
+                        } else {
+                            -127
+                        }
+                    } else {
+                        (rng(s) * 127.0) as i8
+                    };
+                    out.push(q as u8);
+                }
+            }
+            GgmlType::Q5_0 => {
+                // Random high bits and nibbles, with the extremes 0 and 31 present.
+                let qh = (s.next_u64() as u32) | 1;
+                out.extend_from_slice(&(qh & !2).to_le_bytes());
+                for j in 0..16 {
+                    let byte = if j == 1 { 0xf0 } else { s.below(256) as u8 };
+                    out.push(if j == 0 { byte | 0x0f } else { byte });
+                }
+            }
+            _ => {
+                if ty == GgmlType::Q4_1 {
+                    out.extend_from_slice(&f16::from_f32(rng(s) * 0.05).to_le_bytes());
+                }
+                for j in 0..16 {
+                    let lo = if j == 3 { 0 } else { (((rng(s) + 1.0) * 7.9) as u8).min(15) };
+                    let hi = if j == 9 { 15 } else { (((rng(s) + 1.0) * 7.9) as u8).min(15) };
+                    out.push(lo | (hi << 4));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn ggml_blocks_are_kept_bit_for_bit() {
+    let mut s = SeededRng::new(11);
+    for ty in [GgmlType::Q4_1, GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q5_0] {
+        let (n, k) = (3, 320);
+        let bytes = ggml_blocks(ty, n, k, &mut s);
+        let qw = QuantWeight::from_ggml(ty, &bytes, n, k).expect("whole blocks");
+        let q8 = matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0);
+        assert_eq!(qw.kind, if q8 { QuantKind::Q8 } else { QuantKind::Q4 });
+        let want = vellum_models::gguf::dequantize(ty, &bytes, n * k).expect("valid blocks");
+        let mut row = vec![0.0; k];
+        for c in 0..n {
+            qw.dequantize_row(c, &mut row);
+            assert_eq!(row, want[c * k..(c + 1) * k], "{ty:?} row {c}");
+        }
+        assert!(QuantWeight::from_ggml(ty, &bytes[1..], n, k).is_none(), "{ty:?}: short data");
+    }
+    assert!(QuantWeight::from_ggml(GgmlType::F32, &[0; 4 * 32], 1, 32).is_none());
+}
+
+#[test]
+fn q8_and_q4_quantization_round_trips_exact_blocks() {
+    let mut s = SeededRng::new(13);
+    for (ty, kind) in [(GgmlType::Q8_0, QuantKind::Q8), (GgmlType::Q4_1, QuantKind::Q4)] {
+        let bytes = ggml_blocks(ty, 4, 320, &mut s);
+        let w = vellum_models::gguf::dequantize(ty, &bytes, 4 * 320).expect("valid blocks");
+        let qw = QuantWeight::quantize(&w, 4, 320, kind);
+        let mut row = vec![0.0; 320];
+        for c in 0..4 {
+            qw.dequantize_row(c, &mut row);
+            for (a, b) in row.iter().zip(&w[c * 320..(c + 1) * 320]) {
+                assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{ty:?}: {a} vs {b}");
+            }
+        }
+    }
+}
+
+/// y via the dispatching kernel and via the scalar one.
+fn both(x: &[f32], m: usize, w: &QuantWeight) -> (Vec<f32>, Vec<f32>) {
+    let mut acts = QuantActs::default();
+    QuantActs::quantize(x, m, w.k, &mut acts);
+    let mut fast = vec![f32::NAN; m * w.n];
+    // SAFETY: fast is [m, n] and owned here.
+    unsafe { gemm(fast.as_mut_ptr(), w.n, &acts, w, 0..m, 0..w.n) };
+    let mut slow = vec![f32::NAN; m * w.n];
+    gemm_scalar(&mut slow, w.n, &acts, w, 0..m, 0..w.n);
+    (fast, slow)
+}
+
+#[test]
+fn kernels_match_f64_reference_on_odd_shapes() {
+    let mut s = SeededRng::new(17);
+    for &(m, n, k) in
+        &[(1, 1, 1), (1, 3, 31), (2, 7, 33), (3, 5, 64), (5, 13, 100), (4, 6, 128), (9, 31, 576), (17, 4, 96), (6, 11, 1536), (50, 5, 1536)]
+    {
+        for kind in [QuantKind::Q4, QuantKind::Q8] {
+            let w: Vec<f32> = (0..n * k).map(|_| rng(&mut s) * 0.1).collect();
+            // Activations with an outlier per row, as hidden states have.
+            let x: Vec<f32> = (0..m * k).map(|i| if i % 97 == 5 { 20.0 } else { rng(&mut s) }).collect();
+            let qw = QuantWeight::quantize(&w, n, k, kind);
+            let mut deq = vec![0.0f32; n * k];
+            for c in 0..n {
+                qw.dequantize_row(c, &mut deq[c * k..(c + 1) * k]);
+                // The weight error is at most half a step.
+                for i in 0..k {
+                    let step = if kind == QuantKind::Q4 { 0.2 / 15.0 } else { 0.2 / 254.0 };
+                    assert!((deq[c * k + i] - w[c * k + i]).abs() <= step * 0.51 + 1e-3, "{kind:?} weight error");
+                }
+            }
+            let (fast, slow) = both(&x, m, &qw);
+            for r in 0..m {
+                for c in 0..n {
+                    let mut exact = 0.0f64;
+                    let mut bound = 0.0f64;
+                    for b0 in (0..k).step_by(BLOCK) {
+                        let xs = &x[r * k + b0..r * k + (b0 + BLOCK).min(k)];
+                        let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64 * 127.0 / XMAX as f64;
+                        for (i, &xv) in xs.iter().enumerate() {
+                            let wv = deq[c * k + b0 + i] as f64;
+                            exact += xv as f64 * wv;
+                            bound += wv.abs() * amax / 254.0;
+                        }
+                    }
+                    let tol = bound * 1.01 + 1e-4 * (1.0 + exact.abs());
+                    let (f, sl) = (fast[r * n + c] as f64, slow[r * n + c] as f64);
+                    assert!((sl - exact).abs() <= tol, "{kind:?} ({m},{n},{k}) scalar {sl} vs {exact} (tol {tol})");
+                    assert!((f - exact).abs() <= tol, "{kind:?} ({m},{n},{k}) fast {f} vs {exact} (tol {tol})");
+                    assert!((f - sl).abs() <= 1e-4 * (1.0 + sl.abs()), "{kind:?} ({m},{n},{k}) fast {f} vs scalar {sl}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn cached_quantization_follows_its_input() {
+    let mut s = SeededRng::new(21);
+    let x: Vec<f32> = (0..3 * 100).map(|_| rng(&mut s)).collect();
+    let mut fresh = QuantActs::default();
+    let mut cached = QuantActs::default();
+    QuantActs::quantize_cached(&x, 3, 100, &mut cached);
+    QuantActs::quantize_cached(&x, 3, 100, &mut cached);
+    QuantActs::quantize(&x, 3, 100, &mut fresh);
+    assert_eq!((&cached.data, &cached.sums), (&fresh.data, &fresh.sums));
+    let mut y = x.clone();
+    y[150] += 0.5;
+    QuantActs::quantize_cached(&y, 3, 100, &mut cached);
+    QuantActs::quantize(&y, 3, 100, &mut fresh);
+    assert_eq!((&cached.data, &cached.sums), (&fresh.data, &fresh.sums));
+    // Same values, another shape.
+    QuantActs::quantize_cached(&y, 2, 150, &mut cached);
+    QuantActs::quantize(&y, 2, 150, &mut fresh);
+    assert_eq!((&cached.data, &cached.sums, cached.rows), (&fresh.data, &fresh.sums, 2));
+}
+
+#[test]
+fn subranges_write_only_their_cells() {
+    let mut s = SeededRng::new(3);
+    let (m, n, k) = (7, 10, 200);
+    let w: Vec<f32> = (0..n * k).map(|_| rng(&mut s)).collect();
+    let x: Vec<f32> = (0..m * k).map(|_| rng(&mut s)).collect();
+    let qw = QuantWeight::quantize(&w, n, k, QuantKind::Q8);
+    let mut acts = QuantActs::default();
+    QuantActs::quantize(&x, m, k, &mut acts);
+    let mut full = vec![0.0f32; m * n];
+    gemm_scalar(&mut full, n, &acts, &qw, 0..m, 0..n);
+    let mut part = vec![f32::NAN; m * n];
+    // SAFETY: part is [m, n]; the ranges are disjoint.
+    unsafe {
+        gemm(part.as_mut_ptr(), n, &acts, &qw, 0..m, 0..4);
+        gemm(part.as_mut_ptr(), n, &acts, &qw, 0..3, 4..n);
+        gemm(part.as_mut_ptr(), n, &acts, &qw, 3..m, 4..n);
+    }
+    for (a, b) in part.iter().zip(&full) {
+        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+}
+
+/// Two threads write disjoint column ranges of the same rows through the
+/// dispatching kernel, as `linear` does (small enough for Miri, where the
+/// scalar fallback runs: `cargo +nightly miri test -p vellum-backend-cpu
+/// --lib threads_write_disjoint_columns`).
+#[test]
+fn threads_write_disjoint_columns_of_shared_rows() {
+    let mut s = SeededRng::new(23);
+    let (m, n, k) = (3, 8, 64);
+    let w: Vec<f32> = (0..n * k).map(|_| rng(&mut s)).collect();
+    let x: Vec<f32> = (0..m * k).map(|_| rng(&mut s)).collect();
+    for kind in [QuantKind::Q4, QuantKind::Q8] {
+        let qw = QuantWeight::quantize(&w, n, k, kind);
+        let mut acts = QuantActs::default();
+        QuantActs::quantize(&x, m, k, &mut acts);
+        let mut y = vec![f32::NAN; m * n];
+        let mut want = vec![0.0; m * n];
+        gemm_scalar(&mut want, n, &acts, &qw, 0..m, 0..n);
+        /// The destination, shared by both threads (each writes its own columns).
+        #[derive(Clone, Copy)]
+        struct Dst(*mut f32);
+        // SAFETY: the threads write disjoint columns and the scope joins
+        // them before `y` is read.
+        unsafe impl Send for Dst {}
+        let dst = Dst(y.as_mut_ptr());
+        let (acts, qw) = (&acts, &qw);
+        std::thread::scope(|sc| {
+            for cols in [0..n / 2, n / 2..n] {
+                sc.spawn(move || {
+                    let d = dst;
+                    // SAFETY: y is [m, n]; this thread writes columns `cols` only.
+                    unsafe { gemm(d.0, n, acts, qw, 0..m, cols) };
+                });
+            }
+        });
+        for (a, b) in y.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{kind:?}: {a} vs {b}");
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! The WGSL kernels (`kernels/wgsl/`, one file per kernel), composed with
+//! their weight- or KV-format snippet and compiled once per device, on
+//! first use.
+
+use vellum_core::KvCacheDtype;
+
+/// How a weight is stored on the device (the backend's own layout, chosen
+/// per tensor from the file's type; see `weights.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    /// f32, `[K, N]`.
+    F32,
+    /// f16 pairs along K, `[K/2, N]` words.
+    F16,
+    /// bf16 pairs along K, `[K/2, N]` words.
+    Bf16,
+    /// GGML Q4_1 blocks (5 words), `[K/32, N]`; Q4_0 arrives as Q4_1.
+    Q4_1,
+    /// GGML Q8_0 blocks repacked to 9 words, `[K/32, N]`.
+    Q8_0,
+}
+
+impl WeightFormat {
+    fn snippet(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => include_str!("../../../kernels/wgsl/weights_f32.wgsl"),
+            WeightFormat::F16 => include_str!("../../../kernels/wgsl/weights_f16.wgsl"),
+            WeightFormat::Bf16 => include_str!("../../../kernels/wgsl/weights_bf16.wgsl"),
+            WeightFormat::Q4_1 => include_str!("../../../kernels/wgsl/weights_q4_1.wgsl"),
+            WeightFormat::Q8_0 => include_str!("../../../kernels/wgsl/weights_q8_0.wgsl"),
+        }
+    }
+}
+
+fn kv_snippet(dtype: KvCacheDtype) -> &'static str {
+    match dtype {
+        KvCacheDtype::F32 => include_str!("../../../kernels/wgsl/kv_f32.wgsl"),
+        KvCacheDtype::F16 => include_str!("../../../kernels/wgsl/kv_f16.wgsl"),
+        KvCacheDtype::Bf16 => include_str!("../../../kernels/wgsl/kv_bf16.wgsl"),
+    }
+}
+
+/// One compiled variant of a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// `x · Wᵀ (+ b)` on `tm` rows per workgroup.
+    Matmul {
+        /// The weight's storage.
+        format: WeightFormat,
+        /// Rows per workgroup: 1, 4, 8 or 16.
+        tm: u32,
+    },
+    /// Embedding rows for the step's token ids.
+    Embed(WeightFormat),
+    /// RMSNorm of rows or per-head slices.
+    RmsNorm,
+    /// Half-split RoPE from a table.
+    Rope,
+    /// `silu(gate) · up`.
+    SiluMul,
+    /// `x += y`.
+    Add,
+    /// The logits rows.
+    GatherRows,
+    /// The fused K/V block write.
+    WriteKv(KvCacheDtype),
+    /// Paged attention over a mixed batch.
+    PagedAttention(KvCacheDtype),
+    /// Copy-on-write block copies in one pool.
+    CopyBlocks,
+}
+
+impl Kernel {
+    /// The kernel's file name, for profiles.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Matmul { .. } => "matmul",
+            Kernel::Embed(_) => "embed",
+            Kernel::RmsNorm => "rms_norm",
+            Kernel::Rope => "rope",
+            Kernel::SiluMul => "silu_mul",
+            Kernel::Add => "add",
+            Kernel::GatherRows => "gather_rows",
+            Kernel::WriteKv(_) => "write_kv",
+            Kernel::PagedAttention(_) => "paged_attention",
+            Kernel::CopyBlocks => "copy_blocks",
+        }
+    }
+
+    /// The WGSL module: snippet and constants first, then the kernel.
+    pub fn source(self) -> String {
+        match self {
+            Kernel::Matmul { format, tm } => {
+                // Stage 8 KiB of x per pass, at least 128 values of each row.
+                let kc = (2048 / tm).clamp(128, 1024);
+                format!(
+                    "const TM: u32 = {tm}u;\nconst KC: u32 = {kc}u;\n{}\n{}",
+                    format.snippet(),
+                    include_str!("../../../kernels/wgsl/matmul.wgsl")
+                )
+            }
+            Kernel::Embed(format) => format!("{}\n{}", format.snippet(), include_str!("../../../kernels/wgsl/embed.wgsl")),
+            Kernel::RmsNorm => include_str!("../../../kernels/wgsl/rms_norm.wgsl").to_string(),
+            Kernel::Rope => include_str!("../../../kernels/wgsl/rope.wgsl").to_string(),
+            Kernel::SiluMul => include_str!("../../../kernels/wgsl/silu_mul.wgsl").to_string(),
+            Kernel::Add => include_str!("../../../kernels/wgsl/add.wgsl").to_string(),
+            Kernel::GatherRows => include_str!("../../../kernels/wgsl/gather_rows.wgsl").to_string(),
+            Kernel::WriteKv(dtype) => format!("{}\n{}", kv_snippet(dtype), include_str!("../../../kernels/wgsl/write_kv.wgsl")),
+            Kernel::PagedAttention(dtype) => {
+                format!("{}\n{}", kv_snippet(dtype), include_str!("../../../kernels/wgsl/paged_attention.wgsl"))
+            }
+            Kernel::CopyBlocks => include_str!("../../../kernels/wgsl/copy_blocks.wgsl").to_string(),
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! The model registry: every architecture Vellum runs, in one table.
+//!
+//! Config parsing, the GGUF loader, error messages and the model loader in
+//! `vellum-models` all read [`ARCHITECTURES`]; adding an architecture means
+//! adding a row here and, for a new [`ModelFamily`], its model definition.
+
+/// A model definition in `vellum-models`, shared by several architectures.
+/// Exhaustive on purpose: a new family must be matched by the loader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ModelFamily {
+    /// Pre-norm decoder with RMSNorm, rotate-half RoPE, SwiGLU and
+    /// grouped-query attention (`vellum_models::LlamaModel`).
+    Llama,
+}
+
+/// One supported architecture and what sets it apart inside its family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Architecture {
+    /// `architectures[0]` of a Hugging Face `config.json`.
+    pub name: &'static str,
+    /// `model_type` of `config.json`, which is also GGUF's
+    /// `general.architecture`.
+    pub model_type: &'static str,
+    /// The model definition that runs it.
+    pub family: ModelFamily,
+    /// The q/k/v projections always carry a bias (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm on queries and keys (Qwen3).
+    pub qk_norm: bool,
+    /// `sliding_window` applies only with `use_sliding_window: true` (Qwen2).
+    pub sliding_window_opt_in: bool,
+    /// llama.cpp's converter permuted the Q/K rows of this architecture's
+    /// GGUF files for interleaved RoPE (the loader undoes it).
+    pub gguf_permuted_qk: bool,
+}
+
+const fn llama_like(name: &'static str, model_type: &'static str) -> Architecture {
+    Architecture {
+        name,
+        model_type,
+        family: ModelFamily::Llama,
+        qkv_bias: false,
+        qk_norm: false,
+        sliding_window_opt_in: false,
+        gguf_permuted_qk: false,
+    }
+}
+
+/// Every architecture with a model definition.
+pub const ARCHITECTURES: &[Architecture] = &[
+    Architecture { gguf_permuted_qk: true, ..llama_like("LlamaForCausalLM", "llama") },
+    Architecture { gguf_permuted_qk: true, ..llama_like("MistralForCausalLM", "mistral") },
+    Architecture { qkv_bias: true, sliding_window_opt_in: true, ..llama_like("Qwen2ForCausalLM", "qwen2") },
+    Architecture { qk_norm: true, ..llama_like("Qwen3ForCausalLM", "qwen3") },
+];
+
+/// The architecture named `name` (`config.json`'s `architectures[0]`).
+pub fn find_architecture(name: &str) -> Option<&'static Architecture> {
+    ARCHITECTURES.iter().find(|a| a.name == name)
+}
+
+/// The architecture of `model_type` (`config.json`), or of a GGUF file's
+/// `general.architecture`.
+pub fn find_model_type(model_type: &str) -> Option<&'static Architecture> {
+    ARCHITECTURES.iter().find(|a| a.model_type == model_type)
+}
+
+/// The supported architectures, for error messages.
+pub fn supported_architectures() -> String {
+    ARCHITECTURES.iter().map(|a| format!("{} ({})", a.name, a.model_type)).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_model_types_are_unique() {
+        for (i, a) in ARCHITECTURES.iter().enumerate() {
+            for b in &ARCHITECTURES[i + 1..] {
+                assert_ne!(a.name, b.name);
+                assert_ne!(a.model_type, b.model_type);
+            }
+            assert_eq!(find_architecture(a.name), Some(a));
+            assert_eq!(find_model_type(a.model_type), Some(a));
+        }
+        assert!(supported_architectures().contains("Qwen3ForCausalLM (qwen3)"));
+    }
+}

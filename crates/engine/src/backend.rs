@@ -1,0 +1,148 @@
+//! Backend selection: the one place that knows which backends this build
+//! has (Cargo features `cpu`, `wgpu`, `cuda`) and turns a [`Device`] into a
+//! [`ModelExecutor`].
+
+use std::fmt;
+use std::str::FromStr;
+use vellum_core::{Error, KvCacheDtype, ModelConfig, ModelExecutor};
+use vellum_models::WeightSource;
+
+/// Where a model runs (`--device`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// The CPU backend (`vellum-backend-cpu`): the reference, and the default.
+    #[default]
+    Cpu,
+    /// The WGSL backend on wgpu (`vellum-backend-wgpu`): Vulkan, Metal or
+    /// DirectX 12, headless.
+    Wgpu,
+    /// The CUDA backend (`vellum-backend-cuda`).
+    Cuda,
+}
+
+impl Device {
+    /// Every device, in `--device` order.
+    pub const ALL: [Device; 3] = [Device::Cpu, Device::Wgpu, Device::Cuda];
+
+    /// The name `--device` takes, which is also the Cargo feature.
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Wgpu => "wgpu",
+            Device::Cuda => "cuda",
+        }
+    }
+
+    /// Whether this build has the backend (its Cargo feature was on).
+    pub fn is_compiled(self) -> bool {
+        match self {
+            Device::Cpu => cfg!(feature = "cpu"),
+            Device::Wgpu => cfg!(feature = "wgpu"),
+            Device::Cuda => cfg!(feature = "cuda"),
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Device {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        Device::ALL
+            .into_iter()
+            .find(|d| d.name() == s.trim().to_ascii_lowercase())
+            .ok_or_else(|| Error::InvalidConfig { field: "device", message: format!("unknown device {s:?}; one of cpu, wgpu, cuda") })
+    }
+}
+
+impl Device {
+    /// `Ok` when this build has the backend, else the typed error naming
+    /// the Cargo feature to turn on.
+    pub fn ensure_compiled(self) -> Result<(), Error> {
+        if self.is_compiled() {
+            Ok(())
+        } else {
+            Err(not_compiled(self))
+        }
+    }
+}
+
+/// The error for a backend this build left out.
+fn not_compiled(device: Device) -> Error {
+    Error::Unavailable {
+        what: format!("--device {device}"),
+        hint: format!(
+            "this build has no `{device}` backend; rebuild with the Cargo feature `{device}` \
+             (e.g. `cargo run --release -p vellum-server --features {device} -- ...`)"
+        ),
+    }
+}
+
+/// Loads `weights` onto `device`'s backend as a [`ModelExecutor`] whose KV
+/// cache will be stored as `kv_cache_dtype`; `progress(layers_done,
+/// layers)` is called while the weights load.
+pub fn make_executor(
+    device: Device,
+    weights: &dyn WeightSource,
+    config: ModelConfig,
+    kv_cache_dtype: KvCacheDtype,
+    progress: impl FnMut(usize, usize),
+) -> Result<Box<dyn ModelExecutor + Send>, crate::Error> {
+    // Each arm is compiled only with its feature; the others are typed errors.
+    let _ = (&weights, &config, kv_cache_dtype);
+    match device {
+        #[cfg(feature = "cpu")]
+        Device::Cpu => {
+            let ops = vellum_backend_cpu::CpuOps::new(vellum_backend_cpu::WeightFormat::from_env());
+            let runner = vellum_models::ModelRunner::load(ops, weights, config, progress)?;
+            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype)))
+        }
+        #[cfg(feature = "wgpu")]
+        Device::Wgpu => {
+            let ops = vellum_backend_wgpu::WgpuOps::new()?;
+            let runner = vellum_models::ModelRunner::load(ops, weights, config, progress)?;
+            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype)))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda => {
+            let _ = progress;
+            Err(Error::Unavailable {
+                what: "--device cuda".into(),
+                hint: "the CUDA backend is not implemented yet (crates/backend-cuda)".into(),
+            }
+            .into())
+        }
+        #[allow(unreachable_patterns)]
+        other => {
+            let _ = progress;
+            Err(not_compiled(other).into())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_by_name() {
+        for d in Device::ALL {
+            assert_eq!(d.name().parse::<Device>().ok(), Some(d));
+        }
+        assert_eq!(" WGPU".parse::<Device>().ok(), Some(Device::Wgpu));
+        assert!(matches!("tpu".parse::<Device>(), Err(Error::InvalidConfig { field: "device", .. })));
+    }
+
+    #[test]
+    fn a_missing_backend_is_a_typed_error_naming_its_feature() {
+        for d in Device::ALL.into_iter().filter(|d| !d.is_compiled()) {
+            let msg = not_compiled(d).to_string();
+            assert!(msg.contains(&format!("--features {d}")), "{msg}");
+        }
+    }
+}

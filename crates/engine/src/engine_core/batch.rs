@@ -1,0 +1,70 @@
+//! Building the backend's [`ForwardBatch`] from a scheduling decision and
+//! the engine's own view of the scheduled sequences: token ids, positions,
+//! slot mapping (`slot = block · block_size + position % block_size`),
+//! block tables kept by incremental updates, query offsets, context
+//! lengths, and the rows whose logits come back.
+
+use super::EngineCore;
+use std::time::Instant;
+use vellum_core::{ForwardBatch, ModelExecutor, RequestId, SeqId};
+use vellum_scheduler::SchedulerOutput;
+
+/// What a row of the executor's logits is for.
+#[derive(Clone, Copy)]
+pub(super) enum Row {
+    /// Sample the sequence's next token.
+    Sample(RequestId, SeqId),
+    /// The logprob of prompt token `pos` (the row is position `pos - 1`).
+    PromptLogprob(RequestId, usize),
+}
+
+impl<E: ModelExecutor> EngineCore<E> {
+    /// Builds the backend's input from the scheduling decision; also returns
+    /// what each logits row is for.
+    pub(super) fn build_batch(&mut self, out: &SchedulerOutput) -> (ForwardBatch, Vec<Row>) {
+        for u in &out.block_table_updates {
+            let t = self.block_tables.entry(u.seq_id).or_default();
+            t.truncate(u.start);
+            t.extend_from_slice(&u.block_ids);
+        }
+        let bs = self.block_size;
+        let stride = out.scheduled.iter().map(|s| self.block_tables.get(&s.seq_id).map_or(0, Vec::len)).max().unwrap_or(0);
+        let mut b = ForwardBatch { block_table_stride: stride, block_ops: out.block_ops.clone(), ..ForwardBatch::default() };
+        b.query_start_loc.push(0);
+        let mut rows = Vec::new();
+        let now = Instant::now();
+        for s in &out.scheduled {
+            let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&s.request_id), self.views.seqs.get(&s.seq_id)) else {
+                debug_assert!(false, "a scheduled sequence has a view");
+                continue;
+            };
+            req.first_scheduled.get_or_insert(now);
+            let table = self.block_tables.get(&s.seq_id).map_or(&[][..], Vec::as_slice);
+            let (start, end) = (s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens);
+            let first_row = b.token_ids.len();
+            b.token_ids.extend_from_slice(&seq.tokens[start..end]);
+            for p in start..end {
+                b.positions.push(p as u32);
+                b.slot_mapping.push(table[p / bs].0 * bs as u32 + (p % bs) as u32);
+            }
+            let num_prompt = seq.num_prompt;
+            if req.params.prompt_logprobs.is_some() && start + 1 < num_prompt {
+                // Position p predicts prompt token p + 1.
+                for p in start..end.min(num_prompt - 1) {
+                    b.logits_indices.push((first_row + p - start) as u32);
+                    rows.push(Row::PromptLogprob(s.request_id, p + 1));
+                }
+            }
+            self.counters.prompt_tokens += end.min(num_prompt).saturating_sub(start) as u64;
+            b.query_start_loc.push(b.token_ids.len() as u32);
+            b.context_lens.push(end as u32);
+            b.block_tables.extend(table.iter().map(|x| x.0));
+            b.block_tables.extend(std::iter::repeat_n(0, stride - table.len()));
+            if s.samples {
+                b.logits_indices.push(b.token_ids.len() as u32 - 1);
+                rows.push(Row::Sample(s.request_id, s.seq_id));
+            }
+        }
+        (b, rows)
+    }
+}

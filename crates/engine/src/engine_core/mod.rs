@@ -1,0 +1,297 @@
+//! The engine core (thesis §4.1): schedule → execute → sample → update.
+//!
+//! One [`EngineCore::step_streaming`]: `scheduler.schedule()` → the
+//! [`vellum_core::ForwardBatch`] built from the engine's own view of the scheduled
+//! sequences (`batch.rs`) → `executor.execute` → a token per sampling
+//! row (`sampling.rs`; beam search in [`crate::beam`]) → `update_from_output`,
+//! whose [`vellum_scheduler::StepUpdate`] the view applies
+//! ([`crate::sequences`]) → the new tokens of every sequence and the
+//! finished requests ([`crate::outputs`]).
+
+mod batch;
+mod sampling;
+
+use crate::outputs::{RequestOutput, SequenceDelta, StepOutputs};
+use crate::sequences::Sequences;
+use std::time::Instant;
+use vellum_core::{
+    BlockAllocator, BlockId, IdMap, KvCacheStats, ModelExecutor, RequestId, SamplingParams, SchedulerConfig, SeqId, TokenId,
+};
+use vellum_kvcache::KvCacheManager;
+use vellum_scheduler::{FinishReason, NewRequest, Scheduler, StepSamples};
+
+/// Why the engine refused or failed something.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The request was refused.
+    #[error(transparent)]
+    Request(#[from] vellum_scheduler::Error),
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] vellum_core::Error),
+    /// Loading the model failed.
+    #[error(transparent)]
+    Model(#[from] vellum_models::Error),
+    /// A feature this engine does not run yet.
+    #[error("not supported yet: {0}")]
+    Unsupported(&'static str),
+}
+
+/// Requests per queue, and preemptions so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    /// Requests running (holding KV blocks).
+    pub num_running: usize,
+    /// Requests waiting (new, or preempted by recompute).
+    pub num_waiting: usize,
+    /// Requests swapped out to host memory.
+    pub num_swapped: usize,
+    /// Preemptions so far.
+    pub num_preemptions: u64,
+}
+
+/// Running totals of what the engine did (for metrics and benchmarks).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineCounters {
+    /// Steps run.
+    pub num_steps: u64,
+    /// Prompt tokens computed (prefix-cache hits excluded).
+    pub prompt_tokens: u64,
+    /// Tokens sampled.
+    pub generation_tokens: u64,
+    /// Seconds spent in `schedule()` and building the batch.
+    pub schedule_s: f64,
+    /// Seconds spent in the executor.
+    pub execute_s: f64,
+    /// Seconds spent sampling and applying samples.
+    pub sample_s: f64,
+}
+
+/// Scheduler + KV-cache manager + executor + sampler, stepping in lockstep.
+///
+/// The engine keeps its own view of every request and sequence
+/// (`sequences.rs`): what it added, what it sampled, and the diffs
+/// `update_from_output` returns; it never reads the scheduler's request
+/// objects.
+pub struct EngineCore<E: ModelExecutor> {
+    scheduler: Scheduler<KvCacheManager>,
+    executor: E,
+    block_size: usize,
+    /// The executor-side copy of every block table, kept by incremental updates.
+    block_tables: IdMap<SeqId, Vec<BlockId>>,
+    views: Sequences,
+    /// Requests that ended and whose output is not returned yet.
+    finished: Vec<RequestId>,
+    next_request_id: u64,
+    eos_token_ids: Vec<TokenId>,
+    counters: EngineCounters,
+}
+
+impl<E: ModelExecutor> EngineCore<E> {
+    /// An engine over `executor` with `num_blocks` KV blocks of `block_size`
+    /// (and `num_host_blocks` of swap space), prefix caching on.
+    pub fn new(
+        executor: E,
+        scheduler_config: SchedulerConfig,
+        num_blocks: usize,
+        num_host_blocks: usize,
+        block_size: usize,
+        eos_token_ids: Vec<TokenId>,
+    ) -> Result<Self, Error> {
+        Self::with_prefix_caching(executor, scheduler_config, num_blocks, num_host_blocks, block_size, eos_token_ids, true)
+    }
+
+    /// As [`EngineCore::new`], with automatic prefix caching on or off.
+    pub fn with_prefix_caching(
+        mut executor: E,
+        scheduler_config: SchedulerConfig,
+        num_blocks: usize,
+        num_host_blocks: usize,
+        block_size: usize,
+        eos_token_ids: Vec<TokenId>,
+        enable_prefix_caching: bool,
+    ) -> Result<Self, Error> {
+        executor.initialize_kv_cache(num_blocks, num_host_blocks, block_size)?;
+        let kv =
+            KvCacheManager::new(vellum_kvcache::KvCacheManagerConfig { num_blocks, num_host_blocks, block_size, enable_prefix_caching });
+        let mut scheduler = Scheduler::new(scheduler_config, kv)?;
+        // Outputs come from the engine's own view, not finished requests.
+        scheduler.keep_finished_requests(false);
+        Ok(Self {
+            scheduler,
+            executor,
+            block_size,
+            block_tables: IdMap::default(),
+            views: Sequences::default(),
+            finished: Vec::new(),
+            next_request_id: 0,
+            eos_token_ids,
+            counters: EngineCounters::default(),
+        })
+    }
+
+    /// Running totals (steps, tokens, time per phase).
+    pub fn counters(&self) -> EngineCounters {
+        self.counters
+    }
+
+    /// The scheduler (read-only; for tests and invariant checks — callers
+    /// use [`EngineCore::kv_stats`] and [`EngineCore::queue_stats`]).
+    pub fn scheduler(&self) -> &Scheduler<KvCacheManager> {
+        &self.scheduler
+    }
+
+    /// KV-cache accounting now.
+    pub fn kv_stats(&self) -> KvCacheStats {
+        self.scheduler.allocator().stats()
+    }
+
+    /// Queue lengths and preemptions so far.
+    pub fn queue_stats(&self) -> QueueStats {
+        let s = &self.scheduler;
+        QueueStats {
+            num_running: s.num_running(),
+            num_waiting: s.num_waiting(),
+            num_swapped: s.num_swapped(),
+            num_preemptions: s.num_preemptions(),
+        }
+    }
+
+    /// The longest prompt + output the engine accepts.
+    pub fn max_model_len(&self) -> usize {
+        self.scheduler.config().max_model_len
+    }
+
+    /// Queues a request; returns its id.
+    pub fn add_request(&mut self, prompt_token_ids: Vec<TokenId>, params: SamplingParams) -> Result<RequestId, Error> {
+        self.add_request_with_priority(prompt_token_ids, params, 0)
+    }
+
+    /// Queues a request with a priority (lower runs first under the
+    /// priority policy); returns its id.
+    pub fn add_request_with_priority(
+        &mut self,
+        prompt_token_ids: Vec<TokenId>,
+        params: SamplingParams,
+        priority: i64,
+    ) -> Result<RequestId, Error> {
+        let id = RequestId(self.next_request_id);
+        self.next_request_id += 1;
+        let seed = params.seed.unwrap_or(id.0.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let seq = self.scheduler.add_request(NewRequest {
+            eos_token_ids: self.eos_token_ids.clone(),
+            priority,
+            ..NewRequest::new(id, prompt_token_ids.clone(), params.clone())
+        })?;
+        self.views.add(id, seq, prompt_token_ids, params, seed, &self.eos_token_ids);
+        Ok(id)
+    }
+
+    /// Whether any request is unfinished.
+    pub fn has_unfinished_requests(&self) -> bool {
+        self.scheduler.has_unfinished_requests()
+    }
+
+    /// Runs one step; returns requests that finished in it.
+    pub fn step(&mut self) -> Result<Vec<RequestOutput>, Error> {
+        Ok(self.step_streaming()?.finished)
+    }
+
+    /// Runs one step; returns the new tokens of every sampled sequence and
+    /// the requests that finished.
+    pub fn step_streaming(&mut self) -> Result<StepOutputs, Error> {
+        let t0 = Instant::now();
+        let out = self.scheduler.schedule();
+        if out.is_empty() {
+            let update = self.scheduler.update_from_output(&StepSamples::default());
+            self.finished.extend(self.views.apply(&StepSamples::default(), &IdMap::default(), &update));
+            return Ok(self.collect(Vec::new()));
+        }
+        let (batch, rows) = self.build_batch(&out);
+        let t1 = Instant::now();
+        let result = self.executor.execute(&batch)?;
+        let t2 = Instant::now();
+        let (samples, draws) = self.sample(&result.logits, result.vocab_size, &rows);
+        let update = self.scheduler.update_from_output(&samples);
+        let done = self.views.apply(&samples, &draws, &update);
+        self.finished.extend(done);
+        let mut deltas = Vec::new();
+        for rs in &samples.requests {
+            if !self.finished.contains(&rs.request_id) {
+                self.views.deltas(rs.request_id, &mut deltas);
+            }
+        }
+        let outputs = self.collect(deltas);
+        let t3 = Instant::now();
+        let c = &mut self.counters;
+        c.num_steps += 1;
+        c.schedule_s += (t1 - t0).as_secs_f64();
+        c.execute_s += (t2 - t1).as_secs_f64();
+        c.sample_s += (t3 - t2).as_secs_f64();
+        Ok(outputs)
+    }
+
+    /// Ends a request from outside (a stop string matched, a client went
+    /// away): its blocks are freed now and its output is returned by the
+    /// next `step()`.
+    pub fn finish_request(&mut self, id: RequestId, reason: FinishReason) -> bool {
+        let ended = self.scheduler.finish_request(id, reason);
+        if ended && self.views.finish(id, reason) {
+            self.finished.push(id);
+        }
+        ended
+    }
+
+    /// Ends one output sequence (`index`) of a request, e.g. when a stop
+    /// string matched in one of several parallel samples; the request ends
+    /// with its last sequence.
+    pub fn finish_sequence(&mut self, id: RequestId, index: usize, reason: FinishReason) -> bool {
+        let Some(req) = self.views.reqs.get(&id) else { return false };
+        let Some(sid) = req.seqs.iter().copied().find(|sid| self.views.seqs.get(sid).is_some_and(|v| v.index == index)) else {
+            return false;
+        };
+        if !self.scheduler.finish_sequence(id, sid, reason) {
+            return false;
+        }
+        if let Some(v) = self.views.seqs.get_mut(&sid) {
+            v.finish_reason.get_or_insert(reason);
+        }
+        if !self.scheduler.has_request(id) && self.views.finish(id, reason) {
+            self.finished.push(id);
+        }
+        true
+    }
+
+    /// Outputs of requests that finished outside a step (see
+    /// [`EngineCore::finish_request`]) and have not been returned yet.
+    pub fn take_finished(&mut self) -> Vec<RequestOutput> {
+        self.collect(Vec::new()).finished
+    }
+
+    /// Runs until every queued request finished; outputs in request order.
+    pub fn run_to_completion(&mut self) -> Result<Vec<RequestOutput>, Error> {
+        let mut done = Vec::new();
+        while self.has_unfinished_requests() {
+            done.extend(self.step()?);
+        }
+        done.extend(self.take_finished());
+        done.sort_by_key(|r| r.request_id);
+        Ok(done)
+    }
+
+    /// The outputs of every finished request, after `deltas` and the
+    /// streamed tails they had not reported.
+    fn collect(&mut self, mut deltas: Vec<SequenceDelta>) -> StepOutputs {
+        let mut finished = Vec::new();
+        for id in std::mem::take(&mut self.finished) {
+            if let Some(req) = self.views.reqs.get(&id) {
+                for sid in &req.seqs {
+                    self.block_tables.remove(sid);
+                }
+            }
+            finished.extend(self.views.take_output(id, &mut deltas));
+        }
+        StepOutputs { deltas, finished }
+    }
+}

@@ -1,0 +1,89 @@
+//! A token for every sampling row (the first sample of a parallel-sampling
+//! request draws `n`; beam-search rows go through [`crate::beam`]), and the
+//! prompt logprobs rows.
+
+use super::batch::Row;
+use super::EngineCore;
+use crate::beam::beam_step;
+use crate::outputs::PromptLogprob;
+use crate::sampler::{log_softmax, sample, top_k, Sample};
+use crate::sequences::Draw;
+use vellum_core::{IdMap, ModelExecutor, RequestId, SeqId};
+use vellum_scheduler::{RequestSamples, StepSamples};
+
+impl<E: ModelExecutor> EngineCore<E> {
+    /// Samples every row: the entries for the scheduler, and per request
+    /// the draws behind them (same order).
+    pub(super) fn sample(&mut self, logits: &[f32], vocab: usize, rows: &[Row]) -> (StepSamples, IdMap<RequestId, Vec<Draw>>) {
+        let mut per_req: Vec<RequestSamples> = Vec::new();
+        let mut draws: IdMap<RequestId, Vec<Draw>> = IdMap::default();
+        let mut beam_rows: Vec<(RequestId, SeqId, usize)> = Vec::new();
+        for (row, &use_) in rows.iter().enumerate() {
+            let row_logits = &logits[row * vocab..(row + 1) * vocab];
+            let (rid, sid) = match use_ {
+                Row::PromptLogprob(rid, pos) => {
+                    self.record_prompt_logprob(rid, pos, row_logits);
+                    continue;
+                }
+                Row::Sample(rid, sid) => (rid, sid),
+            };
+            let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&rid), self.views.seqs.get(&sid)) else { continue };
+            if req.params.beam_search.is_some() {
+                beam_rows.push((rid, sid, row));
+                continue;
+            }
+            // The first sample of a parallel-sampling request draws n tokens.
+            let n = req.params.num_sequences();
+            let first = !req.forked && n > 1;
+            req.forked |= first;
+            let k = req.params.logprobs.unwrap_or(0);
+            let mut next = Vec::new();
+            let ds = draws.entry(rid).or_default();
+            for i in 0..if first { n } else { 1 } {
+                let Sample { token, logprob, top_logprobs } =
+                    sample(row_logits, &req.params, &mut req.rng, k, (seq.prompt(), seq.output()));
+                next.push((sid, token));
+                let top = req.params.logprobs.is_some().then_some(top_logprobs);
+                ds.push(Draw { token, logprob, top, index: first.then_some(i) });
+            }
+            self.counters.generation_tokens += next.len() as u64;
+            match per_req.last_mut() {
+                Some(last) if last.request_id == rid => last.next.extend(next),
+                _ => per_req.push(RequestSamples::tokens(rid, next)),
+            }
+        }
+        // Beam search: every running candidate of a request was scheduled
+        // together; choose the next candidates over all of them.
+        let mut i = 0;
+        while i < beam_rows.len() {
+            let rid = beam_rows[i].0;
+            let j = i + beam_rows[i..].iter().take_while(|r| r.0 == rid).count();
+            if let Some(req) = self.views.reqs.get_mut(&rid) {
+                let cand_rows: Vec<(SeqId, usize)> = beam_rows[i..j].iter().map(|&(_, sid, row)| (sid, row)).collect();
+                if let Some(beam) = req.params.beam_search.clone() {
+                    let (next, ds) = beam_step(req, &beam, &self.views.seqs, &cand_rows, logits, vocab);
+                    req.forked = true;
+                    self.counters.generation_tokens += next.len() as u64;
+                    per_req.push(RequestSamples::tokens(rid, next));
+                    draws.insert(rid, ds);
+                }
+            }
+            i = j;
+        }
+        (StepSamples { requests: per_req }, draws)
+    }
+
+    fn record_prompt_logprob(&mut self, rid: RequestId, pos: usize, row_logits: &[f32]) {
+        let Some(req) = self.views.reqs.get_mut(&rid) else { return };
+        let Some(token_id) = req.seqs.first().and_then(|s| self.views.seqs.get(s)).and_then(|v| v.prompt().get(pos).copied()) else {
+            return;
+        };
+        let k = req.params.prompt_logprobs.unwrap_or(0);
+        let Some(slots) = req.prompt_logprobs.as_mut() else { return };
+        if slots[pos].is_some() {
+            return; // recomputed after a preemption
+        }
+        let lp = log_softmax(row_logits);
+        slots[pos] = Some(PromptLogprob { token_id, logprob: lp[token_id as usize], top: top_k(&lp, k) });
+    }
+}

@@ -1,0 +1,253 @@
+//! The one output path (vLLM's `OutputProcessor`): the engine's token
+//! outputs become text a client may show, for the offline API, the server
+//! and `vellum chat` alike.
+//!
+//! ```text
+//!  EngineCore / EngineClient ── SequenceDelta, RequestOutput (tokens) ──▶ OutputProcessor
+//!        ▲                                                                    │ per sequence:
+//!        └──────────── finish_sequence(request, index) ◀── stop string ──────┤ IncrementalDetokenizer
+//!                                                                             │ + StopStrings (hold-back)
+//!                                          OutputPiece (text, tokens, finish) ◀┘
+//! ```
+//!
+//! Per sequence it keeps a [`TextStream`]: tokens are detokenized one at a
+//! time (never half a character), text that may still become a stop string
+//! is held back, and once a stop string matches the sequence is done — the
+//! caller then ends it in the engine ([`Processed::stopped`]) so its KV
+//! blocks are freed while its siblings go on. Requests whose outputs are
+//! only known at the end (beam search, `best_of > n`) stream nothing and are
+//! detokenized when they finish.
+
+use crate::detokenizer::TextStream;
+use crate::outputs::{RequestOutput, SequenceDelta, StepOutputs};
+use vellum_core::{IdMap, RequestId, SamplingParams, TokenId};
+use vellum_models::Tokenizer;
+use vellum_scheduler::FinishReason;
+
+/// One generated token with its log-probabilities.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenOutput {
+    /// The token.
+    pub id: TokenId,
+    /// Its log-probability under the model.
+    pub logprob: f32,
+    /// The most likely alternatives (empty unless `logprobs` was asked).
+    pub top: Vec<(TokenId, f32)>,
+}
+
+/// New output of one sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutputPiece {
+    /// The request.
+    pub request_id: RequestId,
+    /// The sequence's place among the request's outputs.
+    pub index: usize,
+    /// Text that may be shown now (held-back text comes in a later piece).
+    pub text: String,
+    /// The tokens consumed, up to a stop string.
+    pub tokens: Vec<TokenOutput>,
+    /// Set on the sequence's last piece.
+    pub finish_reason: Option<FinishReason>,
+}
+
+impl OutputPiece {
+    /// No output yet for sequence `index` of `request_id`.
+    pub fn empty(request_id: RequestId, index: usize) -> Self {
+        Self { request_id, index, text: String::new(), tokens: Vec::new(), finish_reason: None }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.text.is_empty() && self.tokens.is_empty() && self.finish_reason.is_none()
+    }
+}
+
+/// What processing produced.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Processed {
+    /// New output, in the order it happened.
+    pub pieces: Vec<OutputPiece>,
+    /// Sequences a stop string just ended: the caller ends them in the
+    /// engine (`finish_sequence`), which frees their blocks.
+    pub stopped: Vec<(RequestId, usize)>,
+    /// Requests that finished, with `text` and finish reasons filled in.
+    pub finished: Vec<RequestOutput>,
+}
+
+struct SeqText {
+    text: TextStream,
+    /// Output tokens consumed (those after a stop string are not).
+    num_tokens: usize,
+    done: bool,
+}
+
+struct Tracked {
+    prompt: Vec<TokenId>,
+    stop: Vec<String>,
+    skip_special_tokens: bool,
+    /// Deltas are streamed (no beam search, no `best_of > n`).
+    streams: bool,
+    seqs: Vec<SeqText>,
+}
+
+impl Tracked {
+    fn new_text(&self) -> SeqText {
+        SeqText { text: TextStream::new(&self.prompt, &self.stop, self.skip_special_tokens), num_tokens: 0, done: false }
+    }
+}
+
+/// Turns token outputs into text for the requests it was told about.
+#[derive(Default)]
+pub struct OutputProcessor {
+    requests: IdMap<RequestId, Tracked>,
+}
+
+impl OutputProcessor {
+    /// An empty processor.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Starts tracking request `id` (prompt, stop strings, how many outputs).
+    pub fn add_request(&mut self, id: RequestId, prompt: &[TokenId], params: &SamplingParams, skip_special_tokens: bool) {
+        let streams = params.beam_search.is_none() && params.num_sequences() == params.n;
+        let mut t = Tracked { prompt: prompt.to_vec(), stop: params.stop.clone(), skip_special_tokens, streams, seqs: Vec::new() };
+        if streams {
+            t.seqs = (0..params.n).map(|_| t.new_text()).collect();
+        }
+        self.requests.insert(id, t);
+    }
+
+    /// Forgets a request (aborted by the caller).
+    pub fn abort(&mut self, id: RequestId) {
+        self.requests.remove(&id);
+    }
+
+    /// Whether no request is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Whether sequence `index` of request `id` already ended (a stop
+    /// string matched).
+    pub fn is_done(&self, id: RequestId, index: usize) -> bool {
+        self.requests.get(&id).and_then(|t| t.seqs.get(index)).is_none_or(|s| s.done)
+    }
+
+    /// One step of the engine: its deltas, then its finished requests.
+    pub fn process(&mut self, tokenizer: &Tokenizer, step: StepOutputs) -> vellum_models::Result<Processed> {
+        let mut out = Processed::default();
+        for d in &step.deltas {
+            let (piece, stopped) = self.process_delta(tokenizer, d)?;
+            out.pieces.extend(piece);
+            if stopped {
+                out.stopped.push((d.request_id, d.index));
+            }
+        }
+        for r in step.finished {
+            let (pieces, done) = self.process_finished(tokenizer, r)?;
+            out.pieces.extend(pieces);
+            out.finished.push(done);
+        }
+        Ok(out)
+    }
+
+    /// New tokens of one sequence; returns its piece (if any) and whether a
+    /// stop string ended it just now.
+    pub fn process_delta(&mut self, tokenizer: &Tokenizer, d: &SequenceDelta) -> vellum_models::Result<(Option<OutputPiece>, bool)> {
+        let Some(seq) = self.requests.get_mut(&d.request_id).and_then(|t| t.seqs.get_mut(d.index)) else { return Ok((None, false)) };
+        let piece = push(seq, d.request_id, d.index, tokenizer, &d.token_ids, &d.token_logprobs, &d.logprobs)?;
+        let stopped = piece.as_ref().is_some_and(|p| p.finish_reason.is_some());
+        Ok((piece, stopped))
+    }
+
+    /// A finished request: the last piece of every sequence still open, and
+    /// the output with each sequence's full `text` (cut at its stop string)
+    /// and finish reason.
+    pub fn process_finished(
+        &mut self,
+        tokenizer: &Tokenizer,
+        mut r: RequestOutput,
+    ) -> vellum_models::Result<(Vec<OutputPiece>, RequestOutput)> {
+        let mut tracked = match self.requests.remove(&r.request_id) {
+            Some(t) => t,
+            None => Tracked {
+                prompt: r.prompt_token_ids.clone(),
+                stop: Vec::new(),
+                skip_special_tokens: true,
+                streams: false,
+                seqs: Vec::new(),
+            },
+        };
+        if !tracked.streams {
+            // Nothing was streamed: every output is detokenized now.
+            tracked.seqs = r.outputs.iter().map(|_| tracked.new_text()).collect();
+        }
+        let mut pieces = Vec::new();
+        for (pos, o) in r.outputs.iter_mut().enumerate() {
+            let slot = if tracked.streams { o.index } else { pos };
+            let Some(seq) = tracked.seqs.get_mut(slot) else { continue };
+            if !seq.done {
+                let seen = seq.num_tokens.min(o.token_ids.len());
+                let mut piece = push(
+                    seq,
+                    r.request_id,
+                    o.index,
+                    tokenizer,
+                    &o.token_ids[seen..],
+                    o.token_logprobs.get(seen..).unwrap_or(&[]),
+                    o.logprobs.get(seen..).unwrap_or(&[]),
+                )?
+                .unwrap_or_else(|| OutputPiece::empty(r.request_id, o.index));
+                if piece.finish_reason.is_none() {
+                    piece.text.push_str(&seq.text.finish(tokenizer)?);
+                    seq.done = true;
+                    piece.finish_reason =
+                        Some(if seq.text.stopped() { FinishReason::Stop } else { o.finish_reason.unwrap_or(FinishReason::Length) });
+                }
+                pieces.push(piece);
+            }
+            if seq.text.stopped() {
+                o.finish_reason = Some(FinishReason::Stop);
+            }
+            o.text = seq.text.text().to_string();
+        }
+        // A streamed sequence the engine did not return (it cannot happen):
+        // close it, so that every output gets a finish reason.
+        for (index, seq) in tracked.seqs.iter_mut().enumerate().filter(|(_, s)| tracked.streams && !s.done) {
+            seq.done = true;
+            pieces.push(OutputPiece { finish_reason: Some(FinishReason::Abort), ..OutputPiece::empty(r.request_id, index) });
+        }
+        Ok((pieces, r))
+    }
+}
+
+/// Feeds tokens of one sequence through its text stream.
+fn push(
+    seq: &mut SeqText,
+    request_id: RequestId,
+    index: usize,
+    tokenizer: &Tokenizer,
+    tokens: &[TokenId],
+    token_logprobs: &[f32],
+    tops: &[Vec<(TokenId, f32)>],
+) -> vellum_models::Result<Option<OutputPiece>> {
+    if seq.done {
+        return Ok(None);
+    }
+    let mut piece = OutputPiece::empty(request_id, index);
+    for (i, &t) in tokens.iter().enumerate() {
+        piece.text.push_str(&seq.text.push(tokenizer, &[t])?);
+        seq.num_tokens += 1;
+        piece.tokens.push(TokenOutput {
+            id: t,
+            logprob: token_logprobs.get(i).copied().unwrap_or(f32::NAN),
+            top: tops.get(i).cloned().unwrap_or_default(),
+        });
+        if seq.text.stopped() {
+            seq.done = true;
+            piece.finish_reason = Some(FinishReason::Stop);
+            break;
+        }
+    }
+    Ok((!piece.is_empty()).then_some(piece))
+}

@@ -1,0 +1,36 @@
+//! From a checkpoint to a runnable model: the [`CausalLm`] contract and the
+//! loader that picks a model definition from the architecture registry
+//! ([`vellum_core::ARCHITECTURES`]).
+
+use crate::ops::{OpResult, Ops};
+use crate::{Error, LlamaModel, Result, WeightSource};
+use vellum_core::{KvCacheDtype, KvCacheSpec, ModelConfig, ModelFamily};
+
+/// A causal language model loaded on backend `O`.
+pub trait CausalLm<O: Ops>: Send + Sync {
+    /// The model's configuration.
+    fn config(&self) -> &ModelConfig;
+
+    /// The KV cache this model needs, in blocks of `block_size` tokens.
+    fn kv_cache_spec(&self, block_size: usize, dtype: KvCacheDtype) -> KvCacheSpec;
+
+    /// One forward pass over the step's mixed batch; returns the logits of
+    /// the step's logits rows, `[rows, vocab]`.
+    fn forward(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor>;
+}
+
+/// Loads the model definition of `config.architecture` on `ops`.
+/// `progress(done, total)` is called as layers load.
+pub fn load_model<O: Ops + 'static>(
+    ops: &O,
+    weights: &dyn WeightSource,
+    config: ModelConfig,
+    progress: impl FnMut(usize, usize),
+) -> Result<Box<dyn CausalLm<O>>> {
+    let arch = config
+        .arch()
+        .ok_or_else(|| Error::UnsupportedArchitecture { path: Default::default(), architecture: config.architecture.clone() })?;
+    match arch.family {
+        ModelFamily::Llama => Ok(Box::new(LlamaModel::load(ops, weights, config, progress)?)),
+    }
+}

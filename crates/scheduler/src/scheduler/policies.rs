@@ -1,0 +1,348 @@
+//! Deciding a step: running requests first (FCFS/priority in arrival
+//! order; two-level: shortest remaining tokens first with the staged ones),
+//! then swapped-out groups, then new admissions while nothing was
+//! preempted; every attempt goes through `allocate_slots` (thesis §4.5).
+
+use super::{QueueKey, Scheduler};
+use crate::request::{RequestStatus, Sequence};
+use crate::scheduler_output::{BlockTableUpdate, ScheduledSeq, SchedulerOutput};
+use vellum_core::{BlockAllocator, ComputedBlocks, RequestId, SchedulingPolicy, SeqId, SeqTokens};
+
+/// What happened when a request was offered a share of the step.
+enum Attempt {
+    /// Scheduled this many tokens.
+    Scheduled,
+    /// Nothing to compute now (or its next step must wait for samples).
+    Idle,
+    /// Not enough token budget (or sequence slots) left.
+    NoBudget,
+    /// `allocate_slots` found no room.
+    NoRoom,
+}
+
+/// Per-step bookkeeping of `schedule()`.
+pub(super) struct StepState {
+    pub(super) budget: usize,
+    pub(super) step_id: u64,
+    pub(super) preempted: bool,
+    pub(super) num_running_seqs: usize,
+}
+
+impl<A: BlockAllocator> Scheduler<A> {
+    /// Decides the next step.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput { finished_requests: std::mem::take(&mut self.finished_since_output), ..Default::default() };
+        let mut step = StepState {
+            budget: self.config.max_num_batched_tokens,
+            step_id: self.next_step_id,
+            preempted: false,
+            num_running_seqs: self.running.values().map(|id| self.requests[id].num_seq_slots()).sum(),
+        };
+        match self.config.policy {
+            SchedulingPolicy::Fcfs | SchedulingPolicy::Priority => self.schedule_in_order(&mut step, &mut out),
+            SchedulingPolicy::TwoLevel { staging_queue_size } => self.schedule_two_level(staging_queue_size, &mut step, &mut out),
+        }
+        out.block_ops.copies = self.allocator.take_block_copies();
+        self.in_flight.push_back(out.scheduled.clone());
+        self.next_step_id += 1;
+        out
+    }
+
+    /// FCFS and priority (thesis Algorithm 1): running requests in queue
+    /// order, then swapped-out groups, then waiting requests.
+    fn schedule_in_order(&mut self, step: &mut StepState, out: &mut SchedulerOutput) {
+        let order: Vec<RequestId> = self.running.values().copied().collect();
+        for i in 0..order.len() {
+            if step.budget == 0 {
+                break;
+            }
+            self.schedule_running(order[i], &order, step, out);
+        }
+        self.admit_swapped(step, out);
+        while step.budget > 0 && self.swapped.is_empty() && !step.preempted {
+            let Some((_, &id)) = self.waiting.first_key_value() else { break };
+            if !matches!(self.admit(id, step, out), Attempt::Scheduled) {
+                break;
+            }
+        }
+    }
+
+    /// Thesis §4.5.3: a FIFO-filled staging queue, refilled only when empty,
+    /// and shortest-remaining-tokens-first over staging + running
+    /// (Algorithm 2, refreshing staged prefix-cache hits after each admission).
+    fn schedule_two_level(&mut self, staging_size: usize, step: &mut StepState, out: &mut SchedulerOutput) {
+        if self.staging.is_empty() {
+            while self.staging.len() < staging_size {
+                let Some((_, id)) = self.waiting.pop_first() else { break };
+                self.staging.push(id);
+            }
+        }
+        let victims: Vec<RequestId> = self.running.values().copied().collect();
+        let mut order: Vec<(usize, QueueKey, RequestId)> =
+            self.running.iter().map(|(key, id)| (self.requests[id].num_schedulable_tokens(), *key, *id)).collect();
+        order.sort_unstable();
+        self.admit_swapped(step, out);
+        let staging = self.staging.clone();
+        let mut staged: Vec<(usize, RequestId)> = staging.into_iter().map(|id| (self.staged_delta(id), id)).collect();
+        let mut ri = 0;
+        while step.budget > 0 {
+            while ri < order.len() && !self.is_running(order[ri].2) {
+                ri += 1; // preempted earlier in this step
+            }
+            let best_staged =
+                staged.iter().enumerate().min_by_key(|(_, (d, id))| (*d, self.requests[id].arrival_order)).map(|(i, (d, _))| (i, *d));
+            let run_next = order.get(ri).map(|(d, _, _)| *d);
+            match (run_next, best_staged) {
+                (None, None) => break,
+                (Some(dr), Some((_, ds))) if dr <= ds => {
+                    self.schedule_running(order[ri].2, &victims, step, out);
+                    ri += 1;
+                }
+                (Some(_), None) => {
+                    self.schedule_running(order[ri].2, &victims, step, out);
+                    ri += 1;
+                }
+                (_, Some((i, _))) => {
+                    let (_, id) = staged.swap_remove(i);
+                    let can_admit = self.swapped.is_empty() && !step.preempted;
+                    if can_admit && matches!(self.admit(id, step, out), Attempt::Scheduled) {
+                        self.staging.retain(|r| *r != id);
+                        // The new request's blocks may be other staged requests' prefix.
+                        for s in staged.iter_mut() {
+                            s.0 = self.staged_delta(s.1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Remaining tokens of a staged request after its prefix-cache hit.
+    fn staged_delta(&mut self, id: RequestId) -> usize {
+        let req = &self.requests[&id];
+        let seq = &req.seqs[0];
+        let st = SeqTokens {
+            seq_id: seq.seq_id,
+            token_ids: seq.state.token_ids(),
+            num_prompt_tokens: seq.state.num_prompt_tokens(),
+            num_computed_tokens: 0,
+            hint: req.length_hint(),
+        };
+        let hit = if req.params.prompt_logprobs.is_some() { 0 } else { self.allocator.get_computed_blocks(&st).num_computed_tokens };
+        req.num_schedulable_tokens().saturating_sub(hit)
+    }
+
+    /// Brings swapped-out groups back, oldest first, while blocks allow.
+    fn admit_swapped(&mut self, step: &mut StepState, out: &mut SchedulerOutput) {
+        while !step.preempted {
+            let Some((&key, &id)) = self.swapped.first_key_value() else { break };
+            let req = &self.requests[&id];
+            let n_seqs = req.num_seq_slots();
+            if step.num_running_seqs + n_seqs > self.config.max_num_seqs {
+                break;
+            }
+            let seq_ids: Vec<SeqId> = req.running_seqs().map(|s| s.seq_id).collect();
+            let Some(swaps) = self.allocator.swap_in(&seq_ids) else { break };
+            out.block_ops.swap_in.extend(swaps);
+            self.swapped.remove(&key);
+            let req = self.requests.get_mut(&id).expect("swapped request is live");
+            req.status = RequestStatus::Running;
+            for s in &mut req.seqs {
+                s.num_synced_blocks = 0;
+            }
+            self.running.insert(key, id);
+            step.num_running_seqs += n_seqs;
+            out.resumed_requests.push(id);
+            let order = [id];
+            self.schedule_running(id, &order, step, out);
+        }
+    }
+
+    /// Schedules a running request, preempting later arrivals (from the
+    /// end of `victims`) while there is no room.
+    fn schedule_running(&mut self, id: RequestId, victims: &[RequestId], step: &mut StepState, out: &mut SchedulerOutput) {
+        match self.requests.get(&id) {
+            Some(r) if r.status == RequestStatus::Running && r.scheduled_step != step.step_id => {}
+            _ => return,
+        }
+        loop {
+            match self.try_schedule(id, step, out) {
+                Attempt::Scheduled | Attempt::Idle => return,
+                Attempt::NoBudget => {
+                    self.trim_to_scheduled(id);
+                    return;
+                }
+                Attempt::NoRoom => {
+                    let victim = victims.iter().rev().copied().find(|v| {
+                        *v != id
+                            && self.is_running(*v)
+                            && self.requests[v].scheduled_step != step.step_id
+                            && !self.requests[v].has_in_flight()
+                    });
+                    match victim {
+                        Some(v) => self.preempt(v, step, out),
+                        None => {
+                            if !self.requests[&id].has_in_flight() {
+                                self.preempt(id, step, out);
+                            }
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Admits a waiting request (new, or preempted by recompute). On
+    /// failure it stays waiting and holds nothing.
+    fn admit(&mut self, id: RequestId, step: &mut StepState, out: &mut SchedulerOutput) -> Attempt {
+        let n_seqs = self.requests[&id].num_seq_slots();
+        if step.num_running_seqs + n_seqs > self.config.max_num_seqs {
+            return Attempt::NoBudget;
+        }
+        let attempt = self.try_schedule(id, step, out);
+        let req = self.requests.get_mut(&id).expect("waiting request is live");
+        if matches!(attempt, Attempt::Scheduled) {
+            let key = (if self.config.policy == SchedulingPolicy::Priority { req.priority } else { 0 }, req.arrival_order);
+            self.waiting.remove(&key);
+            req.status = RequestStatus::Running;
+            if req.num_preemptions == 0 {
+                out.new_requests.push(id)
+            } else {
+                out.resumed_requests.push(id)
+            }
+            self.running.insert(key, id);
+            step.num_running_seqs += n_seqs;
+        } else {
+            // Roll back any partial allocation.
+            for s in &mut req.seqs {
+                self.allocator.trim(s.seq_id, s.state.num_computed_tokens());
+                self.allocator.free(s.seq_id);
+                s.state.preempt();
+                s.num_synced_blocks = 0;
+            }
+            out.block_table_updates.retain(|u| !req.seqs.iter().any(|s| s.seq_id == u.seq_id));
+        }
+        attempt
+    }
+
+    /// Gives every running sequence of `id` its Δ, gang style: a group with
+    /// several sequences runs all of them in full or not at all.
+    fn try_schedule(&mut self, id: RequestId, step: &mut StepState, out: &mut SchedulerOutput) -> Attempt {
+        let threshold = self.config.long_prefill_token_threshold;
+        let chunked = self.config.enable_chunked_prefill;
+        let req = self.requests.get_mut(&id).expect("scheduled request is live");
+        if req.has_in_flight() && req.next_sample_reshapes() {
+            return Attempt::Idle;
+        }
+        let hint = req.length_hint();
+        // Prompt logprobs need every prompt position computed: no prefix hit.
+        let use_prefix_cache = req.params.prompt_logprobs.is_none();
+        // Scheduled sequences go straight to the output; a failed attempt
+        // truncates them away again.
+        let mark = out.scheduled.len();
+        let mut budget = step.budget;
+        // A sequence recomputing from scratch (after preemption) waits while
+        // a sibling is still computing the prompt, so that it then finds the
+        // whole prompt in the prefix cache instead of computing a copy.
+        let num_prompt = req.num_prompt_tokens();
+        let prompt_leader = req.running_seqs().find(|s| s.num_scheduled_tokens() < num_prompt).map(|s| s.seq_id);
+        let waits_for_leader =
+            |s: &Sequence| prompt_leader.is_some_and(|l| l != s.seq_id) && s.num_scheduled_tokens() == 0 && s.num_in_flight_tokens == 0;
+        // Gang scheduling: every sequence of the group with work runs in the
+        // same step; each later sequence keeps at least one token of budget.
+        let mut seqs_left = req.seqs.iter().filter(|s| s.is_running() && s.num_schedulable_tokens() > 0 && !waits_for_leader(s)).count();
+        if seqs_left > budget {
+            return Attempt::NoBudget;
+        }
+        for seq in req.seqs.iter_mut().filter(|s| s.is_running()) {
+            if waits_for_leader(seq) {
+                continue;
+            }
+            // A sequence whose table the executor has holds blocks; otherwise ask.
+            let holds_nothing = seq.num_synced_blocks == 0 && self.allocator.block_table(seq.seq_id).is_none();
+            let fresh = holds_nothing && seq.num_in_flight_tokens == 0 && seq.state.num_computed_tokens() == 0;
+            let computed = if fresh && use_prefix_cache {
+                self.allocator.get_computed_blocks(&SeqTokens {
+                    seq_id: seq.seq_id,
+                    token_ids: seq.state.token_ids(),
+                    num_prompt_tokens: seq.state.num_prompt_tokens(),
+                    num_computed_tokens: 0,
+                    hint,
+                })
+            } else {
+                ComputedBlocks::default()
+            };
+            let hit = computed.num_computed_tokens;
+            // This step's new tokens start after what is computed, in flight
+            // or found in the prefix cache.
+            let start = seq.num_scheduled_tokens() + hit;
+            let remaining = seq.num_schedulable_tokens() - hit;
+            if remaining == 0 {
+                continue;
+            }
+            seqs_left = seqs_left.saturating_sub(1);
+            let mut delta = remaining.min(budget - seqs_left);
+            if threshold > 0 {
+                delta = delta.min(threshold);
+            }
+            if delta == 0 || (delta < remaining && !chunked) {
+                out.scheduled.truncate(mark);
+                return Attempt::NoBudget;
+            }
+            // A sequence holding nothing gets slots from its prefix hit on; one
+            // computed elsewhere (remote prefill) also for the KV it loads.
+            let alloc_from = if holds_nothing { hit } else { start };
+            let st = SeqTokens {
+                seq_id: seq.seq_id,
+                token_ids: seq.state.token_ids(),
+                num_prompt_tokens: seq.state.num_prompt_tokens(),
+                num_computed_tokens: alloc_from,
+                hint,
+            };
+            let Some(slots) = self.allocator.allocate_slots(&st, start + delta - alloc_from, computed) else {
+                out.scheduled.truncate(mark);
+                return Attempt::NoRoom;
+            };
+            if hit > 0 {
+                seq.state.apply_prefix_hit(hit).expect("a hit never covers the last token");
+            }
+            let changed_from = slots.first_changed_block_idx.min(seq.num_synced_blocks);
+            if changed_from < slots.num_blocks {
+                let table = self.allocator.block_table(seq.seq_id).expect("allocated");
+                out.block_table_updates.push(BlockTableUpdate {
+                    seq_id: seq.seq_id,
+                    start: changed_from,
+                    block_ids: table[changed_from..].to_vec(),
+                });
+            }
+            seq.num_synced_blocks = slots.num_blocks;
+            out.scheduled.push(ScheduledSeq {
+                request_id: id,
+                seq_id: seq.seq_id,
+                num_scheduled_tokens: delta,
+                num_computed_tokens: start,
+                samples: delta == remaining,
+            });
+            budget -= delta;
+        }
+        if out.scheduled.len() == mark {
+            return Attempt::Idle;
+        }
+        for p in &out.scheduled[mark..] {
+            let seq = req.seqs.iter_mut().find(|s| s.seq_id == p.seq_id).expect("scheduled seq exists");
+            seq.num_in_flight_tokens += p.num_scheduled_tokens;
+            seq.num_in_flight_samples += p.samples as usize;
+        }
+        step.budget = budget;
+        req.scheduled_step = step.step_id;
+        Attempt::Scheduled
+    }
+
+    /// Gives back slots reserved by an attempt that did not schedule `id`.
+    pub(super) fn trim_to_scheduled(&mut self, id: RequestId) {
+        for s in self.requests[&id].running_seqs() {
+            self.allocator.trim(s.seq_id, s.num_scheduled_tokens());
+        }
+    }
+}

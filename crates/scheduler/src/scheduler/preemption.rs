@@ -1,0 +1,48 @@
+//! Preemption (paper §4.5): a whole sequence group loses its blocks, by
+//! swapping them to the host pool (all or nothing) or by recompute
+//! (`num_computed_tokens ← 0`).
+
+use super::policies::StepState;
+use super::Scheduler;
+use crate::request::RequestStatus;
+use crate::scheduler_output::SchedulerOutput;
+use vellum_core::{BlockAllocator, PreemptionMode, RequestId, SchedulingPolicy, SeqId};
+
+impl<A: BlockAllocator> Scheduler<A> {
+    /// Preempts a whole group: by swapping if configured and the host pool
+    /// has room, else by recompute.
+    pub(super) fn preempt(&mut self, id: RequestId, step: &mut StepState, out: &mut SchedulerOutput) {
+        self.trim_to_scheduled(id);
+        let req = self.requests.get_mut(&id).expect("preempted request is live");
+        let seq_ids: Vec<SeqId> = req.running_seqs().map(|s| s.seq_id).collect();
+        let swaps = match self.config.preemption_mode {
+            PreemptionMode::Swap => self.allocator.swap_out(&seq_ids),
+            PreemptionMode::Recompute => None,
+        };
+        let key = (if self.config.policy == SchedulingPolicy::Priority { req.priority } else { 0 }, req.arrival_order);
+        self.running.remove(&key);
+        step.num_running_seqs -= req.num_seq_slots();
+        step.preempted = true;
+        req.num_preemptions += 1;
+        self.num_preemptions += 1;
+        out.preempted_requests.push(id);
+        for s in &mut req.seqs {
+            s.num_synced_blocks = 0;
+        }
+        match swaps {
+            Some(swaps) => {
+                out.block_ops.swap_out.extend(swaps);
+                req.status = RequestStatus::Swapped;
+                self.swapped.insert(key, id);
+            }
+            None => {
+                for s in &mut req.seqs {
+                    self.allocator.free(s.seq_id);
+                    s.state.preempt();
+                }
+                req.status = RequestStatus::Waiting;
+                self.waiting.insert(key, id);
+            }
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! The engine's flags, declared once and flattened into every subcommand
+//! that builds an engine (`serve`, `generate`, `chat`, `bench throughput`,
+//! `bench latency`), named and defaulted like vLLM's.
+
+use anyhow::{anyhow, bail, Result};
+use clap::Args;
+use vellum_core::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy};
+use vellum_engine::{Device, EngineArgs};
+
+/// Engine options shared by every subcommand that loads a model.
+#[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "Engine options")]
+pub struct EngineFlags {
+    /// Where the model runs: cpu, wgpu (Vulkan/Metal/DX12; build with
+    /// `--features wgpu`) or cuda (`--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Longest prompt + output in tokens (default: the model's context).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Most sequences running in one engine step (default 256; bench
+    /// latency: its batch size).
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Token budget of one engine step (default 2048; bench latency: the
+    /// whole batch's prompts).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV cache size: bytes with a unit (`512MiB`, `4GiB`) or a fraction of
+    /// the memory the device has free once the weights are loaded (`0.5`);
+    /// the stand-in for vLLM's --gpu-memory-utilization.
+    #[arg(long, default_value = "0.5")]
+    pub kv_cache_memory: String,
+    /// Element type of the KV cache: auto (= float32), float32, float16, bfloat16.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
+    /// GiB of host memory for KV blocks swapped out by `--preemption-mode
+    /// swap` (vLLM's --swap-space; reserved only in swap mode).
+    #[arg(long, default_value_t = 4.0)]
+    pub swap_space: f64,
+    /// Reuse the KV blocks of shared prompt prefixes (on by default).
+    #[arg(long, default_value_t = true, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turn automatic prefix caching off.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+    /// fcfs, two-level (thesis §4.5.3) or priority (lower `priority` first).
+    #[arg(long, default_value = "fcfs")]
+    pub scheduling_policy: String,
+    /// recompute or swap.
+    #[arg(long, default_value = "recompute")]
+    pub preemption_mode: String,
+}
+
+/// What a subcommand would pick for the flags a user left out.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineDefaults {
+    /// `--max-num-seqs`.
+    pub max_num_seqs: usize,
+    /// `--max-num-batched-tokens`.
+    pub max_num_batched_tokens: usize,
+    /// `--max-model-len` (the model's context caps it).
+    pub max_model_len: usize,
+}
+
+impl Default for EngineDefaults {
+    fn default() -> Self {
+        Self { max_num_seqs: 256, max_num_batched_tokens: 2048, max_model_len: usize::MAX / 4 }
+    }
+}
+
+impl EngineFlags {
+    /// The engine arguments for `model`, with `defaults` for flags not given.
+    pub fn engine_args(&self, model: Option<String>, defaults: EngineDefaults) -> Result<EngineArgs> {
+        if self.block_size == 0 {
+            bail!("--block-size must be at least 1");
+        }
+        if !(self.swap_space >= 0.0 && self.swap_space.is_finite()) {
+            bail!("--swap-space must be a non-negative number of GiB");
+        }
+        let scheduler = SchedulerConfig {
+            max_num_seqs: self.max_num_seqs.unwrap_or(defaults.max_num_seqs),
+            max_num_batched_tokens: self.max_num_batched_tokens.unwrap_or(defaults.max_num_batched_tokens),
+            max_model_len: self.max_model_len.unwrap_or(defaults.max_model_len),
+            policy: parse_policy(&self.scheduling_policy)?,
+            preemption_mode: parse_preemption(&self.preemption_mode)?,
+            ..SchedulerConfig::default()
+        };
+        scheduler.validate().map_err(|e| anyhow!("{e}"))?;
+        let swap = scheduler.preemption_mode == PreemptionMode::Swap;
+        Ok(EngineArgs {
+            model,
+            device: self.device.parse::<Device>().map_err(|e| anyhow!("{e}"))?,
+            block_size: self.block_size,
+            kv_cache: parse_kv_cache_memory(&self.kv_cache_memory)?,
+            kv_cache_dtype: parse_kv_cache_dtype(&self.kv_cache_dtype)?,
+            enable_prefix_caching: !self.no_enable_prefix_caching,
+            swap_space_bytes: if swap { (self.swap_space * (1u64 << 30) as f64) as u64 } else { 0 },
+            scheduler,
+        })
+    }
+}
+
+/// Parses `--kv-cache-memory`: `4GiB`, `512MiB`, `1000000` (bytes) or a
+/// fraction of available memory such as `0.5`.
+pub fn parse_kv_cache_memory(s: &str) -> Result<KvCacheSize> {
+    let t = s.trim();
+    if let Ok(f) = t.parse::<f32>() {
+        if t.contains('.') || f <= 1.0 {
+            if !(f > 0.0 && f <= 1.0) {
+                bail!("--kv-cache-memory fraction must be in (0, 1], got {t}");
+            }
+            return Ok(KvCacheSize::FractionOfFree(f));
+        }
+    }
+    let (num, mult) = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("GB", 1_000_000_000), ("MB", 1_000_000), ("B", 1)]
+        .iter()
+        .find_map(|(suffix, m)| t.strip_suffix(suffix).map(|n| (n.trim(), *m)))
+        .unwrap_or((t, 1));
+    let n: f64 = num.parse().map_err(|_| anyhow!("--kv-cache-memory: cannot read {s:?} (use e.g. 4GiB, 512MiB or 0.5)"))?;
+    if n.is_nan() || n <= 0.0 {
+        bail!("--kv-cache-memory must be positive, got {s:?}");
+    }
+    Ok(KvCacheSize::MemoryBytes((n * mult as f64) as u64))
+}
+
+fn parse_kv_cache_dtype(s: &str) -> Result<KvCacheDtype> {
+    Ok(match s {
+        "auto" | "float32" | "fp32" => KvCacheDtype::F32,
+        "float16" | "fp16" | "half" => KvCacheDtype::F16,
+        "bfloat16" | "bf16" => KvCacheDtype::Bf16,
+        other => bail!("--kv-cache-dtype must be auto, float32, float16 or bfloat16, got {other:?}"),
+    })
+}
+
+fn parse_policy(s: &str) -> Result<SchedulingPolicy> {
+    Ok(match s {
+        "fcfs" => SchedulingPolicy::Fcfs,
+        "two-level" | "two_level" => SchedulingPolicy::TwoLevel { staging_queue_size: 8 },
+        "priority" => SchedulingPolicy::Priority,
+        other => bail!("--scheduling-policy must be fcfs, two-level or priority, got {other:?}"),
+    })
+}
+
+fn parse_preemption(s: &str) -> Result<PreemptionMode> {
+    Ok(match s {
+        "recompute" => PreemptionMode::Recompute,
+        "swap" => PreemptionMode::Swap,
+        other => bail!("--preemption-mode must be recompute or swap, got {other:?}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineFlags,
+    }
+
+    #[test]
+    fn flags_become_engine_args() {
+        let cli =
+            Cli::parse_from(["x", "--device", "cpu", "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching", "--max-num-seqs", "3"]);
+        let args = cli.engine.engine_args(None, EngineDefaults::default()).expect("valid flags");
+        assert_eq!(args.kv_cache, KvCacheSize::MemoryBytes(64 << 20));
+        assert!(!args.enable_prefix_caching);
+        assert_eq!(args.scheduler.max_num_seqs, 3);
+        assert_eq!(args.scheduler.max_num_batched_tokens, 2048);
+        let bad = Cli::parse_from(["x", "--device", "tpu"]).engine.engine_args(None, EngineDefaults::default());
+        assert!(bad.is_err_and(|e| e.to_string().contains("unknown device")));
+    }
+
+    #[test]
+    fn policies_parse() {
+        assert_eq!(parse_policy("priority").ok(), Some(SchedulingPolicy::Priority));
+        assert!(parse_policy("lifo").is_err());
+        assert_eq!(parse_preemption("swap").ok(), Some(PreemptionMode::Swap));
+        assert!(parse_preemption("x").is_err());
+    }
+
+    #[test]
+    fn kv_cache_memory_parses_units_and_fractions() {
+        assert_eq!(parse_kv_cache_memory("0.5").ok(), Some(KvCacheSize::FractionOfFree(0.5)));
+        assert_eq!(parse_kv_cache_memory("2GiB").ok(), Some(KvCacheSize::MemoryBytes(2 << 30)));
+        assert!(parse_kv_cache_memory("1.5").is_err());
+        assert!(parse_kv_cache_memory("lots").is_err());
+    }
+}

@@ -1,0 +1,35 @@
+// The paper's fused reshape-and-block-write (§5.1): the new tokens' K and V
+// ([tokens, kv_heads · head_dim]) go to their slots of the layer's pools
+// [num_blocks, block_size, kv_heads, head_dim] through the slot mapping
+// (slot = block · block_size + offset). One invocation per pool word; the
+// KV element format (kv_*.wgsl) is included before this file.
+
+struct Params {
+    tokens: u32,
+    row: u32,      // elements per token: kv_heads · head_dim (even)
+    slots: u32,    // offset of the slot mapping in `step`
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<storage, read> k: array<f32>;
+@group(0) @binding(1) var<storage, read> v: array<f32>;
+@group(0) @binding(2) var<storage, read_write> k_pool: array<KvWord>;
+@group(0) @binding(3) var<storage, read_write> v_pool: array<KvWord>;
+@group(0) @binding(4) var<storage, read> step: array<u32>;
+@group(0) @binding(5) var<uniform> p: Params;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = gid.x + gid.y * nwg.x * 64u;
+    let words = p.row / KV_PER_WORD;
+    if (i >= p.tokens * words) {
+        return;
+    }
+    let t = i / words;
+    let j = i % words;
+    let src = t * p.row + j * KV_PER_WORD;
+    let dst = step[p.slots + t] * words + j;
+    let last = src + KV_PER_WORD - 1u;
+    k_pool[dst] = kv_pack(k[src], k[last]);
+    v_pool[dst] = kv_pack(v[src], v[last]);
+}

@@ -1,0 +1,226 @@
+//! Tidiness as a test (rust-analyzer's idea): rules a reviewer would
+//! otherwise have to remember, checked on every run over the whole
+//! workspace's sources.
+//!
+//! - every `unsafe` block and `unsafe impl` has a `// SAFETY:` comment
+//!   right above it (or on its line), and every `unsafe fn` a `# Safety`
+//!   section in its doc comment;
+//! - every library crate denies `missing_docs`, so a public item without
+//!   docs does not compile;
+//! - every dependency a crate declares is used by its code;
+//! - the engine keeps its own view of sequences: nothing in
+//!   `crates/engine/src` reads the scheduler's request objects.
+//!
+//! `cargo fmt --check` and `cargo clippy --all-targets -- -D warnings` run
+//! beside this test in `.ci/run`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The workspace's packages: the root facade and every `crates/*`.
+fn packages() -> Vec<PathBuf> {
+    let mut dirs = vec![root()];
+    let mut crates: Vec<PathBuf> = fs::read_dir(root().join("crates"))
+        .expect("crates/")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("Cargo.toml").is_file())
+        .collect();
+    crates.sort();
+    dirs.extend(crates);
+    dirs
+}
+
+/// `.rs` files under `dir`, recursively (not into `target`).
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if p.file_name().is_some_and(|n| n != "target" && n != "crates") {
+                rust_files(&p, out);
+            }
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// A package's sources in the given subfolders, plus the files they pull in
+/// with `#[path = "..."]`.
+fn sources(pkg: &Path, dirs: &[&str]) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for d in dirs {
+        rust_files(&pkg.join(d), &mut out);
+    }
+    let mut included = Vec::new();
+    for f in &out {
+        for line in fs::read_to_string(f).unwrap_or_default().lines() {
+            if let Some(rest) = line.trim().strip_prefix("#[path = \"") {
+                if let (Some(rel), Some(dir)) = (rest.split('"').next(), f.parent()) {
+                    included.push(dir.join(rel));
+                }
+            }
+        }
+    }
+    out.extend(included);
+    out
+}
+
+/// The code part of a line: string literals blanked, a trailing `//`
+/// comment dropped.
+fn code(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars().peekable();
+    let mut in_str = false;
+    while let Some(c) = chars.next() {
+        match (in_str, c) {
+            (false, '/') if chars.peek() == Some(&'/') => break,
+            (false, '"') => in_str = true,
+            (true, '\\') => {
+                chars.next();
+            }
+            (true, '"') => in_str = false,
+            (true, _) => {}
+            (false, c) => out.push(c),
+        }
+    }
+    out
+}
+
+/// The comment and attribute lines directly above line `i`.
+fn preamble(lines: &[&str], i: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut j = i;
+    while j > 0 {
+        j -= 1;
+        let t = lines[j].trim();
+        if t.starts_with("//") || t.starts_with("#[") || t.starts_with("#![") {
+            out.push(t.to_string());
+        } else {
+            break;
+        }
+    }
+    out
+}
+
+#[test]
+fn every_unsafe_says_why_it_is_sound() {
+    let mut missing = Vec::new();
+    for pkg in packages() {
+        for file in sources(&pkg, &["src", "tests", "benches", "examples"]) {
+            let text = fs::read_to_string(&file).expect("readable source");
+            let lines: Vec<&str> = text.lines().collect();
+            for (i, line) in lines.iter().enumerate() {
+                let c = code(line);
+                let here = || format!("{}:{}: {}", file.strip_prefix(root()).unwrap_or(&file).display(), i + 1, line.trim());
+                if c.contains("unsafe fn ") {
+                    if !preamble(&lines, i).iter().any(|l| l.contains("# Safety")) {
+                        missing.push(format!("{} (an `unsafe fn` needs a `# Safety` doc section)", here()));
+                    }
+                } else if c.contains("unsafe {") || c.contains("unsafe impl") {
+                    let commented = line.contains("SAFETY") || preamble(&lines, i).iter().any(|l| l.contains("SAFETY"));
+                    // A block opening inside a statement whose first line carries the comment.
+                    let stmt_above =
+                        i > 0 && preamble(&lines, i - 1).iter().any(|l| l.contains("SAFETY")) && !lines[i - 1].trim().ends_with(';');
+                    if !commented && !stmt_above {
+                        missing.push(format!("{} (needs a `// SAFETY:` comment)", here()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(missing.is_empty(), "unsafe code without its justification:\n  {}", missing.join("\n  "));
+}
+
+#[test]
+fn every_library_denies_missing_docs() {
+    let mut missing = Vec::new();
+    for pkg in packages() {
+        let lib = pkg.join("src/lib.rs");
+        if lib.is_file() && !fs::read_to_string(&lib).expect("lib.rs").contains("#![deny(missing_docs)]") {
+            missing.push(lib.strip_prefix(root()).unwrap_or(&lib).display().to_string());
+        }
+    }
+    assert!(missing.is_empty(), "libraries without #![deny(missing_docs)]: {missing:?}");
+}
+
+/// Dependency names of one `[section]` of a manifest.
+fn declared(manifest: &str, section: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut inside = false;
+    for line in manifest.lines() {
+        let t = line.trim();
+        if t.starts_with('[') {
+            inside = t == format!("[{section}]");
+            continue;
+        }
+        if inside && !t.is_empty() && !t.starts_with('#') {
+            if let Some(name) = t.split(['=', '.', ' ']).next().filter(|n| !n.is_empty()) {
+                out.push(name.trim().to_string());
+            }
+        }
+    }
+    out
+}
+
+fn uses(files: &[PathBuf], krate: &str) -> bool {
+    let ident = krate.replace('-', "_");
+    files.iter().any(|f| {
+        let text = fs::read_to_string(f).unwrap_or_default();
+        text.match_indices(&ident).any(|(i, _)| {
+            let before = text[..i].chars().next_back().is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
+            let after = &text[i + ident.len()..];
+            before
+                && (after.starts_with("::")
+                    || after.starts_with(" as ")
+                    || after.starts_with(';')
+                    || after.starts_with(',')
+                    || after.starts_with('}'))
+        })
+    })
+}
+
+#[test]
+fn every_dependency_is_used() {
+    let mut unused = Vec::new();
+    for pkg in packages() {
+        let manifest = fs::read_to_string(pkg.join("Cargo.toml")).expect("Cargo.toml");
+        let name = pkg.strip_prefix(root()).map(|p| p.display().to_string()).unwrap_or_default();
+        let lib_files = sources(&pkg, &["src"]);
+        let all_files = sources(&pkg, &["src", "tests", "benches", "examples"]);
+        for dep in declared(&manifest, "dependencies") {
+            if !uses(&lib_files, &dep) {
+                unused.push(format!("{name}: {dep}"));
+            }
+        }
+        for dep in declared(&manifest, "dev-dependencies") {
+            if !uses(&all_files, &dep) {
+                unused.push(format!("{name} (dev): {dep}"));
+            }
+        }
+    }
+    assert!(unused.is_empty(), "declared but unused dependencies:\n  {}", unused.join("\n  "));
+}
+
+#[test]
+fn the_engine_never_reads_scheduler_requests() {
+    let mut reads = Vec::new();
+    for file in sources(&root().join("crates/engine"), &["src"]) {
+        let text = fs::read_to_string(&file).expect("readable source");
+        for (i, line) in text.lines().enumerate() {
+            let c = code(line);
+            if ["scheduler.request(", "take_finished_requests(", "scheduler().request("].iter().any(|p| c.contains(p)) {
+                reads.push(format!("{}:{}: {}", file.strip_prefix(root()).unwrap_or(&file).display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        reads.is_empty(),
+        "the engine reads scheduler request objects (keep a view from StepUpdate instead):\n  {}",
+        reads.join("\n  ")
+    );
+}
