@@ -43,7 +43,10 @@ mod tokenizer;
 mod weight_source;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use default_model::{cache_dir, default_model_path, fetch_default_model, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256};
+pub use default_model::{
+    cache_dir, default_model_path, fetch_default_model, known_model, KnownModel, DEFAULT_MODEL, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256,
+    KNOWN_MODELS,
+};
 pub use error::{Error, Result};
 pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights};
 pub use llama::LlamaModel;

@@ -1,6 +1,6 @@
 //! Turning a user's model specification into files on disk.
 
-use crate::default_model::fetch_default_model;
+use crate::default_model::{fetch_default_model, known_model, KNOWN_MODELS};
 use crate::{ChatTemplate, Error, GgufWeights, Result, SafetensorsWeights, Tokenizer, WeightSource};
 use std::path::{Path, PathBuf};
 use vellum_core::ModelConfig;
@@ -68,6 +68,8 @@ impl ModelSource {
 /// Finds a model. `spec` may be:
 ///
 /// - `None`: the default model, fetched into the cache if needed;
+/// - a short name such as `gemma3-270m` ([`KNOWN_MODELS`]), fetched likewise
+///   (a file or directory of that name wins);
 /// - a path to a `.gguf` file;
 /// - a Hugging Face directory (one holding `config.json`);
 /// - a Hugging Face repo id `org/name`, looked up in the local hub cache
@@ -89,8 +91,12 @@ pub fn resolve_model(spec: Option<&str>) -> Result<ModelSource> {
             return Ok(ModelSource::HfDir(path.to_path_buf()));
         }
         tried.push(format!("{spec}: a directory without config.json"));
+    } else if let Some(model) = known_model(spec) {
+        return model.fetch().map(ModelSource::Gguf);
     } else {
         tried.push(format!("{spec}: no such file or directory"));
+        let names: Vec<&str> = KNOWN_MODELS.iter().map(|m| m.name).collect();
+        tried.push(format!("{spec}: not a known model name ({})", names.join(", ")));
     }
     if let Some((org, name)) = repo_id(spec) {
         match hub_cache_dir() {

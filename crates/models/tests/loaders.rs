@@ -76,7 +76,7 @@ fn golden_prompts_tokenize_exactly_and_round_trip() {
 fn hf_tokenizer_json_matches_gguf_tokenizer() {
     let from_gguf = Tokenizer::from_gguf(real_model().gguf()).unwrap();
     let dir = scratch_dir("tokenizer-json");
-    std::fs::write(dir.join("tokenizer.json"), from_gguf.inner().to_string(false).unwrap()).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), from_gguf.hf_tokenizer().unwrap().to_string(false).unwrap()).unwrap();
     std::fs::write(dir.join("config.json"), r#"{"bos_token_id": 1, "eos_token_id": 2}"#).unwrap();
     let from_json = Tokenizer::from_hf_dir(&dir).unwrap();
     for case in golden() {

@@ -1,13 +1,18 @@
 //! Text ↔ token ids, built from a Hugging Face `tokenizer.json` or from a
-//! GGUF file's vocabulary and merges.
+//! GGUF file's vocabulary.
 //!
-//! GGUF (`tokenizer.ggml.model = gpt2`) becomes a byte-level BPE: the token
-//! list is the vocabulary, `tokenizer.ggml.merges` the merges, tokens of
-//! type 3 (control) and 4 (user-defined) are special tokens matched whole
-//! before BPE, and the pre-tokenizer follows `tokenizer.ggml.pre`.
+//! GGUF `tokenizer.ggml.model = gpt2` becomes a byte-level BPE (the
+//! `tokenizers` crate): the token list is the vocabulary,
+//! `tokenizer.ggml.merges` the merges, tokens of type 3 (control) and 4
+//! (user-defined) are special tokens matched whole before BPE, and the
+//! pre-tokenizer follows `tokenizer.ggml.pre`. GGUF `tokenizer.ggml.model =
+//! llama` is SentencePiece with scores and byte fallback ([`spm`]).
+
+mod spm;
 
 use crate::gguf::{GgufFile, MetadataValue};
 use crate::{Error, Result};
+use spm::{SpmTokenizer, TokenType};
 use std::path::Path;
 use tokenizers::decoders::byte_level::ByteLevel;
 use tokenizers::models::bpe::{Vocab, BPE};
@@ -28,12 +33,15 @@ const QWEN2_PATTERN: &str =
 
 /// A tokenizer with the model's special token ids.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    model: Model,
     bos_token_id: Option<u32>,
     eos_token_ids: Vec<u32>,
     /// Prepend BOS when special tokens are requested. Only GGUF tokenizers
     /// set this; a `tokenizer.json` adds BOS through its post-processor.
     prepend_bos: bool,
+    /// Append EOS when special tokens are requested (GGUF
+    /// `tokenizer.ggml.add_eos_token`).
+    append_eos: bool,
     /// Where the tokenizer came from, for error messages.
     source: String,
 }
@@ -42,11 +50,26 @@ impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tokenizer")
             .field("source", &self.source)
+            .field(
+                "model",
+                &match self.model {
+                    Model::Hf(_) => "tokenizers",
+                    Model::Spm(_) => "sentencepiece",
+                },
+            )
             .field("vocab_size", &self.vocab_size())
             .field("bos_token_id", &self.bos_token_id)
             .field("eos_token_ids", &self.eos_token_ids)
             .finish()
     }
+}
+
+/// The algorithm behind a [`Tokenizer`].
+enum Model {
+    /// Hugging Face `tokenizers` (tokenizer.json, GGUF byte-level BPE).
+    Hf(Box<tokenizers::Tokenizer>),
+    /// GGUF SentencePiece (`tokenizer.ggml.model = llama`).
+    Spm(Box<SpmTokenizer>),
 }
 
 impl Tokenizer {
@@ -55,21 +78,6 @@ impl Tokenizer {
         let path = file.path();
         let unsupported = |what: String| Error::UnsupportedTokenizer { path: path.to_path_buf(), what };
         let model = file.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(unsupported(format!("model `tokenizer.ggml.model = {model}` (only gpt2 byte-level BPE is supported)")));
-        }
-        let tokens = string_array(file, "tokenizer.ggml.tokens")?;
-        let merges = string_array(file, "tokenizer.ggml.merges")?
-            .into_iter()
-            .enumerate()
-            .map(|(i, m)| {
-                m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| Error::BadMetadata {
-                    path: path.to_path_buf(),
-                    key: "tokenizer.ggml.merges".into(),
-                    what: format!("merge #{i} {m:?} has no space"),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
         let token_types: Vec<i64> = match file.get("tokenizer.ggml.token_type") {
             None => Vec::new(),
             Some(v) => {
@@ -80,20 +88,18 @@ impl Tokenizer {
                     .collect::<Result<_>>()?
             }
         };
-        let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+        let tokens = string_array(file, "tokenizer.ggml.tokens")?;
+        let flag = |key: &str| file.get(key).and_then(MetadataValue::as_bool);
         let context = path.display().to_string();
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| tokenizer_error(&context, e))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = file.get("tokenizer.ggml.pre").and_then(MetadataValue::as_str).unwrap_or("default");
-        inner.with_pre_tokenizer(Some(pre_tokenizer(pre).map_err(unsupported)?));
-        inner.with_decoder(Some(ByteLevel::default()));
-        let special: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&token_types)
-            .filter(|(_, ty)| SPECIAL_TOKEN_TYPES.contains(ty))
-            .map(|(t, _)| AddedToken::from(t.to_string(), true).normalized(false))
-            .collect();
-        inner.add_special_tokens(special).map_err(|e| tokenizer_error(&context, e))?;
+        let (model, default_add_bos) = match model {
+            "gpt2" => (Model::Hf(Box::new(byte_level_bpe(file, &tokens, &token_types, &context)?)), false),
+            "llama" => (Model::Spm(Box::new(sentencepiece(file, tokens, &token_types)?)), true),
+            other => {
+                return Err(unsupported(format!(
+                    "model `tokenizer.ggml.model = {other}` (supported: gpt2 byte-level BPE, llama SentencePiece)"
+                )))
+            }
+        };
 
         let token_id = |key: &str| -> Result<Option<u32>> {
             match file.get(key) {
@@ -112,10 +118,21 @@ impl Tokenizer {
                 }
             }
         }
-        // Absent means no BOS: the files that want one say so.
-        let prepend_bos =
-            file.get("tokenizer.ggml.add_bos_token").and_then(MetadataValue::as_bool).unwrap_or(false) && bos_token_id.is_some();
-        Ok(Self { inner, bos_token_id, eos_token_ids, prepend_bos, source: context })
+        // Gemma's chat turns end with `<end_of_turn>`, which its files do
+        // not name as EOT: llama.cpp stops there too.
+        if let Model::Spm(spm) = &model {
+            for piece in ["<end_of_turn>", "<|eot_id|>", "<|im_end|>"] {
+                if let Some(id) = spm.id(piece).filter(|&id| spm.is_control(id)) {
+                    if !eos_token_ids.contains(&id) {
+                        eos_token_ids.push(id);
+                    }
+                }
+            }
+        }
+        // Absent means llama.cpp's default: BOS for SentencePiece, none for BPE.
+        let prepend_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(default_add_bos) && bos_token_id.is_some();
+        let append_eos = flag("tokenizer.ggml.add_eos_token").unwrap_or(false) && !eos_token_ids.is_empty();
+        Ok(Self { model, bos_token_id, eos_token_ids, prepend_bos, append_eos, source: context })
     }
 
     /// Loads `tokenizer.json` from a Hugging Face directory; BOS/EOS ids come
@@ -142,41 +159,61 @@ impl Tokenizer {
                 }
             }
         }
-        Ok(Self { inner, bos_token_id, eos_token_ids, prepend_bos: false, source: context })
+        Ok(Self { model: Model::Hf(Box::new(inner)), bos_token_id, eos_token_ids, prepend_bos: false, append_eos: false, source: context })
     }
 
-    /// Token ids of `text`. With `add_special_tokens`, BOS is prepended when
-    /// the model asks for it. Control tokens written in the text (such as
-    /// `<|im_start|>`) are always matched whole.
+    /// Token ids of `text`. With `add_special_tokens`, BOS (and EOS) are
+    /// added when the model asks for them. Control tokens written in the text
+    /// (such as `<|im_start|>`) are always matched whole.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self.inner.encode(text, add_special_tokens).map_err(|e| tokenizer_error(&self.source, e))?;
-        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        let mut ids = Vec::new();
         if add_special_tokens && self.prepend_bos {
             ids.extend(self.bos_token_id);
         }
-        ids.extend_from_slice(encoding.get_ids());
+        match &self.model {
+            Model::Hf(inner) => {
+                let encoding = inner.encode(text, add_special_tokens).map_err(|e| tokenizer_error(&self.source, e))?;
+                ids.extend_from_slice(encoding.get_ids());
+            }
+            Model::Spm(spm) => ids.extend(spm.encode(text, true)),
+        }
+        if add_special_tokens && self.append_eos {
+            ids.extend(self.eos_token_ids.first());
+        }
         Ok(ids)
     }
 
     /// The text of `ids`; special tokens are dropped with `skip_special_tokens`.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| tokenizer_error(&self.source, e))
+        match &self.model {
+            Model::Hf(inner) => inner.decode(ids, skip_special_tokens).map_err(|e| tokenizer_error(&self.source, e)),
+            Model::Spm(spm) => Ok(spm.decode(ids, skip_special_tokens)),
+        }
     }
 
     /// The vocabulary entry of `id` as stored (byte-level BPE pieces use
-    /// `Ġ` for a space), or `None` for an unknown id.
+    /// `Ġ` for a space, SentencePiece `▁`), or `None` for an unknown id.
     pub fn token_to_piece(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+        match &self.model {
+            Model::Hf(inner) => inner.id_to_token(id),
+            Model::Spm(spm) => spm.piece(id).map(str::to_string),
+        }
     }
 
     /// The id of a vocabulary entry, e.g. `<|im_end|>`.
     pub fn token_to_id(&self, piece: &str) -> Option<u32> {
-        self.inner.token_to_id(piece)
+        match &self.model {
+            Model::Hf(inner) => inner.token_to_id(piece),
+            Model::Spm(spm) => spm.id(piece),
+        }
     }
 
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.model {
+            Model::Hf(inner) => inner.get_vocab_size(true),
+            Model::Spm(spm) => spm.vocab_size(),
+        }
     }
 
     /// Beginning-of-sequence token, if the model has one.
@@ -189,10 +226,69 @@ impl Tokenizer {
         &self.eos_token_ids
     }
 
-    /// The underlying `tokenizers` tokenizer, e.g. for streaming decode.
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
+    /// The Hugging Face `tokenizers` tokenizer behind this one, when there is
+    /// one (tokenizer.json and GGUF byte-level BPE; not SentencePiece GGUF).
+    pub fn hf_tokenizer(&self) -> Option<&tokenizers::Tokenizer> {
+        match &self.model {
+            Model::Hf(inner) => Some(inner),
+            Model::Spm(_) => None,
+        }
     }
+}
+
+/// The SentencePiece tokenizer of a `tokenizer.ggml.model = llama` file.
+fn sentencepiece(file: &GgufFile, tokens: Vec<&str>, token_types: &[i64]) -> Result<SpmTokenizer> {
+    let key = "tokenizer.ggml.scores";
+    let scores: Vec<f32> = file
+        .get_array(key)?
+        .iter()
+        .map(|v| v.as_f64().map(|s| s as f32).ok_or_else(|| file.bad_type(key, "numbers", v)))
+        .collect::<Result<_>>()?;
+    let bad_len = |key: &str, n: usize| Error::BadMetadata {
+        path: file.path().to_path_buf(),
+        key: key.into(),
+        what: format!("{n} entries for {} tokens", tokens.len()),
+    };
+    if scores.len() != tokens.len() {
+        return Err(bad_len(key, scores.len()));
+    }
+    if token_types.len() != tokens.len() {
+        return Err(bad_len("tokenizer.ggml.token_type", token_types.len()));
+    }
+    let types = token_types.iter().map(|&t| TokenType::from_gguf(t)).collect();
+    let add_space_prefix = file.get("tokenizer.ggml.add_space_prefix").and_then(MetadataValue::as_bool).unwrap_or(true);
+    Ok(SpmTokenizer::new(tokens.into_iter().map(str::to_string).collect(), scores, types, add_space_prefix))
+}
+
+/// The byte-level BPE of a `tokenizer.ggml.model = gpt2` file.
+fn byte_level_bpe(file: &GgufFile, tokens: &[&str], token_types: &[i64], context: &str) -> Result<tokenizers::Tokenizer> {
+    let path = file.path();
+    let unsupported = |what: String| Error::UnsupportedTokenizer { path: path.to_path_buf(), what };
+    let merges = string_array(file, "tokenizer.ggml.merges")?
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| Error::BadMetadata {
+                path: path.to_path_buf(),
+                key: "tokenizer.ggml.merges".into(),
+                what: format!("merge #{i} {m:?} has no space"),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| tokenizer_error(context, e))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let pre = file.get("tokenizer.ggml.pre").and_then(MetadataValue::as_str).unwrap_or("default");
+    inner.with_pre_tokenizer(Some(pre_tokenizer(pre).map_err(unsupported)?));
+    inner.with_decoder(Some(ByteLevel::default()));
+    let special: Vec<AddedToken> = tokens
+        .iter()
+        .zip(token_types)
+        .filter(|(_, ty)| SPECIAL_TOKEN_TYPES.contains(ty))
+        .map(|(t, _)| AddedToken::from(t.to_string(), true).normalized(false))
+        .collect();
+    inner.add_special_tokens(special).map_err(|e| tokenizer_error(context, e))?;
+    Ok(inner)
 }
 
 /// The pre-tokenizer for a `tokenizer.ggml.pre` value.
