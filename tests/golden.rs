@@ -1,13 +1,15 @@
-//! Golden test on the real default model: greedy tokens and top-5 logprobs of
-//! SmolLM2-135M-Instruct (Q4_1 GGUF) against an independent float64
-//! reference (`../shared/golden/`), all nine prompts batched together through
-//! the paged engine path.
+//! Golden tests on real models: greedy tokens and top-5 logprobs of
+//! SmolLM2-135M-Instruct (Q4_1 GGUF, the default model) and Gemma 3 270M
+//! (Q4_K_M GGUF: K-quants, SentencePiece, sliding window) against independent
+//! float64 references (`../shared/golden/`), every prompt of a file batched
+//! together through the paged engine path.
 //!
 //! Rule (vLLM's model tests, as the golden README states): walk the
 //! positions; where both pick the same token its logprob must be within
-//! 0.02 nats of the reference; at the first position where the tokens
-//! differ, each side's token must be in the other's top-5, and the
-//! comparison of that prompt stops there.
+//! 0.02 nats of the reference (0.03 on Gemma's 828-token prompt, where the
+//! README measured float32 accumulation at up to 0.025); at the first
+//! position where the tokens differ, each side's token must be in the
+//! other's top-5, and the comparison of that prompt stops there.
 
 use serde::Deserialize;
 use vellum::core::{BlockAllocator, SamplingParams, SchedulerConfig};
@@ -23,22 +25,59 @@ struct Golden {
 
 const TOLERANCE: f64 = 0.02;
 
-fn golden() -> Vec<Golden> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/golden/smollm2-135m-instruct-q4_1.json");
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
+/// A model and its golden file.
+struct Model {
+    /// `--model` (None: the default model).
+    spec: Option<&'static str>,
+    golden: &'static str,
+    /// Tolerance per prompt index, where it differs from [`TOLERANCE`].
+    tolerance: fn(usize) -> f64,
+    /// Tokens that must agree per prompt index (reference margins in the
+    /// golden README).
+    needed: fn(usize, usize) -> usize,
+}
+
+const SMOLLM2: Model = Model {
+    spec: None,
+    golden: "smollm2-135m-instruct-q4_1.json",
+    tolerance: |_| TOLERANCE,
+    needed: |i, n| if i == 2 { 5 } else { 8.min(n) },
+};
+
+const GEMMA3: Model = Model {
+    spec: Some("gemma3-270m"),
+    golden: "gemma3-270m-q4_k_m.json",
+    tolerance: |i| if i == 4 { 0.03 } else { TOLERANCE },
+    needed: |_, n| 8.min(n),
+};
+
+fn load_golden(file: &str) -> Vec<Golden> {
+    let path = format!("{}/../shared/golden/{file}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
     serde_json::from_str(&text).expect("golden file parses")
+}
+
+fn golden() -> Vec<Golden> {
+    load_golden(SMOLLM2.golden)
 }
 
 #[test]
 fn smollm2_matches_the_float64_reference() {
-    matches_the_float64_reference(Device::Cpu);
+    matches_the_float64_reference(&SMOLLM2, Device::Cpu);
 }
 
 /// The same golden prompts, batched, through the WGSL backend (lavapipe in CI).
 #[cfg(feature = "wgpu")]
 #[test]
 fn smollm2_matches_the_float64_reference_on_wgpu() {
-    matches_the_float64_reference(Device::Wgpu);
+    matches_the_float64_reference(&SMOLLM2, Device::Wgpu);
+}
+
+/// Gemma 3 270M: Q5_0/Q8_0/Q4_K/Q6_K weights, 15 sliding-window layers of 18,
+/// an 828-token prompt that crosses the 512-token window.
+#[test]
+fn gemma3_matches_the_float64_reference() {
+    matches_the_float64_reference(&GEMMA3, Device::Cpu);
 }
 
 #[cfg(not(feature = "wgpu"))]
@@ -47,15 +86,16 @@ fn wgpu_golden_and_equivalence_tests_skipped_build_has_no_wgpu_feature() {
     eprintln!("skipped: build with `--features wgpu` to run the golden and equivalence tests on the WGSL backend");
 }
 
-fn matches_the_float64_reference(device: Device) {
-    let cases = golden();
+fn matches_the_float64_reference(model: &Model, device: Device) {
+    let cases = load_golden(model.golden);
     let args = EngineArgs {
+        model: model.spec.map(str::to_string),
         device,
         kv_cache: vellum::core::KvCacheSize::NumBlocks(256),
         scheduler: SchedulerConfig { max_num_batched_tokens: 512, max_model_len: 2048, ..SchedulerConfig::default() },
         ..EngineArgs::default()
     };
-    let mut llm = Llm::new(args).expect("the default model loads");
+    let mut llm = Llm::new(args).expect("the model loads");
     for c in &cases {
         let ids = llm.tokenizer().encode(&c.prompt, true).expect("tokenizes");
         assert_eq!(ids, c.prompt_ids, "tokenization of {:?}", c.prompt);
@@ -75,7 +115,8 @@ fn matches_the_float64_reference(device: Device) {
                 let ours_lp = our_top.iter().find(|x| x.0 == t).expect("chosen token is in our top-5").1 as f64;
                 let diff = (ours_lp - ref_top[0].1).abs();
                 worst = worst.max(diff);
-                assert!(diff <= TOLERANCE, "prompt {i} step {j}: logprob {ours_lp} vs reference {} (|Δ| {diff})", ref_top[0].1);
+                let tolerance = (model.tolerance)(i);
+                assert!(diff <= tolerance, "prompt {i} step {j}: logprob {ours_lp} vs reference {} (|Δ| {diff})", ref_top[0].1);
                 agreed += 1;
             } else {
                 assert!(ref_top.iter().any(|x| x.0 == t), "prompt {i} step {j}: our token {t} not in the reference top-5 {ref_top:?}");
@@ -83,7 +124,7 @@ fn matches_the_float64_reference(device: Device) {
                 break;
             }
         }
-        let needed = if i == 2 { 5 } else { 8.min(c.greedy_ids.len()) };
+        let needed = (model.needed)(i, c.greedy_ids.len());
         assert!(
             agreed >= needed,
             "prompt {i}: only {agreed} tokens agree (need {needed}): ours {:?} reference {:?}",

@@ -190,15 +190,16 @@ impl Ops for CpuOps {
     }
 
     fn silu_mul(&self, gate: &HostTensor, up: &HostTensor) -> OpResult<HostTensor> {
-        check((gate.rows, gate.cols) == (up.rows, up.cols), || "silu_mul: shapes differ".into())?;
-        let silu = |(g, u): (&f32, &f32)| g / (1.0 + (-g).exp()) * u;
-        let data = if gate.data.len() >= PAR_ELEMENTS {
-            use rayon::prelude::*;
-            gate.data.par_iter().zip(&up.data).map(silu).collect()
-        } else {
-            gate.data.iter().zip(&up.data).map(silu).collect()
-        };
-        Ok(HostTensor { rows: gate.rows, cols: gate.cols, data })
+        gated(gate, up, "silu_mul", |g| g / (1.0 + (-g).exp()))
+    }
+
+    fn gelu_tanh_mul(&self, gate: &HostTensor, up: &HostTensor) -> OpResult<HostTensor> {
+        gated(gate, up, "gelu_tanh_mul", gelu_tanh)
+    }
+
+    fn scale(&self, x: &mut HostTensor, factor: f32) -> OpResult<()> {
+        x.data.iter_mut().for_each(|v| *v *= factor);
+        Ok(())
     }
 
     fn add_assign(&self, x: &mut HostTensor, y: &HostTensor) -> OpResult<()> {
@@ -285,6 +286,25 @@ impl AttentionBackend for CpuOps {
         cache.swap_blocks(swaps, to_host);
         Ok(())
     }
+}
+
+/// `act(gate) · up`, element-wise, in parallel for large tensors.
+fn gated(gate: &HostTensor, up: &HostTensor, what: &str, act: impl Fn(f32) -> f32 + Sync) -> OpResult<HostTensor> {
+    check((gate.rows, gate.cols) == (up.rows, up.cols), || format!("{what}: shapes differ"))?;
+    let f = |(g, u): (&f32, &f32)| act(*g) * u;
+    let data = if gate.data.len() >= PAR_ELEMENTS {
+        use rayon::prelude::*;
+        gate.data.par_iter().zip(&up.data).map(f).collect()
+    } else {
+        gate.data.iter().zip(&up.data).map(f).collect()
+    };
+    Ok(HostTensor { rows: gate.rows, cols: gate.cols, data })
+}
+
+/// GELU, tanh approximation: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
 }
 
 #[cfg(test)]

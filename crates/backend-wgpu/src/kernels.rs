@@ -58,6 +58,10 @@ pub enum Kernel {
     Rope,
     /// `silu(gate) · up`.
     SiluMul,
+    /// `gelu_tanh(gate) · up`.
+    GeluTanhMul,
+    /// `x *= factor`.
+    Scale,
     /// `x += y`.
     Add,
     /// The logits rows.
@@ -79,6 +83,8 @@ impl Kernel {
             Kernel::RmsNorm => "rms_norm",
             Kernel::Rope => "rope",
             Kernel::SiluMul => "silu_mul",
+            Kernel::GeluTanhMul => "gelu_tanh_mul",
+            Kernel::Scale => "scale",
             Kernel::Add => "add",
             Kernel::GatherRows => "gather_rows",
             Kernel::WriteKv(_) => "write_kv",
@@ -103,6 +109,8 @@ impl Kernel {
             Kernel::RmsNorm => include_str!("../../../kernels/wgsl/rms_norm.wgsl").to_string(),
             Kernel::Rope => include_str!("../../../kernels/wgsl/rope.wgsl").to_string(),
             Kernel::SiluMul => include_str!("../../../kernels/wgsl/silu_mul.wgsl").to_string(),
+            Kernel::GeluTanhMul => include_str!("../../../kernels/wgsl/gelu_tanh_mul.wgsl").to_string(),
+            Kernel::Scale => include_str!("../../../kernels/wgsl/scale.wgsl").to_string(),
             Kernel::Add => include_str!("../../../kernels/wgsl/add.wgsl").to_string(),
             Kernel::GatherRows => include_str!("../../../kernels/wgsl/gather_rows.wgsl").to_string(),
             Kernel::WriteKv(dtype) => format!("{}\n{}", kv_snippet(dtype), include_str!("../../../kernels/wgsl/write_kv.wgsl")),

@@ -408,6 +408,21 @@ impl Ops for WgpuOps {
         Ok(out)
     }
 
+    fn gelu_tanh_mul(&self, gate: &GpuTensor, up: &GpuTensor) -> OpResult<GpuTensor> {
+        check((gate.rows, gate.cols) == (up.rows, up.cols), || "gelu_tanh_mul: shapes differ".into())?;
+        self.bindable(gate, "gelu_tanh_mul")?;
+        let out = self.tensor(gate.rows, gate.cols)?;
+        self.elementwise(Kernel::GeluTanhMul, vec![gate.bound(), up.bound(), out.bound()], gate.rows * gate.cols)?;
+        Ok(out)
+    }
+
+    fn scale(&self, x: &mut GpuTensor, factor: f32) -> OpResult<()> {
+        self.bindable(x, "scale")?;
+        let len = x.rows * x.cols;
+        let p = params(&[u32_of(len, "elements")?, factor.to_bits(), 0, 0]);
+        self.rec.dispatch(Kernel::Scale, vec![x.bound()], &p, self.rec.groups_1d(len.div_ceil(64) as u64))
+    }
+
     fn add_assign(&self, x: &mut GpuTensor, y: &GpuTensor) -> OpResult<()> {
         check((x.rows, x.cols) == (y.rows, y.cols), || "add_assign: shapes differ".into())?;
         self.bindable(x, "add_assign")?;

@@ -11,6 +11,11 @@ pub enum ModelFamily {
     /// Pre-norm decoder with RMSNorm, rotate-half RoPE, SwiGLU and
     /// grouped-query attention (`vellum_models::LlamaModel`).
     Llama,
+    /// Gemma 3: embeddings scaled by √hidden, norms before and after both
+    /// sublayers, q/k norms, GeGLU (tanh GELU), interleaved local
+    /// (sliding-window) and global layers with their own RoPE bases
+    /// (`vellum_models::Gemma3Model`).
+    Gemma3,
 }
 
 /// One supported architecture and what sets it apart inside its family.
@@ -18,9 +23,11 @@ pub enum ModelFamily {
 pub struct Architecture {
     /// `architectures[0]` of a Hugging Face `config.json`.
     pub name: &'static str,
-    /// `model_type` of `config.json`, which is also GGUF's
-    /// `general.architecture`.
+    /// `model_type` of `config.json`.
     pub model_type: &'static str,
+    /// GGUF's `general.architecture` (llama.cpp's name; usually the
+    /// `model_type`).
+    pub gguf_architecture: &'static str,
     /// The model definition that runs it.
     pub family: ModelFamily,
     /// The q/k/v projections always carry a bias (Qwen2).
@@ -32,17 +39,22 @@ pub struct Architecture {
     /// llama.cpp's converter permuted the Q/K rows of this architecture's
     /// GGUF files for interleaved RoPE (the loader undoes it).
     pub gguf_permuted_qk: bool,
+    /// Every `n`-th layer is global, the others use the sliding window,
+    /// unless `config.json` lists `layer_types` (Gemma 3: 6).
+    pub sliding_window_pattern: Option<usize>,
 }
 
 const fn llama_like(name: &'static str, model_type: &'static str) -> Architecture {
     Architecture {
         name,
         model_type,
+        gguf_architecture: model_type,
         family: ModelFamily::Llama,
         qkv_bias: false,
         qk_norm: false,
         sliding_window_opt_in: false,
         gguf_permuted_qk: false,
+        sliding_window_pattern: None,
     }
 }
 
@@ -52,6 +64,13 @@ pub const ARCHITECTURES: &[Architecture] = &[
     Architecture { gguf_permuted_qk: true, ..llama_like("MistralForCausalLM", "mistral") },
     Architecture { qkv_bias: true, sliding_window_opt_in: true, ..llama_like("Qwen2ForCausalLM", "qwen2") },
     Architecture { qk_norm: true, ..llama_like("Qwen3ForCausalLM", "qwen3") },
+    Architecture {
+        gguf_architecture: "gemma3",
+        family: ModelFamily::Gemma3,
+        qk_norm: true,
+        sliding_window_pattern: Some(6),
+        ..llama_like("Gemma3ForCausalLM", "gemma3_text")
+    },
 ];
 
 /// The architecture named `name` (`config.json`'s `architectures[0]`).
@@ -59,10 +78,14 @@ pub fn find_architecture(name: &str) -> Option<&'static Architecture> {
     ARCHITECTURES.iter().find(|a| a.name == name)
 }
 
-/// The architecture of `model_type` (`config.json`), or of a GGUF file's
-/// `general.architecture`.
+/// The architecture of `model_type` (`config.json`).
 pub fn find_model_type(model_type: &str) -> Option<&'static Architecture> {
     ARCHITECTURES.iter().find(|a| a.model_type == model_type)
+}
+
+/// The architecture of a GGUF file's `general.architecture`.
+pub fn find_gguf_architecture(name: &str) -> Option<&'static Architecture> {
+    ARCHITECTURES.iter().find(|a| a.gguf_architecture == name)
 }
 
 /// The supported architectures, for error messages.
@@ -80,9 +103,11 @@ mod tests {
             for b in &ARCHITECTURES[i + 1..] {
                 assert_ne!(a.name, b.name);
                 assert_ne!(a.model_type, b.model_type);
+                assert_ne!(a.gguf_architecture, b.gguf_architecture);
             }
             assert_eq!(find_architecture(a.name), Some(a));
             assert_eq!(find_model_type(a.model_type), Some(a));
+            assert_eq!(find_gguf_architecture(a.gguf_architecture), Some(a));
         }
         assert!(supported_architectures().contains("Qwen3ForCausalLM (qwen3)"));
     }

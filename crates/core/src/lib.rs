@@ -38,7 +38,9 @@ mod sampling_params;
 mod scheduler_config;
 mod seeded_rng;
 
-pub use architecture::{find_architecture, find_model_type, supported_architectures, Architecture, ModelFamily, ARCHITECTURES};
+pub use architecture::{
+    find_architecture, find_gguf_architecture, find_model_type, supported_architectures, Architecture, ModelFamily, ARCHITECTURES,
+};
 pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape, KvCacheSpec, KvMemory};
 pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
 pub use cache_config::{CacheConfig, KvCacheDtype, KvCacheSize};
@@ -46,7 +48,7 @@ pub use error::Error;
 pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch};
 pub use id_map::{IdHasher, IdMap, IdSet};
 pub use ids::{BlockId, HostBlockId, RequestId, SeqId, TokenId};
-pub use model_config::{ModelConfig, RopeScaling};
+pub use model_config::{LayerType, ModelConfig, RopeScaling};
 pub use model_executor::{ModelExecutor, StepOutput};
 pub use request::RequestState;
 pub use sampling_params::{BeamSearchParams, SamplingParams};

@@ -26,6 +26,15 @@ pub enum RopeScaling {
     },
 }
 
+/// The attention of one layer (`layer_types` in `config.json`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerType {
+    /// Full causal attention.
+    FullAttention,
+    /// Attention to the last `sliding_window` positions.
+    SlidingAttention,
+}
+
 /// The fields of `config.json` the model definitions need.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -59,8 +68,21 @@ pub struct ModelConfig {
     pub attention_bias: bool,
     /// Per-head RMSNorm on queries and keys (Qwen3).
     pub qk_norm: bool,
-    /// Sliding-window attention width (Mistral), if any.
+    /// Sliding-window attention width (Mistral; Gemma's local layers), if any.
     pub sliding_window: Option<usize>,
+    /// Per-layer attention kind where layers differ (Gemma 3's interleaved
+    /// local and global layers); empty when every layer is alike.
+    pub layer_types: Vec<LayerType>,
+    /// RoPE base of the sliding-window layers when it differs from
+    /// `rope_theta` (Gemma 3's `rope_local_base_freq`).
+    pub rope_local_theta: Option<f32>,
+    /// The attention scale is `query_pre_attn_scalar^-½` (Gemma) instead of
+    /// `head_dim^-½`.
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Soft-cap of the attention scores (Gemma 2).
+    pub attn_logit_softcapping: Option<f32>,
+    /// Soft-cap of the final logits (Gemma 2).
+    pub final_logit_softcapping: Option<f32>,
     /// Beginning-of-sequence token.
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens (some configs list several).
@@ -93,6 +115,12 @@ struct RawConfig {
     attention_bias: Option<bool>,
     sliding_window: Option<serde_json::Value>,
     use_sliding_window: Option<bool>,
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    rope_local_base_freq: Option<f32>,
+    query_pre_attn_scalar: Option<f32>,
+    attn_logit_softcapping: Option<f32>,
+    final_logit_softcapping: Option<f32>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<OneOrMany>,
 }
@@ -134,6 +162,35 @@ impl ModelConfig {
             }
             _ => None,
         };
+        let layer_types = match (&raw.layer_types, arch.sliding_window_pattern.or(raw.sliding_window_pattern)) {
+            (Some(kinds), _) => {
+                if kinds.len() != raw.num_hidden_layers {
+                    return Err(parse_err(format!("layer_types has {} entries for {} layers", kinds.len(), raw.num_hidden_layers)));
+                }
+                kinds
+                    .iter()
+                    .map(|k| match k.as_str() {
+                        "full_attention" => Ok(LayerType::FullAttention),
+                        "sliding_attention" => Ok(LayerType::SlidingAttention),
+                        other => Err(parse_err(format!("unsupported layer type {other:?} (full_attention, sliding_attention)"))),
+                    })
+                    .collect::<std::result::Result<Vec<_>, _>>()?
+            }
+            (None, Some(pattern)) if sliding_window.is_some() => {
+                let pattern = raw.sliding_window_pattern.unwrap_or(pattern).max(1);
+                (0..raw.num_hidden_layers)
+                    .map(|i| if (i + 1) % pattern == 0 { LayerType::FullAttention } else { LayerType::SlidingAttention })
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        if layer_types.contains(&LayerType::SlidingAttention) && sliding_window.is_none() {
+            return Err(parse_err("layer_types has sliding_attention layers but no sliding_window".into()));
+        }
+        let rope_local_theta = match arch.family {
+            crate::ModelFamily::Gemma3 => Some(raw.rope_local_base_freq.unwrap_or(10_000.0)),
+            crate::ModelFamily::Llama => raw.rope_local_base_freq,
+        };
         Ok(Self {
             architecture: arch.name.to_string(),
             vocab_size: raw.vocab_size,
@@ -151,6 +208,11 @@ impl ModelConfig {
             attention_bias: arch.qkv_bias || raw.attention_bias.unwrap_or(false),
             qk_norm: arch.qk_norm,
             sliding_window,
+            layer_types,
+            rope_local_theta,
+            query_pre_attn_scalar: raw.query_pre_attn_scalar,
+            attn_logit_softcapping: raw.attn_logit_softcapping,
+            final_logit_softcapping: raw.final_logit_softcapping,
             bos_token_id: raw.bos_token_id,
             eos_token_ids: match raw.eos_token_id {
                 None => Vec::new(),
@@ -171,6 +233,14 @@ impl ModelConfig {
     /// accepts registered architectures).
     pub fn arch(&self) -> Option<&'static Architecture> {
         find_architecture(&self.architecture)
+    }
+
+    /// The sliding window of layer `layer`, if it has one.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        match self.layer_types.get(layer) {
+            Some(LayerType::FullAttention) => None,
+            Some(LayerType::SlidingAttention) | None => self.sliding_window,
+        }
     }
 
     /// Query heads per key/value head.
@@ -258,6 +328,22 @@ mod tests {
         let m = ModelConfig::from_json_str(&format!(r#"{{"architectures":["MistralForCausalLM"],{base},"sliding_window":4096}}"#), "m")
             .unwrap();
         assert_eq!(m.sliding_window, Some(4096));
+    }
+
+    #[test]
+    fn gemma3_interleaves_local_and_global_layers() {
+        let json = r#"{"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text","vocab_size":262144,
+          "hidden_size":640,"intermediate_size":2048,"num_hidden_layers":18,"num_attention_heads":4,
+          "num_key_value_heads":1,"head_dim":256,"query_pre_attn_scalar":256,"rope_theta":1000000.0,
+          "rope_local_base_freq":10000.0,"sliding_window":512,"final_logit_softcapping":null}"#;
+        let c = ModelConfig::from_json_str(json, "gemma").unwrap();
+        let global: Vec<usize> = (0..18).filter(|&l| c.layer_window(l).is_none()).collect();
+        assert_eq!(global, [5, 11, 17]);
+        assert_eq!(c.layer_window(0), Some(512));
+        assert_eq!((c.rope_local_theta, c.query_pre_attn_scalar, c.final_logit_softcapping), (Some(10000.0), Some(256.0), None));
+        let listed =
+            json.replace(r#""sliding_window":512"#, r#""sliding_window":512,"layer_types":["full_attention","sliding_attention"]"#);
+        assert!(matches!(ModelConfig::from_json_str(&listed, "g"), Err(Error::ModelConfigParse { .. })));
     }
 
     #[test]

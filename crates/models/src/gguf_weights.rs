@@ -19,7 +19,7 @@ use crate::{Error, Result, WeightSource, WeightView};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
-use vellum_core::{find_model_type, ModelConfig};
+use vellum_core::{find_gguf_architecture, Architecture, ModelConfig};
 
 /// A GGUF checkpoint seen through Hugging Face names and layouts.
 #[derive(Debug)]
@@ -47,7 +47,8 @@ impl GgufWeights {
     /// Wraps an already open GGUF file.
     pub fn from_file(file: GgufFile) -> Result<Self> {
         let architecture = file.get_str("general.architecture")?.to_string();
-        let hf_to_gguf = file.tensors().iter().filter_map(|t| hf_name(&t.name).map(|hf| (hf, t.name.clone()))).collect();
+        let arch = find_gguf_architecture(&architecture);
+        let hf_to_gguf = file.tensors().iter().filter_map(|t| hf_name(&t.name, arch).map(|hf| (hf, t.name.clone()))).collect();
         Ok(Self { file, hf_to_gguf, architecture })
     }
 
@@ -96,7 +97,7 @@ impl GgufWeights {
 
     /// Whether `name` is a Q or K projection whose rows GGUF permuted.
     fn projection(&self, name: &str) -> Option<Projection> {
-        if !find_model_type(&self.architecture).is_some_and(|a| a.gguf_permuted_qk) {
+        if !find_gguf_architecture(&self.architecture).is_some_and(|a| a.gguf_permuted_qk) {
             return None;
         }
         if name.ends_with(".self_attn.q_proj.weight") || name.ends_with(".self_attn.q_proj.bias") {
@@ -145,11 +146,15 @@ impl WeightSource for GgufWeights {
         self.hf_to_gguf.keys().cloned().collect()
     }
 
+    fn norms_hold_one_plus_w(&self) -> bool {
+        true
+    }
+
     fn model_config(&self) -> Result<ModelConfig> {
         let f = &self.file;
         let a = self.architecture.as_str();
         let path = f.path();
-        let hf_arch = match find_model_type(a) {
+        let hf_arch = match find_gguf_architecture(a) {
             Some(arch) => arch.name,
             None => return Err(Error::UnsupportedArchitecture { path: path.to_path_buf(), architecture: a.to_string() }),
         };
@@ -202,6 +207,11 @@ impl WeightSource for GgufWeights {
             json["sliding_window"] = window.into();
             json["use_sliding_window"] = true.into();
         }
+        // Gemma: llama.cpp's names for what config.json calls
+        // rope_local_base_freq and the soft-caps (absent: the defaults).
+        json["rope_local_base_freq"] = self.optional_f64(&key("rope.freq_base_swa"))?.into();
+        json["attn_logit_softcapping"] = self.optional_f64(&key("attn_logit_softcapping"))?.into();
+        json["final_logit_softcapping"] = self.optional_f64(&key("final_logit_softcapping"))?.into();
         if let Some(MetadataValue::String(kind)) = f.get(&key("rope.scaling.type")) {
             if kind == "linear" {
                 let factor = self.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0);
@@ -217,9 +227,12 @@ impl WeightSource for GgufWeights {
     }
 }
 
-/// The Hugging Face name of a GGUF tensor, for the names Llama, Qwen2 and
-/// Qwen3 files use.
-pub fn hf_name(gguf_name: &str) -> Option<String> {
+/// The Hugging Face name of a GGUF tensor, for the names Llama, Qwen2,
+/// Qwen3 and Gemma 3 files use. `ffn_norm` is the norm before the MLP:
+/// `post_attention_layernorm` in Llama, `pre_feedforward_layernorm` in Gemma
+/// (whose `post_attention_norm` follows the attention output).
+pub fn hf_name(gguf_name: &str, arch: Option<&Architecture>) -> Option<String> {
+    let sandwich = arch.is_some_and(|a| a.family == vellum_core::ModelFamily::Gemma3);
     let global = match gguf_name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -238,7 +251,10 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
     }
     let hf = match part {
         "attn_norm" => "input_layernorm",
+        "ffn_norm" if sandwich => "pre_feedforward_layernorm",
         "ffn_norm" => "post_attention_layernorm",
+        "post_attention_norm" if sandwich => "post_attention_layernorm",
+        "post_ffw_norm" if sandwich => "post_feedforward_layernorm",
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
@@ -290,12 +306,19 @@ mod tests {
 
     #[test]
     fn maps_names() {
-        assert_eq!(hf_name("token_embd.weight").as_deref(), Some("model.embed_tokens.weight"));
-        assert_eq!(hf_name("blk.12.attn_q.bias").as_deref(), Some("model.layers.12.self_attn.q_proj.bias"));
-        assert_eq!(hf_name("blk.0.ffn_down.weight").as_deref(), Some("model.layers.0.mlp.down_proj.weight"));
-        assert_eq!(hf_name("blk.3.attn_k_norm.weight").as_deref(), Some("model.layers.3.self_attn.k_norm.weight"));
-        assert_eq!(hf_name("rope_freqs.weight"), None);
-        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+        let llama = find_gguf_architecture("llama");
+        assert_eq!(hf_name("token_embd.weight", llama).as_deref(), Some("model.embed_tokens.weight"));
+        assert_eq!(hf_name("blk.12.attn_q.bias", llama).as_deref(), Some("model.layers.12.self_attn.q_proj.bias"));
+        assert_eq!(hf_name("blk.0.ffn_down.weight", llama).as_deref(), Some("model.layers.0.mlp.down_proj.weight"));
+        assert_eq!(hf_name("blk.3.attn_k_norm.weight", llama).as_deref(), Some("model.layers.3.self_attn.k_norm.weight"));
+        assert_eq!(hf_name("blk.1.ffn_norm.weight", llama).as_deref(), Some("model.layers.1.post_attention_layernorm.weight"));
+        assert_eq!(hf_name("blk.1.post_ffw_norm.weight", llama), None);
+        assert_eq!(hf_name("rope_freqs.weight", llama), None);
+        assert_eq!(hf_name("blk.x.attn_q.weight", llama), None);
+        let gemma = find_gguf_architecture("gemma3");
+        assert_eq!(hf_name("blk.1.ffn_norm.weight", gemma).as_deref(), Some("model.layers.1.pre_feedforward_layernorm.weight"));
+        assert_eq!(hf_name("blk.1.post_attention_norm.weight", gemma).as_deref(), Some("model.layers.1.post_attention_layernorm.weight"));
+        assert_eq!(hf_name("blk.1.post_ffw_norm.weight", gemma).as_deref(), Some("model.layers.1.post_feedforward_layernorm.weight"));
     }
 
     /// The inverse of llama.cpp's `permute`:

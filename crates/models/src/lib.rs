@@ -30,6 +30,7 @@ pub mod gguf;
 mod chat_template;
 mod default_model;
 mod error;
+mod gemma3;
 mod gguf_weights;
 mod llama;
 mod model_source;
@@ -48,6 +49,7 @@ pub use default_model::{
     KNOWN_MODELS,
 };
 pub use error::{Error, Result};
+pub use gemma3::Gemma3Model;
 pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights};
 pub use llama::LlamaModel;
 pub use model_source::{resolve_model, LoadedModel, ModelSource};

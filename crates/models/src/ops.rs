@@ -55,8 +55,13 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     /// Half-split RoPE on `[rows, heads · head_dim]`, row i at the step's
     /// position i.
     fn rope(&self, x: &mut Self::Tensor, rope: &Self::Rope, step: &Self::Step) -> OpResult<()>;
-    /// `silu(gate) * up`.
+    /// `silu(gate) * up` (SwiGLU).
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> OpResult<Self::Tensor>;
+    /// `gelu_tanh(gate) * up` (GeGLU with the tanh approximation,
+    /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`).
+    fn gelu_tanh_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> OpResult<Self::Tensor>;
+    /// `x *= factor`.
+    fn scale(&self, x: &mut Self::Tensor, factor: f32) -> OpResult<()>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> OpResult<()>;
     /// The rows whose logits the step returns (its `logits_indices`).

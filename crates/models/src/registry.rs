@@ -3,7 +3,7 @@
 //! ([`vellum_core::ARCHITECTURES`]).
 
 use crate::ops::{OpResult, Ops};
-use crate::{Error, LlamaModel, Result, WeightSource};
+use crate::{Error, Gemma3Model, LlamaModel, Result, WeightSource};
 use vellum_core::{KvCacheDtype, KvCacheSpec, ModelConfig, ModelFamily};
 
 /// A causal language model loaded on backend `O`.
@@ -32,5 +32,6 @@ pub fn load_model<O: Ops + 'static>(
         .ok_or_else(|| Error::UnsupportedArchitecture { path: Default::default(), architecture: config.architecture.clone() })?;
     match arch.family {
         ModelFamily::Llama => Ok(Box::new(LlamaModel::load(ops, weights, config, progress)?)),
+        ModelFamily::Gemma3 => Ok(Box::new(Gemma3Model::load(ops, weights, config, progress)?)),
     }
 }

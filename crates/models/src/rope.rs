@@ -15,10 +15,17 @@ pub struct RopeTable {
 impl RopeTable {
     /// Frequencies for `config` (`rope_theta`, `rope_scaling`).
     pub fn new(config: &ModelConfig) -> Self {
+        Self::with_base(config, config.rope_theta, true)
+    }
+
+    /// Frequencies of base `base`, with `config.rope_scaling` applied when
+    /// `scaled` (Gemma 3 scales its global layers only).
+    pub fn with_base(config: &ModelConfig, base: f32, scaled: bool) -> Self {
         let hd = config.head_dim;
-        let base = config.rope_theta as f64;
+        let base = base as f64;
         let mut inv_freq: Vec<f64> = (0..hd / 2).map(|i| 1.0 / base.powf(2.0 * i as f64 / hd as f64)).collect();
-        match config.rope_scaling {
+        let scaling = if scaled { config.rope_scaling.clone() } else { None };
+        match scaling {
             Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
                 let (factor, lo, hi) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64);
                 let old_len = original_max_position_embeddings as f64;

@@ -127,6 +127,12 @@ pub trait WeightSource: Send + Sync {
     /// Names of all tensors, sorted.
     fn tensor_names(&self) -> Vec<String>;
 
+    /// Whether Gemma's norm weights are stored as `1 + w` (llama.cpp's
+    /// converter folds the offset in) rather than as `w` (Hugging Face).
+    fn norms_hold_one_plus_w(&self) -> bool {
+        false
+    }
+
     /// The named tensor, checked to have shape `expected`.
     fn tensor_shaped(&self, name: &str, expected: &[usize]) -> Result<WeightView<'_>> {
         self.tensor(name)?.expect_shape(expected)

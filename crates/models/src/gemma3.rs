@@ -1,0 +1,156 @@
+//! Gemma 3 (text): `Gemma3ForCausalLM`, GGUF architecture `gemma3` —
+//! written once against [`Ops`], like the Llama family.
+//!
+//! ```text
+//!  ids ─ embed ·√hidden ─┬─ norm ─ q,k,v ─ q/k norm ─ RoPE(local|global) ─ paged attention ─ o ─ norm ─(+)─┐
+//!                        └─────────────────────────────────────────────────────────────────────────────────┘
+//!                        ┌─ norm ─ gate,up ─ gelu_tanh·mul ─ down ─ norm ─(+)─┐   × num_hidden_layers
+//!                        └────────────────────────────────────────────────────┘
+//!  rows of logits_indices ─ norm ─ embedᵀ (tied) ─ (soft-cap) ─ logits
+//! ```
+//!
+//! What sets it apart from Llama, as the published architecture and the GGUF
+//! file's metadata state it:
+//! - the embedding is multiplied by √hidden (the tied LM head is not);
+//! - RMSNorm multiplies by `1 + w`: Hugging Face checkpoints store `w`,
+//!   llama.cpp's converter stores `1 + w` ([`WeightSource::norms_hold_one_plus_w`]);
+//! - four norms per layer: before and after the attention, before and after
+//!   the MLP, plus per-head RMSNorm of queries and keys;
+//! - GeGLU with the tanh approximation of GELU;
+//! - layers are local (sliding window, RoPE base `rope_local_base_freq`) or
+//!   global (full causal, RoPE base `rope_theta` with `rope_scaling`) as
+//!   [`ModelConfig::layer_types`] says: every sixth layer is global;
+//! - attention scores scaled by `query_pre_attn_scalar^-½` (head_dim^-½ when
+//!   a GGUF file does not say, as in llama.cpp);
+//! - a soft-cap of the attention scores when the config sets one; a final
+//!   logit soft-cap (Gemma 2's; Gemma 3 has none) is refused at load.
+
+use crate::ops::{OpResult, Ops};
+use crate::registry::CausalLm;
+use crate::rope::RopeTable;
+use crate::{Result, WeightSource};
+use vellum_core::{AttentionShape, KvCacheDtype, KvCacheSpec, ModelConfig};
+
+struct Layer<O: Ops> {
+    input_norm: O::Vector,
+    post_attention_norm: O::Vector,
+    pre_feedforward_norm: O::Vector,
+    post_feedforward_norm: O::Vector,
+    q_norm: O::Vector,
+    k_norm: O::Vector,
+    q_proj: O::Weight,
+    k_proj: O::Weight,
+    v_proj: O::Weight,
+    o_proj: O::Weight,
+    gate_proj: O::Weight,
+    up_proj: O::Weight,
+    down_proj: O::Weight,
+    /// Local (sliding-window) layer: the local RoPE table and the window.
+    local: bool,
+}
+
+/// A loaded Gemma 3 model on backend `O`.
+pub struct Gemma3Model<O: Ops> {
+    config: ModelConfig,
+    embed_tokens: O::Weight,
+    norm: O::Vector,
+    layers: Vec<Layer<O>>,
+    rope_global: O::Rope,
+    rope_local: O::Rope,
+    global_attention: AttentionShape,
+    local_attention: AttentionShape,
+}
+
+impl<O: Ops> Gemma3Model<O> {
+    /// Loads every weight through `ops`, checking shapes against `config`.
+    /// `progress(done, total)` is called after each layer.
+    pub fn load(ops: &O, weights: &dyn WeightSource, config: ModelConfig, mut progress: impl FnMut(usize, usize)) -> Result<Self> {
+        if let Some(cap) = config.final_logit_softcapping {
+            return Err(crate::Error::Backend(vellum_core::Error::Backend(format!(
+                "final_logit_softcapping = {cap} is not supported (Gemma 3 checkpoints do not set it)"
+            ))));
+        }
+        let (h, hd) = (config.hidden_size, config.head_dim);
+        let (nq, nkv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
+        let im = config.intermediate_size;
+        let mat = |name: &str, shape: [usize; 2]| -> Result<O::Weight> { ops.linear_weight(weights.tensor_shaped(name, &shape)?) };
+        // Gemma's RMSNorm multiplies by (1 + w).
+        let offset = if weights.norms_hold_one_plus_w() { 0.0 } else { 1.0 };
+        let norm = |name: &str, len: usize| -> Result<O::Vector> {
+            let mut w = weights.tensor_f32_shaped(name, &[len])?.data;
+            w.iter_mut().for_each(|v| *v += offset);
+            ops.vector(name, &w)
+        };
+        let embed_tokens = ops.embedding_weight(weights.tensor_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?)?;
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            layers.push(Layer {
+                input_norm: norm(&p("input_layernorm.weight"), h)?,
+                post_attention_norm: norm(&p("post_attention_layernorm.weight"), h)?,
+                pre_feedforward_norm: norm(&p("pre_feedforward_layernorm.weight"), h)?,
+                post_feedforward_norm: norm(&p("post_feedforward_layernorm.weight"), h)?,
+                q_norm: norm(&p("self_attn.q_norm.weight"), hd)?,
+                k_norm: norm(&p("self_attn.k_norm.weight"), hd)?,
+                q_proj: mat(&p("self_attn.q_proj.weight"), [nq, h])?,
+                k_proj: mat(&p("self_attn.k_proj.weight"), [nkv, h])?,
+                v_proj: mat(&p("self_attn.v_proj.weight"), [nkv, h])?,
+                o_proj: mat(&p("self_attn.o_proj.weight"), [h, nq])?,
+                gate_proj: mat(&p("mlp.gate_proj.weight"), [im, h])?,
+                up_proj: mat(&p("mlp.up_proj.weight"), [im, h])?,
+                down_proj: mat(&p("mlp.down_proj.weight"), [h, im])?,
+                local: config.layer_window(i).is_some(),
+            });
+            progress(i + 1, config.num_hidden_layers);
+        }
+        let norm = norm("model.norm.weight", h)?;
+        let rope_global = ops.rope_table(&RopeTable::with_base(&config, config.rope_theta, true))?;
+        let local_theta = config.rope_local_theta.unwrap_or(config.rope_theta);
+        let rope_local = ops.rope_table(&RopeTable::with_base(&config, local_theta, false))?;
+        let global_attention = AttentionShape {
+            scale: config.query_pre_attn_scalar.unwrap_or(hd as f32).powf(-0.5),
+            logit_softcap: config.attn_logit_softcapping,
+            ..AttentionShape::new(config.num_attention_heads, config.num_key_value_heads, hd)
+        };
+        let local_attention = AttentionShape { sliding_window: config.sliding_window, ..global_attention };
+        Ok(Self { config, embed_tokens, norm, layers, rope_global, rope_local, global_attention, local_attention })
+    }
+}
+
+impl<O: Ops> CausalLm<O> for Gemma3Model<O> {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_cache_spec(&self, block_size: usize, dtype: KvCacheDtype) -> KvCacheSpec {
+        let c = &self.config;
+        KvCacheSpec { num_layers: c.num_hidden_layers, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim, block_size, dtype }
+    }
+
+    fn forward(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {
+        let c = &self.config;
+        let eps = c.rms_norm_eps;
+        let mut h = ops.embed(&self.embed_tokens, step)?;
+        ops.scale(&mut h, (c.hidden_size as f32).sqrt())?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let (rope, shape) =
+                if layer.local { (&self.rope_local, &self.local_attention) } else { (&self.rope_global, &self.global_attention) };
+            let x = ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?;
+            let mut q = ops.rms_norm(&ops.linear(&x, &layer.q_proj, None)?, &layer.q_norm, eps, c.head_dim)?;
+            let mut k = ops.rms_norm(&ops.linear(&x, &layer.k_proj, None)?, &layer.k_norm, eps, c.head_dim)?;
+            let v = ops.linear(&x, &layer.v_proj, None)?;
+            ops.rope(&mut q, rope, step)?;
+            ops.rope(&mut k, rope, step)?;
+            let attn = ops.attention(cache, l, &q, &k, &v, step, shape)?;
+            let out = ops.rms_norm(&ops.linear(&attn, &layer.o_proj, None)?, &layer.post_attention_norm, eps, c.hidden_size)?;
+            ops.add_assign(&mut h, &out)?;
+            let x = ops.rms_norm(&h, &layer.pre_feedforward_norm, eps, c.hidden_size)?;
+            let act = ops.gelu_tanh_mul(&ops.linear(&x, &layer.gate_proj, None)?, &ops.linear(&x, &layer.up_proj, None)?)?;
+            let out = ops.rms_norm(&ops.linear(&act, &layer.down_proj, None)?, &layer.post_feedforward_norm, eps, c.hidden_size)?;
+            ops.add_assign(&mut h, &out)?;
+        }
+        let last = ops.logits_rows(&h, step)?;
+        let last = ops.rms_norm(&last, &self.norm, eps, c.hidden_size)?;
+        ops.linear(&last, &self.embed_tokens, None)
+    }
+}
