@@ -80,6 +80,14 @@ fn gemma3_matches_the_float64_reference() {
     matches_the_float64_reference(&GEMMA3, Device::Cpu);
 }
 
+/// Gemma 3 through the WGSL backend: K-quants and Q5_0 widened to f32 at
+/// upload, the 262,144-row embedding split across bindings.
+#[cfg(feature = "wgpu")]
+#[test]
+fn gemma3_matches_the_float64_reference_on_wgpu() {
+    matches_the_float64_reference(&GEMMA3, Device::Wgpu);
+}
+
 #[cfg(not(feature = "wgpu"))]
 #[test]
 fn wgpu_golden_and_equivalence_tests_skipped_build_has_no_wgpu_feature() {
