@@ -93,8 +93,14 @@ impl Llm {
         let source = resolve_model(args.model.as_deref())?;
         let loaded = source.load()?;
         let config = loaded.config.clone();
-        let eos = config.eos_token_ids.clone();
-        let eos = if eos.is_empty() { loaded.tokenizer.eos_token_ids().to_vec() } else { eos };
+        // The config's EOS, then the tokenizer's (generation_config.json's
+        // list; Gemma's <end_of_turn>).
+        let mut eos = config.eos_token_ids.clone();
+        for &id in loaded.tokenizer.eos_token_ids() {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
         let max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
         let executor = make_executor(args.device, &*loaded.weights, config, args.kv_cache_dtype, progress)?;

@@ -37,6 +37,22 @@ fn serve_on_wgpu_answers_the_openai_client() {
     run_python(&python, "openai_device.py", &[server.base_url(), expected]);
 }
 
+/// Gemma's chat format, as its instruction-tuned checkpoints write it.
+const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n\
+                              {{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
+
+/// `vellum serve --model gemma3-270m`: the second real model (base model,
+/// SentencePiece, K-quants) through the official client; chat is refused
+/// without a template and stops at `<end_of_turn>` with one.
+#[test]
+fn serve_gemma3_answers_completions_and_refuses_chat_without_a_template() {
+    let python = python_with_openai();
+    let common = ["--model", "gemma3-270m", "--kv-cache-memory", "64MiB", "--max-model-len", "512"];
+    let plain = Server::start(&common);
+    let templated = Server::start(&[&common[..], &["--chat-template", GEMMA_TEMPLATE]].concat());
+    run_python(&python, "openai_gemma.py", &[plain.base_url(), templated.base_url()]);
+}
+
 #[cfg(not(feature = "wgpu"))]
 #[test]
 fn serve_on_wgpu_skipped_build_has_no_wgpu_feature() {

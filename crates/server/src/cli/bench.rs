@@ -27,7 +27,8 @@ pub enum BenchCommand {
 /// Arguments of `vellum bench throughput`.
 #[derive(Args, Debug)]
 pub struct ThroughputArgs {
-    /// Model (default: SmolLM2-135M-Instruct Q4_1).
+    /// Model: a .gguf file, a Hugging Face directory, or a short name
+    /// (smollm2-135m, the default; gemma3-270m).
     #[arg(long)]
     pub model: Option<String>,
     /// Prompt tokens per request (random ids), unless --dataset is given.

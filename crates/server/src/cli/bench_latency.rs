@@ -19,7 +19,8 @@ use vellum_core::{SamplingParams, SeededRng};
 /// Arguments of `vellum bench latency`.
 #[derive(Args, Debug)]
 pub struct LatencyArgs {
-    /// Model (default: SmolLM2-135M-Instruct Q4_1).
+    /// Model: a .gguf file, a Hugging Face directory, or a short name
+    /// (smollm2-135m, the default; gemma3-270m).
     #[arg(long)]
     pub model: Option<String>,
     /// Requests in the batch.

@@ -11,7 +11,8 @@ use vellum_models::ChatMessage;
 /// Arguments of `vellum chat`.
 #[derive(Args, Debug)]
 pub struct ChatArgs {
-    /// Model (default: SmolLM2-135M-Instruct Q4_1).
+    /// Model: a .gguf file, a Hugging Face directory, or a short name
+    /// (smollm2-135m, the default; gemma3-270m).
     #[arg(long)]
     pub model: Option<String>,
     /// A system message to start the conversation with.
@@ -63,7 +64,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
         }
         messages.push(ChatMessage::new("user", line.trim_end()));
         let prompt = llm.render_chat(&messages).map_err(|e| anyhow!("{e}"))?;
-        let ids = llm.tokenizer().encode(&prompt, true).map_err(|e| anyhow!("{e}"))?;
+        // The template writes the special tokens.
+        let ids = llm.tokenizer().encode(&prompt, false).map_err(|e| anyhow!("{e}"))?;
         // Streamed through the engine's output path: text appears as it is
         // generated, never half a character, cut at a stop string.
         let outs = llm

@@ -15,8 +15,9 @@ use vellum_models::ChatMessage;
 /// Arguments of `vellum generate`.
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// A .gguf file, a Hugging Face directory or a hub id in the local cache
-    /// (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    /// A .gguf file, a Hugging Face directory, a hub id in the local cache,
+    /// or a short name fetched on first use: smollm2-135m (the default),
+    /// gemma3-270m.
     #[arg(long)]
     pub model: Option<String>,
     /// A prompt (repeatable).

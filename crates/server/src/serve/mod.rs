@@ -37,9 +37,13 @@ use vellum_models::{ChatTemplate, Tokenizer};
 /// Arguments of `vellum serve` (named and defaulted like vLLM's).
 #[derive(Args, Debug)]
 pub struct ServeArgs {
-    /// A .gguf file, a Hugging Face directory or a hub id in the local cache
-    /// (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    /// A .gguf file, a Hugging Face directory, a hub id in the local cache,
+    /// or a short name fetched on first use: smollm2-135m (the default,
+    /// SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 270M Q4_K_M).
     pub model: Option<String>,
+    /// The model, as a flag (vLLM accepts both forms).
+    #[arg(long = "model", value_name = "MODEL", conflicts_with = "model")]
+    pub model_flag: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -159,9 +163,12 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// Runs `vellum serve` until SIGINT/SIGTERM.
-pub fn run(args: ServeArgs) -> Result<()> {
+pub fn run(mut args: ServeArgs) -> Result<()> {
     if !(args.shutdown_timeout >= 0.0 && args.shutdown_timeout.is_finite()) {
         bail!("--shutdown-timeout must be a non-negative number of seconds");
+    }
+    if args.model.is_none() {
+        args.model = args.model_flag.take();
     }
     let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::default())?;
     tracing::info!(model = args.model.as_deref().unwrap_or("default (SmolLM2-135M-Instruct Q4_1)"), "loading model");

@@ -121,8 +121,8 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
     let vocab = state.tokenizer.vocab_size();
     let prompts: Vec<Vec<TokenId>> = match &req.prompt {
         None => return Err(ApiError::bad_request("prompt is required", Some("prompt"))),
-        Some(Prompt::Text(s)) => vec![encode(&state, s)?],
-        Some(Prompt::Texts(v)) => v.iter().map(|s| encode(&state, s)).collect::<Result<_, _>>()?,
+        Some(Prompt::Text(s)) => vec![encode(&state, s, true)?],
+        Some(Prompt::Texts(v)) => v.iter().map(|s| encode(&state, s, true)).collect::<Result<_, _>>()?,
         Some(Prompt::Tokens(ids)) => vec![protocol::token_prompt(ids, vocab)?],
         Some(Prompt::TokenLists(v)) => v.iter().map(|ids| protocol::token_prompt(ids, vocab)).collect::<Result<_, _>>()?,
     };
@@ -137,10 +137,13 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
         Some(k) => Some(k as usize),
     };
     let params = protocol::sampling_params(&req.common, Some(16), logprobs, vocab)?;
-    let echo = if req.echo.unwrap_or(false) {
-        Some(prompts.iter().map(|p| state.tokenizer.decode(p, false).unwrap_or_default()).collect())
-    } else {
-        None
+    // Echo gives text prompts back as written (as vLLM does: no BOS the
+    // tokenizer added), token prompts decoded.
+    let echo = match (req.echo.unwrap_or(false), &req.prompt) {
+        (false, _) => None,
+        (true, Some(Prompt::Text(s))) => Some(vec![s.clone()]),
+        (true, Some(Prompt::Texts(v))) => Some(v.clone()),
+        (true, _) => Some(prompts.iter().map(|p| state.tokenizer.decode(p, false).unwrap_or_default()).collect()),
     };
     let format = Format {
         kind: Kind::Completion,
@@ -154,8 +157,12 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
     generate(state, request_id("cmpl"), prompts, params, &req.common, format).await
 }
 
-fn encode(state: &AppState, text: &str) -> Result<Vec<TokenId>, ApiError> {
-    state.tokenizer.encode(text, true).map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), Some("prompt")))
+/// A prompt's ids; `add_special_tokens` adds the BOS the model asks for.
+fn encode(state: &AppState, text: &str, add_special_tokens: bool) -> Result<Vec<TokenId>, ApiError> {
+    state
+        .tokenizer
+        .encode(text, add_special_tokens)
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), Some("prompt")))
 }
 
 /// Renders chat messages with the chat template.
@@ -183,7 +190,9 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
     log_unknown(&req.unknown);
     let model = state.check_model(&req.common.model)?;
     let text = render_chat(&state, &req.messages, req.add_generation_prompt.unwrap_or(true))?;
-    let prompt = encode(&state, &text)?;
+    // The template writes the special tokens (vLLM's default
+    // `add_special_tokens: false` for chat).
+    let prompt = encode(&state, &text, false)?;
     let logprobs = if req.logprobs.unwrap_or(false) {
         match req.top_logprobs.unwrap_or(0) {
             k if (0..=MAX_LOGPROBS as i64).contains(&k) => Some(k as usize),
