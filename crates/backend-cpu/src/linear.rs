@@ -223,12 +223,12 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, m: usize) {
 /// Output columns dequantized at a time by [`linear_blocks`].
 const BLOCK_TILE: usize = 64;
 
-/// `y[m, n] = x[m, k] · Wᵀ` on GGUF blocks: each thread dequantizes
-/// [`BLOCK_TILE`] rows of `W` (output columns) at a time into f32 and
-/// multiplies them in f32 — by dot products for a few rows of `x` (so a
-/// row's result does not depend on the others), by the GEMM for more. The
-/// values multiplied are exactly the file's; only the weight's reads are
-/// compressed.
+/// `y[m, n] = x[m, k] · Wᵀ` on GGUF blocks, in f32 with exactly the file's
+/// values. For a few rows of `x` (decode) each thread walks its rows of `W`
+/// once, dequantizing [`CHUNK`] values at a time into a buffer that stays in
+/// L1 and dotting them with every row of `x` (so a row's result does not
+/// depend on the others); for more rows it dequantizes [`BLOCK_TILE`] rows of
+/// `W` (output columns) at a time and multiplies them by the GEMM.
 fn linear_blocks(y: &mut [f32], x: &[f32], w: &HostWeight, (dtype, row_bytes, data): (GgmlType, usize, &[u8]), m: usize) {
     let (n, k) = (w.out, w.inp);
     let dst = SendPtr(y.as_mut_ptr());
@@ -236,6 +236,31 @@ fn linear_blocks(y: &mut [f32], x: &[f32], w: &HostWeight, (dtype, row_bytes, da
         for cols in column_ranges(m, n, k) {
             s.spawn(move |_| {
                 let dst = dst;
+                if m <= SMALL_M {
+                    // Decode: each row of W once, a few blocks at a time into
+                    // an L1-resident buffer, dotted with every row of x.
+                    let (block, block_bytes) = dtype.block_layout();
+                    let per_chunk = (CHUNK / block).max(1);
+                    let (chunk_values, chunk_bytes) = (per_chunk * block, per_chunk * block_bytes);
+                    let mut buf = vec![0.0f32; chunk_values];
+                    for c in cols {
+                        let mut acc = [0.0f32; SMALL_M];
+                        for (i, bytes) in data[c * row_bytes..(c + 1) * row_bytes].chunks(chunk_bytes).enumerate() {
+                            let values = &mut buf[..bytes.len() / block_bytes * block];
+                            // The length was checked when the weight was made.
+                            let _ = dequantize_into(dtype, bytes, values);
+                            let at = i * chunk_values;
+                            for (r, a) in acc.iter_mut().enumerate().take(m) {
+                                *a += dot(&x[r * k + at..r * k + at + values.len()], values);
+                            }
+                        }
+                        for (r, a) in acc.iter().enumerate().take(m) {
+                            // SAFETY: row r, column c of y belongs to this task alone.
+                            unsafe { *dst.0.add(r * n + c) = *a };
+                        }
+                    }
+                    return;
+                }
                 let mut tile = vec![0.0f32; BLOCK_TILE * k];
                 for c0 in cols.clone().step_by(BLOCK_TILE) {
                     let t = BLOCK_TILE.min(cols.end - c0);
@@ -244,47 +269,41 @@ fn linear_blocks(y: &mut [f32], x: &[f32], w: &HostWeight, (dtype, row_bytes, da
                         // The length was checked when the weight was made.
                         let _ = dequantize_into(dtype, &data[c * row_bytes..(c + 1) * row_bytes], row);
                     }
-                    if m <= SMALL_M {
-                        for r in 0..m {
-                            let xr = &x[r * k..(r + 1) * k];
-                            for (j, row) in tile.chunks_exact(k).take(t).enumerate() {
-                                // SAFETY: row r, column c0 + j of y belongs to this task alone.
-                                unsafe { *dst.0.add(r * n + c0 + j) = dot(xr, row) };
-                            }
-                        }
-                    } else {
-                        // SAFETY: dst is [m, n], x [m, k], the tile t rows of k
-                        // (read as a [k, t] matrix with column stride k), all
-                        // alive for the scope; this task writes columns c0..c0+t.
-                        unsafe {
-                            gemm::gemm(
-                                m,
-                                t,
-                                k,
-                                dst.0.add(c0),
-                                1,
-                                n as isize,
-                                false,
-                                x.as_ptr(),
-                                1,
-                                k as isize,
-                                tile.as_ptr(),
-                                k as isize,
-                                1,
-                                0.0,
-                                1.0,
-                                false,
-                                false,
-                                false,
-                                gemm::Parallelism::None,
-                            );
-                        }
+                    // SAFETY: dst is [m, n], x [m, k], the tile t rows of k
+                    // (read as a [k, t] matrix with column stride k), all
+                    // alive for the scope; this task writes columns c0..c0+t.
+                    unsafe {
+                        gemm::gemm(
+                            m,
+                            t,
+                            k,
+                            dst.0.add(c0),
+                            1,
+                            n as isize,
+                            false,
+                            x.as_ptr(),
+                            1,
+                            k as isize,
+                            tile.as_ptr(),
+                            k as isize,
+                            1,
+                            0.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
                     }
                 }
             });
         }
     });
 }
+
+/// Values a decode-sized product dequantizes at a time (one K-quant
+/// super-block; eight blocks of 32).
+const CHUNK: usize = 256;
 
 /// `Σ a·b` with eight partial sums (vectorizes; the order is fixed and no
 /// product is fused, so every variant gives the same bits and a result
