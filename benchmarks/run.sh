@@ -51,10 +51,10 @@ for round in $(seq "$ROUNDS"); do
     done
 done
 
-python3 - "$OUT" "$RUN" <<'PY'
+python3 - "$OUT" "$RUN" "$ROUNDS" <<'PY'
 import json, statistics, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if r.get("run") == sys.argv[2]]
-print(f"model {rows[0]['model']}, {rows[0]['threads']} threads, median of {len(rows)} runs per workload over rounds")
+print(f"model {rows[0]['model']}, {rows[0]['threads']} threads, median over {sys.argv[3]} rounds")
 print(f"{'workload':<28}{'metric':<16}{'vellum':>10}{'llama.cpp':>11}{'ratio':>8}")
 by = {}
 for r in rows:

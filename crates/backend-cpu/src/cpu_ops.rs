@@ -301,15 +301,31 @@ fn gated(gate: &HostTensor, up: &HostTensor, what: &str, act: impl Fn(f32) -> f3
     Ok(HostTensor { rows: gate.rows, cols: gate.cols, data })
 }
 
-/// GELU, tanh approximation: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+/// GELU, tanh approximation: `0.5·x·(1 + tanh(u))` with
+/// `u = √(2/π)·(x + 0.044715·x³)`, computed as `x·σ(2u) = x / (1 + e^(−2u))`
+/// (the same function: `(1 + tanh u) / 2 = σ(2u)`), one `exp` instead of
+/// `tanh`'s two-sided evaluation. Large negative `u` gives `x / ∞ = −0`.
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+    x / (1.0 + (-2.0 * SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).exp())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gelu_tanh_equals_its_tanh_definition() {
+        for i in -2000..=2000 {
+            let x = i as f64 / 100.0;
+            let u = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            let want = 0.5 * x * (1.0 + u.tanh());
+            let got = f64::from(gelu_tanh(x as f32));
+            assert!((got - want).abs() <= 2e-6 * want.abs().max(1e-3), "gelu_tanh({x}) = {got}, want {want}");
+        }
+        assert_eq!(gelu_tanh(-1e4), 0.0);
+        assert_eq!(gelu_tanh(1e4), 1e4);
+    }
     use crate::quant::QuantKind;
 
     use vellum_core::SeededRng;
