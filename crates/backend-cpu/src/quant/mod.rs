@@ -500,6 +500,46 @@ fn gemm_scalar(y: &mut [f32], ldy: usize, x: &QuantActs, w: &QuantWeight, rows: 
     }
 }
 
+/// The kernels of the quantized linear, by instruction set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// Portable Rust, cell by cell (the reference the others are tested
+    /// against).
+    Scalar,
+    /// AVX2 + FMA + F16C: 256-bit `vpmaddwd` tiles. (The same tiles on
+    /// AVX-512 VNNI `vpdpwssd` measured 17–19 GMAC/s against these 25–28
+    /// on a 2-vCPU Xeon, docs/benchmarks.md: not kept.)
+    Avx2,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU runs; `VELLUM_CPU_KERNEL=scalar|avx2`
+    /// caps it (to compare kernels on one machine).
+    pub fn detect() -> Self {
+        static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *KERNEL.get_or_init(|| {
+            let best = Self::available().last().copied().unwrap_or(Kernel::Scalar);
+            match std::env::var("VELLUM_CPU_KERNEL").as_deref() {
+                Ok("scalar") => Kernel::Scalar,
+                Ok("avx2") if best != Kernel::Scalar => Kernel::Avx2,
+                _ => best,
+            }
+        })
+    }
+
+    /// Every kernel this CPU runs, slowest first.
+    pub fn available() -> Vec<Self> {
+        let mut v = vec![Kernel::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if has_simd() {
+                v.push(Kernel::Avx2);
+            }
+        }
+        v
+    }
+}
+
 /// Whether the CPU runs the SIMD kernel (AVX2 with FMA and F16C).
 pub fn has_simd() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -521,16 +561,32 @@ mod avx2;
 /// `y` must be valid for writes at `r·ldy + c` for every row and output of
 /// the ranges, and nothing else may access those cells meanwhile.
 pub unsafe fn gemm(y: *mut f32, ldy: usize, x: &QuantActs, w: &QuantWeight, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
+    // SAFETY: forwarded; `detect` only returns kernels the CPU runs.
+    unsafe { gemm_with(Kernel::detect(), y, ldy, x, w, rows, cols) }
+}
+
+/// [`gemm`] through a given kernel.
+///
+/// # Safety
+/// As [`gemm`]; and `kernel` must be one of [`Kernel::available`].
+pub unsafe fn gemm_with(
+    kernel: Kernel,
+    y: *mut f32,
+    ldy: usize,
+    x: &QuantActs,
+    w: &QuantWeight,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+) {
     if rows.is_empty() || cols.is_empty() {
         return;
     }
     debug_assert!(x.pairs == w.pairs && rows.end <= x.rows && cols.end <= w.n);
     #[cfg(target_arch = "x86_64")]
-    {
-        if has_simd() {
-            // SAFETY: features checked; the caller guarantees the cells.
-            return unsafe { avx2::gemm(y, ldy, x, w, rows, cols) };
-        }
+    match kernel {
+        // SAFETY: the caller checked the features; the cells are the caller's.
+        Kernel::Avx2 => return unsafe { avx2::gemm(y, ldy, x, w, rows, cols) },
+        Kernel::Scalar => {}
     }
     // Cell by cell through the pointer: other threads own the other columns
     // of the same rows, so no slice over whole rows may be formed here.

@@ -161,6 +161,35 @@ fn kernels_match_f64_reference_on_odd_shapes() {
     }
 }
 
+/// Every kernel this CPU runs against the scalar one, on shapes that hit
+/// every tile (1–3 leftover rows, 1–4 outputs, odd `k`); a CPU without
+/// AVX2 tests the scalar kernel alone (the list is printed).
+#[test]
+fn every_kernel_this_cpu_runs_matches_the_scalar_one() {
+    let mut s = SeededRng::new(23);
+    let kernels = Kernel::available();
+    eprintln!("kernels on this CPU: {kernels:?}");
+    for &(m, n, k) in &[(1, 9, 33), (2, 7, 96), (3, 5, 640), (4, 6, 128), (5, 13, 100), (7, 3, 2048), (13, 17, 576)] {
+        for kind in [QuantKind::Q4, QuantKind::Q8] {
+            let w: Vec<f32> = (0..n * k).map(|_| rng(&mut s) * 0.1).collect();
+            let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
+            let qw = QuantWeight::quantize(&w, n, k, kind);
+            let mut acts = QuantActs::default();
+            QuantActs::quantize(&x, m, k, &mut acts);
+            let mut slow = vec![f32::NAN; m * n];
+            gemm_scalar(&mut slow, n, &acts, &qw, 0..m, 0..n);
+            for &kernel in &kernels {
+                let mut y = vec![f32::NAN; m * n];
+                // SAFETY: y is [m, n] and owned here; the kernel is available.
+                unsafe { gemm_with(kernel, y.as_mut_ptr(), n, &acts, &qw, 0..m, 0..n) };
+                for (a, b) in y.iter().zip(&slow) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{kernel:?} {kind:?} ({m},{n},{k}): {a} vs scalar {b}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn cached_quantization_follows_its_input() {
     let mut s = SeededRng::new(21);
