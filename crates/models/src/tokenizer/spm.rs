@@ -76,6 +76,9 @@ pub(crate) struct SpmTokenizer {
     special: HashMap<String, (u32, u32)>,
     /// The distinct byte lengths of the special pieces.
     special_lengths: Vec<usize>,
+    /// Whether some special piece starts with this byte (most text
+    /// positions are skipped without a lookup).
+    special_first_bytes: [bool; 256],
     add_space_prefix: bool,
 }
 
@@ -114,10 +117,14 @@ impl SpmTokenizer {
         for (rank, &id) in special_ids.iter().enumerate() {
             special.entry(pieces[id as usize].clone()).or_insert((rank as u32, id));
         }
+        let mut special_first_bytes = [false; 256];
+        for piece in special.keys() {
+            special_first_bytes[piece.as_bytes()[0] as usize] = true;
+        }
         let mut special_lengths: Vec<usize> = special.keys().map(String::len).collect();
         special_lengths.sort_unstable();
         special_lengths.dedup();
-        Self { pieces, scores, types, ids, byte_ids, unknown_id, special, special_lengths, add_space_prefix }
+        Self { pieces, scores, types, ids, byte_ids, unknown_id, special, special_lengths, special_first_bytes, add_space_prefix }
     }
 
     pub(crate) fn vocab_size(&self) -> usize {
@@ -161,6 +168,9 @@ impl SpmTokenizer {
         // Every occurrence of every special piece, as (rank, start, end, id).
         let mut found = Vec::new();
         for (start, _) in text.char_indices() {
+            if !self.special_first_bytes[text.as_bytes()[start] as usize] {
+                continue;
+            }
             for &len in &self.special_lengths {
                 let end = start + len;
                 let Some(piece) = text.get(start..end) else { continue };
