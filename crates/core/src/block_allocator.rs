@@ -147,6 +147,15 @@ pub trait BlockAllocator {
     /// cached blocks).
     fn num_free_blocks(&self) -> usize;
 
+    /// The most blocks one sequence of `num_tokens` tokens holds at once
+    /// when it is computed `max_chunk` tokens at a time at most: all of
+    /// them, unless the allocator releases blocks that slid out of an
+    /// attention window.
+    fn max_blocks_held(&self, num_tokens: usize, max_chunk: usize) -> usize {
+        let _ = max_chunk;
+        num_tokens.div_ceil(self.block_size())
+    }
+
     /// The longest run of full, already-computed blocks that starts the
     /// sequence (prefix caching). Never covers the whole sequence: the last
     /// token must be computed to produce logits. Counts a query.
@@ -171,7 +180,9 @@ pub trait BlockAllocator {
     /// be scheduled whole, a preemption in the same step) or for rejected
     /// speculative tokens. Blocks no longer needed are released, and no block
     /// whose tokens were not all computed stays in the prefix cache.
-    /// Reservation-based allocators keep their reservation.
+    /// Reservation-based allocators keep their reservation. With a sliding
+    /// window, `num_computed_tokens` is at least the value the last
+    /// `allocate_slots` saw (blocks before that window are gone).
     fn trim(&mut self, _seq: SeqId, _num_computed_tokens: usize) {}
 
     /// The sequence's block table, or `None` if it holds nothing.

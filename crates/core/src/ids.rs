@@ -27,6 +27,16 @@ pub struct RequestId(pub u64);
 pub struct SeqId(pub u64);
 
 impl BlockId {
+    /// A block-table entry whose tokens slid out of every layer's attention
+    /// window: its block was released, and no kernel reads it (a batch
+    /// carries it as block 0).
+    pub const NULL: BlockId = BlockId(u32::MAX);
+
+    /// Whether this is [`BlockId::NULL`].
+    pub fn is_null(self) -> bool {
+        self == Self::NULL
+    }
+
     /// The block id as an index into a pool.
     pub fn index(self) -> usize {
         self.0 as usize
@@ -34,6 +44,9 @@ impl BlockId {
 }
 
 impl HostBlockId {
+    /// A swapped-out [`BlockId::NULL`] entry.
+    pub const NULL: HostBlockId = HostBlockId(u32::MAX);
+
     /// The block id as an index into the host pool.
     pub fn index(self) -> usize {
         self.0 as usize

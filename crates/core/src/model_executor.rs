@@ -44,6 +44,14 @@ pub trait ModelExecutor {
         Ok(blocks)
     }
 
+    /// The attention window when every layer has the same one (Mistral):
+    /// the KV-cache manager then releases blocks that slid out of it.
+    /// `None` for full attention, or when layers differ (Gemma's local and
+    /// global layers keep every block; see ARCHITECTURE.md).
+    fn uniform_sliding_window(&self) -> Option<usize> {
+        None
+    }
+
     /// Allocates the device pool and the host swap pool.
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> Result<()>;
 
@@ -66,6 +74,10 @@ impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
 
     fn num_kv_blocks(&self, size: KvCacheSize, block_size: usize) -> Result<usize> {
         (**self).num_kv_blocks(size, block_size)
+    }
+
+    fn uniform_sliding_window(&self) -> Option<usize> {
+        (**self).uniform_sliding_window()
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> Result<()> {

@@ -14,6 +14,12 @@
 //!   backend in one batch ([`BlockAllocator::take_block_copies`]).
 //! * Waste: a sequence holds `ceil(tokens / block_size)` blocks, so at most
 //!   one partially filled block.
+//! * Sliding window (every layer attends to the last `W` positions, as in
+//!   Mistral): a block whose tokens all lie before the first position any
+//!   future query sees (`num_computed + 1 − W`) is released and its entry
+//!   becomes [`BlockId::NULL`], so a sequence holds about `W / block_size + 1`
+//!   blocks however long it grows. Its hash stays registered while the block
+//!   waits in the free queue, so prefix hits still find it.
 //!
 //! Complexity: `allocate_slots` is O(new blocks + newly full blocks) plus one
 //! hash-map probe; `free` is O(blocks held); `get_computed_blocks` is one hash
@@ -39,12 +45,15 @@ pub struct KvCacheManagerConfig {
     pub block_size: usize,
     /// Automatic prefix caching.
     pub enable_prefix_caching: bool,
+    /// Every layer attends to at most this many positions: blocks that
+    /// slid out are released.
+    pub sliding_window: Option<usize>,
 }
 
 impl KvCacheManagerConfig {
     /// `num_blocks` blocks of `block_size`, prefix caching on, no swap space.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self { num_blocks, num_host_blocks: 0, block_size, enable_prefix_caching: true }
+        Self { num_blocks, num_host_blocks: 0, block_size, enable_prefix_caching: true, sliding_window: None }
     }
 }
 
@@ -73,6 +82,7 @@ struct SwappedSeq {
 pub struct KvCacheManager {
     block_size: usize,
     enable_prefix_caching: bool,
+    sliding_window: Option<usize>,
     pool: BlockPool,
     host: HostPool,
     seqs: IdMap<SeqId, SeqBlocks>,
@@ -89,6 +99,7 @@ impl KvCacheManager {
         Self {
             block_size: config.block_size,
             enable_prefix_caching: config.enable_prefix_caching,
+            sliding_window: config.sliding_window.filter(|&w| w > 0),
             pool: BlockPool::new(config.num_blocks),
             host: HostPool::new(config.num_host_blocks.min(config.num_blocks)),
             seqs: IdMap::default(),
@@ -164,9 +175,27 @@ impl KvCacheManager {
                 let i = s.block_hashes.len();
                 let h = hash_block_tokens(s.block_hashes.last().copied(), &seq.token_ids[i * bs..(i + 1) * bs], None);
                 s.block_hashes.push(h);
-                pool.cache_block(s.block_table[i], h);
+                if !s.block_table[i].is_null() {
+                    pool.cache_block(s.block_table[i], h);
+                }
             }
         }
+    }
+
+    /// Releases the blocks of `s` that no query from position
+    /// `num_computed` on can see through a window of `window` positions;
+    /// returns the first entry that became [`BlockId::NULL`], if any.
+    fn slide(pool: &mut BlockPool, s: &mut SeqBlocks, num_computed: usize, window: usize, bs: usize) -> Option<usize> {
+        let first_visible = (num_computed + 1).saturating_sub(window);
+        let mut first_released = None;
+        for (i, b) in s.block_table.iter_mut().enumerate().take(first_visible / bs) {
+            if !b.is_null() {
+                pool.release(*b);
+                *b = BlockId::NULL;
+                first_released.get_or_insert(i);
+            }
+        }
+        first_released
     }
 
     /// Checks every invariant of the manager; panics with a message on a
@@ -183,8 +212,11 @@ impl KvCacheManager {
         for (id, s) in &self.seqs {
             assert_eq!(s.block_table.len(), self.blocks_for(s.num_tokens), "{id}: table length vs tokens");
             assert!(s.block_hashes.len() <= s.block_table.len(), "{id}: more hashes than blocks");
-            for b in &s.block_table {
+            for b in s.block_table.iter().filter(|b| !b.is_null()) {
                 refs[b.index()] += 1;
+            }
+            if self.sliding_window.is_none() {
+                assert!(s.block_table.iter().all(|b| !b.is_null()), "{id}: a released entry without a window");
             }
         }
         for (i, &r) in refs.iter().enumerate() {
@@ -192,7 +224,7 @@ impl KvCacheManager {
         }
         let mut host_refs = vec![0u32; self.host.num_blocks()];
         for s in self.swapped.values() {
-            for b in &s.host_table {
+            for b in s.host_table.iter().filter(|b| **b != HostBlockId::NULL) {
                 host_refs[b.index()] += 1;
             }
         }
@@ -216,6 +248,16 @@ impl BlockAllocator for KvCacheManager {
 
     fn num_free_blocks(&self) -> usize {
         self.pool.num_free_blocks()
+    }
+
+    fn max_blocks_held(&self, num_tokens: usize, max_chunk: usize) -> usize {
+        let all = num_tokens.div_ceil(self.block_size);
+        match self.sliding_window {
+            // A step's first query sees W − 1 earlier positions; its chunk
+            // adds up to max_chunk; one more block for misalignment.
+            Some(w) => all.min((w - 1 + max_chunk.max(1)).div_ceil(self.block_size) + 1),
+            None => all,
+        }
     }
 
     fn get_computed_blocks(&mut self, seq: &SeqTokens<'_>) -> ComputedBlocks {
@@ -261,6 +303,11 @@ impl BlockAllocator for KvCacheManager {
                 first_changed = write_block_idx;
             }
             Self::grow(&mut self.pool, s, seq, total, num_new_blocks, bs, self.enable_prefix_caching);
+            if let Some(w) = self.sliding_window {
+                if let Some(i) = Self::slide(&mut self.pool, s, seq.num_computed_tokens, w, bs) {
+                    first_changed = first_changed.min(i);
+                }
+            }
             return Some(AllocatedSlots { first_changed_block_idx: first_changed, num_blocks: s.block_table.len() });
         }
         assert!(!self.swapped.contains_key(&seq.seq_id), "{} is swapped out; swap it in first", seq.seq_id);
@@ -278,6 +325,9 @@ impl BlockAllocator for KvCacheManager {
         self.prefix_cache_hits += computed.num_computed_tokens.min(seq.num_prompt_tokens) as u64;
         let mut s = SeqBlocks { block_table: computed.block_ids, block_hashes, num_tokens: computed.num_computed_tokens, hint: seq.hint };
         Self::grow(&mut self.pool, &mut s, seq, total, num_new_blocks, bs, self.enable_prefix_caching);
+        if let Some(w) = self.sliding_window {
+            Self::slide(&mut self.pool, &mut s, seq.num_computed_tokens, w, bs);
+        }
         let num_blocks = s.block_table.len();
         self.seqs.insert(seq.seq_id, s);
         Some(AllocatedSlots { first_changed_block_idx: 0, num_blocks })
@@ -286,7 +336,7 @@ impl BlockAllocator for KvCacheManager {
     fn fork(&mut self, parent: SeqId, child: SeqId) -> bool {
         assert!(!self.seqs.contains_key(&child) && !self.swapped.contains_key(&child), "fork onto live {child}");
         let p = self.seqs.get(&parent).unwrap_or_else(|| panic!("fork of unknown {parent}")).clone();
-        for &b in &p.block_table {
+        for &b in p.block_table.iter().filter(|b| !b.is_null()) {
             self.pool.touch(b);
         }
         self.seqs.insert(child, p);
@@ -297,12 +347,12 @@ impl BlockAllocator for KvCacheManager {
         if let Some(s) = self.seqs.remove(&seq) {
             // Reverse order: the tail of a sequence is the least likely to be
             // shared again, so it lands nearer the head and is evicted first.
-            for &b in s.block_table.iter().rev() {
+            for &b in s.block_table.iter().rev().filter(|b| !b.is_null()) {
                 self.pool.release(b);
             }
         }
         if let Some(s) = self.swapped.remove(&seq) {
-            for &b in &s.host_table {
+            for &b in s.host_table.iter().filter(|b| **b != HostBlockId::NULL) {
                 self.host.release(b);
             }
         }
@@ -316,17 +366,17 @@ impl BlockAllocator for KvCacheManager {
         }
         // Registrations of blocks not wholly computed are void.
         let num_full = num_computed_tokens / bs;
-        for i in num_full..s.block_hashes.len() {
-            self.pool.uncache_block(s.block_table[i]);
+        for &b in s.block_table[num_full..s.block_hashes.len()].iter().filter(|b| !b.is_null()) {
+            self.pool.uncache_block(b);
         }
         s.block_hashes.truncate(num_full);
         let keep = num_computed_tokens.div_ceil(bs);
-        for &b in s.block_table[keep..].iter().rev() {
+        for &b in s.block_table[keep..].iter().rev().filter(|b| !b.is_null()) {
             self.pool.release(b);
         }
         s.block_table.truncate(keep);
         s.num_tokens = num_computed_tokens;
-        if let Some(&last) = s.block_table.last() {
+        if let Some(&last) = s.block_table.last().filter(|b| !b.is_null()) {
             if self.pool.ref_cnt(last) == 1 {
                 self.pool.set_num_filled(last, num_computed_tokens - (keep - 1) * bs);
             }
@@ -342,15 +392,15 @@ impl BlockAllocator for KvCacheManager {
     }
 
     fn swap_out(&mut self, seqs: &[SeqId]) -> Option<Vec<BlockSwap>> {
-        let tables = seqs.iter().filter_map(|id| self.seqs.get(id)).flat_map(|s| s.block_table.iter().copied());
+        let tables = seqs.iter().filter_map(|id| self.seqs.get(id)).flat_map(|s| s.block_table.iter().copied()).filter(|b| !b.is_null());
         let (host, pool) = (&mut self.host, &self.pool);
         let mapping = map_distinct(tables, host.num_free_blocks(), |device| host.allocate(pool.num_filled(device)).expect("room checked"))?;
         let swaps = mapping.iter().map(|(&device, &host)| BlockSwap { device, host }).collect();
         let mut first_use = IdSet::default();
         for id in seqs {
             let Some(s) = self.seqs.remove(id) else { continue };
-            let host_table = translate(&s.block_table, &mapping, &mut first_use, |h| self.host.incref(h));
-            for &b in &s.block_table {
+            let host_table = translate(&s.block_table, &mapping, &mut first_use, BlockId::NULL, HostBlockId::NULL, |h| self.host.incref(h));
+            for &b in s.block_table.iter().filter(|b| !b.is_null()) {
                 self.pool.release(b);
             }
             self.swapped.insert(*id, SwappedSeq { host_table, block_hashes: s.block_hashes, num_tokens: s.num_tokens, hint: s.hint });
@@ -359,7 +409,11 @@ impl BlockAllocator for KvCacheManager {
     }
 
     fn swap_in(&mut self, seqs: &[SeqId]) -> Option<Vec<BlockSwap>> {
-        let tables = seqs.iter().filter_map(|id| self.swapped.get(id)).flat_map(|s| s.host_table.iter().copied());
+        let tables = seqs
+            .iter()
+            .filter_map(|id| self.swapped.get(id))
+            .flat_map(|s| s.host_table.iter().copied())
+            .filter(|h| *h != HostBlockId::NULL);
         let (host, pool) = (&self.host, &mut self.pool);
         let mapping = map_distinct(tables, pool.num_free_blocks(), |h| {
             let device = pool.allocate().expect("room checked");
@@ -370,13 +424,13 @@ impl BlockAllocator for KvCacheManager {
         let mut first_use = IdSet::default();
         for id in seqs {
             let Some(s) = self.swapped.remove(id) else { continue };
-            let block_table = translate(&s.host_table, &mapping, &mut first_use, |b| self.pool.touch(b));
-            for &h in &s.host_table {
+            let block_table = translate(&s.host_table, &mapping, &mut first_use, HostBlockId::NULL, BlockId::NULL, |b| self.pool.touch(b));
+            for &h in s.host_table.iter().filter(|h| **h != HostBlockId::NULL) {
                 self.host.release(h);
             }
             if self.enable_prefix_caching {
                 // The restored blocks are the live copies of their prefixes.
-                for (&b, &h) in block_table.iter().zip(&s.block_hashes) {
+                for (&b, &h) in block_table.iter().zip(&s.block_hashes).filter(|(b, _)| !b.is_null()) {
                     self.pool.recache_block(b, h);
                 }
             }
@@ -409,7 +463,7 @@ impl BlockAllocator for KvCacheManager {
             num_blocks: self.pool.num_blocks(),
             num_used_blocks,
             num_cached_free_blocks: self.pool.num_cached_free_blocks(),
-            num_logical_blocks: self.seqs.values().map(|s| s.block_table.len()).sum(),
+            num_logical_blocks: self.seqs.values().map(|s| s.block_table.iter().filter(|b| !b.is_null()).count()).sum(),
             num_filled_slots,
             num_reserved_slots: empty - internal,
             num_internal_frag_slots: internal,
@@ -443,16 +497,22 @@ fn map_distinct<F: Copy + Ord + std::hash::Hash, T>(
 /// A block table through a swap's mapping. Each new block was allocated
 /// with one holder, the first table entry pointing at it (over all tables
 /// of the swap, tracked in `first_use`); every later entry takes another
-/// reference through `add_ref`.
-fn translate<F: Ord, T: Copy + Eq + std::hash::Hash>(
+/// reference through `add_ref`. Released entries (`null_from`) stay
+/// released (`null_to`).
+fn translate<F: Ord + Copy, T: Copy + Eq + std::hash::Hash>(
     table: &[F],
     mapping: &BTreeMap<F, T>,
     first_use: &mut IdSet<T>,
+    null_from: F,
+    null_to: T,
     mut add_ref: impl FnMut(T),
 ) -> Vec<T> {
     table
         .iter()
         .map(|b| {
+            if *b == null_from {
+                return null_to;
+            }
             let t = mapping[b];
             if !first_use.insert(t) {
                 add_ref(t);

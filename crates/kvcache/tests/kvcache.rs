@@ -184,6 +184,31 @@ fn cached_blocks_are_evicted_least_recently_freed_first() {
 }
 
 #[test]
+fn a_sliding_window_keeps_a_long_sequence_in_a_few_blocks() {
+    let (bs, w) = (16, 64);
+    let mut m = KvCacheManager::new(KvCacheManagerConfig { sliding_window: Some(w), ..KvCacheManagerConfig::new(12, bs) });
+    let tokens: Vec<u32> = (0..1000).collect();
+    // A 100-token prefill, then one token per step up to 1,000 tokens.
+    let first = m.allocate_slots(&seq(0, &tokens[..100], 0), 100, ComputedBlocks::default()).unwrap();
+    assert_eq!(first.num_blocks, 7);
+    for n in 100..1000 {
+        let out = m.allocate_slots(&seq(0, &tokens[..=n], n), 1, ComputedBlocks::default()).expect("never runs out");
+        assert_eq!(out.num_blocks, n / bs + 1);
+        m.assert_invariants();
+    }
+    let table = m.block_table(SeqId(0)).unwrap();
+    let held: Vec<usize> = (0..table.len()).filter(|&i| !table[i].is_null()).collect();
+    // Positions 936..=999 are visible to the next query: blocks 58..=62.
+    assert_eq!(held, (58..=62).collect::<Vec<_>>());
+    assert_eq!(m.stats().num_used_blocks, 5);
+    // The scheduler's admission bound agrees: one-token steps hold 5 blocks.
+    assert_eq!(m.max_blocks_held(1000, 1), 5);
+    assert_eq!(m.max_blocks_held(40, 1), 3);
+    m.free(SeqId(0));
+    assert_eq!(m.num_free_blocks(), 12);
+}
+
+#[test]
 fn no_room_changes_nothing() {
     let mut m = manager(2, 4);
     let p: Vec<u32> = (0..12).collect();
@@ -281,6 +306,14 @@ struct ShadowSeq {
     tokens: Vec<u32>,
     num_prompt: usize,
     num_computed: usize,
+    /// `num_computed` at the last allocation: with a window, blocks before
+    /// `last_alloc + 1 - window` are gone, so a trim stops there.
+    last_alloc: usize,
+}
+
+/// The first position a query after `num_computed` tokens still sees.
+fn first_visible(num_computed: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (num_computed + 1).saturating_sub(w))
 }
 
 /// What a slot holds. A real KV entry depends on its token *and* every token
@@ -310,8 +343,12 @@ impl Shadow {
     }
 }
 
-fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
-    let mut m = KvCacheManager::new(KvCacheManagerConfig { num_host_blocks: num_blocks / 2, ..KvCacheManagerConfig::new(num_blocks, bs) });
+fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize, window: Option<usize>) {
+    let mut m = KvCacheManager::new(KvCacheManagerConfig {
+        num_host_blocks: num_blocks / 2,
+        sliding_window: window,
+        ..KvCacheManagerConfig::new(num_blocks, bs)
+    });
     let mut sh = Shadow { bs, device: HashMap::new(), host: HashMap::new() };
     let mut live: Vec<(SeqId, ShadowSeq)> = Vec::new();
     let mut swapped: Vec<(SeqId, ShadowSeq)> = Vec::new();
@@ -339,7 +376,7 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
                 if m.allocate_slots(&st, n_new, hit).is_some() {
                     sh.apply_copies(&mut m);
                     sh.write(&m, id, &prompt, start, start + n_new);
-                    live.push((id, ShadowSeq { num_prompt: prompt.len(), num_computed: start + n_new, tokens: prompt }));
+                    live.push((id, ShadowSeq { num_prompt: prompt.len(), num_computed: start + n_new, last_alloc: start, tokens: prompt }));
                 } else {
                     assert!(m.block_table(id).is_none(), "failed allocation left state behind");
                 }
@@ -358,6 +395,7 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
                     sh.apply_copies(&mut m);
                     sh.write(&m, *id, &tokens, num_computed, num_computed + n_new);
                     s.num_computed += n_new;
+                    s.last_alloc = num_computed;
                 } else {
                     assert!(m.take_block_copies().is_empty(), "no copies from a failed allocation");
                 }
@@ -368,7 +406,12 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
                 next_id += 1;
                 assert!(m.fork(live[i].0, child));
                 let p = &live[i].1;
-                let c = ShadowSeq { tokens: p.tokens.clone(), num_prompt: p.num_prompt, num_computed: p.num_computed };
+                let c = ShadowSeq {
+                    tokens: p.tokens.clone(),
+                    num_prompt: p.num_prompt,
+                    num_computed: p.num_computed,
+                    last_alloc: p.last_alloc,
+                };
                 // Tokens past num_computed are not stored yet; the child keeps them too.
                 live.push((child, c));
             }
@@ -382,7 +425,8 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
                 // registration of uncomputed blocks) are given back.
                 let i = pick % live.len();
                 let (id, s) = &mut live[i];
-                let n = s.num_computed.saturating_sub(back);
+                let floor = if window.is_some() { s.last_alloc } else { 0 };
+                let n = s.num_computed.saturating_sub(back).max(floor);
                 m.trim(*id, n);
                 s.num_computed = n;
             }
@@ -408,7 +452,7 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
                     // The content survived the round trip.
                     let (id, s) = swapped.swap_remove(i);
                     let table = m.block_table(id).unwrap().to_vec();
-                    for pos in 0..s.num_computed {
+                    for pos in first_visible(s.num_computed, window)..s.num_computed {
                         assert_eq!(
                             sh.device[&table[pos / bs]][pos % bs].as_deref(),
                             Some(&s.tokens[..=pos]),
@@ -425,8 +469,13 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize) {
         for (id, s) in &live {
             let table = m.block_table(*id).unwrap();
             assert_eq!(table.len(), s.num_computed.div_ceil(bs), "{id}: table covers exactly its tokens");
-            for pos in 0..s.num_computed {
+            for pos in first_visible(s.num_computed, window)..s.num_computed {
                 assert_eq!(sh.device[&table[pos / bs]][pos % bs].as_deref(), Some(&s.tokens[..=pos]), "{id} reads a wrong KV at {pos}");
+            }
+            if let Some(w) = window {
+                // Nothing wholly before the window is held.
+                let held = table.iter().filter(|b| !b.is_null()).count();
+                assert!(held <= w.div_ceil(bs) + 1 + s.num_computed.saturating_sub(s.last_alloc).div_ceil(bs), "{id} holds {held} blocks");
             }
         }
     }
@@ -443,7 +492,14 @@ proptest! {
 
     #[test]
     fn paged_manager_invariants(ops in prop::collection::vec(op(), 1..120), num_blocks in 4usize..40, bs_pow in 0u32..3) {
-        run_ops(ops, num_blocks, 1 << bs_pow);
+        run_ops(ops, num_blocks, 1 << bs_pow, None);
+    }
+
+    #[test]
+    fn paged_manager_invariants_with_a_sliding_window(
+        ops in prop::collection::vec(op(), 1..120), num_blocks in 4usize..40, bs_pow in 0u32..3, window in 1usize..20,
+    ) {
+        run_ops(ops, num_blocks, 1 << bs_pow, Some(window));
     }
 
     #[test]

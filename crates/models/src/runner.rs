@@ -73,6 +73,10 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         self.ops.kv_memory(&self.spec(block_size))
     }
 
+    fn uniform_sliding_window(&self) -> Option<usize> {
+        self.model.config().uniform_sliding_window()
+    }
+
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_core::Result<()> {
         // Drop the old cache first so its memory is free for the new one.
         self.cache = None;

@@ -58,7 +58,8 @@ impl<E: ModelExecutor> EngineCore<E> {
             self.counters.prompt_tokens += end.min(num_prompt).saturating_sub(start) as u64;
             b.query_start_loc.push(b.token_ids.len() as u32);
             b.context_lens.push(end as u32);
-            b.block_tables.extend(table.iter().map(|x| x.0));
+            // Entries that slid out of the window are never read: block 0.
+            b.block_tables.extend(table.iter().map(|x| if x.is_null() { 0 } else { x.0 }));
             b.block_tables.extend(std::iter::repeat_n(0, stride - table.len()));
             if s.samples {
                 b.logits_indices.push(b.token_ids.len() as u32 - 1);

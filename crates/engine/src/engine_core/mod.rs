@@ -113,8 +113,13 @@ impl<E: ModelExecutor> EngineCore<E> {
         enable_prefix_caching: bool,
     ) -> Result<Self, Error> {
         executor.initialize_kv_cache(num_blocks, num_host_blocks, block_size)?;
-        let kv =
-            KvCacheManager::new(vellum_kvcache::KvCacheManagerConfig { num_blocks, num_host_blocks, block_size, enable_prefix_caching });
+        let kv = KvCacheManager::new(vellum_kvcache::KvCacheManagerConfig {
+            num_blocks,
+            num_host_blocks,
+            block_size,
+            enable_prefix_caching,
+            sliding_window: executor.uniform_sliding_window(),
+        });
         let mut scheduler = Scheduler::new(scheduler_config, kv)?;
         // Outputs come from the engine's own view, not finished requests.
         scheduler.keep_finished_requests(false);

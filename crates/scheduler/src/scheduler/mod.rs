@@ -217,10 +217,11 @@ impl<A: BlockAllocator> Scheduler<A> {
         }
         let max_total_tokens = num_prompt + max_tokens;
         // At its longest, the group holds the full prompt blocks once and
-        // every sequence's own tail.
+        // every sequence's own tail (with a sliding window: each sequence
+        // its own window, nothing shared for sure).
         let bs = self.allocator.block_size();
-        let per_seq = max_total_tokens.div_ceil(bs);
-        let shared = num_prompt / bs;
+        let per_seq = self.allocator.max_blocks_held(max_total_tokens, self.config.max_num_batched_tokens);
+        let shared = if per_seq < max_total_tokens.div_ceil(bs) { 0 } else { num_prompt / bs };
         let needed_blocks = per_seq + (new.params.num_sequences() - 1) * (per_seq - shared);
         if needed_blocks > self.allocator.num_blocks() {
             return Err(Error::ExceedsKvCapacity { request_id: id, needed_blocks, num_blocks: self.allocator.num_blocks() });
