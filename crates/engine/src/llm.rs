@@ -103,6 +103,7 @@ impl Llm {
         }
         let max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
+        let max_batched = scheduler.max_num_batched_tokens;
         let executor = make_executor(args.device, &*loaded.weights, config, args.kv_cache_dtype, progress)?;
         let num_blocks = executor.num_kv_blocks(args.kv_cache, args.block_size)?;
         let block_bytes = executor.kv_block_bytes(args.block_size);
@@ -117,6 +118,17 @@ impl Llm {
             eos,
             args.enable_prefix_caching,
         )?;
+        // vLLM's capacity line: how many requests of max_model_len fit at
+        // once (a model whose every layer slides holds only its window).
+        let allocator = engine.scheduler().allocator();
+        let per_request = vellum_core::BlockAllocator::max_blocks_held(allocator, max_model_len, max_batched).max(1);
+        tracing::info!(
+            tokens = num_blocks * args.block_size,
+            max_model_len,
+            blocks_per_request = per_request,
+            max_concurrency = format!("{:.2}", num_blocks as f64 / per_request as f64),
+            "KV cache capacity"
+        );
         Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template, kv_sharing: KvSharing::default() })
     }
 
