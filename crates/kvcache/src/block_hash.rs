@@ -5,8 +5,9 @@
 //! block `i` identify the whole prefix `0..=i`, so one hash-map probe per block
 //! finds the longest cached prefix.
 
-use std::collections::hash_map::DefaultHasher;
-use std::hash::{Hash, Hasher};
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::OnceLock;
 use vellum_core::TokenId;
 
 /// Identity of a full block's prefix. 128 bits, so that a collision (which
@@ -19,10 +20,15 @@ pub struct BlockHash(pub u128);
 /// share KV even for equal tokens (LoRA adapters, multimodal inputs).
 pub fn hash_block_tokens(parent: Option<BlockHash>, tokens: &[TokenId], extra_key: Option<u64>) -> BlockHash {
     // Two SipHash streams with different prefixes give 128 independent-ish
-    // bits. `DefaultHasher::new()` is keyed with constants, so hashes are
-    // stable within a build (they are never persisted).
-    let mut lo = DefaultHasher::new();
-    let mut hi = DefaultHasher::new();
+    // bits. The keys are drawn once per process: with keys anyone knows, a
+    // client could search for a block of tokens whose hash equals another
+    // client's prefix and be handed that client's KV (vLLM's
+    // GHSA-rm76-4mrf-v9r8). Hashes are never persisted, so per-process keys
+    // cost nothing.
+    static KEYS: OnceLock<RandomState> = OnceLock::new();
+    let keys = KEYS.get_or_init(RandomState::new);
+    let mut lo = keys.build_hasher();
+    let mut hi = keys.build_hasher();
     hi.write_u64(0x9e37_79b9_7f4a_7c15);
     for h in [&mut lo, &mut hi] {
         parent.hash(h);
