@@ -62,7 +62,16 @@ fn serve_on_wgpu_skipped_build_has_no_wgpu_feature() {
 #[test]
 fn queue_full_is_503_and_sigterm_exits_cleanly() {
     // With no room in the waiting queue every generation request is refused.
-    let mut server = Server::start(&["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--max-waiting-requests", "0"]);
+    let mut server = Server::start(&[
+        "--kv-cache-memory",
+        "32MiB",
+        "--max-model-len",
+        "256",
+        "--max-waiting-requests",
+        "0",
+        "--max-request-body-bytes",
+        "1024",
+    ]);
     let json = [("Content-Type", "application/json")];
     let (status, body) = server.request("POST", "/v1/completions", &json, r#"{"prompt": "hi", "max_tokens": 2}"#);
     assert_eq!(status, 503, "{body}");
@@ -76,6 +85,14 @@ fn queue_full_is_503_and_sigterm_exits_cleanly() {
     let (status, body) = server.get("/nope");
     assert_eq!(status, 404);
     assert!(body.contains("NotFoundError"), "{body}");
+    // Errors the HTTP framework answers itself come in vLLM's shape too.
+    let (status, body) = server.get("/v1/completions");
+    assert_eq!(status, 405, "{body}");
+    assert!(body.contains(r#""type":"MethodNotAllowed""#) && body.contains(r#""code":405"#), "{body}");
+    let big = format!(r#"{{"prompt": "{}", "max_tokens": 2}}"#, "x".repeat(2000));
+    let (status, body) = server.request("POST", "/v1/completions", &json, &big);
+    assert_eq!(status, 413, "{body}");
+    assert!(body.contains(r#""type":"PayloadTooLargeError""#), "{body}");
 
     // SIGTERM: the server stops and exits 0.
     let pid = server.child.id().to_string();

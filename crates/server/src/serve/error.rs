@@ -51,6 +51,10 @@ impl ApiError {
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
             StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
+            StatusCode::PAYLOAD_TOO_LARGE => "PayloadTooLargeError",
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => "UnsupportedMediaTypeError",
+            StatusCode::UNPROCESSABLE_ENTITY => "UnprocessableEntityError",
+            s if s.is_client_error() => "BadRequestError",
             _ => "InternalServerError",
         }
     }

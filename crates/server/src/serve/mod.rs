@@ -65,6 +65,9 @@ pub struct ServeArgs {
     /// Requests allowed to wait before new ones get 503.
     #[arg(long, default_value_t = 4096)]
     pub max_waiting_requests: usize,
+    /// Largest request body accepted, in bytes; a larger one gets 413.
+    #[arg(long, default_value_t = 32 << 20)]
+    pub max_request_body_bytes: usize,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before
     /// they are aborted.
     #[arg(long, default_value_t = 10.0)]
@@ -83,6 +86,7 @@ pub struct AppState {
     max_model_len: usize,
     api_key: Option<String>,
     max_waiting_requests: usize,
+    max_request_body_bytes: usize,
     metrics: Metrics,
     created: u64,
     shutting_down: AtomicBool,
@@ -159,7 +163,31 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/detokenize", post(openai::detokenize))
         .route("/version", get(openai::version))
         .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(state.max_request_body_bytes))
+        .layer(axum::middleware::map_response(framework_errors_as_json))
         .with_state(state)
+}
+
+/// Errors the HTTP framework answers by itself (405 wrong method, 413 body
+/// too large, a body that is not UTF-8...) as plain text get vLLM's JSON
+/// error shape, like every other error.
+async fn framework_errors_as_json(response: Response) -> Response {
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json") || v.starts_with("text/event-stream"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    // Framework error bodies are a line of text; anything longer is cut.
+    let text = axum::body::to_bytes(response.into_body(), 4096).await.map(|b| String::from_utf8_lossy(&b).trim().to_string());
+    let message = match text {
+        Ok(t) if !t.is_empty() => t,
+        _ => status.canonical_reason().unwrap_or("error").to_string(),
+    };
+    ApiError { status, message, param: None }.into_response()
 }
 
 /// Runs `vellum serve` until SIGINT/SIGTERM.
@@ -196,6 +224,7 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
         max_model_len,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_waiting_requests: args.max_waiting_requests,
+        max_request_body_bytes: args.max_request_body_bytes,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         shutting_down: AtomicBool::new(false),
     });
