@@ -177,6 +177,11 @@ pub fn token_prompt(ids: &[i64], vocab: usize) -> Result<Vec<TokenId>, ApiError>
     ids.iter().map(|&t| token_id("prompt", t, vocab)).collect()
 }
 
+/// Most stop strings one request may give.
+pub const MAX_STOP_STRINGS: usize = 256;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_STRING_BYTES: usize = 4096;
+
 /// Builds the engine's parameters. `default_max_tokens` is 16 for
 /// completions and `None` (up to the context) for chat; `logprobs` the top
 /// count asked for, already checked.
@@ -220,6 +225,17 @@ pub fn sampling_params(
         Some(Stop::One(s)) => vec![s.clone()],
         Some(Stop::Many(v)) => v.clone(),
     };
+    // Every generated token is checked against every stop string (with
+    // hold-back of the longest): bound the work one request can ask for.
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::bad_request(format!("at most {MAX_STOP_STRINGS} stop strings, got {}", stop.len()), Some("stop")));
+    }
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+        return Err(ApiError::bad_request(
+            format!("a stop string may be at most {MAX_STOP_STRING_BYTES} bytes, got {}", long.len()),
+            Some("stop"),
+        ));
+    }
     let stop_token_ids = c.stop_token_ids.iter().flatten().map(|&t| token_id("stop_token_ids", t, vocab)).collect::<Result<Vec<_>, _>>()?;
     let beam_search = if c.use_beam_search.unwrap_or(false) {
         Some(BeamSearchParams { beam_width: best_of.unwrap_or(n).max(n), length_penalty: c.length_penalty.unwrap_or(1.0) })
@@ -327,5 +343,11 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("n"));
         let p = sampling_params(&c(r#"{"max_completion_tokens": 3, "max_tokens": 9}"#), None, None, 100).unwrap();
         assert_eq!(p.max_tokens, Some(3));
+        let many = serde_json::json!({ "stop": vec!["x"; MAX_STOP_STRINGS + 1] }).to_string();
+        assert_eq!(sampling_params(&c(&many), None, None, 100).unwrap_err().param.as_deref(), Some("stop"));
+        let long = serde_json::json!({ "stop": "y".repeat(MAX_STOP_STRING_BYTES + 1) }).to_string();
+        assert_eq!(sampling_params(&c(&long), None, None, 100).unwrap_err().param.as_deref(), Some("stop"));
+        let fine = serde_json::json!({ "stop": vec!["z"; MAX_STOP_STRINGS] }).to_string();
+        assert!(sampling_params(&c(&fine), None, None, 100).is_ok());
     }
 }
