@@ -158,7 +158,8 @@ impl ModelConfig {
         let sliding_window = match (raw.sliding_window, raw.use_sliding_window) {
             (_, Some(false)) => None,
             (Some(serde_json::Value::Number(n)), _) if !arch.sliding_window_opt_in || raw.use_sliding_window == Some(true) => {
-                n.as_u64().map(|w| w as usize)
+                // A window of 0 means none (as in the references).
+                n.as_u64().filter(|&w| w > 0).map(|w| w as usize)
             }
             _ => None,
         };

@@ -182,13 +182,12 @@ impl KvCacheManager {
         }
     }
 
-    /// Releases the blocks of `s` that no query from position
-    /// `num_computed` on can see through a window of `window` positions;
-    /// returns the first entry that became [`BlockId::NULL`], if any.
-    fn slide(pool: &mut BlockPool, s: &mut SeqBlocks, num_computed: usize, window: usize, bs: usize) -> Option<usize> {
-        let first_visible = (num_computed + 1).saturating_sub(window);
+    /// Releases the blocks of `s` before entry `first_visible_block` (no
+    /// query from now on sees them); returns the first entry that became
+    /// [`BlockId::NULL`], if any.
+    fn slide(pool: &mut BlockPool, s: &mut SeqBlocks, first_visible_block: usize) -> Option<usize> {
         let mut first_released = None;
-        for (i, b) in s.block_table.iter_mut().enumerate().take(first_visible / bs) {
+        for (i, b) in s.block_table.iter_mut().enumerate().take(first_visible_block) {
             if !b.is_null() {
                 pool.release(*b);
                 *b = BlockId::NULL;
@@ -285,49 +284,54 @@ impl BlockAllocator for KvCacheManager {
         let total = seq.num_computed_tokens + num_new_tokens;
         let write_block_idx = seq.num_computed_tokens / bs;
         let num_free = self.pool.num_free_blocks();
+        // With a window, the blocks wholly before the first position this
+        // step's queries see are released first: they count as room.
+        let first_visible_block = self.sliding_window.map_or(0, |w| (seq.num_computed_tokens + 1).saturating_sub(w) / bs);
         if let Some(s) = self.seqs.get_mut(&seq.seq_id) {
             assert!(computed.block_ids.is_empty(), "{}: computed blocks are only for a new sequence", seq.seq_id);
             // Copy-on-write: the first slot written lies in a block held by others.
             let cow = s.block_table.get(write_block_idx).copied().filter(|&b| num_new_tokens > 0 && self.pool.ref_cnt(b) > 1);
             let num_new_blocks = total.div_ceil(bs).saturating_sub(s.block_table.len());
-            if num_new_blocks + cow.is_some() as usize > num_free {
+            let releasable = s.block_table.iter().take(first_visible_block).filter(|b| !b.is_null() && self.pool.ref_cnt(**b) == 1).count();
+            if num_new_blocks + cow.is_some() as usize > num_free + releasable {
                 return None;
             }
             let mut first_changed = s.block_table.len();
+            if let Some(i) = Self::slide(&mut self.pool, s, first_visible_block) {
+                first_changed = i;
+            }
             if let Some(old) = cow {
                 let new = self.pool.allocate().expect("room checked above");
                 self.pool.set_num_filled(new, self.pool.num_filled(old));
                 self.pool.release(old);
                 self.pending_copies.push(BlockCopy { src: old, dst: new });
                 s.block_table[write_block_idx] = new;
-                first_changed = write_block_idx;
+                first_changed = first_changed.min(write_block_idx);
             }
             Self::grow(&mut self.pool, s, seq, total, num_new_blocks, bs, self.enable_prefix_caching);
-            if let Some(w) = self.sliding_window {
-                if let Some(i) = Self::slide(&mut self.pool, s, seq.num_computed_tokens, w, bs) {
-                    first_changed = first_changed.min(i);
-                }
-            }
             return Some(AllocatedSlots { first_changed_block_idx: first_changed, num_blocks: s.block_table.len() });
         }
         assert!(!self.swapped.contains_key(&seq.seq_id), "{} is swapped out; swap it in first", seq.seq_id);
         assert_eq!(computed.num_computed_tokens, seq.num_computed_tokens, "{}: a new sequence starts at its prefix-cache hit", seq.seq_id);
         let num_new_blocks = total.div_ceil(bs).saturating_sub(computed.block_ids.len());
-        let num_revived = computed.block_ids.iter().filter(|b| self.pool.is_free(**b)).count();
+        // Hit blocks before the window are not revived: their entries start released.
+        let num_revived = computed.block_ids.iter().skip(first_visible_block).filter(|b| self.pool.is_free(**b)).count();
         if num_new_blocks + num_revived > num_free {
             return None;
         }
-        for &b in &computed.block_ids {
-            self.pool.touch(b);
-        }
         let block_hashes = computed.block_ids.iter().map(|&b| self.pool.hash(b).expect("computed blocks are cached")).collect();
+        let mut block_table = computed.block_ids;
+        for (i, b) in block_table.iter_mut().enumerate() {
+            if i < first_visible_block {
+                *b = BlockId::NULL;
+            } else {
+                self.pool.touch(*b);
+            }
+        }
         self.prefix_cache_queries += seq.num_prompt_tokens as u64;
         self.prefix_cache_hits += computed.num_computed_tokens.min(seq.num_prompt_tokens) as u64;
-        let mut s = SeqBlocks { block_table: computed.block_ids, block_hashes, num_tokens: computed.num_computed_tokens, hint: seq.hint };
+        let mut s = SeqBlocks { block_table, block_hashes, num_tokens: computed.num_computed_tokens, hint: seq.hint };
         Self::grow(&mut self.pool, &mut s, seq, total, num_new_blocks, bs, self.enable_prefix_caching);
-        if let Some(w) = self.sliding_window {
-            Self::slide(&mut self.pool, &mut s, seq.num_computed_tokens, w, bs);
-        }
         let num_blocks = s.block_table.len();
         self.seqs.insert(seq.seq_id, s);
         Some(AllocatedSlots { first_changed_block_idx: 0, num_blocks })
@@ -366,7 +370,7 @@ impl BlockAllocator for KvCacheManager {
         }
         // Registrations of blocks not wholly computed are void.
         let num_full = num_computed_tokens / bs;
-        for &b in s.block_table[num_full..s.block_hashes.len()].iter().filter(|b| !b.is_null()) {
+        for &b in s.block_table.iter().take(s.block_hashes.len()).skip(num_full).filter(|b| !b.is_null()) {
             self.pool.uncache_block(b);
         }
         s.block_hashes.truncate(num_full);

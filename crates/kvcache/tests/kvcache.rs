@@ -209,6 +209,39 @@ fn a_sliding_window_keeps_a_long_sequence_in_a_few_blocks() {
 }
 
 #[test]
+fn a_window_frees_its_blocks_before_asking_for_new_ones() {
+    // Block size 4, window 5, a pool of exactly max_blocks_held blocks:
+    // chunks of 3, 4, 4, 4 tokens fit because each step releases what slid
+    // out before it allocates.
+    let mut m = KvCacheManager::new(KvCacheManagerConfig { sliding_window: Some(5), ..KvCacheManagerConfig::new(3, 4) });
+    assert_eq!(m.max_blocks_held(40, 4), 3);
+    let tokens: Vec<u32> = (0..40).collect();
+    let mut done = 0;
+    for chunk in [3, 4, 4, 4, 4, 4] {
+        let st = seq(0, &tokens[..done + chunk], done);
+        assert!(m.allocate_slots(&st, chunk, ComputedBlocks::default()).is_some(), "chunk at {done} fits");
+        m.assert_invariants();
+        done += chunk;
+    }
+}
+
+#[test]
+fn trim_without_prefix_caching_or_with_lagging_hashes() {
+    let mut m = KvCacheManager::new(KvCacheManagerConfig { enable_prefix_caching: false, ..KvCacheManagerConfig::new(8, 4) });
+    let tokens: Vec<u32> = (0..10).collect();
+    m.allocate_slots(&seq(0, &tokens, 0), 10, ComputedBlocks::default()).unwrap();
+    m.trim(SeqId(0), 8);
+    m.assert_invariants();
+    assert_eq!(m.block_table(SeqId(0)).unwrap().len(), 2);
+    // Slots reserved past the known tokens (asynchronous scheduling): the
+    // hashes lag the table.
+    let mut m = manager(8, 4);
+    m.allocate_slots(&seq(1, &tokens[..5], 0), 10, ComputedBlocks::default()).unwrap();
+    m.trim(SeqId(1), 8);
+    m.assert_invariants();
+}
+
+#[test]
 fn no_room_changes_nothing() {
     let mut m = manager(2, 4);
     let p: Vec<u32> = (0..12).collect();

@@ -20,8 +20,9 @@
 //! - layers are local (sliding window, RoPE base `rope_local_base_freq`) or
 //!   global (full causal, RoPE base `rope_theta` with `rope_scaling`) as
 //!   [`ModelConfig::layer_types`] says: every sixth layer is global;
-//! - attention scores scaled by `query_pre_attn_scalar^-½` (head_dim^-½ when
-//!   a GGUF file does not say, as in llama.cpp);
+//! - attention scores scaled by `query_pre_attn_scalar^-½` (for GGUF files,
+//!   which do not store it, llama.cpp's rule: hidden / heads for the 27B,
+//!   head_dim otherwise);
 //! - a soft-cap of the attention scores when the config sets one; a final
 //!   logit soft-cap (Gemma 2's; Gemma 3 has none) is refused at load.
 
@@ -53,6 +54,8 @@ struct Layer<O: Ops> {
 pub struct Gemma3Model<O: Ops> {
     config: ModelConfig,
     embed_tokens: O::Weight,
+    /// A separate LM head when the checkpoint has one (Gemma ties them).
+    lm_head: Option<O::Weight>,
     norm: O::Vector,
     layers: Vec<Layer<O>>,
     rope_global: O::Rope,
@@ -82,6 +85,11 @@ impl<O: Ops> Gemma3Model<O> {
             ops.vector(name, &w)
         };
         let embed_tokens = ops.embedding_weight(weights.tensor_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?)?;
+        let lm_head = if config.tie_word_embeddings || !weights.contains("lm_head.weight") {
+            None
+        } else {
+            Some(mat("lm_head.weight", [config.vocab_size, h])?)
+        };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let p = |s: &str| format!("model.layers.{i}.{s}");
@@ -113,7 +121,7 @@ impl<O: Ops> Gemma3Model<O> {
             ..AttentionShape::new(config.num_attention_heads, config.num_key_value_heads, hd)
         };
         let local_attention = AttentionShape { sliding_window: config.sliding_window, ..global_attention };
-        Ok(Self { config, embed_tokens, norm, layers, rope_global, rope_local, global_attention, local_attention })
+        Ok(Self { config, embed_tokens, lm_head, norm, layers, rope_global, rope_local, global_attention, local_attention })
     }
 }
 
@@ -151,6 +159,6 @@ impl<O: Ops> CausalLm<O> for Gemma3Model<O> {
         }
         let last = ops.logits_rows(&h, step)?;
         let last = ops.rms_norm(&last, &self.norm, eps, c.hidden_size)?;
-        ops.linear(&last, &self.embed_tokens, None)
+        ops.linear(&last, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
     }
 }

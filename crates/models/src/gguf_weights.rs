@@ -212,6 +212,12 @@ impl WeightSource for GgufWeights {
         json["rope_local_base_freq"] = self.optional_f64(&key("rope.freq_base_swa"))?.into();
         json["attn_logit_softcapping"] = self.optional_f64(&key("attn_logit_softcapping"))?.into();
         json["final_logit_softcapping"] = self.optional_f64(&key("final_logit_softcapping"))?.into();
+        // llama.cpp's rule for Gemma 3 files, which do not store
+        // query_pre_attn_scalar: hidden / heads for the 27B (62 layers),
+        // head_dim otherwise.
+        if a == "gemma3" && f.get_usize(&key("block_count"))? == 62 {
+            json["query_pre_attn_scalar"] = (hidden / n_head.max(1)).into();
+        }
         if let Some(MetadataValue::String(kind)) = f.get(&key("rope.scaling.type")) {
             if kind == "linear" {
                 let factor = self.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0);

@@ -79,3 +79,15 @@ fn any_text_round_trips_and_special_tokens_can_be_skipped() {
     assert_eq!(ids[..2], [2, 105]);
     assert_eq!(t.decode(&ids, true).unwrap(), "user\nhi");
 }
+
+#[test]
+fn long_whitespace_runs_are_cut_into_the_longest_pieces() {
+    // Runs of newlines are user-defined pieces of 1–31 newlines (ids 107..=137);
+    // a long run is the longest piece repeated (the reference cuts longest
+    // first), and memory stays linear in the text.
+    let t = tokenizer();
+    let ids = t.encode(&"\n".repeat(1_000_000), false).unwrap();
+    assert_eq!(ids.len(), 1_000_000 / 31 + 1);
+    assert!(ids[..ids.len() - 1].iter().all(|&id| id == 137));
+    assert_eq!(ids.last(), Some(&(107 + (1_000_000 % 31) - 1)));
+}

@@ -74,6 +74,8 @@ pub(crate) struct SpmTokenizer {
     unknown_id: Option<u32>,
     /// Special pieces → (rank, id): rank orders longest first, then by id.
     special: HashMap<String, (u32, u32)>,
+    /// The id of each rank.
+    special_by_rank: Vec<u32>,
     /// The distinct byte lengths of the special pieces.
     special_lengths: Vec<usize>,
     /// Whether some special piece starts with this byte (most text
@@ -99,11 +101,6 @@ impl SpmTokenizer {
         for (id, (piece, &ty)) in pieces.iter().zip(&types).enumerate() {
             let id = id as u32;
             ids.insert(piece.clone(), id);
-            if ty == TokenType::Byte {
-                if let Some(b) = parse_byte_piece(piece) {
-                    byte_ids[b as usize] = Some(id);
-                }
-            }
             if ty == TokenType::Unknown && unknown_id.is_none() {
                 unknown_id = Some(id);
             }
@@ -111,12 +108,17 @@ impl SpmTokenizer {
                 special_ids.push(id);
             }
         }
+        // Byte fallback looks `<0xNN>` up by name, as llama.cpp does.
+        for (b, slot) in byte_ids.iter_mut().enumerate() {
+            *slot = ids.get(&format!("<0x{b:02X}>")).copied();
+        }
         // Stable: equal lengths keep id order.
         special_ids.sort_by_key(|&id| std::cmp::Reverse(pieces[id as usize].len()));
         let mut special = HashMap::with_capacity(special_ids.len());
         for (rank, &id) in special_ids.iter().enumerate() {
             special.entry(pieces[id as usize].clone()).or_insert((rank as u32, id));
         }
+        let special_by_rank = special_ids;
         let mut special_first_bytes = [false; 256];
         for piece in special.keys() {
             special_first_bytes[piece.as_bytes()[0] as usize] = true;
@@ -124,7 +126,19 @@ impl SpmTokenizer {
         let mut special_lengths: Vec<usize> = special.keys().map(String::len).collect();
         special_lengths.sort_unstable();
         special_lengths.dedup();
-        Self { pieces, scores, types, ids, byte_ids, unknown_id, special, special_lengths, special_first_bytes, add_space_prefix }
+        Self {
+            pieces,
+            scores,
+            types,
+            ids,
+            byte_ids,
+            unknown_id,
+            special,
+            special_by_rank,
+            special_lengths,
+            special_first_bytes,
+            add_space_prefix,
+        }
     }
 
     pub(crate) fn vocab_size(&self) -> usize {
@@ -165,40 +179,46 @@ impl SpmTokenizer {
 
     /// Step 1: special tokens cut out whole, longest first.
     fn partition<'a>(&self, text: &'a str, parse_special: bool) -> Vec<Fragment<'a>> {
-        // Every occurrence of every special piece, as (rank, start, end, id).
-        let mut found = Vec::new();
-        for (start, _) in text.char_indices() {
-            if !self.special_first_bytes[text.as_bytes()[start] as usize] {
-                continue;
-            }
-            for &len in &self.special_lengths {
-                let end = start + len;
-                let Some(piece) = text.get(start..end) else { continue };
+        let bytes = text.as_bytes();
+        let mut claimed: Vec<(usize, usize, u32)> = Vec::new();
+        let mut taken = vec![false; text.len()];
+        // Ranks order pieces longest first, so lengths are taken in
+        // decreasing order and, within one length, pieces by rank. Only the
+        // current length's occurrences at unclaimed positions are held
+        // (sixteen bytes each), so memory stays linear in the text however
+        // many special pieces its runs of newlines or spaces match.
+        let mut found: Vec<(u32, usize)> = Vec::new();
+        for &len in self.special_lengths.iter().rev() {
+            found.clear();
+            for (start, _) in text.char_indices() {
+                if taken[start] || !self.special_first_bytes[bytes[start] as usize] {
+                    continue;
+                }
+                let Some(piece) = text.get(start..start + len) else { continue };
                 if let Some(&(rank, id)) = self.special.get(piece) {
                     if self.types[id as usize].is_special(parse_special) {
-                        found.push((rank, start, end, id));
+                        found.push((rank, start));
                     }
                 }
             }
-        }
-        found.sort_unstable();
-        // Claim occurrences token by token in rank order: within one token,
-        // left to right without overlapping itself, and never across a
-        // range an earlier (longer) token claimed.
-        let mut claimed: Vec<(usize, usize, u32)> = Vec::new();
-        let mut taken = vec![false; text.len()];
-        let mut i = 0;
-        while i < found.len() {
-            let rank = found[i].0;
-            let mut searched_to = 0;
-            while i < found.len() && found[i].0 == rank {
-                let (_, start, end, id) = found[i];
-                if start >= searched_to && !taken[start..end].contains(&true) {
-                    taken[start..end].fill(true);
-                    claimed.push((start, end, id));
-                    searched_to = end;
+            found.sort_unstable();
+            // Claim piece by piece in rank order: left to right without
+            // overlapping itself, never across a range already claimed.
+            let mut i = 0;
+            while i < found.len() {
+                let rank = found[i].0;
+                let id = self.special_by_rank[rank as usize];
+                let mut searched_to = 0;
+                while i < found.len() && found[i].0 == rank {
+                    let start = found[i].1;
+                    let end = start + len;
+                    if start >= searched_to && !taken[start..end].contains(&true) {
+                        taken[start..end].fill(true);
+                        claimed.push((start, end, id));
+                        searched_to = end;
+                    }
+                    i += 1;
                 }
-                i += 1;
             }
         }
         claimed.sort_unstable();
