@@ -45,6 +45,9 @@ impl<E: ModelExecutor> EngineCore<E> {
             b.token_ids.extend_from_slice(&seq.tokens[start..end]);
             for p in start..end {
                 b.positions.push(p as u32);
+                // Written positions never lie before the window (the
+                // manager releases only blocks no query sees again).
+                debug_assert!(!table[p / bs].is_null(), "position {p} of {} lies in a released block", s.seq_id);
                 b.slot_mapping.push(table[p / bs].0 * bs as u32 + (p % bs) as u32);
             }
             let num_prompt = seq.num_prompt;

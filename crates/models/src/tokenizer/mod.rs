@@ -89,6 +89,7 @@ impl Tokenizer {
             }
         };
         let tokens = string_array(file, "tokenizer.ggml.tokens")?;
+        let tokens_len = tokens.len();
         let flag = |key: &str| file.get(key).and_then(MetadataValue::as_bool);
         let context = path.display().to_string();
         let (model, default_add_bos) = match model {
@@ -101,12 +102,18 @@ impl Tokenizer {
             }
         };
 
+        // A special token id must name a vocabulary entry: a bad file must
+        // not feed an out-of-range id to the embedding.
+        let vocab = tokens_len;
         let token_id = |key: &str| -> Result<Option<u32>> {
             match file.get(key) {
                 None => Ok(None),
-                Some(v) => {
-                    v.as_u64().and_then(|id| u32::try_from(id).ok()).map(Some).ok_or_else(|| file.bad_type(key, "a u32 token id", v))
-                }
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|id| u32::try_from(id).ok())
+                    .filter(|&id| (id as usize) < vocab)
+                    .map(Some)
+                    .ok_or_else(|| file.bad_type(key, &format!("a token id below the vocabulary size {vocab}"), v)),
             }
         };
         let bos_token_id = token_id("tokenizer.ggml.bos_token_id")?;
