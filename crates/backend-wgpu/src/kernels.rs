@@ -56,10 +56,8 @@ pub enum Kernel {
     RmsNorm,
     /// Half-split RoPE from a table.
     Rope,
-    /// `silu(gate) · up`.
-    SiluMul,
-    /// `gelu_tanh(gate) · up`.
-    GeluTanhMul,
+    /// `act(gate) · up`.
+    GatedMul(Activation),
     /// `x *= factor`.
     Scale,
     /// `x += y`.
@@ -82,8 +80,8 @@ impl Kernel {
             Kernel::Embed(_) => "embed",
             Kernel::RmsNorm => "rms_norm",
             Kernel::Rope => "rope",
-            Kernel::SiluMul => "silu_mul",
-            Kernel::GeluTanhMul => "gelu_tanh_mul",
+            Kernel::GatedMul(Activation::Silu) => "silu_mul",
+            Kernel::GatedMul(Activation::GeluTanh) => "gelu_tanh_mul",
             Kernel::Scale => "scale",
             Kernel::Add => "add",
             Kernel::GatherRows => "gather_rows",
@@ -108,8 +106,7 @@ impl Kernel {
             Kernel::Embed(format) => format!("{}\n{}", format.snippet(), include_str!("../../../kernels/wgsl/embed.wgsl")),
             Kernel::RmsNorm => include_str!("../../../kernels/wgsl/rms_norm.wgsl").to_string(),
             Kernel::Rope => include_str!("../../../kernels/wgsl/rope.wgsl").to_string(),
-            Kernel::SiluMul => include_str!("../../../kernels/wgsl/silu_mul.wgsl").to_string(),
-            Kernel::GeluTanhMul => include_str!("../../../kernels/wgsl/gelu_tanh_mul.wgsl").to_string(),
+            Kernel::GatedMul(act) => format!("{}\n{}", act.snippet(), include_str!("../../../kernels/wgsl/gated_mul.wgsl")),
             Kernel::Scale => include_str!("../../../kernels/wgsl/scale.wgsl").to_string(),
             Kernel::Add => include_str!("../../../kernels/wgsl/add.wgsl").to_string(),
             Kernel::GatherRows => include_str!("../../../kernels/wgsl/gather_rows.wgsl").to_string(),
@@ -118,6 +115,29 @@ impl Kernel {
                 format!("{}\n{}", kv_snippet(dtype), include_str!("../../../kernels/wgsl/paged_attention.wgsl"))
             }
             Kernel::CopyBlocks => include_str!("../../../kernels/wgsl/copy_blocks.wgsl").to_string(),
+        }
+    }
+}
+
+/// The activation of a gated MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// `silu(x) = x / (1 + e^-x)` (SwiGLU).
+    Silu,
+    /// GELU, tanh approximation (GeGLU, Gemma), as `x·σ(2u)` with
+    /// `u = √(2/π)·(x + 0.044715·x³)`; the exponent is clamped so that
+    /// `exp` stays finite on every driver.
+    GeluTanh,
+}
+
+impl Activation {
+    fn snippet(self) -> &'static str {
+        match self {
+            Activation::Silu => "fn act(x: f32) -> f32 { return x / (1.0 + exp(-x)); }",
+            Activation::GeluTanh => {
+                "fn act(x: f32) -> f32 {\n    let u = 0.7978845608 * (x + 0.044715 * x * x * x);\n    \
+                 return x / (1.0 + exp(clamp(-2.0 * u, -80.0, 80.0)));\n}"
+            }
         }
     }
 }

@@ -11,7 +11,7 @@
 //!  prepare_step ── one u32 buffer: ids | positions | slots | token→seq | query starts
 //!                  | context lens | block tables | logits rows
 //!  per layer ───── matmul (weights in GGUF blocks or f16/f32) · rms_norm · rope (table)
-//!                  · write_kv (slot mapping) · paged_attention (block tables) · silu_mul · add
+//!                  · write_kv (slot mapping) · paged_attention (block tables) · gated_mul (silu or gelu_tanh) · scale · add
 //!  to_host ─────── flush: one command buffer per step, then the logits read back
 //! ```
 //!

@@ -2,7 +2,7 @@
 //! wgpu device.
 
 use crate::context::GpuContext;
-use crate::kernels::Kernel;
+use crate::kernels::{Activation, Kernel};
 use crate::memory::{BufferPool, DeviceBuffer, Pooled};
 use crate::recorder::{Bound, KernelProfile, Recorder};
 use crate::weights::{self, GpuWeight};
@@ -237,6 +237,16 @@ impl WgpuOps {
         })
     }
 
+    /// `act(gate) · up` into a new tensor.
+    fn gated_mul(&self, act: Activation, gate: &GpuTensor, up: &GpuTensor) -> OpResult<GpuTensor> {
+        let name = Kernel::GatedMul(act).name();
+        check((gate.rows, gate.cols) == (up.rows, up.cols), || format!("{name}: shapes differ"))?;
+        self.bindable(gate, name)?;
+        let out = self.tensor(gate.rows, gate.cols)?;
+        self.elementwise(Kernel::GatedMul(act), vec![gate.bound(), up.bound(), out.bound()], gate.rows * gate.cols)?;
+        Ok(out)
+    }
+
     fn elementwise(&self, kernel: Kernel, bound: Vec<Bound>, len: usize) -> OpResult<()> {
         let p = params(&[u32_of(len, "elements")?, 0, 0, 0]);
         self.rec.dispatch(kernel, bound, &p, self.rec.groups_1d(len.div_ceil(64) as u64))
@@ -401,19 +411,11 @@ impl Ops for WgpuOps {
     }
 
     fn silu_mul(&self, gate: &GpuTensor, up: &GpuTensor) -> OpResult<GpuTensor> {
-        check((gate.rows, gate.cols) == (up.rows, up.cols), || "silu_mul: shapes differ".into())?;
-        self.bindable(gate, "silu_mul")?;
-        let out = self.tensor(gate.rows, gate.cols)?;
-        self.elementwise(Kernel::SiluMul, vec![gate.bound(), up.bound(), out.bound()], gate.rows * gate.cols)?;
-        Ok(out)
+        self.gated_mul(Activation::Silu, gate, up)
     }
 
     fn gelu_tanh_mul(&self, gate: &GpuTensor, up: &GpuTensor) -> OpResult<GpuTensor> {
-        check((gate.rows, gate.cols) == (up.rows, up.cols), || "gelu_tanh_mul: shapes differ".into())?;
-        self.bindable(gate, "gelu_tanh_mul")?;
-        let out = self.tensor(gate.rows, gate.cols)?;
-        self.elementwise(Kernel::GeluTanhMul, vec![gate.bound(), up.bound(), out.bound()], gate.rows * gate.cols)?;
-        Ok(out)
+        self.gated_mul(Activation::GeluTanh, gate, up)
     }
 
     fn scale(&self, x: &mut GpuTensor, factor: f32) -> OpResult<()> {

@@ -30,7 +30,7 @@ use crate::ops::{OpResult, Ops};
 use crate::registry::CausalLm;
 use crate::rope::RopeTable;
 use crate::{Result, WeightSource};
-use vellum_core::{AttentionShape, KvCacheDtype, KvCacheSpec, ModelConfig};
+use vellum_core::{AttentionShape, ModelConfig};
 
 struct Layer<O: Ops> {
     input_norm: O::Vector,
@@ -128,11 +128,6 @@ impl<O: Ops> Gemma3Model<O> {
 impl<O: Ops> CausalLm<O> for Gemma3Model<O> {
     fn config(&self) -> &ModelConfig {
         &self.config
-    }
-
-    fn kv_cache_spec(&self, block_size: usize, dtype: KvCacheDtype) -> KvCacheSpec {
-        let c = &self.config;
-        KvCacheSpec { num_layers: c.num_hidden_layers, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim, block_size, dtype }
     }
 
     fn forward(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {

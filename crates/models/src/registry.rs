@@ -11,8 +11,12 @@ pub trait CausalLm<O: Ops>: Send + Sync {
     /// The model's configuration.
     fn config(&self) -> &ModelConfig;
 
-    /// The KV cache this model needs, in blocks of `block_size` tokens.
-    fn kv_cache_spec(&self, block_size: usize, dtype: KvCacheDtype) -> KvCacheSpec;
+    /// The KV cache this model needs, in blocks of `block_size` tokens: by
+    /// default one K and one V pool per layer of the config's KV heads.
+    fn kv_cache_spec(&self, block_size: usize, dtype: KvCacheDtype) -> KvCacheSpec {
+        let c = self.config();
+        KvCacheSpec { num_layers: c.num_hidden_layers, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim, block_size, dtype }
+    }
 
     /// One forward pass over the step's mixed batch; returns the logits of
     /// the step's logits rows, `[rows, vocab]`.

@@ -1,5 +1,5 @@
-// out = gelu_tanh(gate) · up, element-wise (GeGLU, Gemma):
-// gelu_tanh(x) = 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+// out = act(gate) · up, element-wise (SwiGLU, GeGLU). `act` comes from a
+// snippet prepended by the host: silu or the tanh approximation of GELU.
 
 struct Params {
     len: u32,
@@ -19,10 +19,5 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     if (i >= p.len) {
         return;
     }
-    let g = gate[i];
-    // tanh through exp, clamped: WGSL's tanh is imprecise on some drivers
-    // for large arguments.
-    let t = clamp(0.7978845608 * (g + 0.044715 * g * g * g), -15.0, 15.0);
-    let e = exp(2.0 * t);
-    out[i] = 0.5 * g * (1.0 + (e - 1.0) / (e + 1.0)) * up[i];
+    out[i] = act(gate[i]) * up[i];
 }
