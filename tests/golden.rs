@@ -99,7 +99,8 @@ fn matches_the_float64_reference(model: &Model, device: Device) {
     let args = EngineArgs {
         model: model.spec.map(str::to_string),
         device,
-        kv_cache: vellum::core::KvCacheSize::NumBlocks(256),
+        // In bytes: a Gemma block holds 3 of its 18 layers (KV-cache groups).
+        kv_cache: vellum::core::KvCacheSize::MemoryBytes(256 << 20),
         scheduler: SchedulerConfig { max_num_batched_tokens: 512, max_model_len: 2048, ..SchedulerConfig::default() },
         ..EngineArgs::default()
     };
@@ -211,6 +212,45 @@ fn chunking_prefix_hits_and_batching_leave_results(device: Device) {
     let mut chunked = engine(23);
     let chunks = run(&mut chunked, std::slice::from_ref(&long));
     assert_close(&alone, &chunks, "chunked prefill");
+}
+
+/// Gemma 3's local layers (window 512) keep their own block tables and
+/// release the blocks that slid out (KV-cache groups, vLLM's hybrid
+/// manager): the 828-token golden prompt decodes past its window. Under the
+/// same schedule (chunked prefill of 200 tokens, then a prefix hit whose
+/// local part covers only the window) the results equal those of one table
+/// that keeps every block.
+#[test]
+fn gemma3_kv_cache_groups_change_no_result() {
+    let cases = load_golden(GEMMA3.golden);
+    let prompts: Vec<Vec<u32>> = cases.iter().map(|c| c.prompt_ids.clone()).collect();
+    let (long, _) = prompts.iter().enumerate().max_by_key(|(_, p)| p.len()).expect("prompts");
+    assert!(prompts[long].len() > 600, "a prompt longer than the window");
+    let run_both = |hybrid: bool| {
+        let mut llm = Llm::new(EngineArgs {
+            model: GEMMA3.spec.map(str::to_string),
+            kv_cache: vellum::core::KvCacheSize::MemoryBytes(256 << 20),
+            disable_hybrid_kv_cache_manager: !hybrid,
+            scheduler: SchedulerConfig { max_num_batched_tokens: 200, max_model_len: 2048, ..SchedulerConfig::default() },
+            ..EngineArgs::default()
+        })
+        .expect("gemma3-270m loads");
+        let groups = llm.engine().scheduler().allocator().num_kv_groups();
+        let all = run(&mut llm, &prompts);
+        let hits_before = llm.engine().scheduler().allocator().stats().prefix_cache_hits;
+        let again = run(&mut llm, &prompts[long..=long]);
+        let hits = llm.engine().scheduler().allocator().stats().prefix_cache_hits - hits_before;
+        assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0, "every block returned");
+        (groups, all, again, hits)
+    };
+    let (groups, want, want_hit, want_hits) = run_both(false);
+    assert_eq!(groups, 1);
+    let (groups, got, got_hit, got_hits) = run_both(true);
+    assert_eq!(groups, 6, "5 local groups and 1 global group of 3 layers");
+    assert_close(&want, &got, "KV-cache groups with chunked prefill");
+    assert_eq!(got_hits, want_hits, "the prefix hit is as long with KV-cache groups");
+    assert!(got_hits as usize >= prompts[long].len() / 16 * 16 - 16, "the long prompt hits the prefix cache ({got_hits} tokens)");
+    assert_close(&want_hit, &got_hit, "prefix hit through KV-cache groups");
 }
 
 /// A stop string ends the request as soon as the text contains it.

@@ -76,7 +76,7 @@ fn released_window_blocks_change_no_token_and_bound_memory() {
         CpuExecutor::load(CpuOps::new(WeightFormat::F32), &weights, config, |_, _| {}).expect("loads")
     };
     let exec = load();
-    assert_eq!(exec.uniform_sliding_window(), Some(WINDOW));
+    assert_eq!(exec.kv_group_windows(), vec![Some(WINDOW)]);
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| (0..(5 + 7 * i)).map(|t| ((t * 7 + i) % 29 + 3) as u32).collect()).collect();
     // 16 blocks: released blocks are reused by the other sequences within
     // a few steps, so a stale read would show in the tokens.
@@ -89,5 +89,44 @@ fn released_window_blocks_change_no_token_and_bound_memory() {
     eprintln!("peak blocks in use: {peak_released} released vs {peak_kept} kept");
     assert!(peak_kept >= 4 * 16, "{peak_kept}");
     assert!(peak_released <= 16, "{peak_released}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A model that mixes a sliding-window layer and a global layer (Qwen-style
+/// `layer_types`): with a block table per KV-cache group, the local layer's
+/// blocks that slid out are released while the global layer keeps every
+/// block; the tokens equal those of one table that keeps everything
+/// (`with_hybrid_kv_cache(false)`, vLLM's --disable-hybrid-kv-cache-manager),
+/// in less memory.
+#[test]
+fn kv_cache_groups_change_no_token_and_free_local_blocks() {
+    let dir = std::env::temp_dir().join(format!("vellum-hybrid-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    tiny_checkpoint::write_tiny_hf_dir(&dir, &tiny_checkpoint::tiny_tensors());
+    let config = tiny_checkpoint::TINY_CONFIG_JSON.replace(
+        r#""torch_dtype""#,
+        &format!(r#""sliding_window": {WINDOW}, "layer_types": ["sliding_attention", "full_attention"], "torch_dtype""#),
+    );
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let weights = SafetensorsWeights::open(&dir).expect("opens");
+    let load = |hybrid: bool| {
+        let config = weights.model_config().expect("config");
+        CpuExecutor::load(CpuOps::new(WeightFormat::F32), &weights, config, |_, _| {}).expect("loads").with_hybrid_kv_cache(hybrid)
+    };
+    let (hybrid, single) = (load(true), load(false));
+    assert_eq!(hybrid.kv_group_windows(), vec![None, Some(WINDOW)]);
+    assert_eq!(single.kv_group_windows(), vec![None]);
+    let (hybrid_bytes, single_bytes) = (hybrid.kv_block_bytes(4), single.kv_block_bytes(4));
+    assert_eq!(single_bytes, 2 * hybrid_bytes, "a hybrid block holds one layer of its group");
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| (0..(5 + 7 * i)).map(|t| ((t * 5 + i) % 29 + 3) as u32).collect()).collect();
+    // 4 sequences of up to 86 tokens: 22 global blocks + about 4 local ones
+    // each; a pool barely above that makes released blocks come back fast.
+    let (grouped, peak_grouped) = generate(hybrid, &prompts, 4 * 27);
+    let (kept, peak_kept) = generate(single, &prompts, 128);
+    assert_eq!(grouped, kept, "KV-cache groups changed the tokens");
+    let (grouped_mem, kept_mem) = (peak_grouped as u64 * hybrid_bytes, peak_kept as u64 * single_bytes);
+    eprintln!("peak KV bytes: {grouped_mem} with groups vs {kept_mem} with one table");
+    assert!(grouped_mem * 10 < kept_mem * 7, "{grouped_mem} vs {kept_mem}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -65,9 +65,9 @@ pub struct HostStep {
 }
 
 impl HostStep {
-    /// The step's attention metadata.
-    pub fn meta(&self) -> AttentionMetadata<'_> {
-        self.batch.attention_metadata(self.block_size)
+    /// The step's attention metadata for KV-cache group `group`.
+    pub fn meta(&self, group: usize) -> AttentionMetadata<'_> {
+        self.batch.attention_metadata(self.block_size, group)
     }
 }
 
@@ -243,23 +243,39 @@ impl AttentionBackend for CpuOps {
         format!("cpu ({simd}, {} threads, weights {:?})", rayon::current_num_threads(), self.weight_format)
     }
 
+    fn supports_kv_groups(&self) -> bool {
+        true
+    }
+
     fn kv_memory(&self, _spec: &KvCacheSpec) -> KvMemory {
         KvMemory { available_bytes: available_memory_bytes(), max_blocks: None }
     }
 
     fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<KvCache> {
         let layout = KvCacheLayout { num_blocks, block_size: spec.block_size, num_kv_heads: spec.num_kv_heads, head_dim: spec.head_dim };
-        Ok(KvCache::new(layout, spec.num_layers, num_host_blocks, spec.dtype))
+        Ok(KvCache::grouped(layout, spec.groups.clone(), num_host_blocks, spec.dtype))
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<HostStep> {
+        let (t, rows) = (batch.num_tokens(), batch.num_seqs() * batch.block_table_stride);
+        let groups = batch.kv_groups();
+        if batch.slot_mapping.len() != groups * t || batch.block_tables.len() < groups * rows {
+            return Err(Error::Backend(format!(
+                "prepare_step: {groups} KV groups of {t} tokens and {rows} block-table entries need {} slots and {} entries, the batch has {} and {}",
+                groups * t,
+                groups * rows,
+                batch.slot_mapping.len(),
+                batch.block_tables.len()
+            )));
+        }
         Ok(HostStep { batch: batch.clone(), block_size })
     }
 
     fn write_kv(&self, cache: &mut KvCache, layer: usize, k: &HostTensor, v: &HostTensor, step: &HostStep) -> vellum_core::Result<()> {
         let layout = cache.layout;
-        let pools = cache.layers.get_mut(layer).ok_or_else(|| Error::Backend(format!("write_kv: no layer {layer}")))?;
-        write_kv(pools, &layout, &k.data, &v.data, &step.batch.slot_mapping);
+        let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("write_kv: no layer {layer}")))?;
+        check_group(at.group, step)?;
+        write_kv(&mut cache.layers[at.slot], &layout, &k.data, &v.data, step.meta(at.group).slot_mapping);
         Ok(())
     }
 
@@ -271,9 +287,10 @@ impl AttentionBackend for CpuOps {
         step: &HostStep,
         shape: &AttentionShape,
     ) -> vellum_core::Result<HostTensor> {
-        let pools = cache.layers.get(layer).ok_or_else(|| Error::Backend(format!("paged_attention: no layer {layer}")))?;
+        let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("paged_attention: no layer {layer}")))?;
+        check_group(at.group, step)?;
         let mut out = HostTensor::zeros(q.rows, shape.num_heads * shape.head_dim);
-        paged_attention(&mut out.data, &q.data, pools, &cache.layout, &step.meta(), shape);
+        paged_attention(&mut out.data, &q.data, &cache.layers[at.slot], &cache.layout, &step.meta(at.group), shape);
         Ok(out)
     }
 
@@ -285,6 +302,16 @@ impl AttentionBackend for CpuOps {
     fn swap_blocks(&self, cache: &mut KvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_core::Result<()> {
         cache.swap_blocks(swaps, to_host);
         Ok(())
+    }
+}
+
+/// A layer of KV-cache group `group` needs the step to carry that group.
+fn check_group(group: usize, step: &HostStep) -> vellum_core::Result<()> {
+    let groups = step.batch.kv_groups();
+    if group < groups {
+        Ok(())
+    } else {
+        Err(Error::Backend(format!("a layer of KV-cache group {group} in a batch of {groups} groups")))
     }
 }
 

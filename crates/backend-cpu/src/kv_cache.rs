@@ -29,7 +29,7 @@ use std::ops::Range;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use vellum_core::{BlockCopy, BlockSwap, KvCacheDtype};
+use vellum_core::{BlockCopy, BlockSwap, KvCacheDtype, KvCacheGroups, KvLayerSlot};
 
 /// Shape of the paged KV cache of one layer: K and V each
 /// `[num_blocks, block_size, num_kv_heads, head_dim]`, row-major (elements of
@@ -201,38 +201,56 @@ impl LayerKvCache {
     }
 }
 
-/// All layers plus the host swap pool.
+/// Every layer slot plus the host swap pool.
 ///
-/// `layers[l]` is layer `l` in the device pool (`layout.num_blocks` blocks);
-/// `host_layers[l]` is layer `l` in the host pool (`num_host_blocks` blocks,
-/// otherwise the same layout). On the CPU backend both live in host memory;
-/// the split keeps block ids of the two pools apart, as on a GPU. Every pool
-/// has the same dtype, so swapping is a plain copy.
+/// `layers[s]` is block slot `s` in the device pool (`layout.num_blocks`
+/// blocks); `host_layers[s]` is slot `s` in the host pool (`num_host_blocks`
+/// blocks, otherwise the same layout). With one KV-cache group slot `s` is
+/// layer `s`; with several (local and global layers), the layers of each
+/// group share the slots and `groups` says which slot and which group's
+/// block tables a layer uses. On the CPU backend both pools live in host
+/// memory; the split keeps block ids of the two pools apart, as on a GPU.
+/// Every pool has the same dtype, so swapping is a plain copy.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvCache {
-    /// Layout of one layer of the device pool.
+    /// Layout of one slot of the device pool.
     pub layout: KvCacheLayout,
     /// Storage type of every pool.
     pub dtype: KvCacheDtype,
-    /// Device pool, one entry per layer.
+    /// Which slot and group each layer uses.
+    pub groups: KvCacheGroups,
+    /// Device pool, one entry per layer slot.
     pub layers: Vec<LayerKvCache>,
-    /// Host swap pool, one entry per layer, `num_host_blocks` blocks each.
+    /// Host swap pool, one entry per layer slot, `num_host_blocks` blocks each.
     pub host_layers: Vec<LayerKvCache>,
     /// Blocks in the host pool.
     pub num_host_blocks: usize,
 }
 
 impl KvCache {
-    /// Zeroed device and host pools for `num_layers` layers, stored as `dtype`.
+    /// Zeroed device and host pools for `num_layers` layers of one group,
+    /// stored as `dtype`.
     pub fn new(layout: KvCacheLayout, num_layers: usize, num_host_blocks: usize, dtype: KvCacheDtype) -> Self {
+        Self::grouped(layout, KvCacheGroups::single(num_layers, None), num_host_blocks, dtype)
+    }
+
+    /// Zeroed device and host pools for the slots of `groups`.
+    pub fn grouped(layout: KvCacheLayout, groups: KvCacheGroups, num_host_blocks: usize, dtype: KvCacheDtype) -> Self {
         let host_layout = Self::host_layout_of(&layout, num_host_blocks);
+        let slots = groups.layers_per_group();
         Self {
             layout,
             dtype,
-            layers: (0..num_layers).map(|_| LayerKvCache::new(&layout, dtype)).collect(),
-            host_layers: (0..num_layers).map(|_| LayerKvCache::new(&host_layout, dtype)).collect(),
+            groups,
+            layers: (0..slots).map(|_| LayerKvCache::new(&layout, dtype)).collect(),
+            host_layers: (0..slots).map(|_| LayerKvCache::new(&host_layout, dtype)).collect(),
             num_host_blocks,
         }
+    }
+
+    /// Where `layer`'s K/V live, or `None` for a layer the cache lacks.
+    pub fn layer_slot(&self, layer: usize) -> Option<KvLayerSlot> {
+        (layer < self.groups.num_layers()).then(|| self.groups.slot(layer))
     }
 
     /// Layout of one layer of the host pool (feature `reference`: for tests).
@@ -308,7 +326,7 @@ mod tests {
         let layout = KvCacheLayout { num_blocks: 10, block_size: 16, num_kv_heads: 3, head_dim: 64 };
         assert_eq!(layout.block_elems(), 16 * 3 * 64);
         for (dtype, bytes) in [(KvCacheDtype::F32, 4), (KvCacheDtype::F16, 2), (KvCacheDtype::Bf16, 2)] {
-            let spec = vellum_core::KvCacheSpec { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, dtype };
+            let spec = vellum_core::KvCacheSpec::uniform(30, 3, 64, 16, dtype);
             assert_eq!(spec.block_bytes(), 2 * 16 * 3 * 64 * bytes * 30);
             let cache = KvCache::new(layout, 2, 4, dtype);
             assert_eq!(cache.layers[1].k.len(), 10 * 16 * 3 * 64);

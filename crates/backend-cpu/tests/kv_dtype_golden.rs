@@ -83,6 +83,7 @@ fn batch(tokens: &[u32], start: usize) -> ForwardBatch {
         context_lens: vec![end as u32],
         block_tables: (0..NUM_BLOCKS as u32).collect(),
         block_table_stride: NUM_BLOCKS,
+        num_kv_groups: 1,
         logits_indices: vec![n as u32 - 1],
         block_ops: Default::default(),
     }

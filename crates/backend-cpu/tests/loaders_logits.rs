@@ -40,6 +40,7 @@ fn run(weights: &dyn WeightSource) -> Vec<Vec<f32>> {
         context_lens: vec![10],
         block_tables: table.to_vec(),
         block_table_stride: 3,
+        num_kv_groups: 1,
         logits_indices: vec![9],
         ..ForwardBatch::default()
     };
@@ -51,6 +52,7 @@ fn run(weights: &dyn WeightSource) -> Vec<Vec<f32>> {
         context_lens: vec![11],
         block_tables: table.to_vec(),
         block_table_stride: 3,
+        num_kv_groups: 1,
         logits_indices: vec![0],
         ..ForwardBatch::default()
     };

@@ -68,7 +68,8 @@ struct Offsets {
 
 /// One step's inputs, uploaded once as a single `u32` buffer:
 /// `token_ids | positions | slot_mapping | token→sequence | query_start_loc
-/// | context_lens | block_tables | logits_indices`.
+/// | context_lens | block_tables | logits_indices` (slot mapping and block
+/// tables group after group for a model with several KV-cache groups).
 #[derive(Debug)]
 pub struct GpuStep {
     meta: Pooled,
@@ -78,6 +79,8 @@ pub struct GpuStep {
     logits_rows: usize,
     block_size: usize,
     stride: usize,
+    num_seqs: usize,
+    num_kv_groups: usize,
     max_id: Option<u32>,
     max_position: Option<u32>,
     max_logits_row: Option<u32>,
@@ -89,9 +92,19 @@ impl GpuStep {
     fn meta(&self) -> Bound {
         Bound { buf: self.meta.buf.clone(), offset: 0, size: self.meta_bytes.max(4) }
     }
+
+    /// Word offsets of KV-cache group `group`'s slot mapping and block tables.
+    fn group_offsets(&self, group: usize) -> vellum_core::Result<(u32, u32)> {
+        check(group < self.num_kv_groups, || format!("a layer of KV-cache group {group} in a batch of {} groups", self.num_kv_groups))?;
+        let slots = self.off.slots as usize + group * self.tokens;
+        let tables = self.off.tables as usize + group * self.num_seqs * self.stride;
+        Ok((u32_of(slots, "slot offset")?, u32_of(tables, "block-table offset")?))
+    }
 }
 
-/// The paged KV cache: one K and one V buffer per layer on the device,
+/// The paged KV cache: one K and one V buffer per layer slot on the device
+/// (per layer with one KV-cache group; the layers of each group share the
+/// slots with several),
 /// `[num_blocks, block_size, kv_heads, head_dim]` of the cache's dtype (f16
 /// and bf16 two to a word), and the host swap pool with the same per-block
 /// layout.
@@ -200,7 +213,8 @@ impl WgpuOps {
         Ok(t)
     }
 
-    /// Layer `layer`'s K (`value = false`) or V pool, widened to f32,
+    /// Layer slot `layer`'s K (`value = false`) or V pool (layer `layer` with one
+    /// KV-cache group), widened to f32,
     /// `[num_blocks, block_size, kv_heads, head_dim]` (for tests and
     /// debugging).
     pub fn read_kv_pool(&self, cache: &GpuKvCache, layer: usize, value: bool) -> OpResult<Vec<f32>> {
@@ -463,6 +477,10 @@ impl AttentionBackend for WgpuOps {
         self.ctx.describe()
     }
 
+    fn supports_kv_groups(&self) -> bool {
+        true
+    }
+
     fn kv_memory(&self, spec: &KvCacheSpec) -> KvMemory {
         KvMemory {
             available_bytes: self.ctx.available_bytes(),
@@ -478,25 +496,26 @@ impl AttentionBackend for WgpuOps {
         check(pool_bytes <= self.binding_limit, || {
             format!("wgpu: a KV pool of {num_blocks} blocks ({pool_bytes} bytes) exceeds the {}-byte storage binding", self.binding_limit)
         })?;
-        let mut layers = Vec::with_capacity(spec.num_layers);
-        for l in 0..spec.num_layers {
+        let mut layers = Vec::with_capacity(spec.num_slots());
+        for l in 0..spec.num_slots() {
             layers.push([
                 DeviceBuffer::new(&self.ctx, &format!("k pool {l}"), pool_bytes)?,
                 DeviceBuffer::new(&self.ctx, &format!("v pool {l}"), pool_bytes)?,
             ]);
         }
         let host_bytes = num_host_blocks * spec.pool_block_bytes() as usize;
-        let host = (0..spec.num_layers).map(|_| [vec![0u8; host_bytes], vec![0u8; host_bytes]]).collect();
-        Ok(GpuKvCache { spec: *spec, num_blocks, layers, host, num_host_blocks })
+        let host = (0..spec.num_slots()).map(|_| [vec![0u8; host_bytes], vec![0u8; host_bytes]]).collect();
+        Ok(GpuKvCache { spec: spec.clone(), num_blocks, layers, host, num_host_blocks })
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<GpuStep> {
         let t = batch.num_tokens();
         let s = batch.num_seqs();
-        check(batch.positions.len() == t && batch.slot_mapping.len() == t, || {
-            format!("step: {t} tokens but {} positions and {} slots", batch.positions.len(), batch.slot_mapping.len())
+        let groups = batch.kv_groups();
+        check(batch.positions.len() == t && batch.slot_mapping.len() == groups * t, || {
+            format!("step: {t} tokens of {groups} KV groups but {} positions and {} slots", batch.positions.len(), batch.slot_mapping.len())
         })?;
-        check(batch.context_lens.len() == s && batch.block_tables.len() >= s * batch.block_table_stride, || {
+        check(batch.context_lens.len() == s && batch.block_tables.len() >= groups * s * batch.block_table_stride, || {
             "step: context lengths or block tables do not match the sequences".into()
         })?;
         check(
@@ -513,8 +532,10 @@ impl AttentionBackend for WgpuOps {
                 format!("step: sequence {i} has {} queries, a context of {ctx} and {} table entries", q1 - q0, batch.block_table_stride)
             })?;
             token_seq.extend(std::iter::repeat_n(i as u32, (q1 - q0) as usize));
-            let row = &batch.block_tables[i * batch.block_table_stride..i * batch.block_table_stride + blocks];
-            max_block = max_block.max(row.iter().copied().max());
+            for g in 0..groups {
+                let start = (g * s + i) * batch.block_table_stride;
+                max_block = max_block.max(batch.block_tables[start..start + blocks].iter().copied().max());
+            }
         }
         let mut meta: Vec<u32> = Vec::new();
         let mut push = |xs: &[u32]| {
@@ -543,6 +564,8 @@ impl AttentionBackend for WgpuOps {
             logits_rows: batch.logits_indices.len(),
             block_size,
             stride: batch.block_table_stride,
+            num_seqs: s,
+            num_kv_groups: groups,
             max_id: batch.token_ids.iter().copied().max(),
             max_position: batch.positions.iter().copied().max(),
             max_logits_row: batch.logits_indices.iter().copied().max(),
@@ -552,7 +575,7 @@ impl AttentionBackend for WgpuOps {
     }
 
     fn write_kv(&self, cache: &mut GpuKvCache, layer: usize, k: &GpuTensor, v: &GpuTensor, step: &GpuStep) -> vellum_core::Result<()> {
-        let spec = cache.spec;
+        let spec = &cache.spec;
         let row = spec.num_kv_heads * spec.head_dim;
         check(k.rows == step.tokens && v.rows == step.tokens && k.cols == row && v.cols == row, || {
             format!("write_kv: k/v are [{}, {}]/[{}, {}], {} tokens of {row} expected", k.rows, k.cols, v.rows, v.cols, step.tokens)
@@ -561,10 +584,13 @@ impl AttentionBackend for WgpuOps {
         if let Some(slot) = step.max_slot {
             check((slot as usize) < cache.num_blocks * spec.block_size, || format!("write_kv: slot {slot} outside the pool"))?;
         }
-        let [kp, vp] = cache.layers.get(layer).ok_or_else(|| Error::Backend(format!("write_kv: no layer {layer}")))?;
+        check(layer < spec.groups.num_layers(), || format!("write_kv: no layer {layer}"))?;
+        let at = spec.groups.slot(layer);
+        let (slots, _) = step.group_offsets(at.group)?;
+        let [kp, vp] = &cache.layers[at.slot];
         let per_word = if spec.dtype == KvCacheDtype::F32 { 1 } else { 2 };
         let words = step.tokens * row / per_word;
-        let p = params(&[step.tokens as u32, row as u32, step.off.slots, 0]);
+        let p = params(&[step.tokens as u32, row as u32, slots, 0]);
         let bound = vec![k.bound(), v.bound(), kp.bound(), vp.bound(), step.meta()];
         self.rec.dispatch(Kernel::WriteKv(spec.dtype), bound, &p, self.rec.groups_1d(words.div_ceil(64) as u64))
     }
@@ -577,7 +603,7 @@ impl AttentionBackend for WgpuOps {
         step: &GpuStep,
         shape: &AttentionShape,
     ) -> vellum_core::Result<GpuTensor> {
-        let spec = cache.spec;
+        let spec = &cache.spec;
         check(shape.num_kv_heads == spec.num_kv_heads && shape.head_dim == spec.head_dim, || {
             format!(
                 "paged_attention: {} kv heads of {} for a cache of {} of {}",
@@ -597,7 +623,10 @@ impl AttentionBackend for WgpuOps {
             check((b as usize) < cache.num_blocks, || format!("paged_attention: block {b} outside the pool of {}", cache.num_blocks))?;
         }
         self.bindable(q, "paged_attention")?;
-        let [kp, vp] = cache.layers.get(layer).ok_or_else(|| Error::Backend(format!("paged_attention: no layer {layer}")))?;
+        check(layer < spec.groups.num_layers(), || format!("paged_attention: no layer {layer}"))?;
+        let at = spec.groups.slot(layer);
+        let (_, tables) = step.group_offsets(at.group)?;
+        let [kp, vp] = &cache.layers[at.slot];
         let out = self.tensor(q.rows, q.cols)?;
         let o = step.off;
         let p = params(&[
@@ -611,7 +640,7 @@ impl AttentionBackend for WgpuOps {
             o.token_seq,
             o.qsl,
             o.ctx,
-            o.tables,
+            tables,
             0,
             shape.scale.to_bits(),
             shape.logit_softcap.unwrap_or(0.0).to_bits(),

@@ -153,6 +153,7 @@ fn one_sequence_batch(t: usize) -> ForwardBatch {
         context_lens: vec![t as u32],
         block_tables: (0..t.div_ceil(4) as u32).collect(),
         block_table_stride: t.div_ceil(4),
+        num_kv_groups: 1,
         logits_indices: vec![t as u32 - 1],
         ..ForwardBatch::default()
     }
@@ -322,7 +323,7 @@ impl AttnCase {
     /// attend; compare the outputs and the pools.
     fn check(&self, dtype: KvCacheDtype) {
         let Built { num_blocks, early, late, q, kv_early: (ke, ve), kv_late: (kl, vl) } = self.build();
-        let spec = KvCacheSpec { num_layers: 2, num_kv_heads: self.kv_heads, head_dim: self.head_dim, block_size: self.block_size, dtype };
+        let spec = KvCacheSpec::uniform(2, self.kv_heads, self.head_dim, self.block_size, dtype);
         let row = self.kv_heads * self.head_dim;
         let shape = self.shape();
         let (c, g) = (cpu(), gpu());
@@ -431,7 +432,7 @@ fn long_context_decode_and_prefill_match_cpu() {
 #[test]
 fn copy_blocks_and_swaps_move_every_layer() {
     for dtype in [KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16] {
-        let spec = KvCacheSpec { num_layers: 3, num_kv_heads: 2, head_dim: 8, block_size: 4, dtype };
+        let spec = KvCacheSpec::uniform(3, 2, 8, 4, dtype);
         let (num_blocks, host_blocks) = (8, 3);
         let row = spec.num_kv_heads * spec.head_dim;
         let mut rng = Rng::new(13);
@@ -442,7 +443,7 @@ fn copy_blocks_and_swaps_move_every_layer() {
         let t = num_blocks * spec.block_size;
         let batch = ForwardBatch { slot_mapping: (0..t as u32).collect(), ..one_sequence_batch(t) };
         let (hstep, gstep) = (c.prepare_step(&batch, 4).unwrap(), g.prepare_step(&batch, 4).unwrap());
-        for l in 0..spec.num_layers {
+        for l in 0..spec.num_slots() {
             let (k, v) = (rng.signed_vec(t * row), rng.signed_vec(t * row));
             c.write_kv(&mut hc, l, &host(t, row, k.clone()), &host(t, row, v.clone()), &hstep).unwrap();
             g.write_kv(&mut gc, l, &g.upload(t, row, &k).unwrap(), &g.upload(t, row, &v).unwrap(), &gstep).unwrap();
@@ -456,7 +457,7 @@ fn copy_blocks_and_swaps_move_every_layer() {
         g.swap_blocks(&mut gc, &out, true).unwrap();
         c.swap_blocks(&mut hc, &back, false).unwrap();
         g.swap_blocks(&mut gc, &back, false).unwrap();
-        for l in 0..spec.num_layers {
+        for l in 0..spec.num_slots() {
             let tol = if dtype == KvCacheDtype::F32 { 0.0 } else { 2f32.powi(-7) };
             assert_close(&g.read_kv_pool(&gc, l, false).unwrap(), &hc.layers[l].k.to_f32_vec(), tol, &format!("{dtype:?} layer {l} K"));
             assert_close(&g.read_kv_pool(&gc, l, true).unwrap(), &hc.layers[l].v.to_f32_vec(), tol, &format!("{dtype:?} layer {l} V"));

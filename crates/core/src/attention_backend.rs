@@ -1,7 +1,7 @@
 //! The attention contract: paged attention over block tables, on whatever
 //! device holds the KV cache.
 
-use crate::{BlockCopy, BlockSwap, ForwardBatch, KvCacheDtype, Result};
+use crate::{BlockCopy, BlockSwap, ForwardBatch, KvCacheDtype, KvCacheGroups, Result};
 
 /// Per-step attention metadata on the host, borrowed from a
 /// [`ForwardBatch`] (see its module doc for the layout). Host backends read
@@ -24,14 +24,22 @@ pub struct AttentionMetadata<'a> {
 }
 
 impl ForwardBatch {
-    /// The batch's attention metadata for blocks of `block_size` tokens.
-    pub fn attention_metadata(&self, block_size: usize) -> AttentionMetadata<'_> {
+    /// The batch's attention metadata for KV-cache group `group` (`0` for a
+    /// model with one group) and blocks of `block_size` tokens.
+    ///
+    /// # Panics
+    /// If `group` is not below [`ForwardBatch::kv_groups`], or the batch's
+    /// tables are shorter than its groups imply (a bug in the engine).
+    pub fn attention_metadata(&self, block_size: usize, group: usize) -> AttentionMetadata<'_> {
+        let groups = self.kv_groups();
+        assert!(group < groups, "KV group {group} of a batch with {groups}");
+        let (t, rows) = (self.num_tokens(), self.num_seqs() * self.block_table_stride);
         AttentionMetadata {
             block_size,
-            slot_mapping: &self.slot_mapping,
+            slot_mapping: &self.slot_mapping[group * t..(group + 1) * t],
             query_start_loc: &self.query_start_loc,
             context_lens: &self.context_lens,
-            block_tables: &self.block_tables,
+            block_tables: &self.block_tables[group * rows..(group + 1) * rows],
             block_table_stride: self.block_table_stride,
         }
     }
@@ -81,12 +89,15 @@ impl AttentionShape {
     }
 }
 
-/// The geometry of a paged KV cache: every layer holds a K pool and a V pool
-/// of `[num_blocks, block_size, num_kv_heads, head_dim]` elements of `dtype`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The geometry of a paged KV cache: `groups.layers_per_group()` K pools and
+/// as many V pools of `[num_blocks, block_size, num_kv_heads, head_dim]`
+/// elements of `dtype`. With one group (most models) slot `l` is layer `l`;
+/// a hybrid model's layers share slots through their groups (see
+/// [`KvCacheGroups`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvCacheSpec {
-    /// Decoder layers (each with its own K and V pool).
-    pub num_layers: usize,
+    /// Which layers share a block table, and the slot of each layer.
+    pub groups: KvCacheGroups,
     /// Key/value heads.
     pub num_kv_heads: usize,
     /// Width of a head.
@@ -98,6 +109,16 @@ pub struct KvCacheSpec {
 }
 
 impl KvCacheSpec {
+    /// A cache of one group of `num_layers` layers, no window.
+    pub fn uniform(num_layers: usize, num_kv_heads: usize, head_dim: usize, block_size: usize, dtype: KvCacheDtype) -> Self {
+        Self { groups: KvCacheGroups::single(num_layers, None), num_kv_heads, head_dim, block_size, dtype }
+    }
+
+    /// K pools (and as many V pools) a block spans: the layers of one group.
+    pub fn num_slots(&self) -> usize {
+        self.groups.layers_per_group()
+    }
+
     /// Elements of one block in one pool (one layer's K, or its V).
     pub fn block_elems(&self) -> usize {
         self.block_size * self.num_kv_heads * self.head_dim
@@ -108,9 +129,9 @@ impl KvCacheSpec {
         (self.block_elems() * self.dtype.size_bytes()) as u64
     }
 
-    /// Bytes one block takes across all layers, K and V.
+    /// Bytes one block takes across its slots, K and V.
     pub fn block_bytes(&self) -> u64 {
-        2 * self.num_layers as u64 * self.pool_block_bytes()
+        2 * self.num_slots() as u64 * self.pool_block_bytes()
     }
 }
 
@@ -152,6 +173,14 @@ pub trait AttentionBackend {
 
     /// A short description for logs (`cpu (avx2)`, `wgpu: llvmpipe (Vulkan)`).
     fn describe(&self) -> String;
+
+    /// Whether the backend runs models with several KV-cache groups (a slot
+    /// mapping and block tables per group, layers sharing block slots; see
+    /// [`KvCacheGroups`]). A backend that does not gets one group of every
+    /// layer, whose blocks are all kept.
+    fn supports_kv_groups(&self) -> bool {
+        false
+    }
 
     /// Memory the backend can give a cache of `spec`'s geometry.
     fn kv_memory(&self, spec: &KvCacheSpec) -> KvMemory;

@@ -51,9 +51,11 @@ pub struct SeqTokens<'a> {
 /// may allocate, or they may be evicted).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ComputedBlocks {
-    /// Physical blocks, in logical order, each holding `block_size` tokens.
+    /// Physical blocks, in logical order, each holding `block_size` tokens
+    /// (groups interleaved as in a block table; an entry a sliding-window
+    /// group no longer needs is [`BlockId::NULL`]).
     pub block_ids: Vec<BlockId>,
-    /// `block_ids.len() * block_size`: tokens whose KV can be skipped.
+    /// `block_ids.len() / G * block_size`: tokens whose KV can be skipped.
     pub num_computed_tokens: usize,
 }
 
@@ -143,14 +145,21 @@ pub trait BlockAllocator {
     /// Blocks in the device pool.
     fn num_blocks(&self) -> usize;
 
+    /// KV-cache groups `G`: a block table holds `G` entries per logical
+    /// block, interleaved (entry `i·G + g` is logical block `i` of group
+    /// `g`; see [`KvCacheGroups`](crate::KvCacheGroups)). 1 for most models.
+    fn num_kv_groups(&self) -> usize {
+        1
+    }
+
     /// Blocks an allocation could use right now (free, including evictable
     /// cached blocks).
     fn num_free_blocks(&self) -> usize;
 
     /// The most blocks one sequence of `num_tokens` tokens holds at once
-    /// when it is computed `max_chunk` tokens at a time at most: all of
-    /// them, unless the allocator releases blocks that slid out of an
-    /// attention window.
+    /// when it is computed `max_chunk` tokens at a time at most, over all
+    /// groups: all of them, unless the allocator releases blocks that slid
+    /// out of an attention window.
     fn max_blocks_held(&self, num_tokens: usize, max_chunk: usize) -> usize {
         let _ = max_chunk;
         num_tokens.div_ceil(self.block_size())
@@ -185,7 +194,8 @@ pub trait BlockAllocator {
     /// `allocate_slots` saw (blocks before that window are gone).
     fn trim(&mut self, _seq: SeqId, _num_computed_tokens: usize) {}
 
-    /// The sequence's block table, or `None` if it holds nothing.
+    /// The sequence's block table (groups interleaved), or `None` if it
+    /// holds nothing.
     fn block_table(&self, seq: SeqId) -> Option<&[BlockId]>;
 
     /// Copies the backend must make before the next forward pass

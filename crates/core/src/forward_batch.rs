@@ -10,6 +10,11 @@
 //!                                        row s lists the physical blocks of s
 //! slot = block_id * block_size + (position % block_size)
 //! ```
+//!
+//! A model with several KV-cache groups (local and global layers, see
+//! [`KvCacheGroups`](crate::KvCacheGroups)) has a slot mapping and a set of
+//! block tables per group, stored group after group: `slot_mapping` is
+//! `[G, tokens]`, `block_tables` is `[G, S, block_table_stride]`.
 
 use crate::{BlockId, HostBlockId, TokenId};
 
@@ -58,16 +63,19 @@ pub struct ForwardBatch {
     pub token_ids: Vec<TokenId>,
     /// Position of each new token in its sequence.
     pub positions: Vec<u32>,
-    /// KV slot each new token's K/V is written to.
+    /// KV slot each new token's K/V is written to, `[G, tokens]`.
     pub slot_mapping: Vec<u32>,
     /// Offsets of each sequence's tokens in `token_ids` (length S + 1).
     pub query_start_loc: Vec<u32>,
     /// Per sequence: tokens in the KV cache once this step wrote its own.
     pub context_lens: Vec<u32>,
-    /// Row-major `[S, block_table_stride]` physical block ids (padding: 0).
+    /// Row-major `[G, S, block_table_stride]` physical block ids (padding,
+    /// and entries that slid out of a window: 0).
     pub block_tables: Vec<u32>,
     /// Entries per row of `block_tables`.
     pub block_table_stride: usize,
+    /// KV-cache groups `G` (`0` reads as `1`).
+    pub num_kv_groups: usize,
     /// Token rows whose logits are returned, in order.
     pub logits_indices: Vec<u32>,
     /// Block movements to apply first.
@@ -83,5 +91,10 @@ impl ForwardBatch {
     /// Number of new tokens in the batch.
     pub fn num_tokens(&self) -> usize {
         self.token_ids.len()
+    }
+
+    /// KV-cache groups: sets of slot mappings and block tables.
+    pub fn kv_groups(&self) -> usize {
+        self.num_kv_groups.max(1)
     }
 }

@@ -244,13 +244,6 @@ impl ModelConfig {
         }
     }
 
-    /// The window when every layer has the same one (Mistral; not Gemma,
-    /// whose global layers see everything).
-    pub fn uniform_sliding_window(&self) -> Option<usize> {
-        let all_sliding = self.layer_types.iter().all(|t| *t == LayerType::SlidingAttention);
-        self.sliding_window.filter(|_| all_sliding)
-    }
-
     /// Query heads per key/value head.
     pub fn num_queries_per_kv(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads

@@ -44,12 +44,12 @@ pub trait ModelExecutor {
         Ok(blocks)
     }
 
-    /// The attention window when every layer has the same one (Mistral):
-    /// the KV-cache manager then releases blocks that slid out of it.
-    /// `None` for full attention, or when layers differ (Gemma's local and
-    /// global layers keep every block; see ARCHITECTURE.md).
-    fn uniform_sliding_window(&self) -> Option<usize> {
-        None
+    /// The window of each KV-cache group, in block-table order (see
+    /// [`KvCacheGroups`](crate::KvCacheGroups)): the KV-cache manager keeps a
+    /// block table per group and releases the blocks that slid out of a
+    /// group's window. One full-attention group by default.
+    fn kv_group_windows(&self) -> Vec<Option<usize>> {
+        vec![None]
     }
 
     /// Allocates the device pool and the host swap pool.
@@ -76,8 +76,8 @@ impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
         (**self).num_kv_blocks(size, block_size)
     }
 
-    fn uniform_sliding_window(&self) -> Option<usize> {
-        (**self).uniform_sliding_window()
+    fn kv_group_windows(&self) -> Vec<Option<usize>> {
+        (**self).kv_group_windows()
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> Result<()> {

@@ -84,29 +84,30 @@ fn not_compiled(device: Device) -> Error {
 }
 
 /// Loads `weights` onto `device`'s backend as a [`ModelExecutor`] whose KV
-/// cache will be stored as `kv_cache_dtype`; `progress(layers_done,
+/// cache will be stored as `kv_cache_dtype`, with a block table per
+/// KV-cache group unless `hybrid_kv_cache` is off; `progress(layers_done,
 /// layers)` is called while the weights load.
 pub fn make_executor(
     device: Device,
     weights: &dyn WeightSource,
     config: ModelConfig,
-    kv_cache_dtype: KvCacheDtype,
+    (kv_cache_dtype, hybrid_kv_cache): (KvCacheDtype, bool),
     progress: impl FnMut(usize, usize),
 ) -> Result<Box<dyn ModelExecutor + Send>, crate::Error> {
     // Each arm is compiled only with its feature; the others are typed errors.
-    let _ = (&weights, &config, kv_cache_dtype);
+    let _ = (&weights, &config, kv_cache_dtype, hybrid_kv_cache);
     match device {
         #[cfg(feature = "cpu")]
         Device::Cpu => {
             let ops = vellum_backend_cpu::CpuOps::new(vellum_backend_cpu::WeightFormat::from_env());
             let runner = vellum_models::ModelRunner::load(ops, weights, config, progress)?;
-            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype)))
+            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype).with_hybrid_kv_cache(hybrid_kv_cache)))
         }
         #[cfg(feature = "wgpu")]
         Device::Wgpu => {
             let ops = vellum_backend_wgpu::WgpuOps::new()?;
             let runner = vellum_models::ModelRunner::load(ops, weights, config, progress)?;
-            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype)))
+            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype).with_hybrid_kv_cache(hybrid_kv_cache)))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda => {

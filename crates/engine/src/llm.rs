@@ -29,6 +29,9 @@ pub struct EngineArgs {
     pub scheduler: SchedulerConfig,
     /// Automatic prefix caching (vLLM's `--enable-prefix-caching`).
     pub enable_prefix_caching: bool,
+    /// One block table for every layer even when local and global layers
+    /// differ (vLLM's `--disable-hybrid-kv-cache-manager`).
+    pub disable_hybrid_kv_cache_manager: bool,
     /// Bytes of host memory for KV blocks swapped out on preemption
     /// (vLLM's `--swap-space`); 0 = none, swap preemption then recomputes.
     pub swap_space_bytes: u64,
@@ -44,6 +47,7 @@ impl Default for EngineArgs {
             kv_cache_dtype: KvCacheDtype::F32,
             scheduler: SchedulerConfig::default(),
             enable_prefix_caching: true,
+            disable_hybrid_kv_cache_manager: false,
             swap_space_bytes: 0,
         }
     }
@@ -104,7 +108,8 @@ impl Llm {
         let max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
         let max_batched = scheduler.max_num_batched_tokens;
-        let executor = make_executor(args.device, &*loaded.weights, config, args.kv_cache_dtype, progress)?;
+        let kv = (args.kv_cache_dtype, !args.disable_hybrid_kv_cache_manager);
+        let executor = make_executor(args.device, &*loaded.weights, config, kv, progress)?;
         let num_blocks = executor.num_kv_blocks(args.kv_cache, args.block_size)?;
         let block_bytes = executor.kv_block_bytes(args.block_size);
         tracing::info!(backend = %executor.describe(), num_blocks, block_size = args.block_size, mib = (num_blocks as u64 * block_bytes) >> 20, "KV cache");
@@ -119,11 +124,14 @@ impl Llm {
             args.enable_prefix_caching,
         )?;
         // vLLM's capacity line: how many requests of max_model_len fit at
-        // once (a model whose every layer slides holds only its window).
+        // once (a sliding-window group holds only its window). `tokens`: the
+        // context every group can hold at once (a block serves one group).
         let allocator = engine.scheduler().allocator();
         let per_request = vellum_core::BlockAllocator::max_blocks_held(allocator, max_model_len, max_batched).max(1);
+        let groups = vellum_core::BlockAllocator::num_kv_groups(allocator);
         tracing::info!(
-            tokens = num_blocks * args.block_size,
+            tokens = num_blocks * args.block_size / groups,
+            kv_cache_groups = groups,
             max_model_len,
             blocks_per_request = per_request,
             max_concurrency = format!("{:.2}", num_blocks as f64 / per_request as f64),

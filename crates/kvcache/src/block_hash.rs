@@ -38,6 +38,17 @@ pub fn hash_block_tokens(parent: Option<BlockHash>, tokens: &[TokenId], extra_ke
     BlockHash(((hi.finish() as u128) << 64) | lo.finish() as u128)
 }
 
+/// The name of block hash `h` in KV-cache group `group`: the same tokens
+/// hold different layers' KV in each group, so each group caches its own
+/// blocks. Group 0 uses the block hash itself.
+pub fn group_block_hash(h: BlockHash, group: usize) -> BlockHash {
+    if group == 0 {
+        h
+    } else {
+        hash_block_tokens(Some(h), &[], Some(group as u64))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,18 +14,26 @@
 //!   backend in one batch ([`BlockAllocator::take_block_copies`]).
 //! * Waste: a sequence holds `ceil(tokens / block_size)` blocks, so at most
 //!   one partially filled block.
-//! * Sliding window (every layer attends to the last `W` positions, as in
-//!   Mistral): a block whose tokens all lie before the first position any
-//!   future query sees (`num_computed + 1 − W`) is released and its entry
-//!   becomes [`BlockId::NULL`], so a sequence holds about `W / block_size + 1`
-//!   blocks however long it grows. Its hash stays registered while the block
-//!   waits in the free queue, so prefix hits still find it.
+//! * Sliding window (a group of layers attends to the last `W` positions:
+//!   every layer of Mistral, the local layers of Gemma 3): a block whose
+//!   tokens all lie before the first position any future query sees
+//!   (`num_computed + 1 − W`) is released and its entry becomes
+//!   [`BlockId::NULL`], so the group holds about `W / block_size + 1` blocks
+//!   per sequence however long it grows. Its hash stays registered while the
+//!   block waits in the free queue, so prefix hits still find it.
+//! * KV-cache groups (vLLM's hybrid manager; see
+//!   [`KvCacheGroups`](vellum_core::KvCacheGroups)): a model that mixes
+//!   local and global layers keeps a block table per group of layers over
+//!   the one pool, interleaved in one table (entry `i·G + g` is logical
+//!   block `i` of group `g`). Each group slides by its own window; a prefix
+//!   hit is the longest prefix that every group can serve (the global
+//!   groups from the first token, a local group only over its window).
 //!
 //! Complexity: `allocate_slots` is O(new blocks + newly full blocks) plus one
 //! hash-map probe; `free` is O(blocks held); `get_computed_blocks` is one hash
 //! and one probe per full prompt block.
 
-use crate::block_hash::{hash_block_tokens, BlockHash};
+use crate::block_hash::{group_block_hash, hash_block_tokens, BlockHash};
 use crate::block_pool::BlockPool;
 use crate::host_pool::HostPool;
 use std::collections::BTreeMap;
@@ -35,7 +43,7 @@ use vellum_core::{
 use vellum_core::{IdMap, IdSet};
 
 /// Sizes and switches of a [`KvCacheManager`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvCacheManagerConfig {
     /// Blocks in the device pool.
     pub num_blocks: usize,
@@ -45,23 +53,37 @@ pub struct KvCacheManagerConfig {
     pub block_size: usize,
     /// Automatic prefix caching.
     pub enable_prefix_caching: bool,
-    /// Every layer attends to at most this many positions: blocks that
-    /// slid out are released.
-    pub sliding_window: Option<usize>,
+    /// The window of each KV-cache group, in block-table order (`None`:
+    /// full attention): a group's blocks that slid out of its window are
+    /// released. At least one group.
+    pub group_windows: Vec<Option<usize>>,
 }
 
 impl KvCacheManagerConfig {
-    /// `num_blocks` blocks of `block_size`, prefix caching on, no swap space.
+    /// `num_blocks` blocks of `block_size`, prefix caching on, no swap
+    /// space, one full-attention group.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self { num_blocks, num_host_blocks: 0, block_size, enable_prefix_caching: true, sliding_window: None }
+        Self { num_blocks, num_host_blocks: 0, block_size, enable_prefix_caching: true, group_windows: vec![None] }
+    }
+
+    /// One group whose every layer attends to the last `window` positions.
+    pub fn with_sliding_window(self, window: usize) -> Self {
+        self.with_group_windows(vec![Some(window)])
+    }
+
+    /// One block table per group, each with its window.
+    pub fn with_group_windows(mut self, windows: Vec<Option<usize>>) -> Self {
+        self.group_windows = windows;
+        self
     }
 }
 
 /// A live sequence's blocks.
 #[derive(Clone, Debug)]
 struct SeqBlocks {
+    /// Groups interleaved: entry `i·G + g` is logical block `i` of group `g`.
     block_table: Vec<BlockId>,
-    /// Chained hashes of the leading full blocks (may lag the table).
+    /// Chained hashes of the leading full logical blocks (may lag the table).
     block_hashes: Vec<BlockHash>,
     /// Tokens with a reserved slot.
     num_tokens: usize,
@@ -77,12 +99,23 @@ struct SwappedSeq {
     hint: LengthHint,
 }
 
+/// Block size, group windows and the prefix-caching switch of a manager,
+/// borrowed apart from its pool and sequences for [`KvCacheManager::grow`]
+/// and [`KvCacheManager::slide`].
+#[derive(Clone, Copy)]
+struct Geometry<'a> {
+    block_size: usize,
+    windows: &'a [Option<usize>],
+    enable_prefix_caching: bool,
+}
+
 /// Paged KV-cache manager (paper §4.2–4.5, thesis Listing 4.2).
 #[derive(Clone, Debug)]
 pub struct KvCacheManager {
     block_size: usize,
     enable_prefix_caching: bool,
-    sliding_window: Option<usize>,
+    /// One entry per KV-cache group.
+    windows: Vec<Option<usize>>,
     pool: BlockPool,
     host: HostPool,
     seqs: IdMap<SeqId, SeqBlocks>,
@@ -96,10 +129,14 @@ impl KvCacheManager {
     /// An empty manager.
     pub fn new(config: KvCacheManagerConfig) -> Self {
         assert!(config.block_size > 0 && config.block_size <= u16::MAX as usize, "block size out of range");
+        let mut windows: Vec<Option<usize>> = config.group_windows.iter().map(|w| w.filter(|&w| w > 0)).collect();
+        if windows.is_empty() {
+            windows.push(None);
+        }
         Self {
             block_size: config.block_size,
             enable_prefix_caching: config.enable_prefix_caching,
-            sliding_window: config.sliding_window.filter(|&w| w > 0),
+            windows,
             pool: BlockPool::new(config.num_blocks),
             host: HostPool::new(config.num_host_blocks.min(config.num_blocks)),
             seqs: IdMap::default(),
@@ -135,32 +172,32 @@ impl KvCacheManager {
         self.pool.reset_prefix_cache();
     }
 
-    /// Blocks needed to hold `num_tokens` tokens.
-    fn blocks_for(&self, num_tokens: usize) -> usize {
-        num_tokens.div_ceil(self.block_size)
+    /// Block-table entries (all groups) needed to hold `num_tokens` tokens.
+    fn entries_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size) * self.windows.len()
     }
 
-    /// Appends `num_new_blocks` blocks to `s`, records the slots this step
-    /// fills, and registers the blocks it completes in the prefix cache.
-    fn grow(
-        pool: &mut BlockPool,
-        s: &mut SeqBlocks,
-        seq: &SeqTokens<'_>,
-        total: usize,
-        num_new_blocks: usize,
-        bs: usize,
-        enable_prefix_caching: bool,
-    ) {
-        for _ in 0..num_new_blocks {
+    /// The first logical block of a group with `window` that a query at
+    /// `position` (or later) still sees.
+    fn first_visible_block(window: Option<usize>, position: usize, bs: usize) -> usize {
+        window.map_or(0, |w| (position + 1).saturating_sub(w) / bs)
+    }
+
+    /// Appends `num_new_blocks` logical blocks (a block per group each) to
+    /// `s`, records the slots this step fills, and registers the blocks it
+    /// completes in the prefix cache.
+    fn grow(g: Geometry<'_>, pool: &mut BlockPool, s: &mut SeqBlocks, seq: &SeqTokens<'_>, total: usize, num_new_blocks: usize) {
+        let (bs, groups) = (g.block_size, g.windows.len());
+        for _ in 0..num_new_blocks * groups {
             s.block_table.push(pool.allocate().expect("room checked by the caller"));
         }
         let write_block_idx = seq.num_computed_tokens / bs;
-        if let Some(&b) = s.block_table.get(write_block_idx) {
-            assert_eq!(pool.ref_cnt(b), 1, "{}: write into shared {b}", seq.seq_id);
-        }
-        for (i, &b) in s.block_table.iter().enumerate().skip(write_block_idx) {
-            let filled = total.saturating_sub(i * bs).min(bs);
-            if filled > pool.num_filled(b) {
+        for (j, &b) in s.block_table.iter().enumerate().skip(write_block_idx * groups) {
+            if j < (write_block_idx + 1) * groups && !b.is_null() {
+                assert_eq!(pool.ref_cnt(b), 1, "{}: write into shared {b}", seq.seq_id);
+            }
+            let filled = total.saturating_sub(j / groups * bs).min(bs);
+            if !b.is_null() && filled > pool.num_filled(b) {
                 pool.set_num_filled(b, filled);
             }
         }
@@ -169,32 +206,55 @@ impl KvCacheManager {
         // Register blocks that this step fills completely and whose tokens
         // are all known (under asynchronous scheduling the last sampled token
         // may still be in flight; its block is registered on a later call).
-        if enable_prefix_caching {
+        if g.enable_prefix_caching {
             let num_full = total.min(seq.token_ids.len()) / bs;
             while s.block_hashes.len() < num_full {
                 let i = s.block_hashes.len();
                 let h = hash_block_tokens(s.block_hashes.last().copied(), &seq.token_ids[i * bs..(i + 1) * bs], None);
                 s.block_hashes.push(h);
-                if !s.block_table[i].is_null() {
-                    pool.cache_block(s.block_table[i], h);
+                for group in 0..groups {
+                    let b = s.block_table[i * groups + group];
+                    if !b.is_null() {
+                        pool.cache_block(b, group_block_hash(h, group));
+                    }
                 }
             }
         }
     }
 
-    /// Releases the blocks of `s` before entry `first_visible_block` (no
-    /// query from now on sees them); returns the first entry that became
+    /// Releases, in every group with a window, the blocks before the first
+    /// one a query at `position` sees; returns the first entry that became
     /// [`BlockId::NULL`], if any.
-    fn slide(pool: &mut BlockPool, s: &mut SeqBlocks, first_visible_block: usize) -> Option<usize> {
+    fn slide(geo: Geometry<'_>, pool: &mut BlockPool, s: &mut SeqBlocks, position: usize) -> Option<usize> {
+        let groups = geo.windows.len();
         let mut first_released = None;
-        for (i, b) in s.block_table.iter_mut().enumerate().take(first_visible_block) {
-            if !b.is_null() {
-                pool.release(*b);
-                *b = BlockId::NULL;
-                first_released.get_or_insert(i);
+        for (g, &w) in geo.windows.iter().enumerate().filter(|(_, w)| w.is_some()) {
+            let visible = Self::first_visible_block(w, position, geo.block_size);
+            for i in 0..visible.min(s.block_table.len() / groups) {
+                let b = &mut s.block_table[i * groups + g];
+                if !b.is_null() {
+                    pool.release(*b);
+                    *b = BlockId::NULL;
+                    let j = i * groups + g;
+                    first_released = Some(first_released.map_or(j, |f: usize| f.min(j)));
+                }
             }
         }
         first_released
+    }
+
+    /// Blocks [`Self::slide`] would return to the pool (held by `s` alone).
+    fn releasable(&self, s: &SeqBlocks, position: usize) -> usize {
+        let groups = self.windows.len();
+        let mut n = 0;
+        for (g, &w) in self.windows.iter().enumerate().filter(|(_, w)| w.is_some()) {
+            let visible = Self::first_visible_block(w, position, self.block_size);
+            n += (0..visible.min(s.block_table.len() / groups))
+                .map(|i| s.block_table[i * groups + g])
+                .filter(|b| !b.is_null() && self.pool.ref_cnt(*b) == 1)
+                .count();
+        }
+        n
     }
 
     /// Checks every invariant of the manager; panics with a message on a
@@ -203,19 +263,21 @@ impl KvCacheManager {
     /// * each block's reference count equals the block-table entries that
     ///   point at it (cached free blocks have count zero);
     /// * a block is in the free queue iff its count is zero; free + used = total;
-    /// * each table has exactly `ceil(num_tokens / block_size)` entries;
+    /// * each table has exactly `G · ceil(num_tokens / block_size)` entries,
+    ///   released ones only in groups with a window;
     /// * host reference counts equal the host-table entries.
     pub fn assert_invariants(&self) {
         self.pool.assert_consistent();
         let mut refs = vec![0u32; self.pool.num_blocks()];
         for (id, s) in &self.seqs {
-            assert_eq!(s.block_table.len(), self.blocks_for(s.num_tokens), "{id}: table length vs tokens");
-            assert!(s.block_hashes.len() <= s.block_table.len(), "{id}: more hashes than blocks");
+            assert_eq!(s.block_table.len(), self.entries_for(s.num_tokens), "{id}: table length vs tokens");
+            assert!(s.block_hashes.len() * self.windows.len() <= s.block_table.len(), "{id}: more hashes than blocks");
             for b in s.block_table.iter().filter(|b| !b.is_null()) {
                 refs[b.index()] += 1;
             }
-            if self.sliding_window.is_none() {
-                assert!(s.block_table.iter().all(|b| !b.is_null()), "{id}: a released entry without a window");
+            for (j, b) in s.block_table.iter().enumerate() {
+                let w = self.windows[j % self.windows.len()];
+                assert!(w.is_some() || !b.is_null(), "{id}: entry {j} released in a group without a window");
             }
         }
         for (i, &r) in refs.iter().enumerate() {
@@ -249,89 +311,142 @@ impl BlockAllocator for KvCacheManager {
         self.pool.num_free_blocks()
     }
 
+    fn num_kv_groups(&self) -> usize {
+        self.windows.len()
+    }
+
     fn max_blocks_held(&self, num_tokens: usize, max_chunk: usize) -> usize {
         let all = num_tokens.div_ceil(self.block_size);
-        match self.sliding_window {
-            // A step's first query sees W − 1 earlier positions; its chunk
-            // adds up to max_chunk; one more block for misalignment.
-            Some(w) => all.min((w - 1 + max_chunk.max(1)).div_ceil(self.block_size) + 1),
-            None => all,
-        }
+        self.windows
+            .iter()
+            .map(|w| match w {
+                // A step's first query sees W − 1 earlier positions; its chunk
+                // adds up to max_chunk; one more block for misalignment.
+                Some(w) => all.min((w - 1 + max_chunk.max(1)).div_ceil(self.block_size) + 1),
+                None => all,
+            })
+            .sum()
     }
 
     fn get_computed_blocks(&mut self, seq: &SeqTokens<'_>) -> ComputedBlocks {
         if !self.enable_prefix_caching || seq.token_ids.is_empty() {
             return ComputedBlocks::default();
         }
+        let (bs, groups) = (self.block_size, self.windows.len());
         // Never the whole sequence: the last token must be computed.
-        let max_blocks = (seq.token_ids.len() - 1) / self.block_size;
-        let mut block_ids = Vec::new();
-        let mut parent = None;
-        for chunk in seq.token_ids.chunks_exact(self.block_size).take(max_blocks) {
+        let max_blocks = (seq.token_ids.len() - 1) / bs;
+        // found[i·G + g]: logical block i of group g is cached. A group with
+        // a window needs, for a hit of n blocks, only the blocks its first
+        // computed query (at n·bs) still sees; `run[g]` counts its cached
+        // blocks in a row ending at the current one.
+        let mut found = Vec::new();
+        let mut run = vec![0usize; groups];
+        let (mut parent, mut best) = (None, 0);
+        for (i, chunk) in seq.token_ids.chunks_exact(bs).take(max_blocks).enumerate() {
             let h = hash_block_tokens(parent, chunk, None);
-            match self.pool.lookup(h) {
-                Some(b) => block_ids.push(b),
-                None => break,
-            }
             parent = Some(h);
+            let mut full_groups_hit = true;
+            for (g, w) in self.windows.iter().enumerate() {
+                let b = self.pool.lookup(group_block_hash(h, g));
+                found.push(b.unwrap_or(BlockId::NULL));
+                run[g] = if b.is_some() { run[g] + 1 } else { 0 };
+                full_groups_hit &= w.is_some() || b.is_some();
+            }
+            if !full_groups_hit {
+                break;
+            }
+            let n = i + 1;
+            let windows_hit =
+                self.windows.iter().zip(&run).all(|(&w, &r)| w.is_none() || r >= n - Self::first_visible_block(w, n * bs, bs));
+            if windows_hit {
+                best = n;
+            }
         }
-        let num_computed_tokens = block_ids.len() * self.block_size;
-        ComputedBlocks { block_ids, num_computed_tokens }
+        found.truncate(best * groups);
+        for (g, &w) in self.windows.iter().enumerate() {
+            for i in 0..Self::first_visible_block(w, best * bs, bs).min(best) {
+                found[i * groups + g] = BlockId::NULL;
+            }
+        }
+        ComputedBlocks { block_ids: found, num_computed_tokens: best * bs }
     }
 
     fn allocate_slots(&mut self, seq: &SeqTokens<'_>, num_new_tokens: usize, computed: ComputedBlocks) -> Option<AllocatedSlots> {
-        let bs = self.block_size;
+        let (bs, groups) = (self.block_size, self.windows.len());
         let total = seq.num_computed_tokens + num_new_tokens;
         let write_block_idx = seq.num_computed_tokens / bs;
         let num_free = self.pool.num_free_blocks();
-        // With a window, the blocks wholly before the first position this
-        // step's queries see are released first: they count as room.
-        let first_visible_block = self.sliding_window.map_or(0, |w| (seq.num_computed_tokens + 1).saturating_sub(w) / bs);
-        if let Some(s) = self.seqs.get_mut(&seq.seq_id) {
+        let geo = Geometry { block_size: bs, windows: &self.windows, enable_prefix_caching: self.enable_prefix_caching };
+        if self.seqs.contains_key(&seq.seq_id) {
             assert!(computed.block_ids.is_empty(), "{}: computed blocks are only for a new sequence", seq.seq_id);
-            // Copy-on-write: the first slot written lies in a block held by others.
-            let cow = s.block_table.get(write_block_idx).copied().filter(|&b| num_new_tokens > 0 && self.pool.ref_cnt(b) > 1);
-            let num_new_blocks = total.div_ceil(bs).saturating_sub(s.block_table.len());
-            let releasable = s.block_table.iter().take(first_visible_block).filter(|b| !b.is_null() && self.pool.ref_cnt(**b) == 1).count();
-            if num_new_blocks + cow.is_some() as usize > num_free + releasable {
+            let s = &self.seqs[&seq.seq_id];
+            // Copy-on-write: the first slot written lies in blocks held by others.
+            let cow: Vec<usize> = if num_new_tokens == 0 {
+                Vec::new()
+            } else {
+                (write_block_idx * groups..((write_block_idx + 1) * groups).min(s.block_table.len()))
+                    .filter(|&j| !s.block_table[j].is_null() && self.pool.ref_cnt(s.block_table[j]) > 1)
+                    .collect()
+            };
+            let num_new_blocks = total.div_ceil(bs).saturating_sub(s.block_table.len() / groups);
+            // With a window, the blocks wholly before the first position this
+            // step's queries see are released first: they count as room.
+            let releasable = self.releasable(s, seq.num_computed_tokens);
+            if num_new_blocks * groups + cow.len() > num_free + releasable {
                 return None;
             }
+            let s = self.seqs.get_mut(&seq.seq_id).expect("checked above");
             let mut first_changed = s.block_table.len();
-            if let Some(i) = Self::slide(&mut self.pool, s, first_visible_block) {
-                first_changed = i;
+            if let Some(j) = Self::slide(geo, &mut self.pool, s, seq.num_computed_tokens) {
+                first_changed = j;
             }
-            if let Some(old) = cow {
+            for &j in &cow {
+                let old = s.block_table[j];
                 let new = self.pool.allocate().expect("room checked above");
                 self.pool.set_num_filled(new, self.pool.num_filled(old));
                 self.pool.release(old);
                 self.pending_copies.push(BlockCopy { src: old, dst: new });
-                s.block_table[write_block_idx] = new;
-                first_changed = first_changed.min(write_block_idx);
+                s.block_table[j] = new;
+                first_changed = first_changed.min(j);
             }
-            Self::grow(&mut self.pool, s, seq, total, num_new_blocks, bs, self.enable_prefix_caching);
+            Self::grow(geo, &mut self.pool, s, seq, total, num_new_blocks);
             return Some(AllocatedSlots { first_changed_block_idx: first_changed, num_blocks: s.block_table.len() });
         }
         assert!(!self.swapped.contains_key(&seq.seq_id), "{} is swapped out; swap it in first", seq.seq_id);
         assert_eq!(computed.num_computed_tokens, seq.num_computed_tokens, "{}: a new sequence starts at its prefix-cache hit", seq.seq_id);
-        let num_new_blocks = total.div_ceil(bs).saturating_sub(computed.block_ids.len());
-        // Hit blocks before the window are not revived: their entries start released.
-        let num_revived = computed.block_ids.iter().skip(first_visible_block).filter(|b| self.pool.is_free(**b)).count();
-        if num_new_blocks + num_revived > num_free {
+        let num_hit = computed.block_ids.len() / groups;
+        let num_new_blocks = total.div_ceil(bs).saturating_sub(num_hit);
+        // Hit blocks before a window are not revived: their entries start released.
+        let visible: Vec<usize> = self.windows.iter().map(|&w| Self::first_visible_block(w, seq.num_computed_tokens, bs)).collect();
+        let kept = |j: usize| j / groups >= visible[j % groups];
+        let num_revived = computed.block_ids.iter().enumerate().filter(|&(j, b)| kept(j) && !b.is_null() && self.pool.is_free(*b)).count();
+        if num_new_blocks * groups + num_revived > num_free {
             return None;
         }
-        let block_hashes = computed.block_ids.iter().map(|&b| self.pool.hash(b).expect("computed blocks are cached")).collect();
+        let block_hashes = {
+            let mut parent = None;
+            seq.token_ids[..num_hit * bs]
+                .chunks_exact(bs)
+                .map(|chunk| {
+                    let h = hash_block_tokens(parent, chunk, None);
+                    parent = Some(h);
+                    h
+                })
+                .collect()
+        };
         let mut block_table = computed.block_ids;
-        for (i, b) in block_table.iter_mut().enumerate() {
-            if i < first_visible_block {
+        for (j, b) in block_table.iter_mut().enumerate() {
+            if !kept(j) {
                 *b = BlockId::NULL;
             } else {
+                assert!(!b.is_null(), "{}: a prefix hit lacks block {j} that a query still sees", seq.seq_id);
                 self.pool.touch(*b);
             }
         }
         self.prefix_cache_queries += seq.num_prompt_tokens as u64;
         self.prefix_cache_hits += computed.num_computed_tokens.min(seq.num_prompt_tokens) as u64;
         let mut s = SeqBlocks { block_table, block_hashes, num_tokens: computed.num_computed_tokens, hint: seq.hint };
-        Self::grow(&mut self.pool, &mut s, seq, total, num_new_blocks, bs, self.enable_prefix_caching);
+        Self::grow(geo, &mut self.pool, &mut s, seq, total, num_new_blocks);
         let num_blocks = s.block_table.len();
         self.seqs.insert(seq.seq_id, s);
         Some(AllocatedSlots { first_changed_block_idx: 0, num_blocks })
@@ -363,26 +478,28 @@ impl BlockAllocator for KvCacheManager {
     }
 
     fn trim(&mut self, seq: SeqId, num_computed_tokens: usize) {
-        let bs = self.block_size;
+        let (bs, groups) = (self.block_size, self.windows.len());
         let Some(s) = self.seqs.get_mut(&seq) else { return };
         if num_computed_tokens >= s.num_tokens {
             return;
         }
         // Registrations of blocks not wholly computed are void.
         let num_full = num_computed_tokens / bs;
-        for &b in s.block_table.iter().take(s.block_hashes.len()).skip(num_full).filter(|b| !b.is_null()) {
+        for &b in s.block_table.iter().take(s.block_hashes.len() * groups).skip(num_full * groups).filter(|b| !b.is_null()) {
             self.pool.uncache_block(b);
         }
         s.block_hashes.truncate(num_full);
         let keep = num_computed_tokens.div_ceil(bs);
-        for &b in s.block_table[keep..].iter().rev().filter(|b| !b.is_null()) {
+        for &b in s.block_table[keep * groups..].iter().rev().filter(|b| !b.is_null()) {
             self.pool.release(b);
         }
-        s.block_table.truncate(keep);
+        s.block_table.truncate(keep * groups);
         s.num_tokens = num_computed_tokens;
-        if let Some(&last) = s.block_table.last().filter(|b| !b.is_null()) {
-            if self.pool.ref_cnt(last) == 1 {
-                self.pool.set_num_filled(last, num_computed_tokens - (keep - 1) * bs);
+        if keep > 0 {
+            for &last in s.block_table[(keep - 1) * groups..].iter().filter(|b| !b.is_null()) {
+                if self.pool.ref_cnt(last) == 1 {
+                    self.pool.set_num_filled(last, num_computed_tokens - (keep - 1) * bs);
+                }
             }
         }
     }
@@ -434,8 +551,9 @@ impl BlockAllocator for KvCacheManager {
             }
             if self.enable_prefix_caching {
                 // The restored blocks are the live copies of their prefixes.
-                for (&b, &h) in block_table.iter().zip(&s.block_hashes).filter(|(b, _)| !b.is_null()) {
-                    self.pool.recache_block(b, h);
+                let groups = self.windows.len();
+                for (j, &b) in block_table.iter().enumerate().take(s.block_hashes.len() * groups).filter(|(_, b)| !b.is_null()) {
+                    self.pool.recache_block(b, group_block_hash(s.block_hashes[j / groups], j % groups));
                 }
             }
             self.seqs.insert(*id, SeqBlocks { block_table, block_hashes: s.block_hashes, num_tokens: s.num_tokens, hint: s.hint });
@@ -458,7 +576,7 @@ impl BlockAllocator for KvCacheManager {
             .values()
             .map(|s| {
                 let end = s.hint.true_total_tokens.unwrap_or(s.hint.max_total_tokens).max(s.num_tokens);
-                (s.block_table.len() * bs).saturating_sub(end)
+                (s.block_table.len() / self.windows.len() * bs).saturating_sub(end) * self.windows.len()
             })
             .sum();
         let internal = beyond_end.min(empty);

@@ -29,7 +29,7 @@ mod host_pool;
 mod kv_cache_manager;
 mod orca;
 
-pub use block_hash::{hash_block_tokens, BlockHash};
+pub use block_hash::{group_block_hash, hash_block_tokens, BlockHash};
 pub use block_pool::BlockPool;
 pub use buddy_allocator::BuddyAllocator;
 pub use free_queue::FreeBlockQueue;

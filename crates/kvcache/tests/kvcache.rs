@@ -186,7 +186,7 @@ fn cached_blocks_are_evicted_least_recently_freed_first() {
 #[test]
 fn a_sliding_window_keeps_a_long_sequence_in_a_few_blocks() {
     let (bs, w) = (16, 64);
-    let mut m = KvCacheManager::new(KvCacheManagerConfig { sliding_window: Some(w), ..KvCacheManagerConfig::new(12, bs) });
+    let mut m = KvCacheManager::new(KvCacheManagerConfig::new(12, bs).with_sliding_window(w));
     let tokens: Vec<u32> = (0..1000).collect();
     // A 100-token prefill, then one token per step up to 1,000 tokens.
     let first = m.allocate_slots(&seq(0, &tokens[..100], 0), 100, ComputedBlocks::default()).unwrap();
@@ -208,12 +208,57 @@ fn a_sliding_window_keeps_a_long_sequence_in_a_few_blocks() {
     assert_eq!(m.num_free_blocks(), 12);
 }
 
+/// vLLM's hybrid manager, Gemma-style: a global group (every block kept) and
+/// a local group (window 8) over one pool, block size 4. The local group's
+/// blocks that slid out are released while the global group keeps its own;
+/// a later request with the same prompt gets a prefix hit whose local part
+/// covers only the window.
+#[test]
+fn kv_cache_groups_slide_separately_and_share_prefixes() {
+    let (bs, w) = (4, 8);
+    let mut m = KvCacheManager::new(KvCacheManagerConfig::new(40, bs).with_group_windows(vec![None, Some(w)]));
+    assert_eq!(m.num_kv_groups(), 2);
+    let tokens: Vec<u32> = (100..140).collect();
+    m.allocate_slots(&seq(0, &tokens[..10], 0), 10, ComputedBlocks::default()).unwrap();
+    for n in 10..40 {
+        m.allocate_slots(&seq(0, &tokens[..=n], n), 1, ComputedBlocks::default()).expect("room");
+        m.assert_invariants();
+    }
+    // 40 tokens = 10 logical blocks; the last step's query (position 39)
+    // sees positions 32..=39 of the local layers: blocks 8 and 9.
+    let table = m.block_table(SeqId(0)).unwrap().to_vec();
+    assert_eq!(table.len(), 20, "two entries per logical block");
+    let global: Vec<bool> = table.iter().step_by(2).map(|b| !b.is_null()).collect();
+    let local: Vec<bool> = table.iter().skip(1).step_by(2).map(|b| !b.is_null()).collect();
+    assert!(global.iter().all(|&held| held), "the global group keeps every block");
+    assert_eq!(local, [false, false, false, false, false, false, false, false, true, true]);
+    assert_eq!(m.stats().num_used_blocks, 12);
+    assert_eq!(m.max_blocks_held(40, 1), 10 + 3, "every global block plus a window and one");
+    // The same prompt again: a hit on 9 logical blocks (the last token is
+    // computed); global blocks 0..9, local ones only where the first
+    // computed query (position 36) still looks: blocks 7 and 8. Local block
+    // 7 was released but still waits, cached, in the free queue.
+    let hit = m.get_computed_blocks(&seq(1, &tokens[..37], 0));
+    assert_eq!(hit.num_computed_tokens, 36);
+    let local_hit: Vec<bool> = hit.block_ids.iter().skip(1).step_by(2).map(|b| !b.is_null()).collect();
+    assert_eq!(local_hit, [false, false, false, false, false, false, false, true, true]);
+    assert!(hit.block_ids.iter().step_by(2).all(|b| !b.is_null()));
+    let st = SeqTokens { num_computed_tokens: 36, ..seq(1, &tokens[..37], 0) };
+    m.allocate_slots(&st, 1, hit).expect("room");
+    m.assert_invariants();
+    assert_eq!(m.stats().num_used_blocks, 12 + 1 + 2, "local block 7 revived, one new logical block of both groups");
+    m.free(SeqId(0));
+    m.free(SeqId(1));
+    m.assert_invariants();
+    assert_eq!(m.num_free_blocks(), 40);
+}
+
 #[test]
 fn a_window_frees_its_blocks_before_asking_for_new_ones() {
     // Block size 4, window 5, a pool of exactly max_blocks_held blocks:
     // chunks of 3, 4, 4, 4 tokens fit because each step releases what slid
     // out before it allocates.
-    let mut m = KvCacheManager::new(KvCacheManagerConfig { sliding_window: Some(5), ..KvCacheManagerConfig::new(3, 4) });
+    let mut m = KvCacheManager::new(KvCacheManagerConfig::new(3, 4).with_sliding_window(5));
     assert_eq!(m.max_blocks_held(40, 4), 3);
     let tokens: Vec<u32> = (0..40).collect();
     let mut done = 0;
@@ -350,11 +395,13 @@ fn first_visible(num_computed: usize, window: Option<usize>) -> usize {
 }
 
 /// What a slot holds. A real KV entry depends on its token *and* every token
-/// before it, so the shadow stores the whole prefix up to the slot.
-type Slot = Option<Vec<u32>>;
+/// before it, and on the layers of its KV-cache group, so the shadow stores
+/// the group and the whole prefix up to the slot.
+type Slot = Option<(usize, Vec<u32>)>;
 
 struct Shadow {
     bs: usize,
+    groups: usize,
     device: HashMap<BlockId, Vec<Slot>>,
     host: HashMap<HostBlockId, Vec<Slot>>,
 }
@@ -363,9 +410,23 @@ impl Shadow {
     fn write(&mut self, m: &KvCacheManager, id: SeqId, tokens: &[u32], from: usize, to: usize) {
         let table = m.block_table(id).expect("live").to_vec();
         for pos in from..to {
-            let b = table[pos / self.bs];
-            assert_eq!(m.pool().ref_cnt(b), 1, "write into shared {b}");
-            self.device.entry(b).or_insert_with(|| vec![None; self.bs])[pos % self.bs] = Some(tokens[..=pos].to_vec());
+            for g in 0..self.groups {
+                let b = table[pos / self.bs * self.groups + g];
+                assert_eq!(m.pool().ref_cnt(b), 1, "write into shared {b}");
+                self.device.entry(b).or_insert_with(|| vec![None; self.bs])[pos % self.bs] = Some((g, tokens[..=pos].to_vec()));
+            }
+        }
+    }
+
+    /// Every position a query still sees reads its own group's KV of its
+    /// own prefix through `table`.
+    fn check_reads(&self, table: &[BlockId], tokens: &[u32], num_computed: usize, windows: &[Option<usize>], what: &str) {
+        for (g, &w) in windows.iter().enumerate() {
+            for pos in first_visible(num_computed, w)..num_computed {
+                let b = table[pos / self.bs * self.groups + g];
+                let want = (g, tokens[..=pos].to_vec());
+                assert_eq!(self.device.get(&b).and_then(|slots| slots[pos % self.bs].as_ref()), Some(&want), "{what}: group {g} at {pos}");
+            }
         }
     }
     fn apply_copies(&mut self, m: &mut KvCacheManager) {
@@ -376,13 +437,14 @@ impl Shadow {
     }
 }
 
-fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize, window: Option<usize>) {
-    let mut m = KvCacheManager::new(KvCacheManagerConfig {
-        num_host_blocks: num_blocks / 2,
-        sliding_window: window,
-        ..KvCacheManagerConfig::new(num_blocks, bs)
-    });
-    let mut sh = Shadow { bs, device: HashMap::new(), host: HashMap::new() };
+fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize, windows: &[Option<usize>]) {
+    let mut m = KvCacheManager::new(
+        KvCacheManagerConfig { num_host_blocks: num_blocks / 2, ..KvCacheManagerConfig::new(num_blocks, bs) }
+            .with_group_windows(windows.to_vec()),
+    );
+    let groups = windows.len();
+    let any_window = windows.iter().any(Option::is_some);
+    let mut sh = Shadow { bs, groups, device: HashMap::new(), host: HashMap::new() };
     let mut live: Vec<(SeqId, ShadowSeq)> = Vec::new();
     let mut swapped: Vec<(SeqId, ShadowSeq)> = Vec::new();
     let mut next_id = 0u64;
@@ -399,8 +461,10 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize, window: Option<usize>) {
                 let st = SeqTokens { seq_id: id, token_ids: &prompt, num_prompt_tokens: prompt.len(), num_computed_tokens: 0, hint };
                 let hit = m.get_computed_blocks(&st);
                 assert!(hit.num_computed_tokens < prompt.len(), "a hit never covers the whole prompt");
-                for (j, b) in hit.block_ids.iter().enumerate() {
-                    let want: Vec<Slot> = (j * bs..(j + 1) * bs).map(|pos| Some(prompt[..=pos].to_vec())).collect();
+                assert_eq!(hit.block_ids.len(), hit.num_computed_tokens / bs * groups);
+                for (j, b) in hit.block_ids.iter().enumerate().filter(|(_, b)| !b.is_null()) {
+                    let (i, g) = (j / groups, j % groups);
+                    let want: Vec<Slot> = (i * bs..(i + 1) * bs).map(|pos| Some((g, prompt[..=pos].to_vec()))).collect();
                     assert_eq!(sh.device.get(b), Some(&want), "prefix hit on {b} holds other tokens");
                 }
                 let n_new = chunk.min(prompt.len() - hit.num_computed_tokens);
@@ -458,7 +522,7 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize, window: Option<usize>) {
                 // registration of uncomputed blocks) are given back.
                 let i = pick % live.len();
                 let (id, s) = &mut live[i];
-                let floor = if window.is_some() { s.last_alloc } else { 0 };
+                let floor = if any_window { s.last_alloc } else { 0 };
                 let n = s.num_computed.saturating_sub(back).max(floor);
                 m.trim(*id, n);
                 s.num_computed = n;
@@ -485,13 +549,7 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize, window: Option<usize>) {
                     // The content survived the round trip.
                     let (id, s) = swapped.swap_remove(i);
                     let table = m.block_table(id).unwrap().to_vec();
-                    for pos in first_visible(s.num_computed, window)..s.num_computed {
-                        assert_eq!(
-                            sh.device[&table[pos / bs]][pos % bs].as_deref(),
-                            Some(&s.tokens[..=pos]),
-                            "{id} lost token {pos} in swap"
-                        );
-                    }
+                    sh.check_reads(&table, &s.tokens, s.num_computed, windows, &format!("{id} after a swap"));
                     live.push((id, s));
                 }
             }
@@ -501,14 +559,15 @@ fn run_ops(ops: Vec<Op>, num_blocks: usize, bs: usize, window: Option<usize>) {
         // Every live sequence still reads its own tokens through its table.
         for (id, s) in &live {
             let table = m.block_table(*id).unwrap();
-            assert_eq!(table.len(), s.num_computed.div_ceil(bs), "{id}: table covers exactly its tokens");
-            for pos in first_visible(s.num_computed, window)..s.num_computed {
-                assert_eq!(sh.device[&table[pos / bs]][pos % bs].as_deref(), Some(&s.tokens[..=pos]), "{id} reads a wrong KV at {pos}");
-            }
-            if let Some(w) = window {
-                // Nothing wholly before the window is held.
-                let held = table.iter().filter(|b| !b.is_null()).count();
-                assert!(held <= w.div_ceil(bs) + 1 + s.num_computed.saturating_sub(s.last_alloc).div_ceil(bs), "{id} holds {held} blocks");
+            assert_eq!(table.len(), s.num_computed.div_ceil(bs) * groups, "{id}: table covers exactly its tokens");
+            sh.check_reads(table, &s.tokens, s.num_computed, windows, &id.to_string());
+            for (g, w) in windows.iter().enumerate() {
+                if let Some(w) = w {
+                    // Nothing wholly before the window is held.
+                    let held = table.iter().skip(g).step_by(groups).filter(|b| !b.is_null()).count();
+                    let bound = w.div_ceil(bs) + 1 + s.num_computed.saturating_sub(s.last_alloc).div_ceil(bs);
+                    assert!(held <= bound, "{id} holds {held} blocks of group {g}");
+                }
             }
         }
     }
@@ -525,14 +584,22 @@ proptest! {
 
     #[test]
     fn paged_manager_invariants(ops in prop::collection::vec(op(), 1..120), num_blocks in 4usize..40, bs_pow in 0u32..3) {
-        run_ops(ops, num_blocks, 1 << bs_pow, None);
+        run_ops(ops, num_blocks, 1 << bs_pow, &[None]);
     }
 
     #[test]
     fn paged_manager_invariants_with_a_sliding_window(
         ops in prop::collection::vec(op(), 1..120), num_blocks in 4usize..40, bs_pow in 0u32..3, window in 1usize..20,
     ) {
-        run_ops(ops, num_blocks, 1 << bs_pow, Some(window));
+        run_ops(ops, num_blocks, 1 << bs_pow, &[Some(window)]);
+    }
+
+    #[test]
+    fn paged_manager_invariants_with_kv_cache_groups(
+        ops in prop::collection::vec(op(), 1..120), num_blocks in 6usize..60, bs_pow in 0u32..3,
+        windows in prop::collection::vec(prop::option::of(1usize..20), 2..4),
+    ) {
+        run_ops(ops, num_blocks, 1 << bs_pow, &windows);
     }
 
     #[test]

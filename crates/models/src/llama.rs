@@ -90,10 +90,7 @@ impl<O: Ops> LlamaModel<O> {
         }
         let norm = vec("model.norm.weight", h)?;
         let rope = ops.rope_table(&RopeTable::new(&config))?;
-        let attention = AttentionShape {
-            sliding_window: config.sliding_window,
-            ..AttentionShape::new(config.num_attention_heads, config.num_key_value_heads, hd)
-        };
+        let attention = AttentionShape::new(config.num_attention_heads, config.num_key_value_heads, hd);
         Ok(Self { config, embed_tokens, lm_head, norm, layers, rope, attention })
     }
 }
@@ -119,7 +116,10 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
             }
             ops.rope(&mut q, &self.rope, step)?;
             ops.rope(&mut k, &self.rope, step)?;
-            let attn = ops.attention(cache, l, &q, &k, &v, step, &self.attention)?;
+            // Each layer's own window (Qwen's `layer_types` mix full and
+            // sliding layers; Mistral slides everywhere).
+            let shape = AttentionShape { sliding_window: c.layer_window(l), ..self.attention };
+            let attn = ops.attention(cache, l, &q, &k, &v, step, &shape)?;
             ops.add_assign(&mut h, &ops.linear(&attn, &layer.o_proj, None)?)?;
             let x = ops.rms_norm(&h, &layer.post_attention_norm, eps, c.hidden_size)?;
             let act = ops.silu_mul(&ops.linear(&x, &layer.gate_proj, None)?, &ops.linear(&x, &layer.up_proj, None)?)?;

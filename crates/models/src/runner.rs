@@ -17,6 +17,8 @@ pub struct ModelRunner<O: Ops> {
     ops: O,
     model: Box<dyn CausalLm<O>>,
     kv_cache_dtype: KvCacheDtype,
+    /// KV-cache groups for models that mix local and global layers.
+    hybrid_kv_cache: bool,
     /// The cache and its block size, once allocated.
     cache: Option<(O::KvCache, usize)>,
 }
@@ -26,7 +28,7 @@ impl<O: Ops + 'static> ModelRunner<O> {
     /// the model definition from the architecture registry.
     pub fn load(ops: O, weights: &dyn WeightSource, config: ModelConfig, progress: impl FnMut(usize, usize)) -> Result<Self> {
         let model = load_model(&ops, weights, config, progress)?;
-        Ok(Self { ops, model, kv_cache_dtype: KvCacheDtype::F32, cache: None })
+        Ok(Self { ops, model, kv_cache_dtype: KvCacheDtype::F32, hybrid_kv_cache: true, cache: None })
     }
 }
 
@@ -37,6 +39,16 @@ impl<O: Ops> ModelRunner<O> {
     /// [`ModelExecutor::initialize_kv_cache`].
     pub fn with_kv_cache_dtype(mut self, dtype: KvCacheDtype) -> Self {
         self.kv_cache_dtype = dtype;
+        self
+    }
+
+    /// With `false`, a model that mixes local and global layers keeps one
+    /// block table and every block, the window being only a mask (vLLM's
+    /// `--disable-hybrid-kv-cache-manager`); default `true`: a block table
+    /// per KV-cache group, local blocks released as they slide out. Applies
+    /// to the next [`ModelExecutor::initialize_kv_cache`].
+    pub fn with_hybrid_kv_cache(mut self, enable: bool) -> Self {
+        self.hybrid_kv_cache = enable;
         self
     }
 
@@ -55,8 +67,9 @@ impl<O: Ops> ModelRunner<O> {
         self.model.config()
     }
 
-    fn spec(&self, block_size: usize) -> KvCacheSpec {
-        self.model.kv_cache_spec(block_size, self.kv_cache_dtype)
+    /// The cache's geometry, KV-cache groups included.
+    pub fn kv_cache_spec(&self, block_size: usize) -> KvCacheSpec {
+        self.model.kv_cache_spec(block_size, self.kv_cache_dtype, self.hybrid_kv_cache && self.ops.supports_kv_groups())
     }
 }
 
@@ -66,21 +79,22 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
     }
 
     fn kv_block_bytes(&self, block_size: usize) -> u64 {
-        self.spec(block_size).block_bytes()
+        self.kv_cache_spec(block_size).block_bytes()
     }
 
     fn kv_memory(&self, block_size: usize) -> KvMemory {
-        self.ops.kv_memory(&self.spec(block_size))
+        self.ops.kv_memory(&self.kv_cache_spec(block_size))
     }
 
-    fn uniform_sliding_window(&self) -> Option<usize> {
-        self.model.config().uniform_sliding_window()
+    fn kv_group_windows(&self) -> Vec<Option<usize>> {
+        // The windows do not depend on the block size.
+        self.kv_cache_spec(16).groups.windows()
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_core::Result<()> {
         // Drop the old cache first so its memory is free for the new one.
         self.cache = None;
-        let cache = self.ops.allocate_kv_cache(&self.spec(block_size), num_blocks, num_host_blocks)?;
+        let cache = self.ops.allocate_kv_cache(&self.kv_cache_spec(block_size), num_blocks, num_host_blocks)?;
         self.cache = Some((cache, block_size));
         Ok(())
     }

@@ -153,7 +153,7 @@ pub fn simulate(config: &SimConfig) -> SimReport {
                 num_host_blocks: num_blocks,
                 block_size: config.block_size,
                 enable_prefix_caching: true,
-                sliding_window: None,
+                group_windows: vec![None],
             });
             run(config, kv)
         }

@@ -6,7 +6,7 @@
 
 use super::EngineCore;
 use std::time::Instant;
-use vellum_core::{ForwardBatch, ModelExecutor, RequestId, SeqId};
+use vellum_core::{BlockAllocator, ForwardBatch, ModelExecutor, RequestId, SeqId};
 use vellum_scheduler::SchedulerOutput;
 
 /// What a row of the executor's logits is for.
@@ -28,12 +28,25 @@ impl<E: ModelExecutor> EngineCore<E> {
             t.extend_from_slice(&u.block_ids);
         }
         let bs = self.block_size;
-        let stride = out.scheduled.iter().map(|s| self.block_tables.get(&s.seq_id).map_or(0, Vec::len)).max().unwrap_or(0);
-        let mut b = ForwardBatch { block_table_stride: stride, block_ops: out.block_ops.clone(), ..ForwardBatch::default() };
+        // The manager's tables interleave the KV-cache groups (entry i·G + g
+        // is logical block i of group g); the batch lays them out group
+        // after group, each group's rows as a one-group model's.
+        let groups = self.scheduler.allocator().num_kv_groups();
+        let stride = out.scheduled.iter().map(|s| self.block_tables.get(&s.seq_id).map_or(0, Vec::len)).max().unwrap_or(0) / groups;
+        let num_tokens: usize = out.scheduled.iter().map(|s| s.num_scheduled_tokens).sum();
+        let num_seqs = out.scheduled.len();
+        let mut b = ForwardBatch {
+            block_table_stride: stride,
+            num_kv_groups: groups,
+            block_ops: out.block_ops.clone(),
+            slot_mapping: vec![0; groups * num_tokens],
+            block_tables: vec![0; groups * num_seqs * stride],
+            ..ForwardBatch::default()
+        };
         b.query_start_loc.push(0);
         let mut rows = Vec::new();
         let now = Instant::now();
-        for s in &out.scheduled {
+        for (row, s) in out.scheduled.iter().enumerate() {
             let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&s.request_id), self.views.seqs.get(&s.seq_id)) else {
                 debug_assert!(false, "a scheduled sequence has a view");
                 continue;
@@ -45,10 +58,13 @@ impl<E: ModelExecutor> EngineCore<E> {
             b.token_ids.extend_from_slice(&seq.tokens[start..end]);
             for p in start..end {
                 b.positions.push(p as u32);
-                // Written positions never lie before the window (the
-                // manager releases only blocks no query sees again).
-                debug_assert!(!table[p / bs].is_null(), "position {p} of {} lies in a released block", s.seq_id);
-                b.slot_mapping.push(table[p / bs].0 * bs as u32 + (p % bs) as u32);
+                for g in 0..groups {
+                    let block = table[p / bs * groups + g];
+                    // Written positions never lie before the window (the
+                    // manager releases only blocks no query sees again).
+                    debug_assert!(!block.is_null(), "position {p} of {} lies in a released block of group {g}", s.seq_id);
+                    b.slot_mapping[g * num_tokens + first_row + p - start] = block.0 * bs as u32 + (p % bs) as u32;
+                }
             }
             let num_prompt = seq.num_prompt;
             if req.params.prompt_logprobs.is_some() && start + 1 < num_prompt {
@@ -62,8 +78,9 @@ impl<E: ModelExecutor> EngineCore<E> {
             b.query_start_loc.push(b.token_ids.len() as u32);
             b.context_lens.push(end as u32);
             // Entries that slid out of the window are never read: block 0.
-            b.block_tables.extend(table.iter().map(|x| if x.is_null() { 0 } else { x.0 }));
-            b.block_tables.extend(std::iter::repeat_n(0, stride - table.len()));
+            for (j, x) in table.iter().enumerate().filter(|(_, x)| !x.is_null()) {
+                b.block_tables[((j % groups) * num_seqs + row) * stride + j / groups] = x.0;
+            }
             if s.samples {
                 b.logits_indices.push(b.token_ids.len() as u32 - 1);
                 rows.push(Row::Sample(s.request_id, s.seq_id));

@@ -118,7 +118,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             num_host_blocks,
             block_size,
             enable_prefix_caching,
-            sliding_window: executor.uniform_sliding_window(),
+            group_windows: executor.kv_group_windows(),
         });
         let mut scheduler = Scheduler::new(scheduler_config, kv)?;
         // Outputs come from the engine's own view, not finished requests.

@@ -219,9 +219,9 @@ impl<A: BlockAllocator> Scheduler<A> {
         // At its longest, the group holds the full prompt blocks once and
         // every sequence's own tail (with a sliding window: each sequence
         // its own window, nothing shared for sure).
-        let bs = self.allocator.block_size();
+        let (bs, groups) = (self.allocator.block_size(), self.allocator.num_kv_groups());
         let per_seq = self.allocator.max_blocks_held(max_total_tokens, self.config.max_num_batched_tokens);
-        let shared = if per_seq < max_total_tokens.div_ceil(bs) { 0 } else { num_prompt / bs };
+        let shared = if per_seq < groups * max_total_tokens.div_ceil(bs) { 0 } else { groups * (num_prompt / bs) };
         let needed_blocks = per_seq + (new.params.num_sequences() - 1) * (per_seq - shared);
         if needed_blocks > self.allocator.num_blocks() {
             return Err(Error::ExceedsKvCapacity { request_id: id, needed_blocks, num_blocks: self.allocator.num_blocks() });
@@ -356,11 +356,11 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// Checks the scheduler's invariants; panics with a message on a breach.
     ///
     /// * every running sequence holds exactly the blocks its counters imply:
-    ///   `ceil(num_scheduled_tokens / block_size)` (or is a fork child that
+    ///   `G · ceil(num_scheduled_tokens / block_size)` (or is a fork child that
     ///   will recompute), and waiting requests hold none;
     /// * queues are disjoint and cover every live request.
     pub fn assert_invariants(&self) {
-        let bs = self.allocator.block_size();
+        let (bs, groups) = (self.allocator.block_size(), self.allocator.num_kv_groups());
         let mut seen = 0;
         for (id, req) in &self.requests {
             match req.status {
@@ -368,7 +368,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                     assert_eq!(self.running.get(&self.queue_key(req)), Some(id), "{id} running but not in the running queue");
                     for s in req.running_seqs() {
                         let held = self.allocator.block_table(s.seq_id).map_or(0, |t| t.len());
-                        let implied = s.num_scheduled_tokens().div_ceil(bs);
+                        let implied = groups * s.num_scheduled_tokens().div_ceil(bs);
                         assert!(
                             held == implied || (s.num_scheduled_tokens() == 0 && held == 0),
                             "{id}/{}: holds {held} blocks but its counters imply {implied}",

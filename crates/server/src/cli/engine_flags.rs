@@ -47,6 +47,11 @@ pub struct EngineFlags {
     /// Turn automatic prefix caching off.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// Keep one block table and every KV block for models that mix
+    /// sliding-window and global layers (Gemma 3), instead of a block table
+    /// per layer group that frees the local layers' blocks as they slide out.
+    #[arg(long)]
+    pub disable_hybrid_kv_cache_manager: bool,
     /// fcfs, two-level (thesis §4.5.3) or priority (lower `priority` first).
     #[arg(long, default_value = "fcfs")]
     pub scheduling_policy: String,
@@ -98,6 +103,7 @@ impl EngineFlags {
             kv_cache: parse_kv_cache_memory(&self.kv_cache_memory)?,
             kv_cache_dtype: parse_kv_cache_dtype(&self.kv_cache_dtype)?,
             enable_prefix_caching: !self.no_enable_prefix_caching,
+            disable_hybrid_kv_cache_manager: self.disable_hybrid_kv_cache_manager,
             swap_space_bytes: if swap { (self.swap_space * (1u64 << 30) as f64) as u64 } else { 0 },
             scheduler,
         })
