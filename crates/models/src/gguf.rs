@@ -17,7 +17,7 @@ mod ggml_type;
 mod metadata_value;
 mod tensor_info;
 
-pub use dequantize::{dequantize, dequantize_into};
+pub use dequantize::{dequantize, dequantize_into, scale_min_k4};
 pub use ggml_type::{GgmlType, DEQUANTIZABLE};
 pub use metadata_value::MetadataValue;
 pub use tensor_info::TensorInfo;

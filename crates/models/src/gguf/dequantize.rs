@@ -46,49 +46,55 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Option<Vec<f
 /// Converts `bytes` of type `ty` into `out`, whose length says how many
 /// values `bytes` must hold. `None` as for [`dequantize`]; `out` is then
 /// left unspecified.
+#[inline(always)]
 pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Option<()> {
     let (block, block_bytes) = ty.block_layout();
     if out.len() % block != 0 || bytes.len() != (out.len() / block).checked_mul(block_bytes)? {
         return None;
     }
-    let kernel: fn(&[u8], &mut [f32]) = match ty {
+    // Each arm calls its kernel directly (no function pointer), so a caller
+    // compiled with wider vector instructions (the CPU backend's AVX2
+    // wrapper) inlines and vectorizes the kernel's loops.
+    match ty {
         GgmlType::F32 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
-            return Some(());
         }
         GgmlType::F16 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                 *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
             }
-            return Some(());
         }
         GgmlType::BF16 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                 *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
-            return Some(());
         }
-        GgmlType::Q8_0 => q8_0,
-        GgmlType::Q4_0 => q4_0,
-        GgmlType::Q4_1 => q4_1,
-        GgmlType::Q5_0 => q5_0,
-        GgmlType::Q5_1 => q5_1,
-        GgmlType::Q2_K => q2_k,
-        GgmlType::Q3_K => q3_k,
-        GgmlType::Q4_K => q4_k,
-        GgmlType::Q5_K => q5_k,
-        GgmlType::Q6_K => q6_k,
+        GgmlType::Q8_0 => each_block(bytes, out, block, block_bytes, q8_0),
+        GgmlType::Q4_0 => each_block(bytes, out, block, block_bytes, q4_0),
+        GgmlType::Q4_1 => each_block(bytes, out, block, block_bytes, q4_1),
+        GgmlType::Q5_0 => each_block(bytes, out, block, block_bytes, q5_0),
+        GgmlType::Q5_1 => each_block(bytes, out, block, block_bytes, q5_1),
+        GgmlType::Q2_K => each_block(bytes, out, block, block_bytes, q2_k),
+        GgmlType::Q3_K => each_block(bytes, out, block, block_bytes, q3_k),
+        GgmlType::Q4_K => each_block(bytes, out, block, block_bytes, q4_k),
+        GgmlType::Q5_K => each_block(bytes, out, block, block_bytes, q5_k),
+        GgmlType::Q6_K => each_block(bytes, out, block, block_bytes, q6_k),
         _ => return None,
-    };
-    for (b, o) in bytes.chunks_exact(block_bytes).zip(out.chunks_exact_mut(block)) {
-        kernel(b, o);
     }
     Some(())
 }
 
-#[inline]
+/// `kernel` on every block of `bytes`, into the matching values of `out`.
+#[inline(always)]
+fn each_block(bytes: &[u8], out: &mut [f32], block: usize, block_bytes: usize, kernel: impl Fn(&[u8], &mut [f32])) {
+    for (b, o) in bytes.chunks_exact(block_bytes).zip(out.chunks_exact_mut(block)) {
+        kernel(b, o);
+    }
+}
+
+#[inline(always)]
 fn half(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
@@ -98,6 +104,7 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
+#[inline(always)]
 fn q8_0(b: &[u8], y: &mut [f32]) {
     let d = half(b, 0);
     for (y, &q) in y.iter_mut().zip(&b[2..34]) {
@@ -105,6 +112,7 @@ fn q8_0(b: &[u8], y: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn q4_0(b: &[u8], y: &mut [f32]) {
     let d = half(b, 0);
     let (lo, hi) = y.split_at_mut(16);
@@ -114,6 +122,7 @@ fn q4_0(b: &[u8], y: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn q4_1(b: &[u8], y: &mut [f32]) {
     let (d, m) = (half(b, 0), half(b, 2));
     let (lo, hi) = y.split_at_mut(16);
@@ -131,6 +140,7 @@ fn q5_values(qh: u32, qs: &[u8], j: usize) -> (u8, u8) {
     ((qs[j] & 0x0f) | h0 << 4, (qs[j] >> 4) | h1 << 4)
 }
 
+#[inline(always)]
 fn q5_0(b: &[u8], y: &mut [f32]) {
     let (d, qh, qs) = (half(b, 0), u32_at(b, 2), &b[6..22]);
     for j in 0..16 {
@@ -140,6 +150,7 @@ fn q5_0(b: &[u8], y: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn q5_1(b: &[u8], y: &mut [f32]) {
     let (d, m, qh, qs) = (half(b, 0), half(b, 2), u32_at(b, 4), &b[8..24]);
     for j in 0..16 {
@@ -149,6 +160,7 @@ fn q5_1(b: &[u8], y: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn q2_k(b: &[u8], y: &mut [f32]) {
     let (scales, qs) = (&b[0..16], &b[16..80]);
     let (d, dmin) = (half(b, 80), half(b, 82));
@@ -181,6 +193,7 @@ pub(crate) fn q3_k_scales(packed: &[u8]) -> [i8; 16] {
     s
 }
 
+#[inline(always)]
 fn q3_k(b: &[u8], y: &mut [f32]) {
     let (hmask, qs) = (&b[0..32], &b[32..96]);
     let scales = q3_k_scales(&b[96..108]);
@@ -209,8 +222,8 @@ fn q3_k(b: &[u8], y: &mut [f32]) {
 /// each, packed into 12 bytes: sub-blocks 0–3 in the low 6 bits of bytes
 /// `j` (scale) and `j+4` (min); 4–7 in the nibbles of byte `j+4` with their
 /// top two bits in the spare bits 6–7 of bytes `j−4` and `j`.
-#[inline]
-pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+#[inline(always)]
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -218,6 +231,7 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+#[inline(always)]
 fn q4_k(b: &[u8], y: &mut [f32]) {
     let (d, dmin, scales, qs) = (half(b, 0), half(b, 2), &b[4..16], &b[16..144]);
     for (chunk, q) in qs.chunks_exact(32).enumerate() {
@@ -233,6 +247,7 @@ fn q4_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn q5_k(b: &[u8], y: &mut [f32]) {
     let (d, dmin, scales, qh, qs) = (half(b, 0), half(b, 2), &b[4..16], &b[16..48], &b[48..176]);
     for (chunk, q) in qs.chunks_exact(32).enumerate() {
@@ -251,6 +266,7 @@ fn q5_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn q6_k(b: &[u8], y: &mut [f32]) {
     let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
     let d = half(b, 208);
