@@ -244,14 +244,14 @@ impl KvCacheManager {
     }
 
     /// Blocks [`Self::slide`] would return to the pool (held by `s` alone).
-    fn releasable(&self, s: &SeqBlocks, position: usize) -> usize {
-        let groups = self.windows.len();
+    fn releasable(geo: Geometry<'_>, pool: &BlockPool, s: &SeqBlocks, position: usize) -> usize {
+        let groups = geo.windows.len();
         let mut n = 0;
-        for (g, &w) in self.windows.iter().enumerate().filter(|(_, w)| w.is_some()) {
-            let visible = Self::first_visible_block(w, position, self.block_size);
+        for (g, &w) in geo.windows.iter().enumerate().filter(|(_, w)| w.is_some()) {
+            let visible = Self::first_visible_block(w, position, geo.block_size);
             n += (0..visible.min(s.block_table.len() / groups))
                 .map(|i| s.block_table[i * groups + g])
-                .filter(|b| !b.is_null() && self.pool.ref_cnt(*b) == 1)
+                .filter(|b| !b.is_null() && pool.ref_cnt(*b) == 1)
                 .count();
         }
         n
@@ -377,37 +377,41 @@ impl BlockAllocator for KvCacheManager {
         let write_block_idx = seq.num_computed_tokens / bs;
         let num_free = self.pool.num_free_blocks();
         let geo = Geometry { block_size: bs, windows: &self.windows, enable_prefix_caching: self.enable_prefix_caching };
-        if self.seqs.contains_key(&seq.seq_id) {
+        if let Some(s) = self.seqs.get_mut(&seq.seq_id) {
             assert!(computed.block_ids.is_empty(), "{}: computed blocks are only for a new sequence", seq.seq_id);
-            let s = &self.seqs[&seq.seq_id];
-            // Copy-on-write: the first slot written lies in blocks held by others.
-            let cow: Vec<usize> = if num_new_tokens == 0 {
-                Vec::new()
+            // Copy-on-write: the first slot written lies in blocks held by
+            // others (entries of the written logical block, one per group).
+            let write_entries = if num_new_tokens == 0 {
+                0..0
             } else {
-                (write_block_idx * groups..((write_block_idx + 1) * groups).min(s.block_table.len()))
-                    .filter(|&j| !s.block_table[j].is_null() && self.pool.ref_cnt(s.block_table[j]) > 1)
-                    .collect()
+                write_block_idx * groups..((write_block_idx + 1) * groups).min(s.block_table.len())
             };
+            let shared = |pool: &BlockPool, b: BlockId| !b.is_null() && pool.ref_cnt(b) > 1;
+            let num_cow = s.block_table[write_entries.clone()].iter().filter(|&&b| shared(&self.pool, b)).count();
             let num_new_blocks = total.div_ceil(bs).saturating_sub(s.block_table.len() / groups);
             // With a window, the blocks wholly before the first position this
             // step's queries see are released first: they count as room.
-            let releasable = self.releasable(s, seq.num_computed_tokens);
-            if num_new_blocks * groups + cow.len() > num_free + releasable {
+            let releasable = Self::releasable(geo, &self.pool, s, seq.num_computed_tokens);
+            if num_new_blocks * groups + num_cow > num_free + releasable {
                 return None;
             }
-            let s = self.seqs.get_mut(&seq.seq_id).expect("checked above");
             let mut first_changed = s.block_table.len();
             if let Some(j) = Self::slide(geo, &mut self.pool, s, seq.num_computed_tokens) {
                 first_changed = j;
             }
-            for &j in &cow {
-                let old = s.block_table[j];
-                let new = self.pool.allocate().expect("room checked above");
-                self.pool.set_num_filled(new, self.pool.num_filled(old));
-                self.pool.release(old);
-                self.pending_copies.push(BlockCopy { src: old, dst: new });
-                s.block_table[j] = new;
-                first_changed = first_changed.min(j);
+            if num_cow > 0 {
+                for j in write_entries {
+                    let old = s.block_table[j];
+                    if !shared(&self.pool, old) {
+                        continue;
+                    }
+                    let new = self.pool.allocate().expect("room checked above");
+                    self.pool.set_num_filled(new, self.pool.num_filled(old));
+                    self.pool.release(old);
+                    self.pending_copies.push(BlockCopy { src: old, dst: new });
+                    s.block_table[j] = new;
+                    first_changed = first_changed.min(j);
+                }
             }
             Self::grow(geo, &mut self.pool, s, seq, total, num_new_blocks);
             return Some(AllocatedSlots { first_changed_block_idx: first_changed, num_blocks: s.block_table.len() });
