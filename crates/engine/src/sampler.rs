@@ -16,9 +16,24 @@ pub struct Sample {
 
 /// Natural-log softmax of a row, computed in f64 for stability.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let lse = log_sum_exp(logits);
+    logits.iter().map(|&x| logprob(x, lse)).collect()
+}
+
+/// `ln Σ exp(x)`, shifted by the maximum. The differences are rounded to
+/// f32 before `exp` (a relative error of 2⁻²⁴·|x − max| per term, about
+/// 1e-6 nats on the result for the terms that matter) and summed in f64:
+/// with a 262,144-token vocabulary this pass is most of a sampling step,
+/// and f32 `exp` is several times cheaper than f64.
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
-    logits.iter().map(|&x| (x as f64 - lse) as f32).collect()
+    logits.iter().map(|&x| f64::from(((x as f64 - m) as f32).exp())).sum::<f64>().ln() + m
+}
+
+/// The log-probability of logit `x` under the normalizer `lse`
+/// ([`log_sum_exp`]); [`log_softmax`] is this for every entry.
+pub fn logprob(x: f32, lse: f64) -> f32 {
+    (x as f64 - lse) as f32
 }
 
 /// The `k` largest entries, largest first (ties: lower id first).
@@ -88,8 +103,22 @@ pub fn sample(
     num_logprobs: usize,
     history: (&[TokenId], &[TokenId]),
 ) -> Sample {
-    let logprobs = log_softmax(logits);
-    let mut top_logprobs = top_k(&logprobs, num_logprobs.max(1));
+    sample_normalized(logits, log_sum_exp(logits), params, rng, num_logprobs, history)
+}
+
+/// [`sample`] with the row's [`log_sum_exp`] already computed (the engine
+/// computes it for all rows in parallel).
+pub fn sample_normalized(
+    logits: &[f32],
+    lse: f64,
+    params: &SamplingParams,
+    rng: &mut SeededRng,
+    num_logprobs: usize,
+    history: (&[TokenId], &[TokenId]),
+) -> Sample {
+    // The ranking of the logprobs is that of the logits: only the entries
+    // asked for (and the chosen one) are normalized.
+    let mut top_logprobs: Vec<(TokenId, f32)> = top_k(logits, num_logprobs.max(1)).into_iter().map(|(t, x)| (t, logprob(x, lse))).collect();
     let penalized;
     let scores = if has_penalties(params) {
         let mut l = logits.to_vec();
@@ -109,7 +138,7 @@ pub fn sample(
         draw(scores, params, rng)
     };
     top_logprobs.truncate(num_logprobs);
-    Sample { token, logprob: logprobs[token as usize], top_logprobs }
+    Sample { token, logprob: logprob(logits[token as usize], lse), top_logprobs }
 }
 
 /// Draws a token. Only the candidates the filters can keep are sorted: the

@@ -6,7 +6,7 @@ use super::batch::Row;
 use super::EngineCore;
 use crate::beam::beam_step;
 use crate::outputs::PromptLogprob;
-use crate::sampler::{log_softmax, sample, top_k, Sample};
+use crate::sampler::{log_softmax, log_sum_exp, sample_normalized, top_k, Sample};
 use crate::sequences::Draw;
 use vellum_core::{IdMap, ModelExecutor, RequestId, SeqId};
 use vellum_scheduler::{RequestSamples, StepSamples};
@@ -18,6 +18,20 @@ impl<E: ModelExecutor> EngineCore<E> {
         let mut per_req: Vec<RequestSamples> = Vec::new();
         let mut draws: IdMap<RequestId, Vec<Draw>> = IdMap::default();
         let mut beam_rows: Vec<(RequestId, SeqId, usize)> = Vec::new();
+        // The normalizer of every sampling row, rows in parallel: a pass of
+        // `exp` over the vocabulary is most of a row's sampling time.
+        let lses: Vec<f64> = {
+            use rayon::prelude::*;
+            let lse = |row: usize| match rows[row] {
+                Row::Sample(..) => log_sum_exp(&logits[row * vocab..(row + 1) * vocab]),
+                Row::PromptLogprob(..) => 0.0,
+            };
+            if rows.len() > 1 {
+                (0..rows.len()).into_par_iter().map(lse).collect()
+            } else {
+                (0..rows.len()).map(lse).collect()
+            }
+        };
         for (row, &use_) in rows.iter().enumerate() {
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
             let (rid, sid) = match use_ {
@@ -41,7 +55,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             let ds = draws.entry(rid).or_default();
             for i in 0..if first { n } else { 1 } {
                 let Sample { token, logprob, top_logprobs } =
-                    sample(row_logits, &req.params, &mut req.rng, k, (seq.prompt(), seq.output()));
+                    sample_normalized(row_logits, lses[row], &req.params, &mut req.rng, k, (seq.prompt(), seq.output()));
                 next.push((sid, token));
                 let top = req.params.logprobs.is_some().then_some(top_logprobs);
                 ds.push(Draw { token, logprob, top, index: first.then_some(i) });
