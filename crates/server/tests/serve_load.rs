@@ -1,7 +1,8 @@
 //! Load and disconnects on the real `vellum serve`: 64 concurrent streaming
 //! clients on loopback, a fifth of them hanging up mid-stream; afterwards
-//! every KV block is free and the metrics add up. And a graceful shutdown
-//! that lets an in-flight stream finish.
+//! every KV block is free and the metrics add up. A two-minute soak of
+//! mixed traffic. And a graceful shutdown that lets an in-flight stream
+//! finish.
 
 mod common;
 
@@ -17,6 +18,24 @@ fn sixty_four_streams_with_hangups_free_every_block() {
     let started = Instant::now();
     run_python(&python, "load_disconnect.py", &["127.0.0.1".into(), server.port.to_string(), "k".into(), "smol".into()]);
     assert!(started.elapsed() < Duration::from_secs(300), "the load test took {:?}", started.elapsed());
+}
+
+/// The soak of `benchmarks/soak.py`, two minutes of it (docs/reliability.md
+/// has the 30-minute run): mixed load with hang-ups and invalid requests;
+/// then nothing runs or waits, every KV block is free, no request got an
+/// unexpected answer, and the server's RSS stopped growing after warm-up.
+#[test]
+fn two_minute_soak_leaks_nothing() {
+    let python = python_with_openai();
+    let server = Server::start(&["--kv-cache-memory", "128MiB", "--max-model-len", "512", "--api-key", "k", "--served-model-name", "smol"]);
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../benchmarks/soak.py");
+    let pid = server.child.id().to_string();
+    let args =
+        ["--port", &server.port.to_string(), "--key", "k", "--model", "smol", "--pid", &pid, "--duration", "120", "--concurrency", "12"];
+    let out = std::process::Command::new(&python).arg(&script).args(args).output().expect("running soak.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("--- soak.py\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.contains("SOAK PASSED"), "the soak failed:\n{stdout}");
 }
 
 #[test]

@@ -50,8 +50,8 @@ pub struct ServeArgs {
     /// Port to listen on (0 = any free port; the chosen one is logged).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Require `Authorization: Bearer <KEY>` on /v1/* (also read from
-    /// VLLM_API_KEY).
+    /// Require `Authorization: Bearer <KEY>` (or `x-api-key: <KEY>`) on
+    /// /v1/* (also read from VLLM_API_KEY).
     #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Model name(s) the API answers to (default: the model argument, or
@@ -119,8 +119,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given =
-            req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
+        // `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY`.
+        let bearer = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let given = bearer.or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok())).unwrap_or("");
         if !constant_time_eq(given.trim().as_bytes(), key.as_bytes()) {
             return ApiError::unauthorized().into_response();
         }

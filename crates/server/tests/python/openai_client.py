@@ -215,6 +215,9 @@ def api_key_is_required_on_v1_only():
             raise AssertionError("expected 401 with a wrong key")
     status, _ = raw("POST", "/v1/completions", {"prompt": "x"}, {"Content-Type": "application/json"})
     assert status == 401, status
+    # The key also works as `x-api-key` (and a wrong one there is refused).
+    assert raw("GET", "/v1/models", None, {"x-api-key": KEY})[0] == 200
+    assert raw("GET", "/v1/models", None, {"x-api-key": "wrong-" + KEY})[0] == 401
     assert raw("GET", "/health")[0] == 200
     assert raw("GET", "/version")[0] == 200
     assert b"vllm:num_requests_running" in raw("GET", "/metrics")[1]
