@@ -11,19 +11,32 @@ pub trait CausalLm<O: Ops>: Send + Sync {
     /// The model's configuration.
     fn config(&self) -> &ModelConfig;
 
-    /// The KV cache this model needs, in blocks of `block_size` tokens, of
-    /// the config's KV heads. Layers that attend alike share one block table;
-    /// local and global layers get KV-cache groups of their own when the
-    /// backend supports them (`kv_groups`), else one group that keeps every
-    /// block (the window is then only a mask).
-    fn kv_cache_spec(&self, block_size: usize, dtype: KvCacheDtype, kv_groups: bool) -> KvCacheSpec {
+    /// Which layers share a block table. Layers that attend alike share
+    /// one; local and global layers get KV-cache groups of their own when
+    /// the backend supports them (`kv_groups`), else one group that keeps
+    /// every block (the window is then only a mask).
+    fn kv_cache_groups(&self, kv_groups: bool) -> KvCacheGroups {
         let c = self.config();
         let windows: Vec<Option<usize>> = (0..c.num_hidden_layers).map(|l| c.layer_window(l)).collect();
-        let mut groups = KvCacheGroups::hybrid(&windows);
+        let groups = KvCacheGroups::hybrid(&windows);
         if groups.num_groups() > 1 && !kv_groups {
-            groups = KvCacheGroups::single(c.num_hidden_layers, None);
+            KvCacheGroups::single(c.num_hidden_layers, None)
+        } else {
+            groups
         }
-        KvCacheSpec { groups, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim, block_size, dtype }
+    }
+
+    /// The KV cache this model needs, in blocks of `block_size` tokens, of
+    /// the config's KV heads, grouped as [`CausalLm::kv_cache_groups`] says.
+    fn kv_cache_spec(&self, block_size: usize, dtype: KvCacheDtype, kv_groups: bool) -> KvCacheSpec {
+        let c = self.config();
+        KvCacheSpec {
+            groups: self.kv_cache_groups(kv_groups),
+            num_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            block_size,
+            dtype,
+        }
     }
 
     /// One forward pass over the step's mixed batch; returns the logits of

@@ -67,9 +67,14 @@ impl<O: Ops> ModelRunner<O> {
         self.model.config()
     }
 
+    /// Whether this runner gives local and global layers KV-cache groups.
+    fn kv_groups(&self) -> bool {
+        self.hybrid_kv_cache && self.ops.supports_kv_groups()
+    }
+
     /// The cache's geometry, KV-cache groups included.
     pub fn kv_cache_spec(&self, block_size: usize) -> KvCacheSpec {
-        self.model.kv_cache_spec(block_size, self.kv_cache_dtype, self.hybrid_kv_cache && self.ops.supports_kv_groups())
+        self.model.kv_cache_spec(block_size, self.kv_cache_dtype, self.kv_groups())
     }
 }
 
@@ -87,8 +92,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
     }
 
     fn kv_group_windows(&self) -> Vec<Option<usize>> {
-        // The windows do not depend on the block size.
-        self.kv_cache_spec(16).groups.windows()
+        self.model.kv_cache_groups(self.kv_groups()).windows()
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_core::Result<()> {
