@@ -10,10 +10,19 @@
 //! README measured float32 accumulation at up to 0.025); at the first
 //! position where the tokens differ, each side's token must be in the
 //! other's top-5, and the comparison of that prompt stops there.
+//!
+//! The 0.02-nats bound is for float32 arithmetic (`--cpu-precision float32`
+//! and `int16`, whose activations round 20× finer than int8). The default
+//! CPU path quantizes activations to int8 as llama.cpp does, and is judged
+//! as vLLM judges quantized models (issue 12's rule): the same walk, the
+//! gap on agreeing tokens measured and reported, and the largest gap no
+//! larger than llama.cpp's own on the same file and prompts against the
+//! same references (`benchmarks/llama_cpp_logprobs.py`: 0.137 nats on
+//! SmolLM2, 0.237 on Gemma 3; docs/benchmarks.md).
 
 use serde::Deserialize;
 use vellum::core::{BlockAllocator, SamplingParams, SchedulerConfig};
-use vellum::engine::{Device, EngineArgs, Llm};
+use vellum::engine::{CpuPrecision, Device, EngineArgs, Llm};
 
 #[derive(Deserialize)]
 struct Golden {
@@ -35,6 +44,9 @@ struct Model {
     /// Tokens that must agree per prompt index (reference margins in the
     /// golden README).
     needed: fn(usize, usize) -> usize,
+    /// llama.cpp's largest logprob gap to the reference on this file and
+    /// these prompts (the bound for paths that quantize activations).
+    llama_cpp_gap: f64,
 }
 
 const SMOLLM2: Model = Model {
@@ -42,6 +54,7 @@ const SMOLLM2: Model = Model {
     golden: "smollm2-135m-instruct-q4_1.json",
     tolerance: |_| TOLERANCE,
     needed: |i, n| if i == 2 { 5 } else { 8.min(n) },
+    llama_cpp_gap: 0.137,
 };
 
 const GEMMA3: Model = Model {
@@ -49,6 +62,7 @@ const GEMMA3: Model = Model {
     golden: "gemma3-270m-q4_k_m.json",
     tolerance: |i| if i == 4 { 0.03 } else { TOLERANCE },
     needed: |_, n| 8.min(n),
+    llama_cpp_gap: 0.237,
 };
 
 fn load_golden(file: &str) -> Vec<Golden> {
@@ -61,23 +75,42 @@ fn golden() -> Vec<Golden> {
     load_golden(SMOLLM2.golden)
 }
 
+/// The default CPU path: the file's Q4_1 blocks × int8 activations.
 #[test]
 fn smollm2_matches_the_float64_reference() {
-    matches_the_float64_reference(&SMOLLM2, Device::Cpu);
+    matches_the_float64_reference(&SMOLLM2, Device::Cpu, CpuPrecision::Int8);
+}
+
+/// int16 activations: the float32 rule.
+#[test]
+fn smollm2_matches_the_float64_reference_int16() {
+    matches_the_float64_reference(&SMOLLM2, Device::Cpu, CpuPrecision::Int16);
+}
+
+/// The float32 reference path.
+#[test]
+fn smollm2_matches_the_float64_reference_float32() {
+    matches_the_float64_reference(&SMOLLM2, Device::Cpu, CpuPrecision::Float32);
 }
 
 /// The same golden prompts, batched, through the WGSL backend (lavapipe in CI).
 #[cfg(feature = "wgpu")]
 #[test]
 fn smollm2_matches_the_float64_reference_on_wgpu() {
-    matches_the_float64_reference(&SMOLLM2, Device::Wgpu);
+    matches_the_float64_reference(&SMOLLM2, Device::Wgpu, CpuPrecision::Float32);
 }
 
 /// Gemma 3 270M: Q5_0/Q8_0/Q4_K/Q6_K weights, 15 sliding-window layers of 18,
 /// an 828-token prompt that crosses the 512-token window.
 #[test]
 fn gemma3_matches_the_float64_reference() {
-    matches_the_float64_reference(&GEMMA3, Device::Cpu);
+    matches_the_float64_reference(&GEMMA3, Device::Cpu, CpuPrecision::Int8);
+}
+
+/// Gemma 3 on the float32 reference path.
+#[test]
+fn gemma3_matches_the_float64_reference_float32() {
+    matches_the_float64_reference(&GEMMA3, Device::Cpu, CpuPrecision::Float32);
 }
 
 /// Gemma 3 through the WGSL backend: K-quants and Q5_0 widened to f32 at
@@ -85,7 +118,7 @@ fn gemma3_matches_the_float64_reference() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn gemma3_matches_the_float64_reference_on_wgpu() {
-    matches_the_float64_reference(&GEMMA3, Device::Wgpu);
+    matches_the_float64_reference(&GEMMA3, Device::Wgpu, CpuPrecision::Float32);
 }
 
 #[cfg(not(feature = "wgpu"))]
@@ -94,11 +127,15 @@ fn wgpu_golden_and_equivalence_tests_skipped_build_has_no_wgpu_feature() {
     eprintln!("skipped: build with `--features wgpu` to run the golden and equivalence tests on the WGSL backend");
 }
 
-fn matches_the_float64_reference(model: &Model, device: Device) {
+/// `precision` matters on the CPU only (the WGSL backend computes in
+/// float32 and is judged by the float32 rule).
+fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPrecision) {
     let cases = load_golden(model.golden);
+    let quantized_activations = device == Device::Cpu && precision == CpuPrecision::Int8;
     let args = EngineArgs {
         model: model.spec.map(str::to_string),
         device,
+        cpu_precision: precision,
         // In bytes: a Gemma block holds 3 of its 18 layers (KV-cache groups).
         kv_cache: vellum::core::KvCacheSize::MemoryBytes(256 << 20),
         scheduler: SchedulerConfig { max_num_batched_tokens: 512, max_model_len: 2048, ..SchedulerConfig::default() },
@@ -113,6 +150,7 @@ fn matches_the_float64_reference(model: &Model, device: Device) {
     let params = SamplingParams { logprobs: Some(5), ..SamplingParams::greedy(16) };
     let outs = llm.generate_ids(&prompts, &params).expect("generation runs");
     let mut worst = 0.0f64;
+    let mut total_agreed = 0;
     for (i, (c, out)) in cases.iter().zip(&outs).enumerate() {
         let ours = &out.outputs[0];
         assert_eq!(ours.logprobs.len(), ours.token_ids.len());
@@ -124,7 +162,7 @@ fn matches_the_float64_reference(model: &Model, device: Device) {
                 let ours_lp = our_top.iter().find(|x| x.0 == t).expect("chosen token is in our top-5").1 as f64;
                 let diff = (ours_lp - ref_top[0].1).abs();
                 worst = worst.max(diff);
-                let tolerance = (model.tolerance)(i);
+                let tolerance = if quantized_activations { model.llama_cpp_gap } else { (model.tolerance)(i) };
                 assert!(diff <= tolerance, "prompt {i} step {j}: logprob {ours_lp} vs reference {} (|Δ| {diff})", ref_top[0].1);
                 agreed += 1;
             } else {
@@ -133,7 +171,9 @@ fn matches_the_float64_reference(model: &Model, device: Device) {
                 break;
             }
         }
-        let needed = (model.needed)(i, c.greedy_ids.len());
+        // Quantized activations: llama.cpp's own greedy output first departs
+        // from these references at step 2 (golden README); ask as much.
+        let needed = if quantized_activations { 2.min(c.greedy_ids.len()) } else { (model.needed)(i, c.greedy_ids.len()) };
         assert!(
             agreed >= needed,
             "prompt {i}: only {agreed} tokens agree (need {needed}): ours {:?} reference {:?}",
@@ -141,8 +181,13 @@ fn matches_the_float64_reference(model: &Model, device: Device) {
             c.greedy_ids
         );
         eprintln!("prompt {i}: {agreed}/{} tokens agree", c.greedy_ids.len());
+        total_agreed += agreed;
     }
-    eprintln!("{device}: largest logprob difference on agreeing tokens: {worst:.5} nats");
+    let total: usize = cases.iter().map(|c| c.greedy_ids.len()).sum();
+    eprintln!(
+        "{device} ({}): {total_agreed}/{total} tokens agree; largest logprob difference on agreeing tokens: {worst:.5} nats",
+        precision.name()
+    );
     // Every block is returned once the requests are done.
     let st = llm.engine().scheduler().allocator().stats();
     assert_eq!(st.num_used_blocks, 0);
@@ -256,8 +301,10 @@ fn gemma3_kv_cache_groups_change_no_result() {
 /// A stop string ends the request as soon as the text contains it.
 #[test]
 fn stop_strings_end_generation_early() {
-    let mut llm = Llm::new(EngineArgs { kv_cache: vellum::core::KvCacheSize::NumBlocks(64), ..EngineArgs::default() })
-        .expect("the default model loads");
+    // int16 activations: the greedy text below is the float32 one.
+    let args =
+        EngineArgs { kv_cache: vellum::core::KvCacheSize::NumBlocks(64), cpu_precision: CpuPrecision::Int16, ..EngineArgs::default() };
+    let mut llm = Llm::new(args).expect("the default model loads");
     let prompt = vec![golden()[0].prompt_ids.clone()]; // greedy: " Paris.\n\nThe answer is: 2018-01"
     let params = SamplingParams { stop: vec!["answer".into()], ..SamplingParams::greedy(16) };
     let out = &llm.generate_ids(&prompt, &params).expect("runs")[0].outputs[0];

@@ -1,9 +1,12 @@
 //! Times `CpuOps::linear` per weight format on the default model's shapes,
 //! in process CPU time (robust to a loaded machine; run with
 //! `RAYON_NUM_THREADS=1` for per-core numbers):
-//! `cargo run --release -p vellum-backend-cpu --example linear_bench`.
+//! `cargo run --release -p vellum-backend-cpu --example linear_bench`
+//! (`MS=1,64` picks the batch sizes, `VELLUM_CPU_KERNEL` the instruction
+//! set). Columns: f32, then Q4 (the file's Q4_1 blocks) and Q8 blocks, each
+//! with int16 and int8 activations.
 
-use vellum_backend_cpu::{CpuOps, HostTensor, WeightFormat};
+use vellum_backend_cpu::{ActBits, CpuOps, HostTensor, WeightFormat};
 use vellum_models::gguf::GgmlType;
 use vellum_models::ops::Ops;
 use vellum_models::WeightView;
@@ -35,7 +38,13 @@ fn q4_weight(n: usize, k: usize, rng: &mut vellum_core::SeededRng) -> WeightView
 fn main() {
     let mut seed = vellum_core::SeededRng::new(1);
     let shapes = [(576, 576, "q/o"), (192, 576, "k/v"), (1536, 576, "gate/up"), (576, 1536, "down"), (49152, 576, "lm_head")];
-    let formats = [WeightFormat::F32, WeightFormat::Auto];
+    let formats = [
+        ("f32", WeightFormat::F32, ActBits::I8),
+        ("q4·i16", WeightFormat::Auto, ActBits::I16),
+        ("q4·i8", WeightFormat::Auto, ActBits::I8),
+        ("q8·i16", WeightFormat::Q8, ActBits::I16),
+        ("q8·i8", WeightFormat::Q8, ActBits::I8),
+    ];
     let ms: Vec<usize> =
         std::env::var("MS").ok().map(|s| s.split(",").filter_map(|v| v.parse().ok()).collect()).unwrap_or(vec![1, 64, 512]);
     for &m in &ms {
@@ -46,8 +55,8 @@ fn main() {
             let w = q4_weight(n, k, &mut seed);
             let x = HostTensor { rows: m, cols: k, data: (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect() };
             let mut line = format!("m={m:4} {name:8} [{n}x{k}]");
-            for f in formats {
-                let ops = CpuOps::new(f);
+            for (label, f, bits) in formats {
+                let ops = CpuOps::new(f).with_activations(bits);
                 let wt = ops.linear_weight(w.clone()).expect("weight");
                 assert_eq!(wt.quant_kind().is_some(), f != WeightFormat::F32, "{f:?} resolved to {:?}", wt.quant_kind());
                 let _ = ops.linear(&x, &wt, None).expect("shapes match");
@@ -57,7 +66,7 @@ fn main() {
                     let _ = std::hint::black_box(ops.linear(&x, &wt, None));
                 }
                 let dt = (cpu_time() - t0) / reps as f64;
-                line += &format!("  {f:?}: {:8.1} us {:6.1} GMAC/s", dt * 1e6, (m * n * k) as f64 / dt * 1e-9);
+                line += &format!("  {label}: {:7.1} us {:5.1} GMAC/s", dt * 1e6, (m * n * k) as f64 / dt * 1e-9);
             }
             println!("{line}");
         }

@@ -8,7 +8,7 @@
 use crate::kv_cache::{KvCache, KvCacheLayout};
 use crate::linear::HostWeight;
 use crate::paged_attention::{paged_attention, write_kv};
-use crate::quant::{self, WeightFormat};
+use crate::quant::{self, ActBits, WeightFormat};
 use vellum_core::{AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheSpec, KvMemory};
 use vellum_models::ops::{OpResult, Ops};
 use vellum_models::rope::RopeTable;
@@ -35,12 +35,20 @@ impl HostTensor {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuOps {
     weight_format: WeightFormat,
+    activations: ActBits,
 }
 
 impl CpuOps {
-    /// Operations that store linear weights as `format`.
+    /// Operations that store linear weights as `format`, multiplying
+    /// quantized weights by int8 activations ([`ActBits::I8`]).
     pub fn new(weight_format: WeightFormat) -> Self {
-        Self { weight_format }
+        Self { weight_format, activations: ActBits::I8 }
+    }
+
+    /// The same operations with integer-kernel activations quantized to
+    /// `bits` (int16: 20× closer to float32 at half the rate).
+    pub fn with_activations(self, bits: ActBits) -> Self {
+        Self { activations: bits, ..self }
     }
 
     /// The requested weight format.
@@ -48,9 +56,53 @@ impl CpuOps {
         self.weight_format
     }
 
-    fn weight(&self, w: &WeightView<'_>) -> vellum_models::Result<HostWeight> {
-        HostWeight::from_view(w, self.weight_format)
+    /// The width of integer-kernel activations.
+    pub fn activations(&self) -> ActBits {
+        self.activations
     }
+
+    /// A linear weight, multiplying activations of the width its role
+    /// takes (see [`CpuOps::activations_for`]).
+    fn weight(&self, w: &WeightView<'_>) -> vellum_models::Result<HostWeight> {
+        HostWeight::from_view(w, self.weight_format, self.activations_for(&w.name))
+    }
+
+    /// The LM head, or the embedding table that is also the tied LM head.
+    fn lm_head(&self, w: &WeightView<'_>) -> vellum_models::Result<HostWeight> {
+        HostWeight::from_view(w, self.weight_format, self.head_activations())
+    }
+
+    fn head_activations(&self) -> ActBits {
+        if all_int8() {
+            self.activations
+        } else {
+            ActBits::I16
+        }
+    }
+
+    /// The activation width of the linear named `name` (its Hugging Face
+    /// name) under [`CpuOps::activations`]: with int8, the MLP's linears
+    /// take int8 while the attention projections (`self_attn.*`) and the LM
+    /// head keep int16, where int8's error reaches the logprobs most.
+    /// Measured on the golden tests against the float64 references (largest
+    /// gap on agreeing tokens; llama.cpp's own, all int8: 0.137 nats on
+    /// SmolLM2, 0.237 on Gemma 3): every linear int8 — 0.185 and 0.277;
+    /// int16 head — 0.154 and 0.219; int16 head and attention — 0.095 and
+    /// 0.158 (96/96 Gemma tokens agree); int16 head and MLP, int8 attention
+    /// — 0.185. The MLP holds ~75% of a layer's multiply-adds.
+    /// `VELLUM_CPU_INT8=all` puts every linear on int8 (to measure that).
+    pub fn activations_for(&self, name: &str) -> ActBits {
+        if self.activations == ActBits::I8 && name.contains("self_attn.") && !all_int8() {
+            ActBits::I16
+        } else {
+            self.activations
+        }
+    }
+}
+
+/// Whether `VELLUM_CPU_INT8=all` asks for int8 activations in every linear.
+fn all_int8() -> bool {
+    std::env::var("VELLUM_CPU_INT8").as_deref() == Ok("all")
 }
 
 /// Element-wise ops split across the rayon threads from this many values.
@@ -104,7 +156,11 @@ impl Ops for CpuOps {
     fn embedding_weight(&self, w: WeightView<'_>) -> vellum_models::Result<HostWeight> {
         // One copy serves both lookups (rows dequantized on demand) and the
         // tied LM head.
-        self.weight(&w)
+        self.lm_head(&w)
+    }
+
+    fn lm_head_weight(&self, w: WeightView<'_>) -> vellum_models::Result<HostWeight> {
+        self.lm_head(&w)
     }
 
     fn vector(&self, _name: &str, data: &[f32]) -> vellum_models::Result<Vec<f32>> {
@@ -146,7 +202,7 @@ impl Ops for CpuOps {
     }
 
     fn rms_norm(&self, x: &HostTensor, w: &Vec<f32>, eps: f32, group: usize) -> OpResult<HostTensor> {
-        check(group > 0 && x.cols % group == 0 && w.len() == group, || {
+        check(group > 0 && x.cols.is_multiple_of(group) && w.len() == group, || {
             format!("rms_norm: width {} group {group} weight {}", x.cols, w.len())
         })?;
         let mut out = x.clone();
@@ -169,7 +225,7 @@ impl Ops for CpuOps {
     fn rope(&self, x: &mut HostTensor, table: &RopeTable, step: &HostStep) -> OpResult<()> {
         let positions = &step.batch.positions;
         let head_dim = table.head_dim();
-        check(x.rows == positions.len() && head_dim > 0 && x.cols % head_dim == 0, || {
+        check(x.rows == positions.len() && head_dim > 0 && x.cols.is_multiple_of(head_dim), || {
             format!("rope: {} rows of width {} for {} positions, head_dim {head_dim}", x.rows, x.cols, positions.len())
         })?;
         let half = head_dim / 2;
@@ -239,8 +295,14 @@ impl AttentionBackend for CpuOps {
     type Step = HostStep;
 
     fn describe(&self) -> String {
-        let simd = if quant::has_simd() { "avx2" } else { "scalar" };
-        format!("cpu ({simd}, {} threads, weights {:?})", rayon::current_num_threads(), self.weight_format)
+        let kernel = format!("{:?}", quant::Kernel::detect()).to_ascii_lowercase();
+        let acts = match (self.weight_format, self.activations) {
+            (WeightFormat::F32, _) => "float32",
+            (_, ActBits::I16) => "int16 activations",
+            (_, ActBits::I8) if all_int8() => "int8 activations",
+            (_, ActBits::I8) => "int8 MLP, int16 attention and head",
+        };
+        format!("cpu ({kernel}, {} threads, weights {:?}, {acts})", rayon::current_num_threads(), self.weight_format)
     }
 
     fn supports_kv_groups(&self) -> bool {
@@ -391,13 +453,18 @@ mod tests {
             let (view, w) = q4_weight(n, k, &mut seed);
             let x = acts(m, k, &mut seed);
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
-            for (format, kind, tol) in [
-                (WeightFormat::F32, None, 1e-5),
-                (WeightFormat::Q4, Some(QuantKind::Q4), 1e-3),
-                (WeightFormat::Q8, Some(QuantKind::Q8), 2e-2),
-                (WeightFormat::Auto, Some(QuantKind::Q4).filter(|_| quant::has_simd()), 1e-3),
-            ] {
-                let ops = CpuOps::new(format);
+            // (format, storage, tolerance with int16 / int8 activations; these
+            // activations hold an outlier of 30 every 211 values, so int8
+            // codes of those blocks step by 0.24).
+            let cases = [
+                (WeightFormat::F32, None, 1e-5, 1e-5),
+                (WeightFormat::Q4, Some(QuantKind::Q4), 1e-3, 1.5e-2),
+                (WeightFormat::Q8, Some(QuantKind::Q8), 2e-2, 3e-2),
+                (WeightFormat::Auto, Some(QuantKind::Q4).filter(|_| quant::has_simd()), 1e-3, 1.5e-2),
+            ];
+            for ((format, kind, tol16, tol8), bits) in cases.into_iter().flat_map(|c| [(c, ActBits::I16), (c, ActBits::I8)]) {
+                let tol = if bits == ActBits::I16 { tol16 } else { tol8 };
+                let ops = CpuOps::new(format).with_activations(bits);
                 let wt = ops.linear_weight(view.clone()).expect("2-D weight");
                 assert_eq!(wt.quant_kind(), kind, "{format:?}");
                 let y = ops.linear(&x, &wt, Some(&bias)).expect("shapes match");
@@ -410,7 +477,7 @@ mod tests {
                     }
                 }
                 let rel = (err / norm).sqrt();
-                assert!(rel <= tol, "{format:?} ({m},{n},{k}): relative error {rel}");
+                assert!(rel <= tol, "{format:?} {bits:?} ({m},{n},{k}): relative error {rel}");
             }
         }
     }
@@ -462,11 +529,11 @@ mod tests {
         use vellum_models::gguf::GgmlType;
         let mut seed = SeededRng::new(21);
         let types = [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q5_1, GgmlType::Q5_0];
-        for ty in types {
+        for (ty, bits) in types.into_iter().map(|t| (t, ActBits::I16)).chain([(GgmlType::Q5_0, ActBits::I8)]) {
             let (n, k) = (70, 512);
             let view = random_blocks(ty, n, k, &mut seed);
             let w = view.to_f32().expect("dequantizable");
-            let ops = CpuOps::new(WeightFormat::Auto);
+            let ops = CpuOps::new(WeightFormat::Auto).with_activations(bits);
             let wt = ops.embedding_weight(view.clone()).expect("2-D weight");
             if ty == GgmlType::Q5_0 {
                 assert_eq!(wt.quant_kind(), Some(QuantKind::Q8).filter(|_| quant::has_simd()), "Q5_0 runs the integer kernel");
@@ -488,8 +555,13 @@ mod tests {
                         let exact: f64 = (0..k).map(|i| x.data[r * k + i] as f64 * w[c * k + i] as f64).sum();
                         let scale: f64 = (0..k).map(|i| (x.data[r * k + i] as f64 * w[c * k + i] as f64).abs()).sum();
                         let got = y.data[r * n + c] as f64;
-                        // f32 sums (int16 activations for Q5_0): relative to the terms' magnitude.
-                        let tol = if ty == GgmlType::Q5_0 { 1e-4 } else { 1e-6 };
+                        // f32 sums (int16 or int8 activations for Q5_0): relative
+                        // to the terms' magnitude.
+                        let tol = match (ty, bits) {
+                            (GgmlType::Q5_0, ActBits::I16) => 1e-4,
+                            (GgmlType::Q5_0, ActBits::I8) => 2e-2,
+                            _ => 1e-6,
+                        };
                         assert!((got - exact).abs() <= tol * scale + 1e-9, "{ty} m={m} ({r},{c}): {got} vs {exact}");
                     }
                 }

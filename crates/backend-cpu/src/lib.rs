@@ -29,4 +29,4 @@ pub mod quant;
 
 pub use cpu_executor::CpuExecutor;
 pub use cpu_ops::{available_memory_bytes, CpuOps, HostStep, HostTensor};
-pub use quant::WeightFormat;
+pub use quant::{ActBits, WeightFormat};

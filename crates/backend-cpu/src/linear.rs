@@ -6,7 +6,7 @@
 //! crate for more — each splitting the output columns across the rayon
 //! threads by hand.
 
-use crate::quant::{self, QuantActs, QuantKind, QuantWeight, WeightFormat};
+use crate::quant::{self, ActBits, QuantActs, QuantKind, QuantWeight, WeightFormat};
 use vellum_models::gguf::{dequantize_into, GgmlType};
 use vellum_models::WeightView;
 
@@ -25,8 +25,9 @@ enum Storage {
     /// f32, transposed to `[in, out]` (`[K, N]`) so the GEMM reads it
     /// without repacking.
     F32(Vec<f32>),
-    /// Blocks for the integer kernel ([`QuantWeight`]).
-    Quant(QuantWeight),
+    /// Blocks for the integer kernel ([`QuantWeight`]), multiplying
+    /// activations quantized to the given width.
+    Quant(QuantWeight, ActBits),
     /// A GGUF file's own blocks, rows of `[out, in]` in order, dequantized a
     /// tile at a time as `linear` runs: the K-quants keep their size in
     /// memory (Q4_K 4.5 bits per weight) and their exact values.
@@ -88,7 +89,9 @@ impl HostWeight {
     /// - `Q4`/`Q8` quantize whatever they get (lossy unless the blocks
     ///   already were);
     /// - `F32` converts everything to f32 (the reference path).
-    pub(crate) fn from_view(w: &WeightView<'_>, format: WeightFormat) -> vellum_models::Result<HostWeight> {
+    ///
+    /// Integer-kernel weights multiply activations quantized to `acts`.
+    pub(crate) fn from_view(w: &WeightView<'_>, format: WeightFormat, acts: ActBits) -> vellum_models::Result<HostWeight> {
         let (out, inp) = w.matrix_dims()?;
         let keep_blocks = match format {
             WeightFormat::Auto => quant::has_simd(),
@@ -104,7 +107,7 @@ impl HostWeight {
                 }
         });
         if let Some(q) = kept {
-            return Ok(HostWeight { out, inp, storage: Storage::Quant(q) });
+            return Ok(HostWeight { out, inp, storage: Storage::Quant(q, acts) });
         }
         let plain = matches!(w.dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
         if format == WeightFormat::Auto && !plain && w.dtype.is_dequantizable() && out > 0 && inp > 0 {
@@ -118,7 +121,7 @@ impl HostWeight {
             WeightFormat::F32 | WeightFormat::Auto => None,
         };
         let storage = match kind {
-            Some(kind) if out > 0 && inp > 0 => Storage::Quant(QuantWeight::quantize(&data, out, inp, kind)),
+            Some(kind) if out > 0 && inp > 0 => Storage::Quant(QuantWeight::quantize(&data, out, inp, kind), acts),
             _ => Storage::F32(transpose(&data, out, inp)),
         };
         Ok(HostWeight { out, inp, storage })
@@ -133,7 +136,7 @@ impl HostWeight {
                     *d = kn[k * self.out + r];
                 }
             }
-            Storage::Quant(q) => q.dequantize_row(r, dst),
+            Storage::Quant(q, _) => q.dequantize_row(r, dst),
             Storage::Blocks { dtype, row_bytes, data } => {
                 // The length was checked when the weight was made.
                 let _ = dequantize_into(*dtype, &data[r * row_bytes..(r + 1) * row_bytes], dst);
@@ -145,7 +148,7 @@ impl HostWeight {
     pub fn memory_bytes(&self) -> usize {
         match &self.storage {
             Storage::F32(kn) => kn.len() * 4,
-            Storage::Quant(q) => q.data.len() + q.mins.len() * 2,
+            Storage::Quant(q, _) => q.data.len() + q.mins.len() * 2,
             Storage::Blocks { data, .. } => data.len(),
         }
     }
@@ -155,7 +158,7 @@ impl HostWeight {
     #[cfg(any(test, feature = "reference"))]
     pub fn quant_kind(&self) -> Option<QuantKind> {
         match &self.storage {
-            Storage::Quant(q) => Some(q.kind),
+            Storage::Quant(q, _) => Some(q.kind),
             _ => None,
         }
     }
@@ -178,7 +181,7 @@ pub(crate) fn matmul(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
     // row's result is then bitwise independent of the batch it came in
     // (chunked prefill, prefix-cache hits, batch composition).
     match &w.storage {
-        Storage::Quant(q) => linear_quant(y, x, q, m),
+        Storage::Quant(q, acts) => linear_quant(y, x, q, *acts, m),
         Storage::Blocks { dtype, row_bytes, data } => linear_blocks(y, x, w, (*dtype, *row_bytes, data), m),
         Storage::F32(kn) if m <= SMALL_M => linear_small(y, x, kn, w, m),
         Storage::F32(kn) => linear_gemm(y, x, kn, w, m),
@@ -187,13 +190,13 @@ pub(crate) fn matmul(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
 
 /// `y[m, n] = x[m, k] · Wᵀ` on the quantized weight: activations quantized
 /// once, output columns split across threads.
-fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, m: usize) {
+fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, bits: ActBits, m: usize) {
     let (n, k) = (w.n, w.k);
     thread_local! {
         static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
     }
     let mut run = |acts: &mut QuantActs| {
-        QuantActs::quantize_cached(x, m, k, acts);
+        QuantActs::quantize_cached(x, m, k, bits, acts);
         let acts = &*acts;
         let dst = SendPtr(y.as_mut_ptr());
         let ranges = column_ranges(m, n, k);

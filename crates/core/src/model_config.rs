@@ -139,14 +139,14 @@ impl ModelConfig {
             return Err(parse_err("num_attention_heads is 0".into()));
         }
         let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if num_key_value_heads == 0 || raw.num_attention_heads % num_key_value_heads != 0 {
+        if num_key_value_heads == 0 || !raw.num_attention_heads.is_multiple_of(num_key_value_heads) {
             return Err(parse_err(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({num_key_value_heads})",
                 raw.num_attention_heads
             )));
         }
         let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(parse_err(format!("head_dim must be even and non-zero, got {head_dim}")));
         }
         let rope_scaling = match raw.rope_scaling {

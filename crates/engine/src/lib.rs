@@ -45,7 +45,7 @@ mod outputs;
 pub mod sampler;
 mod sequences;
 
-pub use backend::{make_executor, Device};
+pub use backend::{make_executor, CpuPrecision, Device};
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream};
 pub use engine_core::{EngineCore, EngineCounters, Error, QueueStats};
 pub use llm::{EngineArgs, KvSharing, Llm};

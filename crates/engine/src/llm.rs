@@ -1,6 +1,6 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
-use crate::backend::{make_executor, Device};
+use crate::backend::{make_executor, CpuPrecision, Device};
 use crate::client::EngineClient;
 use crate::engine_core::{EngineCore, Error};
 use crate::output_processor::{OutputPiece, OutputProcessor};
@@ -35,6 +35,9 @@ pub struct EngineArgs {
     /// Bytes of host memory for KV blocks swapped out on preemption
     /// (vLLM's `--swap-space`); 0 = none, swap preemption then recomputes.
     pub swap_space_bytes: u64,
+    /// How the CPU backend multiplies integer-block weights
+    /// (`--cpu-precision`; other devices ignore it).
+    pub cpu_precision: CpuPrecision,
 }
 
 impl Default for EngineArgs {
@@ -49,6 +52,7 @@ impl Default for EngineArgs {
             enable_prefix_caching: true,
             disable_hybrid_kv_cache_manager: false,
             swap_space_bytes: 0,
+            cpu_precision: CpuPrecision::default(),
         }
     }
 }
@@ -108,7 +112,7 @@ impl Llm {
         let max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
         let max_batched = scheduler.max_num_batched_tokens;
-        let kv = (args.kv_cache_dtype, !args.disable_hybrid_kv_cache_manager);
+        let kv = (args.kv_cache_dtype, !args.disable_hybrid_kv_cache_manager, args.cpu_precision);
         let executor = make_executor(args.device, &*loaded.weights, config, kv, progress)?;
         let num_blocks = executor.num_kv_blocks(args.kv_cache, args.block_size)?;
         let block_bytes = executor.kv_block_bytes(args.block_size);

@@ -74,7 +74,7 @@ impl GgufWeights {
             Some(p) => {
                 let (block, block_bytes) = info.ggml_type.block_layout();
                 let row_len = permuted_row_len(&info.ne);
-                if row_len % block != 0 {
+                if !row_len.is_multiple_of(block) {
                     return Err(Error::ShapeMismatch {
                         tensor: name.to_string(),
                         expected: vec![row_len.next_multiple_of(block)],
@@ -289,7 +289,7 @@ fn permuted_row_len(ne: &[usize]) -> usize {
 /// `head_dim` rows each.
 pub fn unpermute_rows<T: Copy>(data: &[T], row_len: usize, n_head: usize, name: &str) -> Result<Vec<T>> {
     let n_rows = data.len().checked_div(row_len).unwrap_or(0);
-    if n_head == 0 || row_len == 0 || n_rows % n_head != 0 || (n_rows / n_head) % 2 != 0 {
+    if n_head == 0 || row_len == 0 || !n_rows.is_multiple_of(n_head) || !(n_rows / n_head).is_multiple_of(2) {
         return Err(Error::ShapeMismatch { tensor: name.to_string(), expected: vec![n_head, 2, row_len], actual: vec![n_rows, row_len] });
     }
     let head_dim = n_rows / n_head;

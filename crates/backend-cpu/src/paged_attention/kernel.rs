@@ -32,7 +32,7 @@ pub(super) struct Shape {
 impl Shape {
     pub(super) fn new(num_heads: usize, num_kv_heads: usize, head_dim: usize, what: &str) -> Self {
         assert!(
-            num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0,
+            num_kv_heads > 0 && num_heads > 0 && num_heads.is_multiple_of(num_kv_heads),
             "{what}: num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}"
         );
         assert!(head_dim > 0, "{what}: head_dim is 0");

@@ -242,7 +242,7 @@ pub fn contiguous_attention(
     let mut work = 0usize;
     for s in 0..num_seqs {
         assert!(
-            k[s].len() == v[s].len() && k[s].len() % row == 0,
+            k[s].len() == v[s].len() && k[s].len().is_multiple_of(row),
             "contiguous_attention: sequence {s} K/V hold {}/{} floats, not whole rows of {row}",
             k[s].len(),
             v[s].len()

@@ -1,7 +1,11 @@
-//! The AVX2 kernels of the quantized linear: 4-row × 1-output (or 1–3 rows ×
-//! up to 4 outputs) register tiles over the pair layout of `super`.
+//! The AVX2 kernels of the quantized linear for int16 activations: 4-row ×
+//! 1-output (or 1–3 rows × up to 4 outputs) register tiles over the pair
+//! layout of `super`.
 
-use super::{padded_blocks, QuantActs, QuantKind, QuantWeight, XREC, XSCALES};
+use super::{padded_blocks, ActBits, QuantActs, QuantKind, QuantWeight};
+
+const XREC: usize = ActBits::I16.record();
+const XSCALES: usize = ActBits::I16.scales();
 use std::arch::x86_64::*;
 
 /// A weight pair widened to i16: positions 0..16, 16..32, 32..48, 48..64;
@@ -35,8 +39,9 @@ unsafe fn load_w<const Q8: bool>(p: *const u8) -> Wide {
 }
 
 /// The integer dot product of a widened weight pair with one activation
-/// pair, as 8 i32 lanes alternating block 0 / block 1 (each lane sums 8
-/// products: |sum| ≤ 8·127·32767 < 2³¹).
+/// pair, as 8 i32 lanes in the pattern (0, 0, 1, 1, 0, 0, 1, 1) of blocks:
+/// each group of four values fills two lanes (each lane sums 8 products:
+/// |sum| ≤ 8·128·32767 < 2³¹).
 ///
 /// # Safety
 /// The CPU must support AVX2, and `x` must be valid for reading one
@@ -57,7 +62,7 @@ unsafe fn dot(w: &[__m256i; 4], x: *const u8) -> __m256i {
 /// The CPU must support AVX, and `p` must be valid for reading 8 bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bcast2(p: *const u8) -> __m256 {
+pub(super) unsafe fn bcast2(p: *const u8) -> __m256 {
     // SAFETY: p points at two f32 inside a record.
     unsafe { _mm256_castpd_ps(_mm256_set1_pd((p as *const f64).read_unaligned())) }
 }
@@ -68,7 +73,7 @@ unsafe fn bcast2(p: *const u8) -> __m256 {
 /// The CPU must support AVX (register operations only).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -78,14 +83,14 @@ unsafe fn hsum(v: __m256) -> f32 {
 /// Where a tile reads: records and per-block arrays at its first
 /// output / row.
 #[derive(Clone, Copy)]
-struct TileArgs {
-    y: *mut f32,
-    ldy: usize,
-    x: *const u8,
-    sums: *const f32,
-    w: *const u8,
-    mins: *const u16,
-    pairs: usize,
+pub(super) struct TileArgs {
+    pub(super) y: *mut f32,
+    pub(super) ldy: usize,
+    pub(super) x: *const u8,
+    pub(super) sums: *const f32,
+    pub(super) w: *const u8,
+    pub(super) mins: *const u16,
+    pub(super) pairs: usize,
 }
 
 /// A tile of `R` rows × `C` outputs over every pair.
@@ -109,7 +114,9 @@ unsafe fn tile<const R: usize, const C: usize, const Q8: bool>(t: TileArgs) {
                 for (r, accr) in acc.iter_mut().enumerate() {
                     let xr = x.add((r * pairs + j) * XREC);
                     let isum = dot(&wv, xr);
+                    // (s₀, s₁, s₀, s₁, …) → (s₀, s₀, s₁, s₁, …), the lanes' blocks.
                     let s = _mm256_mul_ps(d, bcast2(xr.add(XSCALES)));
+                    let s = _mm256_unpacklo_ps(s, s);
                     accr[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, accr[c]);
                 }
             }
@@ -142,20 +149,57 @@ unsafe fn tile<const R: usize, const C: usize, const Q8: bool>(t: TileArgs) {
 /// output of the thread's range streams past it).
 const ROW_BLOCK_BYTES: usize = 96 * 1024;
 
-/// `y[rows, cols]`, row stride `ldy`: rows in blocks that stay in cache;
-/// within a block, 4 rows × 1 output per register tile (the widened
-/// weight pair is reused by 4 rows), or for 1–3 rows, up to 4 outputs at
-/// once (independent accumulator chains).
+/// `y[rows, cols]`, row stride `ldy`, int16 activations: see [`drive`].
 ///
 /// # Safety
-/// The CPU must support the enabled features; `y` must be valid for
-/// writes at every (row, col) of the ranges; the caller owns those cells.
-#[target_feature(enable = "avx2,fma,f16c")]
+/// The CPU must support AVX2, FMA and F16C; `y` must be valid for writes at
+/// every (row, col) of the ranges; the caller owns those cells; `x` holds
+/// int16 codes.
 pub unsafe fn gemm(y: *mut f32, ldy: usize, x: &QuantActs, w: &QuantWeight, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
+    debug_assert_eq!(x.bits, ActBits::I16);
+    // SAFETY: forwarded; every tile below runs on the features the caller checked.
+    unsafe {
+        drive(y, ldy, x, w, rows, cols, |rr, cc, q8, t| {
+            macro_rules! go {
+                ($($R:literal, $C:literal);*) => {
+                    match (rr, cc, q8) {
+                        $(
+                            ($R, $C, false) => tile::<$R, $C, false>(t),
+                            ($R, $C, true) => tile::<$R, $C, true>(t),
+                        )*
+                        _ => unreachable!("tiles take 4 rows × 1 output or 1–3 rows × at most 4 outputs"),
+                    }
+                };
+            }
+            go!(4, 1; 1, 1; 1, 2; 1, 3; 1, 4; 2, 1; 2, 2; 3, 1; 3, 2)
+        })
+    }
+}
+
+/// Walks `y[rows, cols]` (row stride `ldy`) in tiles, calling
+/// `tile(rows, outputs, q8, args)` for each: rows in blocks that stay in
+/// cache; within a block, 4 rows × 1 output per register tile (the weight
+/// pair is reused by 4 rows), or for 1–3 rows, up to 4 outputs at once
+/// (independent accumulator chains).
+///
+/// # Safety
+/// `y` must be valid for writes at every (row, col) of the ranges and the
+/// caller owns those cells; `tile` must be safe to call on the tiles given
+/// (its CPU features present).
+pub(super) unsafe fn drive(
+    y: *mut f32,
+    ldy: usize,
+    x: &QuantActs,
+    w: &QuantWeight,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    tile: impl Fn(usize, usize, bool, TileArgs),
+) {
     let pairs = w.pairs;
     let rec = w.kind.record();
+    let xrec = x.bits.record();
     let q8 = w.kind == QuantKind::Q8;
-    let block = (ROW_BLOCK_BYTES / (pairs * XREC)).max(4) / 4 * 4;
+    let block = (ROW_BLOCK_BYTES / (pairs * xrec)).max(4) / 4 * 4;
     let nbp = padded_blocks(pairs);
     // SAFETY (the pointer offsets): r < x.rows and c < w.n everywhere
     // below, so every offset stays inside its allocation.
@@ -163,7 +207,7 @@ pub unsafe fn gemm(y: *mut f32, ldy: usize, x: &QuantActs, w: &QuantWeight, rows
         TileArgs {
             y: y.add(r * ldy + c),
             ldy,
-            x: x.data.as_ptr().add(r * pairs * XREC),
+            x: x.data.as_ptr().add(r * pairs * xrec),
             sums: x.sums.as_ptr().add(r * nbp),
             w: w.data.as_ptr().add(c * pairs * rec),
             mins: w.mins.as_ptr().add(c * nbp),
@@ -179,37 +223,14 @@ pub unsafe fn gemm(y: *mut f32, ldy: usize, x: &QuantActs, w: &QuantWeight, rows
             // Full 4-row tiles, one output at a time.
             let mut cc = 1;
             while r1 - r >= 4 {
-                // SAFETY: records of output c and rows r..r+4 exist; the caller owns y's cells.
-                unsafe {
-                    let t = args(r, c);
-                    if q8 {
-                        tile::<4, 1, true>(t)
-                    } else {
-                        tile::<4, 1, false>(t)
-                    }
-                }
+                tile(4, 1, q8, args(r, c));
                 r += 4;
             }
             if r < r1 {
                 // 1–3 rows left: several outputs per tile.
                 let rr = r1 - r;
                 cc = if r == r0 { (cols.end - c).min(if rr == 1 { 4 } else { 2 }) } else { 1 };
-                // SAFETY: as above, for outputs c..c+cc.
-                unsafe {
-                    let t = args(r, c);
-                    macro_rules! go {
-                        ($($R:literal, $C:literal);*) => {
-                            match (rr, cc, q8) {
-                                $(
-                                    ($R, $C, false) => tile::<$R, $C, false>(t),
-                                    ($R, $C, true) => tile::<$R, $C, true>(t),
-                                )*
-                                _ => unreachable!("tiles of 1–3 rows take at most 4 outputs"),
-                            }
-                        };
-                    }
-                    go!(1, 1; 1, 2; 1, 3; 1, 4; 2, 1; 2, 2; 3, 1; 3, 2);
-                }
+                tile(rr, cc, q8, args(r, c));
             }
             c += cc;
         }

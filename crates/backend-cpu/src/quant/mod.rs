@@ -5,25 +5,29 @@
 //!
 //! * [`WeightFormat::Q4`]: `q ∈ 0..=15`, `d` and `m` as f16 — GGML's Q4_1,
 //!   so a weight read from a Q4_1 GGUF is stored without any loss;
-//! * [`WeightFormat::Q8`]: symmetric, `q ∈ -127..=127`, `m = 0`, `d` as
+//! * [`WeightFormat::Q8`]: symmetric, `q ∈ -128..=127`, `m = 0`, `d` as
 //!   f32 (GGML's Q8_0 with an f32 scale).
 //!
-//! Activations are quantized per row and block of 32 to int16 with an f32
-//! scale `dx` (`x ≈ dx·qx`, |qx| ≤ 32767), and their block sum `sx` is
-//! kept, so one block contributes `d·dx·Σ q·qx + m·sx` (the offset
-//! term uses the sum of the dequantized activations, consistent with the
-//! integer part). int8 activations (llama.cpp's choice) cost 0.036 nats
-//! against the float64 golden reference, over its 0.02 tolerance; int16
-//! costs 0.0018. The weights are widened to i16 in registers and the
-//! integer dot products run on AVX2 `vpmaddwd`; a portable scalar kernel
-//! computes the same sums.
+//! Activations are quantized per row and block of 32 with an f32 scale
+//! `dx` (`x ≈ dx·qx`), to int8 ([`ActBits::I8`], llama.cpp's choice and
+//! the default: `vpmaddubsw` or VNNI `vpdpbusd`, four products per 32-bit
+//! lane) or int16 ([`ActBits::I16`]: `vpmaddwd`, two products per lane).
+//! Their block sum `sx` is kept, so one block contributes
+//! `d·dx·Σ q·qx + m·sx` (the offset term uses the sum of the dequantized
+//! activations, consistent with the integer part). Against the float64
+//! golden references int16 costs 0.0018 nats and int8 about 0.04, both
+//! under what llama.cpp itself shows on the same files (0.137 and 0.237
+//! nats, `benchmarks/llama_cpp_logprobs.py`). A portable scalar kernel
+//! computes the same integer sums as every SIMD one.
 //!
-//! Layout (see `KERNELS.md`): blocks are handled in pairs (64 values, four
-//! 256-bit registers of i16). Within a pair, value `e` of block `b ∈ {0, 1}`
-//! sits at position `p = 4·(e / 2) + 2·b + e % 2`, so every 32-bit lane of a
-//! `vpmaddwd` result belongs to one block and the two blocks alternate lane
-//! by lane; the per-block scales then apply through a 64-bit broadcast. `K` is zero-padded to a multiple of 64 (a zero
-//! activation contributes nothing, whatever the padded weight).
+//! Layout (see `KERNELS.md`): blocks are handled in pairs (64 values). Within
+//! a pair, value `e` of block `b ∈ {0, 1}` sits at position
+//! `p = 8·(e / 4) + 4·b + e % 4`: groups of four values of one block, the two
+//! blocks alternating group by group, so every 32-bit lane of a `vpdpbusd`
+//! (int8) result belongs to one block and the blocks alternate lane by lane;
+//! the per-block scales then apply through a 64-bit broadcast (int16: two
+//! lanes per group, a 128-bit pattern). `K` is zero-padded to a multiple of
+//! 64 (a zero activation contributes nothing, whatever the padded weight).
 
 use half::f16;
 use vellum_models::gguf::GgmlType;
@@ -64,29 +68,68 @@ impl WeightFormat {
 pub const BLOCK: usize = 32;
 /// Values per pair of blocks (one kernel step).
 const PAIR: usize = 2 * BLOCK;
-/// Offset of the scales in an activation pair record (after 64 i16 `qx`).
-const XSCALES: usize = 2 * PAIR;
-/// Bytes of one quantized activation pair: 64 i16 `qx`, 2 f32 `dx`.
-const XREC: usize = XSCALES + 8;
+
+/// The precision activations are quantized to (ordered by width).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ActBits {
+    /// int8 codes (`|qx| ≤ 127`), llama.cpp's Q8 activations: the fast path.
+    #[default]
+    I8,
+    /// int16 codes (`|qx| ≤ 32767`): 20× closer to float32, half the rate.
+    I16,
+}
+
+impl ActBits {
+    /// Bytes of one quantized activation pair: 64 codes, 2 f32 `dx`.
+    pub const fn record(self) -> usize {
+        self.scales() + 8
+    }
+    /// Offset of the two f32 `dx` in a pair record (after the 64 codes).
+    pub const fn scales(self) -> usize {
+        match self {
+            ActBits::I8 => PAIR,
+            ActBits::I16 => 2 * PAIR,
+        }
+    }
+    /// Largest code magnitude.
+    const fn max(self) -> f32 {
+        match self {
+            ActBits::I8 => 127.0,
+            ActBits::I16 => 32767.0,
+        }
+    }
+
+    /// The precision named by `VELLUM_CPU_ACTIVATIONS` (`int8`, `int16`),
+    /// else [`ActBits::I8`].
+    pub fn from_env() -> Self {
+        match std::env::var("VELLUM_CPU_ACTIVATIONS").as_deref() {
+            Ok("int16" | "i16") => ActBits::I16,
+            _ => ActBits::I8,
+        }
+    }
+}
 
 /// Per-block values (weight offsets `m`, activation sums `sx`) per row,
 /// padded with zeros to whole 256-bit registers.
 fn padded_blocks(pairs: usize) -> usize {
     (2 * pairs).next_multiple_of(8)
 }
-/// Largest activation magnitude after quantization.
-const XMAX: f32 = 32767.0;
-
 /// The byte position of value `e` of block `b` inside a pair.
 #[inline]
 fn pos(b: usize, e: usize) -> usize {
-    4 * (e / 2) + 2 * b + e % 2
+    8 * (e / 4) + 4 * b + e % 4
 }
 
 /// The (block, value) stored at byte position `p` of a pair.
 fn unpos(p: usize) -> (usize, usize) {
-    let lane = p / 2;
-    (lane % 2, (lane / 2) * 2 + p % 2)
+    let group = p / 4;
+    (group % 2, (group / 2) * 4 + p % 4)
+}
+
+/// The block of position `p` (its group of four alternates).
+#[inline]
+fn block_of(p: usize) -> usize {
+    (p / 4) % 2
 }
 
 /// Quantized storage kind (the resolved format of one weight).
@@ -201,7 +244,7 @@ impl QuantWeight {
             _ => return None,
         };
         let blocks = k / BLOCK;
-        if k % BLOCK != 0 || bytes.len() != n * blocks * block_bytes {
+        if !k.is_multiple_of(BLOCK) || bytes.len() != n * blocks * block_bytes {
             return None;
         }
         let f16_at = |b: &[u8], o: usize| f16::from_le_bytes([b[o], b[o + 1]]);
@@ -335,13 +378,15 @@ impl QuantWeight {
 }
 
 /// Activations quantized per row and block: `rows · pairs` records of
-/// `XREC` bytes.
+/// `bits.record()` bytes.
 #[derive(Clone, Debug, Default)]
 pub struct QuantActs {
     /// Rows.
     pub rows: usize,
     /// Pairs per row.
     pub pairs: usize,
+    /// Code width.
+    pub bits: ActBits,
     /// The records.
     pub data: Vec<u8>,
     /// Sum of each block's dequantized values, `padded_blocks` per row.
@@ -351,19 +396,19 @@ pub struct QuantActs {
     src: Vec<f32>,
 }
 
-/// One block of activations as int16: (q, dx, Σ dx·q). The offset term
-/// uses the sum of the dequantized values, consistent with the integer part
-/// (measured on the golden test: 0.0018 nats, against 0.005 with the exact
-/// f32 sum of `x`).
+/// One block of activations as codes of at most `max`: (q, dx, Σ dx·q).
+/// The offset term uses the sum of the dequantized values, consistent with
+/// the integer part (measured on the golden test with int16: 0.0018 nats,
+/// against 0.005 with the exact f32 sum of `x`).
 #[inline(always)]
-fn quant_act_block(vals: &[f32]) -> ([i16; BLOCK], f32, f32) {
+fn quant_act_block(vals: &[f32], max: f32) -> ([i16; BLOCK], f32, f32) {
     let amax = vals.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-    let d = amax / XMAX;
+    let d = amax / max;
     let id = if d > 0.0 { 1.0 / d } else { 0.0 };
     let mut q = [0i16; BLOCK];
     let mut sum = 0.0f32;
     for (qe, &v) in q.iter_mut().zip(vals) {
-        *qe = (v * id).round_ties_even().clamp(-XMAX, XMAX) as i16;
+        *qe = (v * id).round_ties_even().clamp(-max, max) as i16;
         sum += f32::from(*qe) * d;
     }
     (q, d, sum)
@@ -371,15 +416,15 @@ fn quant_act_block(vals: &[f32]) -> ([i16; BLOCK], f32, f32) {
 
 /// Quantizes one row of `k` activations into `pairs` records (compiled
 /// again with AVX2 enabled, where `round` is one instruction).
-fn quantize_row(x: &[f32], out: &mut [u8], sums: &mut [f32]) {
+fn quantize_row(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if has_simd() {
             // SAFETY: the CPU supports the features the function enables.
-            return unsafe { quantize_row_avx2(x, out, sums) };
+            return unsafe { quantize_row_avx2(x, bits, out, sums) };
         }
     }
-    quantize_row_generic(x, out, sums)
+    quantize_row_generic(x, bits, out, sums)
 }
 
 /// [`quantize_row_generic`] compiled with AVX2, FMA and F16C.
@@ -388,79 +433,101 @@ fn quantize_row(x: &[f32], out: &mut [u8], sums: &mut [f32]) {
 /// The CPU must support AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_row_avx2(x: &[f32], out: &mut [u8], sums: &mut [f32]) {
-    quantize_row_generic(x, out, sums)
+unsafe fn quantize_row_avx2(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32]) {
+    quantize_row_generic(x, bits, out, sums)
 }
 
 #[inline(always)]
-fn quantize_row_generic(x: &[f32], out: &mut [u8], sums: &mut [f32]) {
+fn quantize_row_generic(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32]) {
     let k = x.len();
-    let pairs = out.len() / XREC;
+    let (rec, xs) = (bits.record(), bits.scales());
+    let pairs = out.len() / rec;
     for j in 0..pairs {
-        let r = &mut out[j * XREC..(j + 1) * XREC];
+        let r = &mut out[j * rec..(j + 1) * rec];
         for b in 0..2 {
             let start = (j * PAIR + b * BLOCK).min(k);
             let end = (start + BLOCK).min(k);
-            let (q, d, sum) = quant_act_block(&x[start..end]);
-            for (e, qe) in q.iter().enumerate() {
-                let p = 2 * pos(b, e);
-                r[p..p + 2].copy_from_slice(&qe.to_le_bytes());
+            let (q, d, sum) = quant_act_block(&x[start..end], bits.max());
+            match bits {
+                ActBits::I8 => {
+                    for (e, &qe) in q.iter().enumerate() {
+                        r[pos(b, e)] = qe as i8 as u8;
+                    }
+                }
+                ActBits::I16 => {
+                    for (e, qe) in q.iter().enumerate() {
+                        let p = 2 * pos(b, e);
+                        r[p..p + 2].copy_from_slice(&qe.to_le_bytes());
+                    }
+                }
             }
-            r[XSCALES + 4 * b..XSCALES + 4 * b + 4].copy_from_slice(&d.to_le_bytes());
+            r[xs + 4 * b..xs + 4 * b + 4].copy_from_slice(&d.to_le_bytes());
             sums[2 * j + b] = sum;
         }
     }
 }
 
 impl QuantActs {
-    /// Quantizes `rows × k` row-major activations (rows in parallel when many).
-    pub fn quantize(x: &[f32], rows: usize, k: usize, into: &mut QuantActs) {
+    /// Quantizes `rows × k` row-major activations to `bits` (rows in
+    /// parallel when many).
+    pub fn quantize(x: &[f32], rows: usize, k: usize, bits: ActBits, into: &mut QuantActs) {
         into.src.clear();
-        Self::quantize_into(x, rows, k, into)
+        Self::quantize_into(x, rows, k, bits, into)
     }
 
     /// [`QuantActs::quantize`], skipped when `x` equals the activations of
     /// the previous call (the Q, K and V projections, or gate and up, read
     /// the same input). Comparing is ~10× cheaper than quantizing.
-    pub fn quantize_cached(x: &[f32], rows: usize, k: usize, into: &mut QuantActs) {
-        if into.rows == rows && into.pairs == k.div_ceil(PAIR) && into.src.len() == x.len() && into.src == x {
+    pub fn quantize_cached(x: &[f32], rows: usize, k: usize, bits: ActBits, into: &mut QuantActs) {
+        if into.rows == rows && into.pairs == k.div_ceil(PAIR) && into.bits == bits && into.src.len() == x.len() && into.src == x {
             return;
         }
-        Self::quantize_into(x, rows, k, into);
+        Self::quantize_into(x, rows, k, bits, into);
         into.src.clear();
         into.src.extend_from_slice(x);
     }
 
-    fn quantize_into(x: &[f32], rows: usize, k: usize, into: &mut QuantActs) {
+    fn quantize_into(x: &[f32], rows: usize, k: usize, bits: ActBits, into: &mut QuantActs) {
         let pairs = k.div_ceil(PAIR);
         into.rows = rows;
         into.pairs = pairs;
+        into.bits = bits;
         into.data.clear();
-        into.data.resize(rows * pairs * XREC, 0);
+        into.data.resize(rows * pairs * bits.record(), 0);
         let nbp = padded_blocks(pairs);
         into.sums.clear();
         into.sums.resize(rows * nbp, 0.0);
         if k == 0 {
             return;
         }
-        let per = pairs * XREC;
+        let per = pairs * bits.record();
         if rows * k >= 1 << 15 {
             use rayon::prelude::*;
             into.data
                 .par_chunks_mut(per)
                 .zip(into.sums.par_chunks_mut(nbp))
                 .zip(x.par_chunks(k))
-                .for_each(|((o, sm), xr)| quantize_row(xr, o, sm));
+                .for_each(|((o, sm), xr)| quantize_row(xr, bits, o, sm));
         } else {
             for ((o, sm), xr) in into.data.chunks_mut(per).zip(into.sums.chunks_mut(nbp)).zip(x.chunks(k)) {
-                quantize_row(xr, o, sm);
+                quantize_row(xr, bits, o, sm);
             }
         }
     }
 
     fn record(&self, row: usize, j: usize) -> &[u8] {
-        let o = (row * self.pairs + j) * XREC;
-        &self.data[o..o + XREC]
+        let rec = self.bits.record();
+        let o = (row * self.pairs + j) * rec;
+        &self.data[o..o + rec]
+    }
+
+    /// The code at position `p` of record `r`.
+    #[inline]
+    fn code(&self, r: &[u8], p: usize) -> i32 {
+        match self.bits {
+            ActBits::I8 => i32::from(r[p] as i8),
+            ActBits::I16 => i32::from(i16::from_le_bytes([r[2 * p], r[2 * p + 1]])),
+        }
     }
 }
 
@@ -469,19 +536,20 @@ fn f32_at(r: &[u8], o: usize) -> f32 {
 }
 
 /// One output cell of the scalar kernel: row `r` of `x` against output `c`
-/// of `w`, the same integer sums as the AVX2 kernel.
+/// of `w`, the same integer sums as the SIMD kernels.
 fn scalar_cell(x: &QuantActs, w: &QuantWeight, r: usize, c: usize) -> f32 {
     let mut acc = 0.0f32;
+    let xs = x.bits.scales();
     for j in 0..w.pairs {
         let wr = w.record(c, j);
         let xr = x.record(r, j);
         let mut isum = [0i32; 2];
         for p in 0..PAIR {
-            isum[(p / 2) % 2] += w.q_at(wr, p) * i32::from(i16::from_le_bytes([xr[2 * p], xr[2 * p + 1]]));
+            isum[block_of(p)] += w.q_at(wr, p) * x.code(xr, p);
         }
         for (b, &s) in isum.iter().enumerate() {
             let (d, m) = w.scales(wr, c, j, b);
-            let dx = f32_at(xr, XSCALES + 4 * b);
+            let dx = f32_at(xr, xs + 4 * b);
             let sx = x.sums[r * padded_blocks(x.pairs) + 2 * j + b];
             acc += s as f32 * (d * dx) + m * sx;
         }
@@ -501,29 +569,39 @@ fn gemm_scalar(y: &mut [f32], ldy: usize, x: &QuantActs, w: &QuantWeight, rows: 
 }
 
 /// The kernels of the quantized linear, by instruction set.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Kernel {
     /// Portable Rust, cell by cell (the reference the others are tested
     /// against).
     Scalar,
-    /// AVX2 + FMA + F16C: 256-bit `vpmaddwd` tiles. (The same tiles on
-    /// AVX-512 VNNI `vpdpwssd` measured 17–19 GMAC/s against these 25–28
-    /// on a 2-vCPU Xeon, docs/benchmarks.md: not kept.)
+    /// AVX2 + FMA + F16C: int8 through `vpmaddubsw`/`vpmaddwd`, int16
+    /// through `vpmaddwd`.
     Avx2,
+    /// AVX-VNNI (VEX `vpdpbusd` on 256 bits) for int8; int16 as [`Kernel::Avx2`].
+    AvxVnni,
+    /// AVX-512 VNNI + VL (EVEX `vpdpbusd` on 256 bits, 32 registers) for
+    /// int8; int16 as [`Kernel::Avx2`]. (The int16 tiles on 512-bit
+    /// `vpdpwssd` measured 17–19 GMAC/s against 25–28 with AVX2 on a
+    /// 2-vCPU Xeon, docs/benchmarks.md: not kept.)
+    Avx512Vnni,
 }
 
 impl Kernel {
-    /// The fastest kernel this CPU runs; `VELLUM_CPU_KERNEL=scalar|avx2`
-    /// caps it (to compare kernels on one machine).
+    /// The fastest kernel this CPU runs; `VELLUM_CPU_KERNEL=scalar|avx2|
+    /// avxvnni|avx512vnni` caps it (to compare kernels on one machine).
     pub fn detect() -> Self {
         static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
-            let best = Self::available().last().copied().unwrap_or(Kernel::Scalar);
-            match std::env::var("VELLUM_CPU_KERNEL").as_deref() {
-                Ok("scalar") => Kernel::Scalar,
-                Ok("avx2") if best != Kernel::Scalar => Kernel::Avx2,
-                _ => best,
-            }
+            let available = Self::available();
+            let best = available.last().copied().unwrap_or(Kernel::Scalar);
+            let named = match std::env::var("VELLUM_CPU_KERNEL").as_deref() {
+                Ok("scalar") => Some(Kernel::Scalar),
+                Ok("avx2") => Some(Kernel::Avx2),
+                Ok("avxvnni") => Some(Kernel::AvxVnni),
+                Ok("avx512vnni") => Some(Kernel::Avx512Vnni),
+                _ => None,
+            };
+            named.filter(|k| available.contains(k)).unwrap_or(best)
         })
     }
 
@@ -534,13 +612,19 @@ impl Kernel {
         {
             if has_simd() {
                 v.push(Kernel::Avx2);
+                if std::is_x86_feature_detected!("avxvnni") {
+                    v.push(Kernel::AvxVnni);
+                }
+                if std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl") {
+                    v.push(Kernel::Avx512Vnni);
+                }
             }
         }
         v
     }
 }
 
-/// Whether the CPU runs the SIMD kernel (AVX2 with FMA and F16C).
+/// Whether the CPU runs the SIMD kernels (AVX2 with FMA and F16C).
 pub fn has_simd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -554,6 +638,8 @@ pub fn has_simd() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod int8;
 
 /// `y[r·ldy + c]` for `rows × cols` through the best kernel the CPU runs.
 ///
@@ -583,10 +669,22 @@ pub unsafe fn gemm_with(
     }
     debug_assert!(x.pairs == w.pairs && rows.end <= x.rows && cols.end <= w.n);
     #[cfg(target_arch = "x86_64")]
-    match kernel {
-        // SAFETY: the caller checked the features; the cells are the caller's.
-        Kernel::Avx2 => return unsafe { avx2::gemm(y, ldy, x, w, rows, cols) },
-        Kernel::Scalar => {}
+    {
+        type Gemm = unsafe fn(*mut f32, usize, &QuantActs, &QuantWeight, std::ops::Range<usize>, std::ops::Range<usize>);
+        let simd: Option<Gemm> = match (kernel, x.bits) {
+            (Kernel::Scalar, _) => None,
+            (_, ActBits::I16) => Some(avx2::gemm),
+            (Kernel::Avx2, ActBits::I8) => Some(int8::avx2::gemm),
+            (Kernel::AvxVnni, ActBits::I8) => Some(int8::avxvnni::gemm),
+            (Kernel::Avx512Vnni, ActBits::I8) => Some(int8::avx512vnni::gemm),
+        };
+        if let Some(gemm) = simd {
+            // SAFETY: the caller checked that the CPU runs `kernel`, whose
+            // features every SIMD kernel picked above needs (int16 always
+            // runs on AVX2, which every SIMD kernel implies); the cells are
+            // the caller's.
+            return unsafe { gemm(y, ldy, x, w, rows, cols) };
+        }
     }
     // Cell by cell through the pointer: other threads own the other columns
     // of the same rows, so no slice over whole rows may be formed here.

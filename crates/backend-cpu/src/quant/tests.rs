@@ -105,9 +105,9 @@ fn q8_and_q4_quantization_round_trips_exact_blocks() {
 }
 
 /// y via the dispatching kernel and via the scalar one.
-fn both(x: &[f32], m: usize, w: &QuantWeight) -> (Vec<f32>, Vec<f32>) {
+fn both(x: &[f32], m: usize, w: &QuantWeight, bits: ActBits) -> (Vec<f32>, Vec<f32>) {
     let mut acts = QuantActs::default();
-    QuantActs::quantize(x, m, w.k, &mut acts);
+    QuantActs::quantize(x, m, w.k, bits, &mut acts);
     let mut fast = vec![f32::NAN; m * w.n];
     // SAFETY: fast is [m, n] and owned here.
     unsafe { gemm(fast.as_mut_ptr(), w.n, &acts, w, 0..m, 0..w.n) };
@@ -122,7 +122,7 @@ fn kernels_match_f64_reference_on_odd_shapes() {
     for &(m, n, k) in
         &[(1, 1, 1), (1, 3, 31), (2, 7, 33), (3, 5, 64), (5, 13, 100), (4, 6, 128), (9, 31, 576), (17, 4, 96), (6, 11, 1536), (50, 5, 1536)]
     {
-        for kind in [QuantKind::Q4, QuantKind::Q8] {
+        for (kind, bits) in [QuantKind::Q4, QuantKind::Q8].into_iter().flat_map(|k| [(k, ActBits::I8), (k, ActBits::I16)]) {
             let w: Vec<f32> = (0..n * k).map(|_| rng(&mut s) * 0.1).collect();
             // Activations with an outlier per row, as hidden states have.
             let x: Vec<f32> = (0..m * k).map(|i| if i % 97 == 5 { 20.0 } else { rng(&mut s) }).collect();
@@ -136,25 +136,26 @@ fn kernels_match_f64_reference_on_odd_shapes() {
                     assert!((deq[c * k + i] - w[c * k + i]).abs() <= step * 0.51 + 1e-3, "{kind:?} weight error");
                 }
             }
-            let (fast, slow) = both(&x, m, &qw);
+            let (fast, slow) = both(&x, m, &qw, bits);
             for r in 0..m {
                 for c in 0..n {
                     let mut exact = 0.0f64;
                     let mut bound = 0.0f64;
                     for b0 in (0..k).step_by(BLOCK) {
                         let xs = &x[r * k + b0..r * k + (b0 + BLOCK).min(k)];
-                        let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64 * 127.0 / XMAX as f64;
+                        // Half a code step of the block's activations.
+                        let half_step = xs.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64 / (2.0 * bits.max() as f64);
                         for (i, &xv) in xs.iter().enumerate() {
                             let wv = deq[c * k + b0 + i] as f64;
                             exact += xv as f64 * wv;
-                            bound += wv.abs() * amax / 254.0;
+                            bound += wv.abs() * half_step;
                         }
                     }
                     let tol = bound * 1.01 + 1e-4 * (1.0 + exact.abs());
                     let (f, sl) = (fast[r * n + c] as f64, slow[r * n + c] as f64);
-                    assert!((sl - exact).abs() <= tol, "{kind:?} ({m},{n},{k}) scalar {sl} vs {exact} (tol {tol})");
-                    assert!((f - exact).abs() <= tol, "{kind:?} ({m},{n},{k}) fast {f} vs {exact} (tol {tol})");
-                    assert!((f - sl).abs() <= 1e-4 * (1.0 + sl.abs()), "{kind:?} ({m},{n},{k}) fast {f} vs scalar {sl}");
+                    assert!((sl - exact).abs() <= tol, "{kind:?} {bits:?} ({m},{n},{k}) scalar {sl} vs {exact} (tol {tol})");
+                    assert!((f - exact).abs() <= tol, "{kind:?} {bits:?} ({m},{n},{k}) fast {f} vs {exact} (tol {tol})");
+                    assert!((f - sl).abs() <= 1e-4 * (1.0 + sl.abs()), "{kind:?} {bits:?} ({m},{n},{k}) fast {f} vs scalar {sl}");
                 }
             }
         }
@@ -170,12 +171,16 @@ fn every_kernel_this_cpu_runs_matches_the_scalar_one() {
     let kernels = Kernel::available();
     eprintln!("kernels on this CPU: {kernels:?}");
     for &(m, n, k) in &[(1, 9, 33), (2, 7, 96), (3, 5, 640), (4, 6, 128), (5, 13, 100), (7, 3, 2048), (13, 17, 576)] {
-        for kind in [QuantKind::Q4, QuantKind::Q8] {
+        for (kind, bits) in [QuantKind::Q4, QuantKind::Q8].into_iter().flat_map(|k| [(k, ActBits::I8), (k, ActBits::I16)]) {
             let w: Vec<f32> = (0..n * k).map(|_| rng(&mut s) * 0.1).collect();
             let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
-            let qw = QuantWeight::quantize(&w, n, k, kind);
+            let mut qw = QuantWeight::quantize(&w, n, k, kind);
+            if kind == QuantKind::Q8 {
+                // GGML's Q8_0 may hold −128, whose magnitude only fits unsigned.
+                qw.data[(n / 2) * qw.pairs * kind.record() + 3] = 0x80;
+            }
             let mut acts = QuantActs::default();
-            QuantActs::quantize(&x, m, k, &mut acts);
+            QuantActs::quantize(&x, m, k, bits, &mut acts);
             let mut slow = vec![f32::NAN; m * n];
             gemm_scalar(&mut slow, n, &acts, &qw, 0..m, 0..n);
             for &kernel in &kernels {
@@ -183,7 +188,7 @@ fn every_kernel_this_cpu_runs_matches_the_scalar_one() {
                 // SAFETY: y is [m, n] and owned here; the kernel is available.
                 unsafe { gemm_with(kernel, y.as_mut_ptr(), n, &acts, &qw, 0..m, 0..n) };
                 for (a, b) in y.iter().zip(&slow) {
-                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{kernel:?} {kind:?} ({m},{n},{k}): {a} vs scalar {b}");
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{kernel:?} {kind:?} {bits:?} ({m},{n},{k}): {a} vs scalar {b}");
                 }
             }
         }
@@ -196,18 +201,19 @@ fn cached_quantization_follows_its_input() {
     let x: Vec<f32> = (0..3 * 100).map(|_| rng(&mut s)).collect();
     let mut fresh = QuantActs::default();
     let mut cached = QuantActs::default();
-    QuantActs::quantize_cached(&x, 3, 100, &mut cached);
-    QuantActs::quantize_cached(&x, 3, 100, &mut cached);
-    QuantActs::quantize(&x, 3, 100, &mut fresh);
+    QuantActs::quantize_cached(&x, 3, 100, ActBits::I8, &mut cached);
+    QuantActs::quantize_cached(&x, 3, 100, ActBits::I8, &mut cached);
+    QuantActs::quantize(&x, 3, 100, ActBits::I8, &mut fresh);
     assert_eq!((&cached.data, &cached.sums), (&fresh.data, &fresh.sums));
     let mut y = x.clone();
     y[150] += 0.5;
-    QuantActs::quantize_cached(&y, 3, 100, &mut cached);
-    QuantActs::quantize(&y, 3, 100, &mut fresh);
+    QuantActs::quantize_cached(&y, 3, 100, ActBits::I8, &mut cached);
+    QuantActs::quantize(&y, 3, 100, ActBits::I8, &mut fresh);
     assert_eq!((&cached.data, &cached.sums), (&fresh.data, &fresh.sums));
     // Same values, another shape.
-    QuantActs::quantize_cached(&y, 2, 150, &mut cached);
-    QuantActs::quantize(&y, 2, 150, &mut fresh);
+    QuantActs::quantize_cached(&y, 2, 150, ActBits::I8, &mut cached);
+    QuantActs::quantize_cached(&y, 2, 150, ActBits::I16, &mut cached);
+    QuantActs::quantize(&y, 2, 150, ActBits::I16, &mut fresh);
     assert_eq!((&cached.data, &cached.sums, cached.rows), (&fresh.data, &fresh.sums, 2));
 }
 
@@ -219,7 +225,7 @@ fn subranges_write_only_their_cells() {
     let x: Vec<f32> = (0..m * k).map(|_| rng(&mut s)).collect();
     let qw = QuantWeight::quantize(&w, n, k, QuantKind::Q8);
     let mut acts = QuantActs::default();
-    QuantActs::quantize(&x, m, k, &mut acts);
+    QuantActs::quantize(&x, m, k, ActBits::I8, &mut acts);
     let mut full = vec![0.0f32; m * n];
     gemm_scalar(&mut full, n, &acts, &qw, 0..m, 0..n);
     let mut part = vec![f32::NAN; m * n];
@@ -247,7 +253,7 @@ fn threads_write_disjoint_columns_of_shared_rows() {
     for kind in [QuantKind::Q4, QuantKind::Q8] {
         let qw = QuantWeight::quantize(&w, n, k, kind);
         let mut acts = QuantActs::default();
-        QuantActs::quantize(&x, m, k, &mut acts);
+        QuantActs::quantize(&x, m, k, ActBits::I8, &mut acts);
         let mut y = vec![f32::NAN; m * n];
         let mut want = vec![0.0; m * n];
         gemm_scalar(&mut want, n, &acts, &qw, 0..m, 0..n);

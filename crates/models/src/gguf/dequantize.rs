@@ -49,7 +49,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Option<Vec<f
 #[inline(always)]
 pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Option<()> {
     let (block, block_bytes) = ty.block_layout();
-    if out.len() % block != 0 || bytes.len() != (out.len() / block).checked_mul(block_bytes)? {
+    if !out.len().is_multiple_of(block) || bytes.len() != (out.len() / block).checked_mul(block_bytes)? {
         return None;
     }
     // Each arm calls its kernel directly (no function pointer), so a caller

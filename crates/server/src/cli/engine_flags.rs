@@ -5,7 +5,7 @@
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use vellum_core::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy};
-use vellum_engine::{Device, EngineArgs};
+use vellum_engine::{CpuPrecision, Device, EngineArgs};
 
 /// Engine options shared by every subcommand that loads a model.
 #[derive(Args, Clone, Debug)]
@@ -58,6 +58,11 @@ pub struct EngineFlags {
     /// recompute or swap.
     #[arg(long, default_value = "recompute")]
     pub preemption_mode: String,
+    /// CPU backend: int8 (the file's blocks × int8 activations, as
+    /// llama.cpp), int16 (× int16 activations: within 0.002 nats of float64,
+    /// slower) or float32 (every weight widened: the reference).
+    #[arg(long, default_value = "int8")]
+    pub cpu_precision: String,
 }
 
 /// What a subcommand would pick for the flags a user left out.
@@ -99,6 +104,7 @@ impl EngineFlags {
         Ok(EngineArgs {
             model,
             device: self.device.parse::<Device>().map_err(|e| anyhow!("{e}"))?,
+            cpu_precision: self.cpu_precision.parse::<CpuPrecision>().map_err(|e| anyhow!("{e}"))?,
             block_size: self.block_size,
             kv_cache: parse_kv_cache_memory(&self.kv_cache_memory)?,
             kv_cache_dtype: parse_kv_cache_dtype(&self.kv_cache_dtype)?,
