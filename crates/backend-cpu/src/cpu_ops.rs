@@ -67,30 +67,17 @@ impl CpuOps {
         HostWeight::from_view(w, self.weight_format, self.activations_for(&w.name))
     }
 
-    /// The LM head, or the embedding table that is also the tied LM head.
-    fn lm_head(&self, w: &WeightView<'_>) -> vellum_models::Result<HostWeight> {
-        HostWeight::from_view(w, self.weight_format, self.head_activations())
-    }
-
-    fn head_activations(&self) -> ActBits {
-        if all_int8() {
-            self.activations
-        } else {
-            ActBits::I16
-        }
-    }
-
     /// The activation width of the linear named `name` (its Hugging Face
-    /// name) under [`CpuOps::activations`]: with int8, the MLP's linears
-    /// take int8 while the attention projections (`self_attn.*`) and the LM
-    /// head keep int16, where int8's error reaches the logprobs most.
-    /// Measured on the golden tests against the float64 references (largest
-    /// gap on agreeing tokens; llama.cpp's own, all int8: 0.137 nats on
-    /// SmolLM2, 0.237 on Gemma 3): every linear int8 — 0.185 and 0.277;
-    /// int16 head — 0.154 and 0.219; int16 head and attention — 0.095 and
-    /// 0.158 (96/96 Gemma tokens agree); int16 head and MLP, int8 attention
-    /// — 0.185. The MLP holds ~75% of a layer's multiply-adds.
-    /// `VELLUM_CPU_INT8=all` puts every linear on int8 (to measure that).
+    /// name) under [`CpuOps::activations`]: with int8, the attention
+    /// projections (`self_attn.*`) keep int16, where int8's error reaches
+    /// the logprobs most. Measured on the golden tests against the float64
+    /// references (largest gap on agreeing tokens; llama.cpp's own, all
+    /// int8: 0.137 nats on SmolLM2, 0.237 on Gemma 3): every linear int8 —
+    /// 0.185 and 0.277; int16 attention — 0.117 and 0.166; int16 attention
+    /// and head — 0.095 and 0.158; int16 head alone — 0.154 and 0.219; int16
+    /// head and MLP — 0.185 (SmolLM2). The MLP and the head hold ~75% of a
+    /// layer's multiply-adds and all of the head's. `VELLUM_CPU_INT8=all`
+    /// puts every linear on int8 (to measure that).
     pub fn activations_for(&self, name: &str) -> ActBits {
         if self.activations == ActBits::I8 && name.contains("self_attn.") && !all_int8() {
             ActBits::I16
@@ -155,12 +142,10 @@ impl Ops for CpuOps {
 
     fn embedding_weight(&self, w: WeightView<'_>) -> vellum_models::Result<HostWeight> {
         // One copy serves both lookups (rows dequantized on demand) and the
-        // tied LM head.
-        self.lm_head(&w)
-    }
-
-    fn lm_head_weight(&self, w: WeightView<'_>) -> vellum_models::Result<HostWeight> {
-        self.lm_head(&w)
+        // tied LM head (int8 activations there cost 0.021 nats more than
+        // int16 on SmolLM2's golden prompts and buy 29% of Gemma 3's
+        // 64-sequence decode: its 262,144-row head is 63% of the weights).
+        self.weight(&w)
     }
 
     fn vector(&self, _name: &str, data: &[f32]) -> vellum_models::Result<Vec<f32>> {
@@ -300,7 +285,7 @@ impl AttentionBackend for CpuOps {
             (WeightFormat::F32, _) => "float32",
             (_, ActBits::I16) => "int16 activations",
             (_, ActBits::I8) if all_int8() => "int8 activations",
-            (_, ActBits::I8) => "int8 MLP, int16 attention and head",
+            (_, ActBits::I8) => "int8 activations, int16 in attention",
         };
         format!("cpu ({kernel}, {} threads, weights {:?}, {acts})", rayon::current_num_threads(), self.weight_format)
     }

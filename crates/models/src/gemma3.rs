@@ -88,7 +88,7 @@ impl<O: Ops> Gemma3Model<O> {
         let lm_head = if config.tie_word_embeddings || !weights.contains("lm_head.weight") {
             None
         } else {
-            Some(ops.lm_head_weight(weights.tensor_shaped("lm_head.weight", &[config.vocab_size, h])?)?)
+            Some(mat("lm_head.weight", [config.vocab_size, h])?)
         };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {

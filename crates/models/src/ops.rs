@@ -40,12 +40,6 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     /// Prepares an embedding table `[vocab, hidden]` (also usable as a tied
     /// LM head through [`Ops::linear`]).
     fn embedding_weight(&self, w: WeightView<'_>) -> Result<Self::Weight>;
-    /// Prepares an untied LM head `[vocab, hidden]` for [`Ops::linear`]: a
-    /// backend may keep it more precisely than the other linears, since its
-    /// error goes straight into the logprobs (the CPU's int8 path does).
-    fn lm_head_weight(&self, w: WeightView<'_>) -> Result<Self::Weight> {
-        self.linear_weight(w)
-    }
     /// Uploads a 1-D parameter.
     fn vector(&self, name: &str, data: &[f32]) -> Result<Self::Vector>;
     /// Prepares the rotations of `table` for [`Ops::rope`].
