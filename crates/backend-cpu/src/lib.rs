@@ -26,6 +26,7 @@ pub mod kv_cache;
 pub mod linear;
 pub mod paged_attention;
 pub mod quant;
+mod spin_team;
 
 pub use cpu_executor::CpuExecutor;
 pub use cpu_ops::{available_memory_bytes, CpuOps, HostStep, HostTensor};

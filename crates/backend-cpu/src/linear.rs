@@ -80,6 +80,14 @@ struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+impl SendPtr {
+    /// The pointer (a method, so closures capture the whole `SendPtr`,
+    /// which is `Sync`, rather than its raw field, which is not).
+    fn get(&self) -> *mut f32 {
+        self.0
+    }
+}
+
 impl HostWeight {
     /// Prepares a `[out, in]` weight in the resolved format:
     /// - `Auto` keeps GGML Q4_1/Q4_0/Q8_0/Q5_0 blocks bit for bit in the
@@ -205,14 +213,9 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, bits: ActBits, m: usi
             unsafe { quant::gemm(dst.0, n, acts, w, 0..m, 0..n) };
             return;
         }
-        rayon::scope(|s| {
-            for cols in ranges {
-                s.spawn(move |_| {
-                    let dst = dst;
-                    // SAFETY: y is [m, n]; this task writes columns `cols` only.
-                    unsafe { quant::gemm(dst.0, n, acts, w, 0..m, cols) };
-                });
-            }
+        crate::spin_team::run(ranges.len(), &|i| {
+            // SAFETY: y is [m, n]; this chunk writes columns `ranges[i]` only.
+            unsafe { quant::gemm(dst.get(), n, acts, w, 0..m, ranges[i].clone()) };
         });
     };
     // The buffer is reused across calls; a re-entrant call (from a rayon
@@ -235,79 +238,76 @@ const BLOCK_TILE: usize = 64;
 fn linear_blocks(y: &mut [f32], x: &[f32], w: &HostWeight, (dtype, row_bytes, data): (GgmlType, usize, &[u8]), m: usize) {
     let (n, k) = (w.out, w.inp);
     let dst = SendPtr(y.as_mut_ptr());
-    rayon::scope(|s| {
-        for cols in column_ranges(m, n, k) {
-            s.spawn(move |_| {
-                let dst = dst;
-                if m <= SMALL_M {
-                    // Decode: each row of W once, a few blocks at a time into
-                    // an L1-resident buffer, dotted with every row of x.
-                    let (block, block_bytes) = dtype.block_layout();
-                    let per_chunk = (CHUNK / block).max(1);
-                    let (chunk_values, chunk_bytes) = (per_chunk * block, per_chunk * block_bytes);
-                    let mut buf = vec![0.0f32; chunk_values];
-                    for c in cols {
-                        let mut acc = [0.0f32; SMALL_M];
-                        let row = &data[c * row_bytes..(c + 1) * row_bytes];
-                        if fused_k_quant_row(dtype, row, x, k, m, &mut acc) {
-                            for (r, a) in acc.iter().enumerate().take(m) {
-                                // SAFETY: row r, column c of y belongs to this task alone.
-                                unsafe { *dst.0.add(r * n + c) = *a };
-                            }
-                            continue;
-                        }
-                        for (i, bytes) in data[c * row_bytes..(c + 1) * row_bytes].chunks(chunk_bytes).enumerate() {
-                            let values = &mut buf[..bytes.len() / block_bytes * block];
-                            // The length was checked when the weight was made.
-                            let _ = dequantize(dtype, bytes, values);
-                            let at = i * chunk_values;
-                            for (r, a) in acc.iter_mut().enumerate().take(m) {
-                                *a += dot(&x[r * k + at..r * k + at + values.len()], values);
-                            }
-                        }
-                        for (r, a) in acc.iter().enumerate().take(m) {
-                            // SAFETY: row r, column c of y belongs to this task alone.
-                            unsafe { *dst.0.add(r * n + c) = *a };
-                        }
+    let ranges = column_ranges(m, n, k);
+    crate::spin_team::run(ranges.len(), &|i| {
+        let cols = ranges[i].clone();
+        if m <= SMALL_M {
+            // Decode: each row of W once, a few blocks at a time into
+            // an L1-resident buffer, dotted with every row of x.
+            let (block, block_bytes) = dtype.block_layout();
+            let per_chunk = (CHUNK / block).max(1);
+            let (chunk_values, chunk_bytes) = (per_chunk * block, per_chunk * block_bytes);
+            let mut buf = vec![0.0f32; chunk_values];
+            for c in cols {
+                let mut acc = [0.0f32; SMALL_M];
+                let row = &data[c * row_bytes..(c + 1) * row_bytes];
+                if fused_k_quant_row(dtype, row, x, k, m, &mut acc) {
+                    for (r, a) in acc.iter().enumerate().take(m) {
+                        // SAFETY: row r, column c of y belongs to this chunk alone.
+                        unsafe { *dst.get().add(r * n + c) = *a };
                     }
-                    return;
+                    continue;
                 }
-                let mut tile = vec![0.0f32; BLOCK_TILE * k];
-                for c0 in cols.clone().step_by(BLOCK_TILE) {
-                    let t = BLOCK_TILE.min(cols.end - c0);
-                    for (j, row) in tile.chunks_exact_mut(k).take(t).enumerate() {
-                        let c = c0 + j;
-                        // The length was checked when the weight was made.
-                        let _ = dequantize(dtype, &data[c * row_bytes..(c + 1) * row_bytes], row);
-                    }
-                    // SAFETY: dst is [m, n], x [m, k], the tile t rows of k
-                    // (read as a [k, t] matrix with column stride k), all
-                    // alive for the scope; this task writes columns c0..c0+t.
-                    unsafe {
-                        gemm::gemm(
-                            m,
-                            t,
-                            k,
-                            dst.0.add(c0),
-                            1,
-                            n as isize,
-                            false,
-                            x.as_ptr(),
-                            1,
-                            k as isize,
-                            tile.as_ptr(),
-                            k as isize,
-                            1,
-                            0.0,
-                            1.0,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
-                        );
+                for (i, bytes) in data[c * row_bytes..(c + 1) * row_bytes].chunks(chunk_bytes).enumerate() {
+                    let values = &mut buf[..bytes.len() / block_bytes * block];
+                    // The length was checked when the weight was made.
+                    let _ = dequantize(dtype, bytes, values);
+                    let at = i * chunk_values;
+                    for (r, a) in acc.iter_mut().enumerate().take(m) {
+                        *a += dot(&x[r * k + at..r * k + at + values.len()], values);
                     }
                 }
-            });
+                for (r, a) in acc.iter().enumerate().take(m) {
+                    // SAFETY: row r, column c of y belongs to this chunk alone.
+                    unsafe { *dst.get().add(r * n + c) = *a };
+                }
+            }
+            return;
+        }
+        let mut tile = vec![0.0f32; BLOCK_TILE * k];
+        for c0 in cols.clone().step_by(BLOCK_TILE) {
+            let t = BLOCK_TILE.min(cols.end - c0);
+            for (j, row) in tile.chunks_exact_mut(k).take(t).enumerate() {
+                let c = c0 + j;
+                // The length was checked when the weight was made.
+                let _ = dequantize(dtype, &data[c * row_bytes..(c + 1) * row_bytes], row);
+            }
+            // SAFETY: dst is [m, n], x [m, k], the tile t rows of k
+            // (read as a [k, t] matrix with column stride k), all
+            // alive for the scope; this task writes columns c0..c0+t.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    t,
+                    k,
+                    dst.get().add(c0),
+                    1,
+                    n as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    tile.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
         }
     });
 }
