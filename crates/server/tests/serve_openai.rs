@@ -19,13 +19,14 @@ fn openai_python_client_drives_the_server() {
 }
 
 /// `vellum serve --device wgpu` (lavapipe in CI) answers the OpenAI
-/// endpoints, and its greedy text is the CPU backend's.
+/// endpoints, and its greedy text is the CPU backend's float32 path's (the
+/// WGSL kernels compute in float32; the CPU default quantizes activations).
 #[cfg(feature = "wgpu")]
 #[test]
 fn serve_on_wgpu_answers_the_openai_client() {
     let python = python_with_openai();
     let expected = {
-        let cpu = Server::start(&["--kv-cache-memory", "32MiB", "--max-model-len", "256"]);
+        let cpu = Server::start(&["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--cpu-precision", "float32"]);
         let body = r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}"#;
         let (status, body) = cpu.request("POST", "/v1/completions", &[("Content-Type", "application/json")], body);
         assert_eq!(status, 200, "{body}");
