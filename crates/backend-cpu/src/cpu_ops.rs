@@ -75,8 +75,8 @@ impl CpuOps {
     /// int8: 0.137 nats on SmolLM2, 0.237 on Gemma 3): every linear int8 —
     /// 0.185 and 0.277; int16 attention — 0.117 and 0.166; int16 attention
     /// and head — 0.095 and 0.158; int16 head alone — 0.154 and 0.219; int16
-    /// head and MLP — 0.185 (SmolLM2). The MLP and the head hold ~75% of a
-    /// layer's multiply-adds and all of the head's. `VELLUM_CPU_INT8=all`
+    /// head and MLP — 0.185 (SmolLM2). The MLP holds ~75% of a layer's
+    /// multiply-adds, so most of int8's speed remains. `VELLUM_CPU_INT8=all`
     /// puts every linear on int8 (to measure that).
     pub fn activations_for(&self, name: &str) -> ActBits {
         if self.activations == ActBits::I8 && name.contains("self_attn.") && !all_int8() {
