@@ -50,6 +50,9 @@ pub struct EngineStats {
     pub counters: EngineCounters,
     /// Requests aborted because their caller went away.
     pub num_aborted_by_disconnect: u64,
+    /// Requests aborted because their caller stopped reading: more than
+    /// the stream buffer's events were waiting (a stalled SSE client).
+    pub num_aborted_slow_reader: u64,
     /// Finished requests by reason, indexed by `FinishReason::index`.
     pub finished_by_reason: [u64; 3],
 }
@@ -59,13 +62,18 @@ enum Command {
         prompt: Vec<TokenId>,
         params: Box<SamplingParams>,
         priority: i64,
-        events: tmpsc::UnboundedSender<RequestEvent>,
+        events: tmpsc::Sender<RequestEvent>,
         reply: tokio::sync::oneshot::Sender<Result<RequestId, Error>>,
     },
     Finish(RequestId, FinishReason, bool),
     FinishSequence(RequestId, usize, FinishReason),
     Shutdown,
 }
+
+/// Events a request's stream may hold unread before the request is
+/// aborted (one event per sequence per step, so a reader this many steps
+/// behind; ~100 bytes each). The last slot is kept for the final event.
+pub const STREAM_BUFFER_EVENTS: usize = 4096;
 
 struct Shared {
     stats: Mutex<EngineStats>,
@@ -79,19 +87,31 @@ pub struct EngineClient {
     commands: mpsc::Sender<Command>,
     shared: Arc<Shared>,
     thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+    /// Capacity of each request's event stream.
+    buffer: usize,
 }
 
 impl EngineClient {
     /// Moves `engine` onto a new thread that steps it while there is work.
     pub fn spawn<E: ModelExecutor + Send + 'static>(engine: EngineCore<E>) -> Self {
+        Self::spawn_with_stream_buffer(engine, STREAM_BUFFER_EVENTS)
+    }
+
+    /// [`EngineClient::spawn`] with streams that hold at most `events`
+    /// unread events (at least 2): a request whose reader falls that far
+    /// behind is aborted, its blocks freed, and its stream ends with an
+    /// [`RequestEvent::Error`] saying so. Memory per stream stays bounded
+    /// and one stalled client never holds up the others.
+    pub fn spawn_with_stream_buffer<E: ModelExecutor + Send + 'static>(engine: EngineCore<E>, events: usize) -> Self {
         let (tx, rx) = mpsc::channel();
+        let buffer = events.max(2);
         let shared = Arc::new(Shared { stats: Mutex::new(EngineStats::default()), num_waiting: AtomicU64::new(0) });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("vellum-engine".into())
             .spawn(move || engine_loop(engine, rx, s))
             .expect("spawning the engine thread");
-        Self { commands: tx, shared, thread: Arc::new(Mutex::new(Some(thread))) }
+        Self { commands: tx, shared, thread: Arc::new(Mutex::new(Some(thread))), buffer }
     }
 
     /// Queues a request; its tokens arrive on the returned stream. Errors
@@ -120,7 +140,7 @@ impl EngineClient {
         params: SamplingParams,
         priority: i64,
     ) -> Result<(tokio::sync::oneshot::Receiver<Result<RequestId, Error>>, impl FnOnce(RequestId) -> RequestStream), Error> {
-        let (events, rx) = tmpsc::unbounded_channel();
+        let (events, rx) = tmpsc::channel(self.buffer);
         let (reply, reply_rx) = tokio::sync::oneshot::channel();
         self.commands
             .send(Command::Add { prompt, params: Box::new(params), priority, events, reply })
@@ -166,7 +186,7 @@ impl EngineClient {
 /// request.
 pub struct RequestStream {
     id: RequestId,
-    events: tmpsc::UnboundedReceiver<RequestEvent>,
+    events: tmpsc::Receiver<RequestEvent>,
     commands: mpsc::Sender<Command>,
     done: bool,
 }
@@ -218,7 +238,7 @@ impl Drop for RequestStream {
 }
 
 fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
-    let mut streams: IdMap<RequestId, tmpsc::UnboundedSender<RequestEvent>> = IdMap::default();
+    let mut streams: IdMap<RequestId, tmpsc::Sender<RequestEvent>> = IdMap::default();
     let mut stats = EngineStats::default();
     let mut shutting_down = false;
     loop {
@@ -281,19 +301,37 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
         match outputs {
             Ok(out) => {
                 let mut gone = Vec::new();
+                let mut stalled = Vec::new();
                 for d in out.deltas {
                     let id = d.request_id;
                     if let Some(tx) = streams.get(&id) {
-                        if tx.send(RequestEvent::Delta(d)).is_err() {
+                        if tx.is_closed() {
+                            gone.push(id);
+                        } else if tx.capacity() <= 1 {
+                            // Keep the last slot for the event that ends the stream.
+                            stalled.push(id);
+                        } else if tx.try_send(RequestEvent::Delta(d)).is_err() {
                             gone.push(id);
                         }
+                    }
+                }
+                stalled.dedup();
+                for id in stalled {
+                    if engine.finish_request(id, FinishReason::Abort) {
+                        stats.num_aborted_slow_reader += 1;
+                        tracing::warn!(request_id = %id, "client stopped reading its stream; request aborted");
+                    }
+                    if let Some(tx) = streams.remove(&id) {
+                        let msg = "the client fell too far behind reading this stream; the request was aborted";
+                        let _ = tx.try_send(RequestEvent::Error(msg.into()));
                     }
                 }
                 for f in out.finished {
                     let reason = f.outputs.iter().find_map(|o| o.finish_reason).unwrap_or(FinishReason::Abort);
                     stats.finished_by_reason[reason.index()] += 1;
                     if let Some(tx) = streams.remove(&f.request_id) {
-                        let _ = tx.send(RequestEvent::Finished(f));
+                        // The reserved last slot holds it (a delta never takes it).
+                        let _ = tx.try_send(RequestEvent::Finished(f));
                     }
                 }
                 for id in gone {
@@ -312,7 +350,7 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                 for id in live {
                     engine.finish_request(id, FinishReason::Abort);
                     if let Some(tx) = streams.remove(&id) {
-                        let _ = tx.send(RequestEvent::Error(msg.clone()));
+                        let _ = tx.try_send(RequestEvent::Error(msg.clone()));
                     }
                 }
                 let _ = engine.take_finished();

@@ -482,6 +482,55 @@ fn engine_client_streams_tokens_and_frees_blocks_of_dropped_streams() {
     assert!(client.add_request(vec![1], SamplingParams::default(), 0).is_err(), "no requests after shutdown");
 }
 
+/// A caller that stops reading its stream: once its buffer holds all but
+/// one event, the request is aborted and its blocks freed, the stream ends
+/// with an error after the buffered events, and a reading caller's request
+/// runs to the end meanwhile.
+#[test]
+fn a_stalled_reader_is_aborted_with_its_buffer_bounded_and_others_go_on() {
+    use vellum_engine::{EngineClient, RequestEvent};
+    let mut model = FakeModel::new(23, 40);
+    // Steps slow enough for the reading caller to keep up whatever the load.
+    model.step_time = std::time::Duration::from_millis(2);
+    let client = EngineClient::spawn_with_stream_buffer(EngineCore::new(model, config(), 128, 64, 4, vec![EOS]).expect("engine"), 8);
+    let long = SamplingParams { ignore_eos: true, max_tokens: Some(60), ..SamplingParams::default() };
+    let mut stalled = client.add_request(vec![1, 2, 3, 4, 5], long.clone(), 0).expect("accepted");
+    let mut reader = client.add_request(vec![6, 7, 8], long, 0).expect("accepted");
+    let mut read = 0;
+    loop {
+        match reader.next_blocking() {
+            Some(RequestEvent::Delta(d)) => read += d.token_ids.len(),
+            Some(RequestEvent::Finished(out)) => {
+                assert_eq!(out.outputs[0].token_ids.len(), 60, "the reading caller's request ran to the end");
+                break;
+            }
+            other => panic!("reader: {other:?}"),
+        }
+    }
+    assert_eq!(read, 60);
+    // The stalled stream holds at most 8 events: 7 deltas, then the error.
+    let mut events = Vec::new();
+    while let Some(ev) = stalled.next_blocking() {
+        events.push(ev);
+    }
+    assert!(events.len() <= 8, "{} events buffered", events.len());
+    assert!(events[..events.len() - 1].iter().all(|e| matches!(e, RequestEvent::Delta(_))));
+    assert!(matches!(events.last(), Some(RequestEvent::Error(m)) if m.contains("behind")), "{:?}", events.last());
+    // The stats snapshot follows the step that sent the last event.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let s = client.stats();
+        if s.num_running == 0 && s.num_waiting == 0 {
+            assert_eq!(s.num_aborted_slow_reader, 1);
+            assert_eq!(s.kv.num_used_blocks, 0, "the stalled request's blocks are free");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "still running: {s:?}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    client.shutdown();
+}
+
 #[test]
 fn finishing_one_parallel_sample_frees_its_blocks_and_the_rest_go_on() {
     let prompt: Vec<TokenId> = (1..=9).collect();

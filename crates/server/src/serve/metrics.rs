@@ -241,6 +241,12 @@ impl Metrics {
             "Requests aborted because the client went away.",
             s.num_aborted_by_disconnect as f64,
         );
+        metric(
+            "vellum:requests_aborted_slow_reader_total",
+            "counter",
+            "Requests aborted because their client stopped reading a stream whose buffer filled.",
+            s.num_aborted_slow_reader as f64,
+        );
         metric("vellum:engine_steps_total", "counter", "Engine steps run.", s.counters.num_steps as f64);
         metric(
             "vellum:prompt_tokens_computed_total",
