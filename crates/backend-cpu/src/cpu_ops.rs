@@ -56,11 +56,6 @@ impl CpuOps {
         self.weight_format
     }
 
-    /// The width of integer-kernel activations.
-    pub fn activations(&self) -> ActBits {
-        self.activations
-    }
-
     /// A linear weight, multiplying activations of the width its role
     /// takes (see [`CpuOps::activations_for`]).
     fn weight(&self, w: &WeightView<'_>) -> vellum_models::Result<HostWeight> {

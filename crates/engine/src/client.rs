@@ -315,7 +315,6 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                         }
                     }
                 }
-                stalled.dedup();
                 for id in stalled {
                     if engine.finish_request(id, FinishReason::Abort) {
                         stats.num_aborted_slow_reader += 1;

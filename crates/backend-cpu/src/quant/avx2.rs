@@ -103,7 +103,7 @@ pub(super) struct TileArgs {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const R: usize, const C: usize, const Q8: bool>(t: TileArgs) {
-    let TileArgs { y, ldy, x, sums, w, mins, pairs } = t;
+    let TileArgs { x, w, pairs, .. } = t;
     let rec = if Q8 { QuantKind::Q8.record() } else { QuantKind::Q4.record() };
     let mut acc = [[_mm256_setzero_ps(); C]; R];
     for j in 0..pairs {
@@ -122,8 +122,22 @@ unsafe fn tile<const R: usize, const C: usize, const Q8: bool>(t: TileArgs) {
             }
         }
     }
-    if !Q8 {
-        // The offsets: Σ_b m_b · sx_b, eight blocks per step.
+    // SAFETY: as this function's contract.
+    unsafe { finish_tile::<R, C>(acc, t, Q8) }
+}
+
+/// The end of every tile (int8 and int16): for Q4 weights the offsets
+/// `Σ_b m_b · sx_b`, eight blocks per FMA, then each accumulator's lane sum
+/// stored to its cell.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `t` as for the tile that
+/// produced `acc` (`R` rows × `C` outputs).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn finish_tile<const R: usize, const C: usize>(mut acc: [[__m256; C]; R], t: TileArgs, q8: bool) {
+    let TileArgs { y, ldy, sums, mins, pairs, .. } = t;
+    if !q8 {
         let nbp = padded_blocks(pairs);
         for g in (0..nbp).step_by(8) {
             for c in 0..C {

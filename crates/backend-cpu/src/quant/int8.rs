@@ -19,8 +19,8 @@
 //! block, the lanes alternate block 0 / block 1, so a block scale pair
 //! `(d₀·dx₀, d₁·dx₁)` applies through a 64-bit broadcast.
 
-use super::avx2::{bcast2, drive, hsum, TileArgs};
-use super::{padded_blocks, ActBits, QuantActs, QuantKind, QuantWeight};
+use super::avx2::{bcast2, drive, finish_tile, TileArgs};
+use super::{ActBits, QuantActs, QuantKind, QuantWeight};
 use std::arch::x86_64::*;
 
 /// Bytes of one int8 activation pair record.
@@ -84,7 +84,7 @@ macro_rules! int8_kernel {
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn tile<const R: usize, const C: usize, const Q8: bool>(t: TileArgs) {
-                let TileArgs { y, ldy, x, sums, w, mins, pairs } = t;
+                let TileArgs { x, w, pairs, .. } = t;
                 let rec = if Q8 { QuantKind::Q8.record() } else { QuantKind::Q4.record() };
                 let mut acc = [[_mm256_setzero_ps(); C]; R];
                 for j in 0..pairs {
@@ -107,27 +107,8 @@ macro_rules! int8_kernel {
                         }
                     }
                 }
-                if !Q8 {
-                    // The offsets: Σ_b m_b · sx_b, eight blocks per step.
-                    let nbp = padded_blocks(pairs);
-                    for g in (0..nbp).step_by(8) {
-                        for c in 0..C {
-                            // SAFETY: nbp offsets per output and sums per row exist.
-                            unsafe {
-                                let m = _mm256_cvtph_ps(_mm_loadu_si128(mins.add(c * nbp + g) as *const __m128i));
-                                for (r, accr) in acc.iter_mut().enumerate() {
-                                    accr[c] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sums.add(r * nbp + g)), accr[c]);
-                                }
-                            }
-                        }
-                    }
-                }
-                for (r, accr) in acc.iter().enumerate() {
-                    for (c, a) in accr.iter().enumerate() {
-                        // SAFETY: the caller owns y[r·ldy + c].
-                        unsafe { *y.add(r * ldy + c) = hsum(*a) };
-                    }
-                }
+                // SAFETY: as this function's contract (its features include AVX2, FMA, F16C).
+                unsafe { finish_tile::<R, C>(acc, t, Q8) }
             }
 
             /// `y[rows, cols]`, row stride `ldy`, int8 activations, in the

@@ -98,15 +98,6 @@ impl ActBits {
             ActBits::I16 => 32767.0,
         }
     }
-
-    /// The precision named by `VELLUM_CPU_ACTIVATIONS` (`int8`, `int16`),
-    /// else [`ActBits::I8`].
-    pub fn from_env() -> Self {
-        match std::env::var("VELLUM_CPU_ACTIVATIONS").as_deref() {
-            Ok("int16" | "i16") => ActBits::I16,
-            _ => ActBits::I8,
-        }
-    }
 }
 
 /// Per-block values (weight offsets `m`, activation sums `sx`) per row,
