@@ -25,18 +25,25 @@ pub(super) struct StepState {
     pub(super) budget: usize,
     pub(super) step_id: u64,
     pub(super) preempted: bool,
-    pub(super) num_running_seqs: usize,
+    /// Sequence slots held by running requests, counted on first need (only
+    /// admissions need it, so a step of decodes alone never walks them).
+    pub(super) num_running_seqs: Option<usize>,
 }
 
 impl<A: BlockAllocator> Scheduler<A> {
     /// Decides the next step.
     pub fn schedule(&mut self) -> SchedulerOutput {
-        let mut out = SchedulerOutput { finished_requests: std::mem::take(&mut self.finished_since_output), ..Default::default() };
+        let mut out = SchedulerOutput {
+            // Room for every running request's first sequence: no regrowth mid-step.
+            scheduled: Vec::with_capacity(self.running.len() + 1),
+            finished_requests: std::mem::take(&mut self.finished_since_output),
+            ..Default::default()
+        };
         let mut step = StepState {
             budget: self.config.max_num_batched_tokens,
             step_id: self.next_step_id,
             preempted: false,
-            num_running_seqs: self.running.values().map(|id| self.requests[id].num_seq_slots()).sum(),
+            num_running_seqs: None,
         };
         match self.config.policy {
             SchedulingPolicy::Fcfs | SchedulingPolicy::Priority => self.schedule_in_order(&mut step, &mut out),
@@ -86,9 +93,8 @@ impl<A: BlockAllocator> Scheduler<A> {
         let mut staged: Vec<(usize, RequestId)> = staging.into_iter().map(|id| (self.staged_delta(id), id)).collect();
         let mut ri = 0;
         while step.budget > 0 {
-            while ri < order.len() && !self.is_running(order[ri].2) {
-                ri += 1; // preempted earlier in this step
-            }
+            // An entry preempted earlier in this step is passed over by
+            // `schedule_running`; admissions stop after a preemption anyway.
             let best_staged =
                 staged.iter().enumerate().min_by_key(|(_, (d, id))| (*d, self.requests[id].arrival_order)).map(|(i, (d, _))| (i, *d));
             let run_next = order.get(ri).map(|(d, _, _)| *d);
@@ -117,6 +123,11 @@ impl<A: BlockAllocator> Scheduler<A> {
         }
     }
 
+    /// Sequence slots held by running requests (counted once per step).
+    fn num_running_seqs(&self, step: &mut StepState) -> usize {
+        *step.num_running_seqs.get_or_insert_with(|| self.running.values().map(|id| self.requests[id].num_seq_slots()).sum())
+    }
+
     /// Remaining tokens of a staged request after its prefix-cache hit.
     fn staged_delta(&mut self, id: RequestId) -> usize {
         let req = &self.requests[&id];
@@ -136,9 +147,10 @@ impl<A: BlockAllocator> Scheduler<A> {
     fn admit_swapped(&mut self, step: &mut StepState, out: &mut SchedulerOutput) {
         while !step.preempted {
             let Some((&key, &id)) = self.swapped.first_key_value() else { break };
+            let num_running_seqs = self.num_running_seqs(step);
             let req = &self.requests[&id];
             let n_seqs = req.num_seq_slots();
-            if step.num_running_seqs + n_seqs > self.config.max_num_seqs {
+            if num_running_seqs + n_seqs > self.config.max_num_seqs {
                 break;
             }
             let seq_ids: Vec<SeqId> = req.running_seqs().map(|s| s.seq_id).collect();
@@ -151,7 +163,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                 s.num_synced_blocks = 0;
             }
             self.running.insert(key, id);
-            step.num_running_seqs += n_seqs;
+            step.num_running_seqs = Some(num_running_seqs + n_seqs);
             out.resumed_requests.push(id);
             let order = [id];
             self.schedule_running(id, &order, step, out);
@@ -196,8 +208,9 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// Admits a waiting request (new, or preempted by recompute). On
     /// failure it stays waiting and holds nothing.
     fn admit(&mut self, id: RequestId, step: &mut StepState, out: &mut SchedulerOutput) -> Attempt {
+        let num_running_seqs = self.num_running_seqs(step);
         let n_seqs = self.requests[&id].num_seq_slots();
-        if step.num_running_seqs + n_seqs > self.config.max_num_seqs {
+        if num_running_seqs + n_seqs > self.config.max_num_seqs {
             return Attempt::NoBudget;
         }
         let attempt = self.try_schedule(id, step, out);
@@ -212,7 +225,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                 out.resumed_requests.push(id)
             }
             self.running.insert(key, id);
-            step.num_running_seqs += n_seqs;
+            step.num_running_seqs = Some(num_running_seqs + n_seqs);
         } else {
             // Roll back any partial allocation.
             for s in &mut req.seqs {

@@ -21,7 +21,9 @@ impl<A: BlockAllocator> Scheduler<A> {
         };
         let key = (if self.config.policy == SchedulingPolicy::Priority { req.priority } else { 0 }, req.arrival_order);
         self.running.remove(&key);
-        step.num_running_seqs -= req.num_seq_slots();
+        if let Some(n) = &mut step.num_running_seqs {
+            *n -= req.num_seq_slots();
+        }
         step.preempted = true;
         req.num_preemptions += 1;
         self.num_preemptions += 1;
