@@ -39,12 +39,8 @@ impl<A: BlockAllocator> Scheduler<A> {
             finished_requests: std::mem::take(&mut self.finished_since_output),
             ..Default::default()
         };
-        let mut step = StepState {
-            budget: self.config.max_num_batched_tokens,
-            step_id: self.next_step_id,
-            preempted: false,
-            num_running_seqs: None,
-        };
+        let mut step =
+            StepState { budget: self.config.max_num_batched_tokens, step_id: self.next_step_id, preempted: false, num_running_seqs: None };
         match self.config.policy {
             SchedulingPolicy::Fcfs | SchedulingPolicy::Priority => self.schedule_in_order(&mut step, &mut out),
             SchedulingPolicy::TwoLevel { staging_queue_size } => self.schedule_two_level(staging_queue_size, &mut step, &mut out),
