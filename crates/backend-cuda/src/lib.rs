@@ -1,11 +1,33 @@
 //! # vellum-backend-cuda — the CUDA backend
 //!
-//! Will hold the implementation of the core traits on NVIDIA GPUs through
-//! `cudarc`, loading the paged-attention kernels of `kernels/cuda/` (compiled
-//! to PTX with NVRTC) lazily by name.
+//! The paged kernels of `kernels/cuda/` for NVIDIA GPUs, compiled at run
+//! time with NVRTC and launched through `cudarc` (paper §4.1, §5.1).
 //!
-//! Status: empty. Nothing here runs yet; the crate exists so that the
-//! workspace has the shape of the design card and the `cuda` feature of the
-//! `vellum` facade has somewhere to point.
+//! | module | what it holds |
+//! |---|---|
+//! | [`kernels`] | the CUDA C++ sources (embedded), their entry points, the configurations CI compiles |
+//! | [`nvrtc`] | compiling a source to PTX for a `compute_XY` architecture, with no GPU needed |
+//! | [`device`] | finding a GPU: a typed error, never a panic, when there is no driver |
+//!
+//! Status (see the CUDA issue and `docs/cuda_kernels.md`): the kernels —
+//! `reshape_and_cache`, paged attention v1/v2 for mixed prefill/decode
+//! batches, `copy_blocks`, RMSNorm (fused with the residual add), RoPE,
+//! SwiGLU/GeGLU, embedding gather, greedy argmax, the Q8_0/Q4_1 GEMV —
+//! compile for `compute_80` and `compute_90` in CI, with registers and
+//! spills recorded per kernel. The `ModelExecutor` that launches them, and
+//! its GPU test suite, are not written yet; `--device cuda` says so after
+//! checking for a driver.
+//!
+//! Both libraries are loaded dynamically (cudarc's `dynamic-loading`), so
+//! this crate builds and links on machines with no CUDA at all; every entry
+//! point checks that the library it needs is present first
+//! ([`device::driver_is_present`], [`nvrtc::is_available`]).
 
 #![deny(missing_docs)]
+
+pub mod device;
+mod error;
+pub mod kernels;
+pub mod nvrtc;
+
+pub use error::CudaError;

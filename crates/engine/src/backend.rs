@@ -163,11 +163,7 @@ pub fn make_executor(
         #[cfg(feature = "cuda")]
         Device::Cuda => {
             let _ = progress;
-            Err(Error::Unavailable {
-                what: "--device cuda".into(),
-                hint: "the CUDA backend is not implemented yet (crates/backend-cuda)".into(),
-            }
-            .into())
+            Err(cuda_unavailable().into())
         }
         #[allow(unreachable_patterns)]
         other => {
@@ -175,6 +171,24 @@ pub fn make_executor(
             Err(not_compiled(other).into())
         }
     }
+}
+
+/// Why `--device cuda` cannot run a model yet: no driver or no GPU (a typed
+/// error from the probe, which never panics), or — with a GPU — that the
+/// CUDA executor is not written (its kernels compile: docs/cuda_kernels.md).
+#[cfg(feature = "cuda")]
+fn cuda_unavailable() -> Error {
+    let hint = match vellum_backend_cuda::device::probe() {
+        Err(e) => format!("{e}"),
+        Ok(info) => format!(
+            "found {} ({}, {} GiB), but the CUDA backend's model executor is not written yet (its kernels compile: \
+             docs/cuda_kernels.md); use --device cpu or --device wgpu",
+            info.name,
+            info.arch(),
+            info.total_memory >> 30
+        ),
+    };
+    Error::Unavailable { what: "--device cuda".into(), hint }
 }
 
 #[cfg(test)]
@@ -188,6 +202,16 @@ mod tests {
         }
         assert_eq!(" WGPU".parse::<Device>().ok(), Some(Device::Wgpu));
         assert!(matches!("tpu".parse::<Device>(), Err(Error::InvalidConfig { field: "device", .. })));
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_cuda_is_a_typed_error_with_or_without_a_driver_never_a_panic() {
+        let msg = cuda_unavailable().to_string();
+        assert!(msg.contains("--device cuda"), "{msg}");
+        if !vellum_backend_cuda::device::driver_is_present() {
+            assert!(msg.contains("no CUDA driver found"), "{msg}");
+        }
     }
 
     #[test]

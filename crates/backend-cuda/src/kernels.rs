@@ -1,0 +1,132 @@
+//! The CUDA C++ sources of `kernels/cuda/`, embedded in the binary, and the
+//! configurations they are compiled in.
+//!
+//! Each source is compiled on its own with `common.cuh` prepended (so NVRTC
+//! needs no header from a CUDA installation), once per configuration: the
+//! compile-time constants of a kernel (`HEAD_DIM`, `BLOCK_SIZE`, `ROWS`, ...)
+//! are `-D` defines, so a model's shapes get specialized code on first use.
+
+/// `kernels/cuda/common.cuh`: 16-bit float conversions, warp and block
+/// reductions, the per-dtype entry-point macro.
+pub const COMMON: &str = include_str!("../../../kernels/cuda/common.cuh");
+
+/// One kernel source file and the entry points it defines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelSource {
+    /// File name under `kernels/cuda/`.
+    pub file: &'static str,
+    /// Its text.
+    pub text: &'static str,
+    /// Every `extern "C"` kernel it defines (after dtype instantiation).
+    pub entry_points: &'static [&'static str],
+}
+
+/// `cache.cu`: the fused block write and the batched block copies.
+pub const CACHE: KernelSource = KernelSource {
+    file: "cache.cu",
+    text: include_str!("../../../kernels/cuda/cache.cu"),
+    entry_points: &["reshape_and_cache_f32", "reshape_and_cache_f16", "reshape_and_cache_bf16", "copy_blocks"],
+};
+
+/// `paged_attention.cu`: v1, v2 and v2's reduction, for mixed batches.
+pub const PAGED_ATTENTION: KernelSource = KernelSource {
+    file: "paged_attention.cu",
+    text: include_str!("../../../kernels/cuda/paged_attention.cu"),
+    entry_points: &[
+        "paged_attention_v1_f32",
+        "paged_attention_v1_f16",
+        "paged_attention_v1_bf16",
+        "paged_attention_v2_f32",
+        "paged_attention_v2_f16",
+        "paged_attention_v2_bf16",
+        "paged_attention_v2_reduce",
+    ],
+};
+
+/// `layers.cu`: RMSNorm (fused with the residual add), RoPE, gated
+/// activations, embedding gather, greedy argmax.
+pub const LAYERS: KernelSource = KernelSource {
+    file: "layers.cu",
+    text: include_str!("../../../kernels/cuda/layers.cu"),
+    entry_points: &[
+        "rms_norm",
+        "fused_add_rms_norm",
+        "rope_half_split",
+        "silu_and_mul",
+        "gelu_tanh_and_mul",
+        "embedding_f32",
+        "embedding_f16",
+        "embedding_bf16",
+        "argmax_rows",
+    ],
+};
+
+/// `gemv_q.cu`: dequantizing GEMV on the GGUF's Q8_0 and Q4_1 blocks.
+pub const GEMV_Q: KernelSource =
+    KernelSource { file: "gemv_q.cu", text: include_str!("../../../kernels/cuda/gemv_q.cu"), entry_points: &["gemv_q8_0", "gemv_q4_1"] };
+
+/// Every source.
+pub const SOURCES: [KernelSource; 4] = [CACHE, PAGED_ATTENTION, LAYERS, GEMV_Q];
+
+/// A source with its compile-time constants.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Variant {
+    /// The source.
+    pub source: KernelSource,
+    /// `-D NAME=VALUE` pairs, in order.
+    pub defines: Vec<(&'static str, usize)>,
+}
+
+impl std::hash::Hash for KernelSource {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.file.hash(state);
+    }
+}
+
+impl Variant {
+    /// `source` with `defines`.
+    pub fn new(source: KernelSource, defines: &[(&'static str, usize)]) -> Self {
+        Self { source, defines: defines.to_vec() }
+    }
+
+    /// A short label: `paged_attention.cu HEAD_DIM=64 BLOCK_SIZE=16`.
+    pub fn label(&self) -> String {
+        let mut s = self.source.file.to_string();
+        for (k, v) in &self.defines {
+            s += &format!(" {k}={v}");
+        }
+        s
+    }
+
+    /// The text NVRTC compiles: the defines, `common.cuh`, then the source
+    /// (with `#line` so that errors name the right file and line).
+    pub fn full_source(&self) -> String {
+        let mut s = String::new();
+        for (k, v) in &self.defines {
+            s += &format!("#define {k} {v}\n");
+        }
+        s += "#line 1 \"common.cuh\"\n";
+        s += COMMON;
+        s += &format!("\n#line 1 \"{}\"\n", self.source.file);
+        s += self.source.text;
+        s
+    }
+}
+
+/// The configurations CI compiles and `docs/cuda_kernels.md` records: the
+/// head sizes of the models we serve (64: SmolLM2; 128: Llama 3 / Qwen;
+/// 256: Gemma 3) at the default block size 16, block sizes 8 and 32 at head
+/// size 128, and the GEMV for 1, 4 and 8 rows.
+pub fn ci_variants() -> Vec<Variant> {
+    let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[])];
+    for head_dim in [64, 128, 256] {
+        v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", head_dim), ("BLOCK_SIZE", 16)]));
+    }
+    for block_size in [8, 32] {
+        v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", block_size)]));
+    }
+    for rows in [1, 4, 8] {
+        v.push(Variant::new(GEMV_Q, &[("ROWS", rows)]));
+    }
+    v
+}

@@ -1,0 +1,128 @@
+// Shared by every CUDA kernel of vellum-backend-cuda. The backend prepends
+// this file to each kernel source before NVRTC compiles it, so the kernels
+// need no header from a CUDA installation: 16-bit floats are stored as
+// `unsigned short` and converted with PTX instructions.
+//
+// Element types of a KV cache or a table (the `_f32`, `_f16`, `_bf16`
+// entry-point suffixes): `float`, `f16` (IEEE binary16), `bf16` (bfloat16).
+// Arithmetic is always f32.
+
+// Distinct storage types, so that overloads pick the right conversion.
+struct bf16 {
+    unsigned short bits;
+};
+struct f16 {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float to_float(bf16 x) { return __int_as_float(((int)x.bits) << 16); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
+    f16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
+    // Round to nearest even; NaN stays NaN (quiet).
+    unsigned int u = __float_as_uint(x);
+    bf16 b;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        b.bits = (unsigned short)((u >> 16) | 0x40u);
+    } else {
+        b.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    return b;
+}
+
+// Four consecutive elements as one load (16 bytes of f32, 8 of f16/bf16).
+struct vec4f {
+    float x, y, z, w;
+};
+template <typename T> struct Vec4;
+template <> struct Vec4<float> {
+    typedef float4 storage;
+};
+template <> struct Vec4<f16> {
+    typedef uint2 storage;
+};
+template <> struct Vec4<bf16> {
+    typedef uint2 storage;
+};
+
+__device__ __forceinline__ vec4f load4(const float *p) {
+    float4 v = *reinterpret_cast<const float4 *>(p);
+    vec4f r = {v.x, v.y, v.z, v.w};
+    return r;
+}
+template <typename T> __device__ __forceinline__ vec4f load4_16(const T *p) {
+    uint2 v = *reinterpret_cast<const uint2 *>(p);
+    T a, b, c, d;
+    a.bits = (unsigned short)(v.x & 0xffffu);
+    b.bits = (unsigned short)(v.x >> 16);
+    c.bits = (unsigned short)(v.y & 0xffffu);
+    d.bits = (unsigned short)(v.y >> 16);
+    vec4f r = {to_float(a), to_float(b), to_float(c), to_float(d)};
+    return r;
+}
+__device__ __forceinline__ vec4f load4(const f16 *p) { return load4_16(p); }
+__device__ __forceinline__ vec4f load4(const bf16 *p) { return load4_16(p); }
+
+__device__ __forceinline__ float dot4(vec4f a, vec4f b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum (or max) over a thread block of `blockDim.x` threads, a multiple of
+// 32; `scratch` holds one float per warp. Every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.f;
+    return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : -3.0e38f;
+    return warp_max(v);
+}
+
+// Instantiates the entry points `NAME_f32`, `NAME_f16`, `NAME_bf16` of a
+// device function template `NAME<T>`: PARAMS is the entry points' parameter
+// list (element pointers as `void *`), ARGS the call's argument list, in
+// which `T` names the element type (cast the pointers with it).
+#define VELLUM_FOR_EACH_DTYPE(NAME, PARAMS, ARGS)                                                                     \
+    extern "C" __global__ void NAME##_f32 PARAMS {                                                                 \
+        typedef float T;                                                                                           \
+        NAME<T> ARGS;                                                                                              \
+    }                                                                                                              \
+    extern "C" __global__ void NAME##_f16 PARAMS {                                                                 \
+        typedef f16 T;                                                                                             \
+        NAME<T> ARGS;                                                                                              \
+    }                                                                                                              \
+    extern "C" __global__ void NAME##_bf16 PARAMS {                                                                \
+        typedef bf16 T;                                                                                            \
+        NAME<T> ARGS;                                                                                              \
+    }

@@ -1,0 +1,126 @@
+// The element-wise and per-row layers around attention and the linears, on
+// f32 activations: RMSNorm (optionally fused with the residual add), RoPE,
+// the gated activations, and the embedding gather. Every kernel takes whole
+// rows: grid (rows), NUM_THREADS threads (a multiple of 32).
+
+#ifndef NUM_THREADS
+#define NUM_THREADS 256
+#endif
+
+// y = x / sqrt(mean(x²) + eps) · (w + offset), per row of `cols`;
+// offset 1 for Gemma's (1 + w) weights, 0 otherwise. In place when y == x.
+extern "C" __global__ void rms_norm(float *y, const float *x, const float *__restrict__ w, int cols, float eps, float offset) {
+    __shared__ float red[NUM_THREADS / 32];
+    const float *xr = x + (long long)blockIdx.x * cols;
+    float *yr = y + (long long)blockIdx.x * cols;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < cols; i += NUM_THREADS) ss += xr[i] * xr[i];
+    ss = block_sum(ss, red);
+    const float r = rsqrtf(ss / cols + eps);
+    for (int i = threadIdx.x; i < cols; i += NUM_THREADS) yr[i] = xr[i] * r * (w[i] + offset);
+}
+
+// residual += x; x = rms_norm(residual) (the pre-norm of the next layer),
+// one pass over each row.
+extern "C" __global__ void fused_add_rms_norm(float *x, float *residual, const float *__restrict__ w, int cols, float eps,
+                                              float offset) {
+    __shared__ float red[NUM_THREADS / 32];
+    float *xr = x + (long long)blockIdx.x * cols;
+    float *rr = residual + (long long)blockIdx.x * cols;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < cols; i += NUM_THREADS) {
+        const float v = rr[i] + xr[i];
+        rr[i] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    const float r = rsqrtf(ss / cols + eps);
+    for (int i = threadIdx.x; i < cols; i += NUM_THREADS) xr[i] = rr[i] * r * (w[i] + offset);
+}
+
+// Half-split RoPE (GPT-NeoX / Llama layout: dim i pairs with i + rot/2) on
+// the first `rot` dims of every head of q [tokens, num_heads, head_dim] and
+// k [tokens, num_kv_heads, head_dim], in place. cos_sin [max_pos, rot]
+// holds cos for the rot/2 frequencies then sin, built on the host in f64
+// (Llama-3 frequency scaling included there). Grid (tokens).
+extern "C" __global__ void rope_half_split(float *q, float *k, const float *__restrict__ cos_sin, const long long *__restrict__ positions,
+                                           int num_heads, int num_kv_heads, int head_dim, int rot) {
+    const int t = blockIdx.x;
+    const int half = rot / 2;
+    const float *cs = cos_sin + positions[t] * rot;
+    const int pairs_q = num_heads * half, pairs = (num_heads + num_kv_heads) * half;
+    for (int i = threadIdx.x; i < pairs; i += NUM_THREADS) {
+        const bool is_q = i < pairs_q;
+        const int j = is_q ? i : i - pairs_q;
+        const int head = j / half, f = j % half;
+        float *v = is_q ? q + ((long long)t * num_heads + head) * head_dim : k + ((long long)t * num_kv_heads + head) * head_dim;
+        const float c = cs[f], s = cs[half + f];
+        const float a = v[f], b = v[f + half];
+        v[f] = a * c - b * s;
+        v[f + half] = b * c + a * s;
+    }
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
+// out[t, i] = act(x[t, i]) · x[t, inter + i] for the gate and up halves of
+// each row of x [tokens, 2·inter] (SwiGLU with silu, GeGLU with gelu-tanh).
+extern "C" __global__ void silu_and_mul(float *out, const float *__restrict__ x, int inter) {
+    const float *xr = x + (long long)blockIdx.x * 2 * inter;
+    float *o = out + (long long)blockIdx.x * inter;
+    for (int i = threadIdx.x; i < inter; i += NUM_THREADS) o[i] = silu(xr[i]) * xr[inter + i];
+}
+extern "C" __global__ void gelu_tanh_and_mul(float *out, const float *__restrict__ x, int inter) {
+    const float *xr = x + (long long)blockIdx.x * 2 * inter;
+    float *o = out + (long long)blockIdx.x * inter;
+    for (int i = threadIdx.x; i < inter; i += NUM_THREADS) o[i] = gelu_tanh(xr[i]) * xr[inter + i];
+}
+
+// out[t, :] = table[ids[t], :] · scale (Gemma scales by sqrt(hidden)), from
+// a table stored as f32, f16 or bf16. An id past the table gives zeros (the
+// host validates ids; this only keeps a bad one from reading out of bounds).
+template <typename T>
+__device__ void embedding(float *out, const T *__restrict__ table, const int *__restrict__ ids, int vocab, int cols, float scale) {
+    const int id = ids[blockIdx.x];
+    float *o = out + (long long)blockIdx.x * cols;
+    const bool ok = id >= 0 && id < vocab;
+    const T *row = table + (long long)(ok ? id : 0) * cols;
+    for (int i = threadIdx.x; i < cols; i += NUM_THREADS) o[i] = ok ? to_float(row[i]) * scale : 0.f;
+}
+VELLUM_FOR_EACH_DTYPE(embedding, (float *out, const void *table, const int *ids, int vocab, int cols, float scale),
+                      (out, (const T *)table, ids, vocab, cols, scale))
+
+// The greedy token of each row of logits [rows, vocab]: the largest logit,
+// the lowest id among equals (as the CPU sampler breaks ties).
+extern "C" __global__ void argmax_rows(int *out, const float *__restrict__ logits, int vocab) {
+    __shared__ float best_v[NUM_THREADS];
+    __shared__ int best_i[NUM_THREADS];
+    const float *l = logits + (long long)blockIdx.x * vocab;
+    float bv = -3.4e38f;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += NUM_THREADS) {
+        if (l[i] > bv) {
+            bv = l[i];
+            bi = i;
+        }
+    }
+    best_v[threadIdx.x] = bv;
+    best_i[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = NUM_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const float ov = best_v[threadIdx.x + s];
+            const int oi = best_i[threadIdx.x + s];
+            if (ov > best_v[threadIdx.x] || (ov == best_v[threadIdx.x] && oi < best_i[threadIdx.x])) {
+                best_v[threadIdx.x] = ov;
+                best_i[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = best_i[0];
+}
