@@ -16,6 +16,9 @@ pub enum CudaError {
     /// A driver call failed.
     #[error("CUDA driver: {0}")]
     Driver(String),
+    /// A kernel was called with buffers or shapes it cannot take.
+    #[error("CUDA kernel arguments: {0}")]
+    Shape(String),
     /// NVRTC rejected a kernel source.
     #[error("NVRTC could not compile {kernel} for {arch}:\n{log}")]
     Compile {

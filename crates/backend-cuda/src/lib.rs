@@ -8,15 +8,17 @@
 //! | [`kernels`] | the CUDA C++ sources (embedded), their entry points, the configurations CI compiles |
 //! | [`nvrtc`] | compiling a source to PTX for a `compute_XY` architecture, with no GPU needed |
 //! | [`device`] | finding a GPU: a typed error, never a panic, when there is no driver |
+//! | [`launch`] | [`launch::Kernels`]: modules compiled on first use per configuration, one shape-checked call per kernel |
 //!
 //! Status (see the CUDA issue and `docs/cuda_kernels.md`): the kernels —
 //! `reshape_and_cache`, paged attention v1/v2 for mixed prefill/decode
 //! batches, `copy_blocks`, RMSNorm (fused with the residual add), RoPE,
 //! SwiGLU/GeGLU, embedding gather, greedy argmax, the Q8_0/Q4_1 GEMV —
 //! compile for `compute_80` and `compute_90` in CI, with registers and
-//! spills recorded per kernel. The `ModelExecutor` that launches them, and
-//! its GPU test suite, are not written yet; `--device cuda` says so after
-//! checking for a driver.
+//! spills recorded per kernel. [`launch::Kernels`] launches them with
+//! shape checks, and `tests/gpu.rs` checks them against float64 references
+//! on a GPU (skipped by name without one). The `ModelExecutor` is not
+//! written yet; `--device cuda` says so after checking for a driver.
 //!
 //! Both libraries are loaded dynamically (cudarc's `dynamic-loading`), so
 //! this crate builds and links on machines with no CUDA at all; every entry
@@ -28,6 +30,7 @@
 pub mod device;
 mod error;
 pub mod kernels;
+pub mod launch;
 pub mod nvrtc;
 
 pub use error::CudaError;

@@ -38,13 +38,12 @@ pub fn version() -> Result<(i32, i32), CudaError> {
 /// Compiles `variant` to PTX for `arch` (a `compute_XY` virtual
 /// architecture), with IEEE division and square roots and no flush to zero
 /// (the kernels call the fast intrinsics they want by name).
-pub fn compile(variant: &Variant, arch: &'static str) -> Result<String, CudaError> {
+pub fn compile(variant: &Variant, arch: &str) -> Result<String, CudaError> {
     if !is_available() {
         return Err(CudaError::NoNvrtc);
     }
     let opts = CompileOptions {
-        arch: Some(arch),
-        options: vec!["--std=c++17".into()],
+        options: vec!["--std=c++17".into(), format!("--gpu-architecture={arch}")],
         name: Some(variant.source.file.into()),
         ..Default::default()
     };

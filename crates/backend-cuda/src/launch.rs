@@ -1,0 +1,428 @@
+//! Launching the kernels: modules compiled on first use for the device's
+//! architecture and cached by configuration, and one typed call per kernel
+//! that checks its shapes before anything reaches the GPU.
+//!
+//! Device buffers are `cudarc` slices; a KV pool is a pair of byte buffers
+//! whose element type is [`KvDtype`] (the kernels take `void *`).
+
+use crate::kernels::{Variant, CACHE, GEMV_Q, LAYERS, PAGED_ATTENTION};
+use crate::{nvrtc, CudaError};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Element type of a KV pool (`--kv-cache-dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// 4 bytes an element.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes an element.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// The entry-point suffix (`_f32`, `_f16`, `_bf16`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The K and V pools of one layer: `[num_blocks, block_size, num_kv_heads,
+/// head_dim]` elements of `dtype` each.
+pub struct KvPool {
+    /// Keys.
+    pub k: CudaSlice<u8>,
+    /// Values.
+    pub v: CudaSlice<u8>,
+    /// Element type.
+    pub dtype: KvDtype,
+    /// Blocks in each pool.
+    pub num_blocks: usize,
+    /// Tokens a block.
+    pub block_size: usize,
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Dims a head.
+    pub head_dim: usize,
+}
+
+impl KvPool {
+    /// Zeroed pools.
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        dtype: KvDtype,
+        num_blocks: usize,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self, CudaError> {
+        let bytes = num_blocks * block_size * num_kv_heads * head_dim * dtype.size();
+        Ok(Self { k: stream.alloc_zeros(bytes)?, v: stream.alloc_zeros(bytes)?, dtype, num_blocks, block_size, num_kv_heads, head_dim })
+    }
+
+    /// Elements in one token's row (`num_kv_heads · head_dim`).
+    pub fn row(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+/// Which paged-attention kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionVersion {
+    /// One thread block per (head, query token) over the whole context.
+    V1,
+    /// Partitions of [`PARTITION_SIZE`] positions, then a reduction.
+    V2,
+}
+
+/// Positions per partition of paged attention v2 (the kernels' default).
+pub const PARTITION_SIZE: usize = 512;
+/// Threads per paged-attention thread block.
+const ATTENTION_THREADS: u32 = 128;
+/// The default dynamic shared memory a thread block may take without opting in.
+const DEFAULT_DYNAMIC_SMEM: usize = 48 * 1024;
+
+/// A mixed batch's attention metadata, on the device (int32 unless noted).
+pub struct AttentionMetadata {
+    /// `[num_seqs, max_blocks_per_seq]` block ids.
+    pub block_tables: CudaSlice<i32>,
+    /// Entries per block-table row.
+    pub max_blocks_per_seq: usize,
+    /// `[num_tokens]`: each query token's sequence.
+    pub token_seq: CudaSlice<i32>,
+    /// `[num_seqs + 1]`: first query token of each sequence.
+    pub query_start_loc: CudaSlice<i32>,
+    /// `[num_seqs]`: tokens in each sequence's context after this step.
+    pub context_lens: CudaSlice<i32>,
+    /// Query tokens in the batch.
+    pub num_tokens: usize,
+    /// The longest context a query sees (after the window): sizes v1's
+    /// shared memory and v2's partitions.
+    pub max_context: usize,
+}
+
+/// Shapes and constants of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionParams {
+    /// Query heads.
+    pub num_heads: usize,
+    /// Softmax scale (usually head_dim^-½).
+    pub scale: f32,
+    /// Soft-cap of the scores; 0 for none.
+    pub softcap: f32,
+    /// Sliding window in positions; 0 for full causal attention.
+    pub window: usize,
+}
+
+/// A GGUF block format the GEMV reads directly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockFormat {
+    /// f16 scale + 32 int8 codes (34 bytes).
+    Q8_0,
+    /// f16 scale + f16 min + 16 bytes of nibbles (20 bytes).
+    Q4_1,
+}
+
+impl BlockFormat {
+    /// 16-bit words a block of 32 weights.
+    pub fn words_per_block(self) -> usize {
+        match self {
+            BlockFormat::Q8_0 => 17,
+            BlockFormat::Q4_1 => 10,
+        }
+    }
+}
+
+/// A weight `[n, k]` on the device in its file's blocks, row-major (the
+/// blocks of row 0, then row 1, ...), as 16-bit words.
+pub struct QuantMatrix {
+    /// The blocks.
+    pub blocks: CudaSlice<u16>,
+    /// Their format.
+    pub format: BlockFormat,
+    /// Output features (rows of W).
+    pub n: usize,
+    /// Input features (a multiple of 32).
+    pub k: usize,
+}
+
+/// The compiled kernels of one device, by configuration.
+pub struct Kernels {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: String,
+    num_sms: usize,
+    modules: Mutex<HashMap<Variant, Arc<CudaModule>>>,
+}
+
+fn cfg(grid: (u32, u32, u32), threads: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
+}
+
+fn shape_error(what: String) -> CudaError {
+    CudaError::Shape(what)
+}
+
+fn to_u32(n: usize, what: &str) -> Result<u32, CudaError> {
+    u32::try_from(n).map_err(|_| shape_error(format!("{what} = {n} exceeds a CUDA grid dimension")))
+}
+
+fn to_i32(n: usize, what: &str) -> Result<i32, CudaError> {
+    i32::try_from(n).map_err(|_| shape_error(format!("{what} = {n} exceeds int32")))
+}
+
+impl Kernels {
+    /// Kernels for device `ordinal` (compiled on first use), launched on its
+    /// default stream.
+    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+        let (ctx, info) = crate::device::open(ordinal)?;
+        let stream = ctx.default_stream();
+        Ok(Self { ctx, stream, arch: info.arch(), num_sms: info.num_sms.max(1) as usize, modules: Mutex::new(HashMap::new()) })
+    }
+
+    /// The stream kernels launch on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Entry point `name` of `variant`, compiling and loading the module on
+    /// first use.
+    pub fn function(&self, variant: &Variant, name: &str) -> Result<CudaFunction, CudaError> {
+        let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        let module = match modules.get(variant) {
+            Some(m) => m.clone(),
+            None => {
+                let ptx = nvrtc::compile(variant, &self.arch)?;
+                let m = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+                modules.insert(variant.clone(), m.clone());
+                m
+            }
+        };
+        Ok(module.load_function(name)?)
+    }
+
+    /// Writes each token's K and V rows (`[num_tokens, row]` f32) into the
+    /// pools at `slot_mapping[t]` (a negative slot writes nothing).
+    pub fn reshape_and_cache(
+        &self,
+        key: &CudaSlice<f32>,
+        value: &CudaSlice<f32>,
+        pool: &mut KvPool,
+        slot_mapping: &CudaSlice<i64>,
+    ) -> Result<(), CudaError> {
+        let (row, n) = (pool.row(), slot_mapping.len());
+        if key.len() < n * row || value.len() < n * row {
+            return Err(shape_error(format!("{n} slots need {} K/V elements, got {}/{}", n * row, key.len(), value.len())));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(CACHE, &[]), &format!("reshape_and_cache_{}", pool.dtype.suffix()))?;
+        let row_i = to_i32(row, "row")?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(key).arg(value).arg(&mut pool.k).arg(&mut pool.v).arg(slot_mapping).arg(&row_i);
+        // SAFETY: the signature matches reshape_and_cache_* in cache.cu
+        // (f32*, f32*, void*, void*, long long*, int); key and value hold n·row
+        // floats (checked above); the kernel writes row elements at each
+        // slot, and the caller's slots come from this pool's block tables
+        // (< num_blocks · block_size).
+        unsafe { b.launch(cfg((to_u32(n, "tokens")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Copies block `pairs[2i]` to block `pairs[2i + 1]` in both pools.
+    pub fn copy_blocks(&self, pool: &mut KvPool, pairs: &CudaSlice<i64>) -> Result<(), CudaError> {
+        let num_pairs = pairs.len() / 2;
+        if num_pairs == 0 {
+            return Ok(());
+        }
+        let block_bytes = pool.block_size * pool.row() * pool.dtype.size();
+        let block_words = (block_bytes / 4) as i64;
+        let f = self.function(&Variant::new(CACHE, &[]), "copy_blocks")?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut pool.k).arg(&mut pool.v).arg(pairs).arg(&block_words);
+        // SAFETY: matches copy_blocks(unsigned*, unsigned*, long long*, long
+        // long); a block is block_bytes (a multiple of 4: head_dim is a
+        // multiple of 64); the caller's block ids are < num_blocks.
+        unsafe { b.launch(cfg((to_u32(num_pairs, "pairs")?, 4, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// The version [`Kernels::paged_attention`] picks: v1 unless the
+    /// context does not fit its shared memory, or it is long and the batch
+    /// gives too few thread blocks to fill the GPU.
+    pub fn attention_version(&self, num_tokens: usize, num_heads: usize, max_context: usize) -> AttentionVersion {
+        let parts = max_context.div_ceil(PARTITION_SIZE);
+        if max_context * 4 + 1024 > DEFAULT_DYNAMIC_SMEM || (parts > 1 && num_tokens * num_heads < 2 * self.num_sms) {
+            AttentionVersion::V2
+        } else {
+            AttentionVersion::V1
+        }
+    }
+
+    /// Paged attention over a mixed batch: `out [num_tokens, num_heads,
+    /// head_dim]` from `q` (same shape) and the pools through `meta`.
+    /// `version` forces a kernel (tests); `None` picks one.
+    pub fn paged_attention(
+        &self,
+        out: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        pool: &KvPool,
+        meta: &AttentionMetadata,
+        p: AttentionParams,
+        version: Option<AttentionVersion>,
+    ) -> Result<(), CudaError> {
+        let (t, d) = (meta.num_tokens, pool.head_dim);
+        if p.num_heads == 0 || pool.num_kv_heads == 0 || !p.num_heads.is_multiple_of(pool.num_kv_heads) {
+            return Err(shape_error(format!("{} heads over {} kv heads", p.num_heads, pool.num_kv_heads)));
+        }
+        if q.len() < t * p.num_heads * d || out.len() < t * p.num_heads * d {
+            return Err(shape_error(format!("q/out need {} elements", t * p.num_heads * d)));
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let variant = Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", d), ("BLOCK_SIZE", pool.block_size)]);
+        let version = version.unwrap_or_else(|| self.attention_version(t, p.num_heads, meta.max_context));
+        let grid_xy = (to_u32(p.num_heads, "heads")?, to_u32(t, "tokens")?);
+        let ints = [
+            to_i32(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
+            to_i32(p.num_heads, "heads")?,
+            to_i32(pool.num_kv_heads, "kv heads")?,
+            to_i32(p.window, "window")?,
+        ];
+        let [max_blocks, num_heads, num_kv_heads, window] = ints;
+        match version {
+            AttentionVersion::V1 => {
+                let smem = meta.max_context.max(1) * 4;
+                if smem > DEFAULT_DYNAMIC_SMEM {
+                    return Err(shape_error(format!("v1 over {} positions exceeds shared memory; use v2", meta.max_context)));
+                }
+                let f = self.function(&variant, &format!("paged_attention_v1_{}", pool.dtype.suffix()))?;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(out).arg(q).arg(&pool.k).arg(&pool.v).arg(&meta.block_tables).arg(&max_blocks);
+                b.arg(&meta.token_seq).arg(&meta.query_start_loc).arg(&meta.context_lens);
+                b.arg(&num_heads).arg(&num_kv_heads).arg(&p.scale).arg(&p.softcap).arg(&window);
+                // SAFETY: the arguments match paged_attention_v1_* in order
+                // and type; q/out hold num_tokens·num_heads·head_dim floats
+                // (checked); the metadata was built for this batch (each
+                // token's context ≤ max_context, sized into the dynamic
+                // shared memory; block ids < the pool's blocks).
+                unsafe { b.launch(cfg((grid_xy.0, grid_xy.1, 1), ATTENTION_THREADS, smem)) }?;
+            }
+            AttentionVersion::V2 => {
+                let parts = meta.max_context.max(1).div_ceil(PARTITION_SIZE);
+                let n = t * p.num_heads * parts;
+                let mut tmp: CudaSlice<f32> = self.stream.alloc_zeros(n * d)?;
+                let mut max_logits: CudaSlice<f32> = self.stream.alloc_zeros(n)?;
+                let mut exp_sums: CudaSlice<f32> = self.stream.alloc_zeros(n)?;
+                let f = self.function(&variant, &format!("paged_attention_v2_{}", pool.dtype.suffix()))?;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&mut tmp).arg(&mut max_logits).arg(&mut exp_sums).arg(q).arg(&pool.k).arg(&pool.v);
+                b.arg(&meta.block_tables).arg(&max_blocks).arg(&meta.token_seq).arg(&meta.query_start_loc);
+                b.arg(&meta.context_lens).arg(&num_heads).arg(&num_kv_heads).arg(&p.scale).arg(&p.softcap).arg(&window);
+                // SAFETY: as for v1; tmp/max_logits/exp_sums hold `parts`
+                // partitions per (token, head), the grid's z extent.
+                unsafe { b.launch(cfg((grid_xy.0, grid_xy.1, to_u32(parts, "partitions")?), ATTENTION_THREADS, 0)) }?;
+                let r = self.function(&variant, "paged_attention_v2_reduce")?;
+                let parts_i = to_i32(parts, "partitions")?;
+                let mut b = self.stream.launch_builder(&r);
+                b.arg(out).arg(&tmp).arg(&max_logits).arg(&exp_sums).arg(&meta.token_seq).arg(&meta.query_start_loc);
+                b.arg(&meta.context_lens).arg(&num_heads).arg(&parts_i).arg(&window);
+                // SAFETY: matches paged_attention_v2_reduce; the statistics
+                // were written above for every partition a token has; the
+                // dynamic shared memory holds `parts` weights.
+                unsafe { b.launch(cfg((grid_xy.0, grid_xy.1, 1), ATTENTION_THREADS, parts * 4)) }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `y [rows, n] = x [rows, k] · Wᵀ` on the weight's own blocks; rows ≤ 8
+    /// a launch.
+    pub fn gemv_q(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
+        let (n, k) = (w.n, w.k);
+        if !k.is_multiple_of(32) || w.blocks.len() < n * k / 32 * w.format.words_per_block() || x.len() < rows * k || y.len() < rows * n {
+            return Err(shape_error(format!("gemv [{rows}x{k}]·[{n}x{k}]ᵀ: buffers too small or k not a multiple of 32")));
+        }
+        if rows == 0 || rows > 8 {
+            return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
+        }
+        let name = match w.format {
+            BlockFormat::Q8_0 => "gemv_q8_0",
+            BlockFormat::Q4_1 => "gemv_q4_1",
+        };
+        let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", rows)]), name)?;
+        let (n_i, k_i) = (to_i32(n, "n")?, to_i32(k, "k")?);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(y).arg(&w.blocks).arg(x).arg(&n_i).arg(&k_i);
+        // SAFETY: matches gemv_*(float*, unsigned short*, float*, int, int);
+        // buffer sizes checked above; 4 columns (warps) per 128-thread block.
+        unsafe { b.launch(cfg((to_u32(n.div_ceil(4), "columns")?, 1, 1), 128, 0)) }?;
+        Ok(())
+    }
+
+    /// RMSNorm of `rows` rows of `cols` in place (`x · rsqrt(mean x² + eps)
+    /// · (w + offset)`), or fused with the residual add when `residual` is
+    /// given (`residual += x; x = norm(residual)`).
+    pub fn rms_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        residual: Option<&mut CudaSlice<f32>>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+        offset: f32,
+    ) -> Result<(), CudaError> {
+        let cols = w.len();
+        if x.len() < rows * cols || residual.as_ref().is_some_and(|r| r.len() < rows * cols) {
+            return Err(shape_error(format!("rms_norm of {rows} rows of {cols}: buffer too small")));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let cols_i = to_i32(cols, "cols")?;
+        let launch = cfg((to_u32(rows, "rows")?, 1, 1), 256, 0);
+        match residual {
+            Some(r) => {
+                let f = self.function(&Variant::new(LAYERS, &[]), "fused_add_rms_norm")?;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(x).arg(r).arg(w).arg(&cols_i).arg(&eps).arg(&offset);
+                // SAFETY: matches fused_add_rms_norm(float*, float*, const
+                // float*, int, float, float); sizes checked above.
+                unsafe { b.launch(launch) }?;
+            }
+            None => {
+                let f = self.function(&Variant::new(LAYERS, &[]), "rms_norm")?;
+                // The kernel reads and writes the same row (y == x is allowed).
+                let y: &CudaSlice<f32> = x;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(y).arg(y).arg(w).arg(&cols_i).arg(&eps).arg(&offset);
+                // SAFETY: matches rms_norm(float*, const float*, const float*,
+                // int, float, float); in place, each thread reads then writes
+                // only its own elements after the block-wide sum.
+                unsafe { b.launch(launch) }?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,343 @@
+//! The GPU suite: every kernel against a float64 host reference on shapes
+//! that exercise the paging (shuffled block ids, partial blocks, GQA, a mixed
+//! prefill/decode batch, sliding window, soft-cap, long contexts through v2,
+//! all three cache types).
+//!
+//! Without a GPU each test says SKIPPED by name and passes, unless
+//! `VELLUM_REQUIRE_GPU` is set (set it on a GPU machine, so that a broken
+//! driver setup cannot pass silently). On a machine with a GPU and no Rust:
+//! build here with `cargo test -p vellum-backend-cuda --release --no-run`,
+//! copy the `gpu-*` test binary and NVRTC's `lib/` over, then run it with
+//! `LD_LIBRARY_PATH=<nvrtc lib> VELLUM_REQUIRE_GPU=1 ./gpu-* --test-threads 1`.
+
+use cudarc::driver::CudaSlice;
+use vellum_backend_cuda::launch::{
+    AttentionMetadata, AttentionParams, AttentionVersion, BlockFormat, Kernels, KvDtype, KvPool, QuantMatrix,
+};
+
+fn gpu_or_skip(test: &str) -> Option<Kernels> {
+    match Kernels::open(0) {
+        Ok(k) => Some(k),
+        Err(e) => {
+            assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
+            eprintln!("SKIPPED {test}: {e}");
+            None
+        }
+    }
+}
+
+/// xorshift64*: reproducible inputs without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, (self.next() % (i as u64 + 1)) as usize);
+        }
+    }
+}
+
+/// A value as the cache stores it.
+fn round(x: f32, dtype: KvDtype) -> f32 {
+    match dtype {
+        KvDtype::F32 => x,
+        KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+        KvDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+    }
+}
+
+/// Decodes a pool read back as bytes.
+fn decode(bytes: &[u8], dtype: KvDtype) -> Vec<f32> {
+    match dtype {
+        KvDtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        KvDtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        KvDtype::Bf16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+    }
+}
+
+fn up<T: cudarc::driver::DeviceRepr>(k: &Kernels, v: &[T]) -> CudaSlice<T> {
+    k.stream().clone_htod(v).expect("upload")
+}
+
+fn down<T: cudarc::driver::DeviceRepr + Default + Clone>(k: &Kernels, v: &CudaSlice<T>) -> Vec<T> {
+    k.stream().clone_dtoh(v).expect("download")
+}
+
+/// One sequence of the batch: its context after this step and how many of
+/// those positions are this step's queries.
+struct Seq {
+    context_len: usize,
+    q_len: usize,
+}
+
+struct Case {
+    head_dim: usize,
+    dtype: KvDtype,
+    window: usize,
+    softcap: f32,
+}
+
+const BLOCK: usize = 16;
+const HEADS: usize = 8;
+const KV_HEADS: usize = 2;
+
+/// Writes every position of every sequence through `reshape_and_cache`,
+/// runs paged attention both ways, and compares with the host reference.
+fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
+    let seqs = [
+        Seq { context_len: 33, q_len: 1 },
+        Seq { context_len: 1, q_len: 1 },
+        Seq { context_len: 40, q_len: 7 },
+        Seq { context_len: 700, q_len: 1 },
+        Seq { context_len: 20, q_len: 20 },
+        Seq { context_len: 1100, q_len: 3 },
+    ];
+    let (d, row) = (case.head_dim, KV_HEADS * case.head_dim);
+    let blocks_of = |s: &Seq| s.context_len.div_ceil(BLOCK);
+    let num_blocks = seqs.iter().map(blocks_of).sum::<usize>() + 7;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    rng.shuffle(&mut ids);
+    let max_blocks = seqs.iter().map(blocks_of).max().expect("seqs");
+    let mut tables = vec![0i32; seqs.len() * max_blocks];
+    let mut next = 0;
+    for (s, seq) in seqs.iter().enumerate() {
+        for b in 0..blocks_of(seq) {
+            tables[s * max_blocks + b] = ids[next];
+            next += 1;
+        }
+    }
+    // Every position's K and V, written through the kernel; one padding
+    // entry (slot -1) must write nothing.
+    let mut keys: Vec<Vec<f32>> = Vec::new();
+    let mut values: Vec<Vec<f32>> = Vec::new();
+    let mut slots: Vec<i64> = Vec::new();
+    let (mut k_all, mut v_all) = (Vec::new(), Vec::new());
+    for (s, seq) in seqs.iter().enumerate() {
+        let (kk, vv) = (rng.vec(seq.context_len * row), rng.vec(seq.context_len * row));
+        for pos in 0..seq.context_len {
+            slots.push(tables[s * max_blocks + pos / BLOCK] as i64 * BLOCK as i64 + (pos % BLOCK) as i64);
+        }
+        k_all.extend_from_slice(&kk);
+        v_all.extend_from_slice(&vv);
+        keys.push(kk);
+        values.push(vv);
+    }
+    slots.push(-1);
+    k_all.extend(std::iter::repeat_n(9.0f32, row));
+    v_all.extend(std::iter::repeat_n(9.0f32, row));
+    let mut pool = KvPool::new(k.stream(), case.dtype, num_blocks, BLOCK, KV_HEADS, d).expect("pool");
+    k.reshape_and_cache(&up(k, &k_all), &up(k, &v_all), &mut pool, &up(k, &slots)).expect("reshape_and_cache");
+    // The pools hold each row at its slot, rounded to the cache type, and
+    // nothing else (the padding row of 9s went nowhere).
+    let (k_pool, v_pool) = (decode(&down(k, &pool.k), case.dtype), decode(&down(k, &pool.v), case.dtype));
+    for (i, &slot) in slots.iter().enumerate().filter(|(_, s)| **s >= 0) {
+        let (at, from) = (slot as usize * row, i * row);
+        for j in 0..row {
+            assert_eq!(k_pool[at + j], round(k_all[from + j], case.dtype), "K slot {slot} elem {j}");
+            assert_eq!(v_pool[at + j], round(v_all[from + j], case.dtype), "V slot {slot} elem {j}");
+        }
+    }
+    assert!(!k_pool.contains(&9.0) && !v_pool.contains(&9.0), "the padding slot wrote into the pool");
+
+    // The batch's queries and metadata.
+    let num_tokens: usize = seqs.iter().map(|s| s.q_len).sum();
+    let q = rng.vec(num_tokens * HEADS * d);
+    let (mut token_seq, mut qsl, mut ctx) = (Vec::new(), vec![0i32], Vec::new());
+    for (s, seq) in seqs.iter().enumerate() {
+        token_seq.extend(std::iter::repeat_n(s as i32, seq.q_len));
+        qsl.push(qsl[s] + seq.q_len as i32);
+        ctx.push(seq.context_len as i32);
+    }
+    let max_context =
+        seqs.iter().map(|s| if case.window > 0 { s.context_len.min(case.window) } else { s.context_len }).max().expect("seqs");
+    let meta = AttentionMetadata {
+        block_tables: up(k, &tables),
+        max_blocks_per_seq: max_blocks,
+        token_seq: up(k, &token_seq),
+        query_start_loc: up(k, &qsl),
+        context_lens: up(k, &ctx),
+        num_tokens,
+        max_context,
+    };
+    let scale = 1.0 / (d as f32).sqrt();
+    let params = AttentionParams { num_heads: HEADS, scale, softcap: case.softcap, window: case.window };
+
+    // The float64 reference, on the values as the cache holds them.
+    let mut expected = vec![0f64; num_tokens * HEADS * d];
+    let mut t = 0;
+    for (s, seq) in seqs.iter().enumerate() {
+        for i in 0..seq.q_len {
+            let n_ctx = seq.context_len - seq.q_len + i + 1;
+            let first = if case.window > 0 && n_ctx > case.window { n_ctx - case.window } else { 0 };
+            for h in 0..HEADS {
+                let kvh = h / (HEADS / KV_HEADS);
+                let qv = &q[(t * HEADS + h) * d..(t * HEADS + h + 1) * d];
+                let scores: Vec<f64> = (first..n_ctx)
+                    .map(|pos| {
+                        let kr = &keys[s][pos * row + kvh * d..pos * row + (kvh + 1) * d];
+                        let dot: f64 = qv.iter().zip(kr).map(|(&a, &b)| (a * scale) as f64 * round(b, case.dtype) as f64).sum();
+                        if case.softcap > 0.0 {
+                            case.softcap as f64 * (dot / case.softcap as f64).tanh()
+                        } else {
+                            dot
+                        }
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                for (j, pos) in (first..n_ctx).enumerate() {
+                    let p = (scores[j] - m).exp() / total;
+                    let vr = &values[s][pos * row + kvh * d..pos * row + (kvh + 1) * d];
+                    for (e, &v) in expected[(t * HEADS + h) * d..(t * HEADS + h + 1) * d].iter_mut().zip(vr) {
+                        *e += p * round(v, case.dtype) as f64;
+                    }
+                }
+            }
+            t += 1;
+        }
+    }
+    let q_dev = up(k, &q);
+    for version in [AttentionVersion::V1, AttentionVersion::V2] {
+        let mut out: CudaSlice<f32> = k.stream().alloc_zeros(num_tokens * HEADS * d).expect("alloc");
+        k.paged_attention(&mut out, &q_dev, &pool, &meta, params, Some(version)).expect("paged attention");
+        let got = down(k, &out);
+        let worst = got.iter().zip(&expected).map(|(&g, &e)| (g as f64 - e).abs()).fold(0.0, f64::max);
+        eprintln!("head_dim {d} {:?} window {} softcap {} {version:?}: max |err| {worst:.2e}", case.dtype, case.window, case.softcap);
+        assert!(worst < 2e-4, "{version:?}: max |err| {worst:.2e}");
+    }
+}
+
+#[test]
+fn paged_attention_matches_the_float64_reference_on_a_mixed_batch_or_skips_without_a_gpu() {
+    let Some(k) = gpu_or_skip("paged_attention_matches_the_float64_reference_on_a_mixed_batch") else { return };
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for head_dim in [64, 128, 256] {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+            check_attention(&k, &Case { head_dim, dtype, window: 0, softcap: 0.0 }, &mut rng);
+        }
+    }
+    // Gemma-style: a sliding window and a soft-cap.
+    check_attention(&k, &Case { head_dim: 256, dtype: KvDtype::Bf16, window: 64, softcap: 30.0 }, &mut rng);
+    check_attention(&k, &Case { head_dim: 64, dtype: KvDtype::F32, window: 600, softcap: 0.0 }, &mut rng);
+}
+
+#[test]
+fn copy_blocks_copies_whole_blocks_in_both_pools_or_skips_without_a_gpu() {
+    let Some(k) = gpu_or_skip("copy_blocks_copies_whole_blocks_in_both_pools") else { return };
+    let mut rng = Rng(7);
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let (blocks, d) = (12, 64);
+        let mut pool = KvPool::new(k.stream(), dtype, blocks, BLOCK, KV_HEADS, d).expect("pool");
+        let n = blocks * BLOCK;
+        let slots: Vec<i64> = (0..n as i64).collect();
+        k.reshape_and_cache(&up(&k, &rng.vec(n * pool.row())), &up(&k, &rng.vec(n * pool.row())), &mut pool, &up(&k, &slots))
+            .expect("fill");
+        let before = (down(&k, &pool.k), down(&k, &pool.v));
+        let pairs: Vec<i64> = vec![3, 7, 0, 11, 5, 1];
+        k.copy_blocks(&mut pool, &up(&k, &pairs)).expect("copy_blocks");
+        let after = (down(&k, &pool.k), down(&k, &pool.v));
+        let bb = BLOCK * pool.row() * dtype.size();
+        for b in 0..blocks {
+            let src = pairs.chunks(2).find(|p| p[1] as usize == b).map_or(b, |p| p[0] as usize);
+            assert_eq!(after.0[b * bb..(b + 1) * bb], before.0[src * bb..(src + 1) * bb], "K block {b}");
+            assert_eq!(after.1[b * bb..(b + 1) * bb], before.1[src * bb..(src + 1) * bb], "V block {b}");
+        }
+    }
+}
+
+/// GGUF blocks of a random [n, k] weight, and its values.
+fn quantized(rng: &mut Rng, n: usize, k: usize, q4_1: bool) -> (Vec<u16>, Vec<f32>) {
+    let mut bytes = Vec::new();
+    let mut values = Vec::new();
+    for _ in 0..n * k / 32 {
+        let dh = half::f16::from_f32(0.01 + 0.02 * rng.f().abs());
+        let d = dh.to_f32();
+        bytes.extend_from_slice(&dh.to_le_bytes());
+        if q4_1 {
+            let mh = half::f16::from_f32(-0.1 * rng.f().abs());
+            let m = mh.to_f32();
+            bytes.extend_from_slice(&mh.to_le_bytes());
+            let codes: Vec<u8> = (0..32).map(|_| (rng.next() % 16) as u8).collect();
+            for j in 0..16 {
+                bytes.push(codes[j] | (codes[j + 16] << 4));
+            }
+            values.extend(codes.iter().map(|&c| d * c as f32 + m));
+        } else {
+            for _ in 0..32 {
+                let c = (rng.next() % 256) as u8 as i8;
+                bytes.push(c as u8);
+                values.push(d * c as f32);
+            }
+        }
+    }
+    (bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect(), values)
+}
+
+#[test]
+fn gemv_on_q8_0_and_q4_1_blocks_matches_the_dequantized_product_or_skips_without_a_gpu() {
+    let Some(k) = gpu_or_skip("gemv_on_q8_0_and_q4_1_blocks_matches_the_dequantized_product") else { return };
+    let mut rng = Rng(11);
+    let (n, kk) = (101, 320);
+    for q4_1 in [false, true] {
+        let (blocks, w) = quantized(&mut rng, n, kk, q4_1);
+        let format = if q4_1 { BlockFormat::Q4_1 } else { BlockFormat::Q8_0 };
+        let w_dev = QuantMatrix { blocks: up(&k, &blocks), format, n, k: kk };
+        for rows in [1, 3, 8] {
+            let x = rng.vec(rows * kk);
+            let mut y: CudaSlice<f32> = k.stream().alloc_zeros(rows * n).expect("alloc");
+            k.gemv_q(&mut y, &w_dev, &up(&k, &x), rows).expect("gemv");
+            let got = down(&k, &y);
+            for r in 0..rows {
+                for c in 0..n {
+                    let e: f64 = (0..kk).map(|i| x[r * kk + i] as f64 * w[c * kk + i] as f64).sum();
+                    let g = got[r * n + c] as f64;
+                    assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "q4_1={q4_1} rows={rows} [{r},{c}]: {g} vs {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rms_norm_plain_and_fused_with_the_residual_match_the_reference_or_skips_without_a_gpu() {
+    let Some(k) = gpu_or_skip("rms_norm_plain_and_fused_with_the_residual_match_the_reference") else { return };
+    let mut rng = Rng(5);
+    let (rows, cols, eps) = (3, 640, 1e-6f32);
+    let (x, res, w) = (rng.vec(rows * cols), rng.vec(rows * cols), rng.vec(cols));
+    let norm = |v: &[f32], offset: f32| -> Vec<f64> {
+        let ms: f64 = v.iter().map(|&a| a as f64 * a as f64).sum::<f64>() / cols as f64;
+        let r = 1.0 / (ms + eps as f64).sqrt();
+        v.iter().zip(&w).map(|(&a, &g)| a as f64 * r * (g + offset) as f64).collect()
+    };
+    for offset in [0.0f32, 1.0] {
+        let (mut xd, w_dev) = (up(&k, &x), up(&k, &w));
+        k.rms_norm(&mut xd, None, &w_dev, rows, eps, offset).expect("rms_norm");
+        let got = down(&k, &xd);
+        let mut rd = up(&k, &res);
+        let mut xf = up(&k, &x);
+        k.rms_norm(&mut xf, Some(&mut rd), &w_dev, rows, eps, offset).expect("fused");
+        let (got_f, got_r) = (down(&k, &xf), down(&k, &rd));
+        for r in 0..rows {
+            let e = norm(&x[r * cols..(r + 1) * cols], offset);
+            let sum: Vec<f32> = (0..cols).map(|i| res[r * cols + i] + x[r * cols + i]).collect();
+            let ef = norm(&sum, offset);
+            for i in 0..cols {
+                assert!((got[r * cols + i] as f64 - e[i]).abs() < 1e-5, "plain [{r},{i}]");
+                assert!((got_f[r * cols + i] as f64 - ef[i]).abs() < 1e-5, "fused [{r},{i}]");
+                assert_eq!(got_r[r * cols + i], sum[i], "residual [{r},{i}]");
+            }
+        }
+    }
+}
