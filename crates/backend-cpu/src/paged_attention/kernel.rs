@@ -128,9 +128,28 @@ pub(super) trait KvElem: Copy + Send + Sync {
 
     /// `dst[i] = src[i] as f32` (same lengths).
     fn widen(src: &[Self], dst: &mut [f32]);
+
+    /// Whether widening costs less than a store and a reload (`bf16`: a
+    /// shift), so that a row shared by a query group is widened per head
+    /// rather than once into a buffer.
+    const CHEAP_WIDEN: bool;
+
+    /// One element as `f32` (tails of rows whose length is not a multiple
+    /// of [`LANES`]).
+    fn to_f32(x: Self) -> f32;
+
+    /// The first [`LANES`] elements of `src` as `f32`, in registers: the
+    /// fused tile reads the pools through this.
+    ///
+    /// # Safety
+    /// For `f16` the CPU must have F16C: only [`attend_group_simd`] (entered
+    /// after [`crate::quant::has_simd`]) instantiates the fused tile.
+    unsafe fn widen16(src: &[Self]) -> [f32; LANES];
 }
 
 impl KvElem for f32 {
+    const CHEAP_WIDEN: bool = true;
+
     #[inline(always)]
     fn as_f32(x: &[f32]) -> Option<&[f32]> {
         Some(x)
@@ -140,9 +159,23 @@ impl KvElem for f32 {
     fn widen(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
+
+    #[inline(always)]
+    fn to_f32(x: f32) -> f32 {
+        x
+    }
+
+    #[inline(always)]
+    unsafe fn widen16(src: &[f32]) -> [f32; LANES] {
+        let mut d = [0.0; LANES];
+        d.copy_from_slice(&src[..LANES]);
+        d
+    }
 }
 
 impl KvElem for f16 {
+    const CHEAP_WIDEN: bool = false;
+
     #[inline(always)]
     fn as_f32(_: &[f16]) -> Option<&[f32]> {
         None
@@ -153,9 +186,53 @@ impl KvElem for f16 {
     fn widen(src: &[f16], dst: &mut [f32]) {
         src.convert_to_f32_slice(dst);
     }
+
+    #[inline(always)]
+    fn to_f32(x: f16) -> f32 {
+        x.to_f32()
+    }
+
+    #[inline(always)]
+    unsafe fn widen16(src: &[f16]) -> [f32; LANES] {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: the caller guarantees F16C (see the trait).
+            unsafe { widen16_f16c(&src[..LANES]) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let mut d = [0.0; LANES];
+            src[..LANES].convert_to_f32_slice(&mut d);
+            d
+        }
+    }
+}
+
+/// Sixteen `f16` to `f32` with two `vcvtph2ps`.
+///
+/// # Safety
+/// The CPU must have AVX and F16C; `src` holds at least 16 elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+#[inline]
+unsafe fn widen16_f16c(src: &[f16]) -> [f32; LANES] {
+    use std::arch::x86_64::{_mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+    let mut d = [0.0f32; LANES];
+    debug_assert!(src.len() >= LANES);
+    // SAFETY: src holds 16 f16 (32 bytes, two unaligned 16-byte loads);
+    // d holds 16 f32 (two unaligned 32-byte stores); F16C is present.
+    unsafe {
+        let lo = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast()));
+        let hi = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(8).cast()));
+        _mm256_storeu_ps(d.as_mut_ptr(), lo);
+        _mm256_storeu_ps(d.as_mut_ptr().add(8), hi);
+    }
+    d
 }
 
 impl KvElem for bf16 {
+    const CHEAP_WIDEN: bool = true;
+
     #[inline(always)]
     fn as_f32(_: &[bf16]) -> Option<&[f32]> {
         None
@@ -168,6 +245,66 @@ impl KvElem for bf16 {
             *d = f32::from_bits((s.to_bits() as u32) << 16);
         }
     }
+
+    #[inline(always)]
+    fn to_f32(x: bf16) -> f32 {
+        f32::from_bits((x.to_bits() as u32) << 16)
+    }
+
+    #[inline(always)]
+    unsafe fn widen16(src: &[bf16]) -> [f32; LANES] {
+        let mut d = [0.0; LANES];
+        for (d, s) in d.iter_mut().zip(&src[..LANES]) {
+            *d = f32::from_bits((s.to_bits() as u32) << 16);
+        }
+        d
+    }
+}
+
+/// [`attend_group`] on the CPU's SIMD path where it has one (AVX2, FMA and
+/// F16C: the loops vectorise 8 wide, and `f16`/`bf16` pools are widened in
+/// registers, fused into the tile), else the baseline build with `f16`/`bf16`
+/// widened tile by tile into scratch. `VELLUM_CPU_KERNEL=scalar` forces the
+/// baseline.
+#[allow(clippy::too_many_arguments)] // Mirrors attend_group.
+#[inline]
+pub(super) fn attend<T: KvElem>(
+    out: &mut [f32],
+    q: &[f32],
+    rows: &Rows<'_, T>,
+    positions: std::ops::Range<usize>,
+    run_len: usize,
+    run_row: impl Fn(usize) -> usize,
+    shape: &Shape,
+    scratch: &mut Vec<f32>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::Kernel::detect() != crate::quant::Kernel::Scalar {
+        // SAFETY: Kernel::detect() offers a SIMD kernel only where
+        // has_simd() found AVX2, FMA and F16C.
+        return unsafe { attend_group_simd(out, q, rows, positions, run_len, run_row, shape, scratch) };
+    }
+    attend_group::<T, false>(out, q, rows, positions, run_len, run_row, shape, scratch)
+}
+
+/// [`attend_group`] compiled for AVX2 + FMA + F16C, with the fused tile.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)] // Mirrors attend_group.
+pub(super) unsafe fn attend_group_simd<T: KvElem>(
+    out: &mut [f32],
+    q: &[f32],
+    rows: &Rows<'_, T>,
+    positions: std::ops::Range<usize>,
+    run_len: usize,
+    run_row: impl Fn(usize) -> usize,
+    shape: &Shape,
+    scratch: &mut Vec<f32>,
+) {
+    attend_group::<T, true>(out, q, rows, positions, run_len, run_row, shape, scratch)
 }
 
 /// Attention of the query heads in `q` (`[n_kv * group, head_dim]`, the
@@ -181,10 +318,12 @@ impl KvElem for bf16 {
 /// an online softmax; `out` is the accumulator. `f32` pools are read in
 /// place; `f16`/`bf16` pools are widened one tile at a time into two dense
 /// `[TILE, n_kv * head_dim]` scratch buffers (K and V), which the same tile
-/// code then reads.
+/// code then reads — unless `FUSED`, where the tile reads them in place and
+/// widens in registers (only [`attend_group_simd`] sets it: see
+/// [`KvElem::widen16`]).
 #[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
-#[inline]
-pub(super) fn attend_group<T: KvElem>(
+#[inline(always)]
+pub(super) fn attend_group<T: KvElem, const FUSED: bool>(
     out: &mut [f32],
     q: &[f32],
     rows: &Rows<'_, T>,
@@ -200,7 +339,8 @@ pub(super) fn attend_group<T: KvElem>(
     // Elements of one row of the item's kv heads.
     let row_len = q.len() / shape.group;
     let in_place = T::as_f32(rows.k).zip(T::as_f32(rows.v));
-    let widened_len = if in_place.is_some() { 0 } else { TILE * row_len };
+    let widen_to_scratch = in_place.is_none() && !FUSED;
+    let widened_len = if widen_to_scratch { TILE * row_len } else { 0 };
     // scratch: scores [n_q, TILE], running max [n_q], running sum [n_q],
     // then (f16/bf16 only) the widened K and V of the tile.
     scratch.clear();
@@ -216,7 +356,7 @@ pub(super) fn attend_group<T: KvElem>(
     let prefetch_next = |runs: &TileRuns| {
         runs.for_each_row(rows.row_stride, |_, base| {
             prefetch(&rows.k[base..base + row_len]);
-            if in_place.is_none() {
+            if widen_to_scratch {
                 prefetch(&rows.v[base..base + row_len]);
             }
         });
@@ -236,8 +376,12 @@ pub(super) fn attend_group<T: KvElem>(
         match in_place {
             Some((k, v)) => {
                 let rows = Rows { k, v, row_stride: rows.row_stride, head_off: rows.head_off };
-                attend_tile(out, q, &rows, &runs, tile_len, shape, &mut state);
+                // SAFETY: f32 rows need no CPU feature to widen.
+                unsafe { attend_tile(out, q, &rows, &runs, tile_len, shape, &mut state) };
             }
+            // SAFETY: FUSED is set only by attend_group_simd, whose caller
+            // checked for F16C (KvElem::widen16's requirement).
+            None if FUSED => unsafe { attend_tile(out, q, rows, &runs, tile_len, shape, &mut state) },
             None => {
                 runs.for_each_row(rows.row_stride, |j, base| {
                     let dst = j * row_len..(j + 1) * row_len;
@@ -246,7 +390,8 @@ pub(super) fn attend_group<T: KvElem>(
                 });
                 let dense = Rows { k: &*k_tile, v: &*v_tile, row_stride: row_len, head_off: 0 };
                 let dense_runs = TileRuns::one(tile_len);
-                attend_tile(out, q, &dense, &dense_runs, tile_len, shape, &mut state);
+                // SAFETY: f32 rows need no CPU feature to widen.
+                unsafe { attend_tile(out, q, &dense, &dense_runs, tile_len, shape, &mut state) };
             }
         }
         tile_start = tile_end;
@@ -267,14 +412,17 @@ struct SoftmaxState<'a> {
     l: &'a mut [f32],
 }
 
-/// One tile of [`attend_group`] over `f32` rows: scores, online-softmax
-/// rescaling of `out`, value accumulation.
+/// One tile of [`attend_group`]: scores, online-softmax rescaling of `out`,
+/// value accumulation, reading rows of `T` through [`KvElem::widen16`].
+///
+/// # Safety
+/// As [`KvElem::widen16`] for `T` (nothing for `f32`).
 #[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
 #[inline(always)]
-fn attend_tile(
+unsafe fn attend_tile<T: KvElem>(
     out: &mut [f32],
     q: &[f32],
-    rows: &Rows<'_, f32>,
+    rows: &Rows<'_, T>,
     runs: &TileRuns,
     tile_len: usize,
     shape: &Shape,
@@ -288,12 +436,22 @@ fn attend_tile(
 
     // 1. Scores of the tile: s[h, j] = scale * q_h · k_{j, kv(h)}; the
     //    item's kv heads of row j lie next to each other.
+    // An f16 row is widened once per kv head into `k_buf` and shared by the
+    // group's query heads (f32 rows are read in place, bf16 ones widened per
+    // head: a shift is cheaper than the round trip through the buffer).
+    let mut k_buf = [0.0f32; MAX_WIDENED_HEAD_DIM];
+    let widen_once = !T::CHEAP_WIDEN && hd <= MAX_WIDENED_HEAD_DIM && shape.group > 1;
     runs.for_each_row(rows.row_stride, |j, base| {
         prefetch(&rows.v[base..base + row_len]);
         for (kv, q_kv) in q.chunks_exact(group_len).enumerate() {
             let k_row = &rows.k[base + kv * hd..base + (kv + 1) * hd];
+            if widen_once {
+                // SAFETY: forwarded from this function's contract.
+                unsafe { widen_row(k_row, &mut k_buf[..hd]) };
+            }
             for (g, q_h) in q_kv.chunks_exact(hd).enumerate() {
-                let s = scale * dot(q_h, k_row);
+                // SAFETY: forwarded from this function's contract.
+                let s = scale * if widen_once { unsafe { dot(q_h, &k_buf[..hd]) } } else { unsafe { dot(q_h, k_row) } };
                 scores[(kv * shape.group + g) * TILE + j] = match shape.softcap {
                     Some(cap) => cap * (s / cap).tanh(),
                     None => s,
@@ -326,7 +484,8 @@ fn attend_tile(
             let mut acc = [0.0f32; LANES];
             acc.copy_from_slice(&o[c..c + LANES]);
             runs.for_each_row(rows.row_stride, |j, base| {
-                let v = &rows.v[base + v_off + c..base + v_off + c + LANES];
+                // SAFETY: forwarded from this function's contract.
+                let v = unsafe { T::widen16(&rows.v[base + v_off + c..base + v_off + c + LANES]) };
                 let pj = p[j];
                 for (a, x) in acc.iter_mut().zip(v) {
                     *a += pj * x;
@@ -402,20 +561,46 @@ impl TileRuns {
 /// Lanes of the vectorised accumulators.
 const LANES: usize = 16;
 
-/// `a · b` with [`LANES`] independent `f32` partial sums (vectorisable).
+/// Head sizes up to this widen a half-size key row once for the whole
+/// query group (a stack buffer); larger ones widen it per query head.
+const MAX_WIDENED_HEAD_DIM: usize = 256;
+
+/// `dst[i] = src[i] as f32`, sixteen at a time through [`KvElem::widen16`].
+///
+/// # Safety
+/// As [`KvElem::widen16`] for `T`.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+unsafe fn widen_row<T: KvElem>(src: &[T], dst: &mut [f32]) {
+    for (d, s) in dst.chunks_exact_mut(LANES).zip(src.chunks_exact(LANES)) {
+        // SAFETY: forwarded from this function's contract.
+        d.copy_from_slice(&unsafe { T::widen16(s) });
+    }
+    let n = src.len() / LANES * LANES;
+    for (d, &s) in dst[n..].iter_mut().zip(&src[n..]) {
+        *d = T::to_f32(s);
+    }
+}
+
+/// `a · b` with [`LANES`] independent `f32` partial sums (vectorisable),
+/// `b` widened from `T` sixteen at a time.
+///
+/// # Safety
+/// As [`KvElem::widen16`] for `T`.
+#[inline(always)]
+unsafe fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = [0.0f32; LANES];
     let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let (ar, br) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
+        // SAFETY: forwarded from this function's contract.
+        let y = unsafe { T::widen16(y) };
         for i in 0..LANES {
             acc[i] += x[i] * y[i];
         }
     }
     let mut tail = 0.0f32;
-    for (x, y) in ar.iter().zip(br) {
-        tail += x * y;
+    for (x, &y) in ar.iter().zip(br) {
+        tail += x * T::to_f32(y);
     }
     reduce_lanes(acc) + tail
 }
@@ -478,9 +663,9 @@ fn exp_shifted(s: &mut [f32], m: f32) -> f32 {
 
 /// `y += a * x` (vectorisable).
 #[inline(always)]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
+fn axpy<T: KvElem>(y: &mut [f32], a: f32, x: &[T]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * T::to_f32(x);
     }
 }
 
@@ -496,4 +681,92 @@ fn prefetch<T>(x: &[T]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = x;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fused SIMD tile, the baseline's widen-to-scratch tile and the
+    /// `f32` kernel on the widened values agree, for `f16` and `bf16`, with
+    /// a head size that leaves a tail after the 16-lane chunks, GQA, a
+    /// soft-cap and a context of several partial tiles.
+    #[test]
+    fn fused_and_scratch_tiles_agree_with_f32_for_half_pools() {
+        let (heads, kv_heads, hd, n_ctx) = (6, 2, 72, 150);
+        let shape = Shape { softcap: Some(30.0), ..Shape::new(heads, kv_heads, hd, "test") };
+        let row = shape.kv_row();
+        let mut x = 0x2545_f491u32;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+        };
+        let q: Vec<f32> = (0..heads * hd).map(|_| rnd()).collect();
+        let k: Vec<f32> = (0..n_ctx * row).map(|_| rnd()).collect();
+        let v: Vec<f32> = (0..n_ctx * row).map(|_| rnd()).collect();
+        fn run<T: KvElem, const FUSED: bool>(q: &[f32], k: &[T], v: &[T], shape: &Shape, n_ctx: usize, simd: bool) -> Vec<f32> {
+            let rows = Rows { k, v, row_stride: shape.kv_row(), head_off: 0 };
+            let mut out = vec![0.0; q.len()];
+            let mut scratch = Vec::new();
+            if simd {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the caller checked has_simd().
+                unsafe {
+                    attend_group_simd(&mut out, q, &rows, 0..n_ctx, n_ctx, |_| 0, shape, &mut scratch)
+                };
+            } else {
+                attend_group::<T, FUSED>(&mut out, q, &rows, 0..n_ctx, n_ctx, |_| 0, shape, &mut scratch);
+            }
+            out
+        }
+        let half_k: Vec<f16> = k.iter().map(|&a| f16::from_f32(a)).collect();
+        let half_v: Vec<f16> = v.iter().map(|&a| f16::from_f32(a)).collect();
+        let b_k: Vec<bf16> = k.iter().map(|&a| bf16::from_f32(a)).collect();
+        let b_v: Vec<bf16> = v.iter().map(|&a| bf16::from_f32(a)).collect();
+        let simd = cfg!(target_arch = "x86_64") && crate::quant::has_simd();
+        let cases: [(Vec<f32>, Vec<f32>, Vec<f32>); 2] = [
+            (
+                run::<f32, false>(
+                    &q,
+                    &half_k.iter().map(|a| a.to_f32()).collect::<Vec<_>>(),
+                    &half_v.iter().map(|a| a.to_f32()).collect::<Vec<_>>(),
+                    &shape,
+                    n_ctx,
+                    false,
+                ),
+                run::<f16, false>(&q, &half_k, &half_v, &shape, n_ctx, false),
+                if simd { run::<f16, true>(&q, &half_k, &half_v, &shape, n_ctx, true) } else { Vec::new() },
+            ),
+            (
+                run::<f32, false>(
+                    &q,
+                    &b_k.iter().map(|a| a.to_f32()).collect::<Vec<_>>(),
+                    &b_v.iter().map(|a| a.to_f32()).collect::<Vec<_>>(),
+                    &shape,
+                    n_ctx,
+                    false,
+                ),
+                run::<bf16, false>(&q, &b_k, &b_v, &shape, n_ctx, false),
+                if simd { run::<bf16, true>(&q, &b_k, &b_v, &shape, n_ctx, true) } else { Vec::new() },
+            ),
+        ];
+        for (reference, scratch_path, fused) in &cases {
+            let diff = |a: &[f32]| a.iter().zip(reference).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(diff(scratch_path) < 1e-5, "scratch path off by {}", diff(scratch_path));
+            if simd {
+                assert!(diff(fused) < 1e-5, "fused path off by {}", diff(fused));
+            } else {
+                eprintln!("no AVX2/FMA/F16C: the fused path is not checked on this CPU");
+            }
+        }
+        // The f32 kernel also agrees between its SIMD and baseline builds.
+        let base = run::<f32, false>(&q, &k, &v, &shape, n_ctx, false);
+        if simd {
+            let fast = run::<f32, true>(&q, &k, &v, &shape, n_ctx, true);
+            let d = fast.iter().zip(&base).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(d < 1e-5, "f32 SIMD build off by {d}");
+        }
+    }
 }

@@ -48,7 +48,10 @@
 //! prefetcher would only pick up after a few misses. Dot products, `exp`
 //! (a branch-free polynomial) and value accumulation run over contiguous
 //! `head_dim` slices with `chunks_exact` and fixed-width `f32` accumulators so
-//! that LLVM vectorises them.
+//! that LLVM vectorises them. On CPUs with AVX2, FMA and F16C the kernel is
+//! compiled a second time for them (`attend_group_simd`, picked at run time),
+//! and `f16`/`bf16` pools are widened sixteen values at a time in registers
+//! inside the tile; the baseline build widens each tile into scratch first.
 //!
 //! `contiguous_attention` (feature `reference`) is the same kernel over
 //! per-sequence contiguous K/V: a reference for the tests and the baseline
@@ -56,7 +59,7 @@
 
 mod kernel;
 
-use kernel::{attend_group, check_query_start_loc, run_items, KvElem, Rows, Shape};
+use kernel::{attend, check_query_start_loc, run_items, KvElem, Rows, Shape};
 use vellum_core::{AttentionMetadata, AttentionShape};
 
 use crate::kv_cache::{KvCacheLayout, KvPool, LayerKvCache};
@@ -202,7 +205,7 @@ impl PagedCall<'_, '_> {
             let n_ctx = ctx - q_len + i + 1;
             let first = self.window.map_or(0, |w| n_ctx.saturating_sub(w));
             let rows = Rows { k, v, row_stride: shape.kv_row(), head_off: kv_head * shape.head_dim };
-            attend_group(out, q, &rows, first..n_ctx, block_size, |b| table[b] as usize * block_size, shape, scratch);
+            attend(out, q, &rows, first..n_ctx, block_size, |b| table[b] as usize * block_size, shape, scratch);
         };
         run_items(out, q, shape, self.work, item);
     }
@@ -259,7 +262,7 @@ pub fn contiguous_attention(
         let i = t - query_start_loc[s] as usize;
         let n_ctx = ctx - q_len + i + 1;
         let rows = Rows { k: k[s], v: v[s], row_stride: row, head_off: kv_head * shape.head_dim };
-        attend_group(out, q, &rows, 0..n_ctx, n_ctx, |_| 0, &shape, scratch);
+        attend(out, q, &rows, 0..n_ctx, n_ctx, |_| 0, &shape, scratch);
     };
     run_items(out, q, &shape, work, item);
 }
