@@ -11,10 +11,17 @@
 //! their events from a [`RequestStream`]. Dropping a stream before its
 //! request finished aborts the request: a client that disconnects has its
 //! KV blocks freed before the next step runs.
+//!
+//! If the engine thread panics (a bug, or a backend that panics), every
+//! live stream still gets a final [`RequestEvent::Error`] — the streams'
+//! senders are dropped by a guard that sends it while unwinding — and
+//! [`EngineClient::is_alive`] turns false, so a server can report itself
+//! unhealthy and exit instead of leaving clients waiting. A test-only hook
+//! injects such a panic: `VELLUM_FAULT_INJECTION=panic-at-step:N`.
 
 use crate::engine_core::{EngineCore, EngineCounters, Error};
 use crate::outputs::{RequestOutput, SequenceDelta};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -78,6 +85,38 @@ pub const STREAM_BUFFER_EVENTS: usize = 4096;
 struct Shared {
     stats: Mutex<EngineStats>,
     num_waiting: AtomicU64,
+    /// False once the engine thread has ended (shutdown or panic).
+    alive: AtomicBool,
+}
+
+/// The live requests' event senders. Dropped while the engine thread
+/// unwinds from a panic, it ends every stream with an error, and marks the
+/// engine dead either way.
+struct Streams {
+    senders: IdMap<RequestId, tmpsc::Sender<RequestEvent>>,
+    shared: Arc<Shared>,
+}
+
+impl Drop for Streams {
+    fn drop(&mut self) {
+        self.shared.alive.store(false, Ordering::SeqCst);
+        if std::thread::panicking() {
+            tracing::error!(live_requests = self.senders.len(), "the engine thread panicked; failing every live request");
+            for tx in self.senders.values() {
+                // A delta never takes a stream's last slot: this fits.
+                let _ = tx.try_send(RequestEvent::Error("the engine failed (internal error); the request was aborted".into()));
+            }
+        }
+    }
+}
+
+/// The test-only fault hook: `VELLUM_FAULT_INJECTION=panic-at-step:N`
+/// panics the engine thread just before its N-th step (1-based).
+fn injected_panic_step() -> Option<u64> {
+    let v = std::env::var("VELLUM_FAULT_INJECTION").ok()?;
+    let n = v.strip_prefix("panic-at-step:")?.trim().parse().ok()?;
+    tracing::warn!(step = n, "VELLUM_FAULT_INJECTION: the engine thread will panic (a test hook)");
+    Some(n)
 }
 
 /// A handle to the engine thread. Cheap to clone; the thread stops when
@@ -105,7 +144,8 @@ impl EngineClient {
     pub fn spawn_with_stream_buffer<E: ModelExecutor + Send + 'static>(engine: EngineCore<E>, events: usize) -> Self {
         let (tx, rx) = mpsc::channel();
         let buffer = events.max(2);
-        let shared = Arc::new(Shared { stats: Mutex::new(EngineStats::default()), num_waiting: AtomicU64::new(0) });
+        let shared =
+            Arc::new(Shared { stats: Mutex::new(EngineStats::default()), num_waiting: AtomicU64::new(0), alive: AtomicBool::new(true) });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("vellum-engine".into())
@@ -164,6 +204,13 @@ impl EngineClient {
     /// The latest engine snapshot.
     pub fn stats(&self) -> EngineStats {
         self.shared.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Whether the engine thread is running: false after
+    /// [`EngineClient::shutdown`] or a panic of the engine thread (every
+    /// live stream then ended with an error).
+    pub fn is_alive(&self) -> bool {
+        self.shared.alive.load(Ordering::SeqCst)
     }
 
     /// Requests waiting, as of the last step.
@@ -238,9 +285,11 @@ impl Drop for RequestStream {
 }
 
 fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
-    let mut streams: IdMap<RequestId, tmpsc::Sender<RequestEvent>> = IdMap::default();
+    let mut guard = Streams { senders: IdMap::default(), shared: shared.clone() };
+    let streams = &mut guard.senders;
     let mut stats = EngineStats::default();
     let mut shutting_down = false;
+    let (panic_at, mut steps) = (injected_panic_step(), 0u64);
     loop {
         // Idle: block for the next command. Busy: take what has arrived.
         let mut first = if engine.has_unfinished_requests() || shutting_down {
@@ -294,6 +343,10 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
             }
         }
         let outputs = if engine.has_unfinished_requests() {
+            steps += 1;
+            if panic_at == Some(steps) {
+                panic!("VELLUM_FAULT_INJECTION: injected panic at engine step {steps}");
+            }
             engine.step_streaming()
         } else {
             Ok(crate::outputs::StepOutputs { deltas: Vec::new(), finished: engine.take_finished() })

@@ -43,11 +43,23 @@ struct FakeModel {
     host: Vec<Option<TokenId>>,
     /// Time each step takes (a real model takes some).
     step_time: std::time::Duration,
+    /// Panics in this forward pass (1-based): a backend bug.
+    panic_at_step: Option<usize>,
+    steps: usize,
 }
 
 impl FakeModel {
     fn new(seed: u64, vocab: usize) -> Self {
-        Self { seed, vocab, block_size: 0, slots: Vec::new(), host: Vec::new(), step_time: std::time::Duration::ZERO }
+        Self {
+            seed,
+            vocab,
+            block_size: 0,
+            slots: Vec::new(),
+            host: Vec::new(),
+            step_time: std::time::Duration::ZERO,
+            panic_at_step: None,
+            steps: 0,
+        }
     }
 }
 
@@ -73,6 +85,8 @@ impl ModelExecutor for FakeModel {
 
     fn execute(&mut self, b: &ForwardBatch) -> vellum_core::Result<StepOutput> {
         std::thread::sleep(self.step_time);
+        self.steps += 1;
+        assert!(self.panic_at_step != Some(self.steps), "FakeModel: a backend bug at step {}", self.steps);
         let bs = self.block_size;
         for s in &b.block_ops.swap_out {
             let (d, h) = (s.device.0 as usize * bs, s.host.0 as usize * bs);
@@ -528,6 +542,32 @@ fn a_stalled_reader_is_aborted_with_its_buffer_bounded_and_others_go_on() {
         assert!(std::time::Instant::now() < deadline, "still running: {s:?}");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+    client.shutdown();
+}
+
+/// A panic in the engine thread (here, in the backend) never leaves a
+/// caller waiting: every live stream ends with an error, the client reports
+/// the engine dead, and new requests are refused.
+#[test]
+fn an_engine_thread_panic_ends_every_live_stream_with_an_error_and_the_client_reports_it() {
+    use vellum_engine::{EngineClient, RequestEvent};
+    let mut model = FakeModel::new(23, 40);
+    model.panic_at_step = Some(4);
+    let client = EngineClient::spawn(EngineCore::new(model, config(), 128, 64, 4, vec![EOS]).expect("engine"));
+    assert!(client.is_alive());
+    let long = SamplingParams { ignore_eos: true, max_tokens: Some(50), ..SamplingParams::default() };
+    let mut streams: Vec<_> = (0..3).map(|i| client.add_request(vec![1, 2, 3 + i], long.clone(), 0).expect("accepted")).collect();
+    for s in &mut streams {
+        let mut last = None;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while let Some(ev) = s.next_blocking() {
+            last = Some(ev);
+            assert!(std::time::Instant::now() < deadline, "stream never ended");
+        }
+        assert!(matches!(&last, Some(RequestEvent::Error(m)) if m.contains("engine failed")), "{last:?}");
+    }
+    assert!(!client.is_alive(), "the client reports the engine dead");
+    assert!(client.add_request(vec![1], SamplingParams::default(), 0).is_err(), "no requests after the engine died");
     client.shutdown();
 }
 

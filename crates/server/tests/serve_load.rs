@@ -1,8 +1,8 @@
 //! Load and disconnects on the real `vellum serve`: 64 concurrent streaming
 //! clients on loopback, a fifth of them hanging up mid-stream; afterwards
 //! every KV block is free and the metrics add up. A two-minute soak of
-//! mixed traffic. And a graceful shutdown that lets an in-flight stream
-//! finish.
+//! mixed traffic. A graceful shutdown that lets an in-flight stream
+//! finish, and an engine that dies under a stream (an injected panic).
 
 mod common;
 
@@ -73,4 +73,31 @@ fn sigterm_lets_an_in_flight_stream_finish_then_exits_zero() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "exit status {status:?}");
+}
+
+/// The engine thread panics mid-stream (the test-only hook
+/// `VELLUM_FAULT_INJECTION`): the client's stream ends with an error event
+/// instead of hanging, the server stops looking healthy, and the process
+/// exits with a non-zero status for a supervisor to restart it.
+#[test]
+fn an_engine_panic_ends_the_stream_with_an_error_and_the_server_exits_nonzero() {
+    let mut server =
+        Server::start_with_env(&["--kv-cache-memory", "32MiB", "--max-model-len", "256"], &[("VELLUM_FAULT_INJECTION", "panic-at-step:4")]);
+    let body = r#"{"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": true, "stream": true, "temperature": 0}"#;
+    let started = Instant::now();
+    let (status, text) = server.request("POST", "/v1/completions", &[("Content-Type", "application/json")], body);
+    assert!(started.elapsed() < Duration::from_secs(30), "the stream hung for {:?}", started.elapsed());
+    assert_eq!(status, 200, "the stream had started: {text}");
+    assert!(text.contains("\"error\"") && text.contains("engine failed"), "the stream must end with an error event:\n{text}");
+    assert!(!text.contains("\"finish_reason\":\"length\""), "{text}");
+    assert_ne!(server.get("/health").0, 200, "a dead engine must not look healthy");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = server.child.try_wait().expect("waiting") {
+            break st;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "no exit after the engine died");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success(), "exit status {status:?}: a dead engine must exit non-zero");
 }

@@ -130,7 +130,7 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> StatusCode {
-    if state.shutting_down.load(Ordering::Relaxed) {
+    if state.shutting_down.load(Ordering::Relaxed) || !state.engine.is_alive() {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK
@@ -272,6 +272,8 @@ async fn serve(state: Arc<AppState>, args: &ServeArgs) -> Result<()> {
         "serving (OpenAI API under /v1)"
     );
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let stop_tx = Arc::new(stop_tx);
+    let stop_on_engine_death = stop_tx.clone();
     let deadline = Duration::from_secs_f64(args.shutdown_timeout);
     let st = state.clone();
     tokio::spawn(async move {
@@ -296,6 +298,29 @@ async fn serve(state: Arc<AppState>, args: &ServeArgs) -> Result<()> {
         tracing::warn!("connections still open after the deadline; exiting");
         std::process::exit(0);
     });
+    // The engine thread died (a panic): every live stream already ended with
+    // an error; stop taking requests, let the responses flush, and exit
+    // non-zero so a supervisor restarts the server (vLLM does the same).
+    let engine_died = Arc::new(AtomicBool::new(false));
+    let (st, died) = (state.clone(), engine_died.clone());
+    let mut stop_rx2 = stop_rx.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                _ = stop_rx2.wait_for(|v| *v) => return,
+            }
+            if !st.engine.is_alive() {
+                tracing::error!("the engine thread died: /health now fails; closing the server (exit status 1)");
+                died.store(true, Ordering::SeqCst);
+                st.shutting_down.store(true, Ordering::Relaxed);
+                let _ = stop_on_engine_death.send(true);
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                tracing::error!("connections still open 10 s after the engine died; exiting");
+                std::process::exit(1);
+            }
+        }
+    });
     let app = router(state);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
@@ -303,6 +328,9 @@ async fn serve(state: Arc<AppState>, args: &ServeArgs) -> Result<()> {
         })
         .await
         .context("serving")?;
+    if engine_died.load(Ordering::SeqCst) {
+        bail!("the engine thread died (see the error above)");
+    }
     Ok(())
 }
 

@@ -21,10 +21,16 @@ pub struct Server {
 impl Server {
     /// `vellum serve` with `args` on port 0; returns once /health answers.
     pub fn start(args: &[&str]) -> Server {
+        Self::start_with_env(args, &[])
+    }
+
+    /// [`Server::start`] with extra environment variables.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_vellum"))
             .arg("serve")
             .args(["--host", "127.0.0.1", "--port", "0"])
             .args(args)
+            .envs(env.iter().copied())
             .env("NO_COLOR", "1")
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
