@@ -100,7 +100,7 @@ pub struct Request {
     /// Its id.
     pub request_id: RequestId,
     /// What the caller asked for.
-    pub params: SamplingParams,
+    pub params: Box<SamplingParams>,
     /// Lower runs first under the priority policy.
     pub priority: i64,
     /// Arrival time in seconds (for metrics).

@@ -229,7 +229,7 @@ impl<A: BlockAllocator> Scheduler<A> {
         let seq_id = self.new_seq_id();
         let req = Request {
             request_id: id,
-            params: new.params,
+            params: Box::new(new.params),
             priority: new.priority,
             arrival_time: new.arrival_time,
             arrival_order: self.next_arrival,
