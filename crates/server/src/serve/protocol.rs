@@ -350,4 +350,181 @@ mod tests {
         let fine = serde_json::json!({ "stop": vec!["z"; MAX_STOP_STRINGS] }).to_string();
         assert!(sampling_params(&c(&fine), None, None, 100).is_ok());
     }
+
+    /// Fuzzing on stable: request bodies built from the fields we read (and
+    /// others), with values of every JSON type at their edges (i64 limits,
+    /// floats beyond f32, empty and non-ASCII strings, nesting), never panic
+    /// between the bytes and `SamplingParams`: each is parameters that
+    /// validate, or a 400.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn leaf() -> impl Strategy<Value = Value> {
+            prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                prop_oneof![
+                    Just(i64::MIN),
+                    Just(i64::MAX),
+                    Just(-1),
+                    Just(0),
+                    Just(1),
+                    Just(20),
+                    Just(21),
+                    Just(64),
+                    Just(65),
+                    any::<i64>()
+                ]
+                .prop_map(Value::from),
+                prop_oneof![Just(1e39), Just(-1e39), Just(1e-300), Just(0.5), Just(-0.0), Just(f64::MAX), -1e6f64..1e6]
+                    .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+                "[ -~]{0,12}".prop_map(Value::from),
+                "\\PC{0,6}".prop_map(Value::from),
+            ]
+        }
+
+        fn value() -> impl Strategy<Value = Value> {
+            leaf().prop_recursive(3, 32, 6, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                    prop::collection::btree_map("[a-z0-9_]{0,8}", inner, 0..5).prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        fn body() -> impl Strategy<Value = Value> {
+            let key = prop_oneof![4 => prop::sample::select(KNOWN.to_vec()).prop_map(String::from), 1 => "[a-z_]{1,10}"];
+            prop::collection::btree_map(key, value(), 0..12).prop_map(|m| Value::Object(m.into_iter().collect()))
+        }
+
+        /// Bodies whose fields have the types the server reads, at their
+        /// edges, so that most reach `sampling_params` itself.
+        fn typed_body() -> impl Strategy<Value = Value> {
+            let int = || {
+                prop_oneof![
+                    Just(i64::MIN),
+                    Just(i64::MAX),
+                    Just(-1i64),
+                    Just(0),
+                    Just(1),
+                    Just(20),
+                    Just(21),
+                    Just(64),
+                    Just(65),
+                    -100i64..5000
+                ]
+            };
+            let float = || prop_oneof![Just(-1.0f64), Just(0.0), Just(1.0), Just(2.0), Just(1e39), Just(-1e39), -5.0f64..5.0];
+            let num = move || float().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number));
+            let ints = [
+                "max_tokens",
+                "max_completion_tokens",
+                "n",
+                "best_of",
+                "seed",
+                "min_tokens",
+                "priority",
+                "logprobs",
+                "top_logprobs",
+                "top_k",
+            ];
+            let floats = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty"];
+            let flags = ["ignore_eos", "use_beam_search", "echo", "stream", "return_tokens_as_token_ids", "skip_special_tokens"];
+            (
+                prop::collection::btree_map(prop::sample::select(ints.to_vec()), int().prop_map(Value::from), 0..5),
+                prop::collection::btree_map(prop::sample::select(floats.to_vec()), num(), 0..5),
+                prop::collection::btree_map(prop::sample::select(flags.to_vec()), any::<bool>().prop_map(Value::from), 0..3),
+                prop::option::of(prop_oneof![
+                    "\\PC{0,8}".prop_map(Value::from),
+                    prop::collection::vec("\\PC{0,4}", 0..4).prop_map(Value::from)
+                ]),
+                prop::option::of(prop::collection::vec(int(), 0..4)),
+                prop::option::of(prop::collection::btree_map("-?[0-9 ]{1,6}|x", num(), 0..4)),
+                prop_oneof!["\\PC{0,8}".prop_map(Value::from), prop::collection::vec(int(), 0..6).prop_map(Value::from)],
+            )
+                .prop_map(|(i, f, b, stop, stop_ids, bias, prompt)| {
+                    let mut m: serde_json::Map<String, Value> = i.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+                    m.extend(f.into_iter().map(|(k, v)| (k.to_string(), v)));
+                    m.extend(b.into_iter().map(|(k, v)| (k.to_string(), v)));
+                    if let Some(s) = stop {
+                        m.insert("stop".into(), s);
+                    }
+                    if let Some(ids) = stop_ids {
+                        m.insert("stop_token_ids".into(), Value::from(ids));
+                    }
+                    if let Some(bias) = bias {
+                        m.insert("logit_bias".into(), Value::Object(bias.into_iter().collect()));
+                    }
+                    m.insert("prompt".into(), prompt);
+                    m.insert("messages".into(), serde_json::json!([{"role": "user", "content": "hi"}]));
+                    Value::Object(m)
+                })
+        }
+
+        fn check(bytes: &[u8]) -> Result<(), TestCaseError> {
+            let vocab = 1000;
+            match parse_body::<CompletionRequest>(bytes) {
+                Ok(r) => {
+                    let _ = unknown_fields(&r.unknown);
+                    if let Some(Prompt::Tokens(ids)) = &r.prompt {
+                        let _ = token_prompt(ids, vocab);
+                    }
+                    let logprobs = r.logprobs.and_then(|k| usize::try_from(k).ok()).filter(|&k| k <= 20);
+                    match sampling_params(&r.common, Some(16), logprobs, vocab) {
+                        Ok(p) => prop_assert!(p.validate().is_ok()),
+                        Err(e) => prop_assert_eq!(e.status.as_u16(), 400),
+                    }
+                }
+                Err(e) => prop_assert_eq!(e.status.as_u16(), 400),
+            }
+            match parse_body::<ChatRequest>(bytes) {
+                Ok(r) => {
+                    for m in &r.messages {
+                        if let Err(e) = message_text(m) {
+                            prop_assert_eq!(e.status.as_u16(), 400);
+                        }
+                    }
+                    match sampling_params(&r.common, None, None, vocab) {
+                        Ok(p) => prop_assert!(p.validate().is_ok()),
+                        Err(e) => prop_assert_eq!(e.status.as_u16(), 400),
+                    }
+                }
+                Err(e) => prop_assert_eq!(e.status.as_u16(), 400),
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(4000))]
+
+            #[test]
+            fn arbitrary_bodies_become_valid_params_or_a_400(body in body()) {
+                let bytes = serde_json::to_vec(&body).expect("serializes");
+                check(&bytes)?;
+            }
+
+            #[test]
+            fn typed_bodies_at_their_edges_become_valid_params_or_a_400(body in typed_body()) {
+                let bytes = serde_json::to_vec(&body).expect("serializes");
+                check(&bytes)?;
+            }
+
+            #[test]
+            fn mangled_bytes_become_valid_params_or_a_400(
+                body in body(),
+                edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+                cut in any::<prop::sample::Index>(),
+            ) {
+                let mut bytes = serde_json::to_vec(&body).expect("serializes");
+                for (at, b) in edits {
+                    let i = at.index(bytes.len());
+                    bytes[i] = b;
+                }
+                let keep = cut.index(bytes.len() + 1);
+                bytes.truncate(keep.max(bytes.len() / 2));
+                check(&bytes)?;
+            }
+        }
+    }
 }
