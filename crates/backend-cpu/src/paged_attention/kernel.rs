@@ -165,6 +165,8 @@ impl KvElem for f32 {
         x
     }
 
+    /// # Safety
+    /// Nothing: a copy.
     #[inline(always)]
     unsafe fn widen16(src: &[f32]) -> [f32; LANES] {
         let mut d = [0.0; LANES];
@@ -192,6 +194,8 @@ impl KvElem for f16 {
         x.to_f32()
     }
 
+    /// # Safety
+    /// The CPU must have F16C (see [`KvElem::widen16`]); `src` holds 16 elements.
     #[inline(always)]
     unsafe fn widen16(src: &[f16]) -> [f32; LANES] {
         #[cfg(target_arch = "x86_64")]
@@ -251,6 +255,8 @@ impl KvElem for bf16 {
         f32::from_bits((x.to_bits() as u32) << 16)
     }
 
+    /// # Safety
+    /// Nothing: a shift.
     #[inline(always)]
     unsafe fn widen16(src: &[bf16]) -> [f32; LANES] {
         let mut d = [0.0; LANES];
