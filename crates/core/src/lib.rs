@@ -53,7 +53,7 @@ pub use kv_cache_groups::{KvCacheGroup, KvCacheGroups, KvLayerSlot};
 pub use model_config::{LayerType, ModelConfig, RopeScaling};
 pub use model_executor::{ModelExecutor, StepOutput};
 pub use request::RequestState;
-pub use sampling_params::{BeamSearchParams, SamplingParams};
+pub use sampling_params::{BeamSearchParams, SamplingParams, StructuredOutput};
 pub use scheduler_config::{PreemptionMode, SchedulerConfig, SchedulingPolicy};
 pub use seeded_rng::SeededRng;
 

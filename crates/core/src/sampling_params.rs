@@ -17,6 +17,37 @@ pub struct BeamSearchParams {
     pub length_penalty: f32,
 }
 
+/// A constraint on the output's form (vLLM's structured outputs): decoding
+/// only ever picks tokens that keep the text a prefix of a string the
+/// constraint accepts, and the end of text only where it is complete.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StructuredOutput {
+    /// JSON valid under this JSON Schema (the schema as JSON text).
+    Json(String),
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// Text matching this regular expression, whole.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A context-free grammar in llguidance's Lark syntax.
+    Grammar(String),
+}
+
+impl StructuredOutput {
+    /// The request field vLLM names it by (for error messages).
+    pub fn field(&self) -> &'static str {
+        match self {
+            StructuredOutput::Json(_) => "structured_outputs.json",
+            StructuredOutput::JsonObject => "response_format",
+            StructuredOutput::Regex(_) => "structured_outputs.regex",
+            StructuredOutput::Choice(_) => "structured_outputs.choice",
+            StructuredOutput::Grammar(_) => "structured_outputs.grammar",
+        }
+    }
+}
+
 /// What a caller asks of one request. Construct with `Default` and struct
 /// update syntax, then call [`SamplingParams::validate`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -61,6 +92,8 @@ pub struct SamplingParams {
     /// Added to the logits of these tokens before sampling (OpenAI's
     /// `logit_bias`, each in [-100, 100]).
     pub logit_bias: Vec<(TokenId, f32)>,
+    /// Constrains the output's form (JSON schema, regex, choice, grammar).
+    pub structured_output: Option<StructuredOutput>,
 }
 
 impl Default for SamplingParams {
@@ -85,6 +118,7 @@ impl Default for SamplingParams {
             prompt_logprobs: None,
             beam_search: None,
             logit_bias: Vec::new(),
+            structured_output: None,
         }
     }
 }
@@ -203,6 +237,18 @@ impl SamplingParams {
             if self.best_of.is_some() {
                 return Err(invalid("best_of", "is not supported together with beam search"));
             }
+            if let Some(so) = &self.structured_output {
+                return Err(invalid(so.field(), "structured outputs are not supported together with beam search"));
+            }
+        }
+        match &self.structured_output {
+            Some(StructuredOutput::Choice(c)) if c.is_empty() || c.iter().any(String::is_empty) => {
+                return Err(invalid("structured_outputs.choice", "must be a non-empty list of non-empty strings"));
+            }
+            Some(so @ (StructuredOutput::Regex(t) | StructuredOutput::Grammar(t) | StructuredOutput::Json(t))) if t.trim().is_empty() => {
+                return Err(invalid(so.field(), "must not be empty"));
+            }
+            _ => {}
         }
         Ok(())
     }

@@ -44,6 +44,7 @@ pub mod output_processor;
 mod outputs;
 pub mod sampler;
 mod sequences;
+pub mod structured;
 
 pub use backend::{make_executor, CpuPrecision, Device};
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream};

@@ -118,7 +118,7 @@ impl Llm {
         let block_bytes = executor.kv_block_bytes(args.block_size);
         tracing::info!(backend = %executor.describe(), num_blocks, block_size = args.block_size, mib = (num_blocks as u64 * block_bytes) >> 20, "KV cache");
         let num_host_blocks = (args.swap_space_bytes / executor.kv_block_bytes(args.block_size).max(1)) as usize;
-        let engine = EngineCore::with_prefix_caching(
+        let mut engine = EngineCore::with_prefix_caching(
             executor,
             scheduler,
             num_blocks,
@@ -127,6 +127,15 @@ impl Llm {
             eos,
             args.enable_prefix_caching,
         )?;
+        // Structured outputs need every token's bytes: built once here.
+        let started = std::time::Instant::now();
+        match crate::structured::StructuredOutputs::from_tokenizer(&loaded.tokenizer) {
+            Ok(s) => {
+                tracing::debug!(ms = started.elapsed().as_millis() as u64, "structured outputs ready");
+                engine.set_structured_outputs(std::sync::Arc::new(s));
+            }
+            Err(e) => tracing::warn!(error = %e, "structured outputs are unavailable for this tokenizer"),
+        }
         // vLLM's capacity line: how many requests of max_model_len fit at
         // once (a sliding-window group holds only its window). `tokens`: the
         // context every group can hold at once (a block serves one group).
@@ -142,6 +151,12 @@ impl Llm {
             "KV cache capacity"
         );
         Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template, kv_sharing: KvSharing::default() })
+    }
+
+    /// The structured-output compiler (the server checks a request's
+    /// constraint with it before queueing it), if the tokenizer allows one.
+    pub fn structured_outputs(&self) -> Option<std::sync::Arc<crate::structured::StructuredOutputs>> {
+        self.engine.structured_outputs().cloned()
     }
 
     /// Moves the engine onto its own thread: the client, the tokenizer and

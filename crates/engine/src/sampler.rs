@@ -116,15 +116,37 @@ pub fn sample_normalized(
     num_logprobs: usize,
     history: (&[TokenId], &[TokenId]),
 ) -> Sample {
+    sample_masked(logits, lse, params, rng, num_logprobs, history, None)
+}
+
+/// Sets the logits of forbidden tokens to −∞ in place (a structured-output
+/// constraint's mask).
+pub type LogitsMask<'a> = &'a dyn Fn(&mut [f32]);
+
+/// [`sample_normalized`] where `mask(logits)` first sets the logits of
+/// tokens a structured-output constraint forbids to −∞ (on a copy; the
+/// reported log-probabilities stay the model's own).
+pub fn sample_masked(
+    logits: &[f32],
+    lse: f64,
+    params: &SamplingParams,
+    rng: &mut SeededRng,
+    num_logprobs: usize,
+    history: (&[TokenId], &[TokenId]),
+    mask: Option<LogitsMask<'_>>,
+) -> Sample {
     // The ranking of the logprobs is that of the logits: only the entries
     // asked for (and the chosen one) are normalized.
     let mut top_logprobs: Vec<(TokenId, f32)> = top_k(logits, num_logprobs.max(1)).into_iter().map(|(t, x)| (t, logprob(x, lse))).collect();
-    let penalized;
-    let scores = if has_penalties(params) {
+    let processed;
+    let scores = if has_penalties(params) || mask.is_some() {
         let mut l = logits.to_vec();
+        if let Some(mask) = mask {
+            mask(&mut l);
+        }
         apply_penalties(&mut l, params, history.0, history.1);
-        penalized = l;
-        &penalized[..]
+        processed = l;
+        &processed[..]
     } else {
         logits
     };

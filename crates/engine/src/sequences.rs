@@ -11,6 +11,7 @@
 //! ```
 
 use crate::outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput};
+use crate::structured::Constraint;
 use std::time::Instant;
 use vellum_core::{IdMap, RequestId, SamplingParams, SeededRng, SeqId, TokenId};
 use vellum_scheduler::{FinishReason, StepSamples, StepUpdate};
@@ -29,6 +30,8 @@ pub(crate) struct SeqView {
     /// Output tokens already reported in deltas.
     pub reported: usize,
     pub finish_reason: Option<FinishReason>,
+    /// Its structured-output constraint, advanced with every token.
+    pub constraint: Option<Constraint>,
 }
 
 impl SeqView {
@@ -41,6 +44,9 @@ impl SeqView {
     }
 
     fn push(&mut self, d: &Draw) {
+        if let Some(c) = &mut self.constraint {
+            c.commit(d.token);
+        }
         self.tokens.push(d.token);
         self.cumulative += d.logprob as f64;
         self.token_logprobs.push(d.logprob);
@@ -111,7 +117,17 @@ pub(crate) struct Sequences {
 }
 
 impl Sequences {
-    pub fn add(&mut self, id: RequestId, seq: SeqId, prompt: Vec<TokenId>, params: SamplingParams, seed: u64, eos: &[TokenId]) {
+    #[allow(clippy::too_many_arguments)] // One call site; the fields of one new request.
+    pub fn add(
+        &mut self,
+        id: RequestId,
+        seq: SeqId,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        seed: u64,
+        eos: &[TokenId],
+        constraint: Option<Constraint>,
+    ) {
         let mut stop_token_ids: Vec<TokenId> = if params.ignore_eos { Vec::new() } else { eos.to_vec() };
         stop_token_ids.extend(params.stop_token_ids.iter().copied());
         let num_prompt = prompt.len();
@@ -124,6 +140,7 @@ impl Sequences {
             cumulative: 0.0,
             reported: 0,
             finish_reason: None,
+            constraint,
         };
         self.seqs.insert(seq, view);
         self.reqs.insert(

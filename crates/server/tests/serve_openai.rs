@@ -55,6 +55,18 @@ fn serve_gemma3_answers_completions_and_refuses_chat_without_a_template() {
 }
 
 #[cfg(not(feature = "wgpu"))]
+/// Structured outputs through the official client: 50 JSON schemas whose
+/// outputs all validate (with the `jsonschema` package), regex, choice,
+/// grammar and json_object, parallel samples, and 400s for bad constraints.
+#[test]
+fn structured_outputs_validate_through_the_openai_client() {
+    let python = python_with_openai();
+    let has_jsonschema = std::process::Command::new(&python).args(["-c", "import jsonschema"]).status().is_ok_and(|s| s.success());
+    assert!(has_jsonschema, "the structured-output test needs the jsonschema package: python3 -m pip install jsonschema");
+    let server = Server::start(&["--kv-cache-memory", "96MiB", "--max-model-len", "1024"]);
+    run_python(&python, "openai_structured.py", &[server.base_url()]);
+}
+
 #[test]
 fn serve_on_wgpu_skipped_build_has_no_wgpu_feature() {
     eprintln!("skipped: build vellum-server with `--features wgpu` to test `serve --device wgpu`");

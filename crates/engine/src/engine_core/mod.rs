@@ -13,6 +13,8 @@ mod sampling;
 
 use crate::outputs::{RequestOutput, SequenceDelta, StepOutputs};
 use crate::sequences::Sequences;
+use crate::structured::StructuredOutputs;
+use std::sync::Arc;
 use std::time::Instant;
 use vellum_core::{
     BlockAllocator, BlockId, IdMap, KvCacheStats, ModelExecutor, RequestId, SamplingParams, SchedulerConfig, SeqId, TokenId,
@@ -36,6 +38,15 @@ pub enum Error {
     /// A feature this engine does not run yet.
     #[error("not supported yet: {0}")]
     Unsupported(&'static str),
+    /// A structured-output constraint (JSON schema, regex, choice, grammar)
+    /// that does not compile, or that this engine cannot apply.
+    #[error("{field}: {message}")]
+    StructuredOutput {
+        /// The request field, as vLLM names it.
+        field: &'static str,
+        /// What is wrong.
+        message: String,
+    },
 }
 
 /// Requests per queue, and preemptions so far.
@@ -86,6 +97,9 @@ pub struct EngineCore<E: ModelExecutor> {
     next_request_id: u64,
     eos_token_ids: Vec<TokenId>,
     counters: EngineCounters,
+    /// Compiles structured-output constraints (from the tokenizer; `None`
+    /// when built without one: such requests are refused).
+    structured: Option<Arc<StructuredOutputs>>,
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
@@ -133,7 +147,19 @@ impl<E: ModelExecutor> EngineCore<E> {
             next_request_id: 0,
             eos_token_ids,
             counters: EngineCounters::default(),
+            structured: None,
         })
+    }
+
+    /// Lets requests carry a structured-output constraint, compiled by
+    /// `structured` (built from the model's tokenizer).
+    pub fn set_structured_outputs(&mut self, structured: Arc<StructuredOutputs>) {
+        self.structured = Some(structured);
+    }
+
+    /// The structured-output compiler, if set.
+    pub fn structured_outputs(&self) -> Option<&Arc<StructuredOutputs>> {
+        self.structured.as_ref()
     }
 
     /// Running totals (steps, tokens, time per phase).
@@ -181,6 +207,19 @@ impl<E: ModelExecutor> EngineCore<E> {
         params: SamplingParams,
         priority: i64,
     ) -> Result<RequestId, Error> {
+        let constraint = match &params.structured_output {
+            None => None,
+            Some(spec) => {
+                if params.beam_search.is_some() {
+                    return Err(Error::StructuredOutput { field: spec.field(), message: "not supported together with beam search".into() });
+                }
+                let compiler = self.structured.as_ref().ok_or(Error::StructuredOutput {
+                    field: spec.field(),
+                    message: "this engine was built without a tokenizer, so it cannot constrain its output".into(),
+                })?;
+                Some(compiler.compile(spec)?)
+            }
+        };
         let id = RequestId(self.next_request_id);
         self.next_request_id += 1;
         let seed = params.seed.unwrap_or(id.0.wrapping_mul(0x9e37_79b9_7f4a_7c15));
@@ -189,7 +228,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             priority,
             ..NewRequest::new(id, prompt_token_ids.clone(), params.clone())
         })?;
-        self.views.add(id, seq, prompt_token_ids, params, seed, &self.eos_token_ids);
+        self.views.add(id, seq, prompt_token_ids, params, seed, &self.eos_token_ids, constraint);
         Ok(id)
     }
 

@@ -6,8 +6,9 @@ use super::batch::Row;
 use super::EngineCore;
 use crate::beam::beam_step;
 use crate::outputs::PromptLogprob;
-use crate::sampler::{log_softmax, log_sum_exp, sample_normalized, top_k, Sample};
+use crate::sampler::{log_softmax, log_sum_exp, sample_masked, top_k, LogitsMask, Sample};
 use crate::sequences::Draw;
+use crate::structured::apply_mask;
 use vellum_core::{IdMap, ModelExecutor, RequestId, SeqId};
 use vellum_scheduler::{RequestSamples, StepSamples};
 
@@ -41,7 +42,7 @@ impl<E: ModelExecutor> EngineCore<E> {
                 }
                 Row::Sample(rid, sid) => (rid, sid),
             };
-            let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&rid), self.views.seqs.get(&sid)) else { continue };
+            let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&rid), self.views.seqs.get_mut(&sid)) else { continue };
             if req.params.beam_search.is_some() {
                 beam_rows.push((rid, sid, row));
                 continue;
@@ -53,9 +54,18 @@ impl<E: ModelExecutor> EngineCore<E> {
             let k = req.params.logprobs.unwrap_or(0);
             let mut next = Vec::new();
             let ds = draws.entry(rid).or_default();
+            // A structured-output constraint allows some tokens only; every
+            // draw of this row comes from the same grammar state.
+            let allowed = seq.constraint.as_mut().map(|c| (c.allowed(), c.vocab_size()));
+            let mask_fn = |l: &mut [f32]| {
+                if let Some((m, vocab)) = &allowed {
+                    apply_mask(l, m, *vocab);
+                }
+            };
+            let mask: Option<LogitsMask<'_>> = if allowed.is_some() { Some(&mask_fn) } else { None };
             for i in 0..if first { n } else { 1 } {
                 let Sample { token, logprob, top_logprobs } =
-                    sample_normalized(row_logits, lses[row], &req.params, &mut req.rng, k, (seq.prompt(), seq.output()));
+                    sample_masked(row_logits, lses[row], &req.params, &mut req.rng, k, (seq.prompt(), seq.output()), mask);
                 next.push((sid, token));
                 let top = req.params.logprobs.is_some().then_some(top_logprobs);
                 ds.push(Draw { token, logprob, top, index: first.then_some(i) });

@@ -233,6 +233,17 @@ impl Tokenizer {
         &self.eos_token_ids
     }
 
+    /// Every token's bytes as generated text, for a SentencePiece
+    /// tokenizer (special tokens are `0xFF` then their piece); `None` for a
+    /// `tokenizers` one, whose `tokenizer.json` says how its pieces map to
+    /// bytes ([`Tokenizer::hf_tokenizer`]).
+    pub fn sentencepiece_token_bytes(&self) -> Option<Vec<Vec<u8>>> {
+        match &self.model {
+            Model::Spm(spm) => Some(spm.token_bytes()),
+            Model::Hf(_) => None,
+        }
+    }
+
     /// The Hugging Face `tokenizers` tokenizer behind this one, when there is
     /// one (tokenizer.json and GGUF byte-level BPE; not SentencePiece GGUF).
     pub fn hf_tokenizer(&self) -> Option<&tokenizers::Tokenizer> {

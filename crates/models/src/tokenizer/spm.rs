@@ -321,6 +321,26 @@ impl SpmTokenizer {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    /// Every token's bytes as generated text (byte tokens their byte, `▁`
+    /// a space); control and unknown tokens are `0xFF` then their piece, so
+    /// that constrained decoding never takes them for text.
+    pub(crate) fn token_bytes(&self) -> Vec<Vec<u8>> {
+        self.pieces
+            .iter()
+            .zip(&self.types)
+            .map(|(piece, &ty)| match ty {
+                TokenType::Byte => parse_byte_piece(piece).map_or_else(|| piece.as_bytes().to_vec(), |b| vec![b]),
+                TokenType::Control | TokenType::Unknown => {
+                    let mut v = vec![0xFF];
+                    v.extend_from_slice(piece.as_bytes());
+                    v
+                }
+                TokenType::UserDefined => piece.as_bytes().to_vec(),
+                TokenType::Normal | TokenType::Unused => piece.replace(SPACE, " ").into_bytes(),
+            })
+            .collect()
+    }
+
     /// Whether `id` is a control or unknown token (dropped by
     /// `skip_special_tokens`).
     pub(crate) fn is_control(&self, id: u32) -> bool {

@@ -9,7 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
-use vellum_core::{BeamSearchParams, SamplingParams};
+use vellum_core::{BeamSearchParams, SamplingParams, StructuredOutput};
 use vellum_models::ChatMessage;
 
 /// Arguments of `vellum generate`.
@@ -78,8 +78,50 @@ pub struct GenerateArgs {
     /// Print JSON lines.
     #[arg(long)]
     pub json: bool,
+    /// Constrain the output to JSON valid under this JSON Schema (the
+    /// schema itself, or @FILE).
+    #[arg(long, value_name = "SCHEMA|@FILE", conflicts_with_all = ["json_object", "regex", "choice", "grammar"])]
+    pub json_schema: Option<String>,
+    /// Constrain the output to any JSON object.
+    #[arg(long, conflicts_with_all = ["regex", "choice", "grammar"])]
+    pub json_object: bool,
+    /// Constrain the output to text matching this regular expression.
+    #[arg(long, conflicts_with_all = ["choice", "grammar"])]
+    pub regex: Option<String>,
+    /// Constrain the output to one of these strings (repeatable).
+    #[arg(long, conflicts_with = "grammar")]
+    pub choice: Vec<String>,
+    /// Constrain the output to a Lark grammar (llguidance's syntax; the
+    /// grammar itself, or @FILE).
+    #[arg(long, value_name = "GRAMMAR|@FILE")]
+    pub grammar: Option<String>,
     #[command(flatten)]
     pub engine: EngineFlags,
+}
+
+/// `TEXT` as given, or the contents of `FILE` for `@FILE`.
+fn text_or_file(v: &str) -> Result<String> {
+    match v.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {path}")),
+        None => Ok(v.to_string()),
+    }
+}
+
+/// The structured-output constraint the flags ask for, if any.
+fn structured_output(args: &GenerateArgs) -> Result<Option<StructuredOutput>> {
+    Ok(if let Some(s) = &args.json_schema {
+        Some(StructuredOutput::Json(text_or_file(s)?))
+    } else if args.json_object {
+        Some(StructuredOutput::JsonObject)
+    } else if let Some(r) = &args.regex {
+        Some(StructuredOutput::Regex(r.clone()))
+    } else if !args.choice.is_empty() {
+        Some(StructuredOutput::Choice(args.choice.clone()))
+    } else if let Some(g) = &args.grammar {
+        Some(StructuredOutput::Grammar(text_or_file(g)?))
+    } else {
+        None
+    })
 }
 
 /// Runs `vellum generate`.
@@ -109,6 +151,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         prompt_logprobs: args.prompt_logprobs,
         stop: args.stop.clone(),
         beam_search: args.beam_width.map(|beam_width| BeamSearchParams { beam_width, length_penalty: args.length_penalty }),
+        structured_output: structured_output(&args)?,
         ..SamplingParams::default()
     };
     params.validate().map_err(|e| anyhow!("{e}"))?;

@@ -79,6 +79,7 @@ impl ApiError {
             EngineError::Request(e) => Self::bad_request(e.to_string(), None),
             EngineError::Unsupported(what) if what.contains("shut") => Self::unavailable(format!("The server is {what}.")),
             EngineError::Unsupported(what) => Self::bad_request(format!("Not supported: {what}"), None),
+            EngineError::StructuredOutput { field, message } => Self::bad_request(format!("{field}: {message}"), Some(field)),
             other => Self::internal(other.to_string()),
         }
     }

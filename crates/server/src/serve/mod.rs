@@ -90,6 +90,9 @@ pub struct AppState {
     metrics: Metrics,
     created: u64,
     shutting_down: AtomicBool,
+    /// Compiles structured-output constraints (checked here, off the engine
+    /// loop, before a request is queued); `None` if the tokenizer allows none.
+    structured: Option<Arc<vellum_engine::structured::StructuredOutputs>>,
 }
 
 fn load_chat_template(spec: &str, tokenizer: &Tokenizer) -> Result<ChatTemplate> {
@@ -208,6 +211,7 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
             tracing::warn!(asked, max_model_len, "--max-model-len is above the model's context; capped");
         }
     }
+    let structured = llm.structured_outputs();
     let (engine, tokenizer, model_template) = llm.into_client();
     let chat_template = match &args.chat_template {
         Some(spec) => Some(load_chat_template(spec, &tokenizer)?),
@@ -228,6 +232,7 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
         max_request_body_bytes: args.max_request_body_bytes,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         shutting_down: AtomicBool::new(false),
+        structured,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(serve(state, &args));

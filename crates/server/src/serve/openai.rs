@@ -231,6 +231,7 @@ async fn generate(
     format: Format,
 ) -> Result<Response, ApiError> {
     state.check_length(&prompts, params.max_tokens)?;
+    check_structured_output(&state, &params, common).await?;
     state.admit()?;
     let span = tracing::info_span!("request", request_id = %id, user = common.user.as_deref().unwrap_or(""));
     let gen =
@@ -241,6 +242,39 @@ async fn generate(
         Ok(sse_response(state, gen, format))
     } else {
         collect(state, gen, format).await
+    }
+}
+
+/// How long a structured-output constraint may take to compile.
+const STRUCTURED_OUTPUT_COMPILE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Compiles the request's structured-output constraint, if any, on a
+/// blocking thread with a deadline, so that a pathological schema is a 400
+/// and never stalls the engine loop; the compiled grammar is cached, so the
+/// engine's own compile is a cache hit.
+async fn check_structured_output(state: &Arc<AppState>, params: &SamplingParams, common: &Common) -> Result<(), ApiError> {
+    let Some(spec) = params.structured_output.clone() else { return Ok(()) };
+    // The field the request used, for the error messages.
+    let field = protocol::structured_output_with_field(common)?.map_or(spec.field(), |(f, _)| f);
+    let compiler = state
+        .structured
+        .clone()
+        .ok_or_else(|| ApiError::bad_request("structured outputs are not available for this model's tokenizer", Some(field)))?;
+    if params.beam_search.is_some() {
+        return Err(ApiError::bad_request("structured outputs are not supported together with beam search", Some(field)));
+    }
+    let job = tokio::task::spawn_blocking(move || compiler.compile(&spec).map(|_| ()));
+    match tokio::time::timeout(STRUCTURED_OUTPUT_COMPILE_TIMEOUT, job).await {
+        Ok(Ok(Ok(()))) => Ok(()),
+        Ok(Ok(Err(vellum_engine::Error::StructuredOutput { message, .. }))) => {
+            Err(ApiError::bad_request(format!("{field}: {message}"), Some(field)))
+        }
+        Ok(Ok(Err(e))) => Err(ApiError::from_engine(e)),
+        Ok(Err(join)) => Err(ApiError::bad_request(format!("the constraint could not be compiled: {join}"), Some(field))),
+        Err(_) => Err(ApiError::bad_request(
+            format!("the constraint took longer than {} s to compile", STRUCTURED_OUTPUT_COMPILE_TIMEOUT.as_secs()),
+            Some(field),
+        )),
     }
 }
 

@@ -5,7 +5,7 @@ use super::error::ApiError;
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use vellum_core::{BeamSearchParams, SamplingParams, TokenId};
+use vellum_core::{BeamSearchParams, SamplingParams, StructuredOutput, TokenId};
 
 /// `prompt`: a string, strings, token ids, or lists of token ids.
 #[derive(Debug, Clone, Deserialize)]
@@ -69,6 +69,14 @@ pub struct Common {
     pub priority: Option<i64>,
     pub return_tokens_as_token_ids: Option<bool>,
     pub skip_special_tokens: Option<bool>,
+    // Structured outputs: OpenAI's `response_format`, vLLM's
+    // `structured_outputs` and its older `guided_*` fields.
+    pub response_format: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
 }
 
 /// `POST /v1/completions`.
@@ -143,7 +151,99 @@ const KNOWN: &[&str] = &[
     "messages",
     "top_logprobs",
     "add_generation_prompt",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 ];
+
+/// A JSON schema given as an object or as JSON text: its text.
+fn schema_text(v: &Value, field: &'static str) -> Result<String, ApiError> {
+    match v {
+        Value::Object(_) | Value::Bool(_) => Ok(v.to_string()),
+        Value::String(s) => match serde_json::from_str::<Value>(s) {
+            Ok(_) => Ok(s.clone()),
+            Err(e) => Err(ApiError::bad_request(format!("{field} is not valid JSON: {e}"), Some(field))),
+        },
+        other => Err(ApiError::bad_request(format!("{field} must be a JSON schema object, got {other}"), Some(field))),
+    }
+}
+
+/// The structured-output constraint a request asks for, from whichever of
+/// `response_format`, `structured_outputs` or `guided_*` it uses (at most
+/// one of them).
+pub fn structured_output(c: &Common) -> Result<Option<StructuredOutput>, ApiError> {
+    Ok(structured_output_with_field(c)?.map(|(_, s)| s))
+}
+
+/// [`structured_output`] with the request field it came from.
+pub fn structured_output_with_field(c: &Common) -> Result<Option<(&'static str, StructuredOutput)>, ApiError> {
+    let mut found: Vec<(&'static str, StructuredOutput)> = Vec::new();
+    if let Some(rf) = &c.response_format {
+        let kind = rf.get("type").and_then(Value::as_str);
+        match kind {
+            Some("text") => {}
+            Some("json_object") => found.push(("response_format", StructuredOutput::JsonObject)),
+            Some("json_schema") => {
+                let schema = rf.get("json_schema").and_then(|j| j.get("schema")).ok_or_else(|| {
+                    ApiError::bad_request("response_format.json_schema.schema is required for type json_schema", Some("response_format"))
+                })?;
+                found.push(("response_format", StructuredOutput::Json(schema_text(schema, "response_format")?)));
+            }
+            other => {
+                return Err(ApiError::bad_request(
+                    format!("response_format.type must be text, json_object or json_schema, got {}", other.unwrap_or("nothing")),
+                    Some("response_format"),
+                ))
+            }
+        }
+    }
+    if let Some(so) = &c.structured_outputs {
+        let obj =
+            so.as_object().ok_or_else(|| ApiError::bad_request("structured_outputs must be an object", Some("structured_outputs")))?;
+        let bad = |what: &str| ApiError::bad_request(format!("structured_outputs.{what}"), Some("structured_outputs"));
+        for (k, v) in obj {
+            let spec = match (k.as_str(), v) {
+                (_, Value::Null) => continue,
+                ("json", v) => StructuredOutput::Json(schema_text(v, "structured_outputs")?),
+                ("regex", Value::String(r)) => StructuredOutput::Regex(r.clone()),
+                ("choice", Value::Array(a)) => StructuredOutput::Choice(
+                    a.iter()
+                        .map(|x| x.as_str().map(String::from))
+                        .collect::<Option<_>>()
+                        .ok_or_else(|| bad("choice must be a list of strings"))?,
+                ),
+                ("grammar", Value::String(g)) => StructuredOutput::Grammar(g.clone()),
+                ("json_object", Value::Bool(true)) => StructuredOutput::JsonObject,
+                ("json_object", Value::Bool(false)) | ("disable_fallback" | "disable_any_whitespace" | "whitespace_pattern", _) => continue,
+                (k, _) => return Err(bad(&format!("{k} is not supported or has the wrong type"))),
+            };
+            found.push(("structured_outputs", spec));
+        }
+    }
+    if let Some(v) = &c.guided_json {
+        found.push(("guided_json", StructuredOutput::Json(schema_text(v, "guided_json")?)));
+    }
+    if let Some(r) = &c.guided_regex {
+        found.push(("guided_regex", StructuredOutput::Regex(r.clone())));
+    }
+    if let Some(ch) = &c.guided_choice {
+        found.push(("guided_choice", StructuredOutput::Choice(ch.clone())));
+    }
+    if let Some(g) = &c.guided_grammar {
+        found.push(("guided_grammar", StructuredOutput::Grammar(g.clone())));
+    }
+    match found.len() {
+        0 => Ok(None),
+        1 => Ok(found.pop()),
+        _ => Err(ApiError::bad_request(
+            format!("only one structured-output constraint per request, got {}", found.iter().map(|f| f.0).collect::<Vec<_>>().join(", ")),
+            Some(found[1].0),
+        )),
+    }
+}
 
 /// The names of fields nobody reads (for the debug log).
 pub fn unknown_fields(unknown: &BTreeMap<String, Value>) -> Vec<&str> {
@@ -266,6 +366,7 @@ pub fn sampling_params(
         prompt_logprobs: None,
         beam_search,
         logit_bias,
+        structured_output: structured_output(c)?,
     };
     params.validate().map_err(|e| match e {
         vellum_core::Error::InvalidSamplingParam { param, message } => ApiError::bad_request(format!("{param}: {message}"), Some(param)),
