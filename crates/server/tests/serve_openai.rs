@@ -54,7 +54,6 @@ fn serve_gemma3_answers_completions_and_refuses_chat_without_a_template() {
     run_python(&python, "openai_gemma.py", &[plain.base_url(), templated.base_url()]);
 }
 
-#[cfg(not(feature = "wgpu"))]
 /// Structured outputs through the official client: 50 JSON schemas whose
 /// outputs all validate (with the `jsonschema` package), regex, choice,
 /// grammar and json_object, parallel samples, and 400s for bad constraints.
@@ -67,6 +66,7 @@ fn structured_outputs_validate_through_the_openai_client() {
     run_python(&python, "openai_structured.py", &[server.base_url()]);
 }
 
+#[cfg(not(feature = "wgpu"))]
 #[test]
 fn serve_on_wgpu_skipped_build_has_no_wgpu_feature() {
     eprintln!("skipped: build vellum-server with `--features wgpu` to test `serve --device wgpu`");
