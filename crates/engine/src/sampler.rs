@@ -119,13 +119,13 @@ pub fn sample_normalized(
     sample_masked(logits, lse, params, rng, num_logprobs, history, None)
 }
 
-/// Sets the logits of forbidden tokens to −∞ in place (a structured-output
-/// constraint's mask).
-pub type LogitsMask<'a> = &'a dyn Fn(&mut [f32]);
+/// The tokens a structured-output constraint allows: calls `f(token)` for
+/// each, in increasing order.
+pub type AllowedTokens<'a> = &'a dyn Fn(&mut dyn FnMut(usize));
 
-/// [`sample_normalized`] where `mask(logits)` first sets the logits of
-/// tokens a structured-output constraint forbids to −∞ (on a copy; the
-/// reported log-probabilities stay the model's own).
+/// [`sample_normalized`] restricted to the tokens `allowed` lists (a
+/// structured-output constraint): every other logit counts as −∞. The
+/// reported log-probabilities stay the model's own.
 pub fn sample_masked(
     logits: &[f32],
     lse: f64,
@@ -133,31 +133,57 @@ pub fn sample_masked(
     rng: &mut SeededRng,
     num_logprobs: usize,
     history: (&[TokenId], &[TokenId]),
-    mask: Option<LogitsMask<'_>>,
+    allowed: Option<AllowedTokens<'_>>,
 ) -> Sample {
     // The ranking of the logprobs is that of the logits: only the entries
     // asked for (and the chosen one) are normalized.
     let mut top_logprobs: Vec<(TokenId, f32)> = top_k(logits, num_logprobs.max(1)).into_iter().map(|(t, x)| (t, logprob(x, lse))).collect();
-    let processed;
-    let scores = if has_penalties(params) || mask.is_some() {
-        let mut l = logits.to_vec();
-        if let Some(mask) = mask {
-            mask(&mut l);
+    let penalties = has_penalties(params);
+    let token = match allowed {
+        // Greedy under a constraint: the best allowed token (lowest id on
+        // ties), without touching the rest of the vocabulary.
+        Some(allowed) if params.temperature == 0.0 && !penalties => {
+            let mut best: Option<(usize, f32)> = None;
+            allowed(&mut |t| {
+                if let Some(&x) = logits.get(t) {
+                    if best.is_none_or(|(_, b)| x > b) {
+                        best = Some((t, x));
+                    }
+                }
+            });
+            best.map_or_else(|| top_logprobs[0].0, |(t, _)| t as TokenId)
         }
-        apply_penalties(&mut l, params, history.0, history.1);
-        processed = l;
-        &processed[..]
-    } else {
-        logits
-    };
-    let token = if params.temperature == 0.0 {
-        if scores.as_ptr() == logits.as_ptr() {
-            top_logprobs[0].0
-        } else {
-            top_k(scores, 1)[0].0
+        _ => {
+            let processed;
+            let scores = if penalties || allowed.is_some() {
+                let mut l = match allowed {
+                    Some(allowed) => {
+                        let mut l = vec![f32::NEG_INFINITY; logits.len()];
+                        allowed(&mut |t| {
+                            if let Some(&x) = logits.get(t) {
+                                l[t] = x;
+                            }
+                        });
+                        l
+                    }
+                    None => logits.to_vec(),
+                };
+                apply_penalties(&mut l, params, history.0, history.1);
+                processed = l;
+                &processed[..]
+            } else {
+                logits
+            };
+            if params.temperature == 0.0 {
+                if scores.as_ptr() == logits.as_ptr() {
+                    top_logprobs[0].0
+                } else {
+                    top_k(scores, 1)[0].0
+                }
+            } else {
+                draw(scores, params, rng)
+            }
         }
-    } else {
-        draw(scores, params, rng)
     };
     top_logprobs.truncate(num_logprobs);
     Sample { token, logprob: logprob(logits[token as usize], lse), top_logprobs }

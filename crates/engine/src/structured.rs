@@ -192,16 +192,6 @@ impl Constraint {
     }
 }
 
-/// Sets every logit the mask does not allow (and every one past the
-/// constraint's vocabulary) to −∞.
-pub(crate) fn apply_mask(logits: &mut [f32], mask: &SimpleVob, vocab: usize) {
-    for (t, l) in logits.iter_mut().enumerate() {
-        if t >= vocab || !mask.is_allowed(t as TokenId) {
-            *l = f32::NEG_INFINITY;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -77,6 +77,8 @@ pub struct EngineCounters {
     pub execute_s: f64,
     /// Seconds spent sampling and applying samples.
     pub sample_s: f64,
+    /// Of `sample_s`, seconds spent computing structured-output masks.
+    pub structured_mask_s: f64,
 }
 
 /// Scheduler + KV-cache manager + executor + sampler, stepping in lockstep.

@@ -6,10 +6,11 @@ use super::batch::Row;
 use super::EngineCore;
 use crate::beam::beam_step;
 use crate::outputs::PromptLogprob;
-use crate::sampler::{log_softmax, log_sum_exp, sample_masked, top_k, LogitsMask, Sample};
+use crate::sampler::{log_softmax, log_sum_exp, sample_masked, top_k, AllowedTokens, Sample};
 use crate::sequences::Draw;
-use crate::structured::apply_mask;
-use vellum_core::{IdMap, ModelExecutor, RequestId, SeqId};
+use crate::structured::Constraint;
+use llguidance::toktrie::SimpleVob;
+use vellum_core::{IdMap, IdSet, ModelExecutor, RequestId, SeqId};
 use vellum_scheduler::{RequestSamples, StepSamples};
 
 impl<E: ModelExecutor> EngineCore<E> {
@@ -33,6 +34,23 @@ impl<E: ModelExecutor> EngineCore<E> {
                 (0..rows.len()).map(lse).collect()
             }
         };
+        // Structured-output masks of this step's rows, in parallel: each
+        // sequence's matcher is its own, and a mask can take a millisecond.
+        let masks_started = std::time::Instant::now();
+        let mut masks: IdMap<SeqId, (SimpleVob, usize)> = {
+            use rayon::prelude::*;
+            let wanted: IdSet<SeqId> = rows.iter().filter_map(|r| if let Row::Sample(_, sid) = r { Some(*sid) } else { None }).collect();
+            let mut constrained: Vec<(SeqId, &mut Constraint)> = self
+                .views
+                .seqs
+                .iter_mut()
+                .filter_map(|(sid, v)| v.constraint.as_mut().filter(|_| wanted.contains(sid)).map(|c| (*sid, c)))
+                .collect();
+            constrained.par_iter_mut().with_max_len(1).map(|(sid, c)| (*sid, (c.allowed(), c.vocab_size()))).collect()
+        };
+        if !masks.is_empty() {
+            self.counters.structured_mask_s += masks_started.elapsed().as_secs_f64();
+        }
         for (row, &use_) in rows.iter().enumerate() {
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
             let (rid, sid) = match use_ {
@@ -56,13 +74,17 @@ impl<E: ModelExecutor> EngineCore<E> {
             let ds = draws.entry(rid).or_default();
             // A structured-output constraint allows some tokens only; every
             // draw of this row comes from the same grammar state.
-            let allowed = seq.constraint.as_mut().map(|c| (c.allowed(), c.vocab_size()));
-            let mask_fn = |l: &mut [f32]| {
+            let allowed = masks.remove(&sid);
+            let allowed_fn = |f: &mut dyn FnMut(usize)| {
                 if let Some((m, vocab)) = &allowed {
-                    apply_mask(l, m, *vocab);
+                    m.iter_set_entries(|t| {
+                        if t < *vocab {
+                            f(t)
+                        }
+                    });
                 }
             };
-            let mask: Option<LogitsMask<'_>> = if allowed.is_some() { Some(&mask_fn) } else { None };
+            let mask: Option<AllowedTokens<'_>> = if allowed.is_some() { Some(&allowed_fn) } else { None };
             for i in 0..if first { n } else { 1 } {
                 let Sample { token, logprob, top_logprobs } =
                     sample_masked(row_logits, lses[row], &req.params, &mut req.rng, k, (seq.prompt(), seq.output()), mask);

@@ -208,11 +208,16 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         saved_by_sharing = format!("{:.1}%", 100.0 * kv.saved_fraction_at_peak()),
         "KV blocks (physical vs. what the block tables reference)"
     );
+    let c = llm.engine().counters();
     tracing::info!(
         prompts = prompts.len(),
         generated,
         elapsed_s = format!("{elapsed:.2}"),
         tokens_per_s = format!("{:.1}", generated as f64 / elapsed),
+        steps = c.num_steps,
+        execute_s = format!("{:.2}", c.execute_s),
+        sample_s = format!("{:.2}", c.sample_s),
+        structured_mask_s = format!("{:.3}", c.structured_mask_s),
         "done"
     );
     Ok(())
