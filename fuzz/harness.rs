@@ -135,3 +135,27 @@ pub fn tokenizer_text(data: &[u8]) {
         assert_eq!(back, expected, "round trip through {} tokens of the {which} tokenizer", ids.len());
     }
 }
+
+/// A Hugging Face directory whose `model.safetensors` is `data` (next to a
+/// valid `config.json`): the header parse, every tensor's view and bytes.
+pub fn safetensors_file(data: &[u8]) {
+    let dir = scratch_path().with_extension("st");
+    if std::fs::create_dir_all(&dir).is_err() {
+        return;
+    }
+    let config = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2}"#;
+    if std::fs::write(dir.join("config.json"), config).is_err() || std::fs::write(dir.join("model.safetensors"), data).is_err() {
+        return;
+    }
+    if let Ok(w) = vellum_models::SafetensorsWeights::open(&dir) {
+        for name in w.tensor_names() {
+            if let Ok(view) = w.tensor(&name) {
+                let _ = std::hint::black_box(view.data.iter().fold(0u8, |a, b| a ^ b));
+                let _ = std::hint::black_box(view.shape.iter().product::<usize>());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
