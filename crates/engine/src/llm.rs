@@ -127,13 +127,10 @@ impl Llm {
             eos,
             args.enable_prefix_caching,
         )?;
-        // Structured outputs need every token's bytes: built once here.
-        let started = std::time::Instant::now();
+        // Structured outputs need every token's bytes (the trie over them is
+        // built by the first constraint).
         match crate::structured::StructuredOutputs::from_tokenizer(&loaded.tokenizer) {
-            Ok(s) => {
-                tracing::debug!(ms = started.elapsed().as_millis() as u64, "structured outputs ready");
-                engine.set_structured_outputs(std::sync::Arc::new(s));
-            }
+            Ok(s) => engine.set_structured_outputs(std::sync::Arc::new(s)),
             Err(e) => tracing::warn!(error = %e, "structured outputs are unavailable for this tokenizer"),
         }
         // vLLM's capacity line: how many requests of max_model_len fit at

@@ -19,7 +19,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use vellum_core::{StructuredOutput, TokenId};
 use vellum_models::Tokenizer;
 
@@ -27,9 +27,13 @@ use vellum_models::Tokenizer;
 const CACHE_ENTRIES: usize = 256;
 
 /// The per-model part of structured outputs: the token trie and parser
-/// factory, and the compiled constraints by spec.
+/// factory, and the compiled constraints by spec. The trie and factory take
+/// about a second to build for a 262k vocabulary, so they are built by the
+/// first constraint compiled, not when the model loads.
 pub struct StructuredOutputs {
-    factory: ParserFactory,
+    /// Every token's bytes, until the factory is built from them.
+    token_bytes: Mutex<Vec<Vec<u8>>>,
+    factory: OnceLock<Result<ParserFactory, String>>,
     compiled: Mutex<HashMap<StructuredOutput, Matcher>>,
     vocab: usize,
     eos: TokenId,
@@ -53,12 +57,22 @@ impl StructuredOutputs {
         if (eos as usize) >= vocab {
             return Err(Error::Unsupported("structured outputs need an end-of-sequence token in the vocabulary"));
         }
-        let trie = TokTrie::from(&TokRxInfo::new(vocab as u32, eos), &token_bytes);
-        let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        let mut factory = ParserFactory::new_simple(&env)
-            .map_err(|e| Error::StructuredOutput { field: "structured_outputs", message: format!("parser setup: {e}") })?;
-        factory.quiet();
-        Ok(Self { factory, compiled: Mutex::new(HashMap::new()), vocab, eos })
+        Ok(Self { token_bytes: Mutex::new(token_bytes), factory: OnceLock::new(), compiled: Mutex::new(HashMap::new()), vocab, eos })
+    }
+
+    /// The parser factory over the token trie, built on first use.
+    fn factory(&self) -> Result<&ParserFactory, Error> {
+        let built = self.factory.get_or_init(|| {
+            let started = std::time::Instant::now();
+            let token_bytes = std::mem::take(&mut *self.token_bytes.lock().unwrap_or_else(|p| p.into_inner()));
+            let trie = TokTrie::from(&TokRxInfo::new(self.vocab as u32, self.eos), &token_bytes);
+            let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+            let mut factory = ParserFactory::new_simple(&env).map_err(|e| format!("parser setup: {e}"))?;
+            factory.quiet();
+            tracing::debug!(ms = started.elapsed().as_millis() as u64, vocab = self.vocab, "structured outputs: token trie built");
+            Ok(factory)
+        });
+        built.as_ref().map_err(|message| Error::StructuredOutput { field: "structured_outputs", message: message.clone() })
     }
 
     /// For `tokenizer`'s vocabulary and its first end-of-sequence token.
@@ -82,11 +96,6 @@ impl StructuredOutputs {
         Self::new(bytes, eos)
     }
 
-    /// Tokens the constraints know (logits past it are never allowed).
-    pub fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-
     /// A fresh constraint for `spec`, compiled once per distinct spec. An
     /// invalid schema, regex or grammar is a typed error naming the field.
     pub fn compile(&self, spec: &StructuredOutput) -> Result<Constraint, Error> {
@@ -107,7 +116,7 @@ impl StructuredOutputs {
             }
             StructuredOutput::Grammar(lark) => TopLevelGrammar::from_lark(lark.clone()),
         };
-        let parser = self.factory.create_parser(grammar).map_err(|e| compile_error(spec, e))?;
+        let parser = self.factory()?.create_parser(grammar).map_err(|e| compile_error(spec, e))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(compile_error(spec, e));
