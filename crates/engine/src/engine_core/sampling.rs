@@ -36,9 +36,13 @@ impl<E: ModelExecutor> EngineCore<E> {
         };
         // Structured-output masks of this step's rows, in parallel: each
         // sequence's matcher is its own, and a mask can take a millisecond.
-        let masks_started = std::time::Instant::now();
-        let mut masks: IdMap<SeqId, (SimpleVob, usize)> = {
+        // A step without constrained rows allocates nothing here.
+        let constrained_row =
+            |r: &Row| matches!(r, Row::Sample(_, sid) if self.views.seqs.get(sid).is_some_and(|v| v.constraint.is_some()));
+        let mut masks: IdMap<SeqId, (SimpleVob, usize)> = IdMap::default();
+        if rows.iter().any(constrained_row) {
             use rayon::prelude::*;
+            let started = std::time::Instant::now();
             let wanted: IdSet<SeqId> = rows.iter().filter_map(|r| if let Row::Sample(_, sid) = r { Some(*sid) } else { None }).collect();
             let mut constrained: Vec<(SeqId, &mut Constraint)> = self
                 .views
@@ -46,10 +50,8 @@ impl<E: ModelExecutor> EngineCore<E> {
                 .iter_mut()
                 .filter_map(|(sid, v)| v.constraint.as_mut().filter(|_| wanted.contains(sid)).map(|c| (*sid, c)))
                 .collect();
-            constrained.par_iter_mut().with_max_len(1).map(|(sid, c)| (*sid, (c.allowed(), c.vocab_size()))).collect()
-        };
-        if !masks.is_empty() {
-            self.counters.structured_mask_s += masks_started.elapsed().as_secs_f64();
+            masks = constrained.par_iter_mut().with_max_len(1).map(|(sid, c)| (*sid, (c.allowed(), c.vocab_size()))).collect();
+            self.counters.structured_mask_s += started.elapsed().as_secs_f64();
         }
         for (row, &use_) in rows.iter().enumerate() {
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
@@ -60,7 +62,7 @@ impl<E: ModelExecutor> EngineCore<E> {
                 }
                 Row::Sample(rid, sid) => (rid, sid),
             };
-            let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&rid), self.views.seqs.get_mut(&sid)) else { continue };
+            let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&rid), self.views.seqs.get(&sid)) else { continue };
             if req.params.beam_search.is_some() {
                 beam_rows.push((rid, sid, row));
                 continue;

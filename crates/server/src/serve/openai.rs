@@ -254,27 +254,26 @@ const STRUCTURED_OUTPUT_COMPILE_TIMEOUT: std::time::Duration = std::time::Durati
 /// engine's own compile is a cache hit.
 async fn check_structured_output(state: &Arc<AppState>, params: &SamplingParams, common: &Common) -> Result<(), ApiError> {
     let Some(spec) = params.structured_output.clone() else { return Ok(()) };
-    // The field the request used, for the error messages.
-    let field = protocol::structured_output_with_field(common)?.map_or(spec.field(), |(f, _)| f);
-    let compiler = state
-        .structured
-        .clone()
-        .ok_or_else(|| ApiError::bad_request("structured outputs are not available for this model's tokenizer", Some(field)))?;
+    // The field the request used, for the error messages (looked up only
+    // on an error).
+    let spec_field = spec.field();
+    let field = || protocol::structured_output_with_field(common).ok().flatten().map_or(spec_field, |(f, _)| f);
+    let refuse = |message: String| {
+        let field = field();
+        ApiError::bad_request(format!("{field}: {message}"), Some(field))
+    };
+    let compiler =
+        state.structured.clone().ok_or_else(|| refuse("structured outputs are not available for this model's tokenizer".into()))?;
     if params.beam_search.is_some() {
-        return Err(ApiError::bad_request("structured outputs are not supported together with beam search", Some(field)));
+        return Err(refuse("structured outputs are not supported together with beam search".into()));
     }
     let job = tokio::task::spawn_blocking(move || compiler.compile(&spec).map(|_| ()));
     match tokio::time::timeout(STRUCTURED_OUTPUT_COMPILE_TIMEOUT, job).await {
         Ok(Ok(Ok(()))) => Ok(()),
-        Ok(Ok(Err(vellum_engine::Error::StructuredOutput { message, .. }))) => {
-            Err(ApiError::bad_request(format!("{field}: {message}"), Some(field)))
-        }
+        Ok(Ok(Err(vellum_engine::Error::StructuredOutput { message, .. }))) => Err(refuse(message)),
         Ok(Ok(Err(e))) => Err(ApiError::from_engine(e)),
-        Ok(Err(join)) => Err(ApiError::bad_request(format!("the constraint could not be compiled: {join}"), Some(field))),
-        Err(_) => Err(ApiError::bad_request(
-            format!("the constraint took longer than {} s to compile", STRUCTURED_OUTPUT_COMPILE_TIMEOUT.as_secs()),
-            Some(field),
-        )),
+        Ok(Err(join)) => Err(refuse(format!("the constraint could not be compiled: {join}"))),
+        Err(_) => Err(refuse(format!("the constraint took longer than {} s to compile", STRUCTURED_OUTPUT_COMPILE_TIMEOUT.as_secs()))),
     }
 }
 
