@@ -64,14 +64,7 @@ fn sigterm_lets_an_in_flight_stream_finish_then_exits_zero() {
     let text = String::from_utf8_lossy(&got);
     assert!(text.contains("\"finish_reason\":\"length\""), "the stream should finish normally:\n{text}");
     assert!(text.contains("data: [DONE]"), "{text}");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(st) = server.child.try_wait().expect("waiting") {
-            break st;
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "no exit after the stream finished");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = server.wait_for_exit("the stream finished");
     assert!(status.success(), "exit status {status:?}");
 }
 
@@ -91,13 +84,6 @@ fn an_engine_panic_ends_the_stream_with_an_error_and_the_server_exits_nonzero() 
     assert!(text.contains("\"error\"") && text.contains("engine failed"), "the stream must end with an error event:\n{text}");
     assert!(!text.contains("\"finish_reason\":\"length\""), "{text}");
     assert_ne!(server.get("/health").0, 200, "a dead engine must not look healthy");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(st) = server.child.try_wait().expect("waiting") {
-            break st;
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "no exit after the engine died");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = server.wait_for_exit("the engine died");
     assert!(!status.success(), "exit status {status:?}: a dead engine must exit non-zero");
 }

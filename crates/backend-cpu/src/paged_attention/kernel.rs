@@ -712,7 +712,8 @@ mod tests {
         let q: Vec<f32> = (0..heads * hd).map(|_| rnd()).collect();
         let k: Vec<f32> = (0..n_ctx * row).map(|_| rnd()).collect();
         let v: Vec<f32> = (0..n_ctx * row).map(|_| rnd()).collect();
-        fn run<T: KvElem, const FUSED: bool>(q: &[f32], k: &[T], v: &[T], shape: &Shape, n_ctx: usize, simd: bool) -> Vec<f32> {
+        /// The kernel on `k`, `v` through its SIMD build or its baseline one.
+        fn run<T: KvElem>(q: &[f32], k: &[T], v: &[T], shape: &Shape, n_ctx: usize, simd: bool) -> Vec<f32> {
             let rows = Rows { k, v, row_stride: shape.kv_row(), head_off: 0 };
             let mut out = vec![0.0; q.len()];
             let mut scratch = Vec::new();
@@ -723,55 +724,35 @@ mod tests {
                     attend_group_simd(&mut out, q, &rows, 0..n_ctx, n_ctx, |_| 0, shape, &mut scratch)
                 };
             } else {
-                attend_group::<T, FUSED>(&mut out, q, &rows, 0..n_ctx, n_ctx, |_| 0, shape, &mut scratch);
+                attend_group::<T, false>(&mut out, q, &rows, 0..n_ctx, n_ctx, |_| 0, shape, &mut scratch);
             }
             out
         }
-        let half_k: Vec<f16> = k.iter().map(|&a| f16::from_f32(a)).collect();
-        let half_v: Vec<f16> = v.iter().map(|&a| f16::from_f32(a)).collect();
-        let b_k: Vec<bf16> = k.iter().map(|&a| bf16::from_f32(a)).collect();
-        let b_v: Vec<bf16> = v.iter().map(|&a| bf16::from_f32(a)).collect();
-        let simd = cfg!(target_arch = "x86_64") && crate::quant::has_simd();
-        let cases: [(Vec<f32>, Vec<f32>, Vec<f32>); 2] = [
-            (
-                run::<f32, false>(
-                    &q,
-                    &half_k.iter().map(|a| a.to_f32()).collect::<Vec<_>>(),
-                    &half_v.iter().map(|a| a.to_f32()).collect::<Vec<_>>(),
-                    &shape,
-                    n_ctx,
-                    false,
-                ),
-                run::<f16, false>(&q, &half_k, &half_v, &shape, n_ctx, false),
-                if simd { run::<f16, true>(&q, &half_k, &half_v, &shape, n_ctx, true) } else { Vec::new() },
-            ),
-            (
-                run::<f32, false>(
-                    &q,
-                    &b_k.iter().map(|a| a.to_f32()).collect::<Vec<_>>(),
-                    &b_v.iter().map(|a| a.to_f32()).collect::<Vec<_>>(),
-                    &shape,
-                    n_ctx,
-                    false,
-                ),
-                run::<bf16, false>(&q, &b_k, &b_v, &shape, n_ctx, false),
-                if simd { run::<bf16, true>(&q, &b_k, &b_v, &shape, n_ctx, true) } else { Vec::new() },
-            ),
-        ];
-        for (reference, scratch_path, fused) in &cases {
-            let diff = |a: &[f32]| a.iter().zip(reference).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-            assert!(diff(scratch_path) < 1e-5, "scratch path off by {}", diff(scratch_path));
+        fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+            a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max)
+        }
+        /// The pools stored as `T`: both of its paths against the f32
+        /// kernel on the same (rounded) values.
+        fn check<T: KvElem>(q: &[f32], k: &[f32], v: &[f32], shape: &Shape, n_ctx: usize, narrow: fn(f32) -> T, simd: bool) {
+            let (kt, vt): (Vec<T>, Vec<T>) = (k.iter().map(|&a| narrow(a)).collect(), v.iter().map(|&a| narrow(a)).collect());
+            let widen = |x: &[T]| x.iter().map(|&a| T::to_f32(a)).collect::<Vec<f32>>();
+            let reference = run::<f32>(q, &widen(&kt), &widen(&vt), shape, n_ctx, false);
+            let scratch_path = max_diff(&run::<T>(q, &kt, &vt, shape, n_ctx, false), &reference);
+            assert!(scratch_path < 1e-5, "scratch path off by {scratch_path}");
             if simd {
-                assert!(diff(fused) < 1e-5, "fused path off by {}", diff(fused));
+                let fused = max_diff(&run::<T>(q, &kt, &vt, shape, n_ctx, true), &reference);
+                assert!(fused < 1e-5, "fused path off by {fused}");
             } else {
                 eprintln!("no AVX2/FMA/F16C: the fused path is not checked on this CPU");
             }
         }
+        let simd = cfg!(target_arch = "x86_64") && crate::quant::has_simd();
+        check::<f16>(&q, &k, &v, &shape, n_ctx, f16::from_f32, simd);
+        check::<bf16>(&q, &k, &v, &shape, n_ctx, bf16::from_f32, simd);
         // The f32 kernel also agrees between its SIMD and baseline builds.
-        let base = run::<f32, false>(&q, &k, &v, &shape, n_ctx, false);
+        let base = run::<f32>(&q, &k, &v, &shape, n_ctx, false);
         if simd {
-            let fast = run::<f32, true>(&q, &k, &v, &shape, n_ctx, true);
-            let d = fast.iter().zip(&base).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            let d = max_diff(&run::<f32>(&q, &k, &v, &shape, n_ctx, true), &base);
             assert!(d < 1e-5, "f32 SIMD build off by {d}");
         }
     }

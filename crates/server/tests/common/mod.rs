@@ -103,6 +103,19 @@ impl Server {
     pub fn get(&self, path: &str) -> (u16, String) {
         self.request("GET", path, &[], "")
     }
+
+    /// The process's exit status, waiting up to 20 s for it (`what` says
+    /// what should have made it exit).
+    pub fn wait_for_exit(&mut self, what: &str) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("waiting") {
+                return status;
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "no exit within 20 s after {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 impl Drop for Server {
