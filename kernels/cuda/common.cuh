@@ -90,23 +90,21 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Sum (or max) over a thread block of `blockDim.x` threads, a multiple of
 // 32; `scratch` holds one float per warp. Every thread gets the result.
-__device__ __forceinline__ float block_sum(float v, float *scratch) {
+template <typename WarpOp>
+__device__ __forceinline__ float block_reduce(float v, float *scratch, float identity, WarpOp warp_op) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = warp_op(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    v = lane < warps ? scratch[lane] : 0.f;
-    return warp_sum(v);
+    v = lane < warps ? scratch[lane] : identity;
+    return warp_op(v);
+}
+__device__ __forceinline__ float block_sum(float v, float *scratch) {
+    return block_reduce(v, scratch, 0.f, [](float x) { return warp_sum(x); });
 }
 __device__ __forceinline__ float block_max(float v, float *scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < warps ? scratch[lane] : -3.0e38f;
-    return warp_max(v);
+    return block_reduce(v, scratch, -3.0e38f, [](float x) { return warp_max(x); });
 }
 
 // Instantiates the entry points `NAME_f32`, `NAME_f16`, `NAME_bf16` of a

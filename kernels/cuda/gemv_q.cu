@@ -48,41 +48,24 @@ __device__ __forceinline__ void finish(float acc[ROWS], float *y, int n, int num
     }
 }
 
-// W: [n_cols, k] as Q8_0 blocks (34 bytes each); k a multiple of 32.
-extern "C" __global__ void gemv_q8_0(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int n_cols, int k) {
-    const int n = blockIdx.x * (NUM_THREADS / 32) + (threadIdx.x >> 5);
-    if (n >= n_cols) return;
-    const int lane = threadIdx.x & 31, blocks = k / 32;
-    float acc[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
-    for (int b = lane; b < blocks; b += 32) {
-        const unsigned short *blk = w + ((long long)n * blocks + b) * 17;
+// Decodes block `b` of a row into 32 weights (`blk` = the block's words).
+struct Q8_0 {
+    static constexpr int WORDS = 17;  // 34 bytes: f16 d, 32 int8 codes
+    __device__ static void decode(const unsigned short *blk, float wv[32]) {
         const float d = half_bits_to_float(blk[0]);
-        float wv[32];
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             const unsigned short two = blk[1 + j];
             wv[2 * j] = d * (float)(signed char)(two & 0xff);
             wv[2 * j + 1] = d * (float)(signed char)(two >> 8);
         }
-        apply_block(wv, x, k, b, acc);
     }
-    finish(acc, y, n, n_cols);
-}
+};
 
-// W: [n_cols, k] as Q4_1 blocks (20 bytes each); k a multiple of 32.
-extern "C" __global__ void gemv_q4_1(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int n_cols, int k) {
-    const int n = blockIdx.x * (NUM_THREADS / 32) + (threadIdx.x >> 5);
-    if (n >= n_cols) return;
-    const int lane = threadIdx.x & 31, blocks = k / 32;
-    float acc[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
-    for (int b = lane; b < blocks; b += 32) {
-        const unsigned short *blk = w + ((long long)n * blocks + b) * 10;
+struct Q4_1 {
+    static constexpr int WORDS = 10;  // 20 bytes: f16 d, f16 m, 16 bytes of nibbles
+    __device__ static void decode(const unsigned short *blk, float wv[32]) {
         const float d = half_bits_to_float(blk[0]), m = half_bits_to_float(blk[1]);
-        float wv[32];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const unsigned short two = blk[2 + j];  // bytes 2j and 2j + 1 of the nibbles
@@ -91,7 +74,30 @@ extern "C" __global__ void gemv_q4_1(float *y, const unsigned short *__restrict_
             wv[2 * j + 1] = d * (float)((two >> 8) & 0xf) + m;
             wv[2 * j + 17] = d * (float)(two >> 12) + m;
         }
+    }
+};
+
+// W: [n_cols, k] in blocks of `Format`; k a multiple of 32.
+template <typename Format>
+__device__ void gemv(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int n_cols, int k) {
+    const int n = blockIdx.x * (NUM_THREADS / 32) + (threadIdx.x >> 5);
+    if (n >= n_cols) return;
+    const int lane = threadIdx.x & 31, blocks = k / 32;
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+    for (int b = lane; b < blocks; b += 32) {
+        float wv[32];
+        Format::decode(w + ((long long)n * blocks + b) * Format::WORDS, wv);
         apply_block(wv, x, k, b, acc);
     }
     finish(acc, y, n, n_cols);
+}
+
+extern "C" __global__ void gemv_q8_0(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int n_cols, int k) {
+    gemv<Q8_0>(y, w, x, n_cols, k);
+}
+
+extern "C" __global__ void gemv_q4_1(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int n_cols, int k) {
+    gemv<Q4_1>(y, w, x, n_cols, k);
 }
