@@ -80,6 +80,11 @@ pub struct Scheduler<A: BlockAllocator> {
     keep_finished: bool,
     finished_since_output: Vec<(RequestId, FinishReason)>,
     in_flight: VecDeque<Vec<ScheduledSeq>>,
+    /// Buffers of applied steps, reused for the next in-flight records.
+    spare_records: Vec<Vec<ScheduledSeq>>,
+    /// Per-step scratch space, kept to reuse its allocation.
+    scratch_ids: Vec<RequestId>,
+    scratch_order: Vec<(usize, QueueKey, RequestId)>,
     next_arrival: u64,
     next_seq_id: u64,
     /// Id of the next `schedule()` call (marks requests scheduled in it).
@@ -103,6 +108,9 @@ impl<A: BlockAllocator> Scheduler<A> {
             keep_finished: true,
             finished_since_output: Vec::new(),
             in_flight: VecDeque::new(),
+            spare_records: Vec::new(),
+            scratch_ids: Vec::new(),
+            scratch_order: Vec::new(),
             next_arrival: 0,
             next_seq_id: 0,
             next_step_id: 1,
@@ -174,10 +182,6 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// Whether `id` is queued or running (not finished, not unknown).
     pub fn has_request(&self, id: RequestId) -> bool {
         self.requests.contains_key(&id)
-    }
-
-    fn is_running(&self, id: RequestId) -> bool {
-        self.requests.get(&id).is_some_and(|r| r.status == RequestStatus::Running)
     }
 
     fn queue_key(&self, req: &Request) -> QueueKey {

@@ -3,7 +3,7 @@
 //! then swapped-out groups, then new admissions while nothing was
 //! preempted; every attempt goes through `allocate_slots` (thesis §4.5).
 
-use super::{QueueKey, Scheduler};
+use super::Scheduler;
 use crate::request::{RequestStatus, Sequence};
 use crate::scheduler_output::{BlockTableUpdate, ScheduledSeq, SchedulerOutput};
 use vellum_core::{BlockAllocator, ComputedBlocks, RequestId, SchedulingPolicy, SeqId, SeqTokens};
@@ -18,6 +18,15 @@ enum Attempt {
     NoBudget,
     /// `allocate_slots` found no room.
     NoRoom,
+}
+
+/// Whom a running request that finds no room may preempt.
+#[derive(Clone, Copy)]
+enum Victims {
+    /// The latest arrivals among the running requests (paper §4.5).
+    LaterArrivals,
+    /// Nobody else: a group just swapped back in gives way itself.
+    Itself,
 }
 
 /// Per-step bookkeeping of `schedule()`.
@@ -46,7 +55,12 @@ impl<A: BlockAllocator> Scheduler<A> {
             SchedulingPolicy::TwoLevel { staging_queue_size } => self.schedule_two_level(staging_queue_size, &mut step, &mut out),
         }
         out.block_ops.copies = self.allocator.take_block_copies();
-        self.in_flight.push_back(out.scheduled.clone());
+        // The in-flight record reuses the buffer of an applied step: a step
+        // allocates nothing it frees again (freeing ~100 KB a step made the
+        // allocator give pages back and fault them in again, 14% of a step).
+        let mut record = self.spare_records.pop().unwrap_or_default();
+        record.clone_from(&out.scheduled);
+        self.in_flight.push_back(record);
         self.next_step_id += 1;
         out
     }
@@ -54,13 +68,16 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// FCFS and priority (thesis Algorithm 1): running requests in queue
     /// order, then swapped-out groups, then waiting requests.
     fn schedule_in_order(&mut self, step: &mut StepState, out: &mut SchedulerOutput) {
-        let order: Vec<RequestId> = self.running.values().copied().collect();
-        for i in 0..order.len() {
+        let mut order = std::mem::take(&mut self.scratch_ids);
+        order.clear();
+        order.extend(self.running.values().copied());
+        for &id in &order {
             if step.budget == 0 {
                 break;
             }
-            self.schedule_running(order[i], &order, step, out);
+            self.schedule_running(id, Victims::LaterArrivals, step, out);
         }
+        self.scratch_ids = order;
         self.admit_swapped(step, out);
         while step.budget > 0 && self.swapped.is_empty() && !step.preempted {
             let Some((_, &id)) = self.waiting.first_key_value() else { break };
@@ -80,10 +97,14 @@ impl<A: BlockAllocator> Scheduler<A> {
                 self.staging.push(id);
             }
         }
-        let victims: Vec<RequestId> = self.running.values().copied().collect();
-        let mut order: Vec<(usize, QueueKey, RequestId)> =
-            self.running.iter().map(|(key, id)| (self.requests[id].num_schedulable_tokens(), *key, *id)).collect();
-        order.sort_unstable();
+        let mut order = std::mem::take(&mut self.scratch_order);
+        order.clear();
+        order.extend(self.running.iter().map(|(key, id)| (self.requests[id].num_schedulable_tokens(), *key, *id)));
+        // Decode steps keep the order of the last step: a sorted check is
+        // one pass, a sort only where lengths changed.
+        if !order.is_sorted() {
+            order.sort_unstable();
+        }
         self.admit_swapped(step, out);
         let staging = self.staging.clone();
         let mut staged: Vec<(usize, RequestId)> = staging.into_iter().map(|id| (self.staged_delta(id), id)).collect();
@@ -97,11 +118,11 @@ impl<A: BlockAllocator> Scheduler<A> {
             match (run_next, best_staged) {
                 (None, None) => break,
                 (Some(dr), Some((_, ds))) if dr <= ds => {
-                    self.schedule_running(order[ri].2, &victims, step, out);
+                    self.schedule_running(order[ri].2, Victims::LaterArrivals, step, out);
                     ri += 1;
                 }
                 (Some(_), None) => {
-                    self.schedule_running(order[ri].2, &victims, step, out);
+                    self.schedule_running(order[ri].2, Victims::LaterArrivals, step, out);
                     ri += 1;
                 }
                 (_, Some((i, _))) => {
@@ -117,6 +138,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                 }
             }
         }
+        self.scratch_order = order;
     }
 
     /// Sequence slots held by running requests (counted once per step).
@@ -161,14 +183,13 @@ impl<A: BlockAllocator> Scheduler<A> {
             self.running.insert(key, id);
             step.num_running_seqs = Some(num_running_seqs + n_seqs);
             out.resumed_requests.push(id);
-            let order = [id];
-            self.schedule_running(id, &order, step, out);
+            self.schedule_running(id, Victims::Itself, step, out);
         }
     }
 
-    /// Schedules a running request, preempting later arrivals (from the
-    /// end of `victims`) while there is no room.
-    fn schedule_running(&mut self, id: RequestId, victims: &[RequestId], step: &mut StepState, out: &mut SchedulerOutput) {
+    /// Schedules a running request, preempting (as `victims` allows) while
+    /// there is no room.
+    fn schedule_running(&mut self, id: RequestId, victims: Victims, step: &mut StepState, out: &mut SchedulerOutput) {
         match self.requests.get(&id) {
             Some(r) if r.status == RequestStatus::Running && r.scheduled_step != step.step_id => {}
             _ => return,
@@ -181,12 +202,18 @@ impl<A: BlockAllocator> Scheduler<A> {
                     return;
                 }
                 Attempt::NoRoom => {
-                    let victim = victims.iter().rev().copied().find(|v| {
-                        *v != id
-                            && self.is_running(*v)
-                            && self.requests[v].scheduled_step != step.step_id
-                            && !self.requests[v].has_in_flight()
-                    });
+                    // The latest arrival among the running requests not yet
+                    // scheduled in this step (requests admitted in this step
+                    // count as scheduled).
+                    let victim = match victims {
+                        Victims::Itself => None,
+                        Victims::LaterArrivals => self
+                            .running
+                            .values()
+                            .rev()
+                            .copied()
+                            .find(|v| *v != id && self.requests[v].scheduled_step != step.step_id && !self.requests[v].has_in_flight()),
+                    };
                     match victim {
                         Some(v) => self.preempt(v, step, out),
                         None => {

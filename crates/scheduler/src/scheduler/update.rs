@@ -25,6 +25,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             }
             seq.state.advance(s.num_scheduled_tokens).expect("scheduled Δ fits the sequence");
         }
+        self.spare_records.push(scheduled);
         let mut update = StepUpdate::default();
         for rs in &samples.requests {
             self.apply_samples(rs, &mut update);
