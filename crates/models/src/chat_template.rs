@@ -110,15 +110,36 @@ impl ChatTemplate {
     /// Renders `messages` (anything serializable with `role` and `content`
     /// fields); `add_generation_prompt` appends the assistant's turn header.
     pub fn render<M: Serialize>(&self, messages: &[M], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools::<M, ()>(messages, None, add_generation_prompt)
+    }
+
+    /// [`render`](Self::render) with the `tools` variable of Hugging Face
+    /// templates set (OpenAI's tool list: `{"type": "function", "function":
+    /// {...}}` objects); `None` sets it to `none`, as `transformers` does
+    /// when no tools are given.
+    pub fn render_with_tools<M: Serialize, T: Serialize>(
+        &self,
+        messages: &[M],
+        tools: Option<&T>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::ChatTemplate(describe(&e)))?;
+        let tools = tools.map(Value::from_serialize);
         template
             .render(minijinja::context! {
                 messages => Value::from_serialize(messages),
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
             })
             .map_err(|e| Error::ChatTemplate(describe(&e)))
+    }
+
+    /// Whether the template reads the `tools` variable (otherwise tools are
+    /// described to the model by a default system prompt).
+    pub fn supports_tools(&self) -> bool {
+        self.env.get_template(TEMPLATE_NAME).is_ok_and(|t| t.undeclared_variables(false).contains("tools"))
     }
 
     /// The template's source text.
@@ -209,5 +230,30 @@ mod tests {
         let err = t.render::<ChatMessage>(&[], false).unwrap_err();
         assert!(err.to_string().contains("roles must alternate"), "{err}");
         assert!(ChatTemplate::new("{% if %}", None, None).is_err());
+    }
+
+    #[test]
+    fn tools_reach_a_template_that_reads_them() {
+        let t = ChatTemplate::new(
+            "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}\
+             {% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}\
+             [{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}\n{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        assert!(t.supports_tools());
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        let msgs = serde_json::json!([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}
+        ]);
+        let msgs = msgs.as_array().unwrap();
+        let out = t.render_with_tools(msgs, Some(&tools), false).unwrap();
+        // (`trim_blocks` eats the newline after each `{% endfor %}`.)
+        assert_eq!(out, "<tools>f;</tools>user:hiassistant:[f {\"a\": 1}]");
+        // No tools: `tools` is none, as transformers passes it.
+        assert_eq!(t.render(msgs, false).unwrap(), "user:hiassistant:[f {\"a\": 1}]");
+        assert!(!ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}", None, None).unwrap().supports_tools());
     }
 }

@@ -66,6 +66,21 @@ fn structured_outputs_validate_through_the_openai_client() {
     run_python(&python, "openai_structured.py", &[server.base_url()]);
 }
 
+/// Tool calling through the official client (`python/openai_tools.py`):
+/// `required` and named-function calls validate against their tools'
+/// parameters whole, streamed and through the client's stream helper, and
+/// all three agree; `auto`/`none` streams agree with whole responses; tool
+/// results render back through the template; a cut-off call is `length`;
+/// malformed tools and choices are 400s naming the field.
+#[test]
+fn tool_calls_validate_and_stream_through_the_openai_client() {
+    let python = python_with_openai();
+    let has_jsonschema = std::process::Command::new(&python).args(["-c", "import jsonschema"]).status().is_ok_and(|s| s.success());
+    assert!(has_jsonschema, "the tool-calling test needs the jsonschema package: python3 -m pip install jsonschema");
+    let server = Server::start(&["--kv-cache-memory", "96MiB", "--max-model-len", "1024"]);
+    run_python(&python, "openai_tools.py", &[server.base_url()]);
+}
+
 #[cfg(not(feature = "wgpu"))]
 #[test]
 fn serve_on_wgpu_skipped_build_has_no_wgpu_feature() {

@@ -15,6 +15,7 @@ mod generation;
 mod metrics;
 mod openai;
 mod protocol;
+mod tools;
 
 use crate::cli::engine_flags::{EngineDefaults, EngineFlags};
 use anyhow::{anyhow, bail, Context, Result};
@@ -62,6 +63,15 @@ pub struct ServeArgs {
     /// model's own).
     #[arg(long)]
     pub chat_template: Option<String>,
+    /// Accepted for vLLM compatibility: `tool_choice: "auto"` is always
+    /// available (calls are parsed only from requests that give `tools`).
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+    /// How `auto` tool calls are read from the output: `hermes`
+    /// (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, the
+    /// convention of the default tool prompt and most tool-tuned open models).
+    #[arg(long, value_enum, default_value = "hermes")]
+    pub tool_call_parser: ToolCallParserKind,
     /// Requests allowed to wait before new ones get 503.
     #[arg(long, default_value_t = 4096)]
     pub max_waiting_requests: usize,
@@ -74,6 +84,13 @@ pub struct ServeArgs {
     pub shutdown_timeout: f64,
     #[command(flatten)]
     pub engine: EngineFlags,
+}
+
+/// `--tool-call-parser` values.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolCallParserKind {
+    /// `<tool_call>` blocks holding a JSON call or a list of calls.
+    Hermes,
 }
 
 /// What every handler shares.

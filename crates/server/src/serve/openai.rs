@@ -5,6 +5,7 @@
 use super::error::{too_long, ApiError};
 use super::generation::{Generation, Piece, TokenInfo};
 use super::protocol::{self, ChatRequest, Common, CompletionRequest, Prompt};
+use super::tools::{self, Assembled, ParseMode, ToolCallParser, ToolEvent, ToolRequest};
 use super::AppState;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -37,6 +38,9 @@ struct Format {
     include_usage: bool,
     /// Completions with `echo`: the prompt text per prompt.
     echo: Option<Vec<String>>,
+    /// Chat with tools: how calls are read from the output, and whether
+    /// several are allowed.
+    tools: Option<(ParseMode, bool)>,
 }
 
 /// Most top logprobs per token (vLLM's default `max_logprobs`; the engine checks it too).
@@ -153,8 +157,10 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
         tokens_as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
         include_usage: req.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
         echo,
+        tools: None,
     };
-    generate(state, request_id("cmpl"), prompts, params, &req.common, format).await
+    let request = Request { id: request_id("cmpl"), prompts, params, constraint_field: None };
+    generate(state, request, &req.common, format).await
 }
 
 /// A prompt's ids; `add_special_tokens` adds the BOS the model asks for.
@@ -165,8 +171,15 @@ fn encode(state: &AppState, text: &str, add_special_tokens: bool) -> Result<Vec<
         .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), Some("prompt")))
 }
 
-/// Renders chat messages with the chat template.
-fn render_chat(state: &AppState, messages: &[protocol::Message], add_generation_prompt: bool) -> Result<String, ApiError> {
+/// Renders chat messages (and the request's tools: through the template
+/// if it reads `tools`, else with the default tool prompt) with the chat
+/// template.
+fn render_chat(
+    state: &AppState,
+    messages: &[protocol::Message],
+    tools: Option<&ToolRequest>,
+    add_generation_prompt: bool,
+) -> Result<String, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty", Some("messages")));
     }
@@ -174,12 +187,9 @@ fn render_chat(state: &AppState, messages: &[protocol::Message], add_generation_
         .chat_template
         .as_ref()
         .ok_or_else(|| ApiError::bad_request("The model has no chat template; pass one with --chat-template.", Some("messages")))?;
-    let msgs = messages
-        .iter()
-        .map(|m| Ok(json!({"role": m.role, "content": protocol::message_text(m)?})))
-        .collect::<Result<Vec<Value>, ApiError>>()?;
+    let (msgs, tools_var) = tools::prompt_messages(messages, tools, template.supports_tools())?;
     template
-        .render(&msgs, add_generation_prompt)
+        .render_with_tools(&msgs, tools_var.as_ref(), add_generation_prompt)
         .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}"), Some("messages")))
 }
 
@@ -189,7 +199,8 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
     let req: ChatRequest = protocol::parse_body(&body)?;
     log_unknown(&req.unknown);
     let model = state.check_model(&req.common.model)?;
-    let text = render_chat(&state, &req.messages, req.add_generation_prompt.unwrap_or(true))?;
+    let tool_request = ToolRequest::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
+    let text = render_chat(&state, &req.messages, tool_request.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
     // The template writes the special tokens (vLLM's default
     // `add_special_tokens: false` for chat).
     let prompt = encode(&state, &text, false)?;
@@ -209,7 +220,19 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
         None
     };
     let vocab = state.tokenizer.vocab_size();
-    let params = protocol::sampling_params(&req.common, None, logprobs, vocab)?;
+    let mut params = protocol::sampling_params(&req.common, None, logprobs, vocab)?;
+    // `required` and a named function constrain decoding to valid calls.
+    let mut constraint_field = None;
+    if let Some(constraint) = tool_request.as_ref().and_then(ToolRequest::constraint) {
+        if let Some((field, _)) = protocol::structured_output_with_field(&req.common)? {
+            return Err(ApiError::bad_request(
+                format!("tool_choice \"required\" or a named function cannot be combined with {field}"),
+                Some("tool_choice"),
+            ));
+        }
+        params.structured_output = Some(constraint);
+        constraint_field = Some("tools");
+    }
     let format = Format {
         kind: Kind::Chat,
         model,
@@ -218,20 +241,26 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
         tokens_as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
         include_usage: req.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
         echo: None,
+        tools: tool_request.as_ref().and_then(|t| Some((t.parse_mode()?, t.parallel))),
     };
-    generate(state, request_id("chatcmpl"), vec![prompt], params, &req.common, format).await
+    let request = Request { id: request_id("chatcmpl"), prompts: vec![prompt], params, constraint_field };
+    generate(state, request, &req.common, format).await
 }
 
-async fn generate(
-    state: Arc<AppState>,
+/// A request ready to run.
+struct Request {
     id: String,
     prompts: Vec<Vec<TokenId>>,
     params: SamplingParams,
-    common: &Common,
-    format: Format,
-) -> Result<Response, ApiError> {
+    /// The request field a structured-output constraint came from, where
+    /// not one of the structured-output fields (tool calling: `tools`).
+    constraint_field: Option<&'static str>,
+}
+
+async fn generate(state: Arc<AppState>, request: Request, common: &Common, format: Format) -> Result<Response, ApiError> {
+    let Request { id, prompts, params, constraint_field } = request;
     state.check_length(&prompts, params.max_tokens)?;
-    check_structured_output(&state, &params, common).await?;
+    check_structured_output(&state, &params, common, constraint_field).await?;
     state.admit()?;
     let span = tracing::info_span!("request", request_id = %id, user = common.user.as_deref().unwrap_or(""));
     let gen =
@@ -252,12 +281,18 @@ const STRUCTURED_OUTPUT_COMPILE_TIMEOUT: std::time::Duration = std::time::Durati
 /// blocking thread with a deadline, so that a pathological schema is a 400
 /// and never stalls the engine loop; the compiled grammar is cached, so the
 /// engine's own compile is a cache hit.
-async fn check_structured_output(state: &Arc<AppState>, params: &SamplingParams, common: &Common) -> Result<(), ApiError> {
+async fn check_structured_output(
+    state: &Arc<AppState>,
+    params: &SamplingParams,
+    common: &Common,
+    field_override: Option<&'static str>,
+) -> Result<(), ApiError> {
     let Some(spec) = params.structured_output.clone() else { return Ok(()) };
     // The field the request used, for the error messages (looked up only
     // on an error).
     let spec_field = spec.field();
-    let field = || protocol::structured_output_with_field(common).ok().flatten().map_or(spec_field, |(f, _)| f);
+    let field =
+        || field_override.unwrap_or_else(|| protocol::structured_output_with_field(common).ok().flatten().map_or(spec_field, |(f, _)| f));
     let refuse = |message: String| {
         let field = field();
         ApiError::bad_request(format!("{field}: {message}"), Some(field))
@@ -319,11 +354,12 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
                 .enumerate()
                 .map(|(i, c)| {
                     let logprobs = f.logprobs.map(|_| json!({"content": chat_logprobs(&state, &c.tokens, &f)}));
+                    let (message, finish_reason) = chat_message(&c, f.tools.as_ref());
                     json!({
                         "index": i,
-                        "message": {"role": "assistant", "content": c.text},
+                        "message": message,
                         "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish_reason,
                         "stop_reason": null
                     })
                 })
@@ -332,6 +368,31 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
         }
     };
     Ok(json_response(body))
+}
+
+/// A whole chat choice: the message (content and parsed tool calls) and its
+/// finish reason.
+fn chat_message(c: &Choice, tools: Option<&(ParseMode, bool)>) -> (Value, Option<&'static str>) {
+    let Some((mode, parallel)) = tools else {
+        return (json!({"role": "assistant", "content": c.text}), c.finish_reason);
+    };
+    let mut parser = ToolCallParser::new(mode.clone(), *parallel);
+    let mut whole = Assembled::default();
+    whole.apply(parser.push(&c.text));
+    whole.apply(parser.finish());
+    let mut message = json!({"role": "assistant", "content": whole.content});
+    if whole.calls.is_empty() {
+        message["content"] = json!(whole.content.unwrap_or_default());
+    } else {
+        let calls: Vec<Value> = whole
+            .calls
+            .into_iter()
+            .map(|(name, arguments)| json!({"id": request_id("call"), "type": "function", "function": {"name": name, "arguments": arguments}}))
+            .collect();
+        message["tool_calls"] = Value::Array(calls);
+    }
+    let finish_reason = c.finish_reason.map(|r| tools::finish_reason(mode, parser.num_calls(), r));
+    (message, finish_reason)
 }
 
 fn usage(prompt: usize, completion: usize) -> Value {
@@ -398,6 +459,8 @@ struct SseState {
     f: Format,
     queued: std::collections::VecDeque<Bytes>,
     done: bool,
+    /// Chat with tools: one parser per choice.
+    tool_parsers: Vec<ToolCallParser>,
 }
 
 fn chunk(s: &SseState, choices: Vec<Value>) -> Value {
@@ -423,10 +486,51 @@ fn piece_choice(s: &SseState, p: &Piece) -> Value {
     }
 }
 
+/// The chunks' choices for one piece of a chat with tools: its text goes
+/// through the choice's parser; content, each call's opening (id, name) and
+/// each piece of arguments become `delta`s of their own; the finish reason
+/// comes last, after everything the parser held back.
+fn tool_piece_choices(s: &mut SseState, p: &Piece) -> Vec<Value> {
+    let Some((mode, _)) = s.f.tools.clone() else { return Vec::new() };
+    let Some(parser) = s.tool_parsers.get_mut(p.choice) else { return Vec::new() };
+    let mut events = parser.push(&p.text);
+    let finish_reason = p.finish_reason.map(|r| {
+        events.extend(parser.finish());
+        tools::finish_reason(&mode, parser.num_calls(), r)
+    });
+    let mut deltas: Vec<Value> = Vec::with_capacity(events.len() + 1);
+    for e in events {
+        deltas.push(match e {
+            ToolEvent::Content(text) => json!({"content": text}),
+            ToolEvent::CallStart { index, name } => {
+                json!({"tool_calls": [{"index": index, "id": request_id("call"), "type": "function", "function": {"name": name, "arguments": ""}}]})
+            }
+            ToolEvent::Arguments { index, fragment } => json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}),
+        });
+    }
+    let logprobs = s.f.logprobs.map(|_| json!({"content": chat_logprobs(&s.state, &p.tokens, &s.f)}));
+    if deltas.is_empty() && (logprobs.is_some() || finish_reason.is_some()) {
+        deltas.push(json!({}));
+    }
+    let last = deltas.len().saturating_sub(1);
+    deltas
+        .into_iter()
+        .enumerate()
+        .map(|(i, delta)| {
+            let lp = if i == 0 { logprobs.clone() } else { None };
+            json!({"index": p.choice, "delta": delta, "logprobs": lp, "finish_reason": if i == last { finish_reason } else { None }})
+        })
+        .collect()
+}
+
 fn sse_response(state: Arc<AppState>, gen: Generation, f: Format) -> Response {
-    let mut s = SseState { state, gen, f, queued: Default::default(), done: false };
+    let n = gen.num_choices();
+    let tool_parsers = match &f.tools {
+        Some((mode, parallel)) => (0..n).map(|_| ToolCallParser::new(mode.clone(), *parallel)).collect(),
+        None => Vec::new(),
+    };
+    let mut s = SseState { state, gen, f, queued: Default::default(), done: false, tool_parsers };
     // Opening chunks: the assistant role (chat) or the echoed prompt.
-    let n = s.gen.num_choices();
     match s.f.kind {
         Kind::Chat => {
             let choices = (0..n)
@@ -454,6 +558,14 @@ fn sse_response(state: Arc<AppState>, gen: Generation, f: Format) -> Response {
                 return None;
             }
             match s.gen.next().await {
+                Some(Ok(pieces)) if !s.tool_parsers.is_empty() => {
+                    for p in &pieces {
+                        for choice in tool_piece_choices(&mut s, p) {
+                            let c = chunk(&s, vec![choice]);
+                            s.queued.push_back(sse(&c));
+                        }
+                    }
+                }
                 Some(Ok(pieces)) => {
                     let choices: Vec<Value> = pieces.iter().map(|p| piece_choice(&s, p)).collect();
                     let c = chunk(&s, choices);
@@ -506,6 +618,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result
         model: Option<String>,
         prompt: Option<String>,
         messages: Option<Vec<protocol::Message>>,
+        tools: Option<Value>,
         add_special_tokens: Option<bool>,
         add_generation_prompt: Option<bool>,
     }
@@ -513,7 +626,10 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result
     state.check_model(&req.model)?;
     let text = match (&req.prompt, &req.messages) {
         (Some(p), None) => p.clone(),
-        (None, Some(m)) => render_chat(&state, m, req.add_generation_prompt.unwrap_or(true))?,
+        (None, Some(m)) => {
+            let tools = ToolRequest::parse(req.tools.as_ref(), None, None)?;
+            render_chat(&state, m, tools.as_ref(), req.add_generation_prompt.unwrap_or(true))?
+        }
         _ => return Err(ApiError::bad_request("give exactly one of prompt or messages", Some("prompt"))),
     };
     let tokens = state

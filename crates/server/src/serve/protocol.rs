@@ -100,6 +100,14 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Value>,
+    /// An assistant turn's calls (`[{"id", "type", "function": {"name", "arguments"}}]`).
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    /// A `tool` turn: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -109,6 +117,11 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub add_generation_prompt: Option<bool>,
+    /// Functions the model may call, `tool_choice`, `parallel_tool_calls`
+    /// (checked by `tools::ToolRequest::parse`).
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
     #[serde(flatten)]
@@ -157,6 +170,9 @@ const KNOWN: &[&str] = &[
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 ];
 
 /// A JSON schema given as an object or as JSON text: its text.
