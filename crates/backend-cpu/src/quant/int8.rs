@@ -19,7 +19,7 @@
 //! block, the lanes alternate block 0 / block 1, so a block scale pair
 //! `(d₀·dx₀, d₁·dx₁)` applies through a 64-bit broadcast.
 
-use super::avx2::{bcast2, drive, finish_tile, TileArgs};
+use super::avx2::{bcast2, drive, finish_tile, TileArgs, PREFETCH_BYTES};
 use super::{ActBits, QuantActs, QuantKind, QuantWeight};
 use std::arch::x86_64::*;
 
@@ -92,6 +92,10 @@ macro_rules! int8_kernel {
                         // SAFETY: record j of output c and of every row exists.
                         unsafe {
                             let (u, sw, d) = load_w::<Q8>(w.add((c * pairs + j) * rec));
+                            if R < 4 {
+                                // A prefetch never faults: the address may run past the weight.
+                                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((c * pairs + j) * rec + PREFETCH_BYTES) as *const i8);
+                            }
                             for (r, accr) in acc.iter_mut().enumerate() {
                                 let xr = x.add((r * pairs + j) * XREC);
                                 let mut s0 = _mm256_loadu_si256(xr as *const __m256i);
