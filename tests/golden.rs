@@ -298,6 +298,40 @@ fn gemma3_kv_cache_groups_change_no_result() {
     assert_close(&want_hit, &got_hit, "prefix hit through KV-cache groups");
 }
 
+/// Structured-output masks computed on another thread while the forward
+/// pass runs (the default) give exactly the tokens of masks computed after
+/// it: JSON-schema requests, greedy and sampled with `n = 2`.
+#[test]
+fn masks_beside_the_forward_pass_change_no_token() {
+    let args = EngineArgs { kv_cache: vellum::core::KvCacheSize::NumBlocks(256), ..EngineArgs::default() };
+    let mut llm = Llm::new(args).expect("the default model loads");
+    let schema = r#"{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}"#;
+    let prompts: Vec<Vec<u32>> = golden().iter().take(3).map(|g| g.prompt_ids.clone()).collect();
+    let constrained = vellum::core::StructuredOutput::Json(schema.into());
+    let greedy = SamplingParams { structured_output: Some(constrained.clone()), ..SamplingParams::greedy(48) };
+    let sampled =
+        SamplingParams { n: 2, temperature: 0.8, seed: Some(5), structured_output: Some(constrained), ..SamplingParams::greedy(48) };
+    let mut runs = Vec::new();
+    for overlap in [false, true] {
+        llm.engine().set_overlap_masks(overlap);
+        let mut tokens = Vec::new();
+        for params in [&greedy, &sampled] {
+            for out in llm.generate_ids(&prompts, params).expect("runs") {
+                for o in out.outputs {
+                    if o.finish_reason == Some(vellum::scheduler::FinishReason::Stop) {
+                        let v: serde_json::Value = serde_json::from_str(&o.text).expect("a finished output parses");
+                        assert!(v["name"].is_string() && v["age"].is_u64(), "valid under the schema: {}", o.text);
+                    }
+                    tokens.push(o.token_ids);
+                }
+            }
+        }
+        runs.push(tokens);
+    }
+    assert_eq!(runs[0], runs[1], "overlapped masks give the same tokens");
+    assert!(llm.engine().counters().structured_mask_s > 0.0, "masks were computed");
+}
+
 /// A stop string ends the request as soon as the text contains it.
 #[test]
 fn stop_strings_end_generation_early() {

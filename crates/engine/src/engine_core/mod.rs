@@ -102,6 +102,9 @@ pub struct EngineCore<E: ModelExecutor> {
     /// Compiles structured-output constraints (from the tokenizer; `None`
     /// when built without one: such requests are refused).
     structured: Option<Arc<StructuredOutputs>>,
+    /// Whether structured-output masks are computed beside the forward
+    /// pass (the default; `VELLUM_OVERLAP_MASKS=0` turns it off, to measure).
+    overlap_masks: bool,
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
@@ -141,7 +144,6 @@ impl<E: ModelExecutor> EngineCore<E> {
         scheduler.keep_finished_requests(false);
         Ok(Self {
             scheduler,
-            executor,
             block_size,
             block_tables: IdMap::default(),
             views: Sequences::default(),
@@ -150,7 +152,16 @@ impl<E: ModelExecutor> EngineCore<E> {
             eos_token_ids,
             counters: EngineCounters::default(),
             structured: None,
+            overlap_masks: std::env::var("VELLUM_OVERLAP_MASKS").as_deref() != Ok("0"),
+            executor,
         })
+    }
+
+    /// Computes structured-output masks beside the forward pass (`true`, the
+    /// default) or after it (`false`). Either way the masks, and so the
+    /// outputs, are the same.
+    pub fn set_overlap_masks(&mut self, overlap: bool) {
+        self.overlap_masks = overlap;
     }
 
     /// Lets requests carry a structured-output constraint, compiled by
@@ -256,9 +267,28 @@ impl<E: ModelExecutor> EngineCore<E> {
         }
         let (batch, rows) = self.build_batch(&out);
         let t1 = Instant::now();
-        let result = self.executor.execute(&batch)?;
+        // The structured-output masks depend on the rows, not the logits:
+        // they are computed on another thread while the forward pass runs.
+        // A device backend leaves the host's cores to them; on the CPU
+        // backend it still paid (+15% single-stream decode, even at 64
+        // sequences: docs/benchmarks.md).
+        let (result, masks) = if self.overlap_masks && sampling::has_constrained_rows(&self.views.seqs, &rows) {
+            let (executor, seqs, rows) = (&mut self.executor, &mut self.views.seqs, &rows);
+            let (result, (masks, mask_s)) = std::thread::scope(|scope| {
+                let masks = scope.spawn(move || {
+                    let started = Instant::now();
+                    (sampling::structured_masks(seqs, rows), started.elapsed().as_secs_f64())
+                });
+                let result = executor.execute(&batch);
+                (result, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+            });
+            self.counters.structured_mask_s += mask_s;
+            (result?, Some(masks))
+        } else {
+            (self.executor.execute(&batch)?, None)
+        };
         let t2 = Instant::now();
-        let (samples, draws) = self.sample(&result.logits, result.vocab_size, &rows);
+        let (samples, draws) = self.sample(&result.logits, result.vocab_size, &rows, masks);
         let update = self.scheduler.update_from_output(&samples);
         let done = self.views.apply(&samples, &draws, &update);
         self.finished.extend(done);

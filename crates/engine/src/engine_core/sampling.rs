@@ -7,16 +7,51 @@ use super::EngineCore;
 use crate::beam::beam_step;
 use crate::outputs::PromptLogprob;
 use crate::sampler::{log_softmax, log_sum_exp, sample_masked, top_k, AllowedTokens, Sample};
-use crate::sequences::Draw;
+use crate::sequences::{Draw, SeqView};
 use crate::structured::Constraint;
 use llguidance::toktrie::SimpleVob;
 use vellum_core::{IdMap, IdSet, ModelExecutor, RequestId, SeqId};
 use vellum_scheduler::{RequestSamples, StepSamples};
 
+/// The allowed tokens of each constrained sampling row, and the vocabulary
+/// size the mask covers.
+pub(super) type Masks = IdMap<SeqId, (SimpleVob, usize)>;
+
+/// Whether any of `rows` samples under a structured-output constraint.
+pub(super) fn has_constrained_rows(seqs: &IdMap<SeqId, SeqView>, rows: &[Row]) -> bool {
+    rows.iter().any(|r| matches!(r, Row::Sample(_, sid) if seqs.get(sid).is_some_and(|v| v.constraint.is_some())))
+}
+
+/// The structured-output masks of a step's sampling rows, in parallel: each
+/// sequence's matcher is its own, and a mask can take a millisecond. Each
+/// matcher has consumed every token sampled so far, so the masks depend
+/// only on the step's rows, not on its logits: they may be computed while
+/// the forward pass runs. A step without constrained rows allocates nothing.
+pub(super) fn structured_masks(seqs: &mut IdMap<SeqId, SeqView>, rows: &[Row]) -> Masks {
+    use rayon::prelude::*;
+    if !has_constrained_rows(seqs, rows) {
+        return Masks::default();
+    }
+    let wanted: IdSet<SeqId> = rows.iter().filter_map(|r| if let Row::Sample(_, sid) = r { Some(*sid) } else { None }).collect();
+    let mut constrained: Vec<(SeqId, &mut Constraint)> =
+        seqs.iter_mut().filter_map(|(sid, v)| v.constraint.as_mut().filter(|_| wanted.contains(sid)).map(|c| (*sid, c))).collect();
+    constrained.par_iter_mut().with_max_len(1).map(|(sid, c)| (*sid, (c.allowed(), c.vocab_size()))).collect()
+}
+
 impl<E: ModelExecutor> EngineCore<E> {
     /// Samples every row: the entries for the scheduler, and per request
     /// the draws behind them (same order).
-    pub(super) fn sample(&mut self, logits: &[f32], vocab: usize, rows: &[Row]) -> (StepSamples, IdMap<RequestId, Vec<Draw>>) {
+    ///
+    /// `masks`: the structured-output masks of `rows` if they were computed
+    /// beside the forward pass ([`structured_masks`]); else they are
+    /// computed here.
+    pub(super) fn sample(
+        &mut self,
+        logits: &[f32],
+        vocab: usize,
+        rows: &[Row],
+        masks: Option<Masks>,
+    ) -> (StepSamples, IdMap<RequestId, Vec<Draw>>) {
         let mut per_req: Vec<RequestSamples> = Vec::new();
         let mut draws: IdMap<RequestId, Vec<Draw>> = IdMap::default();
         let mut beam_rows: Vec<(RequestId, SeqId, usize)> = Vec::new();
@@ -34,25 +69,17 @@ impl<E: ModelExecutor> EngineCore<E> {
                 (0..rows.len()).map(lse).collect()
             }
         };
-        // Structured-output masks of this step's rows, in parallel: each
-        // sequence's matcher is its own, and a mask can take a millisecond.
-        // A step without constrained rows allocates nothing here.
-        let constrained_row =
-            |r: &Row| matches!(r, Row::Sample(_, sid) if self.views.seqs.get(sid).is_some_and(|v| v.constraint.is_some()));
-        let mut masks: IdMap<SeqId, (SimpleVob, usize)> = IdMap::default();
-        if rows.iter().any(constrained_row) {
-            use rayon::prelude::*;
-            let started = std::time::Instant::now();
-            let wanted: IdSet<SeqId> = rows.iter().filter_map(|r| if let Row::Sample(_, sid) = r { Some(*sid) } else { None }).collect();
-            let mut constrained: Vec<(SeqId, &mut Constraint)> = self
-                .views
-                .seqs
-                .iter_mut()
-                .filter_map(|(sid, v)| v.constraint.as_mut().filter(|_| wanted.contains(sid)).map(|c| (*sid, c)))
-                .collect();
-            masks = constrained.par_iter_mut().with_max_len(1).map(|(sid, c)| (*sid, (c.allowed(), c.vocab_size()))).collect();
-            self.counters.structured_mask_s += started.elapsed().as_secs_f64();
-        }
+        let mut masks = match masks {
+            Some(m) => m,
+            None => {
+                let started = std::time::Instant::now();
+                let m = structured_masks(&mut self.views.seqs, rows);
+                if !m.is_empty() {
+                    self.counters.structured_mask_s += started.elapsed().as_secs_f64();
+                }
+                m
+            }
+        };
         for (row, &use_) in rows.iter().enumerate() {
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
             let (rid, sid) = match use_ {
