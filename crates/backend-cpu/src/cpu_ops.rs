@@ -29,7 +29,35 @@ impl HostTensor {
     fn zeros(rows: usize, cols: usize) -> Self {
         Self { rows, cols, data: vec![0.0; rows * cols] }
     }
+
+    /// A `[rows, cols]` output every cell of which the caller overwrites: in
+    /// the spare buffer (see [`Ops::reuse_host_buffer`]) when it is large
+    /// and fits, so the kernel writes to memory already mapped. Fresh
+    /// allocations of this size come from `mmap`, and their first writes
+    /// fault page after page (a tenth of a 64-sequence Gemma 3 step).
+    fn for_overwrite(rows: usize, cols: usize) -> Self {
+        let len = rows * cols;
+        if len >= SPARE_MIN_LEN {
+            let spare = match SPARE_OUTPUT.lock() {
+                Ok(mut spare) if spare.capacity() >= len => Some(std::mem::take(&mut *spare)),
+                _ => None,
+            };
+            if let Some(mut data) = spare {
+                // Old values stay where the caller will overwrite them.
+                data.resize(len, 0.0);
+                return Self { rows, cols, data };
+            }
+        }
+        Self::zeros(rows, cols)
+    }
 }
+
+/// Outputs at least this long (4 MiB) are worth keeping for reuse.
+const SPARE_MIN_LEN: usize = 1 << 20;
+
+/// The buffer of the last large output handed to the engine and given back
+/// (one step's logits), shared by every `CpuOps`.
+static SPARE_OUTPUT: std::sync::Mutex<Vec<f32>> = std::sync::Mutex::new(Vec::new());
 
 /// The CPU implementation of the model operations.
 #[derive(Clone, Copy, Debug, Default)]
@@ -165,7 +193,8 @@ impl Ops for CpuOps {
     fn linear(&self, x: &HostTensor, w: &HostWeight, bias: Option<&Vec<f32>>) -> OpResult<HostTensor> {
         check(x.cols == w.inp, || format!("linear: input width {} but the weight takes {}", x.cols, w.inp))?;
         let (m, n) = (x.rows, w.out);
-        let mut out = HostTensor::zeros(m, n);
+        // The integer kernels store every output cell; the others add into it.
+        let mut out = if w.overwrites_output() { HostTensor::for_overwrite(m, n) } else { HostTensor::zeros(m, n) };
         if m == 0 {
             return Ok(out);
         }
@@ -259,6 +288,20 @@ impl Ops for CpuOps {
 
     fn to_host(&self, x: &HostTensor) -> OpResult<Vec<f32>> {
         Ok(x.data.clone())
+    }
+
+    fn take_host(&self, x: HostTensor) -> OpResult<Vec<f32>> {
+        Ok(x.data)
+    }
+
+    fn reuse_host_buffer(&self, buffer: Vec<f32>) {
+        if buffer.capacity() >= SPARE_MIN_LEN {
+            if let Ok(mut spare) = SPARE_OUTPUT.lock() {
+                if buffer.capacity() > spare.capacity() {
+                    *spare = buffer;
+                }
+            }
+        }
     }
 
     fn run_forward<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {

@@ -152,6 +152,12 @@ impl HostWeight {
         }
     }
 
+    /// Whether [`matmul`] stores every output cell (the integer kernels)
+    /// rather than adding into zeros.
+    pub(crate) fn overwrites_output(&self) -> bool {
+        matches!(self.storage, Storage::Quant(..))
+    }
+
     /// Bytes the weight occupies in memory.
     pub fn memory_bytes(&self) -> usize {
         match &self.storage {

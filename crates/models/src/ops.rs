@@ -68,6 +68,16 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     fn logits_rows(&self, x: &Self::Tensor, step: &Self::Step) -> OpResult<Self::Tensor>;
     /// Copies activations to the host, row-major.
     fn to_host(&self, x: &Self::Tensor) -> OpResult<Vec<f32>>;
+    /// [`to_host`](Self::to_host) of a tensor no longer needed (a host
+    /// backend hands its buffer over instead of copying it).
+    fn take_host(&self, x: Self::Tensor) -> OpResult<Vec<f32>> {
+        self.to_host(&x)
+    }
+    /// Takes back a buffer [`take_host`](Self::take_host) returned (a
+    /// step's logits, once sampled) to reuse for a later output of its size.
+    fn reuse_host_buffer(&self, buffer: Vec<f32>) {
+        drop(buffer);
+    }
 
     /// Writes this step's K and V of `layer` into their slots, then causal
     /// paged attention of `q` over each sequence's cached context.

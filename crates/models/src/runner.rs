@@ -4,7 +4,7 @@
 //! execute(batch) ─ swap_blocks(out) ─ swap_blocks(in) ─ copy_blocks
 //!                ─ prepare_step(batch)            (per-step inputs, once)
 //!                ─ model.forward(ops, cache, step) (every layer's ops)
-//!                ─ to_host(logits)
+//!                ─ take_host(logits)
 //! ```
 
 use crate::ops::Ops;
@@ -112,6 +112,10 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         let step = ops.prepare_step(batch, *block_size)?;
         let model = &*self.model;
         let logits = ops.run_forward(|| model.forward(ops, cache, &step))?;
-        Ok(StepOutput { logits: ops.to_host(&logits)?, vocab_size: model.config().vocab_size })
+        Ok(StepOutput { logits: ops.take_host(logits)?, vocab_size: model.config().vocab_size })
+    }
+
+    fn recycle_logits(&mut self, logits: Vec<f32>) {
+        self.ops.reuse_host_buffer(logits);
     }
 }

@@ -289,6 +289,7 @@ impl<E: ModelExecutor> EngineCore<E> {
         };
         let t2 = Instant::now();
         let (samples, draws) = self.sample(&result.logits, result.vocab_size, &rows, masks);
+        self.executor.recycle_logits(result.logits);
         let update = self.scheduler.update_from_output(&samples);
         let done = self.views.apply(&samples, &draws, &update);
         self.finished.extend(done);
