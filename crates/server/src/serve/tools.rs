@@ -388,12 +388,9 @@ impl ToolCallParser {
     /// Feeds the next piece of generated text.
     pub fn push(&mut self, delta: &str) -> Vec<ToolEvent> {
         let mut events = Vec::new();
-        match self.mode.clone() {
-            ParseMode::Arguments(name) => {
-                if self.num_calls == 0 {
-                    self.num_calls = 1;
-                    events.push(ToolEvent::CallStart { index: 0, name });
-                }
+        match self.mode {
+            ParseMode::Arguments(_) => {
+                self.start_named_call(&mut events);
                 if !delta.is_empty() {
                     events.push(ToolEvent::Arguments { index: 0, fragment: delta.to_string() });
                 }
@@ -413,13 +410,8 @@ impl ToolCallParser {
     /// Ends the text: reports what was held back.
     pub fn finish(&mut self) -> Vec<ToolEvent> {
         let mut events = Vec::new();
-        match self.mode.clone() {
-            ParseMode::Arguments(name) => {
-                if self.num_calls == 0 {
-                    self.num_calls = 1;
-                    events.push(ToolEvent::CallStart { index: 0, name });
-                }
-            }
+        match self.mode {
+            ParseMode::Arguments(_) => self.start_named_call(&mut events),
             ParseMode::Array => {
                 // Grammar-constrained: only a truncated output ends early. If
                 // nothing parsed, show what came out as content.
@@ -431,6 +423,14 @@ impl ToolCallParser {
             ParseMode::Tagged => self.scan_tagged(&mut events, true),
         }
         events
+    }
+
+    /// A named function's one call opens with the first text (or at the end).
+    fn start_named_call(&mut self, events: &mut Vec<ToolEvent>) {
+        if let (ParseMode::Arguments(name), 0) = (&self.mode, self.num_calls) {
+            events.push(ToolEvent::CallStart { index: 0, name: name.clone() });
+            self.num_calls = 1;
+        }
     }
 
     fn content(&mut self, events: &mut Vec<ToolEvent>, text: &str) {
