@@ -44,9 +44,28 @@ struct Model {
     /// Tokens that must agree per prompt index (reference margins in the
     /// golden README).
     needed: fn(usize, usize) -> usize,
-    /// llama.cpp's largest logprob gap to the reference on this file and
-    /// these prompts (the bound for paths that quantize activations).
-    llama_cpp_gap: f64,
+    /// llama.cpp's logprob gaps to the reference on this file and these
+    /// prompts: the bounds for paths that quantize activations.
+    llama_cpp: LlamaCppGaps,
+}
+
+/// llama.cpp's gaps on agreeing tokens (`benchmarks/llama_cpp_logprobs.py`,
+/// greedy through `llama-server`), the largest over its equivalent
+/// configurations: flash attention on and off, 1 and 2 threads.
+///
+/// Why a spread and a mean rather than one run's largest gap: with int8
+/// activations the largest gap over ~100 tokens is a noisy statistic. A
+/// relative nudge of 2.4·10⁻⁷ to every linear's output moves Vellum's from
+/// 0.117 to 0.168 nats on SmolLM2 (its rounding to int8 flips), and
+/// llama.cpp's own moves from 0.137 to 0.265 with flash attention off. The
+/// mean over agreeing tokens is steadier (0.025–0.031 for Vellum's default
+/// path across such nudges, 0.029–0.035 for llama.cpp); docs/benchmarks.md
+/// has the table.
+struct LlamaCppGaps {
+    /// The largest gap on any agreeing token, over the configurations.
+    largest: f64,
+    /// The largest mean gap over agreeing tokens, over the configurations.
+    mean: f64,
 }
 
 const SMOLLM2: Model = Model {
@@ -54,7 +73,7 @@ const SMOLLM2: Model = Model {
     golden: "smollm2-135m-instruct-q4_1.json",
     tolerance: |_| TOLERANCE,
     needed: |i, n| if i == 2 { 5 } else { 8.min(n) },
-    llama_cpp_gap: 0.137,
+    llama_cpp: LlamaCppGaps { largest: 0.2645, mean: 0.0345 },
 };
 
 const GEMMA3: Model = Model {
@@ -62,7 +81,7 @@ const GEMMA3: Model = Model {
     golden: "gemma3-270m-q4_k_m.json",
     tolerance: |i| if i == 4 { 0.03 } else { TOLERANCE },
     needed: |_, n| 8.min(n),
-    llama_cpp_gap: 0.237,
+    llama_cpp: LlamaCppGaps { largest: 0.3984, mean: 0.0421 },
 };
 
 fn load_golden(file: &str) -> Vec<Golden> {
@@ -150,6 +169,7 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
     let params = SamplingParams { logprobs: Some(5), ..SamplingParams::greedy(16) };
     let outs = llm.generate_ids(&prompts, &params).expect("generation runs");
     let mut worst = 0.0f64;
+    let mut gaps = Vec::new();
     let mut total_agreed = 0;
     for (i, (c, out)) in cases.iter().zip(&outs).enumerate() {
         let ours = &out.outputs[0];
@@ -162,7 +182,8 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
                 let ours_lp = our_top.iter().find(|x| x.0 == t).expect("chosen token is in our top-5").1 as f64;
                 let diff = (ours_lp - ref_top[0].1).abs();
                 worst = worst.max(diff);
-                let tolerance = if quantized_activations { model.llama_cpp_gap } else { (model.tolerance)(i) };
+                gaps.push(diff);
+                let tolerance = if quantized_activations { model.llama_cpp.largest } else { (model.tolerance)(i) };
                 assert!(diff <= tolerance, "prompt {i} step {j}: logprob {ours_lp} vs reference {} (|Δ| {diff})", ref_top[0].1);
                 agreed += 1;
             } else {
@@ -184,10 +205,14 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
         total_agreed += agreed;
     }
     let total: usize = cases.iter().map(|c| c.greedy_ids.len()).sum();
+    let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
     eprintln!(
-        "{device} ({}): {total_agreed}/{total} tokens agree; largest logprob difference on agreeing tokens: {worst:.5} nats",
+        "{device} ({}): {total_agreed}/{total} tokens agree; largest logprob difference on agreeing tokens: {worst:.5} nats, mean {mean:.5}",
         precision.name()
     );
+    if quantized_activations {
+        assert!(mean <= model.llama_cpp.mean, "mean gap {mean:.5} over llama.cpp's {}", model.llama_cpp.mean);
+    }
     // Every block is returned once the requests are done.
     let st = llm.engine().scheduler().allocator().stats();
     assert_eq!(st.num_used_blocks, 0);
