@@ -4,7 +4,8 @@
 //! `cargo run --release -p vellum-backend-cpu --example linear_bench`
 //! (`MS=1,64` picks the batch sizes, `VELLUM_CPU_KERNEL` the instruction
 //! set). Columns: f32, then Q4 (the file's Q4_1 blocks) and Q8 blocks, each
-//! with int16 and int8 activations.
+//! with int16 and int8 activations. `KQUANTS=1` times Gemma 3's Q4_K and
+//! Q6_K matrices instead (f32, then the integer kernel at int16 and int8).
 
 use vellum_backend_cpu::{ActBits, CpuOps, HostTensor, WeightFormat};
 use vellum_models::gguf::GgmlType;
@@ -35,8 +36,57 @@ fn q4_weight(n: usize, k: usize, rng: &mut vellum_core::SeededRng) -> WeightView
     WeightView::new("w", vec![n, k], GgmlType::Q4_1, bytes.into()).expect("whole blocks")
 }
 
+/// A K-quant weight (`Q4_K` or `Q6_K`) `[n, k]`: random super-blocks with
+/// small f16 scales.
+fn kquant_weight(ty: GgmlType, n: usize, k: usize, rng: &mut vellum_core::SeededRng) -> WeightView<'static> {
+    let (bytes_per, halves): (usize, &[usize]) = if ty == GgmlType::Q4_K { (144, &[0, 2]) } else { (210, &[208]) };
+    let mut bytes: Vec<u8> = (0..n * k / 256 * bytes_per).map(|_| (rng.next_u64() >> 56) as u8).collect();
+    for b in bytes.chunks_exact_mut(bytes_per) {
+        for &at in halves {
+            b[at..at + 2].copy_from_slice(&half::f16::from_f32(1e-3).to_le_bytes());
+        }
+    }
+    WeightView::new("w", vec![n, k], ty, bytes.into()).expect("whole super-blocks")
+}
+
+/// Gemma 3 270M's K-quant matrices (`attn_output` Q4_K, `ffn_down` Q4_K
+/// or Q6_K) through the integer kernel, int16 and int8 activations.
+fn kquants(ms: &[usize], seed: &mut vellum_core::SeededRng) {
+    for &m in ms {
+        for (ty, n, k, name) in
+            [(GgmlType::Q4_K, 640, 1024, "o Q4_K"), (GgmlType::Q4_K, 640, 2048, "down Q4_K"), (GgmlType::Q6_K, 640, 2048, "down Q6_K")]
+        {
+            let w = kquant_weight(ty, n, k, seed);
+            let x = HostTensor { rows: m, cols: k, data: (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect() };
+            let mut line = format!("m={m:4} {name:10} [{n}x{k}]");
+            for (label, f, bits) in [
+                ("f32", WeightFormat::F32, ActBits::I8),
+                ("i16", WeightFormat::Auto, ActBits::I16),
+                ("i8", WeightFormat::Auto, ActBits::I8),
+            ] {
+                let ops = CpuOps::new(f).with_activations(bits);
+                let wt = ops.linear_weight(w.clone()).expect("weight");
+                let _ = ops.linear(&x, &wt, None).expect("shapes match");
+                let reps = ((2e8 / (m * n * k) as f64).ceil() as usize).clamp(1, 2000);
+                let t0 = cpu_time();
+                for _ in 0..reps {
+                    let _ = std::hint::black_box(ops.linear(&x, &wt, None));
+                }
+                let dt = (cpu_time() - t0) / reps as f64;
+                line += &format!("  {label}: {:7.1} us {:5.1} GMAC/s", dt * 1e6, (m * n * k) as f64 / dt * 1e-9);
+            }
+            println!("{line}");
+        }
+    }
+}
+
 fn main() {
     let mut seed = vellum_core::SeededRng::new(1);
+    if std::env::var("KQUANTS").is_ok_and(|v| v == "1") {
+        let ms: Vec<usize> =
+            std::env::var("MS").ok().map(|s| s.split(",").filter_map(|v| v.parse().ok()).collect()).unwrap_or(vec![1, 64, 512]);
+        return kquants(&ms, &mut seed);
+    }
     let shapes = [(576, 576, "q/o"), (192, 576, "k/v"), (1536, 576, "gate/up"), (576, 1536, "down"), (49152, 576, "lm_head")];
     let formats = [
         ("f32", WeightFormat::F32, ActBits::I8),

@@ -115,7 +115,7 @@ impl HostWeight {
                 }
         });
         if let Some(q) = kept {
-            return Ok(HostWeight { out, inp, storage: Storage::Quant(q, acts) });
+            return Ok(HostWeight { out, inp, storage: Storage::Quant(q.for_acts(acts), acts) });
         }
         let plain = matches!(w.dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
         if format == WeightFormat::Auto && !plain && w.dtype.is_dequantizable() && out > 0 && inp > 0 {
@@ -129,7 +129,7 @@ impl HostWeight {
             WeightFormat::F32 | WeightFormat::Auto => None,
         };
         let storage = match kind {
-            Some(kind) if out > 0 && inp > 0 => Storage::Quant(QuantWeight::quantize(&data, out, inp, kind), acts),
+            Some(kind) if out > 0 && inp > 0 => Storage::Quant(QuantWeight::quantize(&data, out, inp, kind).for_acts(acts), acts),
             _ => Storage::F32(transpose(&data, out, inp)),
         };
         Ok(HostWeight { out, inp, storage })
@@ -162,7 +162,7 @@ impl HostWeight {
     pub fn memory_bytes(&self) -> usize {
         match &self.storage {
             Storage::F32(kn) => kn.len() * 4,
-            Storage::Quant(q, _) => q.data.len() + q.mins.len() * 2,
+            Storage::Quant(q, _) => q.data.len() + q.mins.bytes(),
             Storage::Blocks { data, .. } => data.len(),
         }
     }

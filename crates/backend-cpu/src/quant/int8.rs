@@ -19,8 +19,8 @@
 //! block, the lanes alternate block 0 / block 1, so a block scale pair
 //! `(d₀·dx₀, d₁·dx₁)` applies through a 64-bit broadcast.
 
-use super::avx2::{bcast2, drive, finish_tile, TileArgs, PREFETCH_BYTES};
-use super::{ActBits, QuantActs, QuantKind, QuantWeight};
+use super::avx2::{bcast2, dispatch_tile, drive, finish_tile, TileArgs, PREFETCH_BYTES};
+use super::{ActBits, QuantActs, QuantKind, QuantWeight, KQ4K, KQ6K, KQ8};
 use std::arch::x86_64::*;
 
 /// Bytes of one int8 activation pair record.
@@ -47,51 +47,59 @@ macro_rules! int8_kernel {
                 $dpbusd
             }
 
-            /// A weight pair: the two unsigned operand registers (Q4: low and
-            /// high nibbles, positions 0..32 and 32..64; Q8: `|w|`), the two
-            /// signed codes (Q8; whose signs move onto the activations) and
-            /// the `d` pattern `(d₀, d₁, d₀, d₁, …)`.
+            /// A weight pair of kind `K`: the two unsigned operand registers
+            /// (Q4/Q4K: low and high nibbles, positions 0..32 and 32..64;
+            /// Q8/Q6K: `|w|`), the two signed codes (Q8/Q6K; whose signs move
+            /// onto the activations) and the `d` patterns `(d₀, d₁, d₀, d₁,
+            /// …)` of positions 0..32 and 32..64 (equal except for Q6K).
             ///
             /// # Safety
             /// The CPU must support the module's features; `p` must be valid
-            /// for reading one whole weight pair record of the kind.
+            /// for reading one whole weight pair record of kind `K`.
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn load_w<const Q8: bool>(p: *const u8) -> ([__m256i; 2], [__m256i; 2], __m256) {
+            unsafe fn load_w<const K: u8>(p: *const u8) -> ([__m256i; 2], [__m256i; 2], [__m256; 2]) {
                 // SAFETY (all loads): p points at a full record of the kind.
                 unsafe {
-                    if Q8 {
+                    if K == KQ8 || K == KQ6K {
                         let w = [_mm256_loadu_si256(p as *const __m256i), _mm256_loadu_si256(p.add(32) as *const __m256i)];
-                        (w.map(|v| _mm256_abs_epi8(v)), w, bcast2(p.add(64)))
+                        let d = bcast2(p.add(64));
+                        (w.map(|v| _mm256_abs_epi8(v)), w, [d, if K == KQ6K { bcast2(p.add(72)) } else { d }])
                     } else {
                         let v = _mm256_loadu_si256(p as *const __m256i);
                         let mask = _mm256_set1_epi8(0x0f);
                         let u = [_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)];
-                        let d = _mm256_cvtph_ps(_mm_set1_epi32((p.add(32) as *const i32).read_unaligned()));
-                        (u, [_mm256_setzero_si256(); 2], d)
+                        let d = if K == KQ4K {
+                            bcast2(p.add(32))
+                        } else {
+                            _mm256_cvtph_ps(_mm_set1_epi32((p.add(32) as *const i32).read_unaligned()))
+                        };
+                        (u, [_mm256_setzero_si256(); 2], [d, d])
                     }
                 }
             }
 
-            /// A tile of `R` rows × `C` outputs over every pair.
+            /// A tile of `R` rows × `C` outputs over every pair, weights of
+            /// kind `K`.
             ///
             /// # Safety
             /// The CPU must support the module's features; `t.x`/`t.sums`
             /// must hold the int8 records and block sums of `R` rows,
-            /// `t.w`/`t.mins` those of `C` outputs (`t.pairs` pairs each),
-            /// and `y[r·ldy + c]` must be valid for writes and owned by the
-            /// caller for every tile cell.
+            /// `t.w`/`t.mins` those of `C` outputs (`t.pairs` pairs each,
+            /// kind `K`), and `y[r·ldy + c]` must be valid for writes and
+            /// owned by the caller for every tile cell.
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn tile<const R: usize, const C: usize, const Q8: bool>(t: TileArgs) {
+            unsafe fn tile<const R: usize, const C: usize, const K: u8>(t: TileArgs) {
                 let TileArgs { x, w, pairs, .. } = t;
-                let rec = if Q8 { QuantKind::Q8.record() } else { QuantKind::Q4.record() };
+                let rec = QuantKind::from_code(K).record();
+                let signed = K == KQ8 || K == KQ6K;
                 let mut acc = [[_mm256_setzero_ps(); C]; R];
                 for j in 0..pairs {
                     for c in 0..C {
                         // SAFETY: record j of output c and of every row exists.
                         unsafe {
-                            let (u, sw, d) = load_w::<Q8>(w.add((c * pairs + j) * rec));
+                            let (u, sw, d) = load_w::<K>(w.add((c * pairs + j) * rec));
                             if R < 4 {
                                 // A prefetch never faults: the address may run past the weight.
                                 _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((c * pairs + j) * rec + PREFETCH_BYTES) as *const i8);
@@ -100,19 +108,27 @@ macro_rules! int8_kernel {
                                 let xr = x.add((r * pairs + j) * XREC);
                                 let mut s0 = _mm256_loadu_si256(xr as *const __m256i);
                                 let mut s1 = _mm256_loadu_si256(xr.add(32) as *const __m256i);
-                                if Q8 {
+                                if signed {
                                     s0 = _mm256_sign_epi8(s0, sw[0]);
                                     s1 = _mm256_sign_epi8(s1, sw[1]);
                                 }
-                                let isum = dpbusd(dpbusd(_mm256_setzero_si256(), u[0], s0), u[1], s1);
-                                let s = _mm256_mul_ps(d, bcast2(xr.add(XSCALES)));
-                                accr[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, accr[c]);
+                                let dx = bcast2(xr.add(XSCALES));
+                                if K == KQ6K {
+                                    // Each half of the pair has its own scales.
+                                    let i0 = dpbusd(_mm256_setzero_si256(), u[0], s0);
+                                    let i1 = dpbusd(_mm256_setzero_si256(), u[1], s1);
+                                    accr[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d[0], dx), accr[c]);
+                                    accr[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d[1], dx), accr[c]);
+                                } else {
+                                    let isum = dpbusd(dpbusd(_mm256_setzero_si256(), u[0], s0), u[1], s1);
+                                    accr[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d[0], dx), accr[c]);
+                                }
                             }
                         }
                     }
                 }
                 // SAFETY: as this function's contract (its features include AVX2, FMA, F16C).
-                unsafe { finish_tile::<R, C>(acc, t, Q8) }
+                unsafe { finish_tile::<R, C, K>(acc, t) }
             }
 
             /// `y[rows, cols]`, row stride `ldy`, int8 activations, in the
@@ -133,29 +149,7 @@ macro_rules! int8_kernel {
                 debug_assert_eq!(x.bits, ActBits::I8);
                 // SAFETY: forwarded; every tile runs on the features the caller checked.
                 unsafe {
-                    drive(y, ldy, x, w, rows, cols, |rr, cc, q8, t| {
-                        match (rr, cc, q8) {
-                            (4, 1, false) => tile::<4, 1, false>(t),
-                            (4, 1, true) => tile::<4, 1, true>(t),
-                            (1, 1, false) => tile::<1, 1, false>(t),
-                            (1, 1, true) => tile::<1, 1, true>(t),
-                            (1, 2, false) => tile::<1, 2, false>(t),
-                            (1, 2, true) => tile::<1, 2, true>(t),
-                            (1, 3, false) => tile::<1, 3, false>(t),
-                            (1, 3, true) => tile::<1, 3, true>(t),
-                            (1, 4, false) => tile::<1, 4, false>(t),
-                            (1, 4, true) => tile::<1, 4, true>(t),
-                            (2, 1, false) => tile::<2, 1, false>(t),
-                            (2, 1, true) => tile::<2, 1, true>(t),
-                            (2, 2, false) => tile::<2, 2, false>(t),
-                            (2, 2, true) => tile::<2, 2, true>(t),
-                            (3, 1, false) => tile::<3, 1, false>(t),
-                            (3, 1, true) => tile::<3, 1, true>(t),
-                            (3, 2, false) => tile::<3, 2, false>(t),
-                            (3, 2, true) => tile::<3, 2, true>(t),
-                            _ => unreachable!("tiles take 4 rows × 1 output or 1–3 rows × at most 4 outputs"),
-                        }
-                    })
+                    drive(y, ldy, x, w, rows, cols, |rr, cc, k, t| dispatch_tile!(tile, rr, cc, k, t))
                 }
             }
         }

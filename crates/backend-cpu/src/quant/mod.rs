@@ -127,11 +127,32 @@ fn block_of(p: usize) -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantKind {
     /// 4-bit, f16 scales: a pair is 32 bytes of nibbles + 2 f16 `d`
-    /// (the offsets `m` live in their own array).
+    /// (the offsets `m` live in their own array, as f16).
     Q4,
     /// 8-bit signed, f32 scales: a pair is 64 bytes + 2 f32.
     Q8,
+    /// 4-bit, f32 scales and offsets: GGML's Q4_K, whose sub-block scale
+    /// `d·sc` and offset `dmin·m` (products of an f16 and a 6-bit integer)
+    /// are exact in f32 but not in f16. A pair is 32 bytes of nibbles + 2
+    /// f32 `d`; the offsets live in their own array, as f32.
+    Q4K,
+    /// 8-bit signed codes with a scale per 16 values: GGML's Q6_K (codes
+    /// −32..=31, sub-blocks of 16 whose scale `d·sc` is exact in f32). A
+    /// pair is 64 bytes + 4 f32: `d` of (block 0, values 0..16), (block 1,
+    /// 0..16), (block 0, 16..32), (block 1, 16..32) — the first 32 positions
+    /// of a pair hold values 0..16 of both blocks, the last 32 values
+    /// 16..32, so each half of the pair has its own scale pattern.
+    Q6K,
 }
+
+/// [`QuantKind`] as a number, for the kernels' const generics.
+pub(crate) const KQ4: u8 = 0;
+/// See [`KQ4`].
+pub(crate) const KQ8: u8 = 1;
+/// See [`KQ4`].
+pub(crate) const KQ4K: u8 = 2;
+/// See [`KQ4`].
+pub(crate) const KQ6K: u8 = 3;
 
 impl QuantKind {
     /// Bytes of one weight pair record.
@@ -139,6 +160,90 @@ impl QuantKind {
         match self {
             QuantKind::Q4 => 32 + 4,
             QuantKind::Q8 => 64 + 8,
+            QuantKind::Q4K => 32 + 8,
+            QuantKind::Q6K => 64 + 16,
+        }
+    }
+
+    /// The kind's number ([`KQ4`] …).
+    pub(crate) const fn code(self) -> u8 {
+        match self {
+            QuantKind::Q4 => KQ4,
+            QuantKind::Q8 => KQ8,
+            QuantKind::Q4K => KQ4K,
+            QuantKind::Q6K => KQ6K,
+        }
+    }
+
+    /// The kind numbered `code`.
+    pub(crate) const fn from_code(code: u8) -> Self {
+        match code {
+            KQ4 => QuantKind::Q4,
+            KQ8 => QuantKind::Q8,
+            KQ4K => QuantKind::Q4K,
+            _ => QuantKind::Q6K,
+        }
+    }
+
+    /// Whether codes are unsigned nibbles (two per byte) rather than i8.
+    pub(crate) const fn nibbles(self) -> bool {
+        matches!(self, QuantKind::Q4 | QuantKind::Q4K)
+    }
+
+    /// Whether each half of a pair (values 0..16 and 16..32 of its
+    /// blocks) has its own scales.
+    pub(crate) const fn split_halves(self) -> bool {
+        matches!(self, QuantKind::Q6K)
+    }
+
+    /// Offset of the `d` scales in a record.
+    const fn scales_at(self) -> usize {
+        if self.nibbles() {
+            32
+        } else {
+            64
+        }
+    }
+}
+
+/// Per-block offsets `m` of the asymmetric kinds, `padded_blocks` per
+/// output (zero-padded); none for the symmetric ones.
+#[derive(Clone, Debug, Default)]
+pub enum Mins {
+    /// Symmetric blocks ([`QuantKind::Q8`], [`QuantKind::Q6K`]).
+    #[default]
+    None,
+    /// f16 bits ([`QuantKind::Q4`]).
+    F16(Vec<u16>),
+    /// f32 ([`QuantKind::Q4K`]).
+    F32(Vec<f32>),
+}
+
+impl Mins {
+    /// Offset `i` as f32 (0 where there are none).
+    fn at(&self, i: usize) -> f32 {
+        match self {
+            Mins::None => 0.0,
+            Mins::F16(v) => f16::from_bits(v[i]).to_f32(),
+            Mins::F32(v) => v[i],
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Mins::None => 0,
+            Mins::F16(v) => v.len() * 2,
+            Mins::F32(v) => v.len() * 4,
+        }
+    }
+
+    /// Where offset `i` is stored; null where there are none (never read).
+    fn ptr_at(&self, i: usize) -> *const u8 {
+        match self {
+            Mins::None => std::ptr::null(),
+            Mins::F16(v) => v[i..].as_ptr() as *const u8,
+            Mins::F32(v) => v[i..].as_ptr() as *const u8,
         }
     }
 }
@@ -156,9 +261,12 @@ pub struct QuantWeight {
     pub kind: QuantKind,
     /// `n · pairs` records of `kind.record()` bytes.
     pub data: Vec<u8>,
-    /// Per-block offsets `m` as f16 bits, `padded_blocks` per output
-    /// (zero for Q8).
-    pub mins: Vec<u16>,
+    /// Per-block offsets `m` (pair layout: Q4 as f16, Q4K as f32; the lane
+    /// layout keeps them in its records).
+    pub mins: Mins,
+    /// Whether `data` is in the lane layout ([`lanes`]: 8 outputs side by
+    /// side, for the VNNI int8 kernels) rather than the pair layout.
+    pub lanes: bool,
 }
 
 /// Per-block quantization of one block of `vals` (≤ 32 real values).
@@ -199,6 +307,7 @@ impl QuantWeight {
     /// Quantizes the row-major `[n, k]` weight `w`.
     pub fn quantize(w: &[f32], n: usize, k: usize, kind: QuantKind) -> Self {
         assert_eq!(w.len(), n * k, "quantize: {} values for [{n}, {k}]", w.len());
+        assert!(matches!(kind, QuantKind::Q4 | QuantKind::Q8), "quantize: {kind:?} comes from GGUF blocks only");
         Self::assemble(n, k, kind, |c, blk, q| {
             let start = (blk * BLOCK).min(k);
             let vals = &w[c * k + start..c * k + (start + BLOCK).min(k)];
@@ -206,16 +315,16 @@ impl QuantWeight {
                 QuantKind::Q4 => {
                     let (qb, d, m) = quant_block(vals, 15, true);
                     *q = qb;
-                    (d, m)
+                    ([d; 2], m)
                 }
-                QuantKind::Q8 => {
+                _ => {
                     let amax = vals.iter().fold(0.0f32, |a, v| a.max(v.abs()));
                     let d = amax / 127.0;
                     let id = if d > 0.0 { 1.0 / d } else { 0.0 };
                     for (qe, &v) in q.iter_mut().zip(vals) {
                         *qe = ((v * id).round().clamp(-127.0, 127.0) as i8) as u8;
                     }
-                    (d, 0.0)
+                    ([d; 2], 0.0)
                 }
             }
         })
@@ -224,18 +333,22 @@ impl QuantWeight {
     /// The `[n, k]` weight stored in GGML blocks of `ty`, kept bit for bit
     /// where this layout holds them: Q4_1 (and Q4_0, as `m = -8·d`, exact in
     /// f16) as [`QuantKind::Q4`], Q8_0 and Q5_0 (whose `q − 16` fits in
-    /// eight bits) as [`QuantKind::Q8`]. `None` for other types or a `k`
-    /// that is not whole blocks.
+    /// eight bits) as [`QuantKind::Q8`], Q4_K as [`QuantKind::Q4K`] and Q6_K
+    /// as [`QuantKind::Q6K`] (their sub-block scales multiplied out in f32,
+    /// as GGML's dequantizer does). `None` for other types or a `k` that is
+    /// not whole blocks.
     pub fn from_ggml(ty: GgmlType, bytes: &[u8], n: usize, k: usize) -> Option<Self> {
-        let (kind, block_bytes) = match ty {
-            GgmlType::Q4_1 => (QuantKind::Q4, 20),
-            GgmlType::Q4_0 => (QuantKind::Q4, 18),
-            GgmlType::Q8_0 => (QuantKind::Q8, 34),
-            GgmlType::Q5_0 => (QuantKind::Q8, 22),
+        let (kind, block_values, block_bytes) = match ty {
+            GgmlType::Q4_1 => (QuantKind::Q4, BLOCK, 20),
+            GgmlType::Q4_0 => (QuantKind::Q4, BLOCK, 18),
+            GgmlType::Q8_0 => (QuantKind::Q8, BLOCK, 34),
+            GgmlType::Q5_0 => (QuantKind::Q8, BLOCK, 22),
+            GgmlType::Q4_K => (QuantKind::Q4K, SUPER, 144),
+            GgmlType::Q6_K => (QuantKind::Q6K, SUPER, 210),
             _ => return None,
         };
-        let blocks = k / BLOCK;
-        if !k.is_multiple_of(BLOCK) || bytes.len() != n * blocks * block_bytes {
+        let row_blocks = k / block_values;
+        if !k.is_multiple_of(block_values) || bytes.len() != n * row_blocks * block_bytes {
             return None;
         }
         let f16_at = |b: &[u8], o: usize| f16::from_le_bytes([b[o], b[o + 1]]);
@@ -243,15 +356,22 @@ impl QuantWeight {
         if ty == GgmlType::Q4_0 && bytes.chunks_exact(block_bytes).any(|b| (-8.0 * f16_at(b, 0).to_f32()).abs() > 65504.0) {
             return None;
         }
+        let blocks = k / BLOCK;
         Some(Self::assemble(n, k, kind, |c, blk, q| {
             if blk >= blocks {
-                return (0.0, 0.0);
+                return ([0.0; 2], 0.0);
             }
-            let b = &bytes[(c * blocks + blk) * block_bytes..(c * blocks + blk + 1) * block_bytes];
+            // The GGML block holding 32-value block `blk` of output `c`, and
+            // which 32 of its values that is.
+            let per = block_values / BLOCK;
+            let at = (c * row_blocks + blk / per) * block_bytes;
+            let (b, sub) = (&bytes[at..at + block_bytes], blk % per);
             let d = f16_at(b, 0);
             let (m, nibbles) = match ty {
                 GgmlType::Q4_1 => (f16_at(b, 2).to_f32(), &b[4..]),
                 GgmlType::Q4_0 => (-8.0 * d.to_f32(), &b[2..]),
+                GgmlType::Q4_K => return q4_k_block(b, sub, q),
+                GgmlType::Q6_K => return q6_k_block(b, sub, q),
                 GgmlType::Q5_0 => {
                     // Five bits per value, bit 4 of value i in bit i of qh:
                     // q − 16 ∈ −16..=15 is an exact Q8 value.
@@ -261,111 +381,178 @@ impl QuantWeight {
                         q[j] = (((byte & 0x0f) | h0 << 4) as i8 - 16) as u8;
                         q[j + 16] = (((byte >> 4) | h1 << 4) as i8 - 16) as u8;
                     }
-                    return (d.to_f32(), 0.0);
+                    return ([d.to_f32(); 2], 0.0);
                 }
                 _ => {
                     q.copy_from_slice(&b[2..]);
-                    return (d.to_f32(), 0.0);
+                    return ([d.to_f32(); 2], 0.0);
                 }
             };
             for (j, &byte) in nibbles.iter().enumerate() {
                 q[j] = byte & 0x0f;
                 q[j + 16] = byte >> 4;
             }
-            (d.to_f32(), m)
+            ([d.to_f32(); 2], m)
         }))
     }
 
     /// Lays out an `[n, k]` weight whose block `blk` of output `c` is given
-    /// by `block(c, blk, &mut q) -> (d, m)` (`q` by value index: 0..=15 for
-    /// Q4, `i8` bits for Q8; `d`, `m` exact in f16 for Q4).
-    fn assemble(n: usize, k: usize, kind: QuantKind, block: impl Fn(usize, usize, &mut [u8; BLOCK]) -> (f32, f32) + Sync) -> Self {
+    /// by `block(c, blk, &mut q) -> ([d₀, d₁], m)` (`q` by value index:
+    /// 0..=15 for Q4/Q4K, `i8` bits for Q8/Q6K; `d₀` scales values 0..16,
+    /// `d₁` values 16..32, equal except for Q6K; `d`, `m` exact in f16 for
+    /// Q4).
+    fn assemble(n: usize, k: usize, kind: QuantKind, block: impl Fn(usize, usize, &mut [u8; BLOCK]) -> ([f32; 2], f32) + Sync) -> Self {
         let pairs = k.div_ceil(PAIR);
         let rec = kind.record();
         let nbp = padded_blocks(pairs);
         let mut data = vec![0u8; n * pairs * rec];
-        let mut mins = vec![0u16; n * nbp];
-        type Column<'a> = (usize, (&'a mut [u8], &'a mut [u16]));
-        let chunks: Vec<Column<'_>> = data.chunks_mut(pairs * rec).zip(mins.chunks_mut(nbp)).enumerate().collect();
+        // Offsets as f32 for every kind; stored as the kind keeps them below.
+        let mut mins = vec![0f32; if kind.nibbles() { n * nbp } else { 0 }];
+        let min_chunk = if kind.nibbles() { nbp } else { 1 };
+        type Column<'a> = (usize, (&'a mut [u8], &'a mut [f32]));
+        let columns = data.chunks_mut(pairs * rec);
+        let chunks: Vec<Column<'_>> = if kind.nibbles() {
+            columns.zip(mins.chunks_mut(min_chunk)).enumerate().collect()
+        } else {
+            columns.map(|c| (c, &mut [][..])).enumerate().collect()
+        };
+        let at = kind.scales_at();
         let work = |(c, (out, mout)): Column<'_>| {
             for j in 0..pairs {
                 let r = &mut out[j * rec..(j + 1) * rec];
                 for b in 0..2 {
                     let mut q = [0u8; BLOCK];
                     let (d, m) = block(c, 2 * j + b, &mut q);
+                    for (e, &qe) in q.iter().enumerate() {
+                        let p = pos(b, e);
+                        match kind.nibbles() {
+                            true if p < 32 => r[p] |= qe,
+                            true => r[p - 32] |= qe << 4,
+                            false => r[p] = qe,
+                        }
+                    }
                     match kind {
-                        QuantKind::Q4 => {
-                            for (e, &qe) in q.iter().enumerate() {
-                                let p = pos(b, e);
-                                if p < 32 {
-                                    r[p] |= qe;
-                                } else {
-                                    r[p - 32] |= qe << 4;
-                                }
+                        QuantKind::Q4 => r[at + 2 * b..at + 2 * b + 2].copy_from_slice(&f16::from_f32(d[0]).to_le_bytes()),
+                        QuantKind::Q8 | QuantKind::Q4K => r[at + 4 * b..at + 4 * b + 4].copy_from_slice(&d[0].to_le_bytes()),
+                        QuantKind::Q6K => {
+                            for (h, dh) in d.iter().enumerate() {
+                                let o = at + 8 * h + 4 * b;
+                                r[o..o + 4].copy_from_slice(&dh.to_le_bytes());
                             }
-                            r[32 + 2 * b..34 + 2 * b].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-                            mout[2 * j + b] = f16::from_f32(m).to_bits();
                         }
-                        QuantKind::Q8 => {
-                            for (e, &qe) in q.iter().enumerate() {
-                                r[pos(b, e)] = qe;
-                            }
-                            r[64 + 4 * b..68 + 4 * b].copy_from_slice(&d.to_le_bytes());
-                        }
+                    }
+                    if kind.nibbles() {
+                        mout[2 * j + b] = m;
                     }
                 }
             }
         };
         use rayon::prelude::*;
         chunks.into_par_iter().for_each(work);
-        Self { n, k, pairs, kind, data, mins }
+        let mins = match kind {
+            QuantKind::Q4 => Mins::F16(mins.iter().map(|&m| f16::from_f32(m).to_bits()).collect()),
+            QuantKind::Q4K => Mins::F32(mins),
+            QuantKind::Q8 | QuantKind::Q6K => Mins::None,
+        };
+        Self { n, k, pairs, kind, data, mins, lanes: false }
     }
 
-    /// (q, d, m) of value position `p` in pair `j` of output `c`.
+    /// The record of pair `j` of output `c`.
     fn record(&self, c: usize, j: usize) -> &[u8] {
         let rec = self.kind.record();
         let o = (c * self.pairs + j) * rec;
         &self.data[o..o + rec]
     }
 
-    /// Weight value `q` at byte position `p` of a record, and its block's (d, m).
+    /// Weight value `q` at byte position `p` of a record.
     #[inline]
     fn q_at(&self, r: &[u8], p: usize) -> i32 {
-        match self.kind {
-            QuantKind::Q4 => i32::from(if p < 32 { r[p] & 0x0f } else { r[p - 32] >> 4 }),
-            QuantKind::Q8 => i32::from(r[p] as i8),
+        if self.kind.nibbles() {
+            i32::from(if p < 32 { r[p] & 0x0f } else { r[p - 32] >> 4 })
+        } else {
+            i32::from(r[p] as i8)
         }
     }
 
-    /// (d, m) of block `b` of pair `j` of output `c`, whose record is `r`.
+    /// (d, m) of half `h` (values `16·h..16·h + 16`) of block `b` of pair
+    /// `j` of output `c`, whose record is `r`.
     #[inline]
-    fn scales(&self, r: &[u8], c: usize, j: usize, b: usize) -> (f32, f32) {
-        let m = f16::from_bits(self.mins[c * padded_blocks(self.pairs) + 2 * j + b]).to_f32();
-        match self.kind {
-            QuantKind::Q4 => (f16::from_le_bytes([r[32 + 2 * b], r[33 + 2 * b]]).to_f32(), m),
-            QuantKind::Q8 => (f32::from_le_bytes([r[64 + 4 * b], r[65 + 4 * b], r[66 + 4 * b], r[67 + 4 * b]]), 0.0),
-        }
+    fn scales(&self, r: &[u8], c: usize, j: usize, b: usize, h: usize) -> (f32, f32) {
+        let m = self.mins.at(c * padded_blocks(self.pairs) + 2 * j + b);
+        let at = self.kind.scales_at();
+        let d = match self.kind {
+            QuantKind::Q4 => f16::from_le_bytes([r[at + 2 * b], r[at + 1 + 2 * b]]).to_f32(),
+            QuantKind::Q8 | QuantKind::Q4K => f32_at(r, at + 4 * b),
+            QuantKind::Q6K => f32_at(r, at + 8 * h + 4 * b),
+        };
+        (d, m)
     }
 
     /// Row `c` of the weight, dequantized to f32 (`out` holds `k` values;
     /// embedding lookups and tests). Exact for the blocks
     /// [`QuantWeight::from_ggml`] keeps: each value is `q·d + m` as ggml
     /// computes it (for Q4_0, `q·d − 8·d` equals `(q − 8)·d`: both
-    /// products are exact in f32).
+    /// products are exact in f32; for Q4_K, `d·q − dmin·m` is `q·d + m`
+    /// with `m = −dmin·m`).
     pub fn dequantize_row(&self, c: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.k);
+        if self.lanes {
+            for (blk, vals) in out.chunks_mut(BLOCK).enumerate() {
+                let halves = [0, 1].map(|h| self.lane_scales(c, blk, h));
+                for (e, o) in vals.iter_mut().enumerate() {
+                    let (d, m) = halves[e / 16];
+                    *o = self.lane_code(c, blk, e) as f32 * d + m;
+                }
+            }
+            return;
+        }
         for j in 0..self.pairs {
             let r = self.record(c, j);
             for p in 0..PAIR {
                 let (b, e) = unpos(p);
                 let idx = j * PAIR + b * BLOCK + e;
                 if idx < self.k {
-                    let (d, m) = self.scales(r, c, j, b);
+                    let (d, m) = self.scales(r, c, j, b, e / 16);
                     out[idx] = self.q_at(r, p) as f32 * d + m;
                 }
             }
         }
     }
+}
+
+/// Values per K-quant super-block.
+const SUPER: usize = 256;
+
+/// 32-value block `sub` (0..8) of a GGML Q4_K super-block `b`: nibbles into
+/// `q`, and the block's `d·sc` and `−dmin·m` exactly as GGML's dequantizer
+/// computes them (`y = d·sc·q − dmin·m`).
+fn q4_k_block(b: &[u8], sub: usize, q: &mut [u8; BLOCK]) -> ([f32; 2], f32) {
+    let half = |o: usize| f16::from_le_bytes([b[o], b[o + 1]]).to_f32();
+    let (d, dmin) = (half(0), half(2));
+    let (sc, m) = vellum_models::gguf::scale_min_k4(sub, &b[4..16]);
+    let qs = &b[16 + 32 * (sub / 2)..16 + 32 * (sub / 2) + 32];
+    for (qe, &byte) in q.iter_mut().zip(qs) {
+        *qe = if sub.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };
+    }
+    let d1 = d * f32::from(sc);
+    ([d1; 2], -(dmin * f32::from(m)))
+}
+
+/// 32-value block `sub` (0..8) of a GGML Q6_K super-block `b`: codes
+/// `q − 32` into `q` (as i8 bits), and the scales `d·sc` of its two
+/// 16-value halves (`y = d·sc·(q − 32)`).
+fn q6_k_block(b: &[u8], sub: usize, q: &mut [u8; BLOCK]) -> ([f32; 2], f32) {
+    // 128 values per half super-block: ql 64 bytes, qh 32, 8 scales.
+    let (n, t) = (sub / 4, sub % 4);
+    let (ql, qh, sc) = (&b[64 * n..64 * n + 64], &b[128 + 32 * n..160 + 32 * n], &b[192 + 8 * n..200 + 8 * n]);
+    let d = f16::from_le_bytes([b[208], b[209]]).to_f32();
+    for (l, qe) in q.iter_mut().enumerate() {
+        let low = ql[l + 32 * (t % 2)];
+        let nib = if t < 2 { low & 0x0f } else { low >> 4 };
+        let high = (qh[l] >> (2 * t)) & 3;
+        *qe = (((nib | high << 4) as i8) - 32) as u8;
+    }
+    ([0, 1].map(|h| d * f32::from(sc[h + 2 * t] as i8)), 0.0)
 }
 
 /// Activations quantized per row and block: `rows · pairs` records of
@@ -382,6 +569,11 @@ pub struct QuantActs {
     pub data: Vec<u8>,
     /// Sum of each block's dequantized values, `padded_blocks` per row.
     pub sums: Vec<f32>,
+    /// int8 only: per row and block, `−128 ·` the sum of the codes of its
+    /// values 0..16, of 16..32, and of all 32, then a zero (`4 · 2 · pairs`
+    /// per row): the correction the lane kernels start from when the
+    /// weights' codes carry an offset of 128 ([`lanes`]).
+    pub corr: Vec<i32>,
     /// The activations these records were made from (see
     /// [`QuantActs::quantize_cached`]).
     src: Vec<f32>,
@@ -407,15 +599,15 @@ fn quant_act_block(vals: &[f32], max: f32) -> ([i16; BLOCK], f32, f32) {
 
 /// Quantizes one row of `k` activations into `pairs` records (compiled
 /// again with AVX2 enabled, where `round` is one instruction).
-fn quantize_row(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32]) {
+fn quantize_row(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32], corr: &mut [i32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if has_simd() {
             // SAFETY: the CPU supports the features the function enables.
-            return unsafe { quantize_row_avx2(x, bits, out, sums) };
+            return unsafe { quantize_row_avx2(x, bits, out, sums, corr) };
         }
     }
-    quantize_row_generic(x, bits, out, sums)
+    quantize_row_generic(x, bits, out, sums, corr)
 }
 
 /// [`quantize_row_generic`] compiled with AVX2, FMA and F16C.
@@ -424,12 +616,12 @@ fn quantize_row(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32]) {
 /// The CPU must support AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_row_avx2(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32]) {
-    quantize_row_generic(x, bits, out, sums)
+unsafe fn quantize_row_avx2(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32], corr: &mut [i32]) {
+    quantize_row_generic(x, bits, out, sums, corr)
 }
 
 #[inline(always)]
-fn quantize_row_generic(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32]) {
+fn quantize_row_generic(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32], corr: &mut [i32]) {
     let k = x.len();
     let (rec, xs) = (bits.record(), bits.scales());
     let pairs = out.len() / rec;
@@ -444,6 +636,9 @@ fn quantize_row_generic(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f3
                     for (e, &qe) in q.iter().enumerate() {
                         r[pos(b, e)] = qe as i8 as u8;
                     }
+                    let half = |h: usize| -128 * q[16 * h..16 * h + 16].iter().map(|&v| i32::from(v)).sum::<i32>();
+                    let (h0, h1) = (half(0), half(1));
+                    corr[4 * (2 * j + b)..4 * (2 * j + b) + 4].copy_from_slice(&[h0, h1, h0 + h1, 0]);
                 }
                 ActBits::I16 => {
                     for (e, qe) in q.iter().enumerate() {
@@ -488,20 +683,27 @@ impl QuantActs {
         let nbp = padded_blocks(pairs);
         into.sums.clear();
         into.sums.resize(rows * nbp, 0.0);
+        let ncorr = if bits == ActBits::I8 { 8 * pairs } else { 0 };
+        into.corr.clear();
+        into.corr.resize(rows * ncorr, 0);
         if k == 0 {
             return;
         }
         let per = pairs * bits.record();
+        // One (empty) slice per row when there are no corrections.
+        let mut corr: Vec<&mut [i32]> =
+            if ncorr == 0 { (0..rows).map(|_| &mut [][..]).collect() } else { into.corr.chunks_mut(ncorr).collect() };
         if rows * k >= 1 << 15 {
             use rayon::prelude::*;
             into.data
                 .par_chunks_mut(per)
                 .zip(into.sums.par_chunks_mut(nbp))
+                .zip(corr.par_iter_mut())
                 .zip(x.par_chunks(k))
-                .for_each(|((o, sm), xr)| quantize_row(xr, bits, o, sm));
+                .for_each(|(((o, sm), cr), xr)| quantize_row(xr, bits, o, sm, cr));
         } else {
-            for ((o, sm), xr) in into.data.chunks_mut(per).zip(into.sums.chunks_mut(nbp)).zip(x.chunks(k)) {
-                quantize_row(xr, bits, o, sm);
+            for (((o, sm), cr), xr) in into.data.chunks_mut(per).zip(into.sums.chunks_mut(nbp)).zip(corr.iter_mut()).zip(x.chunks(k)) {
+                quantize_row(xr, bits, o, sm, cr);
             }
         }
     }
@@ -529,20 +731,31 @@ fn f32_at(r: &[u8], o: usize) -> f32 {
 /// One output cell of the scalar kernel: row `r` of `x` against output `c`
 /// of `w`, the same integer sums as the SIMD kernels.
 fn scalar_cell(x: &QuantActs, w: &QuantWeight, r: usize, c: usize) -> f32 {
+    if w.lanes {
+        return lanes::scalar_cell(x, w, r, c);
+    }
     let mut acc = 0.0f32;
     let xs = x.bits.scales();
     for j in 0..w.pairs {
         let wr = w.record(c, j);
         let xr = x.record(r, j);
-        let mut isum = [0i32; 2];
+        // By half of the pair (values 0..16 / 16..32 of each block) and block.
+        let mut isum = [[0i32; 2]; 2];
         for p in 0..PAIR {
-            isum[block_of(p)] += w.q_at(wr, p) * x.code(xr, p);
+            isum[p / 32][block_of(p)] += w.q_at(wr, p) * x.code(xr, p);
         }
-        for (b, &s) in isum.iter().enumerate() {
-            let (d, m) = w.scales(wr, c, j, b);
+        for b in 0..2 {
             let dx = f32_at(xr, xs + 4 * b);
             let sx = x.sums[r * padded_blocks(x.pairs) + 2 * j + b];
-            acc += s as f32 * (d * dx) + m * sx;
+            if w.kind.split_halves() {
+                for (h, half) in isum.iter().enumerate() {
+                    let (d, _) = w.scales(wr, c, j, b, h);
+                    acc += half[b] as f32 * (d * dx);
+                }
+            } else {
+                let (d, m) = w.scales(wr, c, j, b, 0);
+                acc += (isum[0][b] + isum[1][b]) as f32 * (d * dx) + m * sx;
+            }
         }
     }
     acc
@@ -631,6 +844,7 @@ pub fn has_simd() -> bool {
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod int8;
+mod lanes;
 
 /// `y[r·ldy + c]` for `rows × cols` through the best kernel the CPU runs.
 ///
@@ -664,6 +878,10 @@ pub unsafe fn gemm_with(
         type Gemm = unsafe fn(*mut f32, usize, &QuantActs, &QuantWeight, std::ops::Range<usize>, std::ops::Range<usize>);
         let simd: Option<Gemm> = match (kernel, x.bits) {
             (Kernel::Scalar, _) => None,
+            // The lane layout: VNNI int8 kernels only (else the scalar one).
+            (Kernel::AvxVnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avxvnni::gemm),
+            (Kernel::Avx512Vnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avx512vnni::gemm),
+            _ if w.lanes => None,
             (_, ActBits::I16) => Some(avx2::gemm),
             (Kernel::Avx2, ActBits::I8) => Some(int8::avx2::gemm),
             (Kernel::AvxVnni, ActBits::I8) => Some(int8::avxvnni::gemm),

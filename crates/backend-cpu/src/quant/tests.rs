@@ -67,6 +67,38 @@ fn ggml_blocks(ty: GgmlType, n: usize, k: usize, s: &mut SeededRng) -> Vec<u8> {
     out
 }
 
+/// GGML K-quant super-blocks of `ty` (Q4_K or Q6_K) for `n` rows of `k`
+/// values: random bytes, with the f16 scales made small and finite.
+fn kquant_blocks(ty: GgmlType, n: usize, k: usize, s: &mut SeededRng) -> Vec<u8> {
+    let (bytes, halves): (usize, &[usize]) = if ty == GgmlType::Q4_K { (144, &[0, 2]) } else { (210, &[208]) };
+    let mut out: Vec<u8> = (0..n * k / 256 * bytes).map(|_| s.below(256) as u8).collect();
+    for b in out.chunks_exact_mut(bytes) {
+        for &at in halves {
+            b[at..at + 2].copy_from_slice(&f16::from_f32(rng(s) * 0.01).to_le_bytes());
+        }
+    }
+    out
+}
+
+#[test]
+fn k_quant_blocks_are_kept_exactly() {
+    let mut s = SeededRng::new(12);
+    for (ty, kind) in [(GgmlType::Q4_K, QuantKind::Q4K), (GgmlType::Q6_K, QuantKind::Q6K)] {
+        let (n, k) = (3, 768);
+        let bytes = kquant_blocks(ty, n, k, &mut s);
+        let qw = QuantWeight::from_ggml(ty, &bytes, n, k).expect("whole super-blocks");
+        assert_eq!(qw.kind, kind);
+        let want = vellum_models::gguf::dequantize(ty, &bytes, n * k).expect("valid blocks");
+        let mut row = vec![0.0; k];
+        for c in 0..n {
+            qw.dequantize_row(c, &mut row);
+            assert_eq!(row, want[c * k..(c + 1) * k], "{ty:?} row {c}");
+        }
+        assert!(QuantWeight::from_ggml(ty, &bytes[1..], n, k).is_none(), "{ty:?}: short data");
+        assert!(QuantWeight::from_ggml(ty, &bytes, n, k - 32).is_none(), "{ty:?}: k not whole super-blocks");
+    }
+}
+
 #[test]
 fn ggml_blocks_are_kept_bit_for_bit() {
     let mut s = SeededRng::new(11);
@@ -195,6 +227,62 @@ fn every_kernel_this_cpu_runs_matches_the_scalar_one() {
     }
 }
 
+/// The K-quant kinds (made from GGUF blocks) through every kernel this
+/// CPU runs against the scalar one, at both activation widths.
+#[test]
+fn every_kernel_matches_the_scalar_one_on_k_quants() {
+    let mut s = SeededRng::new(29);
+    let kernels = Kernel::available();
+    for &(m, n, k) in &[(1, 9, 256), (2, 7, 512), (3, 5, 768), (4, 6, 256), (5, 13, 1024), (13, 17, 512)] {
+        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+            let qw = QuantWeight::from_ggml(ty, &kquant_blocks(ty, n, k, &mut s), n, k).expect("whole super-blocks");
+            let mut deq = vec![0.0f32; n * k];
+            for c in 0..n {
+                qw.dequantize_row(c, &mut deq[c * k..(c + 1) * k]);
+            }
+            for bits in [ActBits::I8, ActBits::I16] {
+                let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
+                let mut acts = QuantActs::default();
+                QuantActs::quantize(&x, m, k, bits, &mut acts);
+                let mut slow = vec![f32::NAN; m * n];
+                gemm_scalar(&mut slow, n, &acts, &qw, 0..m, 0..n);
+                let mut fast: Vec<(Kernel, Vec<f32>)> = Vec::new();
+                for &kernel in &kernels {
+                    let mut y = vec![f32::NAN; m * n];
+                    // SAFETY: y is [m, n] and owned here; the kernel is available.
+                    unsafe { gemm_with(kernel, y.as_mut_ptr(), n, &acts, &qw, 0..m, 0..n) };
+                    fast.push((kernel, y));
+                }
+                for r in 0..m {
+                    // Row r's activations as the kernels see them (codes × scales).
+                    let mut xq = vec![0.0f32; k];
+                    for (j, chunk) in xq.chunks_mut(PAIR).enumerate() {
+                        let rec = acts.record(r, j);
+                        for (i, v) in chunk.iter_mut().enumerate() {
+                            let (b, e) = (i / BLOCK, i % BLOCK);
+                            *v = acts.code(rec, pos(b, e)) as f32 * f32_at(rec, bits.scales() + 4 * b);
+                        }
+                    }
+                    for c in 0..n {
+                        // Against the f64 product of the exact weights and
+                        // those activations, relative to the terms' size
+                        // (f32 sums in a different order per kernel).
+                        let exact: f64 = (0..k).map(|i| xq[i] as f64 * deq[c * k + i] as f64).sum();
+                        let scale: f64 = (0..k).map(|i| (xq[i] as f64 * deq[c * k + i] as f64).abs()).sum();
+                        let tol = 1e-5 * scale + 1e-6;
+                        let got = slow[r * n + c] as f64;
+                        assert!((got - exact).abs() <= tol, "{ty:?} {bits:?} ({m},{n},{k}) scalar {got} vs {exact}");
+                        for (kernel, y) in &fast {
+                            let got = y[r * n + c] as f64;
+                            assert!((got - exact).abs() <= tol, "{kernel:?} {ty:?} {bits:?} ({m},{n},{k}): {got} vs {exact}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn cached_quantization_follows_its_input() {
     let mut s = SeededRng::new(21);
@@ -276,6 +364,69 @@ fn threads_write_disjoint_columns_of_shared_rows() {
         });
         for (a, b) in y.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{kind:?}: {a} vs {b}");
+        }
+    }
+}
+
+/// The lane layout keeps every value, and every kernel on it (VNNI lane
+/// kernels where the CPU has them, the scalar one elsewhere) computes the
+/// pair layout's products: all four kinds, outputs not a multiple of 8,
+/// column ranges that split a lane group, 1–4-row tiles and row blocks.
+#[test]
+fn the_lane_layout_computes_what_the_pair_layout_does() {
+    let mut s = SeededRng::new(31);
+    let kernels = Kernel::available();
+    for &(m, n, k) in &[(1, 9, 256), (2, 8, 512), (3, 21, 768), (4, 16, 256), (7, 13, 1024), (13, 40, 512), (70, 11, 2048)] {
+        let weights = [
+            (QuantKind::Q4, QuantWeight::quantize(&(0..n * k).map(|_| rng(&mut s) * 0.1).collect::<Vec<_>>(), n, k, QuantKind::Q4)),
+            (QuantKind::Q8, {
+                let mut w = QuantWeight::quantize(&(0..n * k).map(|_| rng(&mut s) * 0.1).collect::<Vec<_>>(), n, k, QuantKind::Q8);
+                // GGML's Q8_0 may hold −128: it must survive the offset of 128.
+                w.data[(n / 2) * w.pairs * QuantKind::Q8.record() + 3] = 0x80;
+                w
+            }),
+            (QuantKind::Q4K, QuantWeight::from_ggml(GgmlType::Q4_K, &kquant_blocks(GgmlType::Q4_K, n, k, &mut s), n, k).expect("blocks")),
+            (QuantKind::Q6K, QuantWeight::from_ggml(GgmlType::Q6_K, &kquant_blocks(GgmlType::Q6_K, n, k, &mut s), n, k).expect("blocks")),
+        ];
+        for (kind, pair) in weights {
+            assert_eq!(pair.kind, kind);
+            let lanes = pair.clone().into_lanes();
+            assert!(lanes.lanes && !pair.lanes);
+            let (mut a, mut b) = (vec![0.0; k], vec![0.0; k]);
+            for c in 0..n {
+                pair.dequantize_row(c, &mut a);
+                lanes.dequantize_row(c, &mut b);
+                assert_eq!(a, b, "{kind:?} ({n},{k}) row {c}: values");
+            }
+            let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
+            let mut acts = QuantActs::default();
+            QuantActs::quantize(&x, m, k, ActBits::I8, &mut acts);
+            let mut want = vec![f32::NAN; m * n];
+            gemm_scalar(&mut want, n, &acts, &pair, 0..m, 0..n);
+            let mut scale = vec![0.0f64; m * n];
+            for r in 0..m {
+                for c in 0..n {
+                    pair.dequantize_row(c, &mut a);
+                    scale[r * n + c] = (0..k).map(|i| (x[r * k + i] as f64 * a[i] as f64).abs()).sum::<f64>();
+                }
+            }
+            for &kernel in &kernels {
+                let mut y = vec![f32::NAN; m * n];
+                let split = (n / 3).max(1);
+                // SAFETY: y is [m, n] and owned here; the ranges are disjoint
+                // and the kernel is available.
+                unsafe {
+                    gemm_with(kernel, y.as_mut_ptr(), n, &acts, &lanes, 0..m, 0..split);
+                    gemm_with(kernel, y.as_mut_ptr(), n, &acts, &lanes, 0..m, split..n);
+                }
+                for (i, (got, w)) in y.iter().zip(&want).enumerate() {
+                    let tol = 2e-6 * scale[i] + 1e-6;
+                    assert!(
+                        ((got - w) as f64).abs() <= tol,
+                        "{kernel:?} {kind:?} ({m},{n},{k}) cell {i}: lanes {got} vs pairs {w} (tol {tol})"
+                    );
+                }
+            }
         }
     }
 }

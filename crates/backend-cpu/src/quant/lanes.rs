@@ -1,0 +1,441 @@
+//! The lane layout: eight outputs side by side, for the VNNI int8 kernels.
+//!
+//! In the pair layout ([`super`]) a register's lanes hold groups of one
+//! output's values, so every 64 multiply-adds of a row end in a convert, a
+//! scale multiply and an FMA: 5 vector operations per 2 `vpdpbusd`, the
+//! bound of those kernels (~25 MAC per cycle). Here the eight 32-bit lanes
+//! of a register are eight *outputs*, each holding four consecutive values
+//! of one block, and a row's four matching activations are broadcast to all
+//! lanes: eight `vpdpbusd` leave the whole block's integer dot product of
+//! eight outputs in one register, which then takes one convert, one
+//! multiply and one FMA (11 operations per 256 multiply-adds).
+//!
+//! `vpdpbusd` multiplies unsigned bytes by signed ones. Activations are
+//! signed, so weights must be unsigned: nibbles (Q4, Q4K) are; signed codes
+//! (Q8, Q6K) are stored plus 128, and a block's integer sum starts from
+//! `−128 · Σ codes` of the row's activations ([`QuantActs::corr`]), which
+//! takes the offset out exactly.
+//!
+//! A record per (group of 8 outputs, block of 32), `[groups][blocks]`:
+//!
+//! * codes: 8-bit kinds, eight 32-byte vectors, vector `g` holding values
+//!   `4g..4g + 4` of each output (lane `o` = output `o` of the group);
+//!   nibble kinds, four vectors, byte `i` of lane `o` of vector `g` holding
+//!   value `4g + i` in its low nibble and `4(g + 4) + i` in its high one;
+//! * the outputs' `d`: 8 f16 (Q4), 8 f32 (Q8, Q4K), 2 × 8 f32 (Q6K: values
+//!   0..16, then 16..32);
+//! * the outputs' offsets `m`: 8 f16 (Q4), 8 f32 (Q4K).
+//!
+//! Bytes per weight are those of the pair layout. Weights use this layout
+//! where the int8 kernel has VNNI ([`QuantWeight::for_acts`]); the scalar
+//! kernel reads both layouts, and is what a CPU without VNNI would run on
+//! this one (never chosen there).
+
+use super::{padded_blocks, pos, QuantActs, QuantKind, QuantWeight, BLOCK, KQ4, KQ4K, KQ6K, KQ8, PAIR};
+use half::f16;
+
+/// Outputs per lane group.
+pub(crate) const LANES: usize = 8;
+
+/// Bytes of the codes of one record.
+pub(crate) const fn codes_bytes(kind: QuantKind) -> usize {
+    if kind.nibbles() {
+        4 * 32
+    } else {
+        8 * 32
+    }
+}
+
+/// Bytes of one record.
+pub(crate) const fn record_bytes(kind: QuantKind) -> usize {
+    codes_bytes(kind)
+        + match kind {
+            QuantKind::Q4 => 16 + 16,
+            QuantKind::Q4K => 32 + 32,
+            QuantKind::Q8 => 32,
+            QuantKind::Q6K => 64,
+        }
+}
+
+impl QuantWeight {
+    /// Blocks per output (both halves of every pair).
+    fn blocks(&self) -> usize {
+        2 * self.pairs
+    }
+
+    /// The record of output group `g8`, block `blk` (lane layout).
+    fn lane_record(&self, g8: usize, blk: usize) -> &[u8] {
+        let rec = record_bytes(self.kind);
+        let o = (g8 * self.blocks() + blk) * rec;
+        &self.data[o..o + rec]
+    }
+
+    /// The signed code of value `e` of block `blk` of output `c` (lane
+    /// layout).
+    pub(super) fn lane_code(&self, c: usize, blk: usize, e: usize) -> i32 {
+        let r = self.lane_record(c / LANES, blk);
+        let (g, i, o) = (e / 4, e % 4, c % LANES);
+        if self.kind.nibbles() {
+            let byte = r[(g % 4) * 32 + 4 * o + i];
+            i32::from(if g < 4 { byte & 0x0f } else { byte >> 4 })
+        } else {
+            i32::from(r[g * 32 + 4 * o + i]) - 128
+        }
+    }
+
+    /// (d, m) of half `h` of block `blk` of output `c` (lane layout).
+    pub(super) fn lane_scales(&self, c: usize, blk: usize, h: usize) -> (f32, f32) {
+        let r = self.lane_record(c / LANES, blk);
+        let (at, o) = (codes_bytes(self.kind), c % LANES);
+        let f16_at = |p: usize| f16::from_le_bytes([r[p], r[p + 1]]).to_f32();
+        match self.kind {
+            QuantKind::Q4 => (f16_at(at + 2 * o), f16_at(at + 16 + 2 * o)),
+            QuantKind::Q4K => (super::f32_at(r, at + 4 * o), super::f32_at(r, at + 32 + 4 * o)),
+            QuantKind::Q8 => (super::f32_at(r, at + 4 * o), 0.0),
+            QuantKind::Q6K => (super::f32_at(r, at + 32 * h + 4 * o), 0.0),
+        }
+    }
+
+    /// The layout the fastest kernel for activations of `acts` reads: the
+    /// lane layout for int8 on a CPU with VNNI, else as it is.
+    pub fn for_acts(self, acts: super::ActBits) -> Self {
+        if acts == super::ActBits::I8 && super::Kernel::detect() >= super::Kernel::AvxVnni {
+            self.into_lanes()
+        } else {
+            self
+        }
+    }
+
+    /// The same weight in the lane layout (a no-op if it is already).
+    pub fn into_lanes(self) -> Self {
+        if self.lanes {
+            return self;
+        }
+        let kind = self.kind;
+        let (rec, nb, groups) = (record_bytes(kind), self.blocks(), self.n.div_ceil(LANES));
+        let mut data = vec![0u8; groups * nb * rec];
+        let cb = codes_bytes(kind);
+        let fill = |(g8, out): (usize, &mut [u8])| {
+            for blk in 0..nb {
+                let r = &mut out[blk * rec..(blk + 1) * rec];
+                let (j, b) = (blk / 2, blk % 2);
+                for o in 0..LANES.min(self.n - g8 * LANES) {
+                    let c = g8 * LANES + o;
+                    let src = self.record(c, j);
+                    for e in 0..BLOCK {
+                        let q = self.q_at(src, pos(b, e));
+                        let (g, i) = (e / 4, e % 4);
+                        if kind.nibbles() {
+                            r[(g % 4) * 32 + 4 * o + i] |= (q as u8) << (4 * (g / 4));
+                        } else {
+                            r[g * 32 + 4 * o + i] = (q + 128) as u8;
+                        }
+                    }
+                    let (d0, m) = self.scales(src, c, j, b, 0);
+                    match kind {
+                        QuantKind::Q4 => {
+                            r[cb + 2 * o..cb + 2 * o + 2].copy_from_slice(&f16::from_f32(d0).to_le_bytes());
+                            r[cb + 16 + 2 * o..cb + 18 + 2 * o].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+                        }
+                        QuantKind::Q4K => {
+                            r[cb + 4 * o..cb + 4 * o + 4].copy_from_slice(&d0.to_le_bytes());
+                            r[cb + 32 + 4 * o..cb + 36 + 4 * o].copy_from_slice(&m.to_le_bytes());
+                        }
+                        QuantKind::Q8 => r[cb + 4 * o..cb + 4 * o + 4].copy_from_slice(&d0.to_le_bytes()),
+                        QuantKind::Q6K => {
+                            let (d1, _) = self.scales(src, c, j, b, 1);
+                            r[cb + 4 * o..cb + 4 * o + 4].copy_from_slice(&d0.to_le_bytes());
+                            r[cb + 32 + 4 * o..cb + 36 + 4 * o].copy_from_slice(&d1.to_le_bytes());
+                        }
+                    }
+                }
+            }
+        };
+        use rayon::prelude::*;
+        data.par_chunks_mut(nb * rec).enumerate().for_each(fill);
+        Self { data, mins: super::Mins::None, lanes: true, ..self }
+    }
+}
+
+/// The correction a block's integer sum starts from: none for nibbles,
+/// `−128 · Σ codes` of the row's block (or of its half `h`, Q6K).
+fn corr_index(blk: usize, which: usize) -> usize {
+    4 * blk + which
+}
+
+/// One output cell of the scalar kernel on the lane layout: the same
+/// integer sums as the lane kernels.
+pub(super) fn scalar_cell(x: &QuantActs, w: &QuantWeight, r: usize, c: usize) -> f32 {
+    let mut acc = 0.0f32;
+    let xs = x.bits.scales();
+    for blk in 0..w.blocks() {
+        let (j, b) = (blk / 2, blk % 2);
+        let xr = x.record(r, j);
+        let mut half = [0i32; 2];
+        for e in 0..BLOCK {
+            half[e / 16] += w.lane_code(c, blk, e) * x.code(xr, pos(b, e));
+        }
+        let dx = super::f32_at(xr, xs + 4 * b);
+        if w.kind.split_halves() {
+            for (h, s) in half.iter().enumerate() {
+                acc += *s as f32 * (w.lane_scales(c, blk, h).0 * dx);
+            }
+        } else {
+            let (d, m) = w.lane_scales(c, blk, 0);
+            acc += (half[0] + half[1]) as f32 * (d * dx) + m * x.sums[r * padded_blocks(x.pairs) + blk];
+        }
+    }
+    acc
+}
+
+/// Checks the layout arithmetic the kernels rely on.
+const _: () = assert!(PAIR == 2 * BLOCK && KQ4 != KQ8 && KQ4K != KQ6K);
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod kernels {
+    //! The lane kernels, one module per VNNI instruction set.
+    use super::super::{padded_blocks, ActBits, QuantActs, QuantKind, QuantWeight, KQ4, KQ4K, KQ6K, KQ8};
+    use super::{codes_bytes, corr_index, record_bytes, LANES};
+    use crate::quant::avx2::PREFETCH_BYTES;
+    use std::arch::x86_64::*;
+
+    /// Bytes of one int8 activation pair record.
+    const XREC: usize = ActBits::I8.record();
+    /// Offset of its two f32 scales.
+    const XSCALES: usize = ActBits::I8.scales();
+
+    /// Where a tile reads: the first row's activation records, block sums
+    /// and corrections, the output group's records, and where it writes.
+    #[derive(Clone, Copy)]
+    struct Tile {
+        y: *mut f32,
+        ldy: usize,
+        x: *const u8,
+        sums: *const f32,
+        corr: *const i32,
+        w: *const u8,
+        blocks: usize,
+        /// Which of the group's 8 outputs to store (a bit per lane).
+        store: u8,
+    }
+
+    macro_rules! lane_kernel {
+        ($(#[$doc:meta])* $name:ident, $features:literal, |$acc:ident, $u:ident, $s:ident| $dpbusd:expr) => {
+            $(#[$doc])*
+            pub mod $name {
+                use super::*;
+
+                /// `acc + Σ₄ u·s` per 32-bit lane.
+                ///
+                /// # Safety
+                /// The CPU must support the module's features.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn dpbusd($acc: __m256i, $u: __m256i, $s: __m256i) -> __m256i {
+                    $dpbusd
+                }
+
+                /// `R` rows × one group of 8 outputs of kind `K`, every block.
+                ///
+                /// # Safety
+                /// The CPU must support the module's features; `t.x`, `t.sums`
+                /// and `t.corr` must hold `R` rows' int8 records, block sums
+                /// and corrections, `t.w` the group's `t.blocks` records of
+                /// kind `K`; the cells of `y` the store mask names must be
+                /// valid for writes and the caller's.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn tile<const R: usize, const K: u8>(t: Tile) {
+                    let kind = QuantKind::from_code(K);
+                    let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
+                    let pairs = t.blocks / 2;
+                    let nbp = padded_blocks(pairs);
+                    let mut f = [_mm256_setzero_ps(); R];
+                    for blk in 0..t.blocks {
+                        // SAFETY (loads): record `blk` of the group and pair
+                        // `blk / 2` of every row exist; offsets stay inside them.
+                        unsafe {
+                            let wr = t.w.add(blk * rec);
+                            if R < 4 {
+                                // A prefetch never faults: the address may run past the weight.
+                                _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(blk * rec + PREFETCH_BYTES) as *const i8);
+                                _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(blk * rec + PREFETCH_BYTES + 64) as *const i8);
+                            }
+                            let mut wv = [_mm256_setzero_si256(); 8];
+                            if K == KQ4 || K == KQ4K {
+                                let mask = _mm256_set1_epi8(0x0f);
+                                for g in 0..4 {
+                                    let v = _mm256_loadu_si256(wr.add(32 * g) as *const __m256i);
+                                    wv[g] = _mm256_and_si256(v, mask);
+                                    wv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                                }
+                            } else {
+                                for (g, v) in wv.iter_mut().enumerate() {
+                                    *v = _mm256_loadu_si256(wr.add(32 * g) as *const __m256i);
+                                }
+                            }
+                            let d0 = if K == KQ4 {
+                                _mm256_cvtph_ps(_mm_loadu_si128(wr.add(cb) as *const __m128i))
+                            } else {
+                                _mm256_loadu_ps(wr.add(cb) as *const f32)
+                            };
+                            let (j, b) = (blk / 2, blk % 2);
+                            for (r, fr) in f.iter_mut().enumerate() {
+                                let xr = t.x.add((r * pairs + j) * XREC);
+                                // Group g of block b sits at 8g + 4b in the pair.
+                                let xg = |g: usize| _mm256_set1_epi32((xr.add(8 * g + 4 * b) as *const i32).read_unaligned());
+                                let dx = _mm256_set1_ps((xr.add(XSCALES + 4 * b) as *const f32).read_unaligned());
+                                let corr = |which: usize| _mm256_set1_epi32(*t.corr.add(r * 4 * t.blocks + corr_index(blk, which)));
+                                if K == KQ6K {
+                                    let d1 = _mm256_loadu_ps(wr.add(cb + 32) as *const f32);
+                                    let mut i0 = corr(0);
+                                    let mut i1 = corr(1);
+                                    for g in 0..4 {
+                                        i0 = dpbusd(i0, wv[g], xg(g));
+                                        i1 = dpbusd(i1, wv[g + 4], xg(g + 4));
+                                    }
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, dx), *fr);
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, dx), *fr);
+                                } else {
+                                    // Two chains, for the latency of vpdpbusd.
+                                    let (mut i0, mut i1) = if K == KQ8 { (corr(2), _mm256_setzero_si256()) } else { (_mm256_setzero_si256(), _mm256_setzero_si256()) };
+                                    for g in 0..4 {
+                                        i0 = dpbusd(i0, wv[2 * g], xg(2 * g));
+                                        i1 = dpbusd(i1, wv[2 * g + 1], xg(2 * g + 1));
+                                    }
+                                    let isum = _mm256_add_epi32(i0, i1);
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d0, dx), *fr);
+                                    if K == KQ4 || K == KQ4K {
+                                        let m = if K == KQ4 {
+                                            _mm256_cvtph_ps(_mm_loadu_si128(wr.add(cb + 16) as *const __m128i))
+                                        } else {
+                                            _mm256_loadu_ps(wr.add(cb + 32) as *const f32)
+                                        };
+                                        let sx = _mm256_set1_ps(*t.sums.add(r * nbp + blk));
+                                        *fr = _mm256_fmadd_ps(m, sx, *fr);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    for (r, fr) in f.iter().enumerate() {
+                        // SAFETY: the caller owns the cells the store mask names.
+                        unsafe {
+                            let y = t.y.add(r * t.ldy);
+                            if t.store == 0xff {
+                                _mm256_storeu_ps(y, *fr);
+                            } else {
+                                let mut v = [0f32; LANES];
+                                _mm256_storeu_ps(v.as_mut_ptr(), *fr);
+                                for (o, val) in v.iter().enumerate() {
+                                    if t.store & (1 << o) != 0 {
+                                        *y.add(o) = *val;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+
+                /// `y[rows, cols]` (row stride `ldy`) on a lane-layout weight
+                /// and int8 activations: per group of 8 outputs, tiles of 4
+                /// rows, then 1–3.
+                ///
+                /// # Safety
+                /// The CPU must support the module's features; `y` must be
+                /// valid for writes at every (row, col) of the ranges, cells
+                /// the caller owns; `x` holds int8 codes; `w` is in the lane
+                /// layout.
+                pub unsafe fn gemm(
+                    y: *mut f32,
+                    ldy: usize,
+                    x: &QuantActs,
+                    w: &QuantWeight,
+                    rows: std::ops::Range<usize>,
+                    cols: std::ops::Range<usize>,
+                ) {
+                    debug_assert!(x.bits == ActBits::I8 && w.lanes);
+                    let blocks = 2 * w.pairs;
+                    let rec = record_bytes(w.kind);
+                    let nbp = padded_blocks(w.pairs);
+                    // Rows in blocks whose activations stay in L2 while the
+                    // group's weights (in L1) meet each row.
+                    let row_block = (96 * 1024 / (w.pairs * XREC)).max(4) / 4 * 4;
+                    let mut r0 = rows.start;
+                    while r0 < rows.end {
+                        let r1 = (r0 + row_block).min(rows.end);
+                        for g8 in cols.start / LANES..cols.end.div_ceil(LANES) {
+                            let first = g8 * LANES;
+                            let mut store = 0u8;
+                            for o in 0..LANES {
+                                if cols.contains(&(first + o)) {
+                                    store |= 1 << o;
+                                }
+                            }
+                            let mut r = r0;
+                            while r < r1 {
+                                let rr = (r1 - r).min(4);
+                                // SAFETY: r + rr ≤ x.rows and g8 < the weight's groups,
+                                // so every offset stays inside its allocation; the
+                                // cells the mask names are the caller's. The pointer
+                                // to column `first` may pass the row only when the
+                                // mask stops short of it (it is then not written).
+                                let t = unsafe {
+                                    Tile {
+                                        y: y.wrapping_add(r * ldy + first),
+                                        ldy,
+                                        x: x.data.as_ptr().add(r * w.pairs * XREC),
+                                        sums: x.sums.as_ptr().add(r * nbp),
+                                        corr: x.corr.as_ptr().add(r * 4 * blocks),
+                                        w: w.data.as_ptr().add(g8 * blocks * rec),
+                                        blocks,
+                                        store,
+                                    }
+                                };
+                                // SAFETY: the tile's reads and writes are those just
+                                // checked; the CPU runs this module's features.
+                                unsafe {
+                                    match (rr, w.kind.code()) {
+                                        (4, KQ4) => tile::<4, KQ4>(t),
+                                        (3, KQ4) => tile::<3, KQ4>(t),
+                                        (2, KQ4) => tile::<2, KQ4>(t),
+                                        (1, KQ4) => tile::<1, KQ4>(t),
+                                        (4, KQ8) => tile::<4, KQ8>(t),
+                                        (3, KQ8) => tile::<3, KQ8>(t),
+                                        (2, KQ8) => tile::<2, KQ8>(t),
+                                        (1, KQ8) => tile::<1, KQ8>(t),
+                                        (4, KQ4K) => tile::<4, KQ4K>(t),
+                                        (3, KQ4K) => tile::<3, KQ4K>(t),
+                                        (2, KQ4K) => tile::<2, KQ4K>(t),
+                                        (1, KQ4K) => tile::<1, KQ4K>(t),
+                                        (4, KQ6K) => tile::<4, KQ6K>(t),
+                                        (3, KQ6K) => tile::<3, KQ6K>(t),
+                                        (2, KQ6K) => tile::<2, KQ6K>(t),
+                                        (1, KQ6K) => tile::<1, KQ6K>(t),
+                                        _ => unreachable!("tiles take 1–4 rows"),
+                                    }
+                                }
+                                r += rr;
+                            }
+                        }
+                        r0 = r1;
+                    }
+                }
+            }
+        };
+    }
+
+    lane_kernel!(
+        /// AVX-VNNI: VEX `vpdpbusd` (16 registers).
+        avxvnni,
+        "avx2,fma,f16c,avxvnni",
+        |acc, u, s| _mm256_dpbusd_avx_epi32(acc, u, s)
+    );
+
+    lane_kernel!(
+        /// AVX-512 VNNI with VL: EVEX `vpdpbusd` on 256 bits (32 registers).
+        avx512vnni,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        |acc, u, s| _mm256_dpbusd_epi32(acc, u, s)
+    );
+}
