@@ -25,8 +25,6 @@
 
 pub mod cpu_executor;
 pub mod cpu_ops;
-#[cfg(target_arch = "x86_64")]
-mod kquant_avx2;
 pub mod kv_cache;
 pub mod linear;
 pub mod paged_attention;

@@ -256,14 +256,6 @@ fn linear_blocks(y: &mut [f32], x: &[f32], w: &HostWeight, (dtype, row_bytes, da
             let mut buf = vec![0.0f32; chunk_values];
             for c in cols {
                 let mut acc = [0.0f32; SMALL_M];
-                let row = &data[c * row_bytes..(c + 1) * row_bytes];
-                if fused_k_quant_row(dtype, row, x, k, m, &mut acc) {
-                    for (r, a) in acc.iter().enumerate().take(m) {
-                        // SAFETY: row r, column c of y belongs to this chunk alone.
-                        unsafe { *dst.get().add(r * n + c) = *a };
-                    }
-                    continue;
-                }
                 for (i, bytes) in data[c * row_bytes..(c + 1) * row_bytes].chunks(chunk_bytes).enumerate() {
                     let values = &mut buf[..bytes.len() / block_bytes * block];
                     // The length was checked when the weight was made.
@@ -320,8 +312,7 @@ fn linear_blocks(y: &mut [f32], x: &[f32], w: &HostWeight, (dtype, row_bytes, da
 
 /// [`dequantize_into`] compiled with AVX2, FMA and F16C: the GGUF kernels
 /// inline here and their loops may vectorize (same arithmetic, same bits).
-/// Prefill tiles use it; decode on Q4_K/Q6_K goes through the fused
-/// kernels of `kquant_avx2` instead.
+/// Prefill tiles and the decode chunks use it.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
@@ -365,65 +356,6 @@ fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
         tail += x * y;
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// [`dot_generic`] for the fused kernels' tests.
-#[cfg(all(test, target_arch = "x86_64"))]
-pub(crate) fn dot_generic_for_tests(a: &[f32], b: &[f32]) -> f32 {
-    dot_generic(a, b)
-}
-
-/// Adds to `acc[r]` (`r < m`) the product of row `r` of `x` (`[m, k]`)
-/// with one weight row of Q4_K or Q6_K super-blocks through the fused AVX2
-/// kernels (`kquant_avx2`: the same bits as dequantize-then-[`dot`]).
-/// `false` (nothing done) for other types or without AVX2.
-fn fused_k_quant_row(dtype: GgmlType, row: &[u8], x: &[f32], k: usize, m: usize, acc: &mut [f32; SMALL_M]) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::kquant_avx2::{q4_k_dots, q6_k_dots, Q4_K_BYTES, Q6_K_BYTES};
-        let bytes = match dtype {
-            GgmlType::Q4_K => Q4_K_BYTES,
-            GgmlType::Q6_K => Q6_K_BYTES,
-            _ => return false,
-        };
-        if !crate::quant::has_simd() || m == 0 || m > SMALL_M || x.len() < m * k || row.len() / bytes * 256 != k {
-            return false;
-        }
-        fn run<const M: usize>(q6: bool, row: &[u8], bytes: usize, x: &[f32], k: usize, acc: &mut [f32; SMALL_M]) {
-            for (i, block) in row.chunks_exact(bytes).enumerate() {
-                // SAFETY: AVX2 was checked; x holds M rows of k values and
-                // block i reads values i·256 .. i·256 + 256 < k of each.
-                let dots: [f32; M] = unsafe {
-                    let xp = x.as_ptr().add(i * 256);
-                    if q6 {
-                        q6_k_dots::<M>(block, xp, k)
-                    } else {
-                        q4_k_dots::<M>(block, xp, k)
-                    }
-                };
-                for (a, d) in acc.iter_mut().zip(dots) {
-                    *a += d;
-                }
-            }
-        }
-        let q6 = dtype == GgmlType::Q6_K;
-        match m {
-            1 => run::<1>(q6, row, bytes, x, k, acc),
-            2 => run::<2>(q6, row, bytes, x, k, acc),
-            3 => run::<3>(q6, row, bytes, x, k, acc),
-            4 => run::<4>(q6, row, bytes, x, k, acc),
-            5 => run::<5>(q6, row, bytes, x, k, acc),
-            6 => run::<6>(q6, row, bytes, x, k, acc),
-            7 => run::<7>(q6, row, bytes, x, k, acc),
-            _ => run::<8>(q6, row, bytes, x, k, acc),
-        }
-        true
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (dtype, row, x, k, m, acc);
-        false
-    }
 }
 
 /// [`dot_generic`] compiled with AVX2 and FMA.
