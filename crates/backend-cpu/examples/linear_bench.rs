@@ -4,8 +4,8 @@
 //! `cargo run --release -p vellum-backend-cpu --example linear_bench`
 //! (`MS=1,64` picks the batch sizes, `VELLUM_CPU_KERNEL` the instruction
 //! set). Columns: f32, then Q4 (the file's Q4_1 blocks) and Q8 blocks, each
-//! with int16 and int8 activations. `KQUANTS=1` times Gemma 3's Q4_K and
-//! Q6_K matrices instead (f32, then the integer kernel at int16 and int8).
+//! with int16 and int8 activations. `KQUANTS=1` times Gemma 3's Q4_K, Q6_K
+//! and Q5_0 matrices instead (f32, then the integer kernel at int16 and int8).
 
 use vellum_backend_cpu::{ActBits, CpuOps, HostTensor, WeightFormat};
 use vellum_models::gguf::GgmlType;
@@ -36,11 +36,15 @@ fn q4_weight(n: usize, k: usize, rng: &mut vellum_core::SeededRng) -> WeightView
     WeightView::new("w", vec![n, k], GgmlType::Q4_1, bytes.into()).expect("whole blocks")
 }
 
-/// A K-quant weight (`Q4_K` or `Q6_K`) `[n, k]`: random super-blocks with
-/// small f16 scales.
+/// A K-quant weight (`Q4_K` or `Q6_K`) or a `Q5_0` one `[n, k]`: random
+/// blocks with small f16 scales.
 fn kquant_weight(ty: GgmlType, n: usize, k: usize, rng: &mut vellum_core::SeededRng) -> WeightView<'static> {
-    let (bytes_per, halves): (usize, &[usize]) = if ty == GgmlType::Q4_K { (144, &[0, 2]) } else { (210, &[208]) };
-    let mut bytes: Vec<u8> = (0..n * k / 256 * bytes_per).map(|_| (rng.next_u64() >> 56) as u8).collect();
+    let (values, bytes_per, halves): (usize, usize, &[usize]) = match ty {
+        GgmlType::Q4_K => (256, 144, &[0, 2]),
+        GgmlType::Q6_K => (256, 210, &[208]),
+        _ => (32, 22, &[0]),
+    };
+    let mut bytes: Vec<u8> = (0..n * k / values * bytes_per).map(|_| (rng.next_u64() >> 56) as u8).collect();
     for b in bytes.chunks_exact_mut(bytes_per) {
         for &at in halves {
             b[at..at + 2].copy_from_slice(&half::f16::from_f32(1e-3).to_le_bytes());
@@ -53,9 +57,12 @@ fn kquant_weight(ty: GgmlType, n: usize, k: usize, rng: &mut vellum_core::Seeded
 /// or Q6_K) through the integer kernel, int16 and int8 activations.
 fn kquants(ms: &[usize], seed: &mut vellum_core::SeededRng) {
     for &m in ms {
-        for (ty, n, k, name) in
-            [(GgmlType::Q4_K, 640, 1024, "o Q4_K"), (GgmlType::Q4_K, 640, 2048, "down Q4_K"), (GgmlType::Q6_K, 640, 2048, "down Q6_K")]
-        {
+        for (ty, n, k, name) in [
+            (GgmlType::Q4_K, 640, 1024, "o Q4_K"),
+            (GgmlType::Q4_K, 640, 2048, "down Q4_K"),
+            (GgmlType::Q6_K, 640, 2048, "down Q6_K"),
+            (GgmlType::Q5_0, 2048, 640, "up Q5_0"),
+        ] {
             let w = kquant_weight(ty, n, k, seed);
             let x = HostTensor { rows: m, cols: k, data: (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect() };
             let mut line = format!("m={m:4} {name:10} [{n}x{k}]");

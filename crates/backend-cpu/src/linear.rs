@@ -115,7 +115,7 @@ impl HostWeight {
                 }
         });
         if let Some(q) = kept {
-            return Ok(HostWeight { out, inp, storage: Storage::Quant(q.for_acts(acts), acts) });
+            return Ok(HostWeight { out, inp, storage: Storage::Quant(q.into_best_layout(acts), acts) });
         }
         let plain = matches!(w.dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
         if format == WeightFormat::Auto && !plain && w.dtype.is_dequantizable() && out > 0 && inp > 0 {
@@ -129,7 +129,7 @@ impl HostWeight {
             WeightFormat::F32 | WeightFormat::Auto => None,
         };
         let storage = match kind {
-            Some(kind) if out > 0 && inp > 0 => Storage::Quant(QuantWeight::quantize(&data, out, inp, kind).for_acts(acts), acts),
+            Some(kind) if out > 0 && inp > 0 => Storage::Quant(QuantWeight::quantize(&data, out, inp, kind).into_best_layout(acts), acts),
             _ => Storage::F32(transpose(&data, out, inp)),
         };
         Ok(HostWeight { out, inp, storage })
@@ -209,6 +209,9 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, bits: ActBits, m: usi
     thread_local! {
         static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
     }
+    if bits == ActBits::I16 && w.lanes {
+        return linear_quant_split(y, x, w, m);
+    }
     let mut run = |acts: &mut QuantActs| {
         QuantActs::quantize_cached(x, m, k, bits, acts);
         let acts = &*acts;
@@ -229,6 +232,47 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, bits: ActBits, m: usi
     ACTS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut acts) => run(&mut acts),
         Err(_) => run(&mut QuantActs::default()),
+    });
+}
+
+/// [`linear_quant`] at int16 precision on a lane-layout weight (a CPU with
+/// VNNI): each row as int8 plus what int8 leaves, also as int8
+/// ([`QuantActs::quantize_split_cached`]); the lane kernels multiply both
+/// (`2m` rows) into a scratch buffer and each thread adds the two halves of
+/// its columns.
+fn linear_quant_split(y: &mut [f32], x: &[f32], w: &QuantWeight, m: usize) {
+    let (n, k) = (w.n, w.k);
+    thread_local! {
+        static SPLIT: std::cell::RefCell<(QuantActs, Vec<f32>)> = std::cell::RefCell::new((QuantActs::default(), Vec::new()));
+    }
+    let mut run = |(acts, tmp): &mut (QuantActs, Vec<f32>)| {
+        QuantActs::quantize_split_cached(x, m, k, acts);
+        let acts = &*acts;
+        tmp.resize(2 * m * n, 0.0);
+        let (dst, both) = (SendPtr(y.as_mut_ptr()), SendPtr(tmp.as_mut_ptr()));
+        let ranges = column_ranges(m, n, k);
+        let chunk = |cols: std::ops::Range<usize>| {
+            // SAFETY: tmp is [2m, n] and y [m, n]; this call writes and then
+            // reads columns `cols` of both only, which no other thread touches.
+            unsafe {
+                quant::gemm(both.get(), n, acts, w, 0..2 * m, cols.clone());
+                for r in 0..m {
+                    for c in cols.clone() {
+                        *dst.get().add(r * n + c) = *both.get().add(r * n + c) + *both.get().add((m + r) * n + c);
+                    }
+                }
+            }
+        };
+        if ranges.len() == 1 {
+            chunk(0..n);
+        } else {
+            crate::spin_team::run(ranges.len(), &|i| chunk(ranges[i].clone()));
+        }
+    };
+    // As in `linear_quant`: a re-entrant call gets fresh buffers.
+    SPLIT.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut bufs) => run(&mut bufs),
+        Err(_) => run(&mut (QuantActs::default(), Vec::new())),
     });
 }
 

@@ -27,9 +27,11 @@
 //! * the outputs' offsets `m`: 8 f16 (Q4), 8 f32 (Q4K).
 //!
 //! Bytes per weight are those of the pair layout. Weights use this layout
-//! where the int8 kernel has VNNI ([`QuantWeight::for_acts`]); the scalar
-//! kernel reads both layouts, and is what a CPU without VNNI would run on
-//! this one (never chosen there).
+//! where the int8 kernel has VNNI, and on AVX2 alone
+//! ([`QuantWeight::into_best_layout`]: there `vpmaddubsw` and `vpmaddwd`
+//! stand in for `vpdpbusd`, the sums of a nibble block adding up in i16
+//! first, 8-bit codes taking the sign trick); the scalar kernel reads both
+//! layouts.
 
 use super::{padded_blocks, pos, QuantActs, QuantKind, QuantWeight, BLOCK, KQ4, KQ4K, KQ6K, KQ8, PAIR};
 use half::f16;
@@ -97,9 +99,17 @@ impl QuantWeight {
     }
 
     /// The layout the fastest kernel for activations of `acts` reads: the
-    /// lane layout for int8 on a CPU with VNNI, else as it is.
-    pub fn for_acts(self, acts: super::ActBits) -> Self {
-        if acts == super::ActBits::I8 && super::Kernel::detect() >= super::Kernel::AvxVnni {
+    /// lane layout on a CPU with VNNI; on AVX2 alone, for nibble kinds and
+    /// for 8-bit kinds at int8 (int16 precision on an 8-bit kind runs
+    /// faster through the pair layout's int16 kernel there than as two
+    /// passes of [`kernels::avx2`]'s sign trick); else as it is. int16
+    /// precision on the lane layout runs as two int8 passes
+    /// ([`super::QuantActs::quantize_split_cached`]; KERNELS.md has the
+    /// rates).
+    pub fn into_best_layout(self, acts: super::ActBits) -> Self {
+        let kernel = super::Kernel::detect();
+        let avx2 = kernel == super::Kernel::Avx2 && (self.kind.nibbles() || acts == super::ActBits::I8);
+        if kernel >= super::Kernel::AvxVnni || avx2 {
             self.into_lanes()
         } else {
             self
@@ -217,10 +227,108 @@ pub(super) mod kernels {
         blocks: usize,
         /// Which of the group's 8 outputs to store (a bit per lane).
         store: u8,
+        /// The weight's [`QuantWeight::small_codes`].
+        small: bool,
+    }
+
+    /// Prefetches the `rec` bytes from `p` into L1, a request per cache
+    /// line (a record of 8-bit codes spans five lines, one of nibbles three).
+    #[inline(always)]
+    fn prefetch_record(p: *const u8, rec: usize) {
+        let mut line = 0;
+        while line < rec {
+            // SAFETY: a prefetch never faults, whatever the address (it may
+            // run past the weight); SSE is part of x86_64.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line) as *const i8) };
+            line += 64;
+        }
+    }
+
+    /// Writes a tile's `R` rows of eight outputs (the lanes the store mask
+    /// names).
+    ///
+    /// # Safety
+    /// The CPU must support AVX; the cells of `t.y` the mask names, in `R`
+    /// rows of stride `t.ldy`, must be valid for writes and the caller's.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    unsafe fn store<const R: usize>(t: &Tile, f: &[__m256; R]) {
+        for (r, fr) in f.iter().enumerate() {
+            // SAFETY: as this function's contract.
+            unsafe {
+                let y = t.y.add(r * t.ldy);
+                if t.store == 0xff {
+                    _mm256_storeu_ps(y, *fr);
+                } else {
+                    let mut v = [0f32; LANES];
+                    _mm256_storeu_ps(v.as_mut_ptr(), *fr);
+                    for (o, val) in v.iter().enumerate() {
+                        if t.store & (1 << o) != 0 {
+                            *y.add(o) = *val;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 tile for 8-bit kinds (Q8, Q6K), whose codes are stored plus
+    /// 128: `vpmaddubsw` needs an unsigned operand no larger than 128 to
+    /// stay clear of saturation, so each code goes back to signed
+    /// (`u ⊕ 0x80`), its magnitude is the unsigned operand and its sign
+    /// moves onto the broadcast activations (`vpsignb`): `|w| · sign(w)·x =
+    /// w·x`, a pair at most `2 · 128 · 127 < 2¹⁵` (a −128 code included).
+    /// A block runs in two halves of four vectors (values 0..16 and 16..32,
+    /// Q6K's two scales), so that the half's magnitudes and signs (eight
+    /// registers) serve every row of the tile; no correction term is needed.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `t` as for the lane kernels'
+    /// tiles, the weight of kind `K` (8-bit).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn signed_tile_avx2<const R: usize, const K: u8>(t: Tile) {
+        let kind = QuantKind::from_code(K);
+        let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
+        let pairs = t.blocks / 2;
+        let (offset, ones) = (_mm256_set1_epi8(-128), _mm256_set1_epi16(1));
+        let mut f = [_mm256_setzero_ps(); R];
+        for blk in 0..t.blocks {
+            let (j, b) = (blk / 2, blk % 2);
+            // SAFETY (loads): record `blk` of the group and pair `blk / 2`
+            // of every row exist; offsets stay inside them.
+            unsafe {
+                let wr = t.w.add(blk * rec);
+                if R < 4 {
+                    // A prefetch never faults: the address may run past the weight.
+                    prefetch_record(t.w.wrapping_add(blk * rec + PREFETCH_BYTES), rec);
+                }
+                for h in 0..2 {
+                    let mut sw = [_mm256_setzero_si256(); 4];
+                    let mut aw = [_mm256_setzero_si256(); 4];
+                    for q in 0..4 {
+                        sw[q] = _mm256_xor_si256(_mm256_loadu_si256(wr.add(32 * (4 * h + q)) as *const __m256i), offset);
+                        aw[q] = _mm256_abs_epi8(sw[q]);
+                    }
+                    let d = _mm256_loadu_ps(wr.add(cb + if K == KQ6K { 32 * h } else { 0 }) as *const f32);
+                    for (r, fr) in f.iter_mut().enumerate() {
+                        let xr = t.x.add((r * pairs + j) * XREC);
+                        // Group g of block b sits at 8g + 4b in the pair.
+                        let xg = |g: usize| _mm256_set1_epi32((xr.add(8 * g + 4 * b) as *const i32).read_unaligned());
+                        let dx = _mm256_set1_ps((xr.add(XSCALES + 4 * b) as *const f32).read_unaligned());
+                        let p = |q: usize| _mm256_madd_epi16(_mm256_maddubs_epi16(aw[q], _mm256_sign_epi8(xg(4 * h + q), sw[q])), ones);
+                        let isum = _mm256_add_epi32(_mm256_add_epi32(p(0), p(1)), _mm256_add_epi32(p(2), p(3)));
+                        *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), *fr);
+                    }
+                }
+            }
+        }
+        // SAFETY: the caller owns the cells the store mask names.
+        unsafe { store(&t, &f) }
     }
 
     macro_rules! lane_kernel {
-        ($(#[$doc:meta])* $name:ident, $features:literal, |$acc:ident, $u:ident, $s:ident| $dpbusd:expr) => {
+        ($(#[$doc:meta])* $name:ident, $features:literal, maddubs: $maddubs:literal, |$acc:ident, $u:ident, $s:ident| $dpbusd:expr) => {
             $(#[$doc])*
             pub mod $name {
                 use super::*;
@@ -246,6 +354,11 @@ pub(super) mod kernels {
                 #[inline]
                 #[target_feature(enable = $features)]
                 unsafe fn tile<const R: usize, const K: u8>(t: Tile) {
+                    if $maddubs && K == KQ8 && !t.small {
+                        // SAFETY: as this function's contract; the module's
+                        // features include AVX2, FMA and F16C.
+                        return unsafe { signed_tile_avx2::<R, K>(t) };
+                    }
                     let kind = QuantKind::from_code(K);
                     let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
                     let pairs = t.blocks / 2;
@@ -258,8 +371,7 @@ pub(super) mod kernels {
                             let wr = t.w.add(blk * rec);
                             if R < 4 {
                                 // A prefetch never faults: the address may run past the weight.
-                                _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(blk * rec + PREFETCH_BYTES) as *const i8);
-                                _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(blk * rec + PREFETCH_BYTES + 64) as *const i8);
+                                prefetch_record(t.w.wrapping_add(blk * rec + PREFETCH_BYTES), rec);
                             }
                             let mut wv = [_mm256_setzero_si256(); 8];
                             if K == KQ4 || K == KQ4K {
@@ -270,8 +382,14 @@ pub(super) mod kernels {
                                     wv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                                 }
                             } else {
+                                // AVX2: small codes (Q5_0's −16..=15, Q6K's
+                                // −32..=31) move from offset 128 to 16 or 32.
+                                let back = _mm256_set1_epi8(if K == KQ6K { 96 } else { 112 });
                                 for (g, v) in wv.iter_mut().enumerate() {
                                     *v = _mm256_loadu_si256(wr.add(32 * g) as *const __m256i);
+                                    if $maddubs {
+                                        *v = _mm256_sub_epi8(*v, back);
+                                    }
                                 }
                             }
                             let d0 = if K == KQ4 {
@@ -286,7 +404,33 @@ pub(super) mod kernels {
                                 let xg = |g: usize| _mm256_set1_epi32((xr.add(8 * g + 4 * b) as *const i32).read_unaligned());
                                 let dx = _mm256_set1_ps((xr.add(XSCALES + 4 * b) as *const f32).read_unaligned());
                                 let corr = |which: usize| _mm256_set1_epi32(*t.corr.add(r * 4 * t.blocks + corr_index(blk, which)));
-                                if K == KQ6K {
+                                let madd = |p: __m256i| _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+                                let mb = |g: usize| _mm256_maddubs_epi16(wv[g], xg(g));
+                                if $maddubs && K == KQ6K {
+                                    // Codes plus 32 (0..=63): a `vpmaddubsw`
+                                    // lane is at most 2 · 63 · 127 = 16002, two
+                                    // add up in i16; the correction is
+                                    // −32 · Σ qx, a quarter of −128 · Σ qx
+                                    // (exact: a shift).
+                                    let d1 = _mm256_loadu_ps(wr.add(cb + 32) as *const f32);
+                                    let half = |h: usize| {
+                                        let g = 4 * h;
+                                        let a = madd(_mm256_add_epi16(mb(g), mb(g + 2)));
+                                        let c = madd(_mm256_add_epi16(mb(g + 1), mb(g + 3)));
+                                        _mm256_add_epi32(_mm256_srai_epi32::<2>(corr(h)), _mm256_add_epi32(a, c))
+                                    };
+                                    let (i0, i1) = (half(0), half(1));
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, dx), *fr);
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, dx), *fr);
+                                } else if $maddubs && K == KQ8 {
+                                    // Q5_0's codes plus 16 (0..=31): a lane is
+                                    // at most 2 · 31 · 127 = 7874, four add up
+                                    // in i16; the correction is −16 · Σ qx.
+                                    let p0 = _mm256_add_epi16(_mm256_add_epi16(mb(0), mb(2)), _mm256_add_epi16(mb(4), mb(6)));
+                                    let p1 = _mm256_add_epi16(_mm256_add_epi16(mb(1), mb(3)), _mm256_add_epi16(mb(5), mb(7)));
+                                    let isum = _mm256_add_epi32(_mm256_srai_epi32::<3>(corr(2)), _mm256_add_epi32(madd(p0), madd(p1)));
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d0, dx), *fr);
+                                } else if K == KQ6K {
                                     let d1 = _mm256_loadu_ps(wr.add(cb + 32) as *const f32);
                                     let mut i0 = corr(0);
                                     let mut i1 = corr(1);
@@ -296,6 +440,27 @@ pub(super) mod kernels {
                                     }
                                     *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, dx), *fr);
                                     *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, dx), *fr);
+                                } else if $maddubs {
+                                    // Nibbles: eight
+                                    // `vpmaddubsw` add up in i16 without
+                                    // saturating (16 products of at most
+                                    // 15 · 128 per lane, < 2¹⁵), then one
+                                    // `vpmaddwd` by ones widens the sums.
+                                    let mut p0 = _mm256_maddubs_epi16(wv[0], xg(0));
+                                    let mut p1 = _mm256_maddubs_epi16(wv[1], xg(1));
+                                    for g in 1..4 {
+                                        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(wv[2 * g], xg(2 * g)));
+                                        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(wv[2 * g + 1], xg(2 * g + 1)));
+                                    }
+                                    let isum = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d0, dx), *fr);
+                                    let m = if K == KQ4 {
+                                        _mm256_cvtph_ps(_mm_loadu_si128(wr.add(cb + 16) as *const __m128i))
+                                    } else {
+                                        _mm256_loadu_ps(wr.add(cb + 32) as *const f32)
+                                    };
+                                    let sx = _mm256_set1_ps(*t.sums.add(r * nbp + blk));
+                                    *fr = _mm256_fmadd_ps(m, sx, *fr);
                                 } else {
                                     // Two chains, for the latency of vpdpbusd.
                                     let (mut i0, mut i1) = if K == KQ8 { (corr(2), _mm256_setzero_si256()) } else { (_mm256_setzero_si256(), _mm256_setzero_si256()) };
@@ -318,23 +483,8 @@ pub(super) mod kernels {
                             }
                         }
                     }
-                    for (r, fr) in f.iter().enumerate() {
-                        // SAFETY: the caller owns the cells the store mask names.
-                        unsafe {
-                            let y = t.y.add(r * t.ldy);
-                            if t.store == 0xff {
-                                _mm256_storeu_ps(y, *fr);
-                            } else {
-                                let mut v = [0f32; LANES];
-                                _mm256_storeu_ps(v.as_mut_ptr(), *fr);
-                                for (o, val) in v.iter().enumerate() {
-                                    if t.store & (1 << o) != 0 {
-                                        *y.add(o) = *val;
-                                    }
-                                }
-                            }
-                        }
-                    }
+                    // SAFETY: the caller owns the cells the store mask names.
+                    unsafe { store(&t, &f) }
                 }
 
                 /// `y[rows, cols]` (row stride `ldy`) on a lane-layout weight
@@ -390,6 +540,7 @@ pub(super) mod kernels {
                                         w: w.data.as_ptr().add(g8 * blocks * rec),
                                         blocks,
                                         store,
+                                        small: w.small_codes,
                                     }
                                 };
                                 // SAFETY: the tile's reads and writes are those just
@@ -426,9 +577,19 @@ pub(super) mod kernels {
     }
 
     lane_kernel!(
+        /// AVX2 without VNNI: `vpmaddubsw` and `vpmaddwd`; 8-bit kinds
+        /// through [`signed_tile_avx2`].
+        avx2,
+        "avx2,fma,f16c",
+        maddubs: true,
+        |acc, u, s| _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+    );
+
+    lane_kernel!(
         /// AVX-VNNI: VEX `vpdpbusd` (16 registers).
         avxvnni,
         "avx2,fma,f16c,avxvnni",
+        maddubs: false,
         |acc, u, s| _mm256_dpbusd_avx_epi32(acc, u, s)
     );
 
@@ -436,6 +597,7 @@ pub(super) mod kernels {
         /// AVX-512 VNNI with VL: EVEX `vpdpbusd` on 256 bits (32 registers).
         avx512vnni,
         "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        maddubs: false,
         |acc, u, s| _mm256_dpbusd_epi32(acc, u, s)
     );
 }

@@ -267,6 +267,10 @@ pub struct QuantWeight {
     /// Whether `data` is in the lane layout ([`lanes`]: 8 outputs side by
     /// side, for the VNNI int8 kernels) rather than the pair layout.
     pub lanes: bool,
+    /// Whether every code of this Q8 weight lies in −16..=15 (it came from
+    /// Q5_0): the AVX2 lane kernel then sums its products in i16 instead of
+    /// taking the sign trick.
+    pub small_codes: bool,
 }
 
 /// Per-block quantization of one block of `vals` (≤ 32 real values).
@@ -357,7 +361,7 @@ impl QuantWeight {
             return None;
         }
         let blocks = k / BLOCK;
-        Some(Self::assemble(n, k, kind, |c, blk, q| {
+        let weight = Self::assemble(n, k, kind, |c, blk, q| {
             if blk >= blocks {
                 return ([0.0; 2], 0.0);
             }
@@ -393,7 +397,8 @@ impl QuantWeight {
                 q[j + 16] = byte >> 4;
             }
             ([d.to_f32(); 2], m)
-        }))
+        });
+        Some(Self { small_codes: ty == GgmlType::Q5_0, ..weight })
     }
 
     /// Lays out an `[n, k]` weight whose block `blk` of output `c` is given
@@ -454,7 +459,7 @@ impl QuantWeight {
             QuantKind::Q4K => Mins::F32(mins),
             QuantKind::Q8 | QuantKind::Q6K => Mins::None,
         };
-        Self { n, k, pairs, kind, data, mins, lanes: false }
+        Self { n, k, pairs, kind, data, mins, lanes: false, small_codes: false }
     }
 
     /// The record of pair `j` of output `c`.
@@ -574,6 +579,10 @@ pub struct QuantActs {
     /// per row): the correction the lane kernels start from when the
     /// weights' codes carry an offset of 128 ([`lanes`]).
     pub corr: Vec<i32>,
+    /// Whether these are the two-pass int8 form of int16 precision
+    /// ([`QuantActs::quantize_split_cached`]): `rows / 2` input rows, then
+    /// what each leaves.
+    pub split: bool,
     /// The activations these records were made from (see
     /// [`QuantActs::quantize_cached`]).
     src: Vec<f32>,
@@ -665,7 +674,13 @@ impl QuantActs {
     /// the previous call (the Q, K and V projections, or gate and up, read
     /// the same input). Comparing is ~10× cheaper than quantizing.
     pub fn quantize_cached(x: &[f32], rows: usize, k: usize, bits: ActBits, into: &mut QuantActs) {
-        if into.rows == rows && into.pairs == k.div_ceil(PAIR) && into.bits == bits && into.src.len() == x.len() && into.src == x {
+        if !into.split
+            && into.rows == rows
+            && into.pairs == k.div_ceil(PAIR)
+            && into.bits == bits
+            && into.src.len() == x.len()
+            && into.src == x
+        {
             return;
         }
         Self::quantize_into(x, rows, k, bits, into);
@@ -673,7 +688,76 @@ impl QuantActs {
         into.src.extend_from_slice(x);
     }
 
+    /// int16 precision from two int8 passes, for the VNNI lane kernels:
+    /// rows `0..rows` hold each input row quantized to int8 (`x̂`), rows
+    /// `rows..2·rows` what it leaves, `x − x̂`, quantized to int8 again with
+    /// its own block scales. `W·x̂ + W·(x − x̂)^` then errs by at most half a
+    /// code step of the remainder, `amax / (4 · 127²) ≈ amax / 64516` per
+    /// value against int16's `amax / 65534`, at the int8 kernels' rate
+    /// (each weight block meets both rows while in registers). Skipped,
+    /// like [`QuantActs::quantize_cached`], when `x` is the previous input.
+    pub fn quantize_split_cached(x: &[f32], rows: usize, k: usize, into: &mut QuantActs) {
+        let pairs = k.div_ceil(PAIR);
+        if into.split && into.rows == 2 * rows && into.pairs == pairs && into.src.len() == x.len() && into.src == x {
+            return;
+        }
+        let bits = ActBits::I8;
+        let (per, nbp, ncorr) = (pairs * bits.record(), padded_blocks(pairs), 8 * pairs);
+        into.rows = 2 * rows;
+        into.pairs = pairs;
+        into.bits = bits;
+        into.split = true;
+        into.data.clear();
+        into.data.resize(2 * rows * per, 0);
+        into.sums.clear();
+        into.sums.resize(2 * rows * nbp, 0.0);
+        into.corr.clear();
+        into.corr.resize(2 * rows * ncorr, 0);
+        into.src.clear();
+        into.src.extend_from_slice(x);
+        if k == 0 || rows == 0 {
+            return;
+        }
+        let (hi_d, lo_d) = into.data.split_at_mut(rows * per);
+        let (hi_s, lo_s) = into.sums.split_at_mut(rows * nbp);
+        let (hi_c, lo_c) = into.corr.split_at_mut(rows * ncorr);
+        /// A row's two records, block sums and corrections (int8 of `x`,
+        /// then of what it leaves), and the row, as the zips below nest them.
+        type SplitRow<'a> = ((((((&'a mut [u8], &'a mut [u8]), &'a mut [f32]), &'a mut [f32]), &'a mut [i32]), &'a mut [i32]), &'a [f32]);
+        let row = |((((((hd, ld), hs), ls), hc), lc), xr): SplitRow<'_>| {
+            quantize_row(xr, bits, hd, hs, hc);
+            let mut rest = xr.to_vec();
+            for (idx, v) in rest.iter_mut().enumerate() {
+                let (j, b, e) = (idx / PAIR, idx % PAIR / BLOCK, idx % BLOCK);
+                let rec = &hd[j * bits.record()..(j + 1) * bits.record()];
+                *v -= f32::from(rec[pos(b, e)] as i8) * f32_at(rec, bits.scales() + 4 * b);
+            }
+            quantize_row(&rest, bits, ld, ls, lc);
+        };
+        if rows * k >= 1 << 15 {
+            use rayon::prelude::*;
+            hi_d.par_chunks_mut(per)
+                .zip(lo_d.par_chunks_mut(per))
+                .zip(hi_s.par_chunks_mut(nbp))
+                .zip(lo_s.par_chunks_mut(nbp))
+                .zip(hi_c.par_chunks_mut(ncorr))
+                .zip(lo_c.par_chunks_mut(ncorr))
+                .zip(x.par_chunks(k))
+                .for_each(row);
+        } else {
+            hi_d.chunks_mut(per)
+                .zip(lo_d.chunks_mut(per))
+                .zip(hi_s.chunks_mut(nbp))
+                .zip(lo_s.chunks_mut(nbp))
+                .zip(hi_c.chunks_mut(ncorr))
+                .zip(lo_c.chunks_mut(ncorr))
+                .zip(x.chunks(k))
+                .for_each(row);
+        }
+    }
+
     fn quantize_into(x: &[f32], rows: usize, k: usize, bits: ActBits, into: &mut QuantActs) {
+        into.split = false;
         let pairs = k.div_ceil(PAIR);
         into.rows = rows;
         into.pairs = pairs;
@@ -878,7 +962,8 @@ pub unsafe fn gemm_with(
         type Gemm = unsafe fn(*mut f32, usize, &QuantActs, &QuantWeight, std::ops::Range<usize>, std::ops::Range<usize>);
         let simd: Option<Gemm> = match (kernel, x.bits) {
             (Kernel::Scalar, _) => None,
-            // The lane layout: VNNI int8 kernels only (else the scalar one).
+            // The lane layout: int8 kernels only (else the scalar one).
+            (Kernel::Avx2, ActBits::I8) if w.lanes => Some(lanes::kernels::avx2::gemm),
             (Kernel::AvxVnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avxvnni::gemm),
             (Kernel::Avx512Vnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avx512vnni::gemm),
             _ if w.lanes => None,

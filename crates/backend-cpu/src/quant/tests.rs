@@ -385,6 +385,8 @@ fn the_lane_layout_computes_what_the_pair_layout_does() {
                 w.data[(n / 2) * w.pairs * QuantKind::Q8.record() + 3] = 0x80;
                 w
             }),
+            // Q5_0: a Q8 weight with small codes (the AVX2 lane kernel's i16 sums).
+            (QuantKind::Q8, QuantWeight::from_ggml(GgmlType::Q5_0, &ggml_blocks(GgmlType::Q5_0, n, k, &mut s), n, k).expect("blocks")),
             (QuantKind::Q4K, QuantWeight::from_ggml(GgmlType::Q4_K, &kquant_blocks(GgmlType::Q4_K, n, k, &mut s), n, k).expect("blocks")),
             (QuantKind::Q6K, QuantWeight::from_ggml(GgmlType::Q6_K, &kquant_blocks(GgmlType::Q6_K, n, k, &mut s), n, k).expect("blocks")),
         ];
@@ -426,6 +428,121 @@ fn the_lane_layout_computes_what_the_pair_layout_does() {
                         "{kernel:?} {kind:?} ({m},{n},{k}) cell {i}: lanes {got} vs pairs {w} (tol {tol})"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// The largest sums the AVX2 lane kernels add up in i16 do not saturate
+/// (every nibble 15, 16 products per lane; every Q5_0 code −16 or 15, eight
+/// per lane; every Q6_K code −32 or 31, four per lane; every Q8_0 code −128
+/// or 127, two per lane; activation codes ±127): every kernel on the lane
+/// layout gives the exact product.
+#[test]
+fn lane_kernels_hold_the_extreme_sums() {
+    let (n, k, m) = (16, 512, 4);
+    let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
+    let q4_1 = [&f16(1.0)[..], &f16(0.0), &[0xff; 16]].concat();
+    let q8_0 = |code: u8| [&f16(1.0)[..], &[code; 32]].concat();
+    // Q5_0: d, the fifth bits of the 32 values, their nibbles.
+    let q5_0 = |bits: u32, nibbles: u8| [&f16(1.0)[..], &bits.to_le_bytes(), &[nibbles; 16]].concat();
+    // Q6_K: 256 values from low nibbles, high bit pairs, 16 scales and d.
+    let q6_k = |fill: u8| [&[fill; 128][..], &[fill; 64], &[1; 16], &f16(1.0)].concat();
+    let cases = [
+        (GgmlType::Q4_1, q4_1, BLOCK, 15.0f32),
+        (GgmlType::Q8_0, q8_0(0x80), BLOCK, -128.0),
+        (GgmlType::Q8_0, q8_0(127), BLOCK, 127.0),
+        (GgmlType::Q5_0, q5_0(0, 0), BLOCK, -16.0),
+        (GgmlType::Q5_0, q5_0(u32::MAX, 0xff), BLOCK, 15.0),
+        (GgmlType::Q6_K, q6_k(0), SUPER, -32.0),
+        (GgmlType::Q6_K, q6_k(0xff), SUPER, 31.0),
+    ];
+    for (ty, block, values, value) in cases {
+        let bytes: Vec<u8> = block.iter().copied().cycle().take(block.len() * n * k / values).collect();
+        let w = QuantWeight::from_ggml(ty, &bytes, n, k).expect("blocks").into_lanes();
+        for sign in [1.0f32, -1.0] {
+            let x = vec![sign; m * k];
+            let mut acts = QuantActs::default();
+            QuantActs::quantize(&x, m, k, ActBits::I8, &mut acts);
+            let want = value * sign * k as f32;
+            for &kernel in &Kernel::available() {
+                let mut y = vec![f32::NAN; m * n];
+                // SAFETY: y is [m, n] and owned here; the kernel is available.
+                unsafe { gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 0..n) };
+                for got in &y {
+                    assert!((got - want).abs() <= 1e-3 * want.abs(), "{kernel:?} {ty:?}: {got} vs {want}");
+                }
+            }
+        }
+    }
+}
+
+/// The two-pass int8 form of int16 precision: what the rows hold adds up
+/// to the input within half a code step of the remainder, and the lane
+/// kernels' product of both rows lies within the int16 bound of the f64
+/// product (every kind, rows with outliers).
+#[test]
+fn two_int8_passes_reach_int16_precision() {
+    let mut s = SeededRng::new(37);
+    let (m, n, k) = (5, 21, 512);
+    let x: Vec<f32> = (0..m * k).map(|i| if i % 97 == 5 { 40.0 } else { rng(&mut s) }).collect();
+    let mut acts = QuantActs::default();
+    QuantActs::quantize_split_cached(&x, m, k, &mut acts);
+    assert!(acts.split && acts.rows == 2 * m && acts.bits == ActBits::I8);
+    let value = |row: usize, i: usize| {
+        let rec = acts.record(row, i / PAIR);
+        let (b, e) = (i % PAIR / BLOCK, i % BLOCK);
+        acts.code(rec, pos(b, e)) as f32 * f32_at(rec, ActBits::I8.scales() + 4 * b)
+    };
+    for r in 0..m {
+        for blk in 0..k / BLOCK {
+            let xs = &x[r * k + blk * BLOCK..r * k + (blk + 1) * BLOCK];
+            let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            for (e, &xv) in xs.iter().enumerate() {
+                let i = blk * BLOCK + e;
+                let err = (value(r, i) + value(m + r, i) - xv).abs();
+                assert!(err <= amax / (4.0 * 127.0 * 127.0) * 1.01 + 1e-7, "row {r} value {i}: error {err} (amax {amax})");
+            }
+        }
+    }
+    // A cached call with the same input keeps the records; a plain int8
+    // quantization of the same input is not taken for them.
+    let before = acts.data.clone();
+    QuantActs::quantize_split_cached(&x, m, k, &mut acts);
+    assert_eq!(acts.data, before);
+    QuantActs::quantize_cached(&x, m, k, ActBits::I8, &mut acts);
+    assert!(!acts.split && acts.rows == m);
+    QuantActs::quantize_split_cached(&x, m, k, &mut acts);
+    assert_eq!(acts.data, before);
+
+    let weights = [
+        QuantWeight::quantize(&(0..n * k).map(|_| rng(&mut s) * 0.1).collect::<Vec<_>>(), n, k, QuantKind::Q4),
+        QuantWeight::quantize(&(0..n * k).map(|_| rng(&mut s) * 0.1).collect::<Vec<_>>(), n, k, QuantKind::Q8),
+        QuantWeight::from_ggml(GgmlType::Q4_K, &kquant_blocks(GgmlType::Q4_K, n, k, &mut s), n, k).expect("blocks"),
+        QuantWeight::from_ggml(GgmlType::Q6_K, &kquant_blocks(GgmlType::Q6_K, n, k, &mut s), n, k).expect("blocks"),
+    ];
+    for pair in weights {
+        let w = pair.into_lanes();
+        let mut both = vec![f32::NAN; 2 * m * n];
+        // SAFETY: both is [2m, n] and owned here.
+        unsafe { gemm(both.as_mut_ptr(), n, &acts, &w, 0..2 * m, 0..n) };
+        let mut row = vec![0.0f32; k];
+        for c in 0..n {
+            w.dequantize_row(c, &mut row);
+            for r in 0..m {
+                let (mut exact, mut bound) = (0.0f64, 0.0f64);
+                for blk in 0..k / BLOCK {
+                    let xs = &x[r * k + blk * BLOCK..r * k + (blk + 1) * BLOCK];
+                    let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
+                    for (e, &xv) in xs.iter().enumerate() {
+                        let wv = row[blk * BLOCK + e] as f64;
+                        exact += xv as f64 * wv;
+                        bound += wv.abs() * amax / (2.0 * 32767.0);
+                    }
+                }
+                let got = (both[r * n + c] + both[(m + r) * n + c]) as f64;
+                let tol = bound * 1.05 + 1e-5 * (1.0 + exact.abs());
+                assert!((got - exact).abs() <= tol, "{:?} ({r},{c}): {got} vs {exact} (tol {tol})", w.kind);
             }
         }
     }
