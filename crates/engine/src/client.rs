@@ -36,7 +36,8 @@ pub enum RequestEvent {
     Delta(SequenceDelta),
     /// The request ended; the final outputs (with every token).
     Finished(RequestOutput),
-    /// The engine failed while running the request.
+    /// The request ended unfinished: the engine failed while running it, or
+    /// its reader fell too far behind. The message says which.
     Error(String),
 }
 
@@ -397,7 +398,7 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
             }
             Err(e) => {
                 tracing::error!(error = %e, "engine step failed; failing every live request");
-                let msg = e.to_string();
+                let msg = format!("the engine failed: {e}");
                 let live: Vec<RequestId> = streams.keys().copied().collect();
                 for id in live {
                     engine.finish_request(id, FinishReason::Abort);

@@ -47,7 +47,7 @@ mod sequences;
 pub mod structured;
 
 pub use backend::{make_executor, CpuPrecision, Device};
-pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream};
+pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream, STREAM_BUFFER_EVENTS};
 pub use engine_core::{EngineCore, EngineCounters, Error, QueueStats};
 pub use llm::{EngineArgs, KvSharing, Llm};
 pub use output_processor::{OutputPiece, OutputProcessor, Processed, TokenOutput};

@@ -159,7 +159,14 @@ impl Llm {
     /// Moves the engine onto its own thread: the client, the tokenizer and
     /// the chat template (for the server).
     pub fn into_client(self) -> (EngineClient, Tokenizer, Option<ChatTemplate>) {
-        (EngineClient::spawn(self.engine), self.tokenizer, self.chat_template)
+        self.into_client_with_stream_buffer(crate::client::STREAM_BUFFER_EVENTS)
+    }
+
+    /// [`LLM::into_client`] whose request streams hold at most `events`
+    /// unread events before their request is aborted
+    /// ([`EngineClient::spawn_with_stream_buffer`]).
+    pub fn into_client_with_stream_buffer(self, events: usize) -> (EngineClient, Tokenizer, Option<ChatTemplate>) {
+        (EngineClient::spawn_with_stream_buffer(self.engine, events), self.tokenizer, self.chat_template)
     }
 
     /// KV sharing during the last `generate` call.

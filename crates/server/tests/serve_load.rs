@@ -87,3 +87,25 @@ fn an_engine_panic_ends_the_stream_with_an_error_and_the_server_exits_nonzero() 
     let status = server.wait_for_exit("the engine died");
     assert!(!status.success(), "exit status {status:?}: a dead engine must exit non-zero");
 }
+
+/// A client that stops reading its stream, through a real socket with a
+/// small receive buffer (`python/stalled_reader.py`): other requests are
+/// answered meanwhile, the stalled request is aborted once its buffers are
+/// full (a small `--max-stream-buffer-events` here, so that the kernel's
+/// and hyper's buffers dominate), every block is freed with the socket still
+/// open, and the stream ends with an error event saying why.
+#[test]
+fn a_client_that_stops_reading_is_aborted_and_others_go_on() {
+    let python = python_with_openai();
+    let server = Server::start(&[
+        "--kv-cache-memory",
+        "512MiB",
+        "--max-model-len",
+        "512",
+        "--max-stream-buffer-events",
+        "32",
+        "--served-model-name",
+        "smol",
+    ]);
+    run_python(&python, "stalled_reader.py", &["127.0.0.1".into(), server.port.to_string(), "smol".into()]);
+}

@@ -185,8 +185,8 @@ impl Generation {
                     }
                 }
                 RequestEvent::Error(msg) => {
-                    tracing::error!(request_id = %self.id, error = %msg, "engine error");
-                    return Some(Err(ApiError::internal(format!("The engine failed: {msg}"))));
+                    tracing::warn!(request_id = %self.id, error = %msg, "request ended unfinished");
+                    return Some(Err(ApiError::internal(msg)));
                 }
             };
             let pieces: Vec<Piece> = engine_pieces.into_iter().map(|piece| self.choice(p, piece)).collect();

@@ -75,6 +75,12 @@ pub struct ServeArgs {
     /// Requests allowed to wait before new ones get 503.
     #[arg(long, default_value_t = 4096)]
     pub max_waiting_requests: usize,
+    /// Events (one per sequence per step) a streaming response may hold
+    /// unsent while its client does not read; beyond them the request is
+    /// aborted, its KV blocks are freed and its stream ends with an error
+    /// event (`vellum:requests_aborted_slow_reader_total`). At least 2.
+    #[arg(long, default_value_t = vellum_engine::STREAM_BUFFER_EVENTS)]
+    pub max_stream_buffer_events: usize,
     /// Largest request body accepted, in bytes; a larger one gets 413.
     #[arg(long, default_value_t = 32 << 20)]
     pub max_request_body_bytes: usize,
@@ -229,7 +235,7 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
         }
     }
     let structured = llm.structured_outputs();
-    let (engine, tokenizer, model_template) = llm.into_client();
+    let (engine, tokenizer, model_template) = llm.into_client_with_stream_buffer(args.max_stream_buffer_events);
     let chat_template = match &args.chat_template {
         Some(spec) => Some(load_chat_template(spec, &tokenizer)?),
         None => model_template,
