@@ -174,7 +174,7 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
     for (i, (c, out)) in cases.iter().zip(&outs).enumerate() {
         let ours = &out.outputs[0];
         assert_eq!(ours.logprobs.len(), ours.token_ids.len());
-        let mut agreed = 0;
+        let (mut agreed, mut prompt_worst) = (0, (0.0f64, 0));
         for (j, (&t, &r)) in ours.token_ids.iter().zip(&c.greedy_ids).enumerate() {
             let our_top = &ours.logprobs[j];
             let ref_top = &c.top_logprobs[j];
@@ -182,6 +182,9 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
                 let ours_lp = our_top.iter().find(|x| x.0 == t).expect("chosen token is in our top-5").1 as f64;
                 let diff = (ours_lp - ref_top[0].1).abs();
                 worst = worst.max(diff);
+                if diff > prompt_worst.0 {
+                    prompt_worst = (diff, j);
+                }
                 gaps.push(diff);
                 let tolerance = if quantized_activations { model.llama_cpp.largest } else { (model.tolerance)(i) };
                 assert!(diff <= tolerance, "prompt {i} step {j}: logprob {ours_lp} vs reference {} (|Δ| {diff})", ref_top[0].1);
@@ -201,7 +204,12 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
             ours.token_ids,
             c.greedy_ids
         );
-        eprintln!("prompt {i}: {agreed}/{} tokens agree", c.greedy_ids.len());
+        eprintln!(
+            "prompt {i}: {agreed}/{} tokens agree; largest gap {:.5} nats at step {}",
+            c.greedy_ids.len(),
+            prompt_worst.0,
+            prompt_worst.1
+        );
         total_agreed += agreed;
     }
     let total: usize = cases.iter().map(|c| c.greedy_ids.len()).sum();

@@ -4,7 +4,8 @@
 //! `cargo run --release -p vellum-backend-cpu --example linear_bench`
 //! (`MS=1,64` picks the batch sizes, `VELLUM_CPU_KERNEL` the instruction
 //! set). Columns: f32, then Q4 (the file's Q4_1 blocks) and Q8 blocks, each
-//! with int16 and int8 activations. `KQUANTS=1` times Gemma 3's Q4_K, Q6_K
+//! with int16 and int8 activations (`QUANTIZE=1`: the activations'
+//! quantization alone). `KQUANTS=1` times Gemma 3's Q4_K, Q6_K
 //! and Q5_0 matrices instead (f32, then the integer kernel at int16 and int8).
 
 use vellum_backend_cpu::{ActBits, CpuOps, HostTensor, WeightFormat};
@@ -87,8 +88,34 @@ fn kquants(ms: &[usize], seed: &mut vellum_core::SeededRng) {
     }
 }
 
+/// `QUANTIZE=1`: activation quantization alone, per row width and width
+/// of code, in ns per value (one core: the rows stay below the parallel
+/// threshold only at m = 1; run with `RAYON_NUM_THREADS=1`).
+fn quantize_bench() {
+    use vellum_backend_cpu::quant::QuantActs;
+    for (m, k) in [(1, 640), (64, 640), (64, 2048), (64, 576)] {
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+        let mut line = format!("quantize m={m:3} k={k:5}");
+        for (label, bits) in [("i8", ActBits::I8), ("i16", ActBits::I16)] {
+            let mut q = QuantActs::default();
+            QuantActs::quantize(&x, m, k, bits, &mut q);
+            let reps = (2e7 / (m * k) as f64).ceil() as usize;
+            let t0 = cpu_time();
+            for _ in 0..reps {
+                QuantActs::quantize(std::hint::black_box(&x), m, k, bits, &mut q);
+            }
+            let dt = (cpu_time() - t0) / reps as f64;
+            line += &format!("  {label}: {:6.2} ns/value", dt * 1e9 / (m * k) as f64);
+        }
+        println!("{line}");
+    }
+}
+
 fn main() {
     let mut seed = vellum_core::SeededRng::new(1);
+    if std::env::var("QUANTIZE").is_ok_and(|v| v == "1") {
+        return quantize_bench();
+    }
     if std::env::var("KQUANTS").is_ok_and(|v| v == "1") {
         let ms: Vec<usize> =
             std::env::var("MS").ok().map(|s| s.split(",").filter_map(|v| v.parse().ok()).collect()).unwrap_or(vec![1, 64, 512]);
