@@ -397,16 +397,30 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                 }
             }
             Err(e) => {
-                tracing::error!(error = %e, "engine step failed; failing every live request");
                 let msg = format!("the engine failed: {e}");
-                let live: Vec<RequestId> = streams.keys().copied().collect();
-                for id in live {
+                // A failed forward pass ended its own requests and the
+                // engine goes on; any other error fails every live request.
+                let failed: Vec<RequestId> = match &e {
+                    crate::Error::StepFailed { requests, .. } => requests.clone(),
+                    _ => {
+                        tracing::error!(error = %e, "engine step failed; failing every live request");
+                        streams.keys().copied().collect()
+                    }
+                };
+                for id in failed {
                     engine.finish_request(id, FinishReason::Abort);
                     if let Some(tx) = streams.remove(&id) {
                         let _ = tx.try_send(RequestEvent::Error(msg.clone()));
                     }
                 }
-                let _ = engine.take_finished();
+                // Requests that ended otherwise meanwhile still get their end.
+                for f in engine.take_finished() {
+                    let reason = f.outputs.iter().find_map(|o| o.finish_reason).unwrap_or(FinishReason::Abort);
+                    stats.finished_by_reason[reason.index()] += 1;
+                    if let Some(tx) = streams.remove(&f.request_id) {
+                        let _ = tx.try_send(RequestEvent::Finished(f));
+                    }
+                }
             }
         }
         let queues = engine.queue_stats();

@@ -45,6 +45,9 @@ struct FakeModel {
     step_time: std::time::Duration,
     /// Panics in this forward pass (1-based): a backend bug.
     panic_at_step: Option<usize>,
+    /// Fails this forward pass (1-based) with an error: a backend fault
+    /// such as an allocation failure.
+    error_at_step: Option<usize>,
     steps: usize,
 }
 
@@ -58,6 +61,7 @@ impl FakeModel {
             host: Vec::new(),
             step_time: std::time::Duration::ZERO,
             panic_at_step: None,
+            error_at_step: None,
             steps: 0,
         }
     }
@@ -87,6 +91,9 @@ impl ModelExecutor for FakeModel {
         std::thread::sleep(self.step_time);
         self.steps += 1;
         assert!(self.panic_at_step != Some(self.steps), "FakeModel: a backend bug at step {}", self.steps);
+        if self.error_at_step == Some(self.steps) {
+            return Err(vellum_core::Error::OutOfMemory { what: format!("step {} (injected)", self.steps), bytes: 1 << 30 });
+        }
         let bs = self.block_size;
         for s in &b.block_ops.swap_out {
             let (d, h) = (s.device.0 as usize * bs, s.host.0 as usize * bs);
@@ -553,6 +560,8 @@ fn an_engine_thread_panic_ends_every_live_stream_with_an_error_and_the_client_re
     use vellum_engine::{EngineClient, RequestEvent};
     let mut model = FakeModel::new(23, 40);
     model.panic_at_step = Some(4);
+    // Steps that take a while, so that all three requests arrive before it.
+    model.step_time = std::time::Duration::from_millis(20);
     let client = EngineClient::spawn(EngineCore::new(model, config(), 128, 64, 4, vec![EOS]).expect("engine"));
     assert!(client.is_alive());
     let long = SamplingParams { ignore_eos: true, max_tokens: Some(50), ..SamplingParams::default() };
@@ -568,6 +577,62 @@ fn an_engine_thread_panic_ends_every_live_stream_with_an_error_and_the_client_re
     }
     assert!(!client.is_alive(), "the client reports the engine dead");
     assert!(client.add_request(vec![1], SamplingParams::default(), 0).is_err(), "no requests after the engine died");
+    client.shutdown();
+}
+
+/// A backend error (here an injected allocation failure in one forward
+/// pass) fails the requests of that step with an error event that names it,
+/// frees their blocks, and the engine goes on: a request sent afterwards
+/// completes with the tokens it would have had anyway.
+#[test]
+fn a_backend_error_fails_the_live_requests_and_the_engine_goes_on() {
+    use vellum_engine::{EngineClient, RequestEvent};
+    let mut model = FakeModel::new(29, 40);
+    model.error_at_step = Some(6);
+    model.step_time = std::time::Duration::from_millis(10);
+    let client = EngineClient::spawn(EngineCore::new(model, config(), 128, 64, 4, vec![EOS]).expect("engine"));
+    let long = SamplingParams { ignore_eos: true, max_tokens: Some(50), ..SamplingParams::default() };
+    let mut streams: Vec<_> = (0..3).map(|i| client.add_request(vec![1, 2, 3 + i], long.clone(), 0).expect("accepted")).collect();
+    // Each request ends: with the error if the failed step carried it,
+    // else in full (one that arrived after the failure).
+    let mut failed = 0;
+    for s in &mut streams {
+        let mut last = None;
+        while let Some(ev) = s.next_blocking() {
+            last = Some(ev);
+        }
+        match &last {
+            Some(RequestEvent::Error(m)) => {
+                assert!(m.contains("engine failed") && m.contains("out of device memory"), "{m}");
+                failed += 1;
+            }
+            Some(RequestEvent::Finished(out)) => assert_eq!(out.outputs[0].token_ids.len(), 50, "{out:?}"),
+            other => panic!("the stream ended with {other:?}"),
+        }
+    }
+    assert!(failed >= 1, "the failed step carried at least the first request");
+    assert!(client.is_alive(), "a backend error is not an engine death");
+    // The engine goes on: every block is back, and a new request runs to
+    // the end with the tokens a fresh engine gives it.
+    let short = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(8) };
+    let mut after = client.add_request(vec![7, 8, 9], short.clone(), 0).expect("accepted after the error");
+    let mut finished = None;
+    while let Some(ev) = after.next_blocking() {
+        match ev {
+            RequestEvent::Finished(out) => finished = Some(out),
+            RequestEvent::Error(m) => panic!("the request after the error failed: {m}"),
+            RequestEvent::Delta(_) => {}
+        }
+    }
+    let finished = finished.expect("the request after the error finishes");
+    let alone = run(&mut engine(29, 40, 128, config()), &[vec![7, 8, 9]], &short);
+    assert_eq!(finished.outputs[0].token_ids, alone[0].outputs[0].token_ids);
+    // The stats refresh after the step that sent the last event.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while client.stats().num_running + client.stats().num_waiting > 0 || client.stats().kv.num_used_blocks > 0 {
+        assert!(std::time::Instant::now() < deadline, "not idle after the error: {:?}", client.stats());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     client.shutdown();
 }
 

@@ -35,6 +35,16 @@ pub enum Error {
     /// Loading the model failed.
     #[error(transparent)]
     Model(#[from] vellum_models::Error),
+    /// A forward pass failed (a backend fault such as an allocation
+    /// failure): the requests it carried were aborted, their blocks freed,
+    /// and the step retired, so the engine goes on with the others.
+    #[error("the forward pass failed and its {} request(s) were aborted: {source}", requests.len())]
+    StepFailed {
+        /// The requests of the failed step.
+        requests: Vec<RequestId>,
+        /// What the backend reported.
+        source: vellum_core::Error,
+    },
     /// A feature this engine does not run yet.
     #[error("not supported yet: {0}")]
     Unsupported(&'static str),
@@ -283,9 +293,13 @@ impl<E: ModelExecutor> EngineCore<E> {
                 (result, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
             });
             self.counters.structured_mask_s += mask_s;
-            (result?, Some(masks))
+            (result, Some(masks))
         } else {
-            (self.executor.execute(&batch)?, None)
+            (self.executor.execute(&batch), None)
+        };
+        let result = match result {
+            Ok(r) => r,
+            Err(e) => return Err(self.fail_step(&out, e)),
         };
         let t2 = Instant::now();
         let (samples, draws) = self.sample(&result.logits, result.vocab_size, &rows, masks);
@@ -307,6 +321,26 @@ impl<E: ModelExecutor> EngineCore<E> {
         c.execute_s += (t2 - t1).as_secs_f64();
         c.sample_s += (t3 - t2).as_secs_f64();
         Ok(outputs)
+    }
+
+    /// After a failed forward pass: ends the requests `out` scheduled
+    /// (aborted, blocks freed; their outputs come with the next `step()` or
+    /// [`EngineCore::take_finished`]) and retires the step with no samples,
+    /// so that the scheduler's counters stay consistent for the others.
+    fn fail_step(&mut self, out: &vellum_scheduler::SchedulerOutput, source: vellum_core::Error) -> Error {
+        let mut requests: Vec<RequestId> = Vec::new();
+        for s in &out.scheduled {
+            if !requests.contains(&s.request_id) {
+                requests.push(s.request_id);
+            }
+        }
+        tracing::error!(error = %source, requests = requests.len(), "forward pass failed; aborting its requests");
+        for &id in &requests {
+            self.finish_request(id, FinishReason::Abort);
+        }
+        let update = self.scheduler.update_from_output(&StepSamples::default());
+        self.finished.extend(self.views.apply(&StepSamples::default(), &IdMap::default(), &update));
+        Error::StepFailed { requests, source }
     }
 
     /// Ends a request from outside (a stop string matched, a client went
