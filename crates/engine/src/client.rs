@@ -111,13 +111,28 @@ impl Drop for Streams {
     }
 }
 
-/// The test-only fault hook: `VELLUM_FAULT_INJECTION=panic-at-step:N`
-/// panics the engine thread just before its N-th step (1-based).
-fn injected_panic_step() -> Option<u64> {
+/// A fault the test-only hook injects at an engine step (1-based).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// `VELLUM_FAULT_INJECTION=panic-at-step:N`: the engine thread panics
+    /// just before its N-th step.
+    Panic(u64),
+    /// `VELLUM_FAULT_INJECTION=error-at-step:N`: the N-th step's forward
+    /// pass reports a backend error.
+    Error(u64),
+}
+
+fn injected_fault() -> Option<Fault> {
     let v = std::env::var("VELLUM_FAULT_INJECTION").ok()?;
-    let n = v.strip_prefix("panic-at-step:")?.trim().parse().ok()?;
-    tracing::warn!(step = n, "VELLUM_FAULT_INJECTION: the engine thread will panic (a test hook)");
-    Some(n)
+    let (kind, n) = v.split_once(':')?;
+    let n = n.trim().parse().ok()?;
+    let fault = match kind {
+        "panic-at-step" => Fault::Panic(n),
+        "error-at-step" => Fault::Error(n),
+        _ => return None,
+    };
+    tracing::warn!(step = n, kind, "VELLUM_FAULT_INJECTION: a fault will be injected (a test hook)");
+    Some(fault)
 }
 
 /// A handle to the engine thread. Cheap to clone; the thread stops when
@@ -290,7 +305,7 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
     let streams = &mut guard.senders;
     let mut stats = EngineStats::default();
     let mut shutting_down = false;
-    let (panic_at, mut steps) = (injected_panic_step(), 0u64);
+    let (fault, mut steps) = (injected_fault(), 0u64);
     loop {
         // Idle: block for the next command. Busy: take what has arrived.
         let mut first = if engine.has_unfinished_requests() || shutting_down {
@@ -345,8 +360,10 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
         }
         let outputs = if engine.has_unfinished_requests() {
             steps += 1;
-            if panic_at == Some(steps) {
-                panic!("VELLUM_FAULT_INJECTION: injected panic at engine step {steps}");
+            match fault {
+                Some(Fault::Panic(n)) if n == steps => panic!("VELLUM_FAULT_INJECTION: injected panic at engine step {steps}"),
+                Some(Fault::Error(n)) if n == steps => engine.fail_next_forward_pass(),
+                _ => {}
             }
             engine.step_streaming()
         } else {

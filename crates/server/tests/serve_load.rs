@@ -109,3 +109,30 @@ fn a_client_that_stops_reading_is_aborted_and_others_go_on() {
     ]);
     run_python(&python, "stalled_reader.py", &["127.0.0.1".into(), server.port.to_string(), "smol".into()]);
 }
+
+/// A backend fault in one forward pass (the test-only hook
+/// `VELLUM_FAULT_INJECTION=error-at-step:N`): the stream that step carried
+/// ends with an error event naming the fault, the server stays healthy,
+/// nothing is left running or holding blocks, and the next request is
+/// answered in full.
+#[test]
+fn a_backend_error_fails_its_request_and_the_server_goes_on() {
+    let server =
+        Server::start_with_env(&["--kv-cache-memory", "32MiB", "--max-model-len", "256"], &[("VELLUM_FAULT_INJECTION", "error-at-step:4")]);
+    let json = [("Content-Type", "application/json")];
+    let body = r#"{"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": true, "stream": true, "temperature": 0}"#;
+    let (status, text) = server.request("POST", "/v1/completions", &json, body);
+    assert_eq!(status, 200, "the stream had started: {text}");
+    assert!(text.contains("\"error\"") && text.contains("injected fault"), "the stream must end with an error event:\n{text}");
+    assert!(!text.contains("\"finish_reason\":\"length\""), "{text}");
+    assert_eq!(server.get("/health").0, 200, "a backend error is not an engine death");
+    let plain = r#"{"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": true, "temperature": 0}"#;
+    let (status, text) = server.request("POST", "/v1/completions", &json, plain);
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("\"completion_tokens\":8"), "{text}");
+    let (_, metrics) = server.get("/metrics");
+    for gauge in ["vllm:num_requests_running", "vllm:kv_cache_usage_perc"] {
+        let line = metrics.lines().find(|l| l.starts_with(gauge)).unwrap_or_else(|| panic!("{gauge} missing"));
+        assert!(line.ends_with(" 0") || line.ends_with(" 0.0"), "{line}");
+    }
+}

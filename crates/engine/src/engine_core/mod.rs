@@ -115,6 +115,9 @@ pub struct EngineCore<E: ModelExecutor> {
     /// Whether structured-output masks are computed beside the forward
     /// pass (the default; `VELLUM_OVERLAP_MASKS=0` turns it off, to measure).
     overlap_masks: bool,
+    /// A test hook: the next forward pass fails as a backend fault would
+    /// ([`EngineCore::fail_next_forward_pass`]).
+    fail_next_forward: bool,
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
@@ -163,6 +166,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             counters: EngineCounters::default(),
             structured: None,
             overlap_masks: std::env::var("VELLUM_OVERLAP_MASKS").as_deref() != Ok("0"),
+            fail_next_forward: false,
             executor,
         })
     }
@@ -298,6 +302,10 @@ impl<E: ModelExecutor> EngineCore<E> {
             (self.executor.execute(&batch), None)
         };
         let result = match result {
+            Ok(_) if std::mem::take(&mut self.fail_next_forward) => {
+                let e = vellum_core::Error::Backend("injected fault (VELLUM_FAULT_INJECTION)".into());
+                return Err(self.fail_step(&out, e));
+            }
             Ok(r) => r,
             Err(e) => return Err(self.fail_step(&out, e)),
         };
@@ -321,6 +329,13 @@ impl<E: ModelExecutor> EngineCore<E> {
         c.execute_s += (t2 - t1).as_secs_f64();
         c.sample_s += (t3 - t2).as_secs_f64();
         Ok(outputs)
+    }
+
+    /// A test hook (`VELLUM_FAULT_INJECTION=error-at-step:N` in the
+    /// server): the next forward pass runs, then reports a backend error,
+    /// taking the path of a real device fault ([`Error::StepFailed`]).
+    pub fn fail_next_forward_pass(&mut self) {
+        self.fail_next_forward = true;
     }
 
     /// After a failed forward pass: ends the requests `out` scheduled
