@@ -114,7 +114,9 @@ fn a_client_that_stops_reading_is_aborted_and_others_go_on() {
 /// `VELLUM_FAULT_INJECTION=error-at-step:N`): the stream that step carried
 /// ends with an error event naming the fault, the server stays healthy,
 /// nothing is left running or holding blocks, and the next request is
-/// answered in full.
+/// answered in full. Then two security basics on the same server: a
+/// request's model name is never opened as a path (404), and the log at the
+/// default level carries no prompt or completion text.
 #[test]
 fn a_backend_error_fails_its_request_and_the_server_goes_on() {
     let server =
@@ -126,13 +128,31 @@ fn a_backend_error_fails_its_request_and_the_server_goes_on() {
     assert!(text.contains("\"error\"") && text.contains("injected fault"), "the stream must end with an error event:\n{text}");
     assert!(!text.contains("\"finish_reason\":\"length\""), "{text}");
     assert_eq!(server.get("/health").0, 200, "a backend error is not an engine death");
-    let plain = r#"{"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": true, "temperature": 0}"#;
+    let plain = r#"{"prompt": "Zebra canary 7431 once upon a time", "max_tokens": 8, "ignore_eos": true, "temperature": 0}"#;
     let (status, text) = server.request("POST", "/v1/completions", &json, plain);
     assert_eq!(status, 200, "{text}");
     assert!(text.contains("\"completion_tokens\":8"), "{text}");
+    // A model name from a request is a name, never a path that is opened.
+    let path = r#"{"model": "/etc/passwd", "prompt": "x", "max_tokens": 1}"#;
+    let (status, text) = server.request("POST", "/v1/completions", &json, path);
+    assert_eq!(status, 404, "{text}");
+    assert!(!text.contains("root:"), "{text}");
+    // At the default level no prompt or completion text reaches the log.
+    let completion = text_of_choice(&server.request("POST", "/v1/completions", &json, plain).1);
+    let logged: Vec<String> = server.log.try_iter().collect();
+    assert!(!logged.is_empty(), "the server logged its requests");
+    for line in &logged {
+        assert!(!line.contains("Zebra canary") && !line.contains(&completion), "request text in the log: {line}");
+    }
     let (_, metrics) = server.get("/metrics");
     for gauge in ["vllm:num_requests_running", "vllm:kv_cache_usage_perc"] {
         let line = metrics.lines().find(|l| l.starts_with(gauge)).unwrap_or_else(|| panic!("{gauge} missing"));
         assert!(line.ends_with(" 0") || line.ends_with(" 0.0"), "{line}");
     }
+}
+
+/// The `text` of the first choice in a completion response body.
+fn text_of_choice(body: &str) -> String {
+    let at = body.find("\"text\":\"").expect("a choice with text") + 8;
+    body[at..].split('"').next().unwrap_or_default().to_string()
 }
