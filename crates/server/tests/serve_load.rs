@@ -144,10 +144,20 @@ fn a_backend_error_fails_its_request_and_the_server_goes_on() {
     for line in &logged {
         assert!(!line.contains("Zebra canary") && !line.contains(&completion), "request text in the log: {line}");
     }
-    let (_, metrics) = server.get("/metrics");
-    for gauge in ["vllm:num_requests_running", "vllm:kv_cache_usage_perc"] {
-        let line = metrics.lines().find(|l| l.starts_with(gauge)).unwrap_or_else(|| panic!("{gauge} missing"));
-        assert!(line.ends_with(" 0") || line.ends_with(" 0.0"), "{line}");
+    // Nothing runs or holds blocks (the gauges refresh after each step).
+    let idle = |metrics: &str| {
+        ["vllm:num_requests_running", "vllm:kv_cache_usage_perc"]
+            .iter()
+            .all(|gauge| metrics.lines().find(|l| l.starts_with(gauge)).is_some_and(|l| l.ends_with(" 0") || l.ends_with(" 0.0")))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, metrics) = server.get("/metrics");
+        if idle(&metrics) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still running or holding blocks:\n{metrics}");
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
