@@ -300,6 +300,23 @@ impl Drop for RequestStream {
     }
 }
 
+/// Counts each finished request by its reason and sends it to its stream,
+/// which then ends.
+fn end_streams(
+    finished: Vec<crate::outputs::RequestOutput>,
+    streams: &mut IdMap<RequestId, tmpsc::Sender<RequestEvent>>,
+    stats: &mut EngineStats,
+) {
+    for f in finished {
+        let reason = f.outputs.iter().find_map(|o| o.finish_reason).unwrap_or(FinishReason::Abort);
+        stats.finished_by_reason[reason.index()] += 1;
+        if let Some(tx) = streams.remove(&f.request_id) {
+            // The reserved last slot holds it (a delta never takes it).
+            let _ = tx.try_send(RequestEvent::Finished(f));
+        }
+    }
+}
+
 fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
     let mut guard = Streams { senders: IdMap::default(), shared: shared.clone() };
     let streams = &mut guard.senders;
@@ -396,14 +413,7 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                         let _ = tx.try_send(RequestEvent::Error(msg.into()));
                     }
                 }
-                for f in out.finished {
-                    let reason = f.outputs.iter().find_map(|o| o.finish_reason).unwrap_or(FinishReason::Abort);
-                    stats.finished_by_reason[reason.index()] += 1;
-                    if let Some(tx) = streams.remove(&f.request_id) {
-                        // The reserved last slot holds it (a delta never takes it).
-                        let _ = tx.try_send(RequestEvent::Finished(f));
-                    }
-                }
+                end_streams(out.finished, streams, &mut stats);
                 for id in gone {
                     // The receiver is gone without a Drop message: the
                     // caller of `add_request_async` went away before the
@@ -431,13 +441,7 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                     }
                 }
                 // Requests that ended otherwise meanwhile still get their end.
-                for f in engine.take_finished() {
-                    let reason = f.outputs.iter().find_map(|o| o.finish_reason).unwrap_or(FinishReason::Abort);
-                    stats.finished_by_reason[reason.index()] += 1;
-                    if let Some(tx) = streams.remove(&f.request_id) {
-                        let _ = tx.try_send(RequestEvent::Finished(f));
-                    }
-                }
+                end_streams(engine.take_finished(), streams, &mut stats);
             }
         }
         let queues = engine.queue_stats();
