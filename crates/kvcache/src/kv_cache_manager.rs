@@ -40,7 +40,7 @@ use std::collections::BTreeMap;
 use vellum_core::{
     AllocatedSlots, BlockAllocator, BlockCopy, BlockId, BlockSwap, ComputedBlocks, HostBlockId, KvCacheStats, LengthHint, SeqId, SeqTokens,
 };
-use vellum_core::{IdMap, IdSet};
+use vellum_core::{IdMap, IdSet, IdSlab};
 
 /// Sizes and switches of a [`KvCacheManager`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -118,7 +118,7 @@ pub struct KvCacheManager {
     windows: Vec<Option<usize>>,
     pool: BlockPool,
     host: HostPool,
-    seqs: IdMap<SeqId, SeqBlocks>,
+    seqs: IdSlab<SeqId, SeqBlocks>,
     swapped: IdMap<SeqId, SwappedSeq>,
     pending_copies: Vec<BlockCopy>,
     prefix_cache_queries: u64,
@@ -139,7 +139,7 @@ impl KvCacheManager {
             windows,
             pool: BlockPool::new(config.num_blocks),
             host: HostPool::new(config.num_host_blocks.min(config.num_blocks)),
-            seqs: IdMap::default(),
+            seqs: IdSlab::default(),
             swapped: IdMap::default(),
             pending_copies: Vec::new(),
             prefix_cache_queries: 0,

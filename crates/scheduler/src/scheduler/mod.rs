@@ -31,10 +31,10 @@ mod preemption;
 mod update;
 
 use crate::error::Error;
-use crate::request::{FinishReason, Request, RequestStatus, Sequence};
+use crate::request::{FinishReason, HotParams, Request, RequestStatus, Sequence};
 use crate::scheduler_output::ScheduledSeq;
 use std::collections::{BTreeMap, VecDeque};
-use vellum_core::{BlockAllocator, IdMap, RequestId, RequestState, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId};
+use vellum_core::{BlockAllocator, IdSlab, RequestId, RequestState, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId};
 
 /// Queue order: (priority under the priority policy, else 0; arrival order).
 pub(crate) type QueueKey = (i64, u64);
@@ -69,7 +69,7 @@ impl NewRequest {
 pub struct Scheduler<A: BlockAllocator> {
     config: SchedulerConfig,
     allocator: A,
-    requests: IdMap<RequestId, Request>,
+    requests: IdSlab<RequestId, Request>,
     waiting: BTreeMap<QueueKey, RequestId>,
     staging: Vec<RequestId>,
     /// Running requests in queue order.
@@ -99,7 +99,7 @@ impl<A: BlockAllocator> Scheduler<A> {
         Ok(Self {
             config,
             allocator,
-            requests: IdMap::default(),
+            requests: IdSlab::default(),
             waiting: BTreeMap::new(),
             staging: Vec::new(),
             running: BTreeMap::new(),
@@ -233,12 +233,13 @@ impl<A: BlockAllocator> Scheduler<A> {
         let seq_id = self.new_seq_id();
         let req = Request {
             request_id: id,
+            hot: HotParams::new(&new.params, &new.eos_token_ids),
             params: Box::new(new.params),
             priority: new.priority,
             arrival_time: new.arrival_time,
             arrival_order: self.next_arrival,
             eos_token_ids: new.eos_token_ids,
-            seqs: vec![Sequence::new(seq_id, RequestState::new(new.prompt_token_ids))],
+            seqs: smallvec::smallvec![Sequence::new(seq_id, RequestState::new(new.prompt_token_ids))],
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             max_total_tokens,
@@ -338,8 +339,8 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// or finished sequence, or one with a step in flight.
     pub fn finish_sequence(&mut self, id: RequestId, seq_id: SeqId, reason: FinishReason) -> bool {
         let Some(req) = self.requests.get_mut(&id) else { return false };
-        if req.seqs.len() == 1 || req.params.beam_search.is_some() {
-            return req.seqs[0].seq_id == seq_id && req.params.beam_search.is_none() && self.finish_request(id, reason);
+        if req.seqs.len() == 1 || req.hot.is_beam {
+            return req.seqs[0].seq_id == seq_id && !req.hot.is_beam && self.finish_request(id, reason);
         }
         let Some(seq) = req.seqs.iter_mut().find(|s| s.seq_id == seq_id && s.is_running() && s.num_in_flight_tokens == 0) else {
             return false;

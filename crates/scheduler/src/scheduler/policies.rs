@@ -157,7 +157,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             num_computed_tokens: 0,
             hint: req.length_hint(),
         };
-        let hit = if req.params.prompt_logprobs.is_some() { 0 } else { self.allocator.get_computed_blocks(&st).num_computed_tokens };
+        let hit = if req.hot.prompt_logprobs { 0 } else { self.allocator.get_computed_blocks(&st).num_computed_tokens };
         req.num_schedulable_tokens().saturating_sub(hit)
     }
 
@@ -273,7 +273,7 @@ impl<A: BlockAllocator> Scheduler<A> {
         }
         let hint = req.length_hint();
         // Prompt logprobs need every prompt position computed: no prefix hit.
-        let use_prefix_cache = req.params.prompt_logprobs.is_none();
+        let use_prefix_cache = !req.hot.prompt_logprobs;
         // Scheduled sequences go straight to the output; a failed attempt
         // truncates them away again.
         let mark = out.scheduled.len();

@@ -39,7 +39,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             update.skipped.extend((0..rs.next.len()).map(|e| (rid, e)));
             return;
         };
-        let is_beam = req.params.beam_search.is_some();
+        let is_beam = req.hot.is_beam;
         // Fast path: one token for a request whose set of sequences stays.
         if let [(seq_id, token)] = rs.next[..] {
             if !is_beam && !req.next_sample_reshapes() {
@@ -90,7 +90,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                 self.allocator.free(s.seq_id);
                 update.dropped_seqs.push((rid, s.seq_id));
             }
-            req.seqs.retain(keep);
+            req.seqs.retain(|s| keep(s));
         }
         // 3. Append; check the stop conditions.
         for (seq_id, token, recompute) in appends {
@@ -153,9 +153,8 @@ fn append_token<A: BlockAllocator>(
         seq.state.append_output_token(token).expect("a sampled sequence is caught up");
     }
     let n_out = seq.state.num_output_tokens();
-    let params = &req.params;
-    let stop_token = (!params.ignore_eos && req.eos_token_ids.contains(&token)) || params.stop_token_ids.contains(&token);
-    let reason = if stop_token && n_out >= params.min_tokens {
+    let stop_token = req.hot.stop_token_ids.contains(&token);
+    let reason = if stop_token && n_out >= req.hot.min_tokens {
         FinishReason::Stop
     } else if seq.state.num_total_tokens() >= req.max_total_tokens {
         FinishReason::Length
@@ -164,5 +163,5 @@ fn append_token<A: BlockAllocator>(
     };
     seq.finish_reason = Some(reason);
     allocator.free(seq_id);
-    Appended::Stopped { reason, request_done: req.params.beam_search.is_none() && req.running_seqs().next().is_none() }
+    Appended::Stopped { reason, request_done: !req.hot.is_beam && req.running_seqs().next().is_none() }
 }
