@@ -2,7 +2,9 @@
 // with W kept in the GGUF file's blocks of 32 (so a decode step reads 4 or
 // 8 bits a weight, not 32): Q8_0 (f16 scale d, 32 int8 codes: w = d·q) and
 // Q4_1 (f16 scale d, f16 min m, 16 bytes of nibbles, low nibbles first:
-// w = d·q + m). Larger batches go to cuBLAS on dequantized tiles.
+// w = d·q + m). Weights of any other type are dequantized to f32 when they
+// load and read as "blocks" of 32 floats (`gemv_f32`). Prefill batches run
+// it eight rows a launch; a tiled GEMM for them is left to do.
 //
 // One warp per output column n, NUM_THREADS / 32 columns per thread block;
 // lane l takes blocks l, l + 32, ... of the row (adjacent lanes read
@@ -77,6 +79,22 @@ struct Q4_1 {
     }
 };
 
+// 32 f32 weights (128 bytes) as a block: weights the GEMV has no decoder for.
+struct F32 {
+    static constexpr int WORDS = 64;
+    __device__ static void decode(const unsigned short *blk, float wv[32]) {
+        const float *f = (const float *)blk;  // 128-byte aligned: a whole number of blocks precedes it
+#pragma unroll
+        for (int j = 0; j < 32; j += 4) {
+            const vec4f v = load4(f + j);
+            wv[j] = v.x;
+            wv[j + 1] = v.y;
+            wv[j + 2] = v.z;
+            wv[j + 3] = v.w;
+        }
+    }
+};
+
 // W: [n_cols, k] in blocks of `Format`; k a multiple of 32.
 template <typename Format>
 __device__ void gemv(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int n_cols, int k) {
@@ -100,4 +118,8 @@ extern "C" __global__ void gemv_q8_0(float *y, const unsigned short *__restrict_
 
 extern "C" __global__ void gemv_q4_1(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int n_cols, int k) {
     gemv<Q4_1>(y, w, x, n_cols, k);
+}
+
+extern "C" __global__ void gemv_f32(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int n_cols, int k) {
+    gemv<F32>(y, w, x, n_cols, k);
 }

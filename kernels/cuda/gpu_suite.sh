@@ -19,7 +19,8 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         print(m["executable"])')
     mkdir -p .gpu
-    cp "$bin" .gpu/gpu_suite
+    # Without debug info: the device tool carries at most 64 MiB.
+    strip --strip-debug -o .gpu/gpu_suite "$bin" 2>/dev/null || cp "$bin" .gpu/gpu_suite
     cat >.gpu/run.sh <<'RUN'
 #!/usr/bin/env bash
 # Runs the CUDA GPU suite; every test must find the GPU (VELLUM_REQUIRE_GPU).

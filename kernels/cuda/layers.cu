@@ -1,7 +1,9 @@
 // The element-wise and per-row layers around attention and the linears, on
 // f32 activations: RMSNorm (optionally fused with the residual add), RoPE,
-// the gated activations, and the embedding gather. Every kernel takes whole
-// rows: grid (rows), NUM_THREADS threads (a multiple of 32).
+// the gated activations, the embedding gather, and the small glue of the
+// model executor (residual add, scale, bias, logits-row gather). Row
+// kernels take whole rows: grid (rows), NUM_THREADS threads (a multiple of
+// 32); element-wise kernels stride over `n` elements from any grid.
 
 #ifndef NUM_THREADS
 #define NUM_THREADS 256
@@ -78,6 +80,41 @@ extern "C" __global__ void gelu_tanh_and_mul(float *out, const float *__restrict
     const float *xr = x + (long long)blockIdx.x * 2 * inter;
     float *o = out + (long long)blockIdx.x * inter;
     for (int i = threadIdx.x; i < inter; i += NUM_THREADS) o[i] = gelu_tanh(xr[i]) * xr[inter + i];
+}
+
+// The same with gate and up in separate tensors [tokens, inter] (as the
+// model code computes them): out[i] = act(gate[i]) · up[i] over n elements.
+extern "C" __global__ void silu_mul_split(float *out, const float *__restrict__ gate, const float *__restrict__ up, long long n) {
+    for (long long i = blockIdx.x * (long long)NUM_THREADS + threadIdx.x; i < n; i += (long long)gridDim.x * NUM_THREADS)
+        out[i] = silu(gate[i]) * up[i];
+}
+extern "C" __global__ void gelu_tanh_mul_split(float *out, const float *__restrict__ gate, const float *__restrict__ up, long long n) {
+    for (long long i = blockIdx.x * (long long)NUM_THREADS + threadIdx.x; i < n; i += (long long)gridDim.x * NUM_THREADS)
+        out[i] = gelu_tanh(gate[i]) * up[i];
+}
+
+// x[i] += y[i] (the residual add) over n elements.
+extern "C" __global__ void add_inplace(float *x, const float *__restrict__ y, long long n) {
+    for (long long i = blockIdx.x * (long long)NUM_THREADS + threadIdx.x; i < n; i += (long long)gridDim.x * NUM_THREADS) x[i] += y[i];
+}
+
+// x[i] *= factor over n elements.
+extern "C" __global__ void scale_inplace(float *x, float factor, long long n) {
+    for (long long i = blockIdx.x * (long long)NUM_THREADS + threadIdx.x; i < n; i += (long long)gridDim.x * NUM_THREADS) x[i] *= factor;
+}
+
+// y[r, :] += b for every row of y [rows, cols]. Grid (rows).
+extern "C" __global__ void add_bias_rows(float *y, const float *__restrict__ b, int cols) {
+    float *yr = y + (long long)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += NUM_THREADS) yr[i] += b[i];
+}
+
+// out[r, :] = x[rows[r], :] (the rows whose logits are returned). Grid
+// (number of rows); the host checks every index against x's rows.
+extern "C" __global__ void gather_rows(float *out, const float *__restrict__ x, const int *__restrict__ rows, int cols) {
+    const float *xr = x + (long long)rows[blockIdx.x] * cols;
+    float *o = out + (long long)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += NUM_THREADS) o[i] = xr[i];
 }
 
 // out[t, :] = table[ids[t], :] · scale (Gemma scales by sqrt(hidden)), from

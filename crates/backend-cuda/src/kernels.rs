@@ -44,7 +44,8 @@ pub const PAGED_ATTENTION: KernelSource = KernelSource {
 };
 
 /// `layers.cu`: RMSNorm (fused with the residual add), RoPE, gated
-/// activations, embedding gather, greedy argmax.
+/// activations, embedding gather, greedy argmax, and the executor's glue
+/// (residual add, scale, bias, logits-row gather).
 pub const LAYERS: KernelSource = KernelSource {
     file: "layers.cu",
     text: include_str!("../../../kernels/cuda/layers.cu"),
@@ -58,12 +59,22 @@ pub const LAYERS: KernelSource = KernelSource {
         "embedding_f16",
         "embedding_bf16",
         "argmax_rows",
+        "silu_mul_split",
+        "gelu_tanh_mul_split",
+        "add_inplace",
+        "scale_inplace",
+        "add_bias_rows",
+        "gather_rows",
     ],
 };
 
-/// `gemv_q.cu`: dequantizing GEMV on the GGUF's Q8_0 and Q4_1 blocks.
-pub const GEMV_Q: KernelSource =
-    KernelSource { file: "gemv_q.cu", text: include_str!("../../../kernels/cuda/gemv_q.cu"), entry_points: &["gemv_q8_0", "gemv_q4_1"] };
+/// `gemv_q.cu`: dequantizing GEMV on the GGUF's Q8_0 and Q4_1 blocks, and
+/// on f32 weights (every other type, dequantized when it loads).
+pub const GEMV_Q: KernelSource = KernelSource {
+    file: "gemv_q.cu",
+    text: include_str!("../../../kernels/cuda/gemv_q.cu"),
+    entry_points: &["gemv_q8_0", "gemv_q4_1", "gemv_f32"],
+};
 
 /// Every source.
 pub const SOURCES: [KernelSource; 4] = [CACHE, PAGED_ATTENTION, LAYERS, GEMV_Q];

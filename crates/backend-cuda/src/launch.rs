@@ -7,7 +7,7 @@
 
 use crate::kernels::{Variant, CACHE, GEMV_Q, LAYERS, PAGED_ATTENTION};
 use crate::{nvrtc, CudaError};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -135,6 +135,9 @@ pub enum BlockFormat {
     Q8_0,
     /// f16 scale + f16 min + 16 bytes of nibbles (20 bytes).
     Q4_1,
+    /// 32 plain f32 weights (128 bytes): every type without a decoder,
+    /// dequantized when it loads.
+    F32,
 }
 
 impl BlockFormat {
@@ -143,6 +146,7 @@ impl BlockFormat {
         match self {
             BlockFormat::Q8_0 => 17,
             BlockFormat::Q4_1 => 10,
+            BlockFormat::F32 => 64,
         }
     }
 }
@@ -160,8 +164,22 @@ pub struct QuantMatrix {
     pub k: usize,
 }
 
+/// The operands of [`Kernels::elementwise`].
+#[derive(Clone, Copy)]
+pub enum Elementwise<'a> {
+    /// `x += y`.
+    Add(&'a CudaSlice<f32>),
+    /// `x *= factor`.
+    Scale(f32),
+    /// `x = silu(gate) · up`.
+    SiluMul(&'a CudaSlice<f32>, &'a CudaSlice<f32>),
+    /// `x = gelu_tanh(gate) · up`.
+    GeluTanhMul(&'a CudaSlice<f32>, &'a CudaSlice<f32>),
+}
+
 /// The compiled kernels of one device, by configuration.
 pub struct Kernels {
+    info: crate::device::DeviceInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: String,
@@ -191,7 +209,12 @@ impl Kernels {
     pub fn open(ordinal: usize) -> Result<Self, CudaError> {
         let (ctx, info) = crate::device::open(ordinal)?;
         let stream = ctx.default_stream();
-        Ok(Self { ctx, stream, arch: info.arch(), num_sms: info.num_sms.max(1) as usize, modules: Mutex::new(HashMap::new()) })
+        Ok(Self { arch: info.arch(), num_sms: info.num_sms.max(1) as usize, info, ctx, stream, modules: Mutex::new(HashMap::new()) })
+    }
+
+    /// The device.
+    pub fn info(&self) -> &crate::device::DeviceInfo {
+        &self.info
     }
 
     /// The stream kernels launch on.
@@ -367,17 +390,221 @@ impl Kernels {
         if rows == 0 || rows > 8 {
             return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
         }
+        self.gemv_launch(&mut y.slice_mut(..), w, &x.slice(..), rows)
+    }
+
+    /// `y [rows, n] = x [rows, k] · Wᵀ` for any number of rows: launches of
+    /// eight rows (each launch reads the whole weight once).
+    pub fn gemv_rows(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
+        let (n, k) = (w.n, w.k);
+        if !k.is_multiple_of(32) || w.blocks.len() < n * k / 32 * w.format.words_per_block() || x.len() < rows * k || y.len() < rows * n {
+            return Err(shape_error(format!("gemv [{rows}x{k}]·[{n}x{k}]ᵀ: buffers too small or k not a multiple of 32")));
+        }
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + 8).min(rows);
+            self.gemv_launch(&mut y.slice_mut(r0 * n..r1 * n), w, &x.slice(r0 * k..r1 * k), r1 - r0)?;
+            r0 = r1;
+        }
+        Ok(())
+    }
+
+    /// One GEMV launch; the caller checked that `y` holds `rows · n` and
+    /// `x` `rows · k` floats, `w` `n · k / 32` blocks, and `rows` is 1..8.
+    fn gemv_launch(&self, y: &mut CudaViewMut<'_, f32>, w: &QuantMatrix, x: &CudaView<'_, f32>, rows: usize) -> Result<(), CudaError> {
         let name = match w.format {
             BlockFormat::Q8_0 => "gemv_q8_0",
             BlockFormat::Q4_1 => "gemv_q4_1",
+            BlockFormat::F32 => "gemv_f32",
         };
         let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", rows)]), name)?;
-        let (n_i, k_i) = (to_i32(n, "n")?, to_i32(k, "k")?);
+        let (n_i, k_i) = (to_i32(w.n, "n")?, to_i32(w.k, "k")?);
         let mut b = self.stream.launch_builder(&f);
         b.arg(y).arg(&w.blocks).arg(x).arg(&n_i).arg(&k_i);
         // SAFETY: matches gemv_*(float*, unsigned short*, float*, int, int);
-        // buffer sizes checked above; 4 columns (warps) per 128-thread block.
-        unsafe { b.launch(cfg((to_u32(n.div_ceil(4), "columns")?, 1, 1), 128, 0)) }?;
+        // buffer sizes checked by the callers; 4 columns (warps) per
+        // 128-thread block, a column index past n returns at once.
+        unsafe { b.launch(cfg((to_u32(w.n.div_ceil(4), "columns")?, 1, 1), 128, 0)) }?;
+        Ok(())
+    }
+
+    /// `y = rms_norm(x) · w` per group of `w.len()` values (`x` and `y` of
+    /// `groups · w.len()` floats; per-head norms use groups of a head).
+    pub fn rms_norm_into(
+        &self,
+        y: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        groups: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let cols = w.len();
+        if x.len() < groups * cols || y.len() < groups * cols {
+            return Err(shape_error(format!("rms_norm of {groups} groups of {cols}: buffer too small")));
+        }
+        if groups == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), "rms_norm")?;
+        let (cols_i, offset) = (to_i32(cols, "cols")?, 0f32);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(y).arg(x).arg(w).arg(&cols_i).arg(&eps).arg(&offset);
+        // SAFETY: matches rms_norm(float*, const float*, const float*, int,
+        // float, float); one thread block per group, sizes checked above.
+        unsafe { b.launch(cfg((to_u32(groups, "groups")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Half-split RoPE in place on every head of `x [tokens, heads,
+    /// head_dim]` at `positions` (int64, one per token), from `cos_sin
+    /// [max_positions, head_dim]` (cos of the pairs, then sin); the caller
+    /// checked every position is below `max_positions`.
+    pub fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        cos_sin: &CudaSlice<f32>,
+        positions: &CudaSlice<i64>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<(), CudaError> {
+        let tokens = positions.len();
+        if x.len() < tokens * heads * head_dim || !head_dim.is_multiple_of(2) {
+            return Err(shape_error(format!("rope of {tokens} tokens × {heads} heads × {head_dim}: buffer too small or odd head_dim")));
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), "rope_half_split")?;
+        let ints = [to_i32(heads, "heads")?, 0i32, to_i32(head_dim, "head_dim")?, to_i32(head_dim, "rot")?];
+        let xs: &CudaSlice<f32> = x;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(xs).arg(xs).arg(cos_sin).arg(positions).arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]);
+        // SAFETY: matches rope_half_split(float*, float*, const float*,
+        // const long long*, int, int, int, int); with no KV heads the kernel
+        // touches only the first (q) buffer, [tokens, heads, head_dim]
+        // (checked above), each pair by one thread.
+        unsafe { b.launch(cfg((to_u32(tokens, "tokens")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// An element-wise kernel of `layers.cu` over `n` floats:
+    /// `add_inplace` (x += y), `scale_inplace` (x *= factor),
+    /// `silu_mul_split` / `gelu_tanh_mul_split` (x = act(a) · b).
+    pub fn elementwise(&self, op: Elementwise<'_>, x: &mut CudaSlice<f32>, n: usize) -> Result<(), CudaError> {
+        let short = |s: &CudaSlice<f32>| s.len() < n;
+        let bad = match op {
+            Elementwise::Add(y) => short(y),
+            Elementwise::Scale(_) => false,
+            Elementwise::SiluMul(a, b) | Elementwise::GeluTanhMul(a, b) => short(a) || short(b),
+        };
+        if x.len() < n || bad {
+            return Err(shape_error(format!("element-wise op over {n} values: buffer too small")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = n as i64;
+        let grid = to_u32(n.div_ceil(256).min(65_535), "element blocks")?;
+        let launch = cfg((grid, 1, 1), 256, 0);
+        match op {
+            Elementwise::Add(y) => {
+                let f = self.function(&Variant::new(LAYERS, &[]), "add_inplace")?;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(x).arg(y).arg(&n_i);
+                // SAFETY: add_inplace(float*, const float*, long long); both
+                // hold n floats (checked); a grid-stride loop.
+                unsafe { b.launch(launch) }?;
+            }
+            Elementwise::Scale(factor) => {
+                let f = self.function(&Variant::new(LAYERS, &[]), "scale_inplace")?;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(x).arg(&factor).arg(&n_i);
+                // SAFETY: scale_inplace(float*, float, long long) over n floats.
+                unsafe { b.launch(launch) }?;
+            }
+            Elementwise::SiluMul(g, u) | Elementwise::GeluTanhMul(g, u) => {
+                let name = if matches!(op, Elementwise::SiluMul(..)) { "silu_mul_split" } else { "gelu_tanh_mul_split" };
+                let f = self.function(&Variant::new(LAYERS, &[]), name)?;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(x).arg(g).arg(u).arg(&n_i);
+                // SAFETY: *_mul_split(float*, const float*, const float*,
+                // long long); all three hold n floats (checked).
+                unsafe { b.launch(launch) }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `y[r, :] += bias` for `rows` rows of `bias.len()`.
+    pub fn add_bias_rows(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
+        let cols = bias.len();
+        if y.len() < rows * cols {
+            return Err(shape_error(format!("bias over {rows} rows of {cols}: buffer too small")));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), "add_bias_rows")?;
+        let cols_i = to_i32(cols, "cols")?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(y).arg(bias).arg(&cols_i);
+        // SAFETY: add_bias_rows(float*, const float*, int); one block a row
+        // of `cols` (checked).
+        unsafe { b.launch(cfg((to_u32(rows, "rows")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// `out[r, :] = x[rows[r], :]` for the first `n` indices; the caller
+    /// checked every index is below `x`'s rows.
+    pub fn gather_rows(
+        &self,
+        out: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        rows: &CudaSlice<i32>,
+        n: usize,
+        cols: usize,
+    ) -> Result<(), CudaError> {
+        if out.len() < n * cols || rows.len() < n {
+            return Err(shape_error(format!("gather of {n} rows of {cols}: output too small")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), "gather_rows")?;
+        let cols_i = to_i32(cols, "cols")?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(out).arg(x).arg(rows).arg(&cols_i);
+        // SAFETY: gather_rows(float*, const float*, const int*, int); the
+        // indices were checked against x by the caller; out sized above.
+        unsafe { b.launch(cfg((to_u32(n, "rows")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// `out[t, :] = table[ids[t], :]` from an f32 table `[vocab, cols]`
+    /// (stored as 16-bit words, as [`QuantMatrix`] holds f32 weights).
+    pub fn embedding(
+        &self,
+        out: &mut CudaSlice<f32>,
+        table: &CudaSlice<u16>,
+        ids: &CudaSlice<i32>,
+        vocab: usize,
+        cols: usize,
+    ) -> Result<(), CudaError> {
+        let n = ids.len();
+        if out.len() < n * cols || table.len() < vocab * cols * 2 {
+            return Err(shape_error(format!("embedding of {n} ids from [{vocab}, {cols}]: buffer too small")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), "embedding_f32")?;
+        let (vocab_i, cols_i, scale) = (to_i32(vocab, "vocab")?, to_i32(cols, "cols")?, 1f32);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(out).arg(table).arg(ids).arg(&vocab_i).arg(&cols_i).arg(&scale);
+        // SAFETY: embedding_f32(float*, const void*, const int*, int, int,
+        // float); the table holds vocab·cols floats (checked); an id outside
+        // the vocabulary reads row 0 and writes zeros.
+        unsafe { b.launch(cfg((to_u32(n, "ids")?, 1, 1), 256, 0)) }?;
         Ok(())
     }
 

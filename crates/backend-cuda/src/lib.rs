@@ -10,15 +10,18 @@
 //! | [`device`] | finding a GPU: a typed error, never a panic, when there is no driver |
 //! | [`launch`] | [`launch::Kernels`]: modules compiled on first use per configuration, one shape-checked call per kernel |
 //!
+//! | [`ops`] | [`CudaOps`]: the model operations and the paged-attention contract, so that `ModelRunner<CudaOps>` is the CUDA `ModelExecutor` (`--device cuda`) |
+//!
 //! Status (see the CUDA issue and `docs/cuda_kernels.md`): the kernels —
 //! `reshape_and_cache`, paged attention v1/v2 for mixed prefill/decode
 //! batches, `copy_blocks`, RMSNorm (fused with the residual add), RoPE,
-//! SwiGLU/GeGLU, embedding gather, greedy argmax, the Q8_0/Q4_1 GEMV —
-//! compile for `compute_80` and `compute_90` in CI, with registers and
-//! spills recorded per kernel. [`launch::Kernels`] launches them with
-//! shape checks, and `tests/gpu.rs` checks them against float64 references
-//! on a GPU (skipped by name without one). The `ModelExecutor` is not
-//! written yet; `--device cuda` says so after checking for a driver.
+//! SwiGLU/GeGLU, embedding gather, greedy argmax, the Q8_0/Q4_1/f32 GEMV
+//! and the executor's glue — compile for `compute_80` and `compute_90` in
+//! CI, with registers and spills recorded per kernel. [`launch::Kernels`]
+//! launches them with shape checks, and `tests/gpu.rs` checks them against
+//! float64 references, and the executor against the CPU's f32 path on a
+//! tiny Llama, on a GPU (skipped by name without one). None of it has run
+//! on a GPU yet: none has been lent to the sessions that wrote it.
 //!
 //! Both libraries are loaded dynamically (cudarc's `dynamic-loading`), so
 //! this crate builds and links on machines with no CUDA at all; every entry
@@ -32,5 +35,7 @@ mod error;
 pub mod kernels;
 pub mod launch;
 pub mod nvrtc;
+pub mod ops;
 
 pub use error::CudaError;
+pub use ops::CudaOps;

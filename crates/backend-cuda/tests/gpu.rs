@@ -341,3 +341,89 @@ fn rms_norm_plain_and_fused_with_the_residual_match_the_reference_or_skips_witho
         }
     }
 }
+
+// ------------------------------------------- the executor, end to end
+
+#[path = "../../models/tests/common/tiny_checkpoint.rs"]
+mod tiny_checkpoint;
+
+/// A tiny random-weight Llama (GQA, q/k/v biases, Q8_0 and F32 linears, F16
+/// and BF16 norms, Q/K stored permuted as llama.cpp's converter does) with
+/// head size 64, written as a GGUF file by the test.
+fn tiny_gguf() -> std::path::PathBuf {
+    use tiny_checkpoint::*;
+    let shape = TinyShape { hidden: 256, n_head: 4, n_kv_head: 2, head_dim: 64, ffn: 384, n_layer: 2, vocab: 96 };
+    let dir = std::env::temp_dir().join(format!("vellum-cuda-tiny-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("tiny64.gguf");
+    std::fs::write(&path, tiny_gguf_writer_of(shape, &tiny_tensors_of(shape)).build().0).expect("write gguf");
+    path
+}
+
+/// Logits of three steps — two prompts prefilled together, then two
+/// decode steps of both — with shuffled, partial blocks of 16.
+fn run_steps(exec: &mut dyn vellum_core::ModelExecutor) -> Vec<Vec<f32>> {
+    use vellum_core::ForwardBatch;
+    exec.initialize_kv_cache(16, 4, 16).expect("cache");
+    let tables = [[5u32, 2, 9], [0, 7, 3]];
+    let slot = |s: usize, p: usize| tables[s][p / 16] * 16 + (p % 16) as u32;
+    let prompts: [Vec<u32>; 2] = [(0..21).map(|i| (i * 7 + 3) % 96).collect(), (0..9).map(|i| (i * 5 + 1) % 96).collect()];
+    let step = |lens: [usize; 2], new: [&[u32]; 2]| {
+        let mut b = ForwardBatch { block_table_stride: 3, num_kv_groups: 1, query_start_loc: vec![0], ..ForwardBatch::default() };
+        for s in 0..2 {
+            let start = lens[s] - new[s].len();
+            b.token_ids.extend_from_slice(new[s]);
+            b.positions.extend((start..lens[s]).map(|p| p as u32));
+            b.slot_mapping.extend((start..lens[s]).map(|p| slot(s, p)));
+            b.query_start_loc.push(b.token_ids.len() as u32);
+            b.context_lens.push(lens[s] as u32);
+            b.block_tables.extend_from_slice(&tables[s]);
+            b.logits_indices.push(b.token_ids.len() as u32 - 1);
+        }
+        b
+    };
+    vec![
+        exec.execute(&step([21, 9], [&prompts[0], &prompts[1]])).expect("prefill").logits,
+        exec.execute(&step([22, 10], [&[11], &[40]])).expect("decode 1").logits,
+        exec.execute(&step([23, 11], [&[95], &[0]])).expect("decode 2").logits,
+    ]
+}
+
+#[test]
+fn the_cuda_executor_matches_the_cpu_f32_path_on_a_tiny_llama_or_skips_without_a_gpu() {
+    use vellum_models::{GgufWeights, ModelRunner, WeightSource};
+    let test = "the_cuda_executor_matches_the_cpu_f32_path_on_a_tiny_llama";
+    // The reference half runs everywhere, so the harness is exercised in CI.
+    let path = tiny_gguf();
+    let weights = GgufWeights::open(&path).expect("opens");
+    let config = weights.model_config().expect("config");
+    let cpu_ops = vellum_backend_cpu::CpuOps::new(vellum_backend_cpu::WeightFormat::F32);
+    let mut cpu = ModelRunner::load(cpu_ops, &weights, config.clone(), |_, _| {}).expect("cpu loads");
+    let want = run_steps(&mut cpu);
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(w.len(), 2 * 96, "step {i}: two rows of logits");
+        assert!(w.iter().any(|x| x.abs() > 1e-2), "step {i}: reference logits are not trivially zero");
+    }
+    let ops = match vellum_backend_cuda::CudaOps::new(0) {
+        Ok(ops) => ops,
+        Err(e) => {
+            assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
+            eprintln!("SKIPPED {test}: {e}");
+            let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
+            return;
+        }
+    };
+    let mut gpu = ModelRunner::load(ops, &weights, config, |_, _| {}).expect("cuda loads");
+    let got = run_steps(&mut gpu);
+    let argmax = |v: &[f32]| v.iter().enumerate().fold((0, f32::MIN), |m, (j, &x)| if x > m.1 { (j, x) } else { m }).0;
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w.len(), g.len(), "step {i}: logits length");
+        let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        eprintln!("step {i}: max |cuda - cpu| = {worst:.2e}");
+        assert!(worst < 2e-3, "step {i}: logits differ by up to {worst}");
+        for (rw, rg) in w.chunks(96).zip(g.chunks(96)) {
+            assert_eq!(argmax(rw), argmax(rg), "step {i}: greedy token");
+        }
+    }
+    let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
+}

@@ -163,8 +163,9 @@ pub fn make_executor(
         }
         #[cfg(feature = "cuda")]
         Device::Cuda => {
-            let _ = progress;
-            Err(cuda_unavailable().into())
+            let ops = vellum_backend_cuda::CudaOps::new(0).map_err(cuda_unavailable)?;
+            let runner = vellum_models::ModelRunner::load(ops, weights, config, progress)?;
+            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype).with_hybrid_kv_cache(hybrid_kv_cache)))
         }
         #[allow(unreachable_patterns)]
         other => {
@@ -174,22 +175,11 @@ pub fn make_executor(
     }
 }
 
-/// Why `--device cuda` cannot run a model yet: no driver or no GPU (a typed
-/// error from the probe, which never panics), or — with a GPU — that the
-/// CUDA executor is not written (its kernels compile: docs/cuda_kernels.md).
+/// Why `--device cuda` cannot run: no driver, no GPU or no NVRTC (typed
+/// errors from the probe, which never panics).
 #[cfg(feature = "cuda")]
-fn cuda_unavailable() -> Error {
-    let hint = match vellum_backend_cuda::device::probe() {
-        Err(e) => format!("{e}"),
-        Ok(info) => format!(
-            "found {} ({}, {} GiB), but the CUDA backend's model executor is not written yet (its kernels compile: \
-             docs/cuda_kernels.md); use --device cpu or --device wgpu",
-            info.name,
-            info.arch(),
-            info.total_memory >> 30
-        ),
-    };
-    Error::Unavailable { what: "--device cuda".into(), hint }
+fn cuda_unavailable(e: vellum_backend_cuda::CudaError) -> Error {
+    Error::Unavailable { what: "--device cuda".into(), hint: e.to_string() }
 }
 
 #[cfg(test)]
@@ -208,10 +198,15 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn device_cuda_is_a_typed_error_with_or_without_a_driver_never_a_panic() {
-        let msg = cuda_unavailable().to_string();
-        assert!(msg.contains("--device cuda"), "{msg}");
-        if !vellum_backend_cuda::device::driver_is_present() {
-            assert!(msg.contains("no CUDA driver found"), "{msg}");
+        match vellum_backend_cuda::CudaOps::new(0) {
+            Ok(ops) => eprintln!("a GPU is present: {ops:?}"),
+            Err(e) => {
+                let msg = cuda_unavailable(e).to_string();
+                assert!(msg.contains("--device cuda"), "{msg}");
+                if !vellum_backend_cuda::device::driver_is_present() {
+                    assert!(msg.contains("no CUDA driver found"), "{msg}");
+                }
+            }
         }
     }
 

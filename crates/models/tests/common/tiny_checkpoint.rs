@@ -203,6 +203,22 @@ pub const FFN: usize = 96;
 pub const N_LAYER: usize = 2;
 pub const VOCAB: usize = 32;
 
+/// The tiny model's dimensions (the constants above by default; the CUDA
+/// suite uses a head size its paged kernels take, 64).
+#[derive(Clone, Copy, Debug)]
+pub struct TinyShape {
+    pub hidden: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub n_layer: usize,
+    pub vocab: usize,
+}
+
+pub const TINY: TinyShape =
+    TinyShape { hidden: HIDDEN, n_head: N_HEAD, n_kv_head: N_KV_HEAD, head_dim: HEAD_DIM, ffn: FFN, n_layer: N_LAYER, vocab: VOCAB };
+
 /// How a tensor is stored in the tiny GGUF.
 #[derive(Clone, Copy, PartialEq)]
 pub enum Stored {
@@ -225,6 +241,11 @@ pub struct TinyTensor {
 /// The tiny model's tensors in HF layout (values exactly representable
 /// in their stored type where it is F16 or BF16).
 pub fn tiny_tensors() -> Vec<TinyTensor> {
+    tiny_tensors_of(TINY)
+}
+
+/// [`tiny_tensors`] of any shape.
+pub fn tiny_tensors_of(shape: TinyShape) -> Vec<TinyTensor> {
     let mut rng = Lcg::new(7);
     let mut ts = Vec::new();
     let mut add = |hf: String, gguf: String, shape: Vec<usize>, stored: Stored, permute_heads: Option<usize>| {
@@ -236,41 +257,58 @@ pub fn tiny_tensors() -> Vec<TinyTensor> {
         }
         ts.push(TinyTensor { hf, gguf, shape, stored, permute_heads, values });
     };
-    add("model.embed_tokens.weight".into(), "token_embd.weight".into(), vec![VOCAB, HIDDEN], Stored::Q8_0, None);
-    for i in 0..N_LAYER {
+    add("model.embed_tokens.weight".into(), "token_embd.weight".into(), vec![shape.vocab, shape.hidden], Stored::Q8_0, None);
+    for i in 0..shape.n_layer {
         let l = |s: &str| format!("model.layers.{i}.{s}");
         let b = |s: &str| format!("blk.{i}.{s}");
         let (q_type, k_type) = if i == 0 { (Stored::Q8_0, Stored::F32) } else { (Stored::F32, Stored::Q8_0) };
-        add(l("input_layernorm.weight"), b("attn_norm.weight"), vec![HIDDEN], Stored::F32, None);
-        add(l("self_attn.q_proj.weight"), b("attn_q.weight"), vec![N_HEAD * HEAD_DIM, HIDDEN], q_type, Some(N_HEAD));
-        add(l("self_attn.k_proj.weight"), b("attn_k.weight"), vec![N_KV_HEAD * HEAD_DIM, HIDDEN], k_type, Some(N_KV_HEAD));
-        add(l("self_attn.v_proj.weight"), b("attn_v.weight"), vec![N_KV_HEAD * HEAD_DIM, HIDDEN], Stored::Q8_0, None);
-        add(l("self_attn.q_proj.bias"), b("attn_q.bias"), vec![N_HEAD * HEAD_DIM], Stored::F32, Some(N_HEAD));
-        add(l("self_attn.k_proj.bias"), b("attn_k.bias"), vec![N_KV_HEAD * HEAD_DIM], Stored::F32, Some(N_KV_HEAD));
-        add(l("self_attn.v_proj.bias"), b("attn_v.bias"), vec![N_KV_HEAD * HEAD_DIM], Stored::F32, None);
-        add(l("self_attn.o_proj.weight"), b("attn_output.weight"), vec![HIDDEN, N_HEAD * HEAD_DIM], Stored::F32, None);
-        add(l("post_attention_layernorm.weight"), b("ffn_norm.weight"), vec![HIDDEN], Stored::F16, None);
-        add(l("mlp.gate_proj.weight"), b("ffn_gate.weight"), vec![FFN, HIDDEN], Stored::Q8_0, None);
-        add(l("mlp.up_proj.weight"), b("ffn_up.weight"), vec![FFN, HIDDEN], Stored::F32, None);
-        add(l("mlp.down_proj.weight"), b("ffn_down.weight"), vec![HIDDEN, FFN], Stored::Q8_0, None);
+        add(l("input_layernorm.weight"), b("attn_norm.weight"), vec![shape.hidden], Stored::F32, None);
+        add(
+            l("self_attn.q_proj.weight"),
+            b("attn_q.weight"),
+            vec![shape.n_head * shape.head_dim, shape.hidden],
+            q_type,
+            Some(shape.n_head),
+        );
+        add(
+            l("self_attn.k_proj.weight"),
+            b("attn_k.weight"),
+            vec![shape.n_kv_head * shape.head_dim, shape.hidden],
+            k_type,
+            Some(shape.n_kv_head),
+        );
+        add(l("self_attn.v_proj.weight"), b("attn_v.weight"), vec![shape.n_kv_head * shape.head_dim, shape.hidden], Stored::Q8_0, None);
+        add(l("self_attn.q_proj.bias"), b("attn_q.bias"), vec![shape.n_head * shape.head_dim], Stored::F32, Some(shape.n_head));
+        add(l("self_attn.k_proj.bias"), b("attn_k.bias"), vec![shape.n_kv_head * shape.head_dim], Stored::F32, Some(shape.n_kv_head));
+        add(l("self_attn.v_proj.bias"), b("attn_v.bias"), vec![shape.n_kv_head * shape.head_dim], Stored::F32, None);
+        add(l("self_attn.o_proj.weight"), b("attn_output.weight"), vec![shape.hidden, shape.n_head * shape.head_dim], Stored::F32, None);
+        add(l("post_attention_layernorm.weight"), b("ffn_norm.weight"), vec![shape.hidden], Stored::F16, None);
+        add(l("mlp.gate_proj.weight"), b("ffn_gate.weight"), vec![shape.ffn, shape.hidden], Stored::Q8_0, None);
+        add(l("mlp.up_proj.weight"), b("ffn_up.weight"), vec![shape.ffn, shape.hidden], Stored::F32, None);
+        add(l("mlp.down_proj.weight"), b("ffn_down.weight"), vec![shape.hidden, shape.ffn], Stored::Q8_0, None);
     }
-    add("model.norm.weight".into(), "output_norm.weight".into(), vec![HIDDEN], Stored::BF16, None);
-    add("lm_head.weight".into(), "output.weight".into(), vec![VOCAB, HIDDEN], Stored::F32, None);
+    add("model.norm.weight".into(), "output_norm.weight".into(), vec![shape.hidden], Stored::BF16, None);
+    add("lm_head.weight".into(), "output.weight".into(), vec![shape.vocab, shape.hidden], Stored::F32, None);
     ts
 }
 
 pub fn tiny_gguf_writer(tensors: &[TinyTensor]) -> GgufWriter {
+    tiny_gguf_writer_of(TINY, tensors)
+}
+
+/// [`tiny_gguf_writer`] of any shape.
+pub fn tiny_gguf_writer_of(shape: TinyShape, tensors: &[TinyTensor]) -> GgufWriter {
     let mut w = GgufWriter::new();
     w.kv("general.architecture", Kv::Str("llama".into()));
-    w.kv("llama.block_count", Kv::U32(N_LAYER as u32));
+    w.kv("llama.block_count", Kv::U32(shape.n_layer as u32));
     w.kv("llama.context_length", Kv::U32(256));
-    w.kv("llama.embedding_length", Kv::U32(HIDDEN as u32));
-    w.kv("llama.feed_forward_length", Kv::U32(FFN as u32));
-    w.kv("llama.attention.head_count", Kv::U32(N_HEAD as u32));
-    w.kv("llama.attention.head_count_kv", Kv::U32(N_KV_HEAD as u32));
+    w.kv("llama.embedding_length", Kv::U32(shape.hidden as u32));
+    w.kv("llama.feed_forward_length", Kv::U32(shape.ffn as u32));
+    w.kv("llama.attention.head_count", Kv::U32(shape.n_head as u32));
+    w.kv("llama.attention.head_count_kv", Kv::U32(shape.n_kv_head as u32));
     w.kv("llama.rope.freq_base", Kv::F32(10000.0));
     w.kv("llama.attention.layer_norm_rms_epsilon", Kv::F32(1e-5));
-    w.kv("tokenizer.ggml.tokens", Kv::Array(8, (0..VOCAB).map(|i| Kv::Str(format!("t{i}"))).collect()));
+    w.kv("tokenizer.ggml.tokens", Kv::Array(8, (0..shape.vocab).map(|i| Kv::Str(format!("t{i}"))).collect()));
     w.kv("tokenizer.ggml.bos_token_id", Kv::U32(1));
     w.kv("tokenizer.ggml.eos_token_id", Kv::U32(2));
     // The remaining value types, to check the reader parses them all.

@@ -1,0 +1,539 @@
+//! [`CudaOps`]: the model operations and the paged-attention contract on an
+//! NVIDIA GPU, so that `vellum_models::ModelRunner<CudaOps>` is the CUDA
+//! backend's `ModelExecutor` — the same model code as the CPU and wgpu
+//! backends, on the kernels of `kernels/cuda/`.
+//!
+//! What runs where:
+//! - **Linears**: the GEMV of `gemv_q.cu` on the file's own Q8_0 and Q4_1
+//!   blocks (4 or 8 bits a weight read per decode step); every other weight
+//!   type is dequantized to f32 once, when it loads, and read by the same
+//!   GEMV as f32 "blocks". Prefill runs it eight rows a launch (each launch
+//!   reads the weight again): correct, not yet fast — a tiled GEMM is the
+//!   next step (docs/cuda_kernels.md).
+//! - **Embeddings** are dequantized to an f32 table; a tied LM head reads it
+//!   with the f32 GEMV.
+//! - **Attention**: `reshape_and_cache` through each KV-cache group's slot
+//!   mapping, then paged attention v1/v2 over the group's block tables.
+//! - **KV memory**: the free device memory after the weights, less a
+//!   reserve for activations ([`ACTIVATION_RESERVE`]); the engine takes its
+//!   `--kv-cache-memory` share of that (vLLM's `--gpu-memory-utilization`).
+//! - **Swap**: block by block between the device pools and host vectors on
+//!   the compute stream (a pinned, side-stream copy is left to do).
+//!
+//! Every op checks shapes and indices on the host first and returns a
+//! typed [`vellum_core::Error`]; nothing here panics on a bad batch.
+//!
+//! Status: compiled in CI; run only where a GPU is lent
+//! (`tests/gpu.rs::the_cuda_executor_matches_the_golden_tokens_of_smollm2`).
+
+use crate::launch::{AttentionMetadata, AttentionParams, BlockFormat, Elementwise, Kernels, KvDtype, KvPool, QuantMatrix};
+use crate::CudaError;
+use cudarc::driver::CudaSlice;
+use vellum_core::{AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory};
+use vellum_models::gguf::GgmlType;
+use vellum_models::ops::{OpResult, Ops};
+use vellum_models::rope::RopeTable;
+use vellum_models::WeightView;
+
+/// Device memory kept free for activations and kernel workspaces when the
+/// KV cache is sized: a tenth of the GPU.
+pub const ACTIVATION_RESERVE: f64 = 0.1;
+
+fn backend(e: CudaError) -> Error {
+    Error::Backend(e.to_string())
+}
+
+fn check(cond: bool, what: impl FnOnce() -> String) -> OpResult<()> {
+    if cond {
+        Ok(())
+    } else {
+        Err(Error::Backend(what()))
+    }
+}
+
+/// Activations `[rows, cols]`, f32, on the device.
+pub struct CudaTensor {
+    /// Rows (tokens).
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+    buf: CudaSlice<f32>,
+}
+
+/// A linear or embedding weight `[out, inp]`.
+pub struct CudaWeight {
+    m: QuantMatrix,
+}
+
+/// A 1-D parameter (norm weight, bias).
+pub struct CudaVector {
+    data: CudaSlice<f32>,
+}
+
+/// The RoPE table `[positions, head_dim]`: for each position the cosines of
+/// the `head_dim / 2` pairs, then their sines, computed on the host in f64.
+pub struct CudaRope {
+    head_dim: usize,
+    positions: usize,
+    table: CudaSlice<f32>,
+}
+
+/// One KV-cache group's slot mapping and attention metadata.
+struct GroupStep {
+    slots: CudaSlice<i64>,
+    meta: AttentionMetadata,
+}
+
+/// One step's inputs on the device, uploaded once in `prepare_step`.
+pub struct CudaStep {
+    ids: CudaSlice<i32>,
+    positions: CudaSlice<i64>,
+    logits: CudaSlice<i32>,
+    groups: Vec<GroupStep>,
+    tokens: usize,
+    logits_rows: usize,
+    block_size: usize,
+    max_id: Option<u32>,
+    max_position: Option<u32>,
+    max_logits_row: Option<u32>,
+    max_slot: Option<u32>,
+    max_block: Option<u32>,
+}
+
+/// The paged KV cache: a K and a V pool per layer slot on the device and
+/// the host swap pools with the same per-block layout.
+pub struct CudaKvCache {
+    spec: KvCacheSpec,
+    num_blocks: usize,
+    pools: Vec<KvPool>,
+    host: Vec<[Vec<u8>; 2]>,
+    num_host_blocks: usize,
+}
+
+/// The model operations on one NVIDIA GPU.
+pub struct CudaOps {
+    k: Kernels,
+}
+
+impl std::fmt::Debug for CudaOps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaOps").field("device", &self.k.info().name).finish()
+    }
+}
+
+impl CudaOps {
+    /// Operations on GPU `ordinal`: a typed error (never a panic) without
+    /// a driver, a GPU or NVRTC.
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        let k = Kernels::open(ordinal)?;
+        if !crate::nvrtc::is_available() {
+            return Err(CudaError::NoNvrtc);
+        }
+        Ok(Self { k })
+    }
+
+    /// The kernels (for tests and benchmarks).
+    pub fn kernels(&self) -> &Kernels {
+        &self.k
+    }
+
+    /// A `[rows, cols]` tensor holding `data` (row-major).
+    pub fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> OpResult<CudaTensor> {
+        check(data.len() == rows * cols, || format!("upload: {} values for [{rows}, {cols}]", data.len()))?;
+        let buf = if data.is_empty() { self.zeros(1)? } else { self.k.stream().clone_htod(data).map_err(|e| backend(e.into()))? };
+        Ok(CudaTensor { rows, cols, buf })
+    }
+
+    fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, n: usize) -> OpResult<CudaSlice<T>> {
+        // A zero-byte allocation is an error for the driver: keep one element.
+        self.k.stream().alloc_zeros::<T>(n.max(1)).map_err(|e| backend(e.into()))
+    }
+
+    fn htod<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, data: &[T]) -> OpResult<CudaSlice<T>> {
+        if data.is_empty() {
+            return self.zeros(1);
+        }
+        self.k.stream().clone_htod(data).map_err(|e| backend(e.into()))
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> OpResult<CudaTensor> {
+        Ok(CudaTensor { rows, cols, buf: self.zeros(rows * cols)? })
+    }
+
+    /// A weight in a layout the GEMV reads: Q8_0 and Q4_1 as stored, every
+    /// other type dequantized to f32 (`always_f32`: embeddings).
+    fn weight(&self, w: &WeightView<'_>, always_f32: bool) -> vellum_models::Result<CudaWeight> {
+        let (n, k) = w.matrix_dims()?;
+        check(k.is_multiple_of(32), || format!("{}: rows of {k} values; the CUDA GEMV needs a multiple of 32", w.name))?;
+        let raw = match w.dtype {
+            GgmlType::Q8_0 if !always_f32 => Some(BlockFormat::Q8_0),
+            GgmlType::Q4_1 if !always_f32 => Some(BlockFormat::Q4_1),
+            _ => None,
+        };
+        let (format, words): (BlockFormat, Vec<u16>) = match raw {
+            Some(format) => (format, w.data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()),
+            None => (
+                BlockFormat::F32,
+                w.to_f32()?
+                    .iter()
+                    .flat_map(|v| {
+                        let b = v.to_bits();
+                        [b as u16, (b >> 16) as u16]
+                    })
+                    .collect(),
+            ),
+        };
+        check(words.len() == n * k / 32 * format.words_per_block(), || {
+            format!("{}: {} words for [{n}, {k}] in {format:?}", w.name, words.len())
+        })?;
+        Ok(CudaWeight { m: QuantMatrix { blocks: self.htod(&words)?, format, n, k } })
+    }
+}
+
+impl Ops for CudaOps {
+    type Weight = CudaWeight;
+    type Vector = CudaVector;
+    type Rope = CudaRope;
+
+    fn linear_weight(&self, w: WeightView<'_>) -> vellum_models::Result<CudaWeight> {
+        self.weight(&w, false)
+    }
+
+    fn embedding_weight(&self, w: WeightView<'_>) -> vellum_models::Result<CudaWeight> {
+        self.weight(&w, true)
+    }
+
+    fn vector(&self, _name: &str, data: &[f32]) -> vellum_models::Result<CudaVector> {
+        Ok(CudaVector { data: self.htod(data)? })
+    }
+
+    fn rope_table(&self, table: &RopeTable) -> vellum_models::Result<CudaRope> {
+        let half = table.inv_freq.len();
+        let head_dim = table.head_dim();
+        let positions = table.max_positions.max(1);
+        let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
+        let mut data = Vec::with_capacity(positions * head_dim);
+        for pos in 0..positions {
+            table.cos_sin(pos as u32, &mut cos, &mut sin);
+            data.extend_from_slice(&cos);
+            data.extend_from_slice(&sin);
+        }
+        Ok(CudaRope { head_dim, positions, table: self.htod(&data)? })
+    }
+
+    fn embed(&self, table: &CudaWeight, step: &CudaStep) -> OpResult<CudaTensor> {
+        if let Some(id) = step.max_id {
+            check((id as usize) < table.m.n, || format!("token id {id} outside the vocabulary of {}", table.m.n))?;
+        }
+        check(table.m.format == BlockFormat::F32, || "embed: the table is not stored as f32".into())?;
+        let mut out = self.tensor(step.tokens, table.m.k)?;
+        self.k.embedding(&mut out.buf, &table.m.blocks, &step.ids, table.m.n, table.m.k).map_err(backend)?;
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaVector>) -> OpResult<CudaTensor> {
+        check(x.cols == w.m.k, || format!("linear: input width {} but the weight takes {}", x.cols, w.m.k))?;
+        if let Some(b) = bias {
+            check(b.data.len() == w.m.n, || format!("linear: bias of {} for {} outputs", b.data.len(), w.m.n))?;
+        }
+        let mut out = self.tensor(x.rows, w.m.n)?;
+        if x.rows == 0 {
+            return Ok(out);
+        }
+        self.k.gemv_rows(&mut out.buf, &w.m, &x.buf, x.rows).map_err(backend)?;
+        if let Some(b) = bias {
+            self.k.add_bias_rows(&mut out.buf, &b.data, x.rows).map_err(backend)?;
+        }
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaVector, eps: f32, group: usize) -> OpResult<CudaTensor> {
+        check(group > 0 && x.cols.is_multiple_of(group) && w.data.len() == group, || {
+            format!("rms_norm: width {} group {group} weight {}", x.cols, w.data.len())
+        })?;
+        let mut out = self.tensor(x.rows, x.cols)?;
+        self.k.rms_norm_into(&mut out.buf, &x.buf, &w.data, x.rows * x.cols / group, eps).map_err(backend)?;
+        Ok(out)
+    }
+
+    fn rope(&self, x: &mut CudaTensor, rope: &CudaRope, step: &CudaStep) -> OpResult<()> {
+        check(x.rows == step.tokens && rope.head_dim > 0 && x.cols.is_multiple_of(rope.head_dim), || {
+            format!("rope: {} rows of width {} for {} tokens, head_dim {}", x.rows, x.cols, step.tokens, rope.head_dim)
+        })?;
+        if let Some(pos) = step.max_position {
+            check((pos as usize) < rope.positions, || format!("rope: position {pos} beyond the table's {}", rope.positions))?;
+        }
+        self.k.rope(&mut x.buf, &rope.table, &step.positions, x.cols / rope.head_dim, rope.head_dim).map_err(backend)
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> OpResult<CudaTensor> {
+        check((gate.rows, gate.cols) == (up.rows, up.cols), || "silu_mul: shapes differ".into())?;
+        let mut out = self.tensor(gate.rows, gate.cols)?;
+        self.k.elementwise(Elementwise::SiluMul(&gate.buf, &up.buf), &mut out.buf, gate.rows * gate.cols).map_err(backend)?;
+        Ok(out)
+    }
+
+    fn gelu_tanh_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> OpResult<CudaTensor> {
+        check((gate.rows, gate.cols) == (up.rows, up.cols), || "gelu_tanh_mul: shapes differ".into())?;
+        let mut out = self.tensor(gate.rows, gate.cols)?;
+        self.k.elementwise(Elementwise::GeluTanhMul(&gate.buf, &up.buf), &mut out.buf, gate.rows * gate.cols).map_err(backend)?;
+        Ok(out)
+    }
+
+    fn scale(&self, x: &mut CudaTensor, factor: f32) -> OpResult<()> {
+        let n = x.rows * x.cols;
+        self.k.elementwise(Elementwise::Scale(factor), &mut x.buf, n).map_err(backend)
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> OpResult<()> {
+        check((x.rows, x.cols) == (y.rows, y.cols), || "add_assign: shapes differ".into())?;
+        let n = x.rows * x.cols;
+        self.k.elementwise(Elementwise::Add(&y.buf), &mut x.buf, n).map_err(backend)
+    }
+
+    fn logits_rows(&self, x: &CudaTensor, step: &CudaStep) -> OpResult<CudaTensor> {
+        if let Some(r) = step.max_logits_row {
+            check((r as usize) < x.rows, || format!("logits row {r} outside the batch of {}", x.rows))?;
+        }
+        let mut out = self.tensor(step.logits_rows, x.cols)?;
+        self.k.gather_rows(&mut out.buf, &x.buf, &step.logits, step.logits_rows, x.cols).map_err(backend)?;
+        Ok(out)
+    }
+
+    fn to_host(&self, x: &CudaTensor) -> OpResult<Vec<f32>> {
+        let n = x.rows * x.cols;
+        let mut all = self.k.stream().clone_dtoh(&x.buf).map_err(|e| backend(e.into()))?;
+        self.k.stream().synchronize().map_err(|e| backend(e.into()))?;
+        all.truncate(n);
+        Ok(all)
+    }
+}
+
+fn kv_dtype(d: KvCacheDtype) -> KvDtype {
+    match d {
+        KvCacheDtype::F32 => KvDtype::F32,
+        KvCacheDtype::F16 => KvDtype::F16,
+        KvCacheDtype::Bf16 => KvDtype::Bf16,
+    }
+}
+
+fn i32_of(n: u32, what: &str) -> OpResult<i32> {
+    i32::try_from(n).map_err(|_| Error::Backend(format!("{what} {n} does not fit the kernels' int32 indices")))
+}
+
+impl AttentionBackend for CudaOps {
+    type Tensor = CudaTensor;
+    type KvCache = CudaKvCache;
+    type Step = CudaStep;
+
+    fn describe(&self) -> String {
+        let info = self.k.info();
+        format!("cuda: {} ({}, {} GiB)", info.name, info.arch(), info.total_memory >> 30)
+    }
+
+    fn supports_kv_groups(&self) -> bool {
+        true
+    }
+
+    fn kv_memory(&self, _spec: &KvCacheSpec) -> KvMemory {
+        let total = self.k.info().total_memory as u64;
+        let free = self.k.context().mem_get_info().map_or(0, |(free, _)| free as u64);
+        let reserve = (total as f64 * ACTIVATION_RESERVE) as u64;
+        KvMemory { available_bytes: free.saturating_sub(reserve), max_blocks: None }
+    }
+
+    fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<CudaKvCache> {
+        check(spec.head_dim.is_multiple_of(64) && spec.head_dim <= 256 && [8, 16, 32].contains(&spec.block_size), || {
+            format!(
+                "cuda paged attention: head_dim {} must be 64, 128, 192 or 256 and the block size 8, 16 or 32 (got {})",
+                spec.head_dim, spec.block_size
+            )
+        })?;
+        let dtype = kv_dtype(spec.dtype);
+        let mut pools = Vec::with_capacity(spec.num_slots());
+        for _ in 0..spec.num_slots() {
+            pools.push(
+                KvPool::new(self.k.stream(), dtype, num_blocks.max(1), spec.block_size, spec.num_kv_heads, spec.head_dim)
+                    .map_err(backend)?,
+            );
+        }
+        let host_bytes = num_host_blocks * spec.pool_block_bytes() as usize;
+        let host = (0..spec.num_slots()).map(|_| [vec![0u8; host_bytes], vec![0u8; host_bytes]]).collect();
+        Ok(CudaKvCache { spec: spec.clone(), num_blocks, pools, host, num_host_blocks })
+    }
+
+    fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<CudaStep> {
+        let t = batch.num_tokens();
+        let s = batch.num_seqs();
+        let groups = batch.kv_groups();
+        let stride = batch.block_table_stride;
+        check(batch.positions.len() == t && batch.slot_mapping.len() == groups * t, || {
+            format!("step: {t} tokens of {groups} KV groups but {} positions and {} slots", batch.positions.len(), batch.slot_mapping.len())
+        })?;
+        check(batch.context_lens.len() == s && batch.block_tables.len() >= groups * s * stride, || {
+            "step: context lengths or block tables do not match the sequences".into()
+        })?;
+        check(
+            batch.query_start_loc.windows(2).all(|w| w[0] <= w[1]) && batch.query_start_loc.last().is_none_or(|&e| e as usize == t),
+            || "step: query_start_loc is not an offset list ending at the token count".into(),
+        )?;
+        let mut token_seq = Vec::with_capacity(t);
+        let mut max_block = None::<u32>;
+        for i in 0..s {
+            let (q0, q1) = (batch.query_start_loc[i], batch.query_start_loc[i + 1]);
+            let ctx = batch.context_lens[i] as usize;
+            let blocks = ctx.div_ceil(block_size.max(1));
+            check((q1 - q0) as usize <= ctx && blocks <= stride, || {
+                format!("step: sequence {i} has {} queries, a context of {ctx} and {stride} table entries", q1 - q0)
+            })?;
+            token_seq.extend(std::iter::repeat_n(i as i32, (q1 - q0) as usize));
+            for g in 0..groups {
+                let start = (g * s + i) * stride;
+                max_block = max_block.max(batch.block_tables[start..start + blocks].iter().copied().max());
+            }
+        }
+        let to_i32 = |xs: &[u32], what: &str| xs.iter().map(|&x| i32_of(x, what)).collect::<OpResult<Vec<i32>>>();
+        let qsl = to_i32(&batch.query_start_loc, "query offset")?;
+        let ctx = to_i32(&batch.context_lens, "context length")?;
+        // The longest context a query sees, unwindowed: an upper bound for
+        // the layers with a window (v1 sizes its shared memory by it, v2 its
+        // partitions; a partition past a token's window returns at once).
+        let max_context = batch.context_lens.iter().copied().max().unwrap_or(0) as usize;
+        let mut group_steps = Vec::with_capacity(groups);
+        for g in 0..groups {
+            let slots: Vec<i64> = batch.slot_mapping[g * t..(g + 1) * t].iter().map(|&x| i64::from(x)).collect();
+            let tables = to_i32(&batch.block_tables[g * s * stride..(g + 1) * s * stride], "block id")?;
+            group_steps.push(GroupStep {
+                slots: self.htod(&slots)?,
+                meta: AttentionMetadata {
+                    block_tables: self.htod(&tables)?,
+                    max_blocks_per_seq: stride.max(1),
+                    token_seq: self.htod(&token_seq)?,
+                    query_start_loc: self.htod(&qsl)?,
+                    context_lens: self.htod(&ctx)?,
+                    num_tokens: t,
+                    max_context,
+                },
+            });
+        }
+        let positions: Vec<i64> = batch.positions.iter().map(|&p| i64::from(p)).collect();
+        let logits = to_i32(&batch.logits_indices, "logits row")?;
+        Ok(CudaStep {
+            ids: self.htod(&to_i32(&batch.token_ids, "token id")?)?,
+            positions: self.htod(&positions)?,
+            logits: self.htod(&logits)?,
+            groups: group_steps,
+            tokens: t,
+            logits_rows: logits.len(),
+            block_size,
+            max_id: batch.token_ids.iter().copied().max(),
+            max_position: batch.positions.iter().copied().max(),
+            max_logits_row: batch.logits_indices.iter().copied().max(),
+            max_slot: batch.slot_mapping.iter().copied().max(),
+            max_block,
+        })
+    }
+
+    fn write_kv(&self, cache: &mut CudaKvCache, layer: usize, k: &CudaTensor, v: &CudaTensor, step: &CudaStep) -> vellum_core::Result<()> {
+        let spec = &cache.spec;
+        let row = spec.num_kv_heads * spec.head_dim;
+        check(k.rows == step.tokens && v.rows == step.tokens && k.cols == row && v.cols == row, || {
+            format!("write_kv: k/v are [{}, {}]/[{}, {}], {} tokens of {row} expected", k.rows, k.cols, v.rows, v.cols, step.tokens)
+        })?;
+        check(step.block_size == spec.block_size, || "write_kv: the step's block size differs from the cache's".into())?;
+        if let Some(slot) = step.max_slot {
+            check((slot as usize) < cache.num_blocks * spec.block_size, || format!("write_kv: slot {slot} outside the pool"))?;
+        }
+        check(layer < spec.groups.num_layers(), || format!("write_kv: no layer {layer}"))?;
+        let at = spec.groups.slot(layer);
+        let g =
+            step.groups.get(at.group).ok_or_else(|| Error::Backend(format!("write_kv: the step has no KV-cache group {}", at.group)))?;
+        if step.tokens == 0 {
+            return Ok(());
+        }
+        self.k.reshape_and_cache(&k.buf, &v.buf, &mut cache.pools[at.slot], &g.slots).map_err(backend)
+    }
+
+    fn paged_attention(
+        &self,
+        cache: &CudaKvCache,
+        layer: usize,
+        q: &CudaTensor,
+        step: &CudaStep,
+        shape: &AttentionShape,
+    ) -> vellum_core::Result<CudaTensor> {
+        let spec = &cache.spec;
+        check(shape.num_kv_heads == spec.num_kv_heads && shape.head_dim == spec.head_dim, || {
+            format!(
+                "paged_attention: {} kv heads of {} for a cache of {} of {}",
+                shape.num_kv_heads, shape.head_dim, spec.num_kv_heads, spec.head_dim
+            )
+        })?;
+        check(q.rows == step.tokens && q.cols == shape.num_heads * shape.head_dim, || {
+            format!(
+                "paged_attention: q is [{}, {}] for {} tokens of {} heads × {}",
+                q.rows, q.cols, step.tokens, shape.num_heads, shape.head_dim
+            )
+        })?;
+        if let Some(b) = step.max_block {
+            check((b as usize) < cache.num_blocks, || format!("paged_attention: block {b} outside the pool of {}", cache.num_blocks))?;
+        }
+        check(layer < spec.groups.num_layers(), || format!("paged_attention: no layer {layer}"))?;
+        let at = spec.groups.slot(layer);
+        let g = step
+            .groups
+            .get(at.group)
+            .ok_or_else(|| Error::Backend(format!("paged_attention: the step has no KV-cache group {}", at.group)))?;
+        let mut out = self.tensor(q.rows, q.cols)?;
+        let params = AttentionParams {
+            num_heads: shape.num_heads,
+            scale: shape.scale,
+            softcap: shape.logit_softcap.unwrap_or(0.0),
+            window: shape.sliding_window.unwrap_or(0),
+        };
+        self.k.paged_attention(&mut out.buf, &q.buf, &cache.pools[at.slot], &g.meta, params, None).map_err(backend)?;
+        Ok(out)
+    }
+
+    fn copy_blocks(&self, cache: &mut CudaKvCache, copies: &[BlockCopy]) -> vellum_core::Result<()> {
+        if copies.is_empty() {
+            return Ok(());
+        }
+        for c in copies {
+            check((c.src.0 as usize) < cache.num_blocks && (c.dst.0 as usize) < cache.num_blocks, || {
+                format!("copy_blocks: {c:?} outside the pool of {}", cache.num_blocks)
+            })?;
+        }
+        let pairs: Vec<i64> = copies.iter().flat_map(|c| [i64::from(c.src.0), i64::from(c.dst.0)]).collect();
+        let pairs = self.htod(&pairs)?;
+        for pool in &mut cache.pools {
+            self.k.copy_blocks(pool, &pairs).map_err(backend)?;
+        }
+        Ok(())
+    }
+
+    fn swap_blocks(&self, cache: &mut CudaKvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_core::Result<()> {
+        let bb = cache.spec.pool_block_bytes() as usize;
+        for s in swaps {
+            check((s.device.0 as usize) < cache.num_blocks && (s.host.0 as usize) < cache.num_host_blocks, || {
+                format!("swap_blocks: {s:?} outside the pools ({} device, {} host blocks)", cache.num_blocks, cache.num_host_blocks)
+            })?;
+        }
+        let stream = self.k.stream().clone();
+        for s in swaps {
+            let (d, h) = (s.device.0 as usize * bb, s.host.0 as usize * bb);
+            for (pool, host) in cache.pools.iter_mut().zip(&mut cache.host) {
+                let [hk, hv] = host;
+                for (dev, host) in [(&mut pool.k, hk), (&mut pool.v, hv)] {
+                    let r = if to_host {
+                        stream.memcpy_dtoh(&dev.slice(d..d + bb), &mut host[h..h + bb])
+                    } else {
+                        stream.memcpy_htod(&host[h..h + bb], &mut dev.slice_mut(d..d + bb))
+                    };
+                    r.map_err(|e| backend(e.into()))?;
+                }
+            }
+        }
+        stream.synchronize().map_err(|e| backend(e.into()))
+    }
+}
