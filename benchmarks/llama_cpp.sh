@@ -22,7 +22,17 @@ if [ ! -d "$ROOT/src" ]; then
     mv "$ROOT/llama_cpp_python-0.3.36" "$ROOT/src"
 fi
 echo "== building llama-batched-bench and llama-server (native CPU features)" >&2
+# On CPUs with AMX, -march=native turns on ggml's AMX matmul, which
+# segfaults at the first matmul of both benchmark models here (2026-11-25,
+# a Xeon with amx_int8; the tile permission is granted): the known, unfixed
+# ggml-org/llama.cpp#20824. The peer is then built without AMX, keeping
+# AVX-512 VNNI and weight repacking: its fastest configuration that runs.
+NO_AMX=()
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    echo "== this CPU has AMX: building without it (llama.cpp#20824)" >&2
+    NO_AMX=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
 cmake -S "$ROOT/src/vendor/llama.cpp" -B "$ROOT/src/vendor/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF >&2
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "${NO_AMX[@]}" >&2
 cmake --build "$ROOT/src/vendor/llama.cpp/build" -j"$(nproc)" --target llama-batched-bench llama-server >&2
 echo "$BIN"

@@ -1,5 +1,7 @@
 //! Turning a row of logits into a token (and its log-probabilities).
 
+mod vector;
+
 pub use vellum_core::SeededRng;
 use vellum_core::{SamplingParams, TokenId};
 
@@ -20,14 +22,75 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&x| logprob(x, lse)).collect()
 }
 
-/// `ln Σ exp(x)`, shifted by the maximum. The differences are rounded to
-/// f32 before `exp` (a relative error of 2⁻²⁴·|x − max| per term, about
-/// 1e-6 nats on the result for the terms that matter) and summed in f64:
-/// with a 262,144-token vocabulary this pass is most of a sampling step,
-/// and f32 `exp` is several times cheaper than f64.
+/// `ln Σ exp(x)`, shifted by the maximum: the differences in f32 through a
+/// polynomial `exp` within 2 ulp ([`vector::exp_f32`]), summed in f64 (a
+/// relative error of about 1e-7 nats on the result). With a 262,144-token
+/// vocabulary this pass is most of a sampling step, so it is vectorized.
 pub fn log_sum_exp(logits: &[f32]) -> f64 {
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    logits.iter().map(|&x| f64::from(((x as f64 - m) as f32).exp())).sum::<f64>().ln() + m
+    let m = vector::max(logits);
+    let mut sums = Vec::new();
+    vector::exp_sums(logits, m, 1.0, &mut sums);
+    lse_of(m, &sums)
+}
+
+/// `ln Σ` of the chunk sums of `exp(x − m)`, plus `m`.
+fn lse_of(m: f32, sums: &[f64]) -> f64 {
+    sums.iter().sum::<f64>().ln() + m as f64
+}
+
+/// What sampling reads of one row of logits, computed once per row (the
+/// engine computes every row's in parallel, so that the passes over the
+/// vocabulary leave the sequential part of a step): the normalizer, the
+/// top entries, and for a draw without filters the weights' chunk sums.
+#[derive(Clone, Debug)]
+pub struct RowStats {
+    /// `ln Σ exp(x)` over the row ([`log_sum_exp`]).
+    pub lse: f64,
+    /// The `k` largest logits (`k ≥ 1`), largest first, lower id first on ties.
+    pub top: Vec<(TokenId, f32)>,
+    /// For a draw with no filter: the row's maximum, `1/t` and the chunk
+    /// sums of the weights `exp((x − max)/t)`.
+    plain_draw: Option<PlainDraw>,
+}
+
+/// A draw with no filter over a whole row, set up: one pass over the row
+/// ([`vector::exp_sums`]); the draw then reads the chunk sums and one chunk.
+#[derive(Clone, Debug)]
+struct PlainDraw {
+    max: f32,
+    inv_t: f32,
+    sums: Vec<f64>,
+}
+
+impl RowStats {
+    /// The statistics of `logits` for a row sampled with `params`, keeping
+    /// the `num_logprobs` (at least 1) top entries. `constrained`: a
+    /// structured-output mask applies (so a draw cannot use the row as is).
+    pub fn new(logits: &[f32], params: &SamplingParams, num_logprobs: usize, constrained: bool) -> Self {
+        let top = vector::top_k(logits, num_logprobs.max(1));
+        let max = top.first().map_or(f32::NEG_INFINITY, |t| t.1);
+        let mut sums = Vec::new();
+        vector::exp_sums(logits, max, 1.0, &mut sums);
+        let lse = lse_of(max, &sums);
+        let plain_draw = (!constrained && is_plain_draw(params, logits.len())).then(|| {
+            let inv_t = 1.0 / params.temperature;
+            if inv_t != 1.0 {
+                vector::exp_sums(logits, max, inv_t, &mut sums);
+            }
+            PlainDraw { max, inv_t, sums }
+        });
+        RowStats { lse, top, plain_draw }
+    }
+}
+
+/// Whether `params` draws from the whole distribution as it is: a positive
+/// temperature, no top-k/top-p/min-p cut and no penalty.
+fn is_plain_draw(params: &SamplingParams, vocab: usize) -> bool {
+    params.temperature > 0.0
+        && (params.top_k <= 0 || params.top_k as usize >= vocab)
+        && params.top_p >= 1.0
+        && params.min_p <= 0.0
+        && !has_penalties(params)
 }
 
 /// The log-probability of logit `x` under the normalizer `lse`
@@ -36,17 +99,10 @@ pub fn logprob(x: f32, lse: f64) -> f32 {
     (x as f64 - lse) as f32
 }
 
-/// The `k` largest entries, largest first (ties: lower id first).
+/// The `k` largest entries, largest first (ties: lower id first; NaN
+/// ignored once `k` entries are held).
 pub fn top_k(values: &[f32], k: usize) -> Vec<(TokenId, f32)> {
-    let mut best: Vec<(TokenId, f32)> = Vec::with_capacity(k + 1);
-    for (i, &v) in values.iter().enumerate() {
-        if best.len() < k || v > best[best.len() - 1].1 {
-            let pos = best.partition_point(|&(_, b)| b >= v);
-            best.insert(pos, (i as TokenId, v));
-            best.truncate(k);
-        }
-    }
-    best
+    vector::top_k(values, k)
 }
 
 /// Whether `params` asks for any repetition, frequency or presence penalty.
@@ -103,32 +159,22 @@ pub fn sample(
     num_logprobs: usize,
     history: (&[TokenId], &[TokenId]),
 ) -> Sample {
-    sample_normalized(logits, log_sum_exp(logits), params, rng, num_logprobs, history)
-}
-
-/// [`sample`] with the row's [`log_sum_exp`] already computed (the engine
-/// computes it for all rows in parallel).
-pub fn sample_normalized(
-    logits: &[f32],
-    lse: f64,
-    params: &SamplingParams,
-    rng: &mut SeededRng,
-    num_logprobs: usize,
-    history: (&[TokenId], &[TokenId]),
-) -> Sample {
-    sample_masked(logits, lse, params, rng, num_logprobs, history, None)
+    let stats = RowStats::new(logits, params, num_logprobs, false);
+    sample_masked(logits, &stats, params, rng, num_logprobs, history, None)
 }
 
 /// The tokens a structured-output constraint allows: calls `f(token)` for
 /// each, in increasing order.
 pub type AllowedTokens<'a> = &'a dyn Fn(&mut dyn FnMut(usize));
 
-/// [`sample_normalized`] restricted to the tokens `allowed` lists (a
+/// [`sample`] with the row's [`RowStats`] already computed (for these
+/// `params`, at least `num_logprobs` top entries, `constrained` exactly when
+/// `allowed` is given), restricted to the tokens `allowed` lists (a
 /// structured-output constraint): every other logit counts as −∞. The
 /// reported log-probabilities stay the model's own.
 pub fn sample_masked(
     logits: &[f32],
-    lse: f64,
+    stats: &RowStats,
     params: &SamplingParams,
     rng: &mut SeededRng,
     num_logprobs: usize,
@@ -137,7 +183,15 @@ pub fn sample_masked(
 ) -> Sample {
     // The ranking of the logprobs is that of the logits: only the entries
     // asked for (and the chosen one) are normalized.
-    let mut top_logprobs: Vec<(TokenId, f32)> = top_k(logits, num_logprobs.max(1)).into_iter().map(|(t, x)| (t, logprob(x, lse))).collect();
+    let lse = stats.lse;
+    let recomputed;
+    let top = if stats.top.len() >= num_logprobs.max(1) {
+        &stats.top
+    } else {
+        recomputed = top_k(logits, num_logprobs.max(1));
+        &recomputed
+    };
+    let mut top_logprobs: Vec<(TokenId, f32)> = top.iter().map(|&(t, x)| (t, logprob(x, lse))).collect();
     let penalties = has_penalties(params);
     let token = match allowed {
         // Greedy under a constraint: the best allowed token (lowest id on
@@ -181,7 +235,8 @@ pub fn sample_masked(
                     top_k(scores, 1)[0].0
                 }
             } else {
-                draw(scores, params, rng)
+                let plain = stats.plain_draw.as_ref().filter(|_| scores.as_ptr() == logits.as_ptr());
+                draw(scores, params, rng, plain)
             }
         }
     };
@@ -191,30 +246,40 @@ pub fn sample_masked(
 
 /// Draws a token. Only the candidates the filters can keep are sorted: the
 /// top `k`, or for top-p / min-p alone a prefix of the ranking grown until
-/// the cut falls inside it; with no filter the draw walks the vocabulary in
-/// id order, unsorted.
-fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng) -> TokenId {
-    let t = params.temperature as f64;
+/// the cut falls inside it; with no filter the draw walks the weights'
+/// chunk sums, then one chunk, in id order (`plain`: those sums, if the
+/// caller has them for `logits` and `params`). Weights are
+/// [`vector::weight`] everywhere, so a seeded draw is the same on every CPU.
+fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng, plain: Option<&PlainDraw>) -> TokenId {
     let v = logits.len();
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let weight = |x: f32| ((x as f64 - m) / t).exp();
     let k = if params.top_k > 0 { (params.top_k as usize).min(v) } else { v };
     if k == v && params.top_p >= 1.0 && params.min_p <= 0.0 {
-        let total: f64 = logits.iter().map(|&x| weight(x)).sum();
-        let mut u = rng.uniform() * total;
-        for (i, &x) in logits.iter().enumerate() {
-            let w = weight(x);
-            if u < w {
-                return i as TokenId;
+        let computed;
+        let plain = match plain {
+            Some(p) => p,
+            None => {
+                let (max, inv_t) = (vector::max(logits), 1.0 / params.temperature);
+                let mut sums = Vec::new();
+                vector::exp_sums(logits, max, inv_t, &mut sums);
+                computed = PlainDraw { max, inv_t, sums };
+                &computed
             }
-            u -= w;
-        }
-        return argmax(logits);
+        };
+        return draw_plain(logits, plain, rng.uniform());
     }
+    let m = vector::max(logits);
+    let inv_t = 1.0 / params.temperature;
+    let weight = |x: f32| f64::from(vector::weight(x, m, inv_t));
     // Ranking: larger logit first, lower id on ties.
     let desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
     let mut order: Vec<u32> = (0..v as u32).collect();
-    let z_full = if k == v { logits.iter().map(|&x| weight(x)).sum::<f64>() } else { 0.0 };
+    let z_full = if k == v {
+        let mut sums = Vec::new();
+        vector::exp_sums(logits, m, inv_t, &mut sums);
+        sums.iter().sum::<f64>()
+    } else {
+        0.0
+    };
     let mut take = if k < v { k } else { 64.min(v) };
     loop {
         if take < v {
@@ -264,8 +329,55 @@ fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng) -> TokenId
     cand[probs.len() - 1]
 }
 
+/// The token at `u ∈ [0, 1)` of the cumulative weights: the chunk whose sum
+/// covers `u · total`, then the entry inside it. Rounding can leave the
+/// walk past the end (the chunk sums add in another order than the walk):
+/// then the last entry of positive weight wins.
+fn draw_plain(logits: &[f32], p: &PlainDraw, u: f64) -> TokenId {
+    let total: f64 = p.sums.iter().sum();
+    if !(total > 0.0 && total.is_finite()) {
+        return argmax(logits);
+    }
+    let mut u = u * total;
+    let mut last = None;
+    for (c, &s) in p.sums.iter().enumerate() {
+        if s <= 0.0 {
+            continue;
+        }
+        last = Some(c);
+        if u >= s {
+            u -= s;
+            continue;
+        }
+        return walk_chunk(logits, p, c, u);
+    }
+    match last {
+        Some(c) => walk_chunk(logits, p, c, f64::INFINITY),
+        None => argmax(logits),
+    }
+}
+
+/// The entry of chunk `c` at `u` of its cumulative weights (or its last
+/// entry of positive weight).
+fn walk_chunk(logits: &[f32], p: &PlainDraw, c: usize, mut u: f64) -> TokenId {
+    let start = c * vector::CHUNK;
+    let chunk = &logits[start..(start + vector::CHUNK).min(logits.len())];
+    let mut last = 0;
+    for (i, &x) in chunk.iter().enumerate() {
+        let w = f64::from(vector::weight(x, p.max, p.inv_t));
+        if w > 0.0 {
+            if u < w {
+                return (start + i) as TokenId;
+            }
+            u -= w;
+            last = i;
+        }
+    }
+    (start + last) as TokenId
+}
+
 fn argmax(v: &[f32]) -> TokenId {
-    top_k(v, 1)[0].0
+    top_k(v, 1).first().map_or(0, |t| t.0)
 }
 
 #[cfg(test)]
@@ -319,6 +431,45 @@ mod tests {
         }
     }
 
+    /// A draw with no filter walks chunk sums then one chunk: its
+    /// frequencies follow the softmax at the temperature over a vocabulary
+    /// of several chunks, and the precomputed and on-the-spot sums draw the
+    /// same tokens from the same seed.
+    #[test]
+    fn plain_draws_follow_the_softmax_across_chunks() {
+        // Mass on a few tokens in different chunks, the rest spread thin.
+        let mut logits = vec![-4.0f32; 3 * vector::CHUNK + 100];
+        for (t, x) in [(5usize, 2.0f32), (1500, 1.0), (2047, 2.5), (3100, 0.0)] {
+            logits[t] = x;
+        }
+        for temperature in [1.0f32, 0.7] {
+            let params = SamplingParams { temperature, ..SamplingParams::default() };
+            let stats = RowStats::new(&logits, &params, 0, false);
+            assert!(stats.plain_draw.is_some());
+            let w: Vec<f64> = logits.iter().map(|&x| ((x - 2.5) as f64 / temperature as f64).exp()).collect();
+            let z: f64 = w.iter().sum();
+            let n = 100_000;
+            let mut counts = vec![0u32; logits.len()];
+            let (mut a, mut b) = (SeededRng::new(11), SeededRng::new(11));
+            for _ in 0..n {
+                let t = sample_masked(&logits, &stats, &params, &mut a, 0, (&[], &[]), None).token;
+                assert_eq!(t, draw(&logits, &params, &mut b, None), "precomputed and fresh sums disagree");
+                counts[t as usize] += 1;
+            }
+            for t in [5usize, 1500, 2047, 3100, 0, 3000] {
+                let p = w[t] / z;
+                let f = counts[t] as f64 / n as f64;
+                // Five standard deviations of a binomial frequency.
+                let tol = 5.0 * (p * (1.0 - p) / n as f64).sqrt() + 1e-5;
+                assert!((f - p).abs() < tol, "t = {temperature}: token {t} drawn {f:.5}, probability {p:.5}");
+            }
+            let rest: f64 = (0..logits.len()).filter(|t| ![5, 1500, 2047, 3100].contains(t)).map(|t| w[t] / z).sum();
+            let seen: u32 = (0..logits.len()).filter(|t| ![5, 1500, 2047, 3100].contains(t)).map(|t| counts[t]).sum();
+            let f = seen as f64 / n as f64;
+            assert!((f - rest).abs() < 5.0 * (rest * (1.0 - rest) / n as f64).sqrt(), "the thin tail: {f:.5} vs {rest:.5}");
+        }
+    }
+
     /// The filters on a large vocabulary (where only a prefix of the ranking
     /// is sorted) keep exactly the set a full sort keeps.
     #[test]
@@ -345,7 +496,7 @@ mod tests {
             let params = SamplingParams { temperature: t as f32, top_p, min_p, ..SamplingParams::default() };
             let mut seen = std::collections::HashSet::new();
             for _ in 0..3000 {
-                let tok = draw(&logits, &params, &mut rng);
+                let tok = draw(&logits, &params, &mut rng, None);
                 assert!(allowed.contains(&tok), "top_p {top_p} min_p {min_p}: {tok} is excluded");
                 seen.insert(tok);
             }

@@ -6,11 +6,11 @@ use super::batch::Row;
 use super::EngineCore;
 use crate::beam::beam_step;
 use crate::outputs::PromptLogprob;
-use crate::sampler::{log_softmax, log_sum_exp, sample_masked, top_k, AllowedTokens, Sample};
+use crate::sampler::{log_softmax, sample_masked, top_k, AllowedTokens, RowStats, Sample};
 use crate::sequences::{Draw, SeqView};
 use crate::structured::Constraint;
 use llguidance::toktrie::SimpleVob;
-use vellum_core::{IdMap, IdSet, ModelExecutor, RequestId, SeqId};
+use vellum_core::{IdMap, IdSet, ModelExecutor, RequestId, SamplingParams, SeqId};
 use vellum_scheduler::{RequestSamples, StepSamples};
 
 /// The allowed tokens of each constrained sampling row, and the vocabulary
@@ -55,18 +55,32 @@ impl<E: ModelExecutor> EngineCore<E> {
         let mut per_req: Vec<RequestSamples> = Vec::new();
         let mut draws: IdMap<RequestId, Vec<Draw>> = IdMap::default();
         let mut beam_rows: Vec<(RequestId, SeqId, usize)> = Vec::new();
-        // The normalizer of every sampling row, rows in parallel: a pass of
-        // `exp` over the vocabulary is most of a row's sampling time.
-        let lses: Vec<f64> = {
+        // What sampling reads of every sampling row (normalizer, top
+        // entries, a plain draw's chunk sums), rows in parallel: the passes
+        // over the vocabulary are most of a row's sampling time. Beam-search
+        // rows take their own path.
+        let stats: Vec<Option<RowStats>> = {
             use rayon::prelude::*;
-            let lse = |row: usize| match rows[row] {
-                Row::Sample(..) => log_sum_exp(&logits[row * vocab..(row + 1) * vocab]),
-                Row::PromptLogprob(..) => 0.0,
+            let wanted: Vec<Option<(&SamplingParams, bool)>> = rows
+                .iter()
+                .map(|r| match *r {
+                    Row::Sample(rid, sid) => {
+                        let req = self.views.reqs.get(&rid).filter(|q| q.params.beam_search.is_none())?;
+                        let constrained = self.views.seqs.get(&sid).is_some_and(|v| v.constraint.is_some());
+                        Some((&req.params, constrained))
+                    }
+                    Row::PromptLogprob(..) => None,
+                })
+                .collect();
+            let stats_of = |row: usize| {
+                wanted[row].map(|(params, constrained)| {
+                    RowStats::new(&logits[row * vocab..(row + 1) * vocab], params, params.logprobs.unwrap_or(0), constrained)
+                })
             };
             if rows.len() > 1 {
-                (0..rows.len()).into_par_iter().map(lse).collect()
+                (0..rows.len()).into_par_iter().map(stats_of).collect()
             } else {
-                (0..rows.len()).map(lse).collect()
+                (0..rows.len()).map(stats_of).collect()
             }
         };
         let mut masks = match masks {
@@ -94,6 +108,7 @@ impl<E: ModelExecutor> EngineCore<E> {
                 beam_rows.push((rid, sid, row));
                 continue;
             }
+            let Some(row_stats) = stats[row].as_ref() else { continue };
             // The first sample of a parallel-sampling request draws n tokens.
             let n = req.params.num_sequences();
             let first = !req.forked && n > 1;
@@ -116,7 +131,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             let mask: Option<AllowedTokens<'_>> = if allowed.is_some() { Some(&allowed_fn) } else { None };
             for i in 0..if first { n } else { 1 } {
                 let Sample { token, logprob, top_logprobs } =
-                    sample_masked(row_logits, lses[row], &req.params, &mut req.rng, k, (seq.prompt(), seq.output()), mask);
+                    sample_masked(row_logits, row_stats, &req.params, &mut req.rng, k, (seq.prompt(), seq.output()), mask);
                 next.push((sid, token));
                 let top = req.params.logprobs.is_some().then_some(top_logprobs);
                 ds.push(Draw { token, logprob, top, index: first.then_some(i) });
