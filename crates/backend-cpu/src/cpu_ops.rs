@@ -254,8 +254,8 @@ impl Ops for CpuOps {
             }
         };
         if out.data.len() >= PAR_ELEMENTS {
-            use rayon::prelude::*;
-            out.data.par_chunks_exact_mut(group).for_each(norm);
+            let per_part = group * (PAR_ELEMENTS / group).max(1);
+            crate::spin_team::for_chunks_mut(&mut out.data, per_part, &|_, part| part.chunks_exact_mut(group).for_each(norm));
         } else {
             out.data.chunks_exact_mut(group).for_each(norm);
         }
@@ -436,8 +436,14 @@ fn gated(gate: &HostTensor, up: &HostTensor, what: &str, act: impl Fn(f32) -> f3
     check((gate.rows, gate.cols) == (up.rows, up.cols), || format!("{what}: shapes differ"))?;
     let f = |(g, u): (&f32, &f32)| act(*g) * u;
     let data = if gate.data.len() >= PAR_ELEMENTS {
-        use rayon::prelude::*;
-        gate.data.par_iter().zip(&up.data).map(f).collect()
+        let mut data = vec![0.0; gate.data.len()];
+        crate::spin_team::for_chunks_mut(&mut data, PAR_ELEMENTS, &|i, part| {
+            let at = i * PAR_ELEMENTS..i * PAR_ELEMENTS + part.len();
+            for (o, gu) in part.iter_mut().zip(gate.data[at.clone()].iter().zip(&up.data[at])) {
+                *o = f(gu);
+            }
+        });
+        data
     } else {
         gate.data.iter().zip(&up.data).map(f).collect()
     };

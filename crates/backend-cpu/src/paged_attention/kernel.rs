@@ -5,7 +5,6 @@
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 /// Positions per online-softmax tile.
 const TILE: usize = 64;
@@ -101,11 +100,18 @@ where
     } else {
         // Aim for a few items per split so small items do not drown in
         // fork/join overhead while large prefills still balance.
+        // On the spin team, as the linears are: through rayon, a worker
+        // woke beside the team's spinning helper (three threads, two cores).
         let n_items = out.len() / run;
-        let min_len = (n_items / (8 * threads)).max(1);
-        out.par_chunks_mut(run).zip(q.par_chunks(run)).with_min_len(min_len).enumerate().for_each_init(Vec::new, |scratch, (c, (o, q))| {
-            let (t, kv_head) = split(c);
-            item(t, kv_head, q, o, scratch)
+        let per_part = (n_items / (8 * threads)).max(1);
+        crate::spin_team::for_chunks_mut(out, per_part * run, &|p, part| {
+            let mut scratch = Vec::new();
+            let first = p * per_part;
+            let q = &q[first * run..];
+            for (j, (o, q)) in part.chunks_exact_mut(run).zip(q.chunks_exact(run)).enumerate() {
+                let (t, kv_head) = split(first + j);
+                item(t, kv_head, q, o, &mut scratch);
+            }
         });
     }
 }

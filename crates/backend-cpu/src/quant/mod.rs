@@ -596,6 +596,12 @@ pub struct QuantActs {
 /// golden prompt's largest int8 gap from 0.143 to 0.262 nats, within the
 /// rule but near its 0.2645 bound).
 #[inline(always)]
+/// Rows per part when a quantization runs on the spin team: a few parts per
+/// thread, so that uneven rows still balance.
+fn rows_per_part(rows: usize) -> usize {
+    (rows / (4 * rayon::current_num_threads().max(1))).max(1)
+}
+
 fn quant_act_block(vals: &[f32], max: f32) -> ([i16; BLOCK], f32, f32) {
     let amax = vals.iter().fold(0.0f32, |a, v| a.max(v.abs()));
     let d = amax / max;
@@ -822,15 +828,20 @@ impl QuantActs {
             quantize_row(&rest, bits, ld, ls, lc);
         };
         if rows * k >= 1 << 15 {
-            use rayon::prelude::*;
-            hi_d.par_chunks_mut(per)
-                .zip(lo_d.par_chunks_mut(per))
-                .zip(hi_s.par_chunks_mut(nbp))
-                .zip(lo_s.par_chunks_mut(nbp))
-                .zip(hi_c.par_chunks_mut(ncorr))
-                .zip(lo_c.par_chunks_mut(ncorr))
-                .zip(x.par_chunks(k))
-                .for_each(row);
+            let mut items: Vec<SplitRow<'_>> = hi_d
+                .chunks_mut(per)
+                .zip(lo_d.chunks_mut(per))
+                .zip(hi_s.chunks_mut(nbp))
+                .zip(lo_s.chunks_mut(nbp))
+                .zip(hi_c.chunks_mut(ncorr))
+                .zip(lo_c.chunks_mut(ncorr))
+                .zip(x.chunks(k))
+                .collect();
+            crate::spin_team::for_chunks_mut(&mut items, rows_per_part(rows), &|_, part| {
+                for ((((((hd, ld), hs), ls), hc), lc), xr) in part.iter_mut() {
+                    row(((((((&mut **hd, &mut **ld), &mut **hs), &mut **ls), &mut **hc), &mut **lc), xr));
+                }
+            });
         } else {
             hi_d.chunks_mut(per)
                 .zip(lo_d.chunks_mut(per))
@@ -865,13 +876,13 @@ impl QuantActs {
         let mut corr: Vec<&mut [i32]> =
             if ncorr == 0 { (0..rows).map(|_| &mut [][..]).collect() } else { into.corr.chunks_mut(ncorr).collect() };
         if rows * k >= 1 << 15 {
-            use rayon::prelude::*;
-            into.data
-                .par_chunks_mut(per)
-                .zip(into.sums.par_chunks_mut(nbp))
-                .zip(corr.par_iter_mut())
-                .zip(x.par_chunks(k))
-                .for_each(|(((o, sm), cr), xr)| quantize_row(xr, bits, o, sm, cr));
+            let mut items: Vec<_> =
+                into.data.chunks_mut(per).zip(into.sums.chunks_mut(nbp)).zip(corr.iter_mut()).zip(x.chunks(k)).collect();
+            crate::spin_team::for_chunks_mut(&mut items, rows_per_part(rows), &|_, part| {
+                for (((o, sm), cr), xr) in part.iter_mut() {
+                    quantize_row(xr, bits, o, sm, cr);
+                }
+            });
         } else {
             for (((o, sm), cr), xr) in into.data.chunks_mut(per).zip(into.sums.chunks_mut(nbp)).zip(corr.iter_mut()).zip(x.chunks(k)) {
                 quantize_row(xr, bits, o, sm, cr);
