@@ -286,7 +286,7 @@ impl Ops for CpuOps {
     }
 
     fn silu_mul(&self, gate: &HostTensor, up: &HostTensor) -> OpResult<HostTensor> {
-        gated(gate, up, "silu_mul", |g| g / (1.0 + (-g).exp()))
+        gated(gate, up, "silu_mul", |g| g / (1.0 + vellum_core::exp_f32(-g)))
     }
 
     fn gelu_tanh_mul(&self, gate: &HostTensor, up: &HostTensor) -> OpResult<HostTensor> {
@@ -456,7 +456,7 @@ fn gated(gate: &HostTensor, up: &HostTensor, what: &str, act: impl Fn(f32) -> f3
 /// `tanh`'s two-sided evaluation. Large negative `u` gives `x / ∞ = −0`.
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    x / (1.0 + (-2.0 * SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).exp())
+    x / (1.0 + vellum_core::exp_f32(-2.0 * SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)))
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ mod attention_backend;
 mod block_allocator;
 mod cache_config;
 mod error;
+mod fast_math;
 mod forward_batch;
 mod id_map;
 mod id_slab;
@@ -47,6 +48,7 @@ pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape,
 pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
 pub use cache_config::{CacheConfig, KvCacheDtype, KvCacheSize};
 pub use error::Error;
+pub use fast_math::exp_f32;
 pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch};
 pub use id_map::{IdHasher, IdMap, IdSet};
 pub use id_slab::{prefetch, IdSlab};

@@ -4,7 +4,7 @@
 //!
 //! With a 262,144-token vocabulary (Gemma 3) and 64 rows a step, these
 //! passes were a quarter of a decode step with libm's scalar `expf` and a
-//! sequential f64 sum. Here `exp` is a polynomial ([`exp_f32`]) and the sum
+//! sequential f64 sum. Here `exp` is a polynomial ([`vellum_core::exp_f32`]) and the sum
 //! runs in 16 independent f64 lanes, so the compiler turns both into vector
 //! code; on x86_64 the loops are compiled a second time for AVX2 and picked
 //! at run time. No fused multiply-add is used, so both builds give the same
@@ -18,43 +18,11 @@ pub(crate) const CHUNK: usize = 1024;
 /// Independent accumulators per pass (a multiple of the widest vector).
 const LANES: usize = 16;
 
-/// `exp(x)` in f32, within 2 ulp for `x ∈ [−87, 88]`; 0 below −87 (also
-/// for −∞), NaN for NaN. Cody–Waite reduction `x = n·ln 2 + r`,
-/// `|r| ≤ ln 2 / 2`, then Cephes' degree-5 polynomial for `eʳ − 1 − r`;
-/// `2ⁿ` is built in the exponent bits. Branch-free, so it vectorizes.
-#[inline(always)]
-pub(crate) fn exp_f32(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 · 2²³: adding it rounds to an integer held in the low mantissa bits.
-    const ROUND: f32 = 12_582_912.0;
-    let xc = x.clamp(-87.0, 88.0);
-    let shifted = xc * LOG2E + ROUND;
-    let n = shifted - ROUND;
-    let ni = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let er = p * r * r + r + 1.0;
-    let scale = f32::from_bits(((ni + 127) << 23) as u32);
-    let y = er * scale;
-    if x < -87.0 {
-        0.0
-    } else {
-        y
-    }
-}
-
 /// The weight of logit `x` in a draw at `1/t = inv_t` from a row whose
 /// maximum is `max`: `exp((x − max)/t)`, the same bits in every pass.
 #[inline(always)]
 pub(crate) fn weight(x: f32, max: f32, inv_t: f32) -> f32 {
-    exp_f32((x - max) * inv_t)
+    vellum_core::exp_f32((x - max) * inv_t)
 }
 
 #[inline(always)]
@@ -190,26 +158,6 @@ pub(crate) fn exp_sums(x: &[f32], max: f32, inv_t: f32, out: &mut Vec<f64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_polynomial_exp_is_within_two_ulp_of_f64() {
-        let mut worst = 0f64;
-        // Below −80 the results near the smallest normal lose bits to subnormal rounding.
-        let mut x = -80.0f32;
-        while x <= 88.0 {
-            let want = (x as f64).exp();
-            let got = exp_f32(x) as f64;
-            let ulp = (want as f32).abs() as f64 * f32::EPSILON as f64;
-            worst = worst.max((got - want).abs() / ulp);
-            x += 0.001_37;
-        }
-        assert!(worst <= 2.0, "worst error {worst} ulp");
-        assert!((exp_f32(-86.5) as f64 - (-86.5f64).exp()).abs() < 1e-40);
-        assert_eq!(exp_f32(0.0), 1.0);
-        assert_eq!(exp_f32(-88.0), 0.0);
-        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
-        assert!(exp_f32(f32::NAN).is_nan());
-    }
 
     #[test]
     fn top_k_with_skipped_chunks_equals_the_plain_insertion() {
