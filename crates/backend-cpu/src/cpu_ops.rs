@@ -286,7 +286,7 @@ impl Ops for CpuOps {
     }
 
     fn silu_mul(&self, gate: &HostTensor, up: &HostTensor) -> OpResult<HostTensor> {
-        gated(gate, up, "silu_mul", |g| g / (1.0 + vellum_core::exp_f32(-g)))
+        gated(gate, up, "silu_mul", |g| g / (1.0 + (-g).exp()))
     }
 
     fn gelu_tanh_mul(&self, gate: &HostTensor, up: &HostTensor) -> OpResult<HostTensor> {
