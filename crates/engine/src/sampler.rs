@@ -244,6 +244,10 @@ pub fn sample_masked(
     Sample { token, logprob: logprob(logits[token as usize], lse), top_logprobs }
 }
 
+/// Up to this many top entries come from [`vector::top_k`] (one vector pass
+/// with sorted inserts) instead of a selection over every id.
+const FAST_TOP: usize = 64;
+
 /// Draws a token. Only the candidates the filters can keep are sorted: the
 /// top `k`, or for top-p / min-p alone a prefix of the ranking grown until
 /// the cut falls inside it; with no filter the draw walks the weights'
@@ -272,7 +276,6 @@ fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng, plain: Opt
     let weight = |x: f32| f64::from(vector::weight(x, m, inv_t));
     // Ranking: larger logit first, lower id on ties.
     let desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let mut order: Vec<u32> = (0..v as u32).collect();
     let z_full = if k == v {
         let mut sums = Vec::new();
         vector::exp_sums(logits, m, inv_t, &mut sums);
@@ -281,11 +284,24 @@ fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng, plain: Opt
         0.0
     };
     let mut take = if k < v { k } else { 64.min(v) };
+    // Every id, partially ordered by the selections so far; built only
+    // when a prefix longer than FAST_TOP is needed.
+    let mut all: Vec<u32> = Vec::new();
+    let mut order: Vec<u32>;
     loop {
-        if take < v {
-            order.select_nth_unstable_by(take - 1, desc);
-        }
-        order[..take].sort_unstable_by(desc);
+        order = if take <= FAST_TOP && take < v && all.is_empty() {
+            // A small top-k, or the first prefix: one vector pass.
+            vector::top_k(logits, take).into_iter().map(|(t, _)| t).collect()
+        } else {
+            if all.is_empty() {
+                all = (0..v as u32).collect();
+            }
+            if take < v {
+                all.select_nth_unstable_by(take - 1, desc);
+            }
+            all[..take].sort_unstable_by(desc);
+            all[..take].to_vec()
+        };
         if take == k || take == v {
             break;
         }
@@ -475,17 +491,33 @@ mod tests {
     #[test]
     fn filters_on_a_large_vocabulary_match_a_full_sort() {
         let mut rng = SeededRng::new(9);
-        let logits: Vec<f32> = (0..5000).map(|_| (rng.uniform() * 12.0) as f32).collect();
-        let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let spread: Vec<f32> = (0..5000).map(|_| (rng.uniform() * 12.0) as f32).collect();
+        // Twenty tokens hold ~95% of the mass: the cuts fall inside the
+        // first 64-entry prefix (the vector path), not past it.
+        let mut peaked = spread.clone();
+        for i in 0..20 {
+            peaked[i * 211 + 7] += 6.0;
+        }
         let t = 0.7f64;
-        let w: Vec<f64> = logits.iter().map(|&x| ((x as f64 - logits[order[0]] as f64) / t).exp()).collect();
-        let z: f64 = w.iter().sum();
-        for (top_p, min_p) in [(0.9f32, 0.0f32), (1.0, 0.05), (0.5, 0.01)] {
+        let cases = [
+            (&spread, 0, 0.9f32, 0.0f32),
+            (&spread, 0, 1.0, 0.05),
+            (&spread, 0, 0.5, 0.01),
+            (&spread, 40, 1.0, 0.0),
+            (&peaked, 0, 0.9, 0.0),
+            (&peaked, 0, 1.0, 0.2),
+            (&peaked, 10, 0.95, 0.0),
+        ];
+        for (logits, top_k, top_p, min_p) in cases {
+            let mut order: Vec<usize> = (0..logits.len()).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            let kept = if top_k > 0 { &order[..top_k] } else { &order[..] };
+            let w: Vec<f64> = logits.iter().map(|&x| ((x as f64 - logits[order[0]] as f64) / t).exp()).collect();
+            let z: f64 = kept.iter().map(|&i| w[i]).sum();
             // Brute force: the allowed set from the full ranking.
             let mut allowed = std::collections::HashSet::new();
             let mut acc = 0.0;
-            for &i in &order {
+            for &i in kept {
                 let p = w[i] / z;
                 if (min_p > 0.0 && p < min_p as f64 * w[order[0]] / z) || (top_p < 1.0 && acc >= top_p as f64) {
                     break;
@@ -493,16 +525,16 @@ mod tests {
                 allowed.insert(i as TokenId);
                 acc += p;
             }
-            let params = SamplingParams { temperature: t as f32, top_p, min_p, ..SamplingParams::default() };
+            let params = SamplingParams { temperature: t as f32, top_k: top_k as i32, top_p, min_p, ..SamplingParams::default() };
             let mut seen = std::collections::HashSet::new();
             for _ in 0..3000 {
-                let tok = draw(&logits, &params, &mut rng, None);
-                assert!(allowed.contains(&tok), "top_p {top_p} min_p {min_p}: {tok} is excluded");
+                let tok = draw(logits, &params, &mut rng, None);
+                assert!(allowed.contains(&tok), "top_k {top_k} top_p {top_p} min_p {min_p}: {tok} is excluded");
                 seen.insert(tok);
             }
             assert!(
                 seen.len() > allowed.len() / 2,
-                "top_p {top_p} min_p {min_p}: the allowed set is sampled ({} of {})",
+                "top_k {top_k} top_p {top_p} min_p {min_p}: the allowed set is sampled ({} of {})",
                 seen.len(),
                 allowed.len()
             );
