@@ -632,33 +632,13 @@ fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
 
 /// Replaces every `x` of `s` by `exp(x - m)` and returns their sum.
 ///
-/// Branch-free Cephes-style `expf` (range reduction to `r ∈ [-ln2/2, ln2/2]`,
-/// degree-5 polynomial, `2^n` built in the exponent bits; relative error
-/// ~1e-7) so that LLVM vectorises the loop; `x - m ≤ 0` here, and arguments
-/// below -87 (where `exp` is under 1.7e-38) are clamped to -87.
+/// Through [`vellum_core::exp_f32`] (branch-free, within 2 ulp), so that
+/// LLVM vectorises the loop; `x - m ≤ 0` here, and arguments below -87
+/// (masked scores among them) give 0.
 #[inline(always)]
 fn exp_shifted(s: &mut [f32], m: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
-    const MAGIC: f32 = 12_582_912.0;
     for x in s.iter_mut() {
-        let a = (*x - m).max(-87.0);
-        let t = a * LOG2E + MAGIC;
-        let n = t - MAGIC;
-        let r = a - n * LN2_HI - n * LN2_LO;
-        let mut p = 1.987_569_1e-4f32;
-        p = p * r + 1.398_199_9e-3;
-        p = p * r + 8.333_452e-3;
-        p = p * r + 4.166_579_6e-2;
-        p = p * r + 1.666_666_5e-1;
-        p = p * r + 0.5;
-        let e = p * r * r + r + 1.0;
-        // 2^n: n sits in the low bits of t's mantissa (two's complement).
-        let n_bits = t.to_bits().wrapping_sub(MAGIC.to_bits());
-        let two_n = f32::from_bits(n_bits.wrapping_add(127) << 23);
-        *x = e * two_n;
+        *x = vellum_core::exp_f32(*x - m);
     }
     // A separate lane-wise sum: a running scalar sum would keep the loop
     // above from vectorising (f32 addition is not reassociated).
