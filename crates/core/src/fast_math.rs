@@ -1,6 +1,6 @@
 //! Elementary functions in f32 written to vectorize, shared by the
-//! samplers (a pass of `exp` over a 262,144-token vocabulary per row) and
-//! the CPU backend's GELU activation.
+//! samplers (a pass of `exp` over a 262,144-token vocabulary per row), the
+//! CPU backend's attention softmax and its GELU activation.
 
 /// `exp(x)` in f32, within 2 ulp for `x ∈ [−80, 88]`; 0 below −87 (also
 /// for −∞), +∞ above 88, NaN for NaN. Cody–Waite reduction `x = n·ln 2 + r`,
