@@ -36,9 +36,10 @@ const TEMPLATE_NAME: &str = "chat";
 /// spend ten times more, and stops a runaway loop after about 0.1 s.
 pub const FUEL: u64 = 2_000_000;
 
-/// The most bytes `{{ ... }}` expressions may print in one rendering (the
-/// template's own text between them is bounded by [`FUEL`] times its length).
-pub const MAX_PRINTED_BYTES: usize = 64 << 20;
+/// The most bytes `{{ ... }}` expressions may print in one rendering: four
+/// times a million-token context (the template's own text between them is
+/// bounded by [`FUEL`] times its length).
+pub const MAX_PRINTED_BYTES: usize = 16 << 20;
 
 /// The most items `sequence * n` may produce: the limit minijinja's own
 /// `range()` applies to its item count.
@@ -235,9 +236,14 @@ impl minijinja::value::Object for PrintedBytes {}
 /// rendering's count and refusing past [`MAX_PRINTED_BYTES`].
 fn counted_formatter(out: &mut minijinja::Output, state: &minijinja::State, value: &Value) -> std::result::Result<(), minijinja::Error> {
     const KEY: &str = "__vellum_printed_bytes";
-    let len = match value.as_str() {
-        Some(text) => text.len(),
-        None => value.to_string().len(),
+    // Formatted once: printing a long list is the costly part.
+    let formatted;
+    let text = match value.as_str() {
+        Some(text) => text,
+        None => {
+            formatted = value.to_string();
+            &formatted
+        }
     };
     let counter = match state.get_temp(KEY) {
         Some(counter) => counter,
@@ -248,7 +254,7 @@ fn counted_formatter(out: &mut minijinja::Output, state: &minijinja::State, valu
         }
     };
     if let Some(printed) = counter.downcast_object_ref::<PrintedBytes>() {
-        let total = printed.0.fetch_add(len, std::sync::atomic::Ordering::Relaxed).saturating_add(len);
+        let total = printed.0.fetch_add(text.len(), std::sync::atomic::Ordering::Relaxed).saturating_add(text.len());
         if total > MAX_PRINTED_BYTES {
             return Err(minijinja::Error::new(
                 ErrorKind::InvalidOperation,
@@ -256,7 +262,11 @@ fn counted_formatter(out: &mut minijinja::Output, state: &minijinja::State, valu
             ));
         }
     }
-    minijinja::escape_formatter(out, state, value)
+    match state.auto_escape() {
+        // What minijinja's formatter prints without escaping.
+        AutoEscape::None => out.write_str(text).map_err(|_| minijinja::Error::new(ErrorKind::WriteFailure, "writing the prompt")),
+        _ => minijinja::escape_formatter(out, state, value),
+    }
 }
 
 /// minijinja's code generator evaluates constant expressions while it
@@ -565,9 +575,14 @@ mod tests {
 
     #[test]
     fn printed_output_is_bounded() {
-        let err = render_source("{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}").unwrap_err();
+        let err = render_source("{% set s = 'x' * 1000000 %}{% for i in range(20) %}{{ s }}{% endfor %}").unwrap_err();
         assert!(err.to_string().contains("printed more than"), "{err}");
-        assert_eq!(render_source("{% set s = 'x' * 1000000 %}{% for i in range(60) %}{{ s }}{% endfor %}").unwrap().len(), 60_000_000);
+        assert_eq!(render_source("{% set s = 'x' * 1000000 %}{% for i in range(16) %}{{ s }}{% endfor %}").unwrap().len(), 16_000_000);
+        // Non-strings print as minijinja prints them, escaped where asked.
+        let source = "{{ none }}|{{ [1, 'a'] }}|{{ 1.5 }}|{{ undefined_name }}|{{ {'k': true} }}|{% autoescape true %}{{ '<b>' }}{% endautoescape %}";
+        let plain = Environment::new().render_str(source, ()).unwrap();
+        assert_eq!(render_source(source).unwrap(), plain);
+        assert!(plain.ends_with("|&lt;b&gt;"), "{plain}");
     }
 
     #[test]
