@@ -29,7 +29,9 @@
 use crate::launch::{AttentionMetadata, AttentionParams, BlockFormat, Elementwise, Kernels, KvDtype, KvPool, QuantMatrix};
 use crate::CudaError;
 use cudarc::driver::CudaSlice;
-use vellum_core::{AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory};
+use vellum_core::{
+    AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, StepBounds,
+};
 use vellum_models::gguf::GgmlType;
 use vellum_models::ops::{OpResult, Ops};
 use vellum_models::rope::RopeTable;
@@ -93,11 +95,7 @@ pub struct CudaStep {
     tokens: usize,
     logits_rows: usize,
     block_size: usize,
-    max_id: Option<u32>,
-    max_position: Option<u32>,
-    max_logits_row: Option<u32>,
-    max_slot: Option<u32>,
-    max_block: Option<u32>,
+    bounds: StepBounds,
 }
 
 /// The paged KV cache: a K and a V pool per layer slot on the device and
@@ -222,9 +220,7 @@ impl Ops for CudaOps {
     }
 
     fn embed(&self, table: &CudaWeight, step: &CudaStep) -> OpResult<CudaTensor> {
-        if let Some(id) = step.max_id {
-            check((id as usize) < table.m.n, || format!("token id {id} outside the vocabulary of {}", table.m.n))?;
-        }
+        StepBounds::check_below(step.bounds.max_id, table.m.n, "token id", "the vocabulary")?;
         check(table.m.format == BlockFormat::F32, || "embed: the table is not stored as f32".into())?;
         let mut out = self.tensor(step.tokens, table.m.k)?;
         self.k.embedding(&mut out.buf, &table.m.blocks, &step.ids, table.m.n, table.m.k).map_err(backend)?;
@@ -260,9 +256,7 @@ impl Ops for CudaOps {
         check(x.rows == step.tokens && rope.head_dim > 0 && x.cols.is_multiple_of(rope.head_dim), || {
             format!("rope: {} rows of width {} for {} tokens, head_dim {}", x.rows, x.cols, step.tokens, rope.head_dim)
         })?;
-        if let Some(pos) = step.max_position {
-            check((pos as usize) < rope.positions, || format!("rope: position {pos} beyond the table's {}", rope.positions))?;
-        }
+        StepBounds::check_below(step.bounds.max_position, rope.positions, "rope: position", "the table")?;
         self.k.rope(&mut x.buf, &rope.table, &step.positions, x.cols / rope.head_dim, rope.head_dim).map_err(backend)
     }
 
@@ -292,9 +286,7 @@ impl Ops for CudaOps {
     }
 
     fn logits_rows(&self, x: &CudaTensor, step: &CudaStep) -> OpResult<CudaTensor> {
-        if let Some(r) = step.max_logits_row {
-            check((r as usize) < x.rows, || format!("logits row {r} outside the batch of {}", x.rows))?;
-        }
+        StepBounds::check_below(step.bounds.max_logits_row, x.rows, "logits row", "the batch")?;
         let mut out = self.tensor(step.logits_rows, x.cols)?;
         self.k.gather_rows(&mut out.buf, &x.buf, &step.logits, step.logits_rows, x.cols).map_err(backend)?;
         Ok(out)
@@ -363,36 +355,10 @@ impl AttentionBackend for CudaOps {
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<CudaStep> {
-        let t = batch.num_tokens();
-        let s = batch.num_seqs();
-        let groups = batch.kv_groups();
-        let stride = batch.block_table_stride;
-        check(batch.positions.len() == t && batch.slot_mapping.len() == groups * t, || {
-            format!("step: {t} tokens of {groups} KV groups but {} positions and {} slots", batch.positions.len(), batch.slot_mapping.len())
-        })?;
-        check(batch.context_lens.len() == s && batch.block_tables.len() >= groups * s * stride, || {
-            "step: context lengths or block tables do not match the sequences".into()
-        })?;
-        check(
-            batch.query_start_loc.windows(2).all(|w| w[0] <= w[1]) && batch.query_start_loc.last().is_none_or(|&e| e as usize == t),
-            || "step: query_start_loc is not an offset list ending at the token count".into(),
-        )?;
-        let mut token_seq = Vec::with_capacity(t);
-        let mut max_block = None::<u32>;
-        for i in 0..s {
-            let (q0, q1) = (batch.query_start_loc[i], batch.query_start_loc[i + 1]);
-            let ctx = batch.context_lens[i] as usize;
-            let blocks = ctx.div_ceil(block_size.max(1));
-            check((q1 - q0) as usize <= ctx && blocks <= stride, || {
-                format!("step: sequence {i} has {} queries, a context of {ctx} and {stride} table entries", q1 - q0)
-            })?;
-            token_seq.extend(std::iter::repeat_n(i as i32, (q1 - q0) as usize));
-            for g in 0..groups {
-                let start = (g * s + i) * stride;
-                max_block = max_block.max(batch.block_tables[start..start + blocks].iter().copied().max());
-            }
-        }
+        let (t, s, groups, stride) = (batch.num_tokens(), batch.num_seqs(), batch.kv_groups(), batch.block_table_stride);
+        let bounds = batch.step_bounds(block_size)?;
         let to_i32 = |xs: &[u32], what: &str| xs.iter().map(|&x| i32_of(x, what)).collect::<OpResult<Vec<i32>>>();
+        let token_seq = to_i32(&bounds.token_seq, "sequence index")?;
         let qsl = to_i32(&batch.query_start_loc, "query offset")?;
         let ctx = to_i32(&batch.context_lens, "context length")?;
         // The longest context a query sees, unwindowed: an upper bound for
@@ -426,11 +392,7 @@ impl AttentionBackend for CudaOps {
             tokens: t,
             logits_rows: logits.len(),
             block_size,
-            max_id: batch.token_ids.iter().copied().max(),
-            max_position: batch.positions.iter().copied().max(),
-            max_logits_row: batch.logits_indices.iter().copied().max(),
-            max_slot: batch.slot_mapping.iter().copied().max(),
-            max_block,
+            bounds,
         })
     }
 
@@ -441,9 +403,7 @@ impl AttentionBackend for CudaOps {
             format!("write_kv: k/v are [{}, {}]/[{}, {}], {} tokens of {row} expected", k.rows, k.cols, v.rows, v.cols, step.tokens)
         })?;
         check(step.block_size == spec.block_size, || "write_kv: the step's block size differs from the cache's".into())?;
-        if let Some(slot) = step.max_slot {
-            check((slot as usize) < cache.num_blocks * spec.block_size, || format!("write_kv: slot {slot} outside the pool"))?;
-        }
+        StepBounds::check_below(step.bounds.max_slot, cache.num_blocks * spec.block_size, "write_kv: slot", "the pool's slots")?;
         check(layer < spec.groups.num_layers(), || format!("write_kv: no layer {layer}"))?;
         let at = spec.groups.slot(layer);
         let g =
@@ -475,9 +435,7 @@ impl AttentionBackend for CudaOps {
                 q.rows, q.cols, step.tokens, shape.num_heads, shape.head_dim
             )
         })?;
-        if let Some(b) = step.max_block {
-            check((b as usize) < cache.num_blocks, || format!("paged_attention: block {b} outside the pool of {}", cache.num_blocks))?;
-        }
+        StepBounds::check_below(step.bounds.max_block, cache.num_blocks, "paged_attention: block", "the pool")?;
         check(layer < spec.groups.num_layers(), || format!("paged_attention: no layer {layer}"))?;
         let at = spec.groups.slot(layer);
         let g = step

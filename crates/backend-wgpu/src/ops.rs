@@ -7,7 +7,9 @@ use crate::memory::{BufferPool, DeviceBuffer, Pooled};
 use crate::recorder::{Bound, KernelProfile, Recorder};
 use crate::weights::{self, GpuWeight};
 use std::sync::Arc;
-use vellum_core::{AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory};
+use vellum_core::{
+    AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, StepBounds,
+};
 use vellum_models::ops::{OpResult, Ops};
 use vellum_models::rope::RopeTable;
 use vellum_models::WeightView;
@@ -81,11 +83,7 @@ pub struct GpuStep {
     stride: usize,
     num_seqs: usize,
     num_kv_groups: usize,
-    max_id: Option<u32>,
-    max_position: Option<u32>,
-    max_logits_row: Option<u32>,
-    max_slot: Option<u32>,
-    max_block: Option<u32>,
+    bounds: StepBounds,
 }
 
 impl GpuStep {
@@ -346,9 +344,7 @@ impl Ops for WgpuOps {
     }
 
     fn embed(&self, table: &GpuWeight, step: &GpuStep) -> OpResult<GpuTensor> {
-        if let Some(id) = step.max_id {
-            check((id as usize) < table.out, || format!("token id {id} outside the vocabulary of {}", table.out))?;
-        }
+        StepBounds::check_below(step.bounds.max_id, table.out, "token id", "the vocabulary")?;
         let out = self.tensor(step.tokens, table.inp)?;
         self.bindable(&out, "embed")?;
         let len = step.tokens * table.inp;
@@ -415,9 +411,7 @@ impl Ops for WgpuOps {
         check(x.rows == step.tokens && rope.head_dim > 0 && x.cols.is_multiple_of(rope.head_dim), || {
             format!("rope: {} rows of width {} for {} tokens, head_dim {}", x.rows, x.cols, step.tokens, rope.head_dim)
         })?;
-        if let Some(pos) = step.max_position {
-            check((pos as usize) < rope.positions, || format!("rope: position {pos} beyond the table's {}", rope.positions))?;
-        }
+        StepBounds::check_below(step.bounds.max_position, rope.positions, "rope: position", "the table")?;
         self.bindable(x, "rope")?;
         let len = x.rows * x.cols / 2;
         let p = params(&[x.rows as u32, x.cols as u32, rope.head_dim as u32, step.off.positions]);
@@ -446,9 +440,7 @@ impl Ops for WgpuOps {
     }
 
     fn logits_rows(&self, x: &GpuTensor, step: &GpuStep) -> OpResult<GpuTensor> {
-        if let Some(r) = step.max_logits_row {
-            check((r as usize) < x.rows, || format!("logits row {r} outside the batch of {}", x.rows))?;
-        }
+        StepBounds::check_below(step.bounds.max_logits_row, x.rows, "logits row", "the batch")?;
         self.bindable(x, "logits_rows")?;
         let out = self.tensor(step.logits_rows, x.cols)?;
         let len = step.logits_rows * x.cols;
@@ -509,34 +501,8 @@ impl AttentionBackend for WgpuOps {
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<GpuStep> {
-        let t = batch.num_tokens();
-        let s = batch.num_seqs();
-        let groups = batch.kv_groups();
-        check(batch.positions.len() == t && batch.slot_mapping.len() == groups * t, || {
-            format!("step: {t} tokens of {groups} KV groups but {} positions and {} slots", batch.positions.len(), batch.slot_mapping.len())
-        })?;
-        check(batch.context_lens.len() == s && batch.block_tables.len() >= groups * s * batch.block_table_stride, || {
-            "step: context lengths or block tables do not match the sequences".into()
-        })?;
-        check(
-            batch.query_start_loc.windows(2).all(|w| w[0] <= w[1]) && batch.query_start_loc.last().is_none_or(|&e| e as usize == t),
-            || "step: query_start_loc is not an offset list ending at the token count".into(),
-        )?;
-        let mut token_seq = Vec::with_capacity(t);
-        let mut max_block = None::<u32>;
-        for i in 0..s {
-            let (q0, q1) = (batch.query_start_loc[i], batch.query_start_loc[i + 1]);
-            let ctx = batch.context_lens[i] as usize;
-            let blocks = ctx.div_ceil(block_size.max(1));
-            check((q1 - q0) as usize <= ctx && blocks <= batch.block_table_stride, || {
-                format!("step: sequence {i} has {} queries, a context of {ctx} and {} table entries", q1 - q0, batch.block_table_stride)
-            })?;
-            token_seq.extend(std::iter::repeat_n(i as u32, (q1 - q0) as usize));
-            for g in 0..groups {
-                let start = (g * s + i) * batch.block_table_stride;
-                max_block = max_block.max(batch.block_tables[start..start + blocks].iter().copied().max());
-            }
-        }
+        let (t, s, groups) = (batch.num_tokens(), batch.num_seqs(), batch.kv_groups());
+        let bounds = batch.step_bounds(block_size)?;
         let mut meta: Vec<u32> = Vec::new();
         let mut push = |xs: &[u32]| {
             let at = meta.len() as u32;
@@ -547,7 +513,7 @@ impl AttentionBackend for WgpuOps {
             ids: push(&batch.token_ids),
             positions: push(&batch.positions),
             slots: push(&batch.slot_mapping),
-            token_seq: push(&token_seq),
+            token_seq: push(&bounds.token_seq),
             qsl: push(&batch.query_start_loc),
             ctx: push(&batch.context_lens),
             tables: push(&batch.block_tables),
@@ -566,11 +532,7 @@ impl AttentionBackend for WgpuOps {
             stride: batch.block_table_stride,
             num_seqs: s,
             num_kv_groups: groups,
-            max_id: batch.token_ids.iter().copied().max(),
-            max_position: batch.positions.iter().copied().max(),
-            max_logits_row: batch.logits_indices.iter().copied().max(),
-            max_slot: batch.slot_mapping.iter().copied().max(),
-            max_block,
+            bounds,
         })
     }
 
@@ -581,9 +543,7 @@ impl AttentionBackend for WgpuOps {
             format!("write_kv: k/v are [{}, {}]/[{}, {}], {} tokens of {row} expected", k.rows, k.cols, v.rows, v.cols, step.tokens)
         })?;
         check(step.block_size == spec.block_size, || "write_kv: the step's block size differs from the cache's".into())?;
-        if let Some(slot) = step.max_slot {
-            check((slot as usize) < cache.num_blocks * spec.block_size, || format!("write_kv: slot {slot} outside the pool"))?;
-        }
+        StepBounds::check_below(step.bounds.max_slot, cache.num_blocks * spec.block_size, "write_kv: slot", "the pool's slots")?;
         check(layer < spec.groups.num_layers(), || format!("write_kv: no layer {layer}"))?;
         let at = spec.groups.slot(layer);
         let (slots, _) = step.group_offsets(at.group)?;
@@ -619,9 +579,7 @@ impl AttentionBackend for WgpuOps {
                 q.rows, q.cols, step.tokens, shape.num_heads, shape.head_dim
             )
         })?;
-        if let Some(b) = step.max_block {
-            check((b as usize) < cache.num_blocks, || format!("paged_attention: block {b} outside the pool of {}", cache.num_blocks))?;
-        }
+        StepBounds::check_below(step.bounds.max_block, cache.num_blocks, "paged_attention: block", "the pool")?;
         self.bindable(q, "paged_attention")?;
         check(layer < spec.groups.num_layers(), || format!("paged_attention: no layer {layer}"))?;
         let at = spec.groups.slot(layer);

@@ -16,7 +16,7 @@
 //! block tables per group, stored group after group: `slot_mapping` is
 //! `[G, tokens]`, `block_tables` is `[G, S, block_table_stride]`.
 
-use crate::{BlockId, HostBlockId, TokenId};
+use crate::{BlockId, Error, HostBlockId, Result, TokenId};
 
 /// Copy one block's K/V (every layer) onto another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -96,5 +96,133 @@ impl ForwardBatch {
     /// KV-cache groups: sets of slot mappings and block tables.
     pub fn kv_groups(&self) -> usize {
         self.num_kv_groups.max(1)
+    }
+
+    /// Checks the batch's shape once before a device backend uploads it
+    /// (lengths agree, `query_start_loc` is an offset list, each sequence's
+    /// blocks fit its table row) and returns the largest value of each kind
+    /// of index, which the kernels that read through it check against their
+    /// tables ([`StepBounds::check_below`]). A device kernel indexes without
+    /// bounds checks, so these are what keep a bad batch from reading or
+    /// writing outside a buffer.
+    pub fn step_bounds(&self, block_size: usize) -> Result<StepBounds> {
+        let (t, s, groups, stride) = (self.num_tokens(), self.num_seqs(), self.kv_groups(), self.block_table_stride);
+        let bad = |what: String| Err(Error::Backend(format!("step: {what}")));
+        if self.positions.len() != t || self.slot_mapping.len() != groups * t {
+            return bad(format!(
+                "{t} tokens of {groups} KV groups but {} positions and {} slots",
+                self.positions.len(),
+                self.slot_mapping.len()
+            ));
+        }
+        if self.context_lens.len() != s || self.block_tables.len() < groups * s * stride {
+            return bad("context lengths or block tables do not match the sequences".into());
+        }
+        if !self.query_start_loc.windows(2).all(|w| w[0] <= w[1]) || self.query_start_loc.last().is_some_and(|&e| e as usize != t) {
+            return bad("query_start_loc is not an offset list ending at the token count".into());
+        }
+        let mut token_seq = Vec::with_capacity(t);
+        let mut max_block = None::<u32>;
+        for i in 0..s {
+            let queries = self.query_start_loc[i + 1] - self.query_start_loc[i];
+            let ctx = self.context_lens[i] as usize;
+            let blocks = ctx.div_ceil(block_size.max(1));
+            if queries as usize > ctx || blocks > stride {
+                return bad(format!("sequence {i} has {queries} queries, a context of {ctx} and {stride} table entries"));
+            }
+            token_seq.extend(std::iter::repeat_n(i as u32, queries as usize));
+            for g in 0..groups {
+                let start = (g * s + i) * stride;
+                max_block = max_block.max(self.block_tables[start..start + blocks].iter().copied().max());
+            }
+        }
+        Ok(StepBounds {
+            token_seq,
+            max_id: self.token_ids.iter().copied().max(),
+            max_position: self.positions.iter().copied().max(),
+            max_logits_row: self.logits_indices.iter().copied().max(),
+            max_slot: self.slot_mapping.iter().copied().max(),
+            max_block,
+        })
+    }
+}
+
+/// What [`ForwardBatch::step_bounds`] found: each token's sequence, and the
+/// largest index of each kind (`None` when there is none).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepBounds {
+    /// Per token: the sequence it belongs to.
+    pub token_seq: Vec<u32>,
+    /// Largest token id (checked against the vocabulary).
+    pub max_id: Option<u32>,
+    /// Largest position (checked against the RoPE table).
+    pub max_position: Option<u32>,
+    /// Largest logits row (checked against the step's tokens).
+    pub max_logits_row: Option<u32>,
+    /// Largest KV slot (checked against the pool's slots).
+    pub max_slot: Option<u32>,
+    /// Largest block a sequence reads (checked against the pool's blocks).
+    pub max_block: Option<u32>,
+}
+
+impl StepBounds {
+    /// `Ok` when `max` (one of this struct's fields) is below `limit`:
+    /// `what` names the index and `table` what it indexes, for the error.
+    pub fn check_below(max: Option<u32>, limit: usize, what: &str, table: &str) -> Result<()> {
+        match max {
+            Some(m) if m as usize >= limit => Err(Error::Backend(format!("{what} {m} outside {table} of {limit}"))),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two sequences (2 tokens, then 1) over blocks of 4, one KV group.
+    fn batch() -> ForwardBatch {
+        ForwardBatch {
+            token_ids: vec![5, 9, 7],
+            positions: vec![0, 1, 4],
+            slot_mapping: vec![12, 13, 20],
+            query_start_loc: vec![0, 2, 3],
+            context_lens: vec![2, 5],
+            block_tables: vec![3, 0, 4, 6],
+            block_table_stride: 2,
+            num_kv_groups: 1,
+            logits_indices: vec![1, 2],
+            block_ops: BlockOps::default(),
+        }
+    }
+
+    #[test]
+    fn step_bounds_of_a_valid_batch() {
+        let b = batch().step_bounds(4).unwrap();
+        assert_eq!(b.token_seq, [0, 0, 1]);
+        assert_eq!((b.max_id, b.max_position, b.max_logits_row, b.max_slot), (Some(9), Some(4), Some(2), Some(20)));
+        // Sequence 0 reads one block (3), sequence 1 two (4, 6): the padding 0 is not read.
+        assert_eq!(b.max_block, Some(6));
+        assert!(StepBounds::check_below(b.max_block, 7, "block", "the pool").is_ok());
+        let err = StepBounds::check_below(b.max_block, 6, "block", "the pool").unwrap_err();
+        assert!(err.to_string().contains("block 6 outside the pool of 6"), "{err}");
+    }
+
+    #[test]
+    fn step_bounds_refuse_inconsistent_batches() {
+        let cases: [fn(&mut ForwardBatch); 5] = [
+            |b| {
+                b.positions.pop();
+            },
+            |b| b.query_start_loc = vec![0, 2, 1],
+            |b| b.query_start_loc = vec![0, 2, 4],
+            |b| b.context_lens[0] = 1, // 2 queries in a context of 1
+            |b| b.context_lens[1] = 9, // 3 blocks in a row of 2
+        ];
+        for (i, spoil) in cases.iter().enumerate() {
+            let mut b = batch();
+            spoil(&mut b);
+            assert!(b.step_bounds(4).is_err(), "case {i}");
+        }
     }
 }

@@ -49,7 +49,7 @@ pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCach
 pub use cache_config::{CacheConfig, KvCacheDtype, KvCacheSize};
 pub use error::Error;
 pub use fast_math::exp_f32;
-pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch};
+pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch, StepBounds};
 pub use id_map::{IdHasher, IdMap, IdSet};
 pub use id_slab::{prefetch, IdSlab};
 pub use ids::{BlockId, HostBlockId, RequestId, SeqId, TokenId};
