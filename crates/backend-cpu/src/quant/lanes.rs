@@ -10,6 +10,11 @@
 //! eight outputs in one register, which then takes one convert, one
 //! multiply and one FMA (11 operations per 256 multiply-adds).
 //!
+//! With AVX-512 the kernel takes two neighbouring groups at once
+//! (`tile16`): their records load into the two halves of 512-bit
+//! registers, so each broadcast activation, `vpdpbusd`, convert and FMA
+//! serves 16 outputs (the same operations lane for lane, so the same sums).
+//!
 //! `vpdpbusd` multiplies unsigned bytes by signed ones. Activations are
 //! signed, so weights must be unsigned: nibbles (Q4, Q4K) are; signed codes
 //! (Q8, Q6K) are stored plus 128, and a block's integer sum starts from
@@ -327,8 +332,120 @@ pub(super) mod kernels {
         unsafe { store(&t, &f) }
     }
 
+    /// Two groups of 8 outputs at once in 512-bit registers (AVX-512 VNNI):
+    /// lanes 0–7 are `lo`'s group, 8–15 `hi`'s, which share the rows, so
+    /// each broadcast activation and each `vpdpbusd` serves 16 outputs
+    /// instead of 8. Every kind; the operations are those of the 256-bit
+    /// tile's VNNI path lane for lane, so the results are the same bits.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI; `lo` and
+    /// `hi` as for the lane kernels' tiles (the same rows, two groups of a
+    /// weight of kind `K`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn tile16<const R: usize, const K: u8>(lo: Tile, hi: Tile) {
+        let kind = QuantKind::from_code(K);
+        let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
+        let pairs = lo.blocks / 2;
+        let nbp = padded_blocks(pairs);
+        let mut f = [_mm512_setzero_ps(); R];
+        // Two 256-bit halves, `lo`'s record in the low one.
+        let join = |a: *const u8, b: *const u8| {
+            // SAFETY: the callers pass offsets inside both groups' records.
+            unsafe {
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i)),
+                    _mm256_loadu_si256(b as *const __m256i),
+                )
+            }
+        };
+        for blk in 0..lo.blocks {
+            // SAFETY (loads): record `blk` of both groups and pair `blk / 2`
+            // of every row exist; offsets stay inside them.
+            unsafe {
+                let (w0, w1) = (lo.w.add(blk * rec), hi.w.add(blk * rec));
+                if R < 4 {
+                    // A prefetch never faults: the address may run past the weight.
+                    prefetch_record(lo.w.wrapping_add(blk * rec + PREFETCH_BYTES), rec);
+                    prefetch_record(hi.w.wrapping_add(blk * rec + PREFETCH_BYTES), rec);
+                }
+                let mut wv = [_mm512_setzero_si512(); 8];
+                if K == KQ4 || K == KQ4K {
+                    let mask = _mm512_set1_epi8(0x0f);
+                    for g in 0..4 {
+                        let v = join(w0.add(32 * g), w1.add(32 * g));
+                        wv[g] = _mm512_and_si512(v, mask);
+                        wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+                    }
+                } else {
+                    for (g, v) in wv.iter_mut().enumerate() {
+                        *v = join(w0.add(32 * g), w1.add(32 * g));
+                    }
+                }
+                let f32x16 = |a: *const u8, b: *const u8| _mm512_castsi512_ps(join(a, b));
+                let f16x16 = |a: *const u8, b: *const u8| {
+                    let h = _mm256_inserti128_si256::<1>(
+                        _mm256_castsi128_si256(_mm_loadu_si128(a as *const __m128i)),
+                        _mm_loadu_si128(b as *const __m128i),
+                    );
+                    _mm512_cvtph_ps(h)
+                };
+                let d0 = if K == KQ4 { f16x16(w0.add(cb), w1.add(cb)) } else { f32x16(w0.add(cb), w1.add(cb)) };
+                // Q6K's second scale (values 16..32), or the offsets `m`.
+                let (d1, m) = match K {
+                    KQ6K => (f32x16(w0.add(cb + 32), w1.add(cb + 32)), _mm512_setzero_ps()),
+                    KQ4 => (_mm512_setzero_ps(), f16x16(w0.add(cb + 16), w1.add(cb + 16))),
+                    KQ4K => (_mm512_setzero_ps(), f32x16(w0.add(cb + 32), w1.add(cb + 32))),
+                    _ => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+                };
+                let (j, b) = (blk / 2, blk % 2);
+                for (r, fr) in f.iter_mut().enumerate() {
+                    let xr = lo.x.add((r * pairs + j) * XREC);
+                    // Group g of block b sits at 8g + 4b in the pair.
+                    let xg = |g: usize| _mm512_set1_epi32((xr.add(8 * g + 4 * b) as *const i32).read_unaligned());
+                    let dx = _mm512_set1_ps((xr.add(XSCALES + 4 * b) as *const f32).read_unaligned());
+                    let corr = |which: usize| _mm512_set1_epi32(*lo.corr.add(r * 4 * lo.blocks + corr_index(blk, which)));
+                    if K == KQ6K {
+                        // A chain per half, each with its own scale.
+                        let (mut i0, mut i1) = (corr(0), corr(1));
+                        for g in 0..4 {
+                            i0 = _mm512_dpbusd_epi32(i0, wv[g], xg(g));
+                            i1 = _mm512_dpbusd_epi32(i1, wv[g + 4], xg(g + 4));
+                        }
+                        *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(d0, dx), *fr);
+                        *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(d1, dx), *fr);
+                        continue;
+                    }
+                    // Two chains, for the latency of vpdpbusd.
+                    let (mut i0, mut i1) =
+                        if K == KQ8 { (corr(2), _mm512_setzero_si512()) } else { (_mm512_setzero_si512(), _mm512_setzero_si512()) };
+                    for g in 0..4 {
+                        i0 = _mm512_dpbusd_epi32(i0, wv[2 * g], xg(2 * g));
+                        i1 = _mm512_dpbusd_epi32(i1, wv[2 * g + 1], xg(2 * g + 1));
+                    }
+                    let isum = _mm512_add_epi32(i0, i1);
+                    *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d0, dx), *fr);
+                    if K == KQ4 || K == KQ4K {
+                        *fr = _mm512_fmadd_ps(m, _mm512_set1_ps(*lo.sums.add(r * nbp + blk)), *fr);
+                    }
+                }
+            }
+        }
+        let mut halves = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+        for (r, fr) in f.iter().enumerate() {
+            halves.0[r] = _mm512_castps512_ps256(*fr);
+            halves.1[r] = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*fr)));
+        }
+        // SAFETY: the caller owns the cells both store masks name.
+        unsafe {
+            store(&lo, &halves.0);
+            store(&hi, &halves.1);
+        }
+    }
+
     macro_rules! lane_kernel {
-        ($(#[$doc:meta])* $name:ident, $features:literal, maddubs: $maddubs:literal, |$acc:ident, $u:ident, $s:ident| $dpbusd:expr) => {
+        ($(#[$doc:meta])* $name:ident, $features:literal, maddubs: $maddubs:literal, wide: $wide:literal, |$acc:ident, $u:ident, $s:ident| $dpbusd:expr) => {
             $(#[$doc])*
             pub mod $name {
                 use super::*;
@@ -514,35 +631,75 @@ pub(super) mod kernels {
                     let mut r0 = rows.start;
                     while r0 < rows.end {
                         let r1 = (r0 + row_block).min(rows.end);
-                        for g8 in cols.start / LANES..cols.end.div_ceil(LANES) {
-                            let first = g8 * LANES;
+                        let (first_group, end_group) = (cols.start / LANES, cols.end.div_ceil(LANES));
+                        let mask = |g8: usize| {
                             let mut store = 0u8;
                             for o in 0..LANES {
-                                if cols.contains(&(first + o)) {
+                                if cols.contains(&(g8 * LANES + o)) {
                                     store |= 1 << o;
                                 }
                             }
+                            store
+                        };
+                        // The tile of rows from `r` and group `g8`.
+                        // SAFETY: called with r < x.rows and g8 below the
+                        // weight's groups, so every offset stays inside its
+                        // allocation; the pointer to column `g8 · 8` may pass
+                        // the row only when the mask stops short of it (it is
+                        // then not written).
+                        let tile_at = |r: usize, g8: usize| unsafe {
+                            Tile {
+                                y: y.wrapping_add(r * ldy + g8 * LANES),
+                                ldy,
+                                x: x.data.as_ptr().add(r * w.pairs * XREC),
+                                sums: x.sums.as_ptr().add(r * nbp),
+                                corr: x.corr.as_ptr().add(r * 4 * blocks),
+                                w: w.data.as_ptr().add(g8 * blocks * rec),
+                                blocks,
+                                store: mask(g8),
+                                small: w.small_codes,
+                            }
+                        };
+                        let wide_kind = $wide;
+                        let mut g8 = first_group;
+                        while g8 < end_group {
+                            let pair = wide_kind && g8 + 1 < end_group;
                             let mut r = r0;
                             while r < r1 {
                                 let rr = (r1 - r).min(4);
-                                // SAFETY: r + rr ≤ x.rows and g8 < the weight's groups,
-                                // so every offset stays inside its allocation; the
-                                // cells the mask names are the caller's. The pointer
-                                // to column `first` may pass the row only when the
-                                // mask stops short of it (it is then not written).
-                                let t = unsafe {
-                                    Tile {
-                                        y: y.wrapping_add(r * ldy + first),
-                                        ldy,
-                                        x: x.data.as_ptr().add(r * w.pairs * XREC),
-                                        sums: x.sums.as_ptr().add(r * nbp),
-                                        corr: x.corr.as_ptr().add(r * 4 * blocks),
-                                        w: w.data.as_ptr().add(g8 * blocks * rec),
-                                        blocks,
-                                        store,
-                                        small: w.small_codes,
+                                // r + rr ≤ x.rows and g8 (g8 + 1 for a pair) <
+                                // the weight's groups: every offset of the
+                                // tiles stays inside its allocation.
+                                let t = tile_at(r, g8);
+                                if pair {
+                                    let t1 = tile_at(r, g8 + 1);
+                                    // SAFETY: as above; `pair` implies this
+                                    // module's features include AVX-512 BW
+                                    // and VNNI.
+                                    unsafe {
+                                        match (rr, w.kind.code()) {
+                                            (4, KQ4) => tile16::<4, KQ4>(t, t1),
+                                            (3, KQ4) => tile16::<3, KQ4>(t, t1),
+                                            (2, KQ4) => tile16::<2, KQ4>(t, t1),
+                                            (1, KQ4) => tile16::<1, KQ4>(t, t1),
+                                            (4, KQ8) => tile16::<4, KQ8>(t, t1),
+                                            (3, KQ8) => tile16::<3, KQ8>(t, t1),
+                                            (2, KQ8) => tile16::<2, KQ8>(t, t1),
+                                            (1, KQ8) => tile16::<1, KQ8>(t, t1),
+                                            (4, KQ4K) => tile16::<4, KQ4K>(t, t1),
+                                            (3, KQ4K) => tile16::<3, KQ4K>(t, t1),
+                                            (2, KQ4K) => tile16::<2, KQ4K>(t, t1),
+                                            (1, KQ4K) => tile16::<1, KQ4K>(t, t1),
+                                            (4, KQ6K) => tile16::<4, KQ6K>(t, t1),
+                                            (3, KQ6K) => tile16::<3, KQ6K>(t, t1),
+                                            (2, KQ6K) => tile16::<2, KQ6K>(t, t1),
+                                            (1, KQ6K) => tile16::<1, KQ6K>(t, t1),
+                                            _ => unreachable!("tiles take 1–4 rows"),
+                                        }
                                     }
-                                };
+                                    r += rr;
+                                    continue;
+                                }
                                 // SAFETY: the tile's reads and writes are those just
                                 // checked; the CPU runs this module's features.
                                 unsafe {
@@ -568,6 +725,7 @@ pub(super) mod kernels {
                                 }
                                 r += rr;
                             }
+                            g8 += if pair { 2 } else { 1 };
                         }
                         r0 = r1;
                     }
@@ -582,6 +740,7 @@ pub(super) mod kernels {
         avx2,
         "avx2,fma,f16c",
         maddubs: true,
+        wide: false,
         |acc, u, s| _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
     );
 
@@ -590,14 +749,17 @@ pub(super) mod kernels {
         avxvnni,
         "avx2,fma,f16c,avxvnni",
         maddubs: false,
+        wide: false,
         |acc, u, s| _mm256_dpbusd_avx_epi32(acc, u, s)
     );
 
     lane_kernel!(
-        /// AVX-512 VNNI with VL: EVEX `vpdpbusd` on 256 bits (32 registers).
+        /// AVX-512 VNNI with VL: EVEX `vpdpbusd`, on 512 bits for two
+        /// groups at once where the kind allows ([`tile16`]), else on 256.
         avx512vnni,
-        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
         maddubs: false,
+        wide: true,
         |acc, u, s| _mm256_dpbusd_epi32(acc, u, s)
     );
 }

@@ -1001,7 +1001,10 @@ impl Kernel {
                 if std::is_x86_feature_detected!("avxvnni") {
                     v.push(Kernel::AvxVnni);
                 }
-                if std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl") {
+                if std::is_x86_feature_detected!("avx512vnni")
+                    && std::is_x86_feature_detected!("avx512vl")
+                    && std::is_x86_feature_detected!("avx512bw")
+                {
                     v.push(Kernel::Avx512Vnni);
                 }
             }

@@ -593,3 +593,41 @@ fn simd_quantizer_matches_the_scalar_one_bit_for_bit() {
         }
     }
 }
+
+/// The 512-bit tiles (two groups at once) give the 256-bit tiles' bits, for
+/// every kind (Q4, Q8, Q5_0, Q4_K, Q6_K): the same operations lane for lane. Compared where the CPU runs both
+/// AVX-VNNI and AVX-512 VNNI; elsewhere the test says it skipped.
+#[test]
+fn wide_tiles_give_the_narrow_tiles_bits_or_skip() {
+    let kernels = Kernel::available();
+    if !(kernels.contains(&Kernel::AvxVnni) && kernels.contains(&Kernel::Avx512Vnni)) {
+        eprintln!("SKIPPED wide_tiles_give_the_narrow_tiles_bits: this CPU lacks AVX-VNNI or AVX-512 VNNI ({kernels:?})");
+        return;
+    }
+    let mut s = SeededRng::new(37);
+    for &(m, n, k) in &[(1, 16, 256), (4, 24, 768), (7, 40, 512), (64, 33, 1024)] {
+        let weights = [
+            QuantWeight::quantize(&(0..n * k).map(|_| rng(&mut s) * 0.1).collect::<Vec<_>>(), n, k, QuantKind::Q4),
+            QuantWeight::quantize(&(0..n * k).map(|_| rng(&mut s) * 0.1).collect::<Vec<_>>(), n, k, QuantKind::Q8),
+            QuantWeight::from_ggml(GgmlType::Q5_0, &ggml_blocks(GgmlType::Q5_0, n, k, &mut s), n, k).expect("blocks"),
+            QuantWeight::from_ggml(GgmlType::Q4_K, &kquant_blocks(GgmlType::Q4_K, n, k, &mut s), n, k).expect("blocks"),
+            QuantWeight::from_ggml(GgmlType::Q6_K, &kquant_blocks(GgmlType::Q6_K, n, k, &mut s), n, k).expect("blocks"),
+        ];
+        for w in weights {
+            let (kind, w) = (w.kind, w.into_lanes());
+            let x: Vec<f32> = (0..m * k).map(|_| rng(&mut s)).collect();
+            let mut acts = QuantActs::default();
+            QuantActs::quantize(&x, m, k, ActBits::I8, &mut acts);
+            let run = |kernel| {
+                let mut y = vec![f32::NAN; m * n];
+                // SAFETY: y is [m, n] and owned here; both kernels are available.
+                unsafe {
+                    gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 0..5);
+                    gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 5..n);
+                }
+                y.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            };
+            assert_eq!(run(Kernel::Avx512Vnni), run(Kernel::AvxVnni), "{kind:?} ({m},{n},{k})");
+        }
+    }
+}
