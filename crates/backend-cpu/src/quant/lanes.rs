@@ -444,6 +444,32 @@ pub(super) mod kernels {
         }
     }
 
+    /// `$tile::<R, K>($args)` for the tile's rows `R` (1–4) and the
+    /// weight's kind code `K`.
+    macro_rules! by_rows_and_kind {
+        ($tile:ident, $rows:expr, $kind:expr, ($($arg:expr),*)) => {
+            match ($rows, $kind) {
+                (4, KQ4) => $tile::<4, KQ4>($($arg),*),
+                (3, KQ4) => $tile::<3, KQ4>($($arg),*),
+                (2, KQ4) => $tile::<2, KQ4>($($arg),*),
+                (1, KQ4) => $tile::<1, KQ4>($($arg),*),
+                (4, KQ8) => $tile::<4, KQ8>($($arg),*),
+                (3, KQ8) => $tile::<3, KQ8>($($arg),*),
+                (2, KQ8) => $tile::<2, KQ8>($($arg),*),
+                (1, KQ8) => $tile::<1, KQ8>($($arg),*),
+                (4, KQ4K) => $tile::<4, KQ4K>($($arg),*),
+                (3, KQ4K) => $tile::<3, KQ4K>($($arg),*),
+                (2, KQ4K) => $tile::<2, KQ4K>($($arg),*),
+                (1, KQ4K) => $tile::<1, KQ4K>($($arg),*),
+                (4, KQ6K) => $tile::<4, KQ6K>($($arg),*),
+                (3, KQ6K) => $tile::<3, KQ6K>($($arg),*),
+                (2, KQ6K) => $tile::<2, KQ6K>($($arg),*),
+                (1, KQ6K) => $tile::<1, KQ6K>($($arg),*),
+                _ => unreachable!("tiles take 1–4 rows"),
+            }
+        };
+    }
+
     macro_rules! lane_kernel {
         ($(#[$doc:meta])* $name:ident, $features:literal, maddubs: $maddubs:literal, wide: $wide:literal, |$acc:ident, $u:ident, $s:ident| $dpbusd:expr) => {
             $(#[$doc])*
@@ -628,99 +654,60 @@ pub(super) mod kernels {
                     // Rows in blocks whose activations stay in L2 while the
                     // group's weights (in L1) meet each row.
                     let row_block = (96 * 1024 / (w.pairs * XREC)).max(4) / 4 * 4;
+                    let (first_group, end_group) = (cols.start / LANES, cols.end.div_ceil(LANES));
+                    // Which of group `g8`'s outputs the column range holds.
+                    let mask = |g8: usize| {
+                        let mut store = 0u8;
+                        for o in 0..LANES {
+                            if cols.contains(&(g8 * LANES + o)) {
+                                store |= 1 << o;
+                            }
+                        }
+                        store
+                    };
+                    // The tile of rows from `r` and group `g8`.
+                    // SAFETY: called with r < x.rows and g8 below the
+                    // weight's groups, so every offset stays inside its
+                    // allocation; the pointer to column `g8 · 8` may pass
+                    // the row only when the mask stops short of it (it is
+                    // then not written).
+                    let tile_at = |r: usize, g8: usize, store: u8| unsafe {
+                        Tile {
+                            y: y.wrapping_add(r * ldy + g8 * LANES),
+                            ldy,
+                            x: x.data.as_ptr().add(r * w.pairs * XREC),
+                            sums: x.sums.as_ptr().add(r * nbp),
+                            corr: x.corr.as_ptr().add(r * 4 * blocks),
+                            w: w.data.as_ptr().add(g8 * blocks * rec),
+                            blocks,
+                            store,
+                            small: w.small_codes,
+                        }
+                    };
                     let mut r0 = rows.start;
                     while r0 < rows.end {
                         let r1 = (r0 + row_block).min(rows.end);
-                        let (first_group, end_group) = (cols.start / LANES, cols.end.div_ceil(LANES));
-                        let mask = |g8: usize| {
-                            let mut store = 0u8;
-                            for o in 0..LANES {
-                                if cols.contains(&(g8 * LANES + o)) {
-                                    store |= 1 << o;
-                                }
-                            }
-                            store
-                        };
-                        // The tile of rows from `r` and group `g8`.
-                        // SAFETY: called with r < x.rows and g8 below the
-                        // weight's groups, so every offset stays inside its
-                        // allocation; the pointer to column `g8 · 8` may pass
-                        // the row only when the mask stops short of it (it is
-                        // then not written).
-                        let tile_at = |r: usize, g8: usize| unsafe {
-                            Tile {
-                                y: y.wrapping_add(r * ldy + g8 * LANES),
-                                ldy,
-                                x: x.data.as_ptr().add(r * w.pairs * XREC),
-                                sums: x.sums.as_ptr().add(r * nbp),
-                                corr: x.corr.as_ptr().add(r * 4 * blocks),
-                                w: w.data.as_ptr().add(g8 * blocks * rec),
-                                blocks,
-                                store: mask(g8),
-                                small: w.small_codes,
-                            }
-                        };
-                        let wide_kind = $wide;
                         let mut g8 = first_group;
                         while g8 < end_group {
-                            let pair = wide_kind && g8 + 1 < end_group;
+                            // With 512-bit tiles, groups go two at a time; an
+                            // odd last one takes the 256-bit tile.
+                            let pair = $wide && g8 + 1 < end_group;
+                            let (store0, store1) = (mask(g8), if pair { mask(g8 + 1) } else { 0 });
                             let mut r = r0;
                             while r < r1 {
                                 let rr = (r1 - r).min(4);
-                                // r + rr ≤ x.rows and g8 (g8 + 1 for a pair) <
-                                // the weight's groups: every offset of the
-                                // tiles stays inside its allocation.
-                                let t = tile_at(r, g8);
-                                if pair {
-                                    let t1 = tile_at(r, g8 + 1);
-                                    // SAFETY: as above; `pair` implies this
-                                    // module's features include AVX-512 BW
-                                    // and VNNI.
-                                    unsafe {
-                                        match (rr, w.kind.code()) {
-                                            (4, KQ4) => tile16::<4, KQ4>(t, t1),
-                                            (3, KQ4) => tile16::<3, KQ4>(t, t1),
-                                            (2, KQ4) => tile16::<2, KQ4>(t, t1),
-                                            (1, KQ4) => tile16::<1, KQ4>(t, t1),
-                                            (4, KQ8) => tile16::<4, KQ8>(t, t1),
-                                            (3, KQ8) => tile16::<3, KQ8>(t, t1),
-                                            (2, KQ8) => tile16::<2, KQ8>(t, t1),
-                                            (1, KQ8) => tile16::<1, KQ8>(t, t1),
-                                            (4, KQ4K) => tile16::<4, KQ4K>(t, t1),
-                                            (3, KQ4K) => tile16::<3, KQ4K>(t, t1),
-                                            (2, KQ4K) => tile16::<2, KQ4K>(t, t1),
-                                            (1, KQ4K) => tile16::<1, KQ4K>(t, t1),
-                                            (4, KQ6K) => tile16::<4, KQ6K>(t, t1),
-                                            (3, KQ6K) => tile16::<3, KQ6K>(t, t1),
-                                            (2, KQ6K) => tile16::<2, KQ6K>(t, t1),
-                                            (1, KQ6K) => tile16::<1, KQ6K>(t, t1),
-                                            _ => unreachable!("tiles take 1–4 rows"),
-                                        }
-                                    }
-                                    r += rr;
-                                    continue;
-                                }
-                                // SAFETY: the tile's reads and writes are those just
-                                // checked; the CPU runs this module's features.
+                                // r + rr ≤ x.rows, and g8 (g8 + 1 for a pair)
+                                // is below the weight's groups.
+                                let t = tile_at(r, g8, store0);
+                                // SAFETY: the tiles' reads and writes are those
+                                // just checked; the CPU runs this module's
+                                // features, which include AVX-512 BW and VNNI
+                                // where `$wide` holds.
                                 unsafe {
-                                    match (rr, w.kind.code()) {
-                                        (4, KQ4) => tile::<4, KQ4>(t),
-                                        (3, KQ4) => tile::<3, KQ4>(t),
-                                        (2, KQ4) => tile::<2, KQ4>(t),
-                                        (1, KQ4) => tile::<1, KQ4>(t),
-                                        (4, KQ8) => tile::<4, KQ8>(t),
-                                        (3, KQ8) => tile::<3, KQ8>(t),
-                                        (2, KQ8) => tile::<2, KQ8>(t),
-                                        (1, KQ8) => tile::<1, KQ8>(t),
-                                        (4, KQ4K) => tile::<4, KQ4K>(t),
-                                        (3, KQ4K) => tile::<3, KQ4K>(t),
-                                        (2, KQ4K) => tile::<2, KQ4K>(t),
-                                        (1, KQ4K) => tile::<1, KQ4K>(t),
-                                        (4, KQ6K) => tile::<4, KQ6K>(t),
-                                        (3, KQ6K) => tile::<3, KQ6K>(t),
-                                        (2, KQ6K) => tile::<2, KQ6K>(t),
-                                        (1, KQ6K) => tile::<1, KQ6K>(t),
-                                        _ => unreachable!("tiles take 1–4 rows"),
+                                    if pair {
+                                        by_rows_and_kind!(tile16, rr, w.kind.code(), (t, tile_at(r, g8 + 1, store1)))
+                                    } else {
+                                        by_rows_and_kind!(tile, rr, w.kind.code(), (t))
                                     }
                                 }
                                 r += rr;
@@ -754,8 +741,8 @@ pub(super) mod kernels {
     );
 
     lane_kernel!(
-        /// AVX-512 VNNI with VL: EVEX `vpdpbusd`, on 512 bits for two
-        /// groups at once where the kind allows ([`tile16`]), else on 256.
+        /// AVX-512 VNNI with VL: EVEX `vpdpbusd` on 512 bits, two groups at
+        /// once ([`tile16`]); an odd last group on 256.
         avx512vnni,
         "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
         maddubs: false,
