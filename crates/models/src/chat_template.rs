@@ -9,14 +9,17 @@
 //! `bos_token` and `eos_token`.
 //!
 //! A template comes with a model file, so it is untrusted input: rendering
-//! is bounded. Every instruction burns fuel ([`FUEL`]; nested loops over
-//! `range(100000)` end in an error, not a hang), and the `*` operator goes
-//! through [`guarded_mul`], which refuses to repeat a sequence past
-//! [`MAX_REPEATED_ITEMS`] items and repeats an empty one in constant time
-//! (minijinja 2.24 walks all `n` copies of `() * n`: a fuzzed template with
-//! `n` ≈ 2·10¹⁶ never finished; `fuzz/regressions/chat_template/`). The guard
-//! rewrites the compiled instructions, through minijinja's
-//! `unstable_machinery` API, which is why the crate pins minijinja exactly.
+//! is bounded (docs/fuzzing.md). minijinja 2.24 folds constant expressions
+//! while it compiles, with a `*` that repeats a sequence lazily and without
+//! bound (a fuzzed `() * 2.2e16` never finished;
+//! `fuzz/regressions/chat_template/`), so a template is parsed here, a
+//! constant sequence repetition refused before code generation
+//! (`constant_folding`), and every other compiled `*` rewritten into a call
+//! of `guarded_mul` (at most [`MAX_REPEATED_ITEMS`] items; an empty
+//! sequence repeated at once). Every instruction burns fuel ([`FUEL`]) and
+//! printed values are capped ([`MAX_PRINTED_BYTES`]). This goes through
+//! minijinja's `unstable_machinery` API, which is why the workspace pins it
+//! exactly.
 
 use crate::gguf::GgufFile;
 use crate::{Error, Result};
@@ -245,22 +248,15 @@ fn counted_formatter(out: &mut minijinja::Output, state: &minijinja::State, valu
             &formatted
         }
     };
-    let counter = match state.get_temp(KEY) {
-        Some(counter) => counter,
-        None => {
-            let counter = Value::from_object(PrintedBytes::default());
-            state.set_temp(KEY, counter.clone());
-            counter
-        }
-    };
-    if let Some(printed) = counter.downcast_object_ref::<PrintedBytes>() {
-        let total = printed.0.fetch_add(text.len(), std::sync::atomic::Ordering::Relaxed).saturating_add(text.len());
-        if total > MAX_PRINTED_BYTES {
-            return Err(minijinja::Error::new(
-                ErrorKind::InvalidOperation,
-                format!("the template printed more than {MAX_PRINTED_BYTES} bytes"),
-            ));
-        }
+    // Only this function sets KEY, always to a PrintedBytes (templates
+    // cannot set temporaries), so the helper's downcast cannot fail.
+    let printed = state.get_or_set_temp_object(KEY, PrintedBytes::default);
+    let total = printed.0.fetch_add(text.len(), std::sync::atomic::Ordering::Relaxed).saturating_add(text.len());
+    if total > MAX_PRINTED_BYTES {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("the template printed more than {MAX_PRINTED_BYTES} bytes"),
+        ));
     }
     match state.auto_escape() {
         // What minijinja's formatter prints without escaping.
@@ -413,9 +409,14 @@ fn guarded_mul(lhs: Value, rhs: Value) -> std::result::Result<Value, minijinja::
             }
         }
     }
-    // Everything else is minijinja's own `*`, from a fixed expression.
-    static MUL: LazyLock<Environment<'static>> = LazyLock::new(Environment::new);
-    MUL.compile_expression("a * b")?.eval(minijinja::context! { a => lhs, b => rhs })
+    // Everything else is minijinja's own `*`, compiled once.
+    static ENV: LazyLock<Environment<'static>> = LazyLock::new(Environment::new);
+    static MUL: LazyLock<std::result::Result<minijinja::Expression<'static, 'static>, minijinja::Error>> =
+        LazyLock::new(|| ENV.compile_expression("a * b"));
+    match &*MUL {
+        Ok(mul) => mul.eval(minijinja::context! { a => lhs, b => rhs }),
+        Err(e) => Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("compiling `a * b`: {e}"))),
+    }
 }
 
 fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Error> {
