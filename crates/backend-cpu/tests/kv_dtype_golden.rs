@@ -159,12 +159,14 @@ fn kv_cache_dtypes_against_the_float64_reference() {
             agreed += r.agreed;
             total += c.greedy_ids.len();
             per_prompt.push(r.agreed);
-            if dtype == KvCacheDtype::F32 {
-                // The reference's top-1 margin is at least 0.05 nats over the
-                // first 8 steps except on prompt 2, step 5 (golden README).
-                let needed = if i == 2 { 5 } else { 8.min(c.greedy_ids.len()) };
-                assert!(r.agreed >= needed, "f32 prompt {i}: only {} tokens agree (need {needed})", r.agreed);
-            }
+            // The reference's top-1 margin is at least 0.05 nats over the
+            // first 8 steps except on prompt 2, step 5 (golden README): every
+            // cache type must agree that far. (Past a near-tie, a rounding
+            // difference of a half-precision cache may pick the other token
+            // and the rest of the prompt diverges: bf16 does at that step of
+            // prompt 2 since the attention's multiply-adds are fused.)
+            let needed = if i == 2 { 5 } else { 8.min(c.greedy_ids.len()) };
+            assert!(r.agreed >= needed, "{dtype:?} prompt {i}: only {} tokens agree (need {needed})", r.agreed);
         }
         eprintln!(
             "{dtype:?}: max |Δlogprob| {worst:.2e} nats on agreeing tokens; {agreed}/{total} tokens agree; per prompt {per_prompt:?}"
@@ -172,11 +174,12 @@ fn kv_cache_dtypes_against_the_float64_reference() {
         table.push((dtype, worst, agreed, total));
         assert!(worst <= tolerance, "{dtype:?}: largest logprob difference {worst:.4} nats exceeds {tolerance}");
     }
-    // A half-precision cache must not lose whole stretches of agreement:
-    // measured, f16 and bf16 agree on as many tokens as f32 (141); allow
-    // half a prompt's worth of divergence.
+    // A half-precision cache must not lose whole stretches of agreement
+    // beyond the near-tie above: measured, f16 agrees on all 141 tokens as
+    // f32 does and bf16 on 130 (prompt 2 parts at its step 5); allow that
+    // prompt's 11 and a few more.
     let f32_agreed = table[0].2;
     for &(dtype, _, agreed, _) in &table[1..] {
-        assert!(agreed + 8 >= f32_agreed, "{dtype:?}: {agreed} agreeing tokens, f32 has {f32_agreed}");
+        assert!(agreed + 16 >= f32_agreed, "{dtype:?}: {agreed} agreeing tokens, f32 has {f32_agreed}");
     }
 }

@@ -330,12 +330,13 @@ pub(super) unsafe fn attend_group_simd<T: KvElem>(
 /// an online softmax; `out` is the accumulator. `f32` pools are read in
 /// place; `f16`/`bf16` pools are widened one tile at a time into two dense
 /// `[TILE, n_kv * head_dim]` scratch buffers (K and V), which the same tile
-/// code then reads — unless `FUSED`, where the tile reads them in place and
-/// widens in registers (only [`attend_group_simd`] sets it: see
-/// [`KvElem::widen16`]).
+/// code then reads — unless `SIMD`, where the tile reads them in place and
+/// widens in registers (see [`KvElem::widen16`]) and its multiply-adds are
+/// fused (`mul_add`): only [`attend_group_simd`], compiled for AVX2, FMA and
+/// F16C, sets it.
 #[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
 #[inline(always)]
-pub(super) fn attend_group<T: KvElem, const FUSED: bool>(
+pub(super) fn attend_group<T: KvElem, const SIMD: bool>(
     out: &mut [f32],
     q: &[f32],
     rows: &Rows<'_, T>,
@@ -351,7 +352,7 @@ pub(super) fn attend_group<T: KvElem, const FUSED: bool>(
     // Elements of one row of the item's kv heads.
     let row_len = q.len() / shape.group;
     let in_place = T::as_f32(rows.k).zip(T::as_f32(rows.v));
-    let widen_to_scratch = in_place.is_none() && !FUSED;
+    let widen_to_scratch = in_place.is_none() && !SIMD;
     let widened_len = if widen_to_scratch { TILE * row_len } else { 0 };
     // scratch: scores [n_q, TILE], running max [n_q], running sum [n_q],
     // then (f16/bf16 only) the widened K and V of the tile.
@@ -366,7 +367,7 @@ pub(super) fn attend_group<T: KvElem, const FUSED: bool>(
     let mut state = SoftmaxState { scores, m, l };
 
     let prefetch_next = |runs: &TileRuns| {
-        runs.for_each_row(rows.row_stride, |_, base| {
+        for_each_row!(runs, rows.row_stride, |_j, base| {
             prefetch(&rows.k[base..base + row_len]);
             if widen_to_scratch {
                 prefetch(&rows.v[base..base + row_len]);
@@ -389,13 +390,13 @@ pub(super) fn attend_group<T: KvElem, const FUSED: bool>(
             Some((k, v)) => {
                 let rows = Rows { k, v, row_stride: rows.row_stride, head_off: rows.head_off };
                 // SAFETY: f32 rows need no CPU feature to widen.
-                unsafe { attend_tile(out, q, &rows, &runs, tile_len, shape, &mut state) };
+                unsafe { attend_tile::<f32, SIMD>(out, q, &rows, &runs, tile_len, shape, &mut state) };
             }
-            // SAFETY: FUSED is set only by attend_group_simd, whose caller
+            // SAFETY: SIMD is set only by attend_group_simd, whose caller
             // checked for F16C (KvElem::widen16's requirement).
-            None if FUSED => unsafe { attend_tile(out, q, rows, &runs, tile_len, shape, &mut state) },
+            None if SIMD => unsafe { attend_tile::<T, SIMD>(out, q, rows, &runs, tile_len, shape, &mut state) },
             None => {
-                runs.for_each_row(rows.row_stride, |j, base| {
+                for_each_row!(runs, rows.row_stride, |j, base| {
                     let dst = j * row_len..(j + 1) * row_len;
                     T::widen(&rows.k[base..base + row_len], &mut k_tile[dst.clone()]);
                     T::widen(&rows.v[base..base + row_len], &mut v_tile[dst]);
@@ -403,7 +404,7 @@ pub(super) fn attend_group<T: KvElem, const FUSED: bool>(
                 let dense = Rows { k: &*k_tile, v: &*v_tile, row_stride: row_len, head_off: 0 };
                 let dense_runs = TileRuns::one(tile_len);
                 // SAFETY: f32 rows need no CPU feature to widen.
-                unsafe { attend_tile(out, q, &dense, &dense_runs, tile_len, shape, &mut state) };
+                unsafe { attend_tile::<f32, SIMD>(out, q, &dense, &dense_runs, tile_len, shape, &mut state) };
             }
         }
         tile_start = tile_end;
@@ -425,13 +426,18 @@ struct SoftmaxState<'a> {
 }
 
 /// One tile of [`attend_group`]: scores, online-softmax rescaling of `out`,
-/// value accumulation, reading rows of `T` through [`KvElem::widen16`].
+/// value accumulation, reading rows of `T` through [`KvElem::widen16`];
+/// `FMA` fuses the multiply-adds (the SIMD build).
+///
+/// Both inner loops keep several independent accumulators (four 16-lane
+/// ones: eight AVX2 registers), so that they are bound by the FMA and load
+/// ports rather than by the latency of one chain of additions.
 ///
 /// # Safety
 /// As [`KvElem::widen16`] for `T` (nothing for `f32`).
 #[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
 #[inline(always)]
-unsafe fn attend_tile<T: KvElem>(
+unsafe fn attend_tile<T: KvElem, const FMA: bool>(
     out: &mut [f32],
     q: &[f32],
     rows: &Rows<'_, T>,
@@ -453,7 +459,7 @@ unsafe fn attend_tile<T: KvElem>(
     // head: a shift is cheaper than the round trip through the buffer).
     let mut k_buf = [0.0f32; MAX_WIDENED_HEAD_DIM];
     let widen_once = !T::CHEAP_WIDEN && hd <= MAX_WIDENED_HEAD_DIM && shape.group > 1;
-    runs.for_each_row(rows.row_stride, |j, base| {
+    for_each_row!(runs, rows.row_stride, |j, base| {
         prefetch(&rows.v[base..base + row_len]);
         for (kv, q_kv) in q.chunks_exact(group_len).enumerate() {
             let k_row = &rows.k[base + kv * hd..base + (kv + 1) * hd];
@@ -463,7 +469,8 @@ unsafe fn attend_tile<T: KvElem>(
             }
             for (g, q_h) in q_kv.chunks_exact(hd).enumerate() {
                 // SAFETY: forwarded from this function's contract.
-                let s = scale * if widen_once { unsafe { dot(q_h, &k_buf[..hd]) } } else { unsafe { dot(q_h, k_row) } };
+                let s =
+                    scale * if widen_once { unsafe { dot::<f32, FMA>(q_h, &k_buf[..hd]) } } else { unsafe { dot::<T, FMA>(q_h, k_row) } };
                 scores[(kv * shape.group + g) * TILE + j] = match shape.softcap {
                     Some(cap) => cap * (s / cap).tanh(),
                     None => s,
@@ -485,22 +492,45 @@ unsafe fn attend_tile<T: KvElem>(
         }
     }
 
-    // 3. Accumulate the tile's values: out_g += Σ_j p[g, j] * v_j, one
-    //    LANES-wide chunk of head_dim at a time so the accumulator stays
-    //    in registers across the tile's rows.
+    // 3. Accumulate the tile's values: out_g += Σ_j p[g, j] * v_j, BLOCK
+    //    values of head_dim at a time (four 16-lane accumulators that stay
+    //    in registers across the tile's rows), then 16-lane chunks, then
+    //    the tail.
+    const BLOCK: usize = UNROLL * LANES;
     for (g, o) in out.chunks_exact_mut(hd).enumerate() {
         let p = &scores[g * TILE..g * TILE + tile_len];
         let v_off = (g / shape.group) * hd;
         let mut c = 0;
+        while c + BLOCK <= hd {
+            let mut acc = [[0.0f32; LANES]; UNROLL];
+            for (u, a) in acc.iter_mut().enumerate() {
+                a.copy_from_slice(&o[c + u * LANES..c + (u + 1) * LANES]);
+            }
+            for_each_row!(runs, rows.row_stride, |j, base| {
+                let pj = p[j];
+                let v_row = &rows.v[base + v_off + c..base + v_off + c + BLOCK];
+                for (u, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: forwarded from this function's contract.
+                    let v = unsafe { T::widen16(&v_row[u * LANES..(u + 1) * LANES]) };
+                    for (a, x) in a.iter_mut().zip(v) {
+                        *a = madd::<FMA>(pj, x, *a);
+                    }
+                }
+            });
+            for (u, a) in acc.iter().enumerate() {
+                o[c + u * LANES..c + (u + 1) * LANES].copy_from_slice(a);
+            }
+            c += BLOCK;
+        }
         while c + LANES <= hd {
             let mut acc = [0.0f32; LANES];
             acc.copy_from_slice(&o[c..c + LANES]);
-            runs.for_each_row(rows.row_stride, |j, base| {
+            for_each_row!(runs, rows.row_stride, |j, base| {
                 // SAFETY: forwarded from this function's contract.
                 let v = unsafe { T::widen16(&rows.v[base + v_off + c..base + v_off + c + LANES]) };
                 let pj = p[j];
                 for (a, x) in acc.iter_mut().zip(v) {
-                    *a += pj * x;
+                    *a = madd::<FMA>(pj, x, *a);
                 }
             });
             o[c..c + LANES].copy_from_slice(&acc);
@@ -508,12 +538,35 @@ unsafe fn attend_tile<T: KvElem>(
         }
         if c < hd {
             let o = &mut o[c..];
-            runs.for_each_row(rows.row_stride, |j, base| {
+            for_each_row!(runs, rows.row_stride, |j, base| {
                 axpy(o, p[j], &rows.v[base + v_off + c..base + v_off + hd]);
             });
         }
     }
 }
+
+/// Runs `$body` for the rows of the [`TileRuns`] `$runs` in order, with `$j`
+/// the row's index in the tile (from 0) and `$base` its offset in the pools.
+///
+/// A macro rather than a method taking a closure: a closure that LLVM does
+/// not inline is compiled without the target features of the function it
+/// sits in, so the SIMD build's inner loops ran on 128-bit SSE2 that way.
+macro_rules! for_each_row {
+    ($runs:expr, $row_stride:expr, |$j:ident, $base:ident| $body:block) => {{
+        let (runs, row_stride): (&TileRuns, usize) = (&$runs, $row_stride);
+        let mut $j = 0usize;
+        for &(first, n) in &runs.runs[..runs.len] {
+            let mut $base = first;
+            for _ in 0..n {
+                $body
+                $base += row_stride;
+                $j += 1;
+            }
+        }
+        let _ = $j;
+    }};
+}
+use for_each_row;
 
 /// The rows of one tile as runs of consecutive rows: `(offset, n)` is `n`
 /// rows whose head rows start at `offset`, `offset + row_stride`, … in
@@ -555,23 +608,14 @@ impl TileRuns {
         t.runs[0] = (0, n);
         t
     }
-
-    /// Calls `f(j, offset)` for the tile's rows in order (`j` counts from 0).
-    #[inline(always)]
-    fn for_each_row(&self, row_stride: usize, mut f: impl FnMut(usize, usize)) {
-        let mut j = 0;
-        for &(mut base, n) in &self.runs[..self.len] {
-            for _ in 0..n {
-                f(j, base);
-                base += row_stride;
-                j += 1;
-            }
-        }
-    }
 }
 
 /// Lanes of the vectorised accumulators.
 const LANES: usize = 16;
+
+/// Independent 16-lane accumulators of the inner loops (`dot`, the value
+/// accumulation): 8 AVX2 registers, enough to cover the FMA latency.
+const UNROLL: usize = 4;
 
 /// Head sizes up to this widen a half-size key row once for the whole
 /// query group (a stack buffer); larger ones widen it per query head.
@@ -593,28 +637,87 @@ unsafe fn widen_row<T: KvElem>(src: &[T], dst: &mut [f32]) {
     }
 }
 
-/// `a · b` with [`LANES`] independent `f32` partial sums (vectorisable),
-/// `b` widened from `T` sixteen at a time.
+/// `a · b` with [`UNROLL`] × [`LANES`] independent `f32` partial sums
+/// (vectorisable, and not bound by the latency of one chain of additions),
+/// `b` widened from `T` sixteen at a time; `FMA` fuses the multiply-adds.
 ///
 /// # Safety
 /// As [`KvElem::widen16`] for `T`.
 #[inline(always)]
-unsafe fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        // SAFETY: forwarded from this function's contract.
-        let y = unsafe { T::widen16(y) };
-        for i in 0..LANES {
-            acc[i] += x[i] * y[i];
+unsafe fn dot<T: KvElem, const FMA: bool>(a: &[f32], b: &[T]) -> f32 {
+    let mut acc = [[0.0f32; LANES]; UNROLL];
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut c = 0;
+    while c + UNROLL * LANES <= n {
+        for (u, acc) in acc.iter_mut().enumerate() {
+            let at = c + u * LANES;
+            // SAFETY: forwarded from this function's contract.
+            let y = unsafe { T::widen16(&b[at..at + LANES]) };
+            for ((s, &x), y) in acc.iter_mut().zip(&a[at..at + LANES]).zip(y) {
+                *s = madd::<FMA>(x, y, *s);
+            }
         }
+        c += UNROLL * LANES;
+    }
+    while c + LANES <= n {
+        // SAFETY: forwarded from this function's contract.
+        let y = unsafe { T::widen16(&b[c..c + LANES]) };
+        for ((s, &x), y) in acc[0].iter_mut().zip(&a[c..c + LANES]).zip(y) {
+            *s = madd::<FMA>(x, y, *s);
+        }
+        c += LANES;
     }
     let mut tail = 0.0f32;
-    for (x, &y) in ar.iter().zip(br) {
+    for (x, &y) in a[c..].iter().zip(&b[c..]) {
         tail += x * T::to_f32(y);
     }
-    reduce_lanes(acc) + tail
+    let [a0, a1, a2, a3] = acc;
+    let mut sum = [0.0f32; LANES];
+    for i in 0..LANES {
+        sum[i] = (a0[i] + a1[i]) + (a2[i] + a3[i]);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        // SAFETY: FMA is set by the SIMD build only, entered on a CPU with
+        // AVX2 (see `attend`).
+        return unsafe { reduce_lanes_avx(&sum) } + tail;
+    }
+    reduce_lanes(sum) + tail
+}
+
+/// [`reduce_lanes`] in registers: the same pairwise order (lane `i` plus
+/// lane `i + 8`, then `+ 4`, `+ 2`, `+ 1`), so the same sum, without the
+/// store and the narrower reloads LLVM makes of the array version (a
+/// store-forwarding stall per dot product).
+///
+/// # Safety
+/// The CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn reduce_lanes_avx(acc: &[f32; LANES]) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: acc holds 16 floats (two unaligned 8-float loads); the
+    // caller guarantees AVX (these intrinsics need nothing newer).
+    unsafe {
+        let s8 = _mm256_add_ps(_mm256_loadu_ps(acc.as_ptr()), _mm256_loadu_ps(acc.as_ptr().add(8)));
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+        _mm_cvtss_f32(s1)
+    }
+}
+
+/// `a * b + c`, fused (one rounding) when `FMA` (the SIMD build, where it is
+/// one instruction), else two operations (a fused multiply-add without the
+/// instruction is a slow library call).
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
 }
 
 /// Pairwise sum of the lanes of an accumulator.
