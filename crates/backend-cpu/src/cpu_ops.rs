@@ -92,18 +92,21 @@ impl CpuOps {
     }
 
     /// The activation width of the linear named `name` (its Hugging Face
-    /// name) under [`CpuOps::activations`]: with int8, the attention
-    /// projections (`self_attn.*`) keep int16, where int8's error reaches
-    /// the logprobs most. Measured on the golden tests against the float64
-    /// references (mean gap on agreeing tokens, over several realizations;
-    /// crates/backend-cpu/KERNELS.md): every linear int8 0.031–0.036 nats
-    /// on SmolLM2 and 0.033–0.038 on Gemma 3, llama.cpp's level (0.029–0.035
-    /// and 0.032–0.042); int16 attention 0.025–0.031 and 0.019–0.022. The
-    /// MLP holds ~75% of a layer's multiply-adds, so most of int8's speed
-    /// remains. `VELLUM_CPU_INT8=all` puts every linear on int8 (to measure
-    /// that).
+    /// name) under [`CpuOps::activations`]: with int8, the query, key and
+    /// value projections (`self_attn.{q,k,v}_proj`) keep int16. Their input
+    /// is the normalized residual stream, whose few very large channels set
+    /// the int8 block scales; the output projection reads the attention's
+    /// output (a weighted mean of value rows, no such outliers) and takes
+    /// int8 like the MLP. Measured on the golden tests against the float64
+    /// references (largest / mean gap on agreeing tokens, two realizations;
+    /// crates/backend-cpu/KERNELS.md): this split 0.157–0.228 / 0.027–0.029
+    /// nats on SmolLM2 and 0.161–0.329 / 0.019–0.027 on Gemma 3, within
+    /// llama.cpp's 0.265 / 0.0345 and 0.398 / 0.0421; every linear at int8
+    /// fails that rule in some realizations (SmolLM2's mean 0.0355–0.0366).
+    /// `VELLUM_CPU_INT8=all` puts every linear on int8 (to measure that).
     pub fn activations_for(&self, name: &str) -> ActBits {
-        if self.activations == ActBits::I8 && name.contains("self_attn.") && !all_int8() {
+        let qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"];
+        if self.activations == ActBits::I8 && qkv.iter().any(|p| name.contains(p)) && !all_int8() {
             ActBits::I16
         } else {
             self.activations
@@ -354,7 +357,7 @@ impl AttentionBackend for CpuOps {
             (WeightFormat::F32, _) => "float32",
             (_, ActBits::I16) => "int16 activations",
             (_, ActBits::I8) if all_int8() => "int8 activations",
-            (_, ActBits::I8) => "int8 activations, int16 in attention",
+            (_, ActBits::I8) => "int8 activations, int16 in q/k/v",
         };
         format!("cpu ({kernel}, {} threads, weights {:?}, {acts})", rayon::current_num_threads(), self.weight_format)
     }
