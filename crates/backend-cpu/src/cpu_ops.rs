@@ -26,15 +26,23 @@ pub struct HostTensor {
 }
 
 impl HostTensor {
+    /// The values, taking them out of the tensor (a tensor's buffer goes
+    /// back to the recycling pool when it drops, so `data` is not moved out).
+    pub fn into_data(mut self) -> Vec<f32> {
+        std::mem::take(&mut self.data)
+    }
+
     fn zeros(rows: usize, cols: usize) -> Self {
         Self { rows, cols, data: vec![0.0; rows * cols] }
     }
 
     /// A `[rows, cols]` output every cell of which the caller overwrites: in
-    /// the spare buffer (see [`Ops::reuse_host_buffer`]) when it is large
-    /// and fits, so the kernel writes to memory already mapped. Fresh
-    /// allocations of this size come from `mmap`, and their first writes
-    /// fault page after page (a tenth of a 64-sequence Gemma 3 step).
+    /// the spare buffer (see [`Ops::reuse_host_buffer`]) or a recycled one
+    /// ([`RECYCLED`]) when it is large and fits, so the kernel writes to
+    /// memory already mapped and not zeroed for nothing. Fresh allocations of
+    /// this size come from `mmap`, and their first writes fault page after
+    /// page (a tenth of a 64-sequence Gemma 3 step); zeroing a reused one
+    /// cost 5% of a 64-sequence prefill.
     fn for_overwrite(rows: usize, cols: usize) -> Self {
         let len = rows * cols;
         if len >= SPARE_MIN_LEN {
@@ -42,8 +50,15 @@ impl HostTensor {
                 Ok(mut spare) if spare.capacity() >= len => Some(std::mem::take(&mut *spare)),
                 _ => None,
             };
-            if let Some(mut data) = spare {
-                // Old values stay where the caller will overwrite them.
+            let data = spare.or_else(|| {
+                let mut pool = RECYCLED.lock().ok()?;
+                // The smallest that fits keeps the larger ones for larger outputs.
+                let best = pool.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity())?.0;
+                Some(pool.swap_remove(best))
+            });
+            if let Some(mut data) = data {
+                // Old values stay where the caller will overwrite them
+                // (only a part past the buffer's old length is zeroed).
                 data.resize(len, 0.0);
                 return Self { rows, cols, data };
             }
@@ -51,6 +66,29 @@ impl HostTensor {
         Self::zeros(rows, cols)
     }
 }
+
+/// A large tensor's buffer goes back to [`RECYCLED`] for the next
+/// [`HostTensor::for_overwrite`] (the activations of one layer are dropped
+/// as the next layer allocates the same shapes).
+impl Drop for HostTensor {
+    fn drop(&mut self) {
+        if self.data.capacity() >= SPARE_MIN_LEN {
+            if let Ok(mut pool) = RECYCLED.lock() {
+                if pool.len() < RECYCLED_MAX {
+                    pool.push(std::mem::take(&mut self.data));
+                }
+            }
+        }
+    }
+}
+
+/// Large activation buffers dropped by the forward pass, reused by
+/// [`HostTensor::for_overwrite`]; at most [`RECYCLED_MAX`] (the freed
+/// memory stays in the process anyway: see `keep_freed_memory`).
+static RECYCLED: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
+
+/// Buffers [`RECYCLED`] keeps: more than one layer's live activations.
+const RECYCLED_MAX: usize = 16;
 
 /// Outputs at least this long (4 MiB) are worth keeping for reuse.
 const SPARE_MIN_LEN: usize = 1 << 20;
@@ -248,19 +286,14 @@ impl Ops for CpuOps {
         check(group > 0 && x.cols.is_multiple_of(group) && w.len() == group, || {
             format!("rms_norm: width {} group {group} weight {}", x.cols, w.len())
         })?;
-        let mut out = x.clone();
-        let norm = |g: &mut [f32]| {
-            let ms = g.iter().map(|v| v * v).sum::<f32>() / group as f32;
-            let inv = 1.0 / (ms + eps).sqrt();
-            for (v, wi) in g.iter_mut().zip(w) {
-                *v = *v * inv * wi;
-            }
-        };
+        let mut out = HostTensor::for_overwrite(x.rows, x.cols);
         if out.data.len() >= PAR_ELEMENTS {
             let per_part = group * (PAR_ELEMENTS / group).max(1);
-            crate::spin_team::for_chunks_mut(&mut out.data, per_part, &|_, part| part.chunks_exact_mut(group).for_each(norm));
+            crate::spin_team::for_chunks_mut(&mut out.data, per_part, &|i, part| {
+                rms_norm_part(part, &x.data[i * per_part..i * per_part + part.len()], w, eps)
+            });
         } else {
-            out.data.chunks_exact_mut(group).for_each(norm);
+            rms_norm_part(&mut out.data, &x.data, w, eps);
         }
         Ok(out)
     }
@@ -325,7 +358,7 @@ impl Ops for CpuOps {
     }
 
     fn take_host(&self, x: HostTensor) -> OpResult<Vec<f32>> {
-        Ok(x.data)
+        Ok(x.into_data())
     }
 
     fn reuse_host_buffer(&self, buffer: Vec<f32>) {
@@ -408,7 +441,8 @@ impl AttentionBackend for CpuOps {
     ) -> vellum_core::Result<HostTensor> {
         let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("paged_attention: no layer {layer}")))?;
         check_group(at.group, step)?;
-        let mut out = HostTensor::zeros(q.rows, shape.num_heads * shape.head_dim);
+        // Every row is written: each work item zeroes its run first.
+        let mut out = HostTensor::for_overwrite(q.rows, shape.num_heads * shape.head_dim);
         paged_attention(&mut out.data, &q.data, &cache.layers[at.slot], &cache.layout, &step.meta(at.group), shape);
         Ok(out)
     }
@@ -437,26 +471,88 @@ fn check_group(group: usize, step: &HostStep) -> vellum_core::Result<()> {
 /// `act(gate) · up`, element-wise, in parallel for large tensors.
 fn gated(gate: &HostTensor, up: &HostTensor, what: &str, act: impl Fn(f32) -> f32 + Sync) -> OpResult<HostTensor> {
     check((gate.rows, gate.cols) == (up.rows, up.cols), || format!("{what}: shapes differ"))?;
-    let f = |(g, u): (&f32, &f32)| act(*g) * u;
-    let data = if gate.data.len() >= PAR_ELEMENTS {
-        let mut data = vec![0.0; gate.data.len()];
-        crate::spin_team::for_chunks_mut(&mut data, PAR_ELEMENTS, &|i, part| {
+    let mut out = HostTensor::for_overwrite(gate.rows, gate.cols);
+    if gate.data.len() >= PAR_ELEMENTS {
+        crate::spin_team::for_chunks_mut(&mut out.data, PAR_ELEMENTS, &|i, part| {
             let at = i * PAR_ELEMENTS..i * PAR_ELEMENTS + part.len();
-            for (o, gu) in part.iter_mut().zip(gate.data[at.clone()].iter().zip(&up.data[at])) {
-                *o = f(gu);
-            }
+            gated_part(part, &gate.data[at.clone()], &up.data[at], &act);
         });
-        data
     } else {
-        gate.data.iter().zip(&up.data).map(f).collect()
-    };
-    Ok(HostTensor { rows: gate.rows, cols: gate.cols, data })
+        gated_part(&mut out.data, &gate.data, &up.data, &act);
+    }
+    Ok(out)
+}
+
+/// `out[i] = act(gate[i]) · up[i]`, compiled for AVX2 and FMA where the CPU
+/// has them (eight lanes instead of SSE2's four; `act` must inline).
+fn gated_part(out: &mut [f32], gate: &[f32], up: &[f32], act: &impl Fn(f32) -> f32) {
+    #[inline(always)]
+    fn rows(out: &mut [f32], gate: &[f32], up: &[f32], act: &impl Fn(f32) -> f32) {
+        for (o, (g, u)) in out.iter_mut().zip(gate.iter().zip(up)) {
+            *o = act(*g) * u;
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::has_simd() {
+        /// `rows` compiled for AVX2 and FMA.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn simd(out: &mut [f32], gate: &[f32], up: &[f32], act: &impl Fn(f32) -> f32) {
+            rows(out, gate, up, act)
+        }
+        // SAFETY: has_simd() found AVX2 and FMA.
+        return unsafe { simd(out, gate, up, act) };
+    }
+    rows(out, gate, up, act)
+}
+
+/// RMSNorm of the rows of `x` (each `w.len()` wide) into `out`: the mean
+/// square summed in sixteen lanes (a single running sum would be a chain of
+/// dependent additions), compiled for AVX2 and FMA where the CPU has them.
+fn rms_norm_part(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    #[inline(always)]
+    fn rows(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+        const LANES: usize = 16;
+        let group = w.len();
+        for (o, xr) in out.chunks_exact_mut(group).zip(x.chunks_exact(group)) {
+            let chunks = xr.chunks_exact(LANES);
+            let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+            let mut acc = [0.0f32; LANES];
+            for c in chunks {
+                for (a, v) in acc.iter_mut().zip(c) {
+                    *a += v * v;
+                }
+            }
+            let ms = (acc.iter().sum::<f32>() + tail) / group as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for ((o, v), wi) in o.iter_mut().zip(xr).zip(w) {
+                *o = v * inv * wi;
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::has_simd() {
+        /// `rows` compiled for AVX2 and FMA.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn simd(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+            rows(out, x, w, eps)
+        }
+        // SAFETY: has_simd() found AVX2 and FMA.
+        return unsafe { simd(out, x, w, eps) };
+    }
+    rows(out, x, w, eps)
 }
 
 /// GELU, tanh approximation: `0.5·x·(1 + tanh(u))` with
 /// `u = √(2/π)·(x + 0.044715·x³)`, computed as `x·σ(2u) = x / (1 + e^(−2u))`
 /// (the same function: `(1 + tanh u) / 2 = σ(2u)`), one `exp` instead of
 /// `tanh`'s two-sided evaluation. Large negative `u` gives `x / ∞ = −0`.
+#[inline(always)]
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     x / (1.0 + vellum_core::exp_f32(-2.0 * SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)))

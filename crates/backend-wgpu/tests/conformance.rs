@@ -88,7 +88,7 @@ fn check_linear(ty: GgmlType, m: usize, n: usize, k: usize, seed: u64, limit: Op
     if let Some(l) = limit {
         g = g.with_binding_limit(l);
     }
-    let want = c.linear(&host(m, k, x.clone()), &c.linear_weight(w.clone()).unwrap(), Some(&bias)).unwrap().data;
+    let want = c.linear(&host(m, k, x.clone()), &c.linear_weight(w.clone()).unwrap(), Some(&bias)).unwrap().into_data();
     let gw = g.linear_weight(w).unwrap();
     let gb = g.vector("bias", &bias).unwrap();
     let gx = g.upload(m, k, &x).unwrap();
@@ -125,7 +125,7 @@ fn embed_gathers_rows_of_every_format_and_chunk() {
             let ids: Vec<u32> = (0..20).map(|_| rng.below(vocab) as u32).chain([0, vocab as u32 - 1]).collect();
             let batch = ForwardBatch { token_ids: ids.clone(), ..one_sequence_batch(ids.len()) };
             let c = cpu();
-            let want = c.embed(&c.embedding_weight(w.clone()).unwrap(), &c.prepare_step(&batch, 4).unwrap()).unwrap().data;
+            let want = c.embed(&c.embedding_weight(w.clone()).unwrap(), &c.prepare_step(&batch, 4).unwrap()).unwrap().into_data();
             let mut g = gpu();
             if let Some(l) = limit {
                 g = g.with_binding_limit(l);
@@ -170,11 +170,11 @@ fn norms_rope_and_elementwise_ops_match_cpu() {
     let (hx, gx, gy) = (host(rows, cols, x.clone()), g.upload(rows, cols, &x).unwrap(), g.upload(rows, cols, &y).unwrap());
     for group in [cols, hd] {
         let w = rng.signed_vec(group);
-        let want = c.rms_norm(&hx, &c.vector("w", &w).unwrap(), 1e-5, group).unwrap().data;
+        let want = c.rms_norm(&hx, &c.vector("w", &w).unwrap(), 1e-5, group).unwrap().into_data();
         let got = g.to_host(&g.rms_norm(&gx, &g.vector("w", &w).unwrap(), 1e-5, group).unwrap()).unwrap();
         assert_close(&got, &want, 1e-5, &format!("rms_norm group {group}"));
     }
-    let want = c.silu_mul(&hx, &host(rows, cols, y.clone())).unwrap().data;
+    let want = c.silu_mul(&hx, &host(rows, cols, y.clone())).unwrap().into_data();
     assert_close(&g.to_host(&g.silu_mul(&gx, &gy).unwrap()).unwrap(), &want, 1e-5, "silu_mul");
 
     let mut hsum = hx.clone();
@@ -202,7 +202,7 @@ fn norms_rope_and_elementwise_ops_match_cpu() {
 
     // The logits rows, in the order the step lists them.
     let batch = ForwardBatch { logits_indices: vec![18, 0, 7, 7], ..one_sequence_batch(rows) };
-    let want = c.logits_rows(&hx, &c.prepare_step(&batch, 4).unwrap()).unwrap().data;
+    let want = c.logits_rows(&hx, &c.prepare_step(&batch, 4).unwrap()).unwrap().into_data();
     let got = g.to_host(&g.logits_rows(&gx, &g.prepare_step(&batch, 4).unwrap()).unwrap()).unwrap();
     assert_close(&got, &want, 0.0, "logits_rows");
 }
@@ -345,7 +345,7 @@ impl AttnCase {
         let want = c
             .paged_attention(&hc, layer, &host(t, cols, q.clone()), &c.prepare_step(&late, self.block_size).unwrap(), &shape)
             .unwrap()
-            .data;
+            .into_data();
         let gstep = g.prepare_step(&late, self.block_size).unwrap();
         let got = g.to_host(&g.paged_attention(&gc, layer, &g.upload(t, cols, &q).unwrap(), &gstep, &shape).unwrap()).unwrap();
         let tol = match dtype {
