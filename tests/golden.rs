@@ -444,7 +444,7 @@ fn parallel_samples_have_their_own_logprobs() {
     for s in seqs {
         assert_eq!(s.token_ids.len(), 6);
         assert_eq!(s.logprobs.len(), 6, "one top-2 list per generated token");
-        assert!(s.cumulative_logprob < 0.0);
+        assert!(s.cumulative_logprob.is_some_and(|c| c < 0.0));
     }
     // Same seed, same texts.
     let again = llm.generate_ids(&prompt, &params).expect("runs");

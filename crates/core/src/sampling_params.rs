@@ -146,6 +146,16 @@ impl SamplingParams {
         self.temperature == 0.0 && self.beam_search.is_none()
     }
 
+    /// Whether the chosen tokens' log-probabilities are wanted: `logprobs`
+    /// asked for (0 = the chosen token's alone), `best_of` ranking more
+    /// samples than it returns, or a beam search. Otherwise the sampler
+    /// skips normalizing the row (one pass of `exp` over the vocabulary,
+    /// 262,144 entries on Gemma 3) and the outputs carry no logprobs, as
+    /// vLLM's do not.
+    pub fn needs_sampled_logprobs(&self) -> bool {
+        self.logprobs.is_some() || self.beam_search.is_some() || self.num_sequences() > self.n
+    }
+
     /// Number of sequences the engine runs for this request: `best_of`,
     /// else `n`; the beam width for a beam search.
     pub fn num_sequences(&self) -> usize {

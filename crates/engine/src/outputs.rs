@@ -16,10 +16,13 @@ pub struct SequenceOutput {
     pub token_ids: Vec<TokenId>,
     /// Per generated position, the top (token, logprob) pairs (if asked).
     pub logprobs: Vec<Vec<(TokenId, f32)>>,
-    /// Log-probability of each generated token.
+    /// Log-probability of each generated token (empty unless
+    /// [`SamplingParams::needs_sampled_logprobs`](vellum_core::SamplingParams::needs_sampled_logprobs)).
     pub token_logprobs: Vec<f32>,
-    /// Sum of the chosen tokens' log-probabilities.
-    pub cumulative_logprob: f64,
+    /// Sum of the chosen tokens' log-probabilities (`None` unless
+    /// [`SamplingParams::needs_sampled_logprobs`](vellum_core::SamplingParams::needs_sampled_logprobs),
+    /// as in vLLM).
+    pub cumulative_logprob: Option<f64>,
     /// `stop`, `length` or `abort`.
     pub finish_reason: Option<FinishReason>,
 }

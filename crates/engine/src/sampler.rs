@@ -10,7 +10,10 @@ use vellum_core::{SamplingParams, TokenId};
 pub struct Sample {
     /// The token.
     pub token: TokenId,
-    /// Its log-probability under the model (before sampling filters).
+    /// Its log-probability under the model (before sampling filters); NaN
+    /// when the request does not want it
+    /// ([`SamplingParams::needs_sampled_logprobs`]: the row was not
+    /// normalized).
     pub logprob: f32,
     /// The `k` most likely (token, logprob), most likely first.
     pub top_logprobs: Vec<(TokenId, f32)>,
@@ -44,7 +47,10 @@ fn lse_of(m: f32, sums: &[f64]) -> f64 {
 /// top entries, and for a draw without filters the weights' chunk sums.
 #[derive(Clone, Debug)]
 pub struct RowStats {
-    /// `ln Σ exp(x)` over the row ([`log_sum_exp`]).
+    /// `ln Σ exp(x)` over the row ([`log_sum_exp`]); NaN when the
+    /// request does not want its sampled tokens' logprobs
+    /// ([`SamplingParams::needs_sampled_logprobs`]) and the draw did not
+    /// need the pass anyway.
     pub lse: f64,
     /// The `k` largest logits (`k ≥ 1`), largest first, lower id first on ties.
     pub top: Vec<(TokenId, f32)>,
@@ -69,11 +75,17 @@ impl RowStats {
     pub fn new(logits: &[f32], params: &SamplingParams, num_logprobs: usize, constrained: bool) -> Self {
         let top = vector::top_k(logits, num_logprobs.max(1));
         let max = top.first().map_or(f32::NEG_INFINITY, |t| t.1);
+        let plain = !constrained && is_plain_draw(params, logits.len());
+        let inv_t = 1.0 / params.temperature;
+        // The normalizer's chunk sums are a plain draw's at temperature 1.
         let mut sums = Vec::new();
-        vector::exp_sums(logits, max, 1.0, &mut sums);
-        let lse = lse_of(max, &sums);
-        let plain_draw = (!constrained && is_plain_draw(params, logits.len())).then(|| {
-            let inv_t = 1.0 / params.temperature;
+        let lse = if params.needs_sampled_logprobs() || (plain && inv_t == 1.0) {
+            vector::exp_sums(logits, max, 1.0, &mut sums);
+            lse_of(max, &sums)
+        } else {
+            f64::NAN
+        };
+        let plain_draw = plain.then(|| {
             if inv_t != 1.0 {
                 vector::exp_sums(logits, max, inv_t, &mut sums);
             }
@@ -445,6 +457,27 @@ mod tests {
         for _ in 0..100 {
             assert_eq!(sample(&logits, &force, &mut rng, 0, (&[], &[])).token, 2);
         }
+    }
+
+    /// The normalizing pass runs only for requests that want logprobs:
+    /// a greedy row without them reports NaN (the engine then reports
+    /// none), with `logprobs: Some(0)` the chosen token's exact logprob;
+    /// both choose the same token.
+    #[test]
+    fn the_normalizer_is_computed_only_when_logprobs_are_wanted() {
+        let logits: Vec<f32> = (0..3 * vector::CHUNK).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
+        let (plain, asked) = (SamplingParams::greedy(1), SamplingParams { logprobs: Some(0), ..SamplingParams::greedy(1) });
+        assert!(!plain.needs_sampled_logprobs() && asked.needs_sampled_logprobs());
+        let mut rng = SeededRng::new(1);
+        let a = sample(&logits, &plain, &mut rng, 0, (&[], &[]));
+        let b = sample(&logits, &asked, &mut rng, 0, (&[], &[]));
+        assert_eq!(a.token, b.token);
+        assert!(a.logprob.is_nan());
+        let exact = logits[b.token as usize] as f64 - logits.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+        assert!((b.logprob as f64 - exact).abs() < 1e-5, "{} vs {exact}", b.logprob);
+        // A plain draw at temperature 1 has the sums anyway and keeps them.
+        let t1 = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+        assert!(!RowStats::new(&logits, &t1, 0, false).lse.is_nan());
     }
 
     /// A draw with no filter walks chunk sums then one chunk: its

@@ -247,28 +247,29 @@ impl Sequences {
         let r = self.reqs.remove(&id)?;
         let views: Vec<SeqView> = r.seqs.iter().filter_map(|sid| self.seqs.remove(sid)).collect();
         let prompt_token_ids = views.first().map(|v| v.prompt().to_vec()).unwrap_or_default();
+        // Without logprobs wanted, the sampler left them NaN (not computed).
+        let wanted = r.params.needs_sampled_logprobs();
         let mut outputs: Vec<(f64, SequenceOutput)> = views
             .into_iter()
             .map(|v| {
+                let score = match &r.params.beam_search {
+                    // The best `n` hypotheses by length-normalised score.
+                    Some(beam) => beam_score(v.cumulative, v.output().len(), beam.length_penalty),
+                    None => v.cumulative,
+                };
                 let out = SequenceOutput {
                     index: v.index,
                     text: String::new(),
                     token_ids: v.output().to_vec(),
                     logprobs: v.logprobs,
-                    token_logprobs: v.token_logprobs,
-                    cumulative_logprob: v.cumulative,
+                    token_logprobs: if wanted { v.token_logprobs } else { Vec::new() },
+                    cumulative_logprob: wanted.then_some(v.cumulative),
                     finish_reason: v.finish_reason.or(r.finished),
                 };
-                (v.cumulative, out)
+                (score, out)
             })
             .collect();
         let n = r.params.n;
-        if let Some(beam) = &r.params.beam_search {
-            // The best `n` hypotheses by length-normalised score.
-            for o in &mut outputs {
-                o.0 = beam_score(o.1.cumulative_logprob, o.1.token_ids.len(), beam.length_penalty);
-            }
-        }
         if r.params.beam_search.is_some() || r.params.num_sequences() > n {
             // Beams, or best_of: the `n` best, re-indexed.
             outputs.sort_by(|a, b| b.0.total_cmp(&a.0));
