@@ -225,7 +225,7 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
     if args.model.is_none() {
         args.model = args.model_flag.take();
     }
-    let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::default())?;
+    let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::serving(&args.engine.device))?;
     tracing::info!(model = args.model.as_deref().unwrap_or("default (SmolLM2-135M-Instruct Q4_1)"), "loading model");
     let mut llm = crate::cli::load_with_progress(engine_args)?;
     let max_model_len = llm.engine().max_model_len();
