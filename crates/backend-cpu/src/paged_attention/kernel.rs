@@ -389,11 +389,14 @@ pub(super) fn attend_group<T: KvElem, const SIMD: bool>(
         match in_place {
             Some((k, v)) => {
                 let rows = Rows { k, v, row_stride: rows.row_stride, head_off: rows.head_off };
-                // SAFETY: f32 rows need no CPU feature to widen.
+                // SAFETY: f32 rows need no CPU feature to widen; SIMD (the
+                // tile's FMA) is set only by attend_group_simd, entered on a
+                // CPU with AVX2, FMA and F16C.
                 unsafe { attend_tile::<f32, SIMD>(out, q, &rows, &runs, tile_len, shape, &mut state) };
             }
             // SAFETY: SIMD is set only by attend_group_simd, whose caller
-            // checked for F16C (KvElem::widen16's requirement).
+            // checked for AVX2, FMA and F16C (KvElem::widen16's requirement
+            // and the tile's FMA).
             None if SIMD => unsafe { attend_tile::<T, SIMD>(out, q, rows, &runs, tile_len, shape, &mut state) },
             None => {
                 for_each_row!(runs, rows.row_stride, |j, base| {
@@ -403,7 +406,8 @@ pub(super) fn attend_group<T: KvElem, const SIMD: bool>(
                 });
                 let dense = Rows { k: &*k_tile, v: &*v_tile, row_stride: row_len, head_off: 0 };
                 let dense_runs = TileRuns::one(tile_len);
-                // SAFETY: f32 rows need no CPU feature to widen.
+                // SAFETY: f32 rows need no CPU feature to widen; here SIMD
+                // is false (widen_to_scratch implies !SIMD), so no FMA.
                 unsafe { attend_tile::<f32, SIMD>(out, q, &dense, &dense_runs, tile_len, shape, &mut state) };
             }
         }
@@ -434,7 +438,8 @@ struct SoftmaxState<'a> {
 /// ports rather than by the latency of one chain of additions.
 ///
 /// # Safety
-/// As [`KvElem::widen16`] for `T` (nothing for `f32`).
+/// As [`KvElem::widen16`] for `T` (nothing for `f32`); with `FMA`, the CPU
+/// must also have AVX2 and FMA (only [`attend_group_simd`] sets it).
 #[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
 #[inline(always)]
 unsafe fn attend_tile<T: KvElem, const FMA: bool>(
@@ -642,7 +647,8 @@ unsafe fn widen_row<T: KvElem>(src: &[T], dst: &mut [f32]) {
 /// `b` widened from `T` sixteen at a time; `FMA` fuses the multiply-adds.
 ///
 /// # Safety
-/// As [`KvElem::widen16`] for `T`.
+/// As [`KvElem::widen16`] for `T`; with `FMA`, the CPU must also have AVX2
+/// and FMA.
 #[inline(always)]
 unsafe fn dot<T: KvElem, const FMA: bool>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = [[0.0f32; LANES]; UNROLL];
@@ -679,8 +685,8 @@ unsafe fn dot<T: KvElem, const FMA: bool>(a: &[f32], b: &[T]) -> f32 {
     }
     #[cfg(target_arch = "x86_64")]
     if FMA {
-        // SAFETY: FMA is set by the SIMD build only, entered on a CPU with
-        // AVX2 (see `attend`).
+        // SAFETY: with FMA this function's contract guarantees AVX2 (and
+        // so AVX).
         return unsafe { reduce_lanes_avx(&sum) } + tail;
     }
     reduce_lanes(sum) + tail
