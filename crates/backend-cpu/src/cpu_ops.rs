@@ -37,21 +37,16 @@ impl HostTensor {
     }
 
     /// A `[rows, cols]` output every cell of which the caller overwrites: in
-    /// the spare buffer (see [`Ops::reuse_host_buffer`]) or a recycled one
-    /// ([`RECYCLED`]) when it is large and fits, so the kernel writes to
+    /// a recycled buffer ([`RECYCLED`]: dropped tensors and the logits
+    /// [`Ops::reuse_host_buffer`] hands back) when it is large and one fits, so the kernel writes to
     /// memory already mapped and not zeroed for nothing. Fresh allocations of
     /// this size come from `mmap`, and their first writes fault page after
     /// page (a tenth of a 64-sequence Gemma 3 step); zeroing a reused one
     /// cost 5% of a 64-sequence prefill.
     fn for_overwrite(rows: usize, cols: usize) -> Self {
         let len = rows * cols;
-        if len >= SPARE_MIN_LEN {
-            let spare = match SPARE_OUTPUT.lock() {
-                Ok(mut spare) if spare.capacity() >= len => Some(std::mem::take(&mut *spare)),
-                _ => None,
-            };
-            let data = spare.or_else(|| {
-                let mut pool = RECYCLED.lock().ok()?;
+        if len >= RECYCLE_MIN_LEN {
+            let data = RECYCLED.lock().ok().and_then(|mut pool| {
                 // The smallest that fits keeps the larger ones for larger outputs.
                 let best = pool.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity())?.0;
                 Some(pool.swap_remove(best))
@@ -72,30 +67,37 @@ impl HostTensor {
 /// as the next layer allocates the same shapes).
 impl Drop for HostTensor {
     fn drop(&mut self) {
-        if self.data.capacity() >= SPARE_MIN_LEN {
-            if let Ok(mut pool) = RECYCLED.lock() {
-                if pool.len() < RECYCLED_MAX {
-                    pool.push(std::mem::take(&mut self.data));
-                }
-            }
+        recycle(std::mem::take(&mut self.data));
+    }
+}
+
+/// Keeps `buffer` in [`RECYCLED`] if it is large; when the pool is full it
+/// replaces the smallest buffer there if it is larger.
+fn recycle(buffer: Vec<f32>) {
+    if buffer.capacity() < RECYCLE_MIN_LEN {
+        return;
+    }
+    let Ok(mut pool) = RECYCLED.lock() else { return };
+    if pool.len() < RECYCLED_MAX {
+        pool.push(buffer);
+    } else if let Some(smallest) = pool.iter_mut().min_by_key(|b| b.capacity()) {
+        if smallest.capacity() < buffer.capacity() {
+            *smallest = buffer;
         }
     }
 }
 
-/// Large activation buffers dropped by the forward pass, reused by
-/// [`HostTensor::for_overwrite`]; at most [`RECYCLED_MAX`] (the freed
-/// memory stays in the process anyway: see `keep_freed_memory`).
+/// Large buffers for [`HostTensor::for_overwrite`]: those of tensors the
+/// forward pass dropped and the step's logits once sampled; at most
+/// [`RECYCLED_MAX`] (the freed memory stays in the process anyway: see
+/// `keep_freed_memory`).
 static RECYCLED: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
 
 /// Buffers [`RECYCLED`] keeps: more than one layer's live activations.
 const RECYCLED_MAX: usize = 16;
 
 /// Outputs at least this long (4 MiB) are worth keeping for reuse.
-const SPARE_MIN_LEN: usize = 1 << 20;
-
-/// The buffer of the last large output handed to the engine and given back
-/// (one step's logits), shared by every `CpuOps`.
-static SPARE_OUTPUT: std::sync::Mutex<Vec<f32>> = std::sync::Mutex::new(Vec::new());
+const RECYCLE_MIN_LEN: usize = 1 << 20;
 
 /// The CPU implementation of the model operations.
 #[derive(Clone, Copy, Debug, Default)]
@@ -362,13 +364,7 @@ impl Ops for CpuOps {
     }
 
     fn reuse_host_buffer(&self, buffer: Vec<f32>) {
-        if buffer.capacity() >= SPARE_MIN_LEN {
-            if let Ok(mut spare) = SPARE_OUTPUT.lock() {
-                if buffer.capacity() > spare.capacity() {
-                    *spare = buffer;
-                }
-            }
-        }
+        recycle(buffer);
     }
 
     fn run_forward<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
