@@ -133,21 +133,24 @@ impl CpuOps {
 
     /// The activation width of the linear named `name` (its Hugging Face
     /// name) under [`CpuOps::activations`]: with int8, the query, key and
-    /// value projections (`self_attn.{q,k,v}_proj`) keep int16. Their input
-    /// is the normalized residual stream, whose few very large channels set
-    /// the int8 block scales; the output projection reads the attention's
-    /// output (a weighted mean of value rows, no such outliers) and takes
-    /// int8 like the MLP. Measured on the golden tests against the float64
-    /// references (largest / mean gap on agreeing tokens, two realizations;
-    /// crates/backend-cpu/KERNELS.md): this split 0.157–0.228 / 0.027–0.029
-    /// nats on SmolLM2 and 0.161–0.329 / 0.019–0.027 on Gemma 3, within
-    /// llama.cpp's 0.265 / 0.0345 and 0.398 / 0.0421; every linear at int8
-    /// fails that rule in some realizations (SmolLM2's mean 0.0355–0.0366).
-    /// `VELLUM_CPU_INT8=all` puts every linear on int8 (to measure that).
+    /// value projections (`self_attn.{q,k,v}_proj`) take int8 with a scale
+    /// per 16 values ([`ActBits::I8Halves`]). Their input is the normalized
+    /// residual stream, whose few very large channels set the int8 block
+    /// scales (a scale per 16 halves the values each outlier coarsens); the
+    /// output projection reads the attention's output (a weighted mean of
+    /// value rows, no such outliers) and takes plain int8 like the MLP.
+    /// Measured on the golden tests against the float64 references (largest
+    /// / mean gap on agreeing tokens; crates/backend-cpu/KERNELS.md): 0.178
+    /// / 0.0339 nats on SmolLM2 and 0.221 / 0.0283 on Gemma 3, within
+    /// llama.cpp's 0.265 / 0.0345 and 0.398 / 0.0421 (int16 there, two
+    /// int8 passes and 16% slower on a 64-sequence Gemma 3 prefill: 0.168 /
+    /// 0.0334 and 0.128 / 0.0208); plain int8 there fails that rule in some
+    /// realizations (SmolLM2's mean 0.0355–0.0366). `VELLUM_CPU_QKV=int8|
+    /// halves|int16` picks their width (to measure that).
     pub fn activations_for(&self, name: &str) -> ActBits {
         let qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"];
-        if self.activations == ActBits::I8 && qkv.iter().any(|p| name.contains(p)) && !all_int8() {
-            ActBits::I16
+        if self.activations == ActBits::I8 && qkv.iter().any(|p| name.contains(p)) {
+            qkv_activations()
         } else {
             self.activations
         }
@@ -184,9 +187,53 @@ fn keep_freed_memory() {
     }
 }
 
-/// Whether `VELLUM_CPU_INT8=all` asks for int8 activations in every linear.
-fn all_int8() -> bool {
-    std::env::var("VELLUM_CPU_INT8").as_deref() == Ok("all")
+/// A rotary table and the rotations of the current step's positions.
+///
+/// Every layer rotates q and k at the same positions, so the step's `cos`
+/// and `sin` (a `cos`/`sin` pair in f64 per value: 4% of a 64-sequence
+/// Gemma 3 prefill when each call recomputed them) are computed by the
+/// first call and reused while the positions stay the same.
+pub struct CpuRope {
+    table: RopeTable,
+    step: std::sync::Mutex<RopeRows>,
+}
+
+/// The rotations of one list of positions: per position `head_dim / 2`
+/// cosines, then as many sines.
+#[derive(Default)]
+struct RopeRows {
+    positions: Vec<u32>,
+    cos_sin: Vec<f32>,
+}
+
+impl RopeRows {
+    /// Makes these the rotations of `positions` (a no-op when they are).
+    fn fill(&mut self, table: &RopeTable, positions: &[u32]) {
+        if self.positions == positions {
+            return;
+        }
+        let (hd, half) = (table.head_dim(), table.head_dim() / 2);
+        self.positions.clear();
+        self.positions.extend_from_slice(positions);
+        self.cos_sin.resize(positions.len() * hd, 0.0);
+        for (row, &pos) in self.cos_sin.chunks_exact_mut(hd).zip(positions) {
+            let (cos, sin) = row.split_at_mut(half);
+            table.cos_sin(pos, cos, sin);
+        }
+    }
+}
+
+/// The activations of the q/k/v projections when the others are int8:
+/// `VELLUM_CPU_QKV=int8|halves|int16` (`VELLUM_CPU_INT8=all`, the older
+/// switch, means int8), else the default.
+fn qkv_activations() -> ActBits {
+    match std::env::var("VELLUM_CPU_QKV").as_deref() {
+        Ok("int8") => ActBits::I8,
+        Ok("halves") => ActBits::I8Halves,
+        Ok("int16") => ActBits::I16,
+        _ if std::env::var("VELLUM_CPU_INT8").as_deref() == Ok("all") => ActBits::I8,
+        _ => ActBits::I8Halves,
+    }
 }
 
 /// Element-wise ops split across the rayon threads from this many values.
@@ -231,7 +278,7 @@ fn check(cond: bool, what: impl FnOnce() -> String) -> OpResult<()> {
 impl Ops for CpuOps {
     type Weight = HostWeight;
     type Vector = Vec<f32>;
-    type Rope = RopeTable;
+    type Rope = CpuRope;
 
     fn linear_weight(&self, w: WeightView<'_>) -> vellum_models::Result<HostWeight> {
         self.weight(&w)
@@ -249,8 +296,8 @@ impl Ops for CpuOps {
         Ok(data.to_vec())
     }
 
-    fn rope_table(&self, table: &RopeTable) -> vellum_models::Result<RopeTable> {
-        Ok(table.clone())
+    fn rope_table(&self, table: &RopeTable) -> vellum_models::Result<CpuRope> {
+        Ok(CpuRope { table: table.clone(), step: std::sync::Mutex::new(RopeRows::default()) })
     }
 
     fn embed(&self, table: &HostWeight, step: &HostStep) -> OpResult<HostTensor> {
@@ -300,25 +347,36 @@ impl Ops for CpuOps {
         Ok(out)
     }
 
-    fn rope(&self, x: &mut HostTensor, table: &RopeTable, step: &HostStep) -> OpResult<()> {
+    fn rope(&self, x: &mut HostTensor, rope: &CpuRope, step: &HostStep) -> OpResult<()> {
         let positions = &step.batch.positions;
-        let head_dim = table.head_dim();
+        let head_dim = rope.table.head_dim();
         check(x.rows == positions.len() && head_dim > 0 && x.cols.is_multiple_of(head_dim), || {
             format!("rope: {} rows of width {} for {} positions, head_dim {head_dim}", x.rows, x.cols, positions.len())
         })?;
         let half = head_dim / 2;
-        let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
-        let cols = x.cols;
-        for (row, &pos) in x.data.chunks_exact_mut(cols).zip(positions) {
-            table.cos_sin(pos, &mut cos, &mut sin);
-            for head in row.chunks_exact_mut(head_dim) {
-                let (a, b) = head.split_at_mut(half);
-                for i in 0..half {
-                    let (x0, x1) = (a[i], b[i]);
-                    a[i] = x0 * cos[i] - x1 * sin[i];
-                    b[i] = x1 * cos[i] + x0 * sin[i];
+        // A poisoned lock only means another call panicked mid-fill: the
+        // positions check below refills it.
+        let mut rows = rope.step.lock().unwrap_or_else(|e| e.into_inner());
+        rows.fill(&rope.table, positions);
+        let (cols, cos_sin) = (x.cols, &rows.cos_sin);
+        let rotate = |first_row: usize, part: &mut [f32]| {
+            for (r, row) in part.chunks_exact_mut(cols).enumerate() {
+                let (cos, sin) = cos_sin[(first_row + r) * head_dim..(first_row + r + 1) * head_dim].split_at(half);
+                for head in row.chunks_exact_mut(head_dim) {
+                    let (a, b) = head.split_at_mut(half);
+                    for i in 0..half {
+                        let (x0, x1) = (a[i], b[i]);
+                        a[i] = x0 * cos[i] - x1 * sin[i];
+                        b[i] = x1 * cos[i] + x0 * sin[i];
+                    }
                 }
             }
+        };
+        if x.data.len() >= PAR_ELEMENTS {
+            let rows_per_part = (PAR_ELEMENTS / cols).max(1);
+            crate::spin_team::for_chunks_mut(&mut x.data, rows_per_part * cols, &|i, part| rotate(i * rows_per_part, part));
+        } else {
+            rotate(0, &mut x.data);
         }
         Ok(())
     }
@@ -385,8 +443,12 @@ impl AttentionBackend for CpuOps {
         let acts = match (self.weight_format, self.activations) {
             (WeightFormat::F32, _) => "float32",
             (_, ActBits::I16) => "int16 activations",
-            (_, ActBits::I8) if all_int8() => "int8 activations",
-            (_, ActBits::I8) => "int8 activations, int16 in q/k/v",
+            (_, ActBits::I8Halves) => "int8 activations, a scale per 16",
+            (_, ActBits::I8) => match qkv_activations() {
+                ActBits::I8 => "int8 activations",
+                ActBits::I8Halves => "int8 activations, a scale per 16 in q/k/v",
+                ActBits::I16 => "int8 activations, int16 in q/k/v",
+            },
         };
         format!("cpu ({kernel}, {} threads, weights {:?}, {acts})", rayon::current_num_threads(), self.weight_format)
     }
@@ -722,7 +784,7 @@ mod tests {
                         // to the terms' magnitude.
                         let tol = match (integer, bits) {
                             (Some(_), ActBits::I16) => 1e-4,
-                            (Some(_), ActBits::I8) => 2e-2,
+                            (Some(_), ActBits::I8 | ActBits::I8Halves) => 2e-2,
                             (None, _) => 1e-6,
                         };
                         assert!((got - exact).abs() <= tol * scale + 1e-9, "{ty} m={m} ({r},{c}): {got} vs {exact}");

@@ -113,7 +113,7 @@ impl QuantWeight {
     /// rates).
     pub fn into_best_layout(self, acts: super::ActBits) -> Self {
         let kernel = super::Kernel::detect();
-        let avx2 = kernel == super::Kernel::Avx2 && (self.kind.nibbles() || acts == super::ActBits::I8);
+        let avx2 = kernel == super::Kernel::Avx2 && (self.kind.nibbles() || acts.int8());
         if kernel >= super::Kernel::AvxVnni || avx2 {
             self.into_lanes()
         } else {
@@ -182,7 +182,6 @@ fn corr_index(blk: usize, which: usize) -> usize {
 /// integer sums as the lane kernels.
 pub(super) fn scalar_cell(x: &QuantActs, w: &QuantWeight, r: usize, c: usize) -> f32 {
     let mut acc = 0.0f32;
-    let xs = x.bits.scales();
     for blk in 0..w.blocks() {
         let (j, b) = (blk / 2, blk % 2);
         let xr = x.record(r, j);
@@ -190,10 +189,14 @@ pub(super) fn scalar_cell(x: &QuantActs, w: &QuantWeight, r: usize, c: usize) ->
         for e in 0..BLOCK {
             half[e / 16] += w.lane_code(c, blk, e) * x.code(xr, pos(b, e));
         }
-        let dx = super::f32_at(xr, xs + 4 * b);
-        if w.kind.split_halves() {
+        let dx = super::f32_at(xr, x.bits.scale_at(b, 0));
+        if w.kind.split_halves() || x.bits.halves() {
             for (h, s) in half.iter().enumerate() {
-                acc += *s as f32 * (w.lane_scales(c, blk, h).0 * dx);
+                let (d, m) = w.lane_scales(c, blk, h);
+                acc += *s as f32 * (d * super::f32_at(xr, x.bits.scale_at(b, 16 * h)));
+                if h == 1 {
+                    acc += m * x.sums[r * padded_blocks(x.pairs) + blk];
+                }
             }
         } else {
             let (d, m) = w.lane_scales(c, blk, 0);
@@ -214,10 +217,30 @@ pub(super) mod kernels {
     use crate::quant::avx2::PREFETCH_BYTES;
     use std::arch::x86_64::*;
 
-    /// Bytes of one int8 activation pair record.
-    const XREC: usize = ActBits::I8.record();
-    /// Offset of its two f32 scales.
+    /// Bytes of one int8 activation pair record: [`ActBits::I8`], or with
+    /// `H` [`ActBits::I8Halves`] (a scale per 16 values).
+    const fn xrec(h: bool) -> usize {
+        if h {
+            ActBits::I8Halves.record()
+        } else {
+            ActBits::I8.record()
+        }
+    }
+    /// Offset of the f32 scales in a record (the same for both).
     const XSCALES: usize = ActBits::I8.scales();
+    const _: () = assert!(ActBits::I8.scales() == ActBits::I8Halves.scales());
+
+    /// The `dx` of half `h` of block `b` of the record at `xr` (one per
+    /// block unless `H`).
+    ///
+    /// # Safety
+    /// `xr` must point to a whole activation record of its kind.
+    #[inline(always)]
+    unsafe fn dx_at<const H: bool>(xr: *const u8, b: usize, h: usize) -> f32 {
+        let at = XSCALES + 4 * b + if H { 8 * h } else { 0 };
+        // SAFETY: the record holds its scales at `at` (the caller's contract).
+        unsafe { (xr.add(at) as *const f32).read_unaligned() }
+    }
 
     /// Where a tile reads: the first row's activation records, block sums
     /// and corrections, the output group's records, and where it writes.
@@ -292,7 +315,7 @@ pub(super) mod kernels {
     /// tiles, the weight of kind `K` (8-bit).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn signed_tile_avx2<const R: usize, const K: u8>(t: Tile) {
+    unsafe fn signed_tile_avx2<const R: usize, const K: u8, const H: bool>(t: Tile) {
         let kind = QuantKind::from_code(K);
         let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
         let pairs = t.blocks / 2;
@@ -317,10 +340,10 @@ pub(super) mod kernels {
                     }
                     let d = _mm256_loadu_ps(wr.add(cb + if K == KQ6K { 32 * h } else { 0 }) as *const f32);
                     for (r, fr) in f.iter_mut().enumerate() {
-                        let xr = t.x.add((r * pairs + j) * XREC);
+                        let xr = t.x.add((r * pairs + j) * xrec(H));
                         // Group g of block b sits at 8g + 4b in the pair.
                         let xg = |g: usize| _mm256_set1_epi32((xr.add(8 * g + 4 * b) as *const i32).read_unaligned());
-                        let dx = _mm256_set1_ps((xr.add(XSCALES + 4 * b) as *const f32).read_unaligned());
+                        let dx = _mm256_set1_ps(dx_at::<H>(xr, b, h));
                         let p = |q: usize| _mm256_madd_epi16(_mm256_maddubs_epi16(aw[q], _mm256_sign_epi8(xg(4 * h + q), sw[q])), ones);
                         let isum = _mm256_add_epi32(_mm256_add_epi32(p(0), p(1)), _mm256_add_epi32(p(2), p(3)));
                         *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), *fr);
@@ -344,7 +367,7 @@ pub(super) mod kernels {
     /// weight of kind `K`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn tile16<const R: usize, const K: u8>(lo: Tile, hi: Tile) {
+    unsafe fn tile16<const R: usize, const K: u8, const H: bool>(lo: Tile, hi: Tile) {
         let kind = QuantKind::from_code(K);
         let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
         let pairs = lo.blocks / 2;
@@ -401,20 +424,26 @@ pub(super) mod kernels {
                 };
                 let (j, b) = (blk / 2, blk % 2);
                 for (r, fr) in f.iter_mut().enumerate() {
-                    let xr = lo.x.add((r * pairs + j) * XREC);
+                    let xr = lo.x.add((r * pairs + j) * xrec(H));
                     // Group g of block b sits at 8g + 4b in the pair.
                     let xg = |g: usize| _mm512_set1_epi32((xr.add(8 * g + 4 * b) as *const i32).read_unaligned());
-                    let dx = _mm512_set1_ps((xr.add(XSCALES + 4 * b) as *const f32).read_unaligned());
+                    let dx = _mm512_set1_ps(dx_at::<H>(xr, b, 0));
                     let corr = |which: usize| _mm512_set1_epi32(*lo.corr.add(r * 4 * lo.blocks + corr_index(blk, which)));
-                    if K == KQ6K {
-                        // A chain per half, each with its own scale.
-                        let (mut i0, mut i1) = (corr(0), corr(1));
+                    if K == KQ6K || H {
+                        // A chain per half, each with its own scales (the
+                        // weight's for Q6K, the activations' for H).
+                        let (mut i0, mut i1) =
+                            if K == KQ4 || K == KQ4K { (_mm512_setzero_si512(), _mm512_setzero_si512()) } else { (corr(0), corr(1)) };
                         for g in 0..4 {
                             i0 = _mm512_dpbusd_epi32(i0, wv[g], xg(g));
                             i1 = _mm512_dpbusd_epi32(i1, wv[g + 4], xg(g + 4));
                         }
+                        let (d1, dx1) = (if K == KQ6K { d1 } else { d0 }, if H { _mm512_set1_ps(dx_at::<H>(xr, b, 1)) } else { dx });
                         *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(d0, dx), *fr);
-                        *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(d1, dx), *fr);
+                        *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(d1, dx1), *fr);
+                        if K == KQ4 || K == KQ4K {
+                            *fr = _mm512_fmadd_ps(m, _mm512_set1_ps(*lo.sums.add(r * nbp + blk)), *fr);
+                        }
                         continue;
                     }
                     // Two chains, for the latency of vpdpbusd.
@@ -447,24 +476,24 @@ pub(super) mod kernels {
     /// `$tile::<R, K>($args)` for the tile's rows `R` (1–4) and the
     /// weight's kind code `K`.
     macro_rules! by_rows_and_kind {
-        ($tile:ident, $rows:expr, $kind:expr, ($($arg:expr),*)) => {
+        ($tile:ident, $rows:expr, $kind:expr, $h:ident, ($($arg:expr),*)) => {
             match ($rows, $kind) {
-                (4, KQ4) => $tile::<4, KQ4>($($arg),*),
-                (3, KQ4) => $tile::<3, KQ4>($($arg),*),
-                (2, KQ4) => $tile::<2, KQ4>($($arg),*),
-                (1, KQ4) => $tile::<1, KQ4>($($arg),*),
-                (4, KQ8) => $tile::<4, KQ8>($($arg),*),
-                (3, KQ8) => $tile::<3, KQ8>($($arg),*),
-                (2, KQ8) => $tile::<2, KQ8>($($arg),*),
-                (1, KQ8) => $tile::<1, KQ8>($($arg),*),
-                (4, KQ4K) => $tile::<4, KQ4K>($($arg),*),
-                (3, KQ4K) => $tile::<3, KQ4K>($($arg),*),
-                (2, KQ4K) => $tile::<2, KQ4K>($($arg),*),
-                (1, KQ4K) => $tile::<1, KQ4K>($($arg),*),
-                (4, KQ6K) => $tile::<4, KQ6K>($($arg),*),
-                (3, KQ6K) => $tile::<3, KQ6K>($($arg),*),
-                (2, KQ6K) => $tile::<2, KQ6K>($($arg),*),
-                (1, KQ6K) => $tile::<1, KQ6K>($($arg),*),
+                (4, KQ4) => $tile::<4, KQ4, $h>($($arg),*),
+                (3, KQ4) => $tile::<3, KQ4, $h>($($arg),*),
+                (2, KQ4) => $tile::<2, KQ4, $h>($($arg),*),
+                (1, KQ4) => $tile::<1, KQ4, $h>($($arg),*),
+                (4, KQ8) => $tile::<4, KQ8, $h>($($arg),*),
+                (3, KQ8) => $tile::<3, KQ8, $h>($($arg),*),
+                (2, KQ8) => $tile::<2, KQ8, $h>($($arg),*),
+                (1, KQ8) => $tile::<1, KQ8, $h>($($arg),*),
+                (4, KQ4K) => $tile::<4, KQ4K, $h>($($arg),*),
+                (3, KQ4K) => $tile::<3, KQ4K, $h>($($arg),*),
+                (2, KQ4K) => $tile::<2, KQ4K, $h>($($arg),*),
+                (1, KQ4K) => $tile::<1, KQ4K, $h>($($arg),*),
+                (4, KQ6K) => $tile::<4, KQ6K, $h>($($arg),*),
+                (3, KQ6K) => $tile::<3, KQ6K, $h>($($arg),*),
+                (2, KQ6K) => $tile::<2, KQ6K, $h>($($arg),*),
+                (1, KQ6K) => $tile::<1, KQ6K, $h>($($arg),*),
                 _ => unreachable!("tiles take 1–4 rows"),
             }
         };
@@ -496,11 +525,11 @@ pub(super) mod kernels {
                 /// valid for writes and the caller's.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn tile<const R: usize, const K: u8>(t: Tile) {
+                unsafe fn tile<const R: usize, const K: u8, const H: bool>(t: Tile) {
                     if $maddubs && K == KQ8 && !t.small {
                         // SAFETY: as this function's contract; the module's
                         // features include AVX2, FMA and F16C.
-                        return unsafe { signed_tile_avx2::<R, K>(t) };
+                        return unsafe { signed_tile_avx2::<R, K, H>(t) };
                     }
                     let kind = QuantKind::from_code(K);
                     let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
@@ -542,10 +571,18 @@ pub(super) mod kernels {
                             };
                             let (j, b) = (blk / 2, blk % 2);
                             for (r, fr) in f.iter_mut().enumerate() {
-                                let xr = t.x.add((r * pairs + j) * XREC);
+                                let xr = t.x.add((r * pairs + j) * xrec(H));
                                 // Group g of block b sits at 8g + 4b in the pair.
                                 let xg = |g: usize| _mm256_set1_epi32((xr.add(8 * g + 4 * b) as *const i32).read_unaligned());
-                                let dx = _mm256_set1_ps((xr.add(XSCALES + 4 * b) as *const f32).read_unaligned());
+                                let dx = _mm256_set1_ps(dx_at::<H>(xr, b, 0));
+                                // The scale of values 16..32 (`dx` unless H).
+                                let dx1 = if H { _mm256_set1_ps(dx_at::<H>(xr, b, 1)) } else { dx };
+                                // The weights' offsets, for nibble kinds.
+                                let mins = || if K == KQ4 {
+                                    _mm256_cvtph_ps(_mm_loadu_si128(wr.add(cb + 16) as *const __m128i))
+                                } else {
+                                    _mm256_loadu_ps(wr.add(cb + 32) as *const f32)
+                                };
                                 let corr = |which: usize| _mm256_set1_epi32(*t.corr.add(r * 4 * t.blocks + corr_index(blk, which)));
                                 let madd = |p: __m256i| _mm256_madd_epi16(p, _mm256_set1_epi16(1));
                                 let mb = |g: usize| _mm256_maddubs_epi16(wv[g], xg(g));
@@ -564,7 +601,19 @@ pub(super) mod kernels {
                                     };
                                     let (i0, i1) = (half(0), half(1));
                                     *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, dx), *fr);
-                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, dx), *fr);
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, dx1), *fr);
+                                } else if $maddubs && K == KQ8 && H {
+                                    // Q5_0's codes plus 16, a sum per half:
+                                    // four lanes of at most 7874 add up in
+                                    // i16; the correction is −16 · Σ qx.
+                                    let half = |h: usize| {
+                                        let g = 4 * h;
+                                        let p = _mm256_add_epi16(_mm256_add_epi16(mb(g), mb(g + 1)), _mm256_add_epi16(mb(g + 2), mb(g + 3)));
+                                        _mm256_add_epi32(_mm256_srai_epi32::<3>(corr(h)), madd(p))
+                                    };
+                                    let (i0, i1) = (half(0), half(1));
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, dx), *fr);
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d0, dx1), *fr);
                                 } else if $maddubs && K == KQ8 {
                                     // Q5_0's codes plus 16 (0..=31): a lane is
                                     // at most 2 · 31 · 127 = 7874, four add up
@@ -573,16 +622,37 @@ pub(super) mod kernels {
                                     let p1 = _mm256_add_epi16(_mm256_add_epi16(mb(1), mb(3)), _mm256_add_epi16(mb(5), mb(7)));
                                     let isum = _mm256_add_epi32(_mm256_srai_epi32::<3>(corr(2)), _mm256_add_epi32(madd(p0), madd(p1)));
                                     *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d0, dx), *fr);
-                                } else if K == KQ6K {
-                                    let d1 = _mm256_loadu_ps(wr.add(cb + 32) as *const f32);
-                                    let mut i0 = corr(0);
-                                    let mut i1 = corr(1);
+                                } else if $maddubs && H {
+                                    // Nibbles, a sum per half: four
+                                    // `vpmaddubsw` (lanes of at most
+                                    // 2 · 15 · 128) add up in i16.
+                                    let half = |h: usize| {
+                                        let g = 4 * h;
+                                        madd(_mm256_add_epi16(_mm256_add_epi16(mb(g), mb(g + 1)), _mm256_add_epi16(mb(g + 2), mb(g + 3))))
+                                    };
+                                    let (i0, i1) = (half(0), half(1));
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, dx), *fr);
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d0, dx1), *fr);
+                                    *fr = _mm256_fmadd_ps(mins(), _mm256_set1_ps(*t.sums.add(r * nbp + blk)), *fr);
+                                } else if K == KQ6K || H {
+                                    // A chain per half, each with its own
+                                    // scales (the weight's for Q6K, the
+                                    // activations' for H).
+                                    let d1 = if K == KQ6K { _mm256_loadu_ps(wr.add(cb + 32) as *const f32) } else { d0 };
+                                    let (mut i0, mut i1) = if K == KQ4 || K == KQ4K {
+                                        (_mm256_setzero_si256(), _mm256_setzero_si256())
+                                    } else {
+                                        (corr(0), corr(1))
+                                    };
                                     for g in 0..4 {
                                         i0 = dpbusd(i0, wv[g], xg(g));
                                         i1 = dpbusd(i1, wv[g + 4], xg(g + 4));
                                     }
                                     *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, dx), *fr);
-                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, dx), *fr);
+                                    *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, dx1), *fr);
+                                    if K == KQ4 || K == KQ4K {
+                                        *fr = _mm256_fmadd_ps(mins(), _mm256_set1_ps(*t.sums.add(r * nbp + blk)), *fr);
+                                    }
                                 } else if $maddubs {
                                     // Nibbles: eight
                                     // `vpmaddubsw` add up in i16 without
@@ -597,13 +667,8 @@ pub(super) mod kernels {
                                     }
                                     let isum = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
                                     *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d0, dx), *fr);
-                                    let m = if K == KQ4 {
-                                        _mm256_cvtph_ps(_mm_loadu_si128(wr.add(cb + 16) as *const __m128i))
-                                    } else {
-                                        _mm256_loadu_ps(wr.add(cb + 32) as *const f32)
-                                    };
                                     let sx = _mm256_set1_ps(*t.sums.add(r * nbp + blk));
-                                    *fr = _mm256_fmadd_ps(m, sx, *fr);
+                                    *fr = _mm256_fmadd_ps(mins(), sx, *fr);
                                 } else {
                                     // Two chains, for the latency of vpdpbusd.
                                     let (mut i0, mut i1) = if K == KQ8 { (corr(2), _mm256_setzero_si256()) } else { (_mm256_setzero_si256(), _mm256_setzero_si256()) };
@@ -614,13 +679,8 @@ pub(super) mod kernels {
                                     let isum = _mm256_add_epi32(i0, i1);
                                     *fr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d0, dx), *fr);
                                     if K == KQ4 || K == KQ4K {
-                                        let m = if K == KQ4 {
-                                            _mm256_cvtph_ps(_mm_loadu_si128(wr.add(cb + 16) as *const __m128i))
-                                        } else {
-                                            _mm256_loadu_ps(wr.add(cb + 32) as *const f32)
-                                        };
                                         let sx = _mm256_set1_ps(*t.sums.add(r * nbp + blk));
-                                        *fr = _mm256_fmadd_ps(m, sx, *fr);
+                                        *fr = _mm256_fmadd_ps(mins(), sx, *fr);
                                     }
                                 }
                             }
@@ -639,7 +699,7 @@ pub(super) mod kernels {
                 /// valid for writes at every (row, col) of the ranges, cells
                 /// the caller owns; `x` holds int8 codes; `w` is in the lane
                 /// layout.
-                pub unsafe fn gemm(
+                pub unsafe fn gemm<const H: bool>(
                     y: *mut f32,
                     ldy: usize,
                     x: &QuantActs,
@@ -647,13 +707,13 @@ pub(super) mod kernels {
                     rows: std::ops::Range<usize>,
                     cols: std::ops::Range<usize>,
                 ) {
-                    debug_assert!(x.bits == ActBits::I8 && w.lanes);
+                    debug_assert!(x.bits == if H { ActBits::I8Halves } else { ActBits::I8 } && w.lanes);
                     let blocks = 2 * w.pairs;
                     let rec = record_bytes(w.kind);
                     let nbp = padded_blocks(w.pairs);
                     // Rows in blocks whose activations stay in L2 while the
                     // group's weights (in L1) meet each row.
-                    let row_block = (96 * 1024 / (w.pairs * XREC)).max(4) / 4 * 4;
+                    let row_block = (96 * 1024 / (w.pairs * xrec(H))).max(4) / 4 * 4;
                     let (first_group, end_group) = (cols.start / LANES, cols.end.div_ceil(LANES));
                     // Which of group `g8`'s outputs the column range holds.
                     let mask = |g8: usize| {
@@ -675,7 +735,7 @@ pub(super) mod kernels {
                         Tile {
                             y: y.wrapping_add(r * ldy + g8 * LANES),
                             ldy,
-                            x: x.data.as_ptr().add(r * w.pairs * XREC),
+                            x: x.data.as_ptr().add(r * w.pairs * xrec(H)),
                             sums: x.sums.as_ptr().add(r * nbp),
                             corr: x.corr.as_ptr().add(r * 4 * blocks),
                             w: w.data.as_ptr().add(g8 * blocks * rec),
@@ -705,9 +765,9 @@ pub(super) mod kernels {
                                 // where `$wide` holds.
                                 unsafe {
                                     if pair {
-                                        by_rows_and_kind!(tile16, rr, w.kind.code(), (t, tile_at(r, g8 + 1, store1)))
+                                        by_rows_and_kind!(tile16, rr, w.kind.code(), H, (t, tile_at(r, g8 + 1, store1)))
                                     } else {
-                                        by_rows_and_kind!(tile, rr, w.kind.code(), (t))
+                                        by_rows_and_kind!(tile, rr, w.kind.code(), H, (t))
                                     }
                                 }
                                 r += rr;

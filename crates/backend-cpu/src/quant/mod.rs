@@ -77,24 +77,45 @@ pub enum ActBits {
     I8,
     /// int16 codes (`|qx| ≤ 32767`): 20× closer to float32, half the rate.
     I16,
+    /// int8 codes with a scale per 16 values (each half of a block; GGML's
+    /// Q6_K weights have the same granularity): an outlier channel coarsens
+    /// the codes of 15 neighbours instead of 31, at the int8 rate plus one
+    /// more integer-to-float step per block. The lane layout's kernels run
+    /// it; elsewhere the scalar kernel does.
+    I8Halves,
 }
 
 impl ActBits {
-    /// Bytes of one quantized activation pair: 64 codes, 2 f32 `dx`.
+    /// Bytes of one quantized activation pair: 64 codes, then 2 f32 `dx`
+    /// (one per block) or, for [`ActBits::I8Halves`], 4.
     pub const fn record(self) -> usize {
-        self.scales() + 8
+        self.scales() + if self.halves() { 16 } else { 8 }
     }
-    /// Offset of the two f32 `dx` in a pair record (after the 64 codes).
+    /// Offset of the f32 `dx` in a pair record (after the 64 codes).
     pub const fn scales(self) -> usize {
         match self {
-            ActBits::I8 => PAIR,
+            ActBits::I8 | ActBits::I8Halves => PAIR,
             ActBits::I16 => 2 * PAIR,
         }
+    }
+    /// Offset in a pair record of the `dx` that scales value `e` of block
+    /// `b`: per block, or with halves `(b, 0..16)`, `(1 − b, 0..16)`, then
+    /// `(b, 16..32)`, `(1 − b, 16..32)` — Q6_K's order of weight scales.
+    pub const fn scale_at(self, b: usize, e: usize) -> usize {
+        self.scales() + 4 * b + if self.halves() { 8 * (e / 16) } else { 0 }
+    }
+    /// Whether codes are bytes (the int8 kernels read them).
+    pub const fn int8(self) -> bool {
+        matches!(self, ActBits::I8 | ActBits::I8Halves)
+    }
+    /// Whether each half of a block (16 values) has its own scale.
+    pub const fn halves(self) -> bool {
+        matches!(self, ActBits::I8Halves)
     }
     /// Largest code magnitude.
     const fn max(self) -> f32 {
         match self {
-            ActBits::I8 => 127.0,
+            ActBits::I8 | ActBits::I8Halves => 127.0,
             ActBits::I16 => 32767.0,
         }
     }
@@ -602,15 +623,21 @@ fn rows_per_part(rows: usize) -> usize {
     (rows / (4 * rayon::current_num_threads().max(1))).max(1)
 }
 
-fn quant_act_block(vals: &[f32], max: f32) -> ([i16; BLOCK], f32, f32) {
-    let amax = vals.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-    let d = amax / max;
-    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+fn quant_act_block(vals: &[f32], bits: ActBits) -> ([i16; BLOCK], [f32; 2], f32) {
+    let max = bits.max();
+    let amax = |v: &[f32]| v.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = if bits.halves() {
+        let mid = vals.len().min(BLOCK / 2);
+        [amax(&vals[..mid]) / max, amax(&vals[mid..]) / max]
+    } else {
+        [amax(vals) / max; 2]
+    };
+    let id = d.map(|d| if d > 0.0 { 1.0 / d } else { 0.0 });
     let mut q = [0i16; BLOCK];
     let mut sum = 0.0f32;
-    for (qe, &v) in q.iter_mut().zip(vals) {
-        *qe = (v * id).round_ties_even().clamp(-max, max) as i16;
-        sum += f32::from(*qe) * d;
+    for (e, (qe, &v)) in q.iter_mut().zip(vals).enumerate() {
+        *qe = (v * id[e / 16]).round_ties_even().clamp(-max, max) as i16;
+        sum += f32::from(*qe) * d[e / 16];
     }
     (q, d, sum)
 }
@@ -627,7 +654,7 @@ fn quantize_row(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32], corr
     {
         if has_simd() {
             while (j + 1) * PAIR <= x.len() && j < pairs {
-                let c = if bits == ActBits::I8 { &mut corr[8 * j..8 * j + 8] } else { &mut [][..] };
+                let c = if bits.int8() { &mut corr[8 * j..8 * j + 8] } else { &mut [][..] };
                 // SAFETY: the CPU supports AVX2, FMA and F16C; `x` holds the
                 // pair's 64 values, `out` its record and `sums` its two sums.
                 unsafe {
@@ -645,13 +672,13 @@ fn quantize_row(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32], corr
 /// Pair `j` of row `x` (values `64j..64j + 64`, zeros past the end) into
 /// its record `r`, its block sums and (int8) its corrections.
 fn quantize_pair(x: &[f32], j: usize, bits: ActBits, r: &mut [u8], sums: &mut [f32], corr: &mut [i32]) {
-    let (k, xs) = (x.len(), bits.scales());
+    let k = x.len();
     for b in 0..2 {
         let start = (j * PAIR + b * BLOCK).min(k);
         let end = (start + BLOCK).min(k);
-        let (q, d, sum) = quant_act_block(&x[start..end], bits.max());
+        let (q, d, sum) = quant_act_block(&x[start..end], bits);
         match bits {
-            ActBits::I8 => {
+            ActBits::I8 | ActBits::I8Halves => {
                 for (e, &qe) in q.iter().enumerate() {
                     r[pos(b, e)] = qe as i8 as u8;
                 }
@@ -666,7 +693,10 @@ fn quantize_pair(x: &[f32], j: usize, bits: ActBits, r: &mut [u8], sums: &mut [f
                 }
             }
         }
-        r[xs + 4 * b..xs + 4 * b + 4].copy_from_slice(&d.to_le_bytes());
+        for h in 0..if bits.halves() { 2 } else { 1 } {
+            let at = bits.scale_at(b, 16 * h);
+            r[at..at + 4].copy_from_slice(&d[h].to_le_bytes());
+        }
         sums[2 * j + b] = sum;
     }
 }
@@ -700,27 +730,28 @@ unsafe fn quantize_pair_avx2(x: &[f32], bits: ActBits, r: &mut [u8], sums: &mut 
         _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
     };
     let mut q = [[_mm256_setzero_si256(); 4]; 2];
-    let mut d = [0.0f32; 2];
+    // Per block, the scales of values 0..16 and 16..32 (equal unless halves).
+    let mut d = [[0.0f32; 2]; 2];
     // Each block's dequantized values, for its sum.
     let mut prods = [[0.0f32; BLOCK]; 2];
     for b in 0..2 {
         // SAFETY (loads): `x` holds 64 values, block `b` is 32 of them.
         let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(b * BLOCK + 8 * i)));
         let a = v.map(|v| _mm256_and_ps(v, abs_mask));
-        let amax = hmax(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
-        d[b] = amax / max;
-        let id = _mm256_set1_ps(if d[b] > 0.0 { 1.0 / d[b] } else { 0.0 });
+        let (m0, m1) = (_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+        d[b] = if bits.halves() { [hmax(m0) / max, hmax(m1) / max] } else { [hmax(_mm256_max_ps(m0, m1)) / max; 2] };
+        let id = d[b].map(|d| _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 }));
         let (lo, hi) = (_mm256_set1_epi32(-(max as i32)), _mm256_set1_epi32(max as i32));
-        q[b] = v.map(|v| {
-            let t = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v, id));
-            _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(t), lo), hi)
-        });
-        let dv = _mm256_set1_ps(d[b]);
+        for (i, qi) in q[b].iter_mut().enumerate() {
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v[i], id[i / 2]));
+            *qi = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(t), lo), hi);
+        }
         for (i, &qi) in q[b].iter().enumerate() {
+            let dv = _mm256_set1_ps(d[b][i / 2]);
             // SAFETY: 8 floats into `prods[b][8i..8i + 8]`.
             _mm256_storeu_ps(prods[b].as_mut_ptr().add(8 * i), _mm256_mul_ps(_mm256_cvtepi32_ps(qi), dv));
         }
-        if bits == ActBits::I8 {
+        if bits.int8() {
             let h0 = hsum(_mm256_add_epi32(q[b][0], q[b][1]));
             let h1 = hsum(_mm256_add_epi32(q[b][2], q[b][3]));
             corr[4 * b..4 * b + 4].copy_from_slice(&[-128 * h0, -128 * h1, -128 * (h0 + h1), 0]);
@@ -740,16 +771,19 @@ unsafe fn quantize_pair_avx2(x: &[f32], bits: ActBits, r: &mut [u8], sums: &mut 
     // SAFETY (stores): the record holds 64 codes of `bits` before its scales.
     match bits {
         ActBits::I16 => (0..4).for_each(|i| _mm256_storeu_si256(out.add(i), w[i])),
-        ActBits::I8 => {
+        ActBits::I8 | ActBits::I8Halves => {
             for i in 0..2 {
                 let p = _mm256_packs_epi16(w[2 * i], w[2 * i + 1]);
                 _mm256_storeu_si256(out.add(i), _mm256_permute4x64_epi64::<0b11_01_10_00>(p));
             }
         }
     }
-    let xs = bits.scales();
-    r[xs..xs + 4].copy_from_slice(&d[0].to_le_bytes());
-    r[xs + 4..xs + 8].copy_from_slice(&d[1].to_le_bytes());
+    for (b, db) in d.iter().enumerate() {
+        for h in 0..if bits.halves() { 2 } else { 1 } {
+            let at = bits.scale_at(b, 16 * h);
+            r[at..at + 4].copy_from_slice(&db[h].to_le_bytes());
+        }
+    }
 }
 
 impl QuantActs {
@@ -865,7 +899,7 @@ impl QuantActs {
         let nbp = padded_blocks(pairs);
         into.sums.clear();
         into.sums.resize(rows * nbp, 0.0);
-        let ncorr = if bits == ActBits::I8 { 8 * pairs } else { 0 };
+        let ncorr = if bits.int8() { 8 * pairs } else { 0 };
         into.corr.clear();
         into.corr.resize(rows * ncorr, 0);
         if k == 0 {
@@ -900,7 +934,7 @@ impl QuantActs {
     #[inline]
     fn code(&self, r: &[u8], p: usize) -> i32 {
         match self.bits {
-            ActBits::I8 => i32::from(r[p] as i8),
+            ActBits::I8 | ActBits::I8Halves => i32::from(r[p] as i8),
             ActBits::I16 => i32::from(i16::from_le_bytes([r[2 * p], r[2 * p + 1]])),
         }
     }
@@ -917,7 +951,6 @@ fn scalar_cell(x: &QuantActs, w: &QuantWeight, r: usize, c: usize) -> f32 {
         return lanes::scalar_cell(x, w, r, c);
     }
     let mut acc = 0.0f32;
-    let xs = x.bits.scales();
     for j in 0..w.pairs {
         let wr = w.record(c, j);
         let xr = x.record(r, j);
@@ -927,12 +960,15 @@ fn scalar_cell(x: &QuantActs, w: &QuantWeight, r: usize, c: usize) -> f32 {
             isum[p / 32][block_of(p)] += w.q_at(wr, p) * x.code(xr, p);
         }
         for b in 0..2 {
-            let dx = f32_at(xr, xs + 4 * b);
+            let dx = f32_at(xr, x.bits.scale_at(b, 0));
             let sx = x.sums[r * padded_blocks(x.pairs) + 2 * j + b];
-            if w.kind.split_halves() {
+            if w.kind.split_halves() || x.bits.halves() {
                 for (h, half) in isum.iter().enumerate() {
-                    let (d, _) = w.scales(wr, c, j, b, h);
-                    acc += half[b] as f32 * (d * dx);
+                    let (d, m) = w.scales(wr, c, j, b, h);
+                    acc += half[b] as f32 * (d * f32_at(xr, x.bits.scale_at(b, 16 * h)));
+                    if h == 1 {
+                        acc += m * sx;
+                    }
                 }
             } else {
                 let (d, m) = w.scales(wr, c, j, b, 0);
@@ -1064,9 +1100,14 @@ pub unsafe fn gemm_with(
         let simd: Option<Gemm> = match (kernel, x.bits) {
             (Kernel::Scalar, _) => None,
             // The lane layout: int8 kernels only (else the scalar one).
-            (Kernel::Avx2, ActBits::I8) if w.lanes => Some(lanes::kernels::avx2::gemm),
-            (Kernel::AvxVnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avxvnni::gemm),
-            (Kernel::Avx512Vnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avx512vnni::gemm),
+            (Kernel::Avx2, ActBits::I8) if w.lanes => Some(lanes::kernels::avx2::gemm::<false>),
+            (Kernel::AvxVnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avxvnni::gemm::<false>),
+            (Kernel::Avx512Vnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avx512vnni::gemm::<false>),
+            (Kernel::Avx2, ActBits::I8Halves) if w.lanes => Some(lanes::kernels::avx2::gemm::<true>),
+            (Kernel::AvxVnni, ActBits::I8Halves) if w.lanes => Some(lanes::kernels::avxvnni::gemm::<true>),
+            (Kernel::Avx512Vnni, ActBits::I8Halves) if w.lanes => Some(lanes::kernels::avx512vnni::gemm::<true>),
+            // The pair layout has no kernel for scales per 16 activations.
+            (_, ActBits::I8Halves) => None,
             _ if w.lanes => None,
             (_, ActBits::I16) => Some(avx2::gemm),
             (Kernel::Avx2, ActBits::I8) => Some(int8::avx2::gemm),

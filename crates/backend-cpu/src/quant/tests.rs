@@ -154,7 +154,9 @@ fn kernels_match_f64_reference_on_odd_shapes() {
     for &(m, n, k) in
         &[(1, 1, 1), (1, 3, 31), (2, 7, 33), (3, 5, 64), (5, 13, 100), (4, 6, 128), (9, 31, 576), (17, 4, 96), (6, 11, 1536), (50, 5, 1536)]
     {
-        for (kind, bits) in [QuantKind::Q4, QuantKind::Q8].into_iter().flat_map(|k| [(k, ActBits::I8), (k, ActBits::I16)]) {
+        for (kind, bits) in
+            [QuantKind::Q4, QuantKind::Q8].into_iter().flat_map(|k| [(k, ActBits::I8), (k, ActBits::I8Halves), (k, ActBits::I16)])
+        {
             let w: Vec<f32> = (0..n * k).map(|_| rng(&mut s) * 0.1).collect();
             // Activations with an outlier per row, as hidden states have.
             let x: Vec<f32> = (0..m * k).map(|i| if i % 97 == 5 { 20.0 } else { rng(&mut s) }).collect();
@@ -203,7 +205,9 @@ fn every_kernel_this_cpu_runs_matches_the_scalar_one() {
     let kernels = Kernel::available();
     eprintln!("kernels on this CPU: {kernels:?}");
     for &(m, n, k) in &[(1, 9, 33), (2, 7, 96), (3, 5, 640), (4, 6, 128), (5, 13, 100), (7, 3, 2048), (13, 17, 576)] {
-        for (kind, bits) in [QuantKind::Q4, QuantKind::Q8].into_iter().flat_map(|k| [(k, ActBits::I8), (k, ActBits::I16)]) {
+        for (kind, bits) in
+            [QuantKind::Q4, QuantKind::Q8].into_iter().flat_map(|k| [(k, ActBits::I8), (k, ActBits::I8Halves), (k, ActBits::I16)])
+        {
             let w: Vec<f32> = (0..n * k).map(|_| rng(&mut s) * 0.1).collect();
             let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
             let mut qw = QuantWeight::quantize(&w, n, k, kind);
@@ -240,7 +244,7 @@ fn every_kernel_matches_the_scalar_one_on_k_quants() {
             for c in 0..n {
                 qw.dequantize_row(c, &mut deq[c * k..(c + 1) * k]);
             }
-            for bits in [ActBits::I8, ActBits::I16] {
+            for bits in [ActBits::I8, ActBits::I8Halves, ActBits::I16] {
                 let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
                 let mut acts = QuantActs::default();
                 QuantActs::quantize(&x, m, k, bits, &mut acts);
@@ -260,7 +264,7 @@ fn every_kernel_matches_the_scalar_one_on_k_quants() {
                         let rec = acts.record(r, j);
                         for (i, v) in chunk.iter_mut().enumerate() {
                             let (b, e) = (i / BLOCK, i % BLOCK);
-                            *v = acts.code(rec, pos(b, e)) as f32 * f32_at(rec, bits.scales() + 4 * b);
+                            *v = acts.code(rec, pos(b, e)) as f32 * f32_at(rec, bits.scale_at(b, e));
                         }
                     }
                     for c in 0..n {
@@ -401,32 +405,34 @@ fn the_lane_layout_computes_what_the_pair_layout_does() {
                 assert_eq!(a, b, "{kind:?} ({n},{k}) row {c}: values");
             }
             let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
-            let mut acts = QuantActs::default();
-            QuantActs::quantize(&x, m, k, ActBits::I8, &mut acts);
-            let mut want = vec![f32::NAN; m * n];
-            gemm_scalar(&mut want, n, &acts, &pair, 0..m, 0..n);
-            let mut scale = vec![0.0f64; m * n];
-            for r in 0..m {
-                for c in 0..n {
-                    pair.dequantize_row(c, &mut a);
-                    scale[r * n + c] = (0..k).map(|i| (x[r * k + i] as f64 * a[i] as f64).abs()).sum::<f64>();
+            for bits in [ActBits::I8, ActBits::I8Halves] {
+                let mut acts = QuantActs::default();
+                QuantActs::quantize(&x, m, k, bits, &mut acts);
+                let mut want = vec![f32::NAN; m * n];
+                gemm_scalar(&mut want, n, &acts, &pair, 0..m, 0..n);
+                let mut scale = vec![0.0f64; m * n];
+                for r in 0..m {
+                    for c in 0..n {
+                        pair.dequantize_row(c, &mut a);
+                        scale[r * n + c] = (0..k).map(|i| (x[r * k + i] as f64 * a[i] as f64).abs()).sum::<f64>();
+                    }
                 }
-            }
-            for &kernel in &kernels {
-                let mut y = vec![f32::NAN; m * n];
-                let split = (n / 3).max(1);
-                // SAFETY: y is [m, n] and owned here; the ranges are disjoint
-                // and the kernel is available.
-                unsafe {
-                    gemm_with(kernel, y.as_mut_ptr(), n, &acts, &lanes, 0..m, 0..split);
-                    gemm_with(kernel, y.as_mut_ptr(), n, &acts, &lanes, 0..m, split..n);
-                }
-                for (i, (got, w)) in y.iter().zip(&want).enumerate() {
-                    let tol = 2e-6 * scale[i] + 1e-6;
-                    assert!(
-                        ((got - w) as f64).abs() <= tol,
-                        "{kernel:?} {kind:?} ({m},{n},{k}) cell {i}: lanes {got} vs pairs {w} (tol {tol})"
-                    );
+                for &kernel in &kernels {
+                    let mut y = vec![f32::NAN; m * n];
+                    let split = (n / 3).max(1);
+                    // SAFETY: y is [m, n] and owned here; the ranges are disjoint
+                    // and the kernel is available.
+                    unsafe {
+                        gemm_with(kernel, y.as_mut_ptr(), n, &acts, &lanes, 0..m, 0..split);
+                        gemm_with(kernel, y.as_mut_ptr(), n, &acts, &lanes, 0..m, split..n);
+                    }
+                    for (i, (got, w)) in y.iter().zip(&want).enumerate() {
+                        let tol = 2e-6 * scale[i] + 1e-6;
+                        assert!(
+                            ((got - w) as f64).abs() <= tol,
+                            "{kernel:?} {kind:?} {bits:?} ({m},{n},{k}) cell {i}: lanes {got} vs pairs {w} (tol {tol})"
+                        );
+                    }
                 }
             }
         }
@@ -460,17 +466,17 @@ fn lane_kernels_hold_the_extreme_sums() {
     for (ty, block, values, value) in cases {
         let bytes: Vec<u8> = block.iter().copied().cycle().take(block.len() * n * k / values).collect();
         let w = QuantWeight::from_ggml(ty, &bytes, n, k).expect("blocks").into_lanes();
-        for sign in [1.0f32, -1.0] {
+        for (sign, bits) in [1.0f32, -1.0].into_iter().flat_map(|s| [(s, ActBits::I8), (s, ActBits::I8Halves)]) {
             let x = vec![sign; m * k];
             let mut acts = QuantActs::default();
-            QuantActs::quantize(&x, m, k, ActBits::I8, &mut acts);
+            QuantActs::quantize(&x, m, k, bits, &mut acts);
             let want = value * sign * k as f32;
             for &kernel in &Kernel::available() {
                 let mut y = vec![f32::NAN; m * n];
                 // SAFETY: y is [m, n] and owned here; the kernel is available.
                 unsafe { gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 0..n) };
                 for got in &y {
-                    assert!((got - want).abs() <= 1e-3 * want.abs(), "{kernel:?} {ty:?}: {got} vs {want}");
+                    assert!((got - want).abs() <= 1e-3 * want.abs(), "{kernel:?} {ty:?} {bits:?}: {got} vs {want}");
                 }
             }
         }
@@ -573,10 +579,10 @@ fn simd_quantizer_matches_the_scalar_one_bit_for_bit() {
             x[200] = 1e30;
             x[201] = -1e-30;
         }
-        for bits in [ActBits::I8, ActBits::I16] {
+        for bits in [ActBits::I8, ActBits::I8Halves, ActBits::I16] {
             let pairs = k.div_ceil(PAIR);
             let (rec, nbp) = (bits.record(), padded_blocks(pairs));
-            let ncorr = if bits == ActBits::I8 { 8 * pairs } else { 0 };
+            let ncorr = if bits.int8() { 8 * pairs } else { 0 };
             let (mut d1, mut s1, mut c1) = (vec![0u8; pairs * rec], vec![0f32; nbp], vec![0i32; ncorr]);
             let (mut d2, mut s2, mut c2) = (d1.clone(), s1.clone(), c1.clone());
             quantize_row(&x, bits, &mut d1, &mut s1, &mut c1);
@@ -616,18 +622,20 @@ fn wide_tiles_give_the_narrow_tiles_bits_or_skip() {
         for w in weights {
             let (kind, w) = (w.kind, w.into_lanes());
             let x: Vec<f32> = (0..m * k).map(|_| rng(&mut s)).collect();
-            let mut acts = QuantActs::default();
-            QuantActs::quantize(&x, m, k, ActBits::I8, &mut acts);
-            let run = |kernel| {
-                let mut y = vec![f32::NAN; m * n];
-                // SAFETY: y is [m, n] and owned here; both kernels are available.
-                unsafe {
-                    gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 0..5);
-                    gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 5..n);
-                }
-                y.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
-            };
-            assert_eq!(run(Kernel::Avx512Vnni), run(Kernel::AvxVnni), "{kind:?} ({m},{n},{k})");
+            for bits in [ActBits::I8, ActBits::I8Halves] {
+                let mut acts = QuantActs::default();
+                QuantActs::quantize(&x, m, k, bits, &mut acts);
+                let run = |kernel| {
+                    let mut y = vec![f32::NAN; m * n];
+                    // SAFETY: y is [m, n] and owned here; both kernels are available.
+                    unsafe {
+                        gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 0..5);
+                        gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 5..n);
+                    }
+                    y.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+                };
+                assert_eq!(run(Kernel::Avx512Vnni), run(Kernel::AvxVnni), "{kind:?} {bits:?} ({m},{n},{k})");
+            }
         }
     }
 }
