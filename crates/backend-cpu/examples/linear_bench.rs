@@ -5,8 +5,9 @@
 //! (`MS=1,64` picks the batch sizes, `VELLUM_CPU_KERNEL` the instruction
 //! set). Columns: f32, then Q4 (the file's Q4_1 blocks) and Q8 blocks, each
 //! with int16 and int8 activations (`QUANTIZE=1`: the activations'
-//! quantization alone). `KQUANTS=1` times Gemma 3's Q4_K, Q6_K
-//! and Q5_0 matrices instead (f32, then the integer kernel at int16 and int8).
+//! quantization alone). `KQUANTS=1` times Gemma 3's Q4_K, Q6_K, Q5_0 and
+//! Q8_0 (LM head) matrices instead (f32, then the integer kernel at int16,
+//! int8 with a scale per 16 and int8).
 
 use vellum_backend_cpu::{ActBits, CpuOps, HostTensor, WeightFormat};
 use vellum_models::gguf::GgmlType;
@@ -43,6 +44,7 @@ fn kquant_weight(ty: GgmlType, n: usize, k: usize, rng: &mut vellum_core::Seeded
     let (values, bytes_per, halves): (usize, usize, &[usize]) = match ty {
         GgmlType::Q4_K => (256, 144, &[0, 2]),
         GgmlType::Q6_K => (256, 210, &[208]),
+        GgmlType::Q8_0 => (32, 34, &[0]),
         _ => (32, 22, &[0]),
     };
     let mut bytes: Vec<u8> = (0..n * k / values * bytes_per).map(|_| (rng.next_u64() >> 56) as u8).collect();
@@ -63,6 +65,10 @@ fn kquants(ms: &[usize], seed: &mut vellum_core::SeededRng) {
             (GgmlType::Q4_K, 640, 2048, "down Q4_K"),
             (GgmlType::Q6_K, 640, 2048, "down Q6_K"),
             (GgmlType::Q5_0, 2048, 640, "up Q5_0"),
+            (GgmlType::Q5_0, 1024, 640, "q Q5_0"),
+            (GgmlType::Q8_0, 2048, 640, "up Q8_0"),
+            (GgmlType::Q5_0, 262144, 640, "head Q5_0"),
+            (GgmlType::Q8_0, 262144, 640, "head Q8_0"),
         ] {
             let w = kquant_weight(ty, n, k, seed);
             let x = HostTensor { rows: m, cols: k, data: (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect() };
@@ -70,8 +76,12 @@ fn kquants(ms: &[usize], seed: &mut vellum_core::SeededRng) {
             for (label, f, bits) in [
                 ("f32", WeightFormat::F32, ActBits::I8),
                 ("i16", WeightFormat::Auto, ActBits::I16),
+                ("i8/16", WeightFormat::Auto, ActBits::I8Halves),
                 ("i8", WeightFormat::Auto, ActBits::I8),
             ] {
+                if n == 262144 && (f == WeightFormat::F32 || m > 64) {
+                    continue;
+                }
                 let ops = CpuOps::new(f).with_activations(bits);
                 let wt = ops.linear_weight(w.clone()).expect("weight");
                 let _ = ops.linear(&x, &wt, None).expect("shapes match");

@@ -217,6 +217,13 @@ pub(super) mod kernels {
     use crate::quant::avx2::PREFETCH_BYTES;
     use std::arch::x86_64::*;
 
+    /// Weights above this size (bytes of the called column range) are
+    /// walked in chunks of [`CHUNK_BYTES`] (see `gemm`).
+    const BIG_WEIGHT: usize = 8 << 20;
+    /// Bytes of weight records per chunk (Gemma 3's LM head at 64 rows,
+    /// one core: 64–512 KiB alike, 32 KiB and 1 MiB slower).
+    const CHUNK_BYTES: usize = 128 << 10;
+
     /// Bytes of one int8 activation pair record: [`ActBits::I8`], or with
     /// `H` [`ActBits::I8Halves`] (a scale per 16 values).
     const fn xrec(h: bool) -> usize {
@@ -744,35 +751,69 @@ pub(super) mod kernels {
                             small: w.small_codes,
                         }
                     };
+                    // Tile `rr` rows from `r` by group `g8` (and `g8 + 1`
+                    // when `pair`).
+                    let run_tile = |r: usize, rr: usize, g8: usize, pair: bool| {
+                        let (store0, store1) = (mask(g8), if pair { mask(g8 + 1) } else { 0 });
+                        // r + rr ≤ x.rows, and g8 (g8 + 1 for a pair) is
+                        // below the weight's groups.
+                        let t = tile_at(r, g8, store0);
+                        // SAFETY: the tiles' reads and writes are those just
+                        // checked; the CPU runs this module's features, which
+                        // include AVX-512 BW and VNNI where `$wide` holds.
+                        unsafe {
+                            if pair {
+                                by_rows_and_kind!(tile16, rr, w.kind.code(), H, (t, tile_at(r, g8 + 1, store1)))
+                            } else {
+                                by_rows_and_kind!(tile, rr, w.kind.code(), H, (t))
+                            }
+                        }
+                    };
+                    // A weight larger than the caches (an LM head) goes in
+                    // chunks of groups that fit in L2, each row tile
+                    // sweeping a chunk: every tile then writes a run of
+                    // consecutive outputs per row. Group by group, a tile's
+                    // rows of 16 outputs lie a whole output row apart (1 MiB
+                    // for a 262,144-entry vocabulary), so the writes of all
+                    // rows fall in one cache set and evict each other: 25%
+                    // of the head's rate at 64 rows.
+                    let group_bytes = blocks * rec;
+                    let big = (end_group - first_group) * group_bytes > BIG_WEIGHT;
+                    let chunk = if big { (CHUNK_BYTES / group_bytes).max(2) / 2 * 2 } else { end_group - first_group };
                     let mut r0 = rows.start;
                     while r0 < rows.end {
                         let r1 = (r0 + row_block).min(rows.end);
-                        let mut g8 = first_group;
-                        while g8 < end_group {
-                            // With 512-bit tiles, groups go two at a time; an
-                            // odd last one takes the 256-bit tile.
-                            let pair = $wide && g8 + 1 < end_group;
-                            let (store0, store1) = (mask(g8), if pair { mask(g8 + 1) } else { 0 });
-                            let mut r = r0;
-                            while r < r1 {
-                                let rr = (r1 - r).min(4);
-                                // r + rr ≤ x.rows, and g8 (g8 + 1 for a pair)
-                                // is below the weight's groups.
-                                let t = tile_at(r, g8, store0);
-                                // SAFETY: the tiles' reads and writes are those
-                                // just checked; the CPU runs this module's
-                                // features, which include AVX-512 BW and VNNI
-                                // where `$wide` holds.
-                                unsafe {
-                                    if pair {
-                                        by_rows_and_kind!(tile16, rr, w.kind.code(), H, (t, tile_at(r, g8 + 1, store1)))
-                                    } else {
-                                        by_rows_and_kind!(tile, rr, w.kind.code(), H, (t))
+                        let mut c0 = first_group;
+                        while c0 < end_group {
+                            let c1 = (c0 + chunk).min(end_group);
+                            if big {
+                                let mut r = r0;
+                                while r < r1 {
+                                    let rr = (r1 - r).min(4);
+                                    let mut g8 = c0;
+                                    while g8 < c1 {
+                                        // With 512-bit tiles, groups go two at a
+                                        // time; an odd last one takes the 256-bit tile.
+                                        let pair = $wide && g8 + 1 < c1;
+                                        run_tile(r, rr, g8, pair);
+                                        g8 += if pair { 2 } else { 1 };
                                     }
+                                    r += rr;
                                 }
-                                r += rr;
+                            } else {
+                                let mut g8 = c0;
+                                while g8 < c1 {
+                                    let pair = $wide && g8 + 1 < c1;
+                                    let mut r = r0;
+                                    while r < r1 {
+                                        let rr = (r1 - r).min(4);
+                                        run_tile(r, rr, g8, pair);
+                                        r += rr;
+                                    }
+                                    g8 += if pair { 2 } else { 1 };
+                                }
                             }
-                            g8 += if pair { 2 } else { 1 };
+                            c0 = c1;
                         }
                         r0 = r1;
                     }

@@ -639,3 +639,36 @@ fn wide_tiles_give_the_narrow_tiles_bits_or_skip() {
         }
     }
 }
+
+/// A weight larger than the caches (an LM head: the lane kernels walk it in
+/// chunks of groups, each row tile sweeping a chunk) gives the products of
+/// the pair layout's kernel: rows in tiles of 4 and 2, a group count that
+/// leaves an odd group at a chunk's end, both int8 widths.
+#[test]
+fn lane_kernels_walk_a_large_weight_in_chunks() {
+    let (m, n, k) = (6, 36_005, 256);
+    let mut s = SeededRng::new(41);
+    let pair = QuantWeight::quantize(&(0..n * k).map(|_| rng(&mut s) * 0.1).collect::<Vec<_>>(), n, k, QuantKind::Q8);
+    let lanes = pair.clone().into_lanes();
+    assert!(lanes.data.len() > 8 << 20, "the weight must pass the kernels' large-weight threshold");
+    let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
+    for bits in [ActBits::I8, ActBits::I8Halves] {
+        let mut acts = QuantActs::default();
+        QuantActs::quantize(&x, m, k, bits, &mut acts);
+        // The reference on a sample of columns (the scalar kernel, pair layout).
+        let cols: Vec<usize> = (0..n).step_by(997).chain([n - 1, n - 2, 8 * 16 - 1]).collect();
+        for &kernel in &Kernel::available() {
+            let mut y = vec![f32::NAN; m * n];
+            // SAFETY: y is [m, n] and owned here; the kernel is available.
+            unsafe { gemm_with(kernel, y.as_mut_ptr(), n, &acts, &lanes, 0..m, 0..n) };
+            assert!(y.iter().all(|v| v.is_finite()), "{kernel:?} {bits:?}: a cell was not written");
+            for r in 0..m {
+                for &c in &cols {
+                    let want = scalar_cell(&acts, &pair, r, c);
+                    let got = y[r * n + c];
+                    assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{kernel:?} {bits:?} ({r}, {c}): {got} vs {want}");
+                }
+            }
+        }
+    }
+}
