@@ -6,6 +6,7 @@
 //! crate for more — each splitting the output columns across the rayon
 //! threads by hand.
 
+use crate::quant::q5::Q5Lanes;
 use crate::quant::{self, ActBits, QuantActs, QuantKind, QuantWeight, WeightFormat};
 use vellum_models::gguf::{dequantize_into, GgmlType};
 use vellum_models::WeightView;
@@ -26,8 +27,11 @@ enum Storage {
     /// without repacking.
     F32(Vec<f32>),
     /// Blocks for the integer kernel ([`QuantWeight`]), multiplying
-    /// activations quantized to the given width.
-    Quant(QuantWeight, ActBits),
+    /// activations quantized to the given width; for a Q5_0 weight also
+    /// a copy at the file's 5.5 bits, which one- and two-row products read
+    /// instead ([`quant::q5`]: decode streams the weight, and these are
+    /// 61% of the lane layout's bytes).
+    Quant(QuantWeight, ActBits, Option<Q5Lanes>),
     /// A GGUF file's own blocks, rows of `[out, in]` in order, dequantized a
     /// tile at a time as `linear` runs: the K-quants keep their size in
     /// memory (Q4_K 4.5 bits per weight) and their exact values.
@@ -115,7 +119,10 @@ impl HostWeight {
                 }
         });
         if let Some(q) = kept {
-            return Ok(HostWeight { out, inp, storage: Storage::Quant(q.into_best_layout(acts), acts) });
+            let q5 = (w.dtype == GgmlType::Q5_0 && acts.int8() && quant::q5::available())
+                .then(|| Q5Lanes::from_ggml(&w.data, out, inp))
+                .flatten();
+            return Ok(HostWeight { out, inp, storage: Storage::Quant(q.into_best_layout(acts), acts, q5) });
         }
         let plain = matches!(w.dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
         if format == WeightFormat::Auto && !plain && w.dtype.is_dequantizable() && out > 0 && inp > 0 {
@@ -129,7 +136,9 @@ impl HostWeight {
             WeightFormat::F32 | WeightFormat::Auto => None,
         };
         let storage = match kind {
-            Some(kind) if out > 0 && inp > 0 => Storage::Quant(QuantWeight::quantize(&data, out, inp, kind).into_best_layout(acts), acts),
+            Some(kind) if out > 0 && inp > 0 => {
+                Storage::Quant(QuantWeight::quantize(&data, out, inp, kind).into_best_layout(acts), acts, None)
+            }
             _ => Storage::F32(transpose(&data, out, inp)),
         };
         Ok(HostWeight { out, inp, storage })
@@ -144,7 +153,7 @@ impl HostWeight {
                     *d = kn[k * self.out + r];
                 }
             }
-            Storage::Quant(q, _) => q.dequantize_row(r, dst),
+            Storage::Quant(q, ..) => q.dequantize_row(r, dst),
             Storage::Blocks { dtype, row_bytes, data } => {
                 // The length was checked when the weight was made.
                 let _ = dequantize_into(*dtype, &data[r * row_bytes..(r + 1) * row_bytes], dst);
@@ -162,7 +171,7 @@ impl HostWeight {
     pub fn memory_bytes(&self) -> usize {
         match &self.storage {
             Storage::F32(kn) => kn.len() * 4,
-            Storage::Quant(q, _) => q.data.len() + q.mins.bytes(),
+            Storage::Quant(q, _, q5) => q.data.len() + q.mins.bytes() + q5.as_ref().map_or(0, |r| r.data.len()),
             Storage::Blocks { data, .. } => data.len(),
         }
     }
@@ -172,7 +181,7 @@ impl HostWeight {
     #[cfg(any(test, feature = "reference"))]
     pub fn quant_kind(&self) -> Option<QuantKind> {
         match &self.storage {
-            Storage::Quant(q, _) => Some(q.kind),
+            Storage::Quant(q, ..) => Some(q.kind),
             _ => None,
         }
     }
@@ -195,7 +204,9 @@ pub(crate) fn matmul(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
     // row's result is then bitwise independent of the batch it came in
     // (chunked prefill, prefix-cache hits, batch composition).
     match &w.storage {
-        Storage::Quant(q, acts) => linear_quant(y, x, q, *acts, m),
+        #[cfg(target_arch = "x86_64")]
+        Storage::Quant(_, acts, Some(q5)) if m <= quant::q5::MAX_ROWS => linear_q5(y, x, q5, *acts, m),
+        Storage::Quant(q, acts, _) => linear_quant(y, x, q, *acts, m),
         Storage::Blocks { dtype, row_bytes, data } => linear_blocks(y, x, w, (*dtype, *row_bytes, data), m),
         Storage::F32(kn) if m <= SMALL_M => linear_small(y, x, kn, w, m),
         Storage::F32(kn) => linear_gemm(y, x, kn, w, m),
@@ -229,6 +240,34 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, bits: ActBits, m: usi
     };
     // The buffer is reused across calls; a re-entrant call (from a rayon
     // worker that stole work while waiting) gets a fresh one.
+    ACTS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut acts) => run(&mut acts),
+        Err(_) => run(&mut QuantActs::default()),
+    });
+}
+
+/// [`linear_quant`] for one or two rows on a Q5_0 weight's 5.5-bit copy
+/// ([`quant::q5::gemv`]: the same bits as the lane kernels, from 61% of
+/// their bytes).
+#[cfg(target_arch = "x86_64")]
+fn linear_q5(y: &mut [f32], x: &[f32], w: &Q5Lanes, bits: ActBits, m: usize) {
+    let (n, k) = (w.n, w.k);
+    thread_local! {
+        static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
+    }
+    let mut run = |acts: &mut QuantActs| {
+        QuantActs::quantize_cached(x, m, k, bits, acts);
+        let acts = &*acts;
+        let dst = SendPtr(y.as_mut_ptr());
+        let ranges = column_ranges(m, n, k);
+        crate::spin_team::run(ranges.len(), &|i| {
+            // SAFETY: y is [m, n] with m ≤ MAX_ROWS; this chunk writes
+            // columns `ranges[i]` only; the copy was made only where
+            // `q5::available()` (AVX2, FMA, F16C).
+            unsafe { quant::q5::gemv(dst.get(), n, acts, w, 0..m, ranges[i].clone()) };
+        });
+    };
+    // As in `linear_quant`: a re-entrant call gets a fresh buffer.
     ACTS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut acts) => run(&mut acts),
         Err(_) => run(&mut QuantActs::default()),

@@ -693,9 +693,9 @@ fn quantize_pair(x: &[f32], j: usize, bits: ActBits, r: &mut [u8], sums: &mut [f
                 }
             }
         }
-        for h in 0..if bits.halves() { 2 } else { 1 } {
+        for (h, dh) in d.iter().enumerate().take(if bits.halves() { 2 } else { 1 }) {
             let at = bits.scale_at(b, 16 * h);
-            r[at..at + 4].copy_from_slice(&d[h].to_le_bytes());
+            r[at..at + 4].copy_from_slice(&dh.to_le_bytes());
         }
         sums[2 * j + b] = sum;
     }
@@ -779,9 +779,9 @@ unsafe fn quantize_pair_avx2(x: &[f32], bits: ActBits, r: &mut [u8], sums: &mut 
         }
     }
     for (b, db) in d.iter().enumerate() {
-        for h in 0..if bits.halves() { 2 } else { 1 } {
+        for (h, dh) in db.iter().enumerate().take(if bits.halves() { 2 } else { 1 }) {
             let at = bits.scale_at(b, 16 * h);
-            r[at..at + 4].copy_from_slice(&db[h].to_le_bytes());
+            r[at..at + 4].copy_from_slice(&dh.to_le_bytes());
         }
     }
 }
@@ -1066,6 +1066,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod int8;
 mod lanes;
+pub mod q5;
 
 /// `y[r·ldy + c]` for `rows × cols` through the best kernel the CPU runs.
 ///

@@ -672,3 +672,49 @@ fn lane_kernels_walk_a_large_weight_in_chunks() {
         }
     }
 }
+
+/// One- and two-row products on a Q5_0 weight's 5.5-bit copy
+/// ([`super::q5::gemv`]) give the lane kernels' bits, at both int8 widths:
+/// whole pairs, a partial last pair, a single block, outputs not a multiple
+/// of 8 and column ranges that split a group; the copy holds every code.
+#[test]
+fn q5_lanes_give_the_lane_kernels_bits() {
+    if !super::q5::available() {
+        eprintln!("SKIPPED q5_lanes_give_the_lane_kernels_bits: no AVX2 on this CPU");
+        return;
+    }
+    let mut s = SeededRng::new(43);
+    let simd: Vec<Kernel> = Kernel::available().into_iter().filter(|k| *k != Kernel::Scalar).collect();
+    assert!(!simd.is_empty());
+    for &(n, k) in &[(37, 640), (16, 96), (9, 32), (24, 2048)] {
+        let bytes = ggml_blocks(GgmlType::Q5_0, n, k, &mut s);
+        let lanes = QuantWeight::from_ggml(GgmlType::Q5_0, &bytes, n, k).expect("blocks").into_lanes();
+        let q5 = super::q5::Q5Lanes::from_ggml(&bytes, n, k).expect("whole Q5_0 rows");
+        for c in 0..n {
+            for blk in 0..k / BLOCK {
+                for e in 0..BLOCK {
+                    assert_eq!(q5.code(c, blk, e), lanes.lane_code(c, blk, e), "code ({c}, {blk}, {e})");
+                }
+            }
+        }
+        for (m, bits) in [1, 2].into_iter().flat_map(|m| [(m, ActBits::I8), (m, ActBits::I8Halves)]) {
+            let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
+            let mut acts = QuantActs::default();
+            QuantActs::quantize(&x, m, k, bits, &mut acts);
+            let mut got = vec![f32::NAN; m * n];
+            let split = (n / 3).max(1);
+            // SAFETY: got is [m, n] and owned here; the CPU runs AVX2, FMA, F16C.
+            unsafe {
+                super::q5::gemv(got.as_mut_ptr(), n, &acts, &q5, 0..m, 0..split);
+                super::q5::gemv(got.as_mut_ptr(), n, &acts, &q5, 0..m, split..n);
+            }
+            for &kernel in &simd {
+                let mut want = vec![f32::NAN; m * n];
+                // SAFETY: want is [m, n] and owned here; the kernel is available.
+                unsafe { gemm_with(kernel, want.as_mut_ptr(), n, &acts, &lanes, 0..m, 0..n) };
+                let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits_of(&got), bits_of(&want), "{kernel:?} {bits:?} m={m} ({n},{k})");
+            }
+        }
+    }
+}
