@@ -49,7 +49,7 @@ pub mod structured;
 pub use backend::{make_executor, CpuPrecision, Device};
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream, STREAM_BUFFER_EVENTS};
 pub use engine_core::{EngineCore, EngineCounters, Error, QueueStats};
-pub use llm::{EngineArgs, KvSharing, Llm};
+pub use llm::{auto_kv_cache_dtype, EngineArgs, KvSharing, Llm};
 pub use output_processor::{OutputPiece, OutputProcessor, Processed, TokenOutput};
 pub use outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};
 

@@ -34,7 +34,8 @@ pub struct EngineFlags {
     /// the stand-in for vLLM's --gpu-memory-utilization.
     #[arg(long, default_value = "0.5")]
     pub kv_cache_memory: String,
-    /// Element type of the KV cache: auto (= float32), float32, float16, bfloat16.
+    /// Element type of the KV cache: auto (float16 on the CPU's default int8
+    /// path, float32 otherwise), float32, float16, bfloat16.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
     /// GiB of host memory for KV blocks swapped out by `--preemption-mode
@@ -164,13 +165,14 @@ pub fn parse_kv_cache_memory(s: &str) -> Result<KvCacheSize> {
     Ok(KvCacheSize::MemoryBytes((n * mult as f64) as u64))
 }
 
-fn parse_kv_cache_dtype(s: &str) -> Result<KvCacheDtype> {
-    Ok(match s {
-        "auto" | "float32" | "fp32" => KvCacheDtype::F32,
+fn parse_kv_cache_dtype(s: &str) -> Result<Option<KvCacheDtype>> {
+    Ok(Some(match s {
+        "auto" => return Ok(None),
+        "float32" | "fp32" => KvCacheDtype::F32,
         "float16" | "fp16" | "half" => KvCacheDtype::F16,
         "bfloat16" | "bf16" => KvCacheDtype::Bf16,
         other => bail!("--kv-cache-dtype must be auto, float32, float16 or bfloat16, got {other:?}"),
-    })
+    }))
 }
 
 fn parse_policy(s: &str) -> Result<SchedulingPolicy> {
