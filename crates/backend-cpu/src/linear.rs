@@ -204,9 +204,7 @@ pub(crate) fn matmul(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
     // row's result is then bitwise independent of the batch it came in
     // (chunked prefill, prefix-cache hits, batch composition).
     match &w.storage {
-        #[cfg(target_arch = "x86_64")]
-        Storage::Quant(_, acts, Some(q5)) if m <= quant::q5::MAX_ROWS => linear_q5(y, x, q5, *acts, m),
-        Storage::Quant(q, acts, _) => linear_quant(y, x, q, *acts, m),
+        Storage::Quant(q, acts, q5) => linear_quant(y, x, q, q5.as_ref(), *acts, m),
         Storage::Blocks { dtype, row_bytes, data } => linear_blocks(y, x, w, (*dtype, *row_bytes, data), m),
         Storage::F32(kn) if m <= SMALL_M => linear_small(y, x, kn, w, m),
         Storage::F32(kn) => linear_gemm(y, x, kn, w, m),
@@ -214,8 +212,10 @@ pub(crate) fn matmul(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
 }
 
 /// `y[m, n] = x[m, k] · Wᵀ` on the quantized weight: activations quantized
-/// once, output columns split across threads.
-fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, bits: ActBits, m: usize) {
+/// once, output columns split across threads. One or two rows on a weight
+/// with a 5.5-bit Q5_0 copy read that copy ([`quant::q5::gemv`]: the lane
+/// kernels' bits from 61% of their bytes).
+fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, q5: Option<&Q5Lanes>, bits: ActBits, m: usize) {
     let (n, k) = (w.n, w.k);
     thread_local! {
         static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
@@ -223,51 +223,29 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, bits: ActBits, m: usi
     if bits == ActBits::I16 && w.lanes {
         return linear_quant_split(y, x, w, m);
     }
+    let q5 = q5.filter(|_| m <= quant::q5::MAX_ROWS);
     let mut run = |acts: &mut QuantActs| {
         QuantActs::quantize_cached(x, m, k, bits, acts);
         let acts = &*acts;
         let dst = SendPtr(y.as_mut_ptr());
+        // SAFETY (both calls): y is [m, n]; a call writes the columns it is
+        // given only; a Q5_0 copy exists only where `q5::available()` (AVX2,
+        // FMA, F16C) and is read for m ≤ MAX_ROWS.
+        let gemm = |cols: std::ops::Range<usize>| unsafe {
+            match q5 {
+                #[cfg(target_arch = "x86_64")]
+                Some(q5) => quant::q5::gemv(dst.get(), n, acts, q5, 0..m, cols),
+                _ => quant::gemm(dst.get(), n, acts, w, 0..m, cols),
+            }
+        };
         let ranges = column_ranges(m, n, k);
         if ranges.len() == 1 {
-            // SAFETY: y is [m, n] and borrowed mutably here.
-            unsafe { quant::gemm(dst.0, n, acts, w, 0..m, 0..n) };
-            return;
+            return gemm(0..n);
         }
-        crate::spin_team::run(ranges.len(), &|i| {
-            // SAFETY: y is [m, n]; this chunk writes columns `ranges[i]` only.
-            unsafe { quant::gemm(dst.get(), n, acts, w, 0..m, ranges[i].clone()) };
-        });
+        crate::spin_team::run(ranges.len(), &|i| gemm(ranges[i].clone()));
     };
     // The buffer is reused across calls; a re-entrant call (from a rayon
     // worker that stole work while waiting) gets a fresh one.
-    ACTS.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut acts) => run(&mut acts),
-        Err(_) => run(&mut QuantActs::default()),
-    });
-}
-
-/// [`linear_quant`] for one or two rows on a Q5_0 weight's 5.5-bit copy
-/// ([`quant::q5::gemv`]: the same bits as the lane kernels, from 61% of
-/// their bytes).
-#[cfg(target_arch = "x86_64")]
-fn linear_q5(y: &mut [f32], x: &[f32], w: &Q5Lanes, bits: ActBits, m: usize) {
-    let (n, k) = (w.n, w.k);
-    thread_local! {
-        static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
-    }
-    let mut run = |acts: &mut QuantActs| {
-        QuantActs::quantize_cached(x, m, k, bits, acts);
-        let acts = &*acts;
-        let dst = SendPtr(y.as_mut_ptr());
-        let ranges = column_ranges(m, n, k);
-        crate::spin_team::run(ranges.len(), &|i| {
-            // SAFETY: y is [m, n] with m ≤ MAX_ROWS; this chunk writes
-            // columns `ranges[i]` only; the copy was made only where
-            // `q5::available()` (AVX2, FMA, F16C).
-            unsafe { quant::q5::gemv(dst.get(), n, acts, w, 0..m, ranges[i].clone()) };
-        });
-    };
-    // As in `linear_quant`: a re-entrant call gets a fresh buffer.
     ACTS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut acts) => run(&mut acts),
         Err(_) => run(&mut QuantActs::default()),

@@ -224,29 +224,30 @@ pub(super) mod kernels {
     /// one core: 64–512 KiB alike, 32 KiB and 1 MiB slower).
     const CHUNK_BYTES: usize = 128 << 10;
 
-    /// Bytes of one int8 activation pair record: [`ActBits::I8`], or with
-    /// `H` [`ActBits::I8Halves`] (a scale per 16 values).
-    const fn xrec(h: bool) -> usize {
+    /// The activations the kernels read: [`ActBits::I8`], or with `H`
+    /// [`ActBits::I8Halves`] (a scale per 16 values).
+    const fn acts(h: bool) -> ActBits {
         if h {
-            ActBits::I8Halves.record()
+            ActBits::I8Halves
         } else {
-            ActBits::I8.record()
+            ActBits::I8
         }
     }
-    /// Offset of the f32 scales in a record (the same for both).
-    const XSCALES: usize = ActBits::I8.scales();
-    const _: () = assert!(ActBits::I8.scales() == ActBits::I8Halves.scales());
 
-    /// The `dx` of half `h` of block `b` of the record at `xr` (one per
-    /// block unless `H`).
+    /// Bytes of one activation pair record (see [`acts`]).
+    const fn xrec(h: bool) -> usize {
+        acts(h).record()
+    }
+
+    /// The `dx` of half `h` of block `b` of the record at `xr` (the block's
+    /// unless `H`), where [`ActBits::scale_at`] puts it.
     ///
     /// # Safety
     /// `xr` must point to a whole activation record of its kind.
     #[inline(always)]
     unsafe fn dx_at<const H: bool>(xr: *const u8, b: usize, h: usize) -> f32 {
-        let at = XSCALES + 4 * b + if H { 8 * h } else { 0 };
-        // SAFETY: the record holds its scales at `at` (the caller's contract).
-        unsafe { (xr.add(at) as *const f32).read_unaligned() }
+        // SAFETY: the record holds its scales at `scale_at` (the caller's contract).
+        unsafe { (xr.add(acts(H).scale_at(b, 16 * h)) as *const f32).read_unaligned() }
     }
 
     /// Where a tile reads: the first row's activation records, block sums

@@ -21,12 +21,12 @@
 //! `nibbles | (bits shifted so that bit g lands on bit 4) & 16`: the code
 //! plus 16 (0..=31), which the AVX2 lane kernel multiplies as it does Q5_0's
 //! 8-bit codes moved to plus 16, with the same integer sums per block (or
-//! half block with [`I8Halves`](super::ActBits::I8Halves)) and the same
+//! half block with [`ActBits::I8Halves`]) and the same
 //! fused multiply-adds in block order: the lane kernels' bits, so a row's
 //! result does not depend on the rows it came with (`linear` picks this
 //! kernel by batch size).
 
-use super::{QuantActs, PAIR};
+use super::{ActBits, QuantActs, PAIR};
 
 /// Bytes of one GGML Q5_0 block: f16 `d`, 32 fifth bits, 16 bytes of nibbles.
 const BLOCK_BYTES: usize = 22;
@@ -34,9 +34,6 @@ const BLOCK_BYTES: usize = 22;
 const LANES: usize = 8;
 /// Bytes of one record: nibbles, fifth bits, `d`.
 const RECORD: usize = 128 + 32 + 16;
-
-/// Offset of the scales in an int8 activation record (either width).
-const XSCALES: usize = super::ActBits::I8.scales();
 
 /// Rows of activations up to which `linear` reads [`Q5Lanes`].
 pub const MAX_ROWS: usize = 2;
@@ -163,7 +160,8 @@ unsafe fn group<const R: usize, const H: bool>(
                 let mb = |g: usize| _mm256_maddubs_epi16(wv[g], xg(g));
                 let corr = |which: usize| _mm256_set1_epi32(*corr.add(r * cstride + 4 * blk + which));
                 // The scale of half h of block b (of the block unless H).
-                let dx = |h: usize| _mm256_set1_ps((xr.add(XSCALES + 4 * b + if H { 8 * h } else { 0 }) as *const f32).read_unaligned());
+                let bits = if H { ActBits::I8Halves } else { ActBits::I8 };
+                let dx = |h: usize| _mm256_set1_ps((xr.add(bits.scale_at(b, 16 * h)) as *const f32).read_unaligned());
                 // A `vpmaddubsw` lane is at most 2 · 31 · 127 = 7874: four
                 // add up in i16. The correction −16 · Σ qx is the lane
                 // kernels' −128 · Σ qx shifted (exact).
