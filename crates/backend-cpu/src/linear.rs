@@ -220,7 +220,7 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, q5: Option<&Q5Lanes>,
     thread_local! {
         static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
     }
-    if bits == ActBits::I16 && w.lanes {
+    if bits == ActBits::I16 && w.lanes > 0 {
         return linear_quant_split(y, x, w, m);
     }
     let q5 = q5.filter(|_| m <= quant::q5::MAX_ROWS);

@@ -10,10 +10,12 @@
 //! eight outputs in one register, which then takes one convert, one
 //! multiply and one FMA (11 operations per 256 multiply-adds).
 //!
-//! With AVX-512 the kernel takes two neighbouring groups at once
-//! (`tile16`): their records load into the two halves of 512-bit
-//! registers, so each broadcast activation, `vpdpbusd`, convert and FMA
-//! serves 16 outputs (the same operations lane for lane, so the same sums).
+//! With AVX-512 the groups are 16 outputs wide (`tile16`): a record's
+//! vectors are 64 bytes, one 512-bit load each, so each broadcast
+//! activation, `vpdpbusd`, convert and FMA serves 16 outputs. (Two 8-wide
+//! records joined into one register cost a `vinserti64x4` per vector:
+//! 20–30% of the 64-row rate on Zen 4.) A 16-wide group holds the same
+//! operations lane for lane as two 8-wide ones, so the same sums.
 //!
 //! `vpdpbusd` multiplies unsigned bytes by signed ones. Activations are
 //! signed, so weights must be unsigned: nibbles (Q4, Q4K) are; signed codes
@@ -21,15 +23,17 @@
 //! `−128 · Σ codes` of the row's activations ([`QuantActs::corr`]), which
 //! takes the offset out exactly.
 //!
-//! A record per (group of 8 outputs, block of 32), `[groups][blocks]`:
+//! A record per (group of `L` = 8 or 16 outputs, block of 32),
+//! `[groups][blocks]`:
 //!
-//! * codes: 8-bit kinds, eight 32-byte vectors, vector `g` holding values
-//!   `4g..4g + 4` of each output (lane `o` = output `o` of the group);
-//!   nibble kinds, four vectors, byte `i` of lane `o` of vector `g` holding
-//!   value `4g + i` in its low nibble and `4(g + 4) + i` in its high one;
-//! * the outputs' `d`: 8 f16 (Q4), 8 f32 (Q8, Q4K), 2 × 8 f32 (Q6K: values
-//!   0..16, then 16..32);
-//! * the outputs' offsets `m`: 8 f16 (Q4), 8 f32 (Q4K).
+//! * codes: 8-bit kinds, eight vectors of `4L` bytes, vector `g` holding
+//!   values `4g..4g + 4` of each output (lane `o` = output `o` of the
+//!   group); nibble kinds, four vectors, byte `i` of lane `o` of vector `g`
+//!   holding value `4g + i` in its low nibble and `4(g + 4) + i` in its high
+//!   one;
+//! * the outputs' `d`: `L` f16 (Q4), `L` f32 (Q8, Q4K), 2 × `L` f32 (Q6K:
+//!   values 0..16, then 16..32);
+//! * the outputs' offsets `m`: `L` f16 (Q4), `L` f32 (Q4K).
 //!
 //! Bytes per weight are those of the pair layout. Weights use this layout
 //! where the int8 kernel has VNNI, and on AVX2 alone
@@ -41,27 +45,30 @@
 use super::{padded_blocks, pos, QuantActs, QuantKind, QuantWeight, BLOCK, KQ4, KQ4K, KQ6K, KQ8, PAIR};
 use half::f16;
 
-/// Outputs per lane group.
+/// Outputs per lane group for the 256-bit kernels.
 pub(crate) const LANES: usize = 8;
+/// Outputs per lane group for the 512-bit kernel (AVX-512 VNNI).
+pub(crate) const WIDE_LANES: usize = 16;
 
-/// Bytes of the codes of one record.
-pub(crate) const fn codes_bytes(kind: QuantKind) -> usize {
+/// Bytes of the codes of one record of `lanes` outputs.
+pub(crate) const fn codes_bytes(kind: QuantKind, lanes: usize) -> usize {
     if kind.nibbles() {
-        4 * 32
+        4 * 4 * lanes
     } else {
-        8 * 32
+        8 * 4 * lanes
     }
 }
 
-/// Bytes of one record.
-pub(crate) const fn record_bytes(kind: QuantKind) -> usize {
-    codes_bytes(kind)
-        + match kind {
-            QuantKind::Q4 => 16 + 16,
-            QuantKind::Q4K => 32 + 32,
-            QuantKind::Q8 => 32,
-            QuantKind::Q6K => 64,
-        }
+/// Bytes of one record of `lanes` outputs.
+pub(crate) const fn record_bytes(kind: QuantKind, lanes: usize) -> usize {
+    codes_bytes(kind, lanes)
+        + lanes
+            * match kind {
+                QuantKind::Q4 => 2 + 2,
+                QuantKind::Q4K => 4 + 4,
+                QuantKind::Q8 => 4,
+                QuantKind::Q6K => 8,
+            }
 }
 
 impl QuantWeight {
@@ -70,41 +77,44 @@ impl QuantWeight {
         2 * self.pairs
     }
 
-    /// The record of output group `g8`, block `blk` (lane layout).
-    fn lane_record(&self, g8: usize, blk: usize) -> &[u8] {
-        let rec = record_bytes(self.kind);
-        let o = (g8 * self.blocks() + blk) * rec;
+    /// The record of output group `g`, block `blk` (lane layout).
+    fn lane_record(&self, g: usize, blk: usize) -> &[u8] {
+        let rec = record_bytes(self.kind, self.lanes);
+        let o = (g * self.blocks() + blk) * rec;
         &self.data[o..o + rec]
     }
 
     /// The signed code of value `e` of block `blk` of output `c` (lane
     /// layout).
     pub(super) fn lane_code(&self, c: usize, blk: usize, e: usize) -> i32 {
-        let r = self.lane_record(c / LANES, blk);
-        let (g, i, o) = (e / 4, e % 4, c % LANES);
+        let l = self.lanes;
+        let r = self.lane_record(c / l, blk);
+        let (g, i, o) = (e / 4, e % 4, c % l);
         if self.kind.nibbles() {
-            let byte = r[(g % 4) * 32 + 4 * o + i];
+            let byte = r[(g % 4) * 4 * l + 4 * o + i];
             i32::from(if g < 4 { byte & 0x0f } else { byte >> 4 })
         } else {
-            i32::from(r[g * 32 + 4 * o + i]) - 128
+            i32::from(r[g * 4 * l + 4 * o + i]) - 128
         }
     }
 
     /// (d, m) of half `h` of block `blk` of output `c` (lane layout).
     pub(super) fn lane_scales(&self, c: usize, blk: usize, h: usize) -> (f32, f32) {
-        let r = self.lane_record(c / LANES, blk);
-        let (at, o) = (codes_bytes(self.kind), c % LANES);
+        let l = self.lanes;
+        let r = self.lane_record(c / l, blk);
+        let (at, o) = (codes_bytes(self.kind, l), c % l);
         let f16_at = |p: usize| f16::from_le_bytes([r[p], r[p + 1]]).to_f32();
         match self.kind {
-            QuantKind::Q4 => (f16_at(at + 2 * o), f16_at(at + 16 + 2 * o)),
-            QuantKind::Q4K => (super::f32_at(r, at + 4 * o), super::f32_at(r, at + 32 + 4 * o)),
+            QuantKind::Q4 => (f16_at(at + 2 * o), f16_at(at + 2 * l + 2 * o)),
+            QuantKind::Q4K => (super::f32_at(r, at + 4 * o), super::f32_at(r, at + 4 * l + 4 * o)),
             QuantKind::Q8 => (super::f32_at(r, at + 4 * o), 0.0),
-            QuantKind::Q6K => (super::f32_at(r, at + 32 * h + 4 * o), 0.0),
+            QuantKind::Q6K => (super::f32_at(r, at + 4 * l * h + 4 * o), 0.0),
         }
     }
 
     /// The layout the fastest kernel for activations of `acts` reads: the
-    /// lane layout on a CPU with VNNI; on AVX2 alone, for nibble kinds and
+    /// lane layout on a CPU with VNNI (16 outputs wide with AVX-512, else
+    /// 8); on AVX2 alone, for nibble kinds and
     /// for 8-bit kinds at int8 (int16 precision on an 8-bit kind runs
     /// faster through the pair layout's int16 kernel there than as two
     /// passes of [`kernels::avx2`]'s sign trick); else as it is. int16
@@ -114,53 +124,77 @@ impl QuantWeight {
     pub fn into_best_layout(self, acts: super::ActBits) -> Self {
         let kernel = super::Kernel::detect();
         let avx2 = kernel == super::Kernel::Avx2 && (self.kind.nibbles() || acts.int8());
-        if kernel >= super::Kernel::AvxVnni || avx2 {
-            self.into_lanes()
+        if kernel == super::Kernel::Avx512Vnni {
+            self.into_lanes_of(WIDE_LANES)
+        } else if kernel >= super::Kernel::AvxVnni || avx2 {
+            self.into_lanes_of(LANES)
         } else {
             self
         }
     }
 
-    /// The same weight in the lane layout (a no-op if it is already).
+    /// The same weight in the lane layout of 8 outputs per group.
     pub fn into_lanes(self) -> Self {
-        if self.lanes {
+        self.into_lanes_of(LANES)
+    }
+
+    /// The same weight in the lane layout of `lanes` (8 or 16) outputs per
+    /// group, from either layout (a no-op if it is already so).
+    pub fn into_lanes_of(self, lanes: usize) -> Self {
+        assert!(lanes == LANES || lanes == WIDE_LANES, "lane groups are 8 or 16 outputs wide, not {lanes}");
+        if self.lanes == lanes {
             return self;
         }
         let kind = self.kind;
-        let (rec, nb, groups) = (record_bytes(kind), self.blocks(), self.n.div_ceil(LANES));
+        let (rec, nb, groups) = (record_bytes(kind, lanes), self.blocks(), self.n.div_ceil(lanes));
         let mut data = vec![0u8; groups * nb * rec];
-        let cb = codes_bytes(kind);
+        let cb = codes_bytes(kind, lanes);
+        // Code `e` and the scales of half `h` of block `blk` of output `c`,
+        // from the layout the weight is in.
+        let code = |c: usize, blk: usize, e: usize| {
+            if self.lanes > 0 {
+                self.lane_code(c, blk, e)
+            } else {
+                self.q_at(self.record(c, blk / 2), pos(blk % 2, e))
+            }
+        };
+        let scales = |c: usize, blk: usize, h: usize| {
+            if self.lanes > 0 {
+                self.lane_scales(c, blk, h)
+            } else {
+                self.scales(self.record(c, blk / 2), c, blk / 2, blk % 2, h)
+            }
+        };
         let fill = |(g8, out): (usize, &mut [u8])| {
             for blk in 0..nb {
                 let r = &mut out[blk * rec..(blk + 1) * rec];
-                let (j, b) = (blk / 2, blk % 2);
-                for o in 0..LANES.min(self.n - g8 * LANES) {
-                    let c = g8 * LANES + o;
-                    let src = self.record(c, j);
+                for o in 0..lanes.min(self.n - g8 * lanes) {
+                    let c = g8 * lanes + o;
                     for e in 0..BLOCK {
-                        let q = self.q_at(src, pos(b, e));
+                        let q = code(c, blk, e);
                         let (g, i) = (e / 4, e % 4);
                         if kind.nibbles() {
-                            r[(g % 4) * 32 + 4 * o + i] |= (q as u8) << (4 * (g / 4));
+                            r[(g % 4) * 4 * lanes + 4 * o + i] |= (q as u8) << (4 * (g / 4));
                         } else {
-                            r[g * 32 + 4 * o + i] = (q + 128) as u8;
+                            r[g * 4 * lanes + 4 * o + i] = (q + 128) as u8;
                         }
                     }
-                    let (d0, m) = self.scales(src, c, j, b, 0);
+                    let (d0, m) = scales(c, blk, 0);
+                    let put = |r: &mut [u8], at: usize, bytes: &[u8]| r[at..at + bytes.len()].copy_from_slice(bytes);
                     match kind {
                         QuantKind::Q4 => {
-                            r[cb + 2 * o..cb + 2 * o + 2].copy_from_slice(&f16::from_f32(d0).to_le_bytes());
-                            r[cb + 16 + 2 * o..cb + 18 + 2 * o].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+                            put(r, cb + 2 * o, &f16::from_f32(d0).to_le_bytes());
+                            put(r, cb + 2 * lanes + 2 * o, &f16::from_f32(m).to_le_bytes());
                         }
                         QuantKind::Q4K => {
-                            r[cb + 4 * o..cb + 4 * o + 4].copy_from_slice(&d0.to_le_bytes());
-                            r[cb + 32 + 4 * o..cb + 36 + 4 * o].copy_from_slice(&m.to_le_bytes());
+                            put(r, cb + 4 * o, &d0.to_le_bytes());
+                            put(r, cb + 4 * lanes + 4 * o, &m.to_le_bytes());
                         }
-                        QuantKind::Q8 => r[cb + 4 * o..cb + 4 * o + 4].copy_from_slice(&d0.to_le_bytes()),
+                        QuantKind::Q8 => put(r, cb + 4 * o, &d0.to_le_bytes()),
                         QuantKind::Q6K => {
-                            let (d1, _) = self.scales(src, c, j, b, 1);
-                            r[cb + 4 * o..cb + 4 * o + 4].copy_from_slice(&d0.to_le_bytes());
-                            r[cb + 32 + 4 * o..cb + 36 + 4 * o].copy_from_slice(&d1.to_le_bytes());
+                            let (d1, _) = scales(c, blk, 1);
+                            put(r, cb + 4 * o, &d0.to_le_bytes());
+                            put(r, cb + 4 * lanes + 4 * o, &d1.to_le_bytes());
                         }
                     }
                 }
@@ -168,7 +202,7 @@ impl QuantWeight {
         };
         use rayon::prelude::*;
         data.par_chunks_mut(nb * rec).enumerate().for_each(fill);
-        Self { data, mins: super::Mins::None, lanes: true, ..self }
+        Self { data, mins: super::Mins::None, lanes, ..self }
     }
 }
 
@@ -213,7 +247,7 @@ const _: () = assert!(PAIR == 2 * BLOCK && KQ4 != KQ8 && KQ4K != KQ6K);
 pub(super) mod kernels {
     //! The lane kernels, one module per VNNI instruction set.
     use super::super::{padded_blocks, ActBits, QuantActs, QuantKind, QuantWeight, KQ4, KQ4K, KQ6K, KQ8};
-    use super::{codes_bytes, corr_index, record_bytes, LANES};
+    use super::{codes_bytes, corr_index, record_bytes, LANES, WIDE_LANES};
     use crate::quant::avx2::PREFETCH_BYTES;
     use std::arch::x86_64::*;
 
@@ -261,8 +295,8 @@ pub(super) mod kernels {
         corr: *const i32,
         w: *const u8,
         blocks: usize,
-        /// Which of the group's 8 outputs to store (a bit per lane).
-        store: u8,
+        /// Which of the group's outputs to store (a bit per lane).
+        store: u16,
         /// The weight's [`QuantWeight::small_codes`].
         small: bool,
     }
@@ -293,7 +327,7 @@ pub(super) mod kernels {
             // SAFETY: as this function's contract.
             unsafe {
                 let y = t.y.add(r * t.ldy);
-                if t.store == 0xff {
+                if t.store & 0xff == 0xff {
                     _mm256_storeu_ps(y, *fr);
                 } else {
                     let mut v = [0f32; LANES];
@@ -325,7 +359,7 @@ pub(super) mod kernels {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn signed_tile_avx2<const R: usize, const K: u8, const H: bool>(t: Tile) {
         let kind = QuantKind::from_code(K);
-        let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
+        let (rec, cb) = (record_bytes(kind, LANES), codes_bytes(kind, LANES));
         let pairs = t.blocks / 2;
         let (offset, ones) = (_mm256_set1_epi8(-128), _mm256_set1_epi16(1));
         let mut f = [_mm256_setzero_ps(); R];
@@ -363,80 +397,62 @@ pub(super) mod kernels {
         unsafe { store(&t, &f) }
     }
 
-    /// Two groups of 8 outputs at once in 512-bit registers (AVX-512 VNNI):
-    /// lanes 0–7 are `lo`'s group, 8–15 `hi`'s, which share the rows, so
-    /// each broadcast activation and each `vpdpbusd` serves 16 outputs
-    /// instead of 8. Every kind; the operations are those of the 256-bit
-    /// tile's VNNI path lane for lane, so the results are the same bits.
+    /// A group of 16 outputs in 512-bit registers (AVX-512 VNNI): each
+    /// broadcast activation and each `vpdpbusd` serves 16 outputs. Every
+    /// kind; the operations are those of the 256-bit tile's VNNI path lane
+    /// for lane, so the results are the same bits.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI; `lo` and
-    /// `hi` as for the lane kernels' tiles (the same rows, two groups of a
-    /// weight of kind `K`).
+    /// The CPU must support AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI; `t` as
+    /// for the lane kernels' tiles, its group 16 outputs wide, of kind `K`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn tile16<const R: usize, const K: u8, const H: bool>(lo: Tile, hi: Tile) {
+    unsafe fn tile16<const R: usize, const K: u8, const H: bool>(t: Tile) {
         let kind = QuantKind::from_code(K);
-        let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
-        let pairs = lo.blocks / 2;
+        let (rec, cb) = (record_bytes(kind, WIDE_LANES), codes_bytes(kind, WIDE_LANES));
+        let pairs = t.blocks / 2;
         let nbp = padded_blocks(pairs);
         let mut f = [_mm512_setzero_ps(); R];
-        // Two 256-bit halves, `lo`'s record in the low one.
-        let join = |a: *const u8, b: *const u8| {
-            // SAFETY: the callers pass offsets inside both groups' records.
-            unsafe {
-                _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i)),
-                    _mm256_loadu_si256(b as *const __m256i),
-                )
-            }
-        };
-        for blk in 0..lo.blocks {
-            // SAFETY (loads): record `blk` of both groups and pair `blk / 2`
+        for blk in 0..t.blocks {
+            // SAFETY (loads): record `blk` of the group and pair `blk / 2`
             // of every row exist; offsets stay inside them.
             unsafe {
-                let (w0, w1) = (lo.w.add(blk * rec), hi.w.add(blk * rec));
+                let wr = t.w.add(blk * rec);
                 if R < 4 {
                     // A prefetch never faults: the address may run past the weight.
-                    prefetch_record(lo.w.wrapping_add(blk * rec + PREFETCH_BYTES), rec);
-                    prefetch_record(hi.w.wrapping_add(blk * rec + PREFETCH_BYTES), rec);
+                    prefetch_record(t.w.wrapping_add(blk * rec + 2 * PREFETCH_BYTES), rec);
                 }
+                let load = |o: usize| _mm512_loadu_si512(wr.add(o) as *const _);
                 let mut wv = [_mm512_setzero_si512(); 8];
                 if K == KQ4 || K == KQ4K {
                     let mask = _mm512_set1_epi8(0x0f);
                     for g in 0..4 {
-                        let v = join(w0.add(32 * g), w1.add(32 * g));
+                        let v = load(64 * g);
                         wv[g] = _mm512_and_si512(v, mask);
                         wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
                     }
                 } else {
                     for (g, v) in wv.iter_mut().enumerate() {
-                        *v = join(w0.add(32 * g), w1.add(32 * g));
+                        *v = load(64 * g);
                     }
                 }
-                let f32x16 = |a: *const u8, b: *const u8| _mm512_castsi512_ps(join(a, b));
-                let f16x16 = |a: *const u8, b: *const u8| {
-                    let h = _mm256_inserti128_si256::<1>(
-                        _mm256_castsi128_si256(_mm_loadu_si128(a as *const __m128i)),
-                        _mm_loadu_si128(b as *const __m128i),
-                    );
-                    _mm512_cvtph_ps(h)
-                };
-                let d0 = if K == KQ4 { f16x16(w0.add(cb), w1.add(cb)) } else { f32x16(w0.add(cb), w1.add(cb)) };
+                let f32x16 = |o: usize| _mm512_loadu_ps(wr.add(o) as *const f32);
+                let f16x16 = |o: usize| _mm512_cvtph_ps(_mm256_loadu_si256(wr.add(o) as *const __m256i));
+                let d0 = if K == KQ4 { f16x16(cb) } else { f32x16(cb) };
                 // Q6K's second scale (values 16..32), or the offsets `m`.
                 let (d1, m) = match K {
-                    KQ6K => (f32x16(w0.add(cb + 32), w1.add(cb + 32)), _mm512_setzero_ps()),
-                    KQ4 => (_mm512_setzero_ps(), f16x16(w0.add(cb + 16), w1.add(cb + 16))),
-                    KQ4K => (_mm512_setzero_ps(), f32x16(w0.add(cb + 32), w1.add(cb + 32))),
+                    KQ6K => (f32x16(cb + 64), _mm512_setzero_ps()),
+                    KQ4 => (_mm512_setzero_ps(), f16x16(cb + 32)),
+                    KQ4K => (_mm512_setzero_ps(), f32x16(cb + 64)),
                     _ => (_mm512_setzero_ps(), _mm512_setzero_ps()),
                 };
                 let (j, b) = (blk / 2, blk % 2);
                 for (r, fr) in f.iter_mut().enumerate() {
-                    let xr = lo.x.add((r * pairs + j) * xrec(H));
+                    let xr = t.x.add((r * pairs + j) * xrec(H));
                     // Group g of block b sits at 8g + 4b in the pair.
                     let xg = |g: usize| _mm512_set1_epi32((xr.add(8 * g + 4 * b) as *const i32).read_unaligned());
                     let dx = _mm512_set1_ps(dx_at::<H>(xr, b, 0));
-                    let corr = |which: usize| _mm512_set1_epi32(*lo.corr.add(r * 4 * lo.blocks + corr_index(blk, which)));
+                    let corr = |which: usize| _mm512_set1_epi32(*t.corr.add(r * 4 * t.blocks + corr_index(blk, which)));
                     if K == KQ6K || H {
                         // A chain per half, each with its own scales (the
                         // weight's for Q6K, the activations' for H).
@@ -450,11 +466,12 @@ pub(super) mod kernels {
                         *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(d0, dx), *fr);
                         *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(d1, dx1), *fr);
                         if K == KQ4 || K == KQ4K {
-                            *fr = _mm512_fmadd_ps(m, _mm512_set1_ps(*lo.sums.add(r * nbp + blk)), *fr);
+                            *fr = _mm512_fmadd_ps(m, _mm512_set1_ps(*t.sums.add(r * nbp + blk)), *fr);
                         }
                         continue;
                     }
-                    // Two chains, for the latency of vpdpbusd.
+                    // Two chains, for the latency of vpdpbusd (one chain
+                    // per row measured no faster).
                     let (mut i0, mut i1) =
                         if K == KQ8 { (corr(2), _mm512_setzero_si512()) } else { (_mm512_setzero_si512(), _mm512_setzero_si512()) };
                     for g in 0..4 {
@@ -464,20 +481,15 @@ pub(super) mod kernels {
                     let isum = _mm512_add_epi32(i0, i1);
                     *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d0, dx), *fr);
                     if K == KQ4 || K == KQ4K {
-                        *fr = _mm512_fmadd_ps(m, _mm512_set1_ps(*lo.sums.add(r * nbp + blk)), *fr);
+                        *fr = _mm512_fmadd_ps(m, _mm512_set1_ps(*t.sums.add(r * nbp + blk)), *fr);
                     }
                 }
             }
         }
-        let mut halves = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
         for (r, fr) in f.iter().enumerate() {
-            halves.0[r] = _mm512_castps512_ps256(*fr);
-            halves.1[r] = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*fr)));
-        }
-        // SAFETY: the caller owns the cells both store masks name.
-        unsafe {
-            store(&lo, &halves.0);
-            store(&hi, &halves.1);
+            // SAFETY: the caller owns the cells the store mask names, in
+            // `R` rows of stride `t.ldy`.
+            unsafe { _mm512_mask_storeu_ps(t.y.add(r * t.ldy), t.store, *fr) };
         }
     }
 
@@ -540,7 +552,7 @@ pub(super) mod kernels {
                         return unsafe { signed_tile_avx2::<R, K, H>(t) };
                     }
                     let kind = QuantKind::from_code(K);
-                    let (rec, cb) = (record_bytes(kind), codes_bytes(kind));
+                    let (rec, cb) = (record_bytes(kind, LANES), codes_bytes(kind, LANES));
                     let pairs = t.blocks / 2;
                     let nbp = padded_blocks(pairs);
                     let mut f = [_mm256_setzero_ps(); R];
@@ -699,14 +711,14 @@ pub(super) mod kernels {
                 }
 
                 /// `y[rows, cols]` (row stride `ldy`) on a lane-layout weight
-                /// and int8 activations: per group of 8 outputs, tiles of 4
-                /// rows, then 1–3.
+                /// and int8 activations: per group of 8 outputs (16 with
+                /// `$wide`), tiles of 4 rows, then 1–3.
                 ///
                 /// # Safety
                 /// The CPU must support the module's features; `y` must be
                 /// valid for writes at every (row, col) of the ranges, cells
                 /// the caller owns; `x` holds int8 codes; `w` is in the lane
-                /// layout.
+                /// layout, its groups 8 outputs wide (or 16 where `$wide`).
                 pub unsafe fn gemm<const H: bool>(
                     y: *mut f32,
                     ldy: usize,
@@ -715,56 +727,52 @@ pub(super) mod kernels {
                     rows: std::ops::Range<usize>,
                     cols: std::ops::Range<usize>,
                 ) {
-                    debug_assert!(x.bits == if H { ActBits::I8Halves } else { ActBits::I8 } && w.lanes);
+                    let lanes = w.lanes;
+                    debug_assert!(x.bits == if H { ActBits::I8Halves } else { ActBits::I8 });
+                    debug_assert!(lanes == LANES || ($wide && lanes == WIDE_LANES));
                     let blocks = 2 * w.pairs;
-                    let rec = record_bytes(w.kind);
+                    let rec = record_bytes(w.kind, lanes);
                     let nbp = padded_blocks(w.pairs);
                     // Rows in blocks whose activations stay in L2 while the
                     // group's weights (in L1) meet each row.
                     let row_block = (96 * 1024 / (w.pairs * xrec(H))).max(4) / 4 * 4;
-                    let (first_group, end_group) = (cols.start / LANES, cols.end.div_ceil(LANES));
-                    // Which of group `g8`'s outputs the column range holds.
-                    let mask = |g8: usize| {
-                        let mut store = 0u8;
-                        for o in 0..LANES {
-                            if cols.contains(&(g8 * LANES + o)) {
+                    let (first_group, end_group) = (cols.start / lanes, cols.end.div_ceil(lanes));
+                    // Which of group `g`'s outputs the column range holds.
+                    let mask = |g: usize| {
+                        let mut store = 0u16;
+                        for o in 0..lanes {
+                            if cols.contains(&(g * lanes + o)) {
                                 store |= 1 << o;
                             }
                         }
                         store
                     };
-                    // The tile of rows from `r` and group `g8`.
-                    // SAFETY: called with r < x.rows and g8 below the
-                    // weight's groups, so every offset stays inside its
-                    // allocation; the pointer to column `g8 · 8` may pass
-                    // the row only when the mask stops short of it (it is
-                    // then not written).
-                    let tile_at = |r: usize, g8: usize, store: u8| unsafe {
-                        Tile {
-                            y: y.wrapping_add(r * ldy + g8 * LANES),
-                            ldy,
-                            x: x.data.as_ptr().add(r * w.pairs * xrec(H)),
-                            sums: x.sums.as_ptr().add(r * nbp),
-                            corr: x.corr.as_ptr().add(r * 4 * blocks),
-                            w: w.data.as_ptr().add(g8 * blocks * rec),
-                            blocks,
-                            store,
-                            small: w.small_codes,
-                        }
-                    };
-                    // Tile `rr` rows from `r` by group `g8` (and `g8 + 1`
-                    // when `pair`).
-                    let run_tile = |r: usize, rr: usize, g8: usize, pair: bool| {
-                        let (store0, store1) = (mask(g8), if pair { mask(g8 + 1) } else { 0 });
-                        // r + rr ≤ x.rows, and g8 (g8 + 1 for a pair) is
-                        // below the weight's groups.
-                        let t = tile_at(r, g8, store0);
-                        // SAFETY: the tiles' reads and writes are those just
+                    // Tile `rr` rows from `r` by group `g`.
+                    let run_tile = |r: usize, rr: usize, g: usize| {
+                        // SAFETY: r + rr ≤ x.rows and g is below the
+                        // weight's groups, so every offset stays inside its
+                        // allocation; the pointer to column `g · lanes` may
+                        // pass the row only when the mask stops short of it
+                        // (it is then not written).
+                        let t = unsafe {
+                            Tile {
+                                y: y.wrapping_add(r * ldy + g * lanes),
+                                ldy,
+                                x: x.data.as_ptr().add(r * w.pairs * xrec(H)),
+                                sums: x.sums.as_ptr().add(r * nbp),
+                                corr: x.corr.as_ptr().add(r * 4 * blocks),
+                                w: w.data.as_ptr().add(g * blocks * rec),
+                                blocks,
+                                store: mask(g),
+                                small: w.small_codes,
+                            }
+                        };
+                        // SAFETY: the tile's reads and writes are those just
                         // checked; the CPU runs this module's features, which
                         // include AVX-512 BW and VNNI where `$wide` holds.
                         unsafe {
-                            if pair {
-                                by_rows_and_kind!(tile16, rr, w.kind.code(), H, (t, tile_at(r, g8 + 1, store1)))
+                            if $wide && lanes == WIDE_LANES {
+                                by_rows_and_kind!(tile16, rr, w.kind.code(), H, (t))
                             } else {
                                 by_rows_and_kind!(tile, rr, w.kind.code(), H, (t))
                             }
@@ -780,7 +788,7 @@ pub(super) mod kernels {
                     // of the head's rate at 64 rows.
                     let group_bytes = blocks * rec;
                     let big = (end_group - first_group) * group_bytes > BIG_WEIGHT;
-                    let chunk = if big { (CHUNK_BYTES / group_bytes).max(2) / 2 * 2 } else { end_group - first_group };
+                    let chunk = if big { (CHUNK_BYTES / group_bytes).max(1) } else { end_group - first_group };
                     let mut r0 = rows.start;
                     while r0 < rows.end {
                         let r1 = (r0 + row_block).min(rows.end);
@@ -791,27 +799,19 @@ pub(super) mod kernels {
                                 let mut r = r0;
                                 while r < r1 {
                                     let rr = (r1 - r).min(4);
-                                    let mut g8 = c0;
-                                    while g8 < c1 {
-                                        // With 512-bit tiles, groups go two at a
-                                        // time; an odd last one takes the 256-bit tile.
-                                        let pair = $wide && g8 + 1 < c1;
-                                        run_tile(r, rr, g8, pair);
-                                        g8 += if pair { 2 } else { 1 };
+                                    for g in c0..c1 {
+                                        run_tile(r, rr, g);
                                     }
                                     r += rr;
                                 }
                             } else {
-                                let mut g8 = c0;
-                                while g8 < c1 {
-                                    let pair = $wide && g8 + 1 < c1;
+                                for g in c0..c1 {
                                     let mut r = r0;
                                     while r < r1 {
                                         let rr = (r1 - r).min(4);
-                                        run_tile(r, rr, g8, pair);
+                                        run_tile(r, rr, g);
                                         r += rr;
                                     }
-                                    g8 += if pair { 2 } else { 1 };
                                 }
                             }
                             c0 = c1;
@@ -843,8 +843,8 @@ pub(super) mod kernels {
     );
 
     lane_kernel!(
-        /// AVX-512 VNNI with VL: EVEX `vpdpbusd` on 512 bits, two groups at
-        /// once ([`tile16`]); an odd last group on 256.
+        /// AVX-512 VNNI with VL: EVEX `vpdpbusd` on 512 bits for groups of
+        /// 16 ([`tile16`]), on 256 bits for groups of 8.
         avx512vnni,
         "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
         maddubs: false,

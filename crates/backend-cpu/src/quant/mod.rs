@@ -285,9 +285,9 @@ pub struct QuantWeight {
     /// Per-block offsets `m` (pair layout: Q4 as f16, Q4K as f32; the lane
     /// layout keeps them in its records).
     pub mins: Mins,
-    /// Whether `data` is in the lane layout ([`lanes`]: 8 outputs side by
-    /// side, for the VNNI int8 kernels) rather than the pair layout.
-    pub lanes: bool,
+    /// Outputs per group of the lane layout ([`lanes`]: 8 or 16 outputs
+    /// side by side, for the VNNI int8 kernels); 0 for the pair layout.
+    pub lanes: usize,
     /// Whether every code of this Q8 weight lies in −16..=15 (it came from
     /// Q5_0): the AVX2 lane kernel then sums its products in i16 instead of
     /// taking the sign trick.
@@ -480,7 +480,7 @@ impl QuantWeight {
             QuantKind::Q4K => Mins::F32(mins),
             QuantKind::Q8 | QuantKind::Q6K => Mins::None,
         };
-        Self { n, k, pairs, kind, data, mins, lanes: false, small_codes: false }
+        Self { n, k, pairs, kind, data, mins, lanes: 0, small_codes: false }
     }
 
     /// The record of pair `j` of output `c`.
@@ -522,7 +522,7 @@ impl QuantWeight {
     /// with `m = −dmin·m`).
     pub fn dequantize_row(&self, c: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.k);
-        if self.lanes {
+        if self.lanes > 0 {
             for (blk, vals) in out.chunks_mut(BLOCK).enumerate() {
                 let halves = [0, 1].map(|h| self.lane_scales(c, blk, h));
                 for (e, o) in vals.iter_mut().enumerate() {
@@ -947,7 +947,7 @@ fn f32_at(r: &[u8], o: usize) -> f32 {
 /// One output cell of the scalar kernel: row `r` of `x` against output `c`
 /// of `w`, the same integer sums as the SIMD kernels.
 fn scalar_cell(x: &QuantActs, w: &QuantWeight, r: usize, c: usize) -> f32 {
-    if w.lanes {
+    if w.lanes > 0 {
         return lanes::scalar_cell(x, w, r, c);
     }
     let mut acc = 0.0f32;
@@ -1100,16 +1100,17 @@ pub unsafe fn gemm_with(
         type Gemm = unsafe fn(*mut f32, usize, &QuantActs, &QuantWeight, std::ops::Range<usize>, std::ops::Range<usize>);
         let simd: Option<Gemm> = match (kernel, x.bits) {
             (Kernel::Scalar, _) => None,
-            // The lane layout: int8 kernels only (else the scalar one).
-            (Kernel::Avx2, ActBits::I8) if w.lanes => Some(lanes::kernels::avx2::gemm::<false>),
-            (Kernel::AvxVnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avxvnni::gemm::<false>),
-            (Kernel::Avx512Vnni, ActBits::I8) if w.lanes => Some(lanes::kernels::avx512vnni::gemm::<false>),
-            (Kernel::Avx2, ActBits::I8Halves) if w.lanes => Some(lanes::kernels::avx2::gemm::<true>),
-            (Kernel::AvxVnni, ActBits::I8Halves) if w.lanes => Some(lanes::kernels::avxvnni::gemm::<true>),
-            (Kernel::Avx512Vnni, ActBits::I8Halves) if w.lanes => Some(lanes::kernels::avx512vnni::gemm::<true>),
+            // The lane layout: int8 kernels only (else the scalar one);
+            // groups of 16 on AVX-512 only.
+            (Kernel::Avx2, ActBits::I8) if w.lanes == lanes::LANES => Some(lanes::kernels::avx2::gemm::<false>),
+            (Kernel::AvxVnni, ActBits::I8) if w.lanes == lanes::LANES => Some(lanes::kernels::avxvnni::gemm::<false>),
+            (Kernel::Avx512Vnni, ActBits::I8) if w.lanes > 0 => Some(lanes::kernels::avx512vnni::gemm::<false>),
+            (Kernel::Avx2, ActBits::I8Halves) if w.lanes == lanes::LANES => Some(lanes::kernels::avx2::gemm::<true>),
+            (Kernel::AvxVnni, ActBits::I8Halves) if w.lanes == lanes::LANES => Some(lanes::kernels::avxvnni::gemm::<true>),
+            (Kernel::Avx512Vnni, ActBits::I8Halves) if w.lanes > 0 => Some(lanes::kernels::avx512vnni::gemm::<true>),
             // The pair layout has no kernel for scales per 16 activations.
             (_, ActBits::I8Halves) => None,
-            _ if w.lanes => None,
+            _ if w.lanes > 0 => None,
             (_, ActBits::I16) => Some(avx2::gemm),
             (Kernel::Avx2, ActBits::I8) => Some(int8::avx2::gemm),
             (Kernel::AvxVnni, ActBits::I8) => Some(int8::avxvnni::gemm),

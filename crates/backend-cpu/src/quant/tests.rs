@@ -394,15 +394,16 @@ fn the_lane_layout_computes_what_the_pair_layout_does() {
             (QuantKind::Q4K, QuantWeight::from_ggml(GgmlType::Q4_K, &kquant_blocks(GgmlType::Q4_K, n, k, &mut s), n, k).expect("blocks")),
             (QuantKind::Q6K, QuantWeight::from_ggml(GgmlType::Q6_K, &kquant_blocks(GgmlType::Q6_K, n, k, &mut s), n, k).expect("blocks")),
         ];
-        for (kind, pair) in weights {
+        for ((kind, pair), width) in weights.into_iter().flat_map(|w| [(w.clone(), 8), (w, 16)]) {
             assert_eq!(pair.kind, kind);
-            let lanes = pair.clone().into_lanes();
-            assert!(lanes.lanes && !pair.lanes);
+            // Groups of 16 made from groups of 8, which covers both conversions.
+            let lanes = if width == 8 { pair.clone().into_lanes() } else { pair.clone().into_lanes().into_lanes_of(16) };
+            assert!(lanes.lanes == width && pair.lanes == 0);
             let (mut a, mut b) = (vec![0.0; k], vec![0.0; k]);
             for c in 0..n {
                 pair.dequantize_row(c, &mut a);
                 lanes.dequantize_row(c, &mut b);
-                assert_eq!(a, b, "{kind:?} ({n},{k}) row {c}: values");
+                assert_eq!(a, b, "{kind:?} ({n},{k}) row {c}: values ({width} lanes)");
             }
             let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
             for bits in [ActBits::I8, ActBits::I8Halves] {
@@ -430,7 +431,7 @@ fn the_lane_layout_computes_what_the_pair_layout_does() {
                         let tol = 2e-6 * scale[i] + 1e-6;
                         assert!(
                             ((got - w) as f64).abs() <= tol,
-                            "{kernel:?} {kind:?} {bits:?} ({m},{n},{k}) cell {i}: lanes {got} vs pairs {w} (tol {tol})"
+                            "{kernel:?} {kind:?} {bits:?} ({m},{n},{k}) cell {i}: {width} lanes {got} vs pairs {w} (tol {tol})"
                         );
                     }
                 }
@@ -465,8 +466,10 @@ fn lane_kernels_hold_the_extreme_sums() {
     ];
     for (ty, block, values, value) in cases {
         let bytes: Vec<u8> = block.iter().copied().cycle().take(block.len() * n * k / values).collect();
-        let w = QuantWeight::from_ggml(ty, &bytes, n, k).expect("blocks").into_lanes();
-        for (sign, bits) in [1.0f32, -1.0].into_iter().flat_map(|s| [(s, ActBits::I8), (s, ActBits::I8Halves)]) {
+        let narrow = QuantWeight::from_ggml(ty, &bytes, n, k).expect("blocks").into_lanes();
+        for (w, (sign, bits)) in [narrow.clone(), narrow.into_lanes_of(16)].into_iter().flat_map(|w| {
+            [1.0f32, -1.0].into_iter().flat_map(move |s| [(w.clone(), (s, ActBits::I8)), (w.clone(), (s, ActBits::I8Halves))])
+        }) {
             let x = vec![sign; m * k];
             let mut acts = QuantActs::default();
             QuantActs::quantize(&x, m, k, bits, &mut acts);
@@ -476,7 +479,7 @@ fn lane_kernels_hold_the_extreme_sums() {
                 // SAFETY: y is [m, n] and owned here; the kernel is available.
                 unsafe { gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 0..n) };
                 for got in &y {
-                    assert!((got - want).abs() <= 1e-3 * want.abs(), "{kernel:?} {ty:?} {bits:?}: {got} vs {want}");
+                    assert!((got - want).abs() <= 1e-3 * want.abs(), "{kernel:?} {ty:?} {bits:?} {} lanes: {got} vs {want}", w.lanes);
                 }
             }
         }
@@ -527,8 +530,7 @@ fn two_int8_passes_reach_int16_precision() {
         QuantWeight::from_ggml(GgmlType::Q4_K, &kquant_blocks(GgmlType::Q4_K, n, k, &mut s), n, k).expect("blocks"),
         QuantWeight::from_ggml(GgmlType::Q6_K, &kquant_blocks(GgmlType::Q6_K, n, k, &mut s), n, k).expect("blocks"),
     ];
-    for pair in weights {
-        let w = pair.into_lanes();
+    for w in weights.into_iter().flat_map(|pair| [pair.clone().into_lanes(), pair.into_lanes_of(16)]) {
         let mut both = vec![f32::NAN; 2 * m * n];
         // SAFETY: both is [2m, n] and owned here.
         unsafe { gemm(both.as_mut_ptr(), n, &acts, &w, 0..2 * m, 0..n) };
@@ -548,7 +550,7 @@ fn two_int8_passes_reach_int16_precision() {
                 }
                 let got = (both[r * n + c] + both[(m + r) * n + c]) as f64;
                 let tol = bound * 1.05 + 1e-5 * (1.0 + exact.abs());
-                assert!((got - exact).abs() <= tol, "{:?} ({r},{c}): {got} vs {exact} (tol {tol})", w.kind);
+                assert!((got - exact).abs() <= tol, "{:?} {} lanes ({r},{c}): {got} vs {exact} (tol {tol})", w.kind, w.lanes);
             }
         }
     }
@@ -600,14 +602,15 @@ fn simd_quantizer_matches_the_scalar_one_bit_for_bit() {
     }
 }
 
-/// The 512-bit tiles (two groups at once) give the 256-bit tiles' bits, for
-/// every kind (Q4, Q8, Q5_0, Q4_K, Q6_K): the same operations lane for lane. Compared where the CPU runs both
-/// AVX-VNNI and AVX-512 VNNI; elsewhere the test says it skipped.
+/// Groups of 16 outputs (the 512-bit tiles) give the bits of groups of 8
+/// (the 256-bit tiles of AVX-512 VNNI, and of AVX-VNNI where the CPU has
+/// it), for every kind (Q4, Q8, Q5_0, Q4_K, Q6_K): the same operations lane
+/// for lane. Where the CPU lacks AVX-512 VNNI the test says it skipped.
 #[test]
-fn wide_tiles_give_the_narrow_tiles_bits_or_skip() {
+fn wide_groups_give_the_narrow_groups_bits_or_skip() {
     let kernels = Kernel::available();
-    if !(kernels.contains(&Kernel::AvxVnni) && kernels.contains(&Kernel::Avx512Vnni)) {
-        eprintln!("SKIPPED wide_tiles_give_the_narrow_tiles_bits: this CPU lacks AVX-VNNI or AVX-512 VNNI ({kernels:?})");
+    if !kernels.contains(&Kernel::Avx512Vnni) {
+        eprintln!("SKIPPED wide_groups_give_the_narrow_groups_bits: this CPU lacks AVX-512 VNNI ({kernels:?})");
         return;
     }
     let mut s = SeededRng::new(37);
@@ -620,21 +623,25 @@ fn wide_tiles_give_the_narrow_tiles_bits_or_skip() {
             QuantWeight::from_ggml(GgmlType::Q6_K, &kquant_blocks(GgmlType::Q6_K, n, k, &mut s), n, k).expect("blocks"),
         ];
         for w in weights {
-            let (kind, w) = (w.kind, w.into_lanes());
+            let (kind, narrow, wide) = (w.kind, w.clone().into_lanes(), w.into_lanes_of(16));
             let x: Vec<f32> = (0..m * k).map(|_| rng(&mut s)).collect();
             for bits in [ActBits::I8, ActBits::I8Halves] {
                 let mut acts = QuantActs::default();
                 QuantActs::quantize(&x, m, k, bits, &mut acts);
-                let run = |kernel| {
+                let run = |kernel, w: &QuantWeight| {
                     let mut y = vec![f32::NAN; m * n];
-                    // SAFETY: y is [m, n] and owned here; both kernels are available.
+                    // SAFETY: y is [m, n] and owned here; the kernel is available.
                     unsafe {
-                        gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 0..5);
-                        gemm_with(kernel, y.as_mut_ptr(), n, &acts, &w, 0..m, 5..n);
+                        gemm_with(kernel, y.as_mut_ptr(), n, &acts, w, 0..m, 0..5);
+                        gemm_with(kernel, y.as_mut_ptr(), n, &acts, w, 0..m, 5..n);
                     }
                     y.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
                 };
-                assert_eq!(run(Kernel::Avx512Vnni), run(Kernel::AvxVnni), "{kind:?} {bits:?} ({m},{n},{k})");
+                let want = run(Kernel::Avx512Vnni, &narrow);
+                assert_eq!(run(Kernel::Avx512Vnni, &wide), want, "{kind:?} {bits:?} ({m},{n},{k})");
+                if kernels.contains(&Kernel::AvxVnni) {
+                    assert_eq!(run(Kernel::AvxVnni, &narrow), want, "AVX-VNNI {kind:?} {bits:?} ({m},{n},{k})");
+                }
             }
         }
     }
@@ -642,31 +649,39 @@ fn wide_tiles_give_the_narrow_tiles_bits_or_skip() {
 
 /// A weight larger than the caches (an LM head: the lane kernels walk it in
 /// chunks of groups, each row tile sweeping a chunk) gives the products of
-/// the pair layout's kernel: rows in tiles of 4 and 2, a group count that
-/// leaves an odd group at a chunk's end, both int8 widths.
+/// the pair layout's kernel: rows in tiles of 4 and 2, a last group cut
+/// short at output 36,005, groups of 8 and 16, both int8 widths.
 #[test]
 fn lane_kernels_walk_a_large_weight_in_chunks() {
     let (m, n, k) = (6, 36_005, 256);
     let mut s = SeededRng::new(41);
     let pair = QuantWeight::quantize(&(0..n * k).map(|_| rng(&mut s) * 0.1).collect::<Vec<_>>(), n, k, QuantKind::Q8);
-    let lanes = pair.clone().into_lanes();
-    assert!(lanes.data.len() > 8 << 20, "the weight must pass the kernels' large-weight threshold");
+    let narrow = pair.clone().into_lanes();
+    assert!(narrow.data.len() > 8 << 20, "the weight must pass the kernels' large-weight threshold");
     let x: Vec<f32> = (0..m * k).map(|i| if i % 89 == 3 { -30.0 } else { rng(&mut s) }).collect();
+    let wide = narrow.clone().into_lanes_of(16);
     for bits in [ActBits::I8, ActBits::I8Halves] {
         let mut acts = QuantActs::default();
         QuantActs::quantize(&x, m, k, bits, &mut acts);
         // The reference on a sample of columns (the scalar kernel, pair layout).
         let cols: Vec<usize> = (0..n).step_by(997).chain([n - 1, n - 2, 8 * 16 - 1]).collect();
-        for &kernel in &Kernel::available() {
+        for (kernel, lanes) in Kernel::available().into_iter().flat_map(|k| [(k, &narrow), (k, &wide)]) {
+            if kernel == Kernel::Scalar && lanes.lanes == 16 {
+                continue; // the scalar kernel reads both layouts alike; once is enough here
+            }
             let mut y = vec![f32::NAN; m * n];
             // SAFETY: y is [m, n] and owned here; the kernel is available.
-            unsafe { gemm_with(kernel, y.as_mut_ptr(), n, &acts, &lanes, 0..m, 0..n) };
-            assert!(y.iter().all(|v| v.is_finite()), "{kernel:?} {bits:?}: a cell was not written");
+            unsafe { gemm_with(kernel, y.as_mut_ptr(), n, &acts, lanes, 0..m, 0..n) };
+            assert!(y.iter().all(|v| v.is_finite()), "{kernel:?} {bits:?} {} lanes: a cell was not written", lanes.lanes);
             for r in 0..m {
                 for &c in &cols {
                     let want = scalar_cell(&acts, &pair, r, c);
                     let got = y[r * n + c];
-                    assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{kernel:?} {bits:?} ({r}, {c}): {got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "{kernel:?} {bits:?} {} lanes ({r}, {c}): {got} vs {want}",
+                        lanes.lanes
+                    );
                 }
             }
         }
