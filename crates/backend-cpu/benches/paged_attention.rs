@@ -6,7 +6,8 @@
 //! `decode/{paged,contiguous}/ctx{C}_b{B}`, so the ratio paged/contiguous of
 //! each case reads off two adjacent lines. Two cases also run with the cache
 //! stored as f16 and bf16 (`decode/paged_{f16,bf16}/…`; same data, rounded),
-//! the kernel widening each tile to f32.
+//! the kernel widening each tile to f32. Gemma 3 270M's shape (4 query
+//! heads sharing one kv head of 256) runs as `decode/gemma3_{f32,f16}/…`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
@@ -16,13 +17,15 @@ use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention,
 use vellum_core::SeededRng as Rng;
 use vellum_core::{AttentionMetadata, AttentionShape, KvCacheDtype};
 
-const NUM_HEADS: usize = 9;
-const NUM_KV_HEADS: usize = 3;
-const HEAD_DIM: usize = 64;
+/// (query heads, kv heads, head_dim).
+type Heads = (usize, usize, usize);
+const SMOLLM2: Heads = (9, 3, 64);
+const GEMMA3: Heads = (4, 1, 256);
 const BLOCK_SIZE: usize = 16;
 
 /// One decode case: `batch` sequences of `ctx` tokens, both layouts.
 struct DecodeCase {
+    heads: Heads,
     layout: KvCacheLayout,
     cache: LayerKvCache,
     k: Vec<Vec<f32>>,
@@ -35,12 +38,13 @@ struct DecodeCase {
 }
 
 impl DecodeCase {
-    fn new(ctx: usize, batch: usize, dtype: KvCacheDtype) -> Self {
+    fn new(ctx: usize, batch: usize, dtype: KvCacheDtype, heads: Heads) -> Self {
+        let (num_heads, num_kv_heads, head_dim) = heads;
         let mut rng = Rng::new(0x5eed ^ (ctx * 1000 + batch) as u64);
-        let row = NUM_KV_HEADS * HEAD_DIM;
+        let row = num_kv_heads * head_dim;
         let stride = ctx.div_ceil(BLOCK_SIZE);
         let num_blocks = batch * stride;
-        let layout = KvCacheLayout { num_blocks, block_size: BLOCK_SIZE, num_kv_heads: NUM_KV_HEADS, head_dim: HEAD_DIM };
+        let layout = KvCacheLayout { num_blocks, block_size: BLOCK_SIZE, num_kv_heads, head_dim };
 
         // Random physical order (Fisher-Yates over all blocks of the batch).
         let mut block_tables: Vec<u32> = (0..num_blocks as u32).collect();
@@ -61,8 +65,9 @@ impl DecodeCase {
             k.push(ks);
             v.push(vs);
         }
-        let q = (0..batch * NUM_HEADS * HEAD_DIM).map(|_| rng.signed_f32()).collect();
+        let q = (0..batch * num_heads * head_dim).map(|_| rng.signed_f32()).collect();
         DecodeCase {
+            heads,
             layout,
             cache,
             k,
@@ -84,12 +89,14 @@ impl DecodeCase {
             block_tables: &self.block_tables,
             block_table_stride: self.stride,
         };
-        let attn = AttentionShape { scale: 0.125, ..AttentionShape::new(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM) };
+        let (num_heads, num_kv_heads, head_dim) = self.heads;
+        let attn = AttentionShape { scale: 0.125, ..AttentionShape::new(num_heads, num_kv_heads, head_dim) };
         paged_attention(out, &self.q, &self.cache, &self.layout, &meta, &attn);
     }
 
     fn contiguous(&self, out: &mut [f32], k: &[&[f32]], v: &[&[f32]]) {
-        contiguous_attention(out, &self.q, k, v, &self.query_start_loc, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 0.125);
+        let (num_heads, num_kv_heads, head_dim) = self.heads;
+        contiguous_attention(out, &self.q, k, v, &self.query_start_loc, num_heads, num_kv_heads, head_dim, 0.125);
     }
 }
 
@@ -98,10 +105,10 @@ fn decode(c: &mut Criterion) {
     group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     for ctx in [128usize, 512, 1024, 4096] {
         for batch in [1usize, 16, 64] {
-            let case = DecodeCase::new(ctx, batch, KvCacheDtype::F32);
+            let case = DecodeCase::new(ctx, batch, KvCacheDtype::F32, SMOLLM2);
             let id = format!("ctx{ctx}_b{batch}");
             // K and V bytes read per call.
-            group.throughput(Throughput::Bytes((2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 4) as u64));
+            group.throughput(Throughput::Bytes((2 * batch * ctx * SMOLLM2.1 * SMOLLM2.2 * 4) as u64));
             let mut out = vec![0.0f32; case.q.len()];
             group.bench_function(BenchmarkId::new("paged", &id), |b| {
                 b.iter(|| case.paged(black_box(&mut out)));
@@ -116,8 +123,19 @@ fn decode(c: &mut Criterion) {
     // Half-precision caches: a batched decode and a single long decode.
     for (ctx, batch) in [(1024usize, 64usize), (4096, 1)] {
         for (name, dtype) in [("paged_f16", KvCacheDtype::F16), ("paged_bf16", KvCacheDtype::Bf16)] {
-            let case = DecodeCase::new(ctx, batch, dtype);
-            group.throughput(Throughput::Bytes((2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * dtype.size_bytes()) as u64));
+            let case = DecodeCase::new(ctx, batch, dtype, SMOLLM2);
+            group.throughput(Throughput::Bytes((2 * batch * ctx * SMOLLM2.1 * SMOLLM2.2 * dtype.size_bytes()) as u64));
+            let mut out = vec![0.0f32; case.q.len()];
+            group.bench_function(BenchmarkId::new(name, format!("ctx{ctx}_b{batch}")), |b| {
+                b.iter(|| case.paged(black_box(&mut out)));
+            });
+        }
+    }
+    // Gemma 3 270M: a query group of 4 on one kv head of 256.
+    for (ctx, batch) in [(192usize, 64usize), (1024, 64), (4096, 1)] {
+        for (name, dtype) in [("gemma3_f32", KvCacheDtype::F32), ("gemma3_f16", KvCacheDtype::F16)] {
+            let case = DecodeCase::new(ctx, batch, dtype, GEMMA3);
+            group.throughput(Throughput::Bytes((2 * batch * ctx * GEMMA3.1 * GEMMA3.2 * dtype.size_bytes()) as u64));
             let mut out = vec![0.0f32; case.q.len()];
             group.bench_function(BenchmarkId::new(name, format!("ctx{ctx}_b{batch}")), |b| {
                 b.iter(|| case.paged(black_box(&mut out)));

@@ -497,10 +497,31 @@ unsafe fn attend_tile<T: KvElem, const FMA: bool>(
         }
     }
 
-    // 3. Accumulate the tile's values: out_g += Σ_j p[g, j] * v_j, BLOCK
-    //    values of head_dim at a time (four 16-lane accumulators that stay
-    //    in registers across the tile's rows), then 16-lane chunks, then
-    //    the tail.
+    // 3. Accumulate the tile's values: out_g += Σ_j p[g, j] * v_j. The
+    //    query heads of a group share their kv head's value rows: each
+    //    16-value chunk of a row is loaded (and widened) once for up to
+    //    four heads at a time.
+    if shape.group > 1 {
+        for kv in 0..out.len() / group_len {
+            let mut h = 0;
+            while h < shape.group {
+                let heads = kv * shape.group + h;
+                // SAFETY (each arm): forwarded from this function's contract.
+                h += unsafe {
+                    match shape.group - h {
+                        1 => accumulate_values::<T, FMA, 1>(out, scores, rows, runs, kv * hd, heads, hd),
+                        2 => accumulate_values::<T, FMA, 2>(out, scores, rows, runs, kv * hd, heads, hd),
+                        3 => accumulate_values::<T, FMA, 3>(out, scores, rows, runs, kv * hd, heads, hd),
+                        _ => accumulate_values::<T, FMA, 4>(out, scores, rows, runs, kv * hd, heads, hd),
+                    }
+                };
+            }
+        }
+        return;
+    }
+    //    One head per kv head: BLOCK values of head_dim at a time (four
+    //    16-lane accumulators that stay in registers across the tile's
+    //    rows), then 16-lane chunks, then the tail.
     const BLOCK: usize = UNROLL * LANES;
     for (g, o) in out.chunks_exact_mut(hd).enumerate() {
         let p = &scores[g * TILE..g * TILE + tile_len];
@@ -548,6 +569,56 @@ unsafe fn attend_tile<T: KvElem, const FMA: bool>(
             });
         }
     }
+}
+
+/// `out_h += Σ_j p[h, j] · v_j` for the `N` query heads from `first` (one
+/// kv head's, whose values start at `v_off` in a row): each 16-value chunk
+/// of a value row is widened once and meets the `N` heads' accumulators
+/// (`2N` AVX2 registers) in registers. Returns `N`.
+///
+/// # Safety
+/// As [`attend_tile`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)] // Private helper of attend_tile.
+unsafe fn accumulate_values<T: KvElem, const FMA: bool, const N: usize>(
+    out: &mut [f32],
+    scores: &[f32],
+    rows: &Rows<'_, T>,
+    runs: &TileRuns,
+    v_off: usize,
+    first: usize,
+    hd: usize,
+) -> usize {
+    let mut c = 0;
+    while c + LANES <= hd {
+        let mut acc = [[0.0f32; LANES]; N];
+        for (i, a) in acc.iter_mut().enumerate() {
+            a.copy_from_slice(&out[(first + i) * hd + c..(first + i) * hd + c + LANES]);
+        }
+        for_each_row!(runs, rows.row_stride, |j, base| {
+            // SAFETY: forwarded from this function's contract.
+            let v = unsafe { T::widen16(&rows.v[base + v_off + c..base + v_off + c + LANES]) };
+            for (i, a) in acc.iter_mut().enumerate() {
+                let pj = scores[(first + i) * TILE + j];
+                for (a, x) in a.iter_mut().zip(v) {
+                    *a = madd::<FMA>(pj, x, *a);
+                }
+            }
+        });
+        for (i, a) in acc.iter().enumerate() {
+            out[(first + i) * hd + c..(first + i) * hd + c + LANES].copy_from_slice(a);
+        }
+        c += LANES;
+    }
+    if c < hd {
+        for i in 0..N {
+            let o = &mut out[(first + i) * hd + c..(first + i + 1) * hd];
+            for_each_row!(runs, rows.row_stride, |j, base| {
+                axpy(o, scores[(first + i) * TILE + j], &rows.v[base + v_off + c..base + v_off + hd]);
+            });
+        }
+    }
+    N
 }
 
 /// Runs `$body` for the rows of the [`TileRuns`] `$runs` in order, with `$j`
