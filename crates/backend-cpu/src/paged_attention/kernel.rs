@@ -503,18 +503,17 @@ unsafe fn attend_tile<T: KvElem, const FMA: bool>(
     //    four heads at a time.
     if shape.group > 1 {
         for kv in 0..out.len() / group_len {
-            let mut h = 0;
-            while h < shape.group {
-                let heads = kv * shape.group + h;
+            for h in (0..shape.group).step_by(4) {
+                let first = kv * shape.group + h;
                 // SAFETY (each arm): forwarded from this function's contract.
-                h += unsafe {
-                    match shape.group - h {
-                        1 => accumulate_values::<T, FMA, 1>(out, scores, rows, runs, kv * hd, heads, hd),
-                        2 => accumulate_values::<T, FMA, 2>(out, scores, rows, runs, kv * hd, heads, hd),
-                        3 => accumulate_values::<T, FMA, 3>(out, scores, rows, runs, kv * hd, heads, hd),
-                        _ => accumulate_values::<T, FMA, 4>(out, scores, rows, runs, kv * hd, heads, hd),
+                unsafe {
+                    match (shape.group - h).min(4) {
+                        1 => accumulate_values::<T, FMA, 1>(out, scores, rows, runs, kv * hd, first, hd),
+                        2 => accumulate_values::<T, FMA, 2>(out, scores, rows, runs, kv * hd, first, hd),
+                        3 => accumulate_values::<T, FMA, 3>(out, scores, rows, runs, kv * hd, first, hd),
+                        _ => accumulate_values::<T, FMA, 4>(out, scores, rows, runs, kv * hd, first, hd),
                     }
-                };
+                }
             }
         }
         return;
@@ -574,7 +573,7 @@ unsafe fn attend_tile<T: KvElem, const FMA: bool>(
 /// `out_h += Σ_j p[h, j] · v_j` for the `N` query heads from `first` (one
 /// kv head's, whose values start at `v_off` in a row): each 16-value chunk
 /// of a value row is widened once and meets the `N` heads' accumulators
-/// (`2N` AVX2 registers) in registers. Returns `N`.
+/// (`2N` AVX2 registers) in registers.
 ///
 /// # Safety
 /// As [`attend_tile`].
@@ -588,7 +587,7 @@ unsafe fn accumulate_values<T: KvElem, const FMA: bool, const N: usize>(
     v_off: usize,
     first: usize,
     hd: usize,
-) -> usize {
+) {
     let mut c = 0;
     while c + LANES <= hd {
         let mut acc = [[0.0f32; LANES]; N];
@@ -618,7 +617,6 @@ unsafe fn accumulate_values<T: KvElem, const FMA: bool, const N: usize>(
             });
         }
     }
-    N
 }
 
 /// Runs `$body` for the rows of the [`TileRuns`] `$runs` in order, with `$j`
