@@ -85,7 +85,9 @@ const GEMMA3: Model = Model {
 };
 
 fn load_golden(file: &str) -> Vec<Golden> {
-    let path = format!("{}/../shared/golden/{file}", env!("CARGO_MANIFEST_DIR"));
+    // VELLUM_GOLDEN_DIR: where the GPU machine's suite carries the files.
+    let dir = std::env::var("VELLUM_GOLDEN_DIR").unwrap_or_else(|_| format!("{}/../shared/golden", env!("CARGO_MANIFEST_DIR")));
+    let path = format!("{dir}/{file}");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
     serde_json::from_str(&text).expect("golden file parses")
 }
@@ -138,6 +140,41 @@ fn gemma3_matches_the_float64_reference_float32() {
 #[test]
 fn gemma3_matches_the_float64_reference_on_wgpu() {
     matches_the_float64_reference(&GEMMA3, Device::Wgpu, CpuPrecision::Float32);
+}
+
+/// Whether a CUDA GPU is here; without one the CUDA tests say SKIPPED by
+/// name, unless `VELLUM_REQUIRE_GPU` is set (the GPU machine's suite sets it,
+/// so that a broken driver setup cannot pass silently).
+#[cfg(feature = "cuda")]
+fn cuda_or_skip(test: &str) -> bool {
+    match vellum_backend_cuda::device::probe() {
+        Ok(_) => true,
+        Err(e) => {
+            assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
+            eprintln!("SKIPPED {test}: {e}");
+            false
+        }
+    }
+}
+
+/// The golden prompts, batched, through the CUDA backend (float32
+/// activations and KV cache, the float32 rule); on a GPU machine
+/// (`kernels/cuda/gpu_suite.sh`).
+#[cfg(feature = "cuda")]
+#[test]
+fn smollm2_matches_the_float64_reference_on_cuda_or_skips_without_a_gpu() {
+    if cuda_or_skip("smollm2_matches_the_float64_reference_on_cuda") {
+        matches_the_float64_reference(&SMOLLM2, Device::Cuda, CpuPrecision::Float32);
+    }
+}
+
+/// Chunked prefill, prefix hits and batching on the CUDA backend.
+#[cfg(feature = "cuda")]
+#[test]
+fn chunking_prefix_hits_and_batching_do_not_change_results_on_cuda_or_skips_without_a_gpu() {
+    if cuda_or_skip("chunking_prefix_hits_and_batching_do_not_change_results_on_cuda") {
+        chunking_prefix_hits_and_batching_leave_results(Device::Cuda);
+    }
 }
 
 #[cfg(not(feature = "wgpu"))]

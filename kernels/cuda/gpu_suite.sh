@@ -1,37 +1,57 @@
 #!/usr/bin/env bash
-# The CUDA GPU suite (crates/backend-cuda/tests/gpu.rs) as one command on a
-# machine that has an NVIDIA GPU and a driver but no Rust and no network.
+# The CUDA GPU suite and benchmarks as one command on a machine that has an
+# NVIDIA GPU and a driver but no Rust and no network.
 #
-#   kernels/cuda/gpu_suite.sh stage   # here: builds the test binary into .gpu/
-#   bash .gpu/run.sh                  # there, with .gpu/ copied over (the device
-#                                     # tool: carry [".gpu"], command "bash .gpu/run.sh")
+#   kernels/cuda/gpu_suite.sh stage      # here: builds everything into .gpu/
+#   bash .gpu/run.sh [STEP ...]          # there, with .gpu/ copied over (the
+#                                        # device tool: carry [".gpu"])
 #
-# The kernels compile on the GPU machine with its own NVRTC (a CUDA toolkit's
-# libnvrtc.so; set NVRTC_DIR to its directory if it is not on the loader path).
+# Steps (all of them by default):
+#   suite       crates/backend-cuda/tests/gpu.rs: every kernel against float64
+#               references, the executor against the CPU's f32 path
+#   attention   the paged-attention decode bandwidth benchmark
+#               (examples/attention_bench.rs) -> $OUT/attention.jsonl
+#   golden      tests/golden.rs's CUDA tests (the golden prompts through
+#               --device cuda); needs the default model in $VELLUM_CACHE
+#   throughput  `vellum bench throughput --device cuda` on $VELLUM_MODEL (or
+#               the default model) -> $OUT/throughput.json
+# Every test must find the GPU (VELLUM_REQUIRE_GPU). Logs go to $OUT (the
+# device tool's) or .gpu/out. The kernels compile there with its own NVRTC
+# (a CUDA toolkit's libnvrtc; NVRTC_DIR names its directory if run.sh's
+# search misses it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-case "${1:-}" in
-stage)
-    bin=$(cargo test -p vellum-backend-cuda --release --locked --test gpu --no-run --message-format=json 2>/dev/null |
-        python3 -c 'import json,sys
+
+# The path of the executable `cargo $@ --message-format=json` builds for
+# target name $1.
+artifact() {
+    local name=$1
+    shift
+    cargo "$@" --message-format=json 2>/dev/null | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
-        print(m["executable"])')
-    mkdir -p .gpu
-    # Without debug info: the device tool carries at most 64 MiB.
-    strip --strip-debug -o .gpu/gpu_suite "$bin" 2>/dev/null || cp "$bin" .gpu/gpu_suite
-    cat >.gpu/run.sh <<'RUN'
-#!/usr/bin/env bash
-# Runs the CUDA GPU suite; every test must find the GPU (VELLUM_REQUIRE_GPU).
-here=$(cd "$(dirname "$0")" && pwd)
-for d in "${NVRTC_DIR:-}" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-    [ -n "$d" ] && [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-done
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-VELLUM_REQUIRE_GPU=1 exec "$here/gpu_suite" --test-threads 1 --nocapture
-RUN
-    echo "staged $(du -h .gpu/gpu_suite | cut -f1) in .gpu/: run it there with bash .gpu/run.sh"
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$name"
+}
+
+case "${1:-}" in
+stage)
+    rm -rf .gpu/bin && mkdir -p .gpu/bin .gpu/golden
+    declare -A bins=(
+        [gpu_suite]="$(artifact gpu test -p vellum-backend-cuda --release --locked --test gpu --no-run)"
+        [golden]="$(artifact golden test --release --locked --features cuda --test golden --no-run)"
+        [attention_bench]="$(artifact attention_bench build -p vellum-backend-cuda --release --locked --example attention_bench)"
+        [vellum]="$(artifact vellum build -p vellum-server --release --locked --features cuda --bin vellum)"
+    )
+    for name in "${!bins[@]}"; do
+        [ -n "${bins[$name]}" ] || { echo "building $name failed" >&2; exit 1; }
+        # Without debug info and compressed: the device tool carries 64 MiB.
+        strip --strip-debug -o ".gpu/bin/$name" "${bins[$name]}"
+        xz -T2 -6 -f ".gpu/bin/$name"
+    done
+    cp ../shared/golden/*.json .gpu/golden/
+    cp kernels/cuda/run_gpu.sh .gpu/run.sh
+    echo "staged $(du -sh .gpu | cut -f1) in .gpu/: run it there with bash .gpu/run.sh"
     ;;
 *)
     echo "usage: $0 stage" >&2

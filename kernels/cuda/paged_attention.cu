@@ -8,24 +8,37 @@
 //
 // Compile-time constants (NVRTC -D): HEAD_DIM (a multiple of 64: 64, 128,
 // 256), BLOCK_SIZE (8, 16 or 32 tokens per KV block), NUM_THREADS (a
-// multiple of 32), PARTITION_SIZE (tokens per partition of v2).
+// multiple of 32), PARTITION_SIZE (tokens per partition of v2), QUERIES (the
+// query heads a thread block serves: a divisor of the GQA group size).
 //
-// v1: grid (num_heads, num_tokens); one thread block walks the whole
-//     context; the scores live in dynamic shared memory (4 bytes a token).
-// v2: grid (num_heads, num_tokens, max_num_partitions); each thread block
-//     takes PARTITION_SIZE positions and writes its softmax statistics (max,
-//     sum of exp) and its normalized partial output; `paged_attention_v2_reduce`
-//     combines the partitions. For long contexts or few sequences.
+// Grouped-query attention: head h reads kv head h / (num_heads /
+// num_kv_heads). A thread block takes QUERIES consecutive heads of one group,
+// so each key and value it loads serves QUERIES queries (without grouping,
+// each head's block reads the same KV again, from L2 at best).
+//
+// v1: grid (num_heads / QUERIES, num_tokens); one thread block walks the
+//     whole context; the scores live in dynamic shared memory (4 bytes a
+//     token and query head).
+// v2: grid (num_heads / QUERIES, num_tokens, max_num_partitions); each thread
+//     block takes PARTITION_SIZE positions and writes its softmax statistics
+//     (max, sum of exp) and its normalized partial output per head;
+//     `paged_attention_v2_reduce` combines the partitions. For long contexts
+//     or few sequences.
 //
 // Within a thread block, warps take KV blocks in turn. Scores: a KV block's
 // BLOCK_SIZE tokens are spread over the warp's 32 lanes, LANES = 32 /
 // BLOCK_SIZE lanes per token, each lane taking every LANES-th group of four
-// dims (so the lanes of one token read adjacent 16-byte pieces). Values: each
-// lane owns HEAD_DIM / 32 consecutive dims and accumulates p · v over the
-// warp's tokens; warps meet in shared memory at the end.
+// dims (so the lanes of one token read adjacent pieces). Softmax: a warp per
+// query head. Values: each lane owns HEAD_DIM / 32 consecutive dims and
+// accumulates p · v over the warp's tokens for every head of the group;
+// warps add their sums in shared memory in a fixed order.
 //
 // Cache layout: [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM] (cache.cu).
-// Grouped-query attention: head h reads kv head h / (num_heads / num_kv_heads).
+//
+// CONTIGUOUS_KV (defined only by the bandwidth benchmark's baseline): the
+// same kernel without the block table; sequence s's block b is physical block
+// s · max_blocks_per_seq + b, the layout of a contiguous per-sequence cache
+// (FasterTransformer's), so the two differ only in the indirection.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -39,6 +52,9 @@
 #ifndef PARTITION_SIZE
 #define PARTITION_SIZE 512
 #endif
+#ifndef QUERIES
+#define QUERIES 1
+#endif
 
 #define NUM_WARPS (NUM_THREADS / 32)
 #define LANES (32 / BLOCK_SIZE)
@@ -49,6 +65,13 @@ static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be a multiple of 64");
 static_assert(BLOCK_SIZE == 8 || BLOCK_SIZE == 16 || BLOCK_SIZE == 32, "BLOCK_SIZE must be 8, 16 or 32");
 static_assert(CHUNKS % LANES == 0, "a token's dims split evenly over its lanes");
 static_assert(NUM_THREADS % 32 == 0 && NUM_THREADS <= 1024, "NUM_THREADS must be whole warps");
+static_assert(QUERIES >= 1 && QUERIES * HEAD_DIM <= 2048, "QUERIES heads of HEAD_DIM must fit the registers");
+
+#ifdef CONTIGUOUS_KV
+#define PHYSICAL_BLOCK(b) (contig_base + (b))
+#else
+#define PHYSICAL_BLOCK(b) ((long long)block_table[(b)])
+#endif
 
 // The metadata every kernel of this file reads the same way.
 struct Query {
@@ -68,87 +91,115 @@ __device__ __forceinline__ Query query_of(int t, const int *token_seq, const int
     return q;
 }
 
-// Attends query token blockIdx.y, head blockIdx.x, over positions
-// [start, end); returns the unnormalized output in `acc_out` (thread i holds
-// dims i, i + NUM_THREADS, ...), and the max and sum of exp of the scores.
+// Attends query token blockIdx.y, query heads h0 .. h0 + QUERIES - 1 (h0 =
+// blockIdx.x · QUERIES, all reading kv head kvh) over positions [start, end):
+// each key and value is loaded once for the group's QUERIES heads. Writes
+// each head's unnormalized output to `out[g · HEAD_DIM ..]` and its max and
+// sum of exp to max_out[g], sum_out[g]; `logits` holds QUERIES rows of
+// end - start scores.
 template <typename T>
 __device__ void attend(const float *__restrict__ q, const T *__restrict__ k_cache, const T *__restrict__ v_cache,
-                       const int *__restrict__ block_table, int num_heads, int num_kv_heads, float scale, float softcap, int start,
-                       int end, float *logits, float *out, float *max_out, float *sum_out) {
-    __shared__ __align__(16) float q_s[HEAD_DIM];
-    __shared__ float red[NUM_WARPS];
-    __shared__ float acc_s[NUM_WARPS][HEAD_DIM];
-    const int h = blockIdx.x, t = blockIdx.y;
+                       const int *__restrict__ block_table, long long contig_base, int num_heads, int num_kv_heads, float scale,
+                       float softcap, int start, int end, float *logits, float *out, float *max_out, float *sum_out) {
+    __shared__ __align__(16) float q_s[QUERIES][HEAD_DIM];
+    const int h0 = blockIdx.x * QUERIES, t = blockIdx.y, n = end - start;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int kvh = h / (num_heads / num_kv_heads);
+    const int kvh = h0 / (num_heads / num_kv_heads);
     const long long row = (long long)num_kv_heads * HEAD_DIM;
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) q_s[d] = q[((long long)t * num_heads + h) * HEAD_DIM + d] * scale;
+    // The group's heads are consecutive in q: [t][h0 .. h0 + QUERIES)[d].
+    const float *qg = q + ((long long)t * num_heads + h0) * HEAD_DIM;
+    for (int i = threadIdx.x; i < QUERIES * HEAD_DIM; i += NUM_THREADS) q_s[i / HEAD_DIM][i % HEAD_DIM] = qg[i] * scale;
+    for (int i = threadIdx.x; i < QUERIES * HEAD_DIM; i += NUM_THREADS) out[i] = 0.f;
     __syncthreads();
 
     // 1. Scores of the positions in [start, end).
     const int first_block = start / BLOCK_SIZE, last_block = (end - 1) / BLOCK_SIZE;
     const int tok = lane / LANES, sub = lane % LANES;
-    float m = -3.0e38f;
     for (int b = first_block + warp; b <= last_block; b += NUM_WARPS) {
         const int pos = b * BLOCK_SIZE + tok;
-        const long long phys = block_table[b];
+        const long long phys = PHYSICAL_BLOCK(b);
         const T *k = k_cache + (phys * BLOCK_SIZE + tok) * row + (long long)kvh * HEAD_DIM;
-        float dot = 0.f;
+        float dot[QUERIES];
 #pragma unroll
+        for (int g = 0; g < QUERIES; g++) dot[g] = 0.f;
+        // Unrolled by 8 at most: with one lane a token (BLOCK_SIZE 32) a full
+        // unroll hoists every load of the row and runs out of registers.
+#pragma unroll 8
         for (int j = 0; j < CHUNKS / LANES; j++) {
             const int c = sub + LANES * j;
             const vec4f kv = load4(k + 4 * c);
-            const vec4f qv = {q_s[4 * c], q_s[4 * c + 1], q_s[4 * c + 2], q_s[4 * c + 3]};
-            dot += dot4(qv, kv);
+#pragma unroll
+            for (int g = 0; g < QUERIES; g++) {
+                const vec4f qv = {q_s[g][4 * c], q_s[g][4 * c + 1], q_s[g][4 * c + 2], q_s[g][4 * c + 3]};
+                dot[g] += dot4(qv, kv);
+            }
         }
 #pragma unroll
-        for (int o = LANES / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        for (int g = 0; g < QUERIES; g++) {
+#pragma unroll
+            for (int o = LANES / 2; o > 0; o >>= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+        }
         if (sub == 0 && pos >= start && pos < end) {
-            const float s = softcap > 0.f ? softcap * tanhf(dot / softcap) : dot;
-            logits[pos - start] = s;
-            m = fmaxf(m, s);
+#pragma unroll
+            for (int g = 0; g < QUERIES; g++)
+                logits[g * n + pos - start] = softcap > 0.f ? softcap * tanhf(dot[g] / softcap) : dot[g];
         }
     }
     __syncthreads();
 
-    // 2. Softmax statistics; the scores become exp(s - max).
-    m = block_max(m, red);
-    float sum = 0.f;
-    for (int i = threadIdx.x; i < end - start; i += NUM_THREADS) {
-        const float e = __expf(logits[i] - m);
-        logits[i] = e;
-        sum += e;
+    // 2. Softmax statistics, a warp per head; the scores become exp(s - max).
+    for (int g = warp; g < QUERIES; g += NUM_WARPS) {
+        float *lg = logits + g * n;
+        float m = -3.0e38f;
+        for (int i = lane; i < n; i += 32) m = fmaxf(m, lg[i]);
+        m = warp_max(m);
+        float sum = 0.f;
+        for (int i = lane; i < n; i += 32) {
+            const float e = __expf(lg[i] - m);
+            lg[i] = e;
+            sum += e;
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            max_out[g] = m;
+            sum_out[g] = sum;
+        }
     }
-    sum = block_sum(sum, red);  // ends with a barrier: every exp is visible
+    __syncthreads();
 
-    // 3. Values: lane owns dims VDIMS·lane .. VDIMS·lane + VDIMS - 1.
-    float acc[VDIMS];
+    // 3. Values: lane owns dims VDIMS·lane .. VDIMS·lane + VDIMS - 1 of every head.
+    float acc[QUERIES][VDIMS];
 #pragma unroll
-    for (int i = 0; i < VDIMS; i++) acc[i] = 0.f;
+    for (int g = 0; g < QUERIES; g++)
+#pragma unroll
+        for (int i = 0; i < VDIMS; i++) acc[g][i] = 0.f;
     for (int b = first_block + warp; b <= last_block; b += NUM_WARPS) {
-        const long long phys = block_table[b];
+        const long long phys = PHYSICAL_BLOCK(b);
         const int lo = max(start - b * BLOCK_SIZE, 0), hi = min(end - b * BLOCK_SIZE, BLOCK_SIZE);
         for (int i = lo; i < hi; i++) {
-            const float p = logits[b * BLOCK_SIZE + i - start];
+            const int at = b * BLOCK_SIZE + i - start;
             const T *v = v_cache + (phys * BLOCK_SIZE + i) * row + (long long)kvh * HEAD_DIM + VDIMS * lane;
+            float vv[VDIMS];
 #pragma unroll
-            for (int c = 0; c < VDIMS; c += 2) {
-                acc[c] += p * to_float(v[c]);
-                acc[c + 1] += p * to_float(v[c + 1]);
+            for (int c = 0; c < VDIMS; c++) vv[c] = to_float(v[c]);
+#pragma unroll
+            for (int g = 0; g < QUERIES; g++) {
+                const float p = logits[g * n + at];
+#pragma unroll
+                for (int c = 0; c < VDIMS; c++) acc[g][c] += p * vv[c];
             }
         }
     }
+    // Warps add their sums in a fixed order (the same bits every run).
+    for (int w = 0; w < NUM_WARPS; w++) {
+        if (warp == w) {
 #pragma unroll
-    for (int i = 0; i < VDIMS; i++) acc_s[warp][VDIMS * lane + i] = acc[i];
-    __syncthreads();
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) {
-        float a = 0.f;
+            for (int g = 0; g < QUERIES; g++)
 #pragma unroll
-        for (int w = 0; w < NUM_WARPS; w++) a += acc_s[w][d];
-        out[d] = a;
+                for (int i = 0; i < VDIMS; i++) out[g * HEAD_DIM + VDIMS * lane + i] += acc[g][i];
+        }
+        __syncthreads();
     }
-    *max_out = m;
-    *sum_out = sum;
 }
 
 template <typename T>
@@ -157,16 +208,15 @@ __device__ void paged_attention_v1(float *__restrict__ out, const float *__restr
                                    const int *__restrict__ token_seq, const int *__restrict__ query_start_loc,
                                    const int *__restrict__ context_lens, int num_heads, int num_kv_heads, float scale, float softcap,
                                    int window) {
-    extern __shared__ float logits[];
-    __shared__ float o_s[HEAD_DIM];
-    __shared__ float stats[2];
+    extern __shared__ float logits[];  // QUERIES · max_context
+    __shared__ float o_s[QUERIES * HEAD_DIM];
+    __shared__ float stats[2 * QUERIES];
     const Query qr = query_of(blockIdx.y, token_seq, query_start_loc, context_lens, window);
-    attend<T>(q, k_cache, v_cache, block_tables + (long long)qr.seq * max_blocks_per_seq, num_heads, num_kv_heads, scale, softcap,
-              qr.first, qr.n_ctx, logits, o_s, &stats[0], &stats[1]);
-    __syncthreads();
-    const float inv = 1.f / stats[1];
-    float *o = out + ((long long)blockIdx.y * num_heads + blockIdx.x) * HEAD_DIM;
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) o[d] = o_s[d] * inv;
+    attend<T>(q, k_cache, v_cache, block_tables + (long long)qr.seq * max_blocks_per_seq,
+              (long long)qr.seq * max_blocks_per_seq, num_heads, num_kv_heads, scale, softcap, qr.first, qr.n_ctx, logits, o_s,
+              &stats[0], &stats[QUERIES]);
+    float *o = out + ((long long)blockIdx.y * num_heads + blockIdx.x * QUERIES) * HEAD_DIM;
+    for (int i = threadIdx.x; i < QUERIES * HEAD_DIM; i += NUM_THREADS) o[i] = o_s[i] / stats[QUERIES + i / HEAD_DIM];
 }
 VELLUM_FOR_EACH_DTYPE(paged_attention_v1,
                       (float *out, const float *q, const void *k_cache, const void *v_cache, const int *block_tables,
@@ -185,22 +235,24 @@ __device__ void paged_attention_v2(float *__restrict__ tmp_out, float *__restric
                                    const int *__restrict__ block_tables, int max_blocks_per_seq, const int *__restrict__ token_seq,
                                    const int *__restrict__ query_start_loc, const int *__restrict__ context_lens, int num_heads,
                                    int num_kv_heads, float scale, float softcap, int window) {
-    __shared__ float logits[PARTITION_SIZE];
-    __shared__ float o_s[HEAD_DIM];
-    __shared__ float stats[2];
+    __shared__ float logits[QUERIES * PARTITION_SIZE];
+    __shared__ float o_s[QUERIES * HEAD_DIM];
+    __shared__ float stats[2 * QUERIES];
     const Query qr = query_of(blockIdx.y, token_seq, query_start_loc, context_lens, window);
     const int start = qr.first + blockIdx.z * PARTITION_SIZE;
     if (start >= qr.n_ctx) return;  // this token's window has fewer partitions
     const int end = min(start + PARTITION_SIZE, qr.n_ctx);
-    attend<T>(q, k_cache, v_cache, block_tables + (long long)qr.seq * max_blocks_per_seq, num_heads, num_kv_heads, scale, softcap,
-              start, end, logits, o_s, &stats[0], &stats[1]);
-    __syncthreads();
-    const long long slot = ((long long)blockIdx.y * num_heads + blockIdx.x) * gridDim.z + blockIdx.z;
-    const float inv = 1.f / stats[1];
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) tmp_out[slot * HEAD_DIM + d] = o_s[d] * inv;
-    if (threadIdx.x == 0) {
-        max_logits[slot] = stats[0];
-        exp_sums[slot] = stats[1];
+    attend<T>(q, k_cache, v_cache, block_tables + (long long)qr.seq * max_blocks_per_seq,
+              (long long)qr.seq * max_blocks_per_seq, num_heads, num_kv_heads, scale, softcap, start, end, logits, o_s,
+              &stats[0], &stats[QUERIES]);
+    for (int g = 0; g < QUERIES; g++) {
+        const long long slot = ((long long)blockIdx.y * num_heads + blockIdx.x * QUERIES + g) * gridDim.z + blockIdx.z;
+        const float inv = 1.f / stats[QUERIES + g];
+        for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) tmp_out[slot * HEAD_DIM + d] = o_s[g * HEAD_DIM + d] * inv;
+        if (threadIdx.x == 0) {
+            max_logits[slot] = stats[g];
+            exp_sums[slot] = stats[QUERIES + g];
+        }
     }
 }
 VELLUM_FOR_EACH_DTYPE(paged_attention_v2,

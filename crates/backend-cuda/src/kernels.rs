@@ -10,8 +10,9 @@
 /// reductions, the per-dtype entry-point macro.
 pub const COMMON: &str = include_str!("../../../kernels/cuda/common.cuh");
 
-/// One kernel source file and the entry points it defines.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One kernel source file and the entry points it defines (equal when
+/// their file names are: the files are the constants below).
+#[derive(Clone, Copy, Debug)]
 pub struct KernelSource {
     /// File name under `kernels/cuda/`.
     pub file: &'static str,
@@ -68,12 +69,13 @@ pub const LAYERS: KernelSource = KernelSource {
     ],
 };
 
-/// `gemv_q.cu`: dequantizing GEMV on the GGUF's Q8_0 and Q4_1 blocks, and
-/// on f32 weights (every other type, dequantized when it loads).
+/// `gemv_q.cu`: dequantizing GEMV (up to 8 rows) and tiled GEMM (more) on
+/// the GGUF's Q8_0 and Q4_1 blocks, and on f32 weights (every other type,
+/// dequantized when it loads).
 pub const GEMV_Q: KernelSource = KernelSource {
     file: "gemv_q.cu",
     text: include_str!("../../../kernels/cuda/gemv_q.cu"),
-    entry_points: &["gemv_q8_0", "gemv_q4_1", "gemv_f32"],
+    entry_points: &["gemv_q8_0", "gemv_q4_1", "gemv_f32", "gemm_q8_0", "gemm_q4_1", "gemm_f32"],
 };
 
 /// Every source.
@@ -87,6 +89,13 @@ pub struct Variant {
     /// `-D NAME=VALUE` pairs, in order.
     pub defines: Vec<(&'static str, usize)>,
 }
+
+impl PartialEq for KernelSource {
+    fn eq(&self, other: &Self) -> bool {
+        self.file == other.file
+    }
+}
+impl Eq for KernelSource {}
 
 impl std::hash::Hash for KernelSource {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
@@ -125,17 +134,20 @@ impl Variant {
 }
 
 /// The configurations CI compiles and `docs/cuda_kernels.md` records: the
-/// head sizes of the models we serve (64: SmolLM2; 128: Llama 3 / Qwen;
-/// 256: Gemma 3) at the default block size 16, block sizes 8 and 32 at head
-/// size 128, and the GEMV for 1, 4 and 8 rows.
+/// attention shapes of the models we serve (head size 64 with GQA groups of
+/// 3: SmolLM2; 128 with 4: Llama 3 8B; 256 with 4: Gemma 3) at the default
+/// block size 16, one head a thread block (multi-head attention) at 128,
+/// block sizes 8 and 32 at 128, the bandwidth benchmark's contiguous
+/// baseline, and the GEMV for 1, 4 and 8 rows.
 pub fn ci_variants() -> Vec<Variant> {
     let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[])];
-    for head_dim in [64, 128, 256] {
-        v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", head_dim), ("BLOCK_SIZE", 16)]));
+    for (head_dim, queries) in [(64, 3), (128, 4), (256, 4), (128, 1)] {
+        v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", head_dim), ("BLOCK_SIZE", 16), ("QUERIES", queries)]));
     }
     for block_size in [8, 32] {
-        v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", block_size)]));
+        v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", block_size), ("QUERIES", 4)]));
     }
+    v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("QUERIES", 4), ("CONTIGUOUS_KV", 1)]));
     for rows in [1, 4, 8] {
         v.push(Variant::new(GEMV_Q, &[("ROWS", rows)]));
     }

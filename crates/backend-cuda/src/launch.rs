@@ -89,12 +89,24 @@ pub enum AttentionVersion {
     V2,
 }
 
+/// Where a sequence's KV blocks are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvLayout {
+    /// Through the block table: the engine's layout (paper §4.1).
+    Paged,
+    /// Block `b` of sequence `s` at `s · max_blocks_per_seq + b`, no table
+    /// read: a contiguous per-sequence cache, the baseline the bandwidth
+    /// benchmark compares paging against (paper §7.1, Figure 18a).
+    ContiguousBaseline,
+}
+
 /// Positions per partition of paged attention v2 (the kernels' default).
 pub const PARTITION_SIZE: usize = 512;
 /// Threads per paged-attention thread block.
 const ATTENTION_THREADS: u32 = 128;
-/// The default dynamic shared memory a thread block may take without opting in.
-const DEFAULT_DYNAMIC_SMEM: usize = 48 * 1024;
+/// The shared memory (static and dynamic) a thread block may take without
+/// opting in.
+const DEFAULT_SHARED_MEMORY: usize = 48 * 1024;
 
 /// A mixed batch's attention metadata, on the device (int32 unless noted).
 pub struct AttentionMetadata {
@@ -185,6 +197,9 @@ pub struct Kernels {
     arch: String,
     num_sms: usize,
     modules: Mutex<HashMap<Variant, Arc<CudaModule>>>,
+    /// Entry points already looked up, so a launch costs no driver call
+    /// besides the launch itself.
+    functions: Mutex<HashMap<(Variant, String), CudaFunction>>,
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32, smem: usize) -> LaunchConfig {
@@ -209,7 +224,15 @@ impl Kernels {
     pub fn open(ordinal: usize) -> Result<Self, CudaError> {
         let (ctx, info) = crate::device::open(ordinal)?;
         let stream = ctx.default_stream();
-        Ok(Self { arch: info.arch(), num_sms: info.num_sms.max(1) as usize, info, ctx, stream, modules: Mutex::new(HashMap::new()) })
+        Ok(Self {
+            arch: info.arch(),
+            num_sms: info.num_sms.max(1) as usize,
+            info,
+            ctx,
+            stream,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The device.
@@ -230,17 +253,25 @@ impl Kernels {
     /// Entry point `name` of `variant`, compiling and loading the module on
     /// first use.
     pub fn function(&self, variant: &Variant, name: &str) -> Result<CudaFunction, CudaError> {
-        let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
-        let module = match modules.get(variant) {
-            Some(m) => m.clone(),
-            None => {
-                let ptx = nvrtc::compile(variant, &self.arch)?;
-                let m = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
-                modules.insert(variant.clone(), m.clone());
-                m
+        let key = (variant.clone(), name.to_string());
+        if let Some(f) = self.functions.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(f.clone());
+        }
+        let module = {
+            let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+            match modules.get(variant) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = nvrtc::compile(variant, &self.arch)?;
+                    let m = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+                    modules.insert(variant.clone(), m.clone());
+                    m
+                }
             }
         };
-        Ok(module.load_function(name)?)
+        let f = module.load_function(name)?;
+        self.functions.lock().unwrap_or_else(|p| p.into_inner()).insert(key, f.clone());
+        Ok(f)
     }
 
     /// Writes each token's K and V rows (`[num_tokens, row]` f32) into the
@@ -290,12 +321,36 @@ impl Kernels {
         Ok(())
     }
 
-    /// The version [`Kernels::paged_attention`] picks: v1 unless the
-    /// context does not fit its shared memory, or it is long and the batch
-    /// gives too few thread blocks to fill the GPU.
-    pub fn attention_version(&self, num_tokens: usize, num_heads: usize, max_context: usize) -> AttentionVersion {
+    /// Shared memory of a v1 thread block: the scores (dynamic) and the
+    /// group's queries and outputs (static, with slack for the statistics).
+    fn v1_shared_memory(queries: usize, head_dim: usize, max_context: usize) -> usize {
+        queries * max_context.max(1) * 4 + 2 * queries * head_dim * 4 + 256
+    }
+
+    /// The query heads one thread block of paged attention serves: the
+    /// largest divisor of the GQA group size (`num_heads / num_kv_heads`)
+    /// whose heads fit 32 accumulators a thread (`queries · head_dim ≤
+    /// 1024`), at most 8.
+    pub fn attention_queries(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> usize {
+        let group = num_heads / num_kv_heads.max(1);
+        (1..=group.min(8)).rev().find(|&q| group.is_multiple_of(q) && q * head_dim <= 1024).unwrap_or(1)
+    }
+
+    /// The version [`Kernels::paged_attention`] picks for thread blocks of
+    /// `queries` heads: v1 unless the context's scores do not fit its
+    /// shared memory, or the context is long and the batch gives too few
+    /// thread blocks to fill the GPU.
+    pub fn attention_version(
+        &self,
+        num_tokens: usize,
+        num_heads: usize,
+        queries: usize,
+        head_dim: usize,
+        max_context: usize,
+    ) -> AttentionVersion {
         let parts = max_context.div_ceil(PARTITION_SIZE);
-        if max_context * 4 + 1024 > DEFAULT_DYNAMIC_SMEM || (parts > 1 && num_tokens * num_heads < 2 * self.num_sms) {
+        let blocks = num_tokens * num_heads / queries.max(1);
+        if Self::v1_shared_memory(queries, head_dim, max_context) > DEFAULT_SHARED_MEMORY || (parts > 1 && blocks < 2 * self.num_sms) {
             AttentionVersion::V2
         } else {
             AttentionVersion::V1
@@ -314,6 +369,23 @@ impl Kernels {
         p: AttentionParams,
         version: Option<AttentionVersion>,
     ) -> Result<(), CudaError> {
+        self.attention_with_layout(out, q, pool, meta, p, version, KvLayout::Paged)
+    }
+
+    /// [`Kernels::paged_attention`] with the KV layout chosen: the
+    /// bandwidth benchmark's contiguous baseline runs the same kernel
+    /// without its block table.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_with_layout(
+        &self,
+        out: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        pool: &KvPool,
+        meta: &AttentionMetadata,
+        p: AttentionParams,
+        version: Option<AttentionVersion>,
+        layout: KvLayout,
+    ) -> Result<(), CudaError> {
         let (t, d) = (meta.num_tokens, pool.head_dim);
         if p.num_heads == 0 || pool.num_kv_heads == 0 || !p.num_heads.is_multiple_of(pool.num_kv_heads) {
             return Err(shape_error(format!("{} heads over {} kv heads", p.num_heads, pool.num_kv_heads)));
@@ -324,9 +396,22 @@ impl Kernels {
         if t == 0 {
             return Ok(());
         }
-        let variant = Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", d), ("BLOCK_SIZE", pool.block_size)]);
-        let version = version.unwrap_or_else(|| self.attention_version(t, p.num_heads, meta.max_context));
-        let grid_xy = (to_u32(p.num_heads, "heads")?, to_u32(t, "tokens")?);
+        if layout == KvLayout::ContiguousBaseline && meta.block_tables.len() > pool.num_blocks {
+            // One block per block-table entry, sequence after sequence.
+            return Err(shape_error(format!(
+                "the contiguous layout needs {} blocks, the pool has {}",
+                meta.block_tables.len(),
+                pool.num_blocks
+            )));
+        }
+        let queries = Self::attention_queries(p.num_heads, pool.num_kv_heads, d);
+        let mut defines = vec![("HEAD_DIM", d), ("BLOCK_SIZE", pool.block_size), ("QUERIES", queries)];
+        if layout == KvLayout::ContiguousBaseline {
+            defines.push(("CONTIGUOUS_KV", 1));
+        }
+        let variant = Variant::new(PAGED_ATTENTION, &defines);
+        let version = version.unwrap_or_else(|| self.attention_version(t, p.num_heads, queries, d, meta.max_context));
+        let grid_xy = (to_u32(p.num_heads / queries, "head groups")?, to_u32(t, "tokens")?);
         let ints = [
             to_i32(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
             to_i32(p.num_heads, "heads")?,
@@ -336,8 +421,8 @@ impl Kernels {
         let [max_blocks, num_heads, num_kv_heads, window] = ints;
         match version {
             AttentionVersion::V1 => {
-                let smem = meta.max_context.max(1) * 4;
-                if smem > DEFAULT_DYNAMIC_SMEM {
+                let smem = queries * meta.max_context.max(1) * 4;
+                if Self::v1_shared_memory(queries, d, meta.max_context) > DEFAULT_SHARED_MEMORY {
                     return Err(shape_error(format!("v1 over {} positions exceeds shared memory; use v2", meta.max_context)));
                 }
                 let f = self.function(&variant, &format!("paged_attention_v1_{}", pool.dtype.suffix()))?;
@@ -355,9 +440,14 @@ impl Kernels {
             AttentionVersion::V2 => {
                 let parts = meta.max_context.max(1).div_ceil(PARTITION_SIZE);
                 let n = t * p.num_heads * parts;
-                let mut tmp: CudaSlice<f32> = self.stream.alloc_zeros(n * d)?;
-                let mut max_logits: CudaSlice<f32> = self.stream.alloc_zeros(n)?;
-                let mut exp_sums: CudaSlice<f32> = self.stream.alloc_zeros(n)?;
+                // SAFETY: uninitialized device memory of the right length; v2
+                // writes the slots of every partition a token has, and the
+                // reduction reads only those.
+                let mut tmp: CudaSlice<f32> = unsafe { self.stream.alloc(n * d) }?;
+                // SAFETY: as for tmp.
+                let mut max_logits: CudaSlice<f32> = unsafe { self.stream.alloc(n) }?;
+                // SAFETY: as for tmp.
+                let mut exp_sums: CudaSlice<f32> = unsafe { self.stream.alloc(n) }?;
                 let f = self.function(&variant, &format!("paged_attention_v2_{}", pool.dtype.suffix()))?;
                 let mut b = self.stream.launch_builder(&f);
                 b.arg(&mut tmp).arg(&mut max_logits).arg(&mut exp_sums).arg(q).arg(&pool.k).arg(&pool.v);
@@ -374,7 +464,7 @@ impl Kernels {
                 // SAFETY: matches paged_attention_v2_reduce; the statistics
                 // were written above for every partition a token has; the
                 // dynamic shared memory holds `parts` weights.
-                unsafe { b.launch(cfg((grid_xy.0, grid_xy.1, 1), ATTENTION_THREADS, parts * 4)) }?;
+                unsafe { b.launch(cfg((to_u32(p.num_heads, "heads")?, grid_xy.1, 1), ATTENTION_THREADS, parts * 4)) }?;
             }
         }
         Ok(())
@@ -393,19 +483,35 @@ impl Kernels {
         self.gemv_launch(&mut y.slice_mut(..), w, &x.slice(..), rows)
     }
 
-    /// `y [rows, n] = x [rows, k] · Wᵀ` for any number of rows: launches of
-    /// eight rows (each launch reads the whole weight once).
+    /// `y [rows, n] = x [rows, k] · Wᵀ` for any number of rows: one GEMV
+    /// launch up to 8 rows, the tiled GEMM beyond.
     pub fn gemv_rows(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
         let (n, k) = (w.n, w.k);
         if !k.is_multiple_of(32) || w.blocks.len() < n * k / 32 * w.format.words_per_block() || x.len() < rows * k || y.len() < rows * n {
             return Err(shape_error(format!("gemv [{rows}x{k}]·[{n}x{k}]ᵀ: buffers too small or k not a multiple of 32")));
         }
-        let mut r0 = 0;
-        while r0 < rows {
-            let r1 = (r0 + 8).min(rows);
-            self.gemv_launch(&mut y.slice_mut(r0 * n..r1 * n), w, &x.slice(r0 * k..r1 * k), r1 - r0)?;
-            r0 = r1;
+        match rows {
+            0 => Ok(()),
+            1..=8 => self.gemv_launch(&mut y.slice_mut(..), w, &x.slice(..), rows),
+            _ => self.gemm_launch(y, w, x, rows),
         }
+    }
+
+    /// One tiled GEMM launch: 64 × 64 outputs a 256-thread block.
+    fn gemm_launch(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
+        let name = match w.format {
+            BlockFormat::Q8_0 => "gemm_q8_0",
+            BlockFormat::Q4_1 => "gemm_q4_1",
+            BlockFormat::F32 => "gemm_f32",
+        };
+        let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", 1)]), name)?;
+        let (rows_i, n_i, k_i) = (to_i32(rows, "rows")?, to_i32(w.n, "n")?, to_i32(w.k, "k")?);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(y).arg(&w.blocks).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i);
+        // SAFETY: matches gemm_*(float*, unsigned short*, float*, int, int,
+        // int); the caller checked y (rows·n), x (rows·k) and w (n·k/32
+        // blocks); the kernel guards rows and columns past the edges.
+        unsafe { b.launch(cfg((to_u32(w.n.div_ceil(64), "column tiles")?, to_u32(rows.div_ceil(64), "row tiles")?, 1), 256, 0)) }?;
         Ok(())
     }
 

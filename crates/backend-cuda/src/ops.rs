@@ -5,11 +5,10 @@
 //!
 //! What runs where:
 //! - **Linears**: the GEMV of `gemv_q.cu` on the file's own Q8_0 and Q4_1
-//!   blocks (4 or 8 bits a weight read per decode step); every other weight
+//!   blocks (4 or 8 bits a weight read per decode step) up to 8 rows, its
+//!   tiled GEMM beyond (prefill, large decode batches); every other weight
 //!   type is dequantized to f32 once, when it loads, and read by the same
-//!   GEMV as f32 "blocks". Prefill runs it eight rows a launch (each launch
-//!   reads the weight again): correct, not yet fast — a tiled GEMM is the
-//!   next step (docs/cuda_kernels.md).
+//!   kernels as f32 "blocks" (docs/cuda_kernels.md).
 //! - **Embeddings** are dequantized to an f32 table; a tied LM head reads it
 //!   with the f32 GEMV.
 //! - **Attention**: `reshape_and_cache` through each KV-cache group's slot
@@ -23,8 +22,8 @@
 //! Every op checks shapes and indices on the host first and returns a
 //! typed [`vellum_core::Error`]; nothing here panics on a bad batch.
 //!
-//! Status: compiled in CI; run only where a GPU is lent
-//! (`tests/gpu.rs::the_cuda_executor_matches_the_golden_tokens_of_smollm2`).
+//! Status: compiled in CI; run where a GPU is lent (`tests/gpu.rs`, and
+//! the golden prompts through `--device cuda` in `tests/golden.rs`).
 
 use crate::launch::{AttentionMetadata, AttentionParams, BlockFormat, Elementwise, Kernels, KvDtype, KvPool, QuantMatrix};
 use crate::CudaError;
@@ -154,8 +153,17 @@ impl CudaOps {
         self.k.stream().clone_htod(data).map_err(|e| backend(e.into()))
     }
 
+    /// An op's output, left uninitialized (no memset launch): every caller
+    /// hands it to a kernel that writes all `rows · cols` elements before
+    /// anything reads them.
     fn tensor(&self, rows: usize, cols: usize) -> OpResult<CudaTensor> {
-        Ok(CudaTensor { rows, cols, buf: self.zeros(rows * cols)? })
+        // SAFETY: the memory is uninitialized device memory of the right
+        // length (one element when empty: the driver refuses zero bytes);
+        // the callers (embedding, GEMV/GEMM, RMSNorm, gated activations,
+        // logits-row gather, paged attention) each launch a kernel that
+        // writes every element on this stream before any read.
+        let buf = unsafe { self.k.stream().alloc::<f32>((rows * cols).max(1)) }.map_err(|e| backend(e.into()))?;
+        Ok(CudaTensor { rows, cols, buf })
     }
 
     /// A weight in a layout the GEMV reads: Q8_0 and Q4_1 as stored, every

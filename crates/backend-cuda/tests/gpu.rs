@@ -87,11 +87,12 @@ struct Case {
     dtype: KvDtype,
     window: usize,
     softcap: f32,
+    /// Query and KV heads (a thread block serves a group's heads together).
+    heads: usize,
+    kv_heads: usize,
 }
 
 const BLOCK: usize = 16;
-const HEADS: usize = 8;
-const KV_HEADS: usize = 2;
 
 /// Writes every position of every sequence through `reshape_and_cache`,
 /// runs paged attention both ways, and compares with the host reference.
@@ -104,7 +105,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
         Seq { context_len: 20, q_len: 20 },
         Seq { context_len: 1100, q_len: 3 },
     ];
-    let (d, row) = (case.head_dim, KV_HEADS * case.head_dim);
+    let (d, row) = (case.head_dim, case.kv_heads * case.head_dim);
     let blocks_of = |s: &Seq| s.context_len.div_ceil(BLOCK);
     let num_blocks = seqs.iter().map(blocks_of).sum::<usize>() + 7;
     let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
@@ -137,7 +138,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
     slots.push(-1);
     k_all.extend(std::iter::repeat_n(9.0f32, row));
     v_all.extend(std::iter::repeat_n(9.0f32, row));
-    let mut pool = KvPool::new(k.stream(), case.dtype, num_blocks, BLOCK, KV_HEADS, d).expect("pool");
+    let mut pool = KvPool::new(k.stream(), case.dtype, num_blocks, BLOCK, case.kv_heads, d).expect("pool");
     k.reshape_and_cache(&up(k, &k_all), &up(k, &v_all), &mut pool, &up(k, &slots)).expect("reshape_and_cache");
     // The pools hold each row at its slot, rounded to the cache type, and
     // nothing else (the padding row of 9s went nowhere).
@@ -153,7 +154,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
 
     // The batch's queries and metadata.
     let num_tokens: usize = seqs.iter().map(|s| s.q_len).sum();
-    let q = rng.vec(num_tokens * HEADS * d);
+    let q = rng.vec(num_tokens * case.heads * d);
     let (mut token_seq, mut qsl, mut ctx) = (Vec::new(), vec![0i32], Vec::new());
     for (s, seq) in seqs.iter().enumerate() {
         token_seq.extend(std::iter::repeat_n(s as i32, seq.q_len));
@@ -172,18 +173,18 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
         max_context,
     };
     let scale = 1.0 / (d as f32).sqrt();
-    let params = AttentionParams { num_heads: HEADS, scale, softcap: case.softcap, window: case.window };
+    let params = AttentionParams { num_heads: case.heads, scale, softcap: case.softcap, window: case.window };
 
     // The float64 reference, on the values as the cache holds them.
-    let mut expected = vec![0f64; num_tokens * HEADS * d];
+    let mut expected = vec![0f64; num_tokens * case.heads * d];
     let mut t = 0;
     for (s, seq) in seqs.iter().enumerate() {
         for i in 0..seq.q_len {
             let n_ctx = seq.context_len - seq.q_len + i + 1;
             let first = if case.window > 0 && n_ctx > case.window { n_ctx - case.window } else { 0 };
-            for h in 0..HEADS {
-                let kvh = h / (HEADS / KV_HEADS);
-                let qv = &q[(t * HEADS + h) * d..(t * HEADS + h + 1) * d];
+            for h in 0..case.heads {
+                let kvh = h / (case.heads / case.kv_heads);
+                let qv = &q[(t * case.heads + h) * d..(t * case.heads + h + 1) * d];
                 let scores: Vec<f64> = (first..n_ctx)
                     .map(|pos| {
                         let kr = &keys[s][pos * row + kvh * d..pos * row + (kvh + 1) * d];
@@ -200,7 +201,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
                 for (j, pos) in (first..n_ctx).enumerate() {
                     let p = (scores[j] - m).exp() / total;
                     let vr = &values[s][pos * row + kvh * d..pos * row + (kvh + 1) * d];
-                    for (e, &v) in expected[(t * HEADS + h) * d..(t * HEADS + h + 1) * d].iter_mut().zip(vr) {
+                    for (e, &v) in expected[(t * case.heads + h) * d..(t * case.heads + h + 1) * d].iter_mut().zip(vr) {
                         *e += p * round(v, case.dtype) as f64;
                     }
                 }
@@ -210,11 +211,14 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
     }
     let q_dev = up(k, &q);
     for version in [AttentionVersion::V1, AttentionVersion::V2] {
-        let mut out: CudaSlice<f32> = k.stream().alloc_zeros(num_tokens * HEADS * d).expect("alloc");
+        let mut out: CudaSlice<f32> = k.stream().alloc_zeros(num_tokens * case.heads * d).expect("alloc");
         k.paged_attention(&mut out, &q_dev, &pool, &meta, params, Some(version)).expect("paged attention");
         let got = down(k, &out);
         let worst = got.iter().zip(&expected).map(|(&g, &e)| (g as f64 - e).abs()).fold(0.0, f64::max);
-        eprintln!("head_dim {d} {:?} window {} softcap {} {version:?}: max |err| {worst:.2e}", case.dtype, case.window, case.softcap);
+        eprintln!(
+            "head_dim {d} heads {}/{} {:?} window {} softcap {} {version:?}: max |err| {worst:.2e}",
+            case.heads, case.kv_heads, case.dtype, case.window, case.softcap
+        );
         assert!(worst < 2e-4, "{version:?}: max |err| {worst:.2e}");
     }
 }
@@ -225,12 +229,19 @@ fn paged_attention_matches_the_float64_reference_on_a_mixed_batch_or_skips_witho
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for head_dim in [64, 128, 256] {
         for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
-            check_attention(&k, &Case { head_dim, dtype, window: 0, softcap: 0.0 }, &mut rng);
+            check_attention(&k, &Case { head_dim, dtype, window: 0, softcap: 0.0, heads: 8, kv_heads: 2 }, &mut rng);
         }
     }
     // Gemma-style: a sliding window and a soft-cap.
-    check_attention(&k, &Case { head_dim: 256, dtype: KvDtype::Bf16, window: 64, softcap: 30.0 }, &mut rng);
-    check_attention(&k, &Case { head_dim: 64, dtype: KvDtype::F32, window: 600, softcap: 0.0 }, &mut rng);
+    check_attention(&k, &Case { head_dim: 256, dtype: KvDtype::Bf16, window: 64, softcap: 30.0, heads: 8, kv_heads: 2 }, &mut rng);
+    check_attention(&k, &Case { head_dim: 64, dtype: KvDtype::F32, window: 600, softcap: 0.0, heads: 8, kv_heads: 2 }, &mut rng);
+    // Other group sizes: SmolLM2's 9/3 (groups of 3), multi-head (1), 8
+    // heads a group at 64 and 128 dims (8 queries a thread block), and a
+    // group of 8 at 256 dims, served 4 heads a thread block.
+    for (head_dim, heads, kv_heads) in [(64, 9, 3), (128, 2, 2), (64, 16, 2), (128, 16, 2), (256, 8, 1)] {
+        let case = Case { head_dim, dtype: KvDtype::F16, window: 0, softcap: 0.0, heads, kv_heads };
+        check_attention(&k, &case, &mut rng);
+    }
 }
 
 #[test]
@@ -239,7 +250,7 @@ fn copy_blocks_copies_whole_blocks_in_both_pools_or_skips_without_a_gpu() {
     let mut rng = Rng(7);
     for dtype in [KvDtype::F32, KvDtype::Bf16] {
         let (blocks, d) = (12, 64);
-        let mut pool = KvPool::new(k.stream(), dtype, blocks, BLOCK, KV_HEADS, d).expect("pool");
+        let mut pool = KvPool::new(k.stream(), dtype, blocks, BLOCK, 2, d).expect("pool");
         let n = blocks * BLOCK;
         let slots: Vec<i64> = (0..n as i64).collect();
         k.reshape_and_cache(&up(&k, &rng.vec(n * pool.row())), &up(&k, &rng.vec(n * pool.row())), &mut pool, &up(&k, &slots))
@@ -286,24 +297,35 @@ fn quantized(rng: &mut Rng, n: usize, k: usize, q4_1: bool) -> (Vec<u16>, Vec<f3
 }
 
 #[test]
-fn gemv_on_q8_0_and_q4_1_blocks_matches_the_dequantized_product_or_skips_without_a_gpu() {
-    let Some(k) = gpu_or_skip("gemv_on_q8_0_and_q4_1_blocks_matches_the_dequantized_product") else { return };
+fn gemv_and_gemm_on_q8_0_q4_1_and_f32_blocks_match_the_dequantized_product_or_skips_without_a_gpu() {
+    let Some(k) = gpu_or_skip("gemv_and_gemm_on_q8_0_q4_1_and_f32_blocks_match_the_dequantized_product") else { return };
     let mut rng = Rng(11);
     let (n, kk) = (101, 320);
-    for q4_1 in [false, true] {
-        let (blocks, w) = quantized(&mut rng, n, kk, q4_1);
-        let format = if q4_1 { BlockFormat::Q4_1 } else { BlockFormat::Q8_0 };
+    for format in [BlockFormat::Q8_0, BlockFormat::Q4_1, BlockFormat::F32] {
+        let (blocks, w) = match format {
+            BlockFormat::F32 => {
+                let w = rng.vec(n * kk);
+                (w.iter().flat_map(|v| [v.to_bits() as u16, (v.to_bits() >> 16) as u16]).collect(), w)
+            }
+            _ => quantized(&mut rng, n, kk, format == BlockFormat::Q4_1),
+        };
         let w_dev = QuantMatrix { blocks: up(&k, &blocks), format, n, k: kk };
-        for rows in [1, 3, 8] {
+        // Up to 8 rows: the GEMV (gemv_q takes no more); beyond: the tiled
+        // GEMM through gemv_rows, with partial tiles of rows and columns.
+        for rows in [1, 3, 8, 9, 37, 130] {
             let x = rng.vec(rows * kk);
             let mut y: CudaSlice<f32> = k.stream().alloc_zeros(rows * n).expect("alloc");
-            k.gemv_q(&mut y, &w_dev, &up(&k, &x), rows).expect("gemv");
+            if rows <= 8 {
+                k.gemv_q(&mut y, &w_dev, &up(&k, &x), rows).expect("gemv");
+            } else {
+                k.gemv_rows(&mut y, &w_dev, &up(&k, &x), rows).expect("gemm");
+            }
             let got = down(&k, &y);
             for r in 0..rows {
                 for c in 0..n {
                     let e: f64 = (0..kk).map(|i| x[r * kk + i] as f64 * w[c * kk + i] as f64).sum();
                     let g = got[r * n + c] as f64;
-                    assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "q4_1={q4_1} rows={rows} [{r},{c}]: {g} vs {e}");
+                    assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "{format:?} rows={rows} [{r},{c}]: {g} vs {e}");
                 }
             }
         }

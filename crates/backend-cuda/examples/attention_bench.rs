@@ -1,0 +1,167 @@
+//! Paged-attention decode bandwidth on a GPU (the CUDA issue's benchmark;
+//! paper §7.1, Figure 18a): one query token per sequence, every sequence
+//! `context` tokens long, the KV bytes the kernel must read divided by the
+//! kernel's time, next to the device's own copy bandwidth.
+//!
+//! Three layouts of the same kernel and the same data sizes:
+//! - `contiguous`: no block table, sequence `s`'s block `b` at
+//!   `s · max_blocks + b` (a contiguous per-sequence cache, the baseline);
+//! - `paged`: through the block table, blocks in that same order;
+//! - `shuffled`: through the block table, blocks drawn at random from the
+//!   whole pool (what a long-running server's free list gives).
+//!
+//! ```text
+//! cargo build --release -p vellum-backend-cuda --example attention_bench
+//! attention_bench [--quick] > attention.jsonl   # a table on stderr
+//! ```
+//!
+//! Without a GPU it says so and exits with status 2.
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaSlice;
+use std::time::Instant;
+use vellum_backend_cuda::launch::{AttentionMetadata, AttentionParams, Kernels, KvDtype, KvLayout, KvPool};
+
+/// A model's attention shape.
+struct Shape {
+    name: &'static str,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+const SHAPES: [Shape; 2] = [
+    // Llama 3 8B / Mistral 7B: GQA 32/8, 128 dims.
+    Shape { name: "llama3-8b", heads: 32, kv_heads: 8, head_dim: 128 },
+    // SmolLM2-135M: GQA 9/3, 64 dims.
+    Shape { name: "smollm2-135m", heads: 9, kv_heads: 3, head_dim: 64 },
+];
+const BLOCK: usize = 16;
+
+/// xorshift64*: a reproducible shuffle without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn up<T: cudarc::driver::DeviceRepr>(k: &Kernels, v: &[T]) -> Res<CudaSlice<T>> {
+    Ok(k.stream().clone_htod(v)?)
+}
+
+/// Milliseconds per call of `f`, timed with CUDA events over `iters` calls
+/// after `warmup` calls.
+fn time_ms(k: &Kernels, warmup: usize, iters: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let start = k.stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    for _ in 0..iters {
+        f()?;
+    }
+    let end = k.stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    Ok(start.elapsed_ms(&end)? as f64 / iters as f64)
+}
+
+/// Device-to-device copy bandwidth in GB/s, counting bytes read and written.
+fn copy_bandwidth(k: &Kernels) -> Res<f64> {
+    let n = 1usize << 30; // 1 GiB each way
+    let src: CudaSlice<u8> = k.stream().alloc_zeros(n)?;
+    let mut dst: CudaSlice<u8> = k.stream().alloc_zeros(n)?;
+    let ms = time_ms(k, 2, 10, || Ok(k.stream().memcpy_dtod(&src, &mut dst)?))?;
+    Ok(2.0 * n as f64 / (ms * 1e6))
+}
+
+fn main() -> Res<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let k = match Kernels::open(0) {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("no GPU: {e}");
+            std::process::exit(2);
+        }
+    };
+    let info = k.info();
+    let copy = copy_bandwidth(&k)?;
+    eprintln!("{info:?}; device-to-device copy {copy:.0} GB/s (read + write)");
+    println!("{{\"device\":{:?},\"copy_gbps\":{copy:.1}}}", format!("{info:?}"));
+    let contexts: &[usize] = if quick { &[1024, 16384] } else { &[1024, 2048, 4096, 8192, 16384] };
+    let batches: &[usize] = if quick { &[1, 256] } else { &[1, 4, 16, 64, 256] };
+    let (max_ctx, max_batch) = (contexts[contexts.len() - 1], batches[batches.len() - 1]);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    eprintln!(
+        "| shape | context | batch | version | contiguous µs | paged µs | shuffled µs | contiguous GB/s | paged GB/s | shuffled GB/s | shuffled/contiguous time |"
+    );
+    eprintln!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for shape in &SHAPES {
+        let max_blocks_total = max_batch * max_ctx / BLOCK;
+        let pool = KvPool::new(k.stream(), KvDtype::F16, max_blocks_total, BLOCK, shape.kv_heads, shape.head_dim)?;
+        let mut all: Vec<i32> = (0..max_blocks_total as i32).collect();
+        for i in (1..all.len()).rev() {
+            all.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        }
+        for &context in contexts {
+            for &batch in batches {
+                let max_blocks = context / BLOCK;
+                let in_order: Vec<i32> = (0..(batch * max_blocks) as i32).collect();
+                let shuffled: Vec<i32> = all[..batch * max_blocks].to_vec();
+                let token_seq: Vec<i32> = (0..batch as i32).collect();
+                let qsl: Vec<i32> = (0..=batch as i32).collect();
+                let ctx = vec![context as i32; batch];
+                let meta_of = |tables: &[i32]| -> Res<AttentionMetadata> {
+                    Ok(AttentionMetadata {
+                        block_tables: up(&k, tables)?,
+                        max_blocks_per_seq: max_blocks,
+                        token_seq: up(&k, &token_seq)?,
+                        query_start_loc: up(&k, &qsl)?,
+                        context_lens: up(&k, &ctx)?,
+                        num_tokens: batch,
+                        max_context: context,
+                    })
+                };
+                let (meta_order, meta_shuffled) = (meta_of(&in_order)?, meta_of(&shuffled)?);
+                let q = up(&k, &vec![0.01f32; batch * shape.heads * shape.head_dim])?;
+                let mut out: CudaSlice<f32> = k.stream().alloc_zeros(batch * shape.heads * shape.head_dim)?;
+                let params =
+                    AttentionParams { num_heads: shape.heads, scale: 1.0 / (shape.head_dim as f32).sqrt(), softcap: 0.0, window: 0 };
+                let queries = Kernels::attention_queries(shape.heads, shape.kv_heads, shape.head_dim);
+                let version = k.attention_version(batch, shape.heads, queries, shape.head_dim, context);
+                let iters = if batch * context >= 1 << 20 { 10 } else { 50 };
+                let mut run = |meta: &AttentionMetadata, layout: KvLayout| {
+                    time_ms(&k, 3, iters, || Ok(k.attention_with_layout(&mut out, &q, &pool, meta, params, None, layout)?))
+                };
+                let t_contig = run(&meta_order, KvLayout::ContiguousBaseline)?;
+                let t_paged = run(&meta_order, KvLayout::Paged)?;
+                let t_shuf = run(&meta_shuffled, KvLayout::Paged)?;
+                let bytes = (2 * batch * context * shape.kv_heads * shape.head_dim * KvDtype::F16.size()) as f64;
+                let gbps = |ms: f64| bytes / (ms * 1e6);
+                eprintln!(
+                    "| {} | {context} | {batch} | {version:?} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.3} |",
+                    shape.name,
+                    t_contig * 1e3,
+                    t_paged * 1e3,
+                    t_shuf * 1e3,
+                    gbps(t_contig),
+                    gbps(t_paged),
+                    gbps(t_shuf),
+                    t_shuf / t_contig
+                );
+                println!(
+                    "{{\"shape\":\"{}\",\"context\":{context},\"batch\":{batch},\"version\":\"{version:?}\",\"kv_bytes\":{bytes},\"contiguous_ms\":{t_contig:.5},\"paged_ms\":{t_paged:.5},\"shuffled_ms\":{t_shuf:.5},\"copy_gbps\":{copy:.1}}}",
+                    shape.name
+                );
+            }
+        }
+        drop(pool);
+    }
+    let t0 = Instant::now();
+    k.stream().synchronize()?;
+    eprintln!("done ({:.1} ms to drain)", t0.elapsed().as_secs_f64() * 1e3);
+    Ok(())
+}

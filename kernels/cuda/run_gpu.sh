@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine from .gpu/ (kernels/cuda/gpu_suite.sh stage puts it
+# there): `bash .gpu/run.sh [suite] [attention] [golden] [throughput]`.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$here/out}
+mkdir -p "$out" "$here/x"
+steps=${*:-suite attention golden throughput}
+
+for f in "$here"/bin/*.xz; do
+    b="$here/x/$(basename "${f%.xz}")"
+    [ -x "$b" ] || { xz -dc "$f" >"$b" 2>/dev/null || python3 -c 'import lzma,sys; open(sys.argv[2],"wb").write(lzma.open(sys.argv[1]).read())' "$f" "$b"; chmod +x "$b"; }
+done
+
+# NVRTC: cudarc dlopens libnvrtc.so first; point it at the toolkit's.
+nv=""
+for d in "${NVRTC_DIR:-}" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in os.listdir(p)))' 2>/dev/null); do
+    [ -n "$d" ] || continue
+    for f in "$d"/libnvrtc.so "$d"/libnvrtc.so.1[0-9]*; do
+        if [ -e "$f" ]; then nv=$f; break 2; fi
+    done
+done
+if [ -n "$nv" ]; then
+    mkdir -p /tmp/vellum-nvrtc && ln -sf "$(readlink -f "$nv")" /tmp/vellum-nvrtc/libnvrtc.so
+    export LD_LIBRARY_PATH="/tmp/vellum-nvrtc:$(dirname "$(readlink -f "$nv")")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+echo "NVRTC: ${nv:-not found}"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
+export VELLUM_REQUIRE_GPU=1 VELLUM_GOLDEN_DIR="$here/golden" RUST_BACKTRACE=1
+export VELLUM_CACHE=${VELLUM_CACHE:-$here/models}
+
+status=0
+step() { # name timeout command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc in $((SECONDS - t0)) s"
+    [ "$rc" = 0 ] || status=1
+}
+for s in $steps; do
+    case $s in
+    suite) step suite "${SUITE_LIMIT:-300}" "$here/x/gpu_suite" --test-threads 1 --nocapture ;;
+    attention) step attention "${ATTENTION_LIMIT:-240}" bash -c "'$here/x/attention_bench' ${ATTENTION_ARGS:-} > '$out/attention.jsonl'" ;;
+    golden) step golden "${GOLDEN_LIMIT:-300}" "$here/x/golden" --test-threads 1 --nocapture cuda ;;
+    throughput)
+        step throughput "${THROUGHPUT_LIMIT:-240}" "$here/x/vellum" bench throughput --device cuda ${VELLUM_MODEL:+--model "$VELLUM_MODEL"} \
+            --input-len 128 --output-len 128 --num-prompts ${NUM_PROMPTS:-256} --json
+        ;;
+    *) echo "unknown step $s" && status=1 ;;
+    esac
+done
+exit $status
