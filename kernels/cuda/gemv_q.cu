@@ -163,12 +163,19 @@ extern "C" __global__ void gemv_f32(float *y, const unsigned short *__restrict__
 // a thread reads four rows' and four columns' values as two 16-byte loads),
 // so a weight block is decoded once per 64 rows. Loaders: thread i takes
 // row (column) i % 64 and the quarter i / 64 of the 32 values.
+//
+// Split-K: when the tiles alone are too few to fill the GPU (a decode batch
+// of 64 rows through a 576-wide layer is 9 tiles), blockIdx.z takes the
+// blocks of 32 along k from z · kb_per_split on and writes its partial tile
+// to y + z · rows · n_cols; `gemm_sum_splits` then adds the splits in order
+// (the same bits every run).
 #define GEMM_BM 64
 #define GEMM_BN 64
 #define GEMM_THREADS 256
 
 template <typename Format>
-__device__ void gemm(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int rows, int n_cols, int k) {
+__device__ void gemm(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int rows, int n_cols, int k,
+                     int kb_per_split) {
     __shared__ __align__(16) float xs[32][GEMM_BM];
     __shared__ __align__(16) float ws[32][GEMM_BN];
     const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
@@ -180,7 +187,9 @@ __device__ void gemm(float *y, const unsigned short *__restrict__ w, const float
     for (int i = 0; i < 4; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++) acc[i][j] = 0.f;
-    for (int kb = 0; kb < blocks; kb++) {
+    const int kb_end = min(blocks, (int)(blockIdx.z + 1) * kb_per_split);
+    y += (long long)blockIdx.z * rows * n_cols;
+    for (int kb = blockIdx.z * kb_per_split; kb < kb_end; kb++) {
         float v[8];
         if (r0 + lr < rows) {
             const float *src = x + (long long)(r0 + lr) * k + 32 * kb + 8 * lq;
@@ -226,16 +235,25 @@ __device__ void gemm(float *y, const unsigned short *__restrict__ w, const float
 }
 
 extern "C" __global__ void gemm_q8_0(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int rows, int n_cols,
-                                     int k) {
-    gemm<Q8_0>(y, w, x, rows, n_cols, k);
+                                     int k, int kb_per_split) {
+    gemm<Q8_0>(y, w, x, rows, n_cols, k, kb_per_split);
 }
 
 extern "C" __global__ void gemm_q4_1(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int rows, int n_cols,
-                                     int k) {
-    gemm<Q4_1>(y, w, x, rows, n_cols, k);
+                                     int k, int kb_per_split) {
+    gemm<Q4_1>(y, w, x, rows, n_cols, k, kb_per_split);
 }
 
 extern "C" __global__ void gemm_f32(float *y, const unsigned short *__restrict__ w, const float *__restrict__ x, int rows, int n_cols,
-                                    int k) {
-    gemm<F32>(y, w, x, rows, n_cols, k);
+                                    int k, int kb_per_split) {
+    gemm<F32>(y, w, x, rows, n_cols, k, kb_per_split);
+}
+
+// y[i] = Σ_z parts[z · n + i] for z = 0 .. splits - 1, in that order.
+extern "C" __global__ void gemm_sum_splits(float *__restrict__ y, const float *__restrict__ parts, long long n, int splits) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float a = 0.f;
+        for (int z = 0; z < splits; z++) a += parts[z * n + i];
+        y[i] = a;
+    }
 }

@@ -11,6 +11,7 @@
 #               references, the executor against the CPU's f32 path
 #   attention   the paged-attention decode bandwidth benchmark
 #               (examples/attention_bench.rs) -> $OUT/attention.jsonl
+#   overheads   what a launch, an allocation and a copy cost on the host
 #   golden      tests/golden.rs's CUDA tests (the golden prompts through
 #               --device cuda); needs the default model in $VELLUM_CACHE
 #   throughput  `vellum bench throughput --device cuda` on $VELLUM_MODEL (or

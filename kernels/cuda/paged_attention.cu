@@ -67,11 +67,34 @@ static_assert(CHUNKS % LANES == 0, "a token's dims split evenly over its lanes")
 static_assert(NUM_THREADS % 32 == 0 && NUM_THREADS <= 1024, "NUM_THREADS must be whole warps");
 static_assert(QUERIES >= 1 && QUERIES * HEAD_DIM <= 2048, "QUERIES heads of HEAD_DIM must fit the registers");
 
+// Lane l's share of a warp's walk over KV blocks b0, b0 + NUM_WARPS, ...:
+// the physical id of block b0 + l · NUM_WARPS (0 past the last). A warp
+// reads 32 block-table entries in one load and passes them on by shuffle, so
+// the table's latency is not paid before every block's keys. (The
+// contiguous baseline computes each id where it is used instead.)
+__device__ __forceinline__ int block_ids(const int *__restrict__ block_table, int b0, int last_block, int lane) {
 #ifdef CONTIGUOUS_KV
-#define PHYSICAL_BLOCK(b) (contig_base + (b))
+    return 0;
 #else
-#define PHYSICAL_BLOCK(b) ((long long)block_table[(b)])
+    const int b = b0 + lane * NUM_WARPS;
+    return b <= last_block ? block_table[b] : 0;
 #endif
+}
+
+// A lane's VDIMS consecutive value dims, in loads of four where they divide
+// (VDIMS · lane elements in: aligned for the 8- and 16-byte loads).
+template <typename T> __device__ __forceinline__ void load_dims(const T *__restrict__ v, float out[VDIMS]) {
+#if VDIMS % 4 == 0
+#pragma unroll
+    for (int c = 0; c < VDIMS; c += 4) {
+        const vec4f x = load4(v + c);
+        out[c] = x.x, out[c + 1] = x.y, out[c + 2] = x.z, out[c + 3] = x.w;
+    }
+#else
+#pragma unroll
+    for (int c = 0; c < VDIMS; c++) out[c] = to_float(v[c]);
+#endif
+}
 
 // The metadata every kernel of this file reads the same way.
 struct Query {
@@ -115,34 +138,44 @@ __device__ void attend(const float *__restrict__ q, const T *__restrict__ k_cach
     // 1. Scores of the positions in [start, end).
     const int first_block = start / BLOCK_SIZE, last_block = (end - 1) / BLOCK_SIZE;
     const int tok = lane / LANES, sub = lane % LANES;
-    for (int b = first_block + warp; b <= last_block; b += NUM_WARPS) {
-        const int pos = b * BLOCK_SIZE + tok;
-        const long long phys = PHYSICAL_BLOCK(b);
-        const T *k = k_cache + (phys * BLOCK_SIZE + tok) * row + (long long)kvh * HEAD_DIM;
-        float dot[QUERIES];
+    for (int b0 = first_block + warp; b0 <= last_block; b0 += 32 * NUM_WARPS) {
+        // The physical ids of the warp's next 32 blocks, one a lane, in one load.
+        const int ids = block_ids(block_table, b0, last_block, lane);
+        const int count = min(32, (last_block - b0) / NUM_WARPS + 1);
+        for (int i = 0; i < count; i++) {
+            const int b = b0 + i * NUM_WARPS;
+            const int pos = b * BLOCK_SIZE + tok;
+#ifdef CONTIGUOUS_KV
+            const long long phys = contig_base + b;
+#else
+            const long long phys = __shfl_sync(0xffffffffu, ids, i);
+#endif
+            const T *k = k_cache + (phys * BLOCK_SIZE + tok) * row + (long long)kvh * HEAD_DIM;
+            float dot[QUERIES];
 #pragma unroll
-        for (int g = 0; g < QUERIES; g++) dot[g] = 0.f;
-        // Unrolled by 8 at most: with one lane a token (BLOCK_SIZE 32) a full
-        // unroll hoists every load of the row and runs out of registers.
+            for (int g = 0; g < QUERIES; g++) dot[g] = 0.f;
+            // Unrolled by 8 at most: with one lane a token (BLOCK_SIZE 32) a full
+            // unroll hoists every load of the row and runs out of registers.
 #pragma unroll 8
-        for (int j = 0; j < CHUNKS / LANES; j++) {
-            const int c = sub + LANES * j;
-            const vec4f kv = load4(k + 4 * c);
+            for (int j = 0; j < CHUNKS / LANES; j++) {
+                const int c = sub + LANES * j;
+                const vec4f kv = load4(k + 4 * c);
+#pragma unroll
+                for (int g = 0; g < QUERIES; g++) {
+                    const vec4f qv = {q_s[g][4 * c], q_s[g][4 * c + 1], q_s[g][4 * c + 2], q_s[g][4 * c + 3]};
+                    dot[g] += dot4(qv, kv);
+                }
+            }
 #pragma unroll
             for (int g = 0; g < QUERIES; g++) {
-                const vec4f qv = {q_s[g][4 * c], q_s[g][4 * c + 1], q_s[g][4 * c + 2], q_s[g][4 * c + 3]};
-                dot[g] += dot4(qv, kv);
+#pragma unroll
+                for (int o = LANES / 2; o > 0; o >>= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
             }
-        }
+            if (sub == 0 && pos >= start && pos < end) {
 #pragma unroll
-        for (int g = 0; g < QUERIES; g++) {
-#pragma unroll
-            for (int o = LANES / 2; o > 0; o >>= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
-        }
-        if (sub == 0 && pos >= start && pos < end) {
-#pragma unroll
-            for (int g = 0; g < QUERIES; g++)
-                logits[g * n + pos - start] = softcap > 0.f ? softcap * tanhf(dot[g] / softcap) : dot[g];
+                for (int g = 0; g < QUERIES; g++)
+                    logits[g * n + pos - start] = softcap > 0.f ? softcap * tanhf(dot[g] / softcap) : dot[g];
+            }
         }
     }
     __syncthreads();
@@ -173,20 +206,28 @@ __device__ void attend(const float *__restrict__ q, const T *__restrict__ k_cach
     for (int g = 0; g < QUERIES; g++)
 #pragma unroll
         for (int i = 0; i < VDIMS; i++) acc[g][i] = 0.f;
-    for (int b = first_block + warp; b <= last_block; b += NUM_WARPS) {
-        const long long phys = PHYSICAL_BLOCK(b);
-        const int lo = max(start - b * BLOCK_SIZE, 0), hi = min(end - b * BLOCK_SIZE, BLOCK_SIZE);
-        for (int i = lo; i < hi; i++) {
-            const int at = b * BLOCK_SIZE + i - start;
-            const T *v = v_cache + (phys * BLOCK_SIZE + i) * row + (long long)kvh * HEAD_DIM + VDIMS * lane;
-            float vv[VDIMS];
+    for (int b0 = first_block + warp; b0 <= last_block; b0 += 32 * NUM_WARPS) {
+        const int ids = block_ids(block_table, b0, last_block, lane);
+        const int count = min(32, (last_block - b0) / NUM_WARPS + 1);
+        for (int bi = 0; bi < count; bi++) {
+            const int b = b0 + bi * NUM_WARPS;
+#ifdef CONTIGUOUS_KV
+            const long long phys = contig_base + b;
+#else
+            const long long phys = __shfl_sync(0xffffffffu, ids, bi);
+#endif
+            const int lo = max(start - b * BLOCK_SIZE, 0), hi = min(end - b * BLOCK_SIZE, BLOCK_SIZE);
+            for (int i = lo; i < hi; i++) {
+                const int at = b * BLOCK_SIZE + i - start;
+                const T *v = v_cache + (phys * BLOCK_SIZE + i) * row + (long long)kvh * HEAD_DIM + VDIMS * lane;
+                float vv[VDIMS];
+                load_dims(v, vv);
 #pragma unroll
-            for (int c = 0; c < VDIMS; c++) vv[c] = to_float(v[c]);
+                for (int g = 0; g < QUERIES; g++) {
+                    const float p = logits[g * n + at];
 #pragma unroll
-            for (int g = 0; g < QUERIES; g++) {
-                const float p = logits[g * n + at];
-#pragma unroll
-                for (int c = 0; c < VDIMS; c++) acc[g][c] += p * vv[c];
+                    for (int c = 0; c < VDIMS; c++) acc[g][c] += p * vv[c];
+                }
             }
         }
     }

@@ -460,7 +460,7 @@ impl AttentionBackend for CpuOps {
     }
 
     fn kv_memory(&self, _spec: &KvCacheSpec) -> KvMemory {
-        KvMemory { available_bytes: available_memory_bytes(), max_blocks: None }
+        KvMemory { available_bytes: available_memory_bytes(), max_blocks: None, device: None }
     }
 
     fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<KvCache> {

@@ -75,7 +75,7 @@ pub const LAYERS: KernelSource = KernelSource {
 pub const GEMV_Q: KernelSource = KernelSource {
     file: "gemv_q.cu",
     text: include_str!("../../../kernels/cuda/gemv_q.cu"),
-    entry_points: &["gemv_q8_0", "gemv_q4_1", "gemv_f32", "gemm_q8_0", "gemm_q4_1", "gemm_f32"],
+    entry_points: &["gemv_q8_0", "gemv_q4_1", "gemv_f32", "gemm_q8_0", "gemm_q4_1", "gemm_f32", "gemm_sum_splits"],
 };
 
 /// Every source.

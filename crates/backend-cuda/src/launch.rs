@@ -223,6 +223,12 @@ impl Kernels {
     /// default stream.
     pub fn open(ordinal: usize) -> Result<Self, CudaError> {
         let (ctx, info) = crate::device::open(ordinal)?;
+        // cudarc gives every allocation two events by default, to order its
+        // uses across streams: four driver calls per buffer, for nothing
+        // here. SAFETY: before any buffer exists; every allocation, copy
+        // and kernel of this crate runs on the one stream below, in order,
+        // so no use of a buffer needs ordering against another stream.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         Ok(Self {
             arch: info.arch(),
@@ -238,6 +244,57 @@ impl Kernels {
     /// The device.
     pub fn info(&self) -> &crate::device::DeviceInfo {
         &self.info
+    }
+
+    /// The device's default memory pool, where the stream-ordered
+    /// allocations of every buffer come from.
+    fn memory_pool(&self) -> Option<cudarc::driver::sys::CUmemoryPool> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread().ok()?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid place for the handle; the device handle
+        // is this context's.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) };
+        (r == sys::CUresult::CUDA_SUCCESS && !pool.is_null() && self.ctx.has_async_alloc()).then_some(pool)
+    }
+
+    fn pool_attribute(pool: cudarc::driver::sys::CUmemoryPool, attr: cudarc::driver::sys::CUmemPool_attribute) -> Option<u64> {
+        use cudarc::driver::sys;
+        let mut v: u64 = 0;
+        // SAFETY: the memory attributes read here are 64-bit (cuuint64_t),
+        // written through a pointer to `v`; `pool` came from the driver.
+        let r = unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast()) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+    }
+
+    /// Memory profiling: resets the pool's high-water mark and returns the
+    /// bytes in use now; `None` where allocations do not come from the pool.
+    pub fn begin_memory_profile(&self) -> Option<u64> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
+        let pool = self.memory_pool()?;
+        self.stream.synchronize().ok()?;
+        let mut zero: u64 = 0;
+        // SAFETY: USED_MEM_HIGH takes a 64-bit value, which may only be
+        // zero (a reset); the pointer is to `zero`.
+        let r = unsafe { sys::cuMemPoolSetAttribute(pool, A::CU_MEMPOOL_ATTR_USED_MEM_HIGH, (&mut zero as *mut u64).cast()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        Self::pool_attribute(pool, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+    }
+
+    /// The most bytes in use from the pool since [`Kernels::begin_memory_profile`],
+    /// once the queued work is done.
+    pub fn memory_profile_peak(&self) -> Option<u64> {
+        let pool = self.memory_pool()?;
+        self.stream.synchronize().ok()?;
+        let peak = Self::pool_attribute(pool, cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH);
+        // Hand what the pool keeps back to the device, so that its free
+        // memory (which sizes the KV cache) does not count it as in use.
+        // SAFETY: `pool` came from the driver; trimming frees only memory
+        // no allocation holds.
+        unsafe { cudarc::driver::sys::cuMemPoolTrimTo(pool, 0) };
+        peak
     }
 
     /// The stream kernels launch on.
@@ -497,21 +554,61 @@ impl Kernels {
         }
     }
 
-    /// One tiled GEMM launch: 64 × 64 outputs a 256-thread block.
+    /// How many parts the tiled GEMM splits k into: one when its 64 × 64
+    /// tiles fill the GPU twice over, else enough to (at most 16, and at
+    /// least two blocks of 32 along k a part).
+    pub fn gemm_splits(&self, rows: usize, n: usize, k: usize) -> usize {
+        let tiles = rows.div_ceil(64) * n.div_ceil(64);
+        let blocks = k / 32;
+        let wanted = (2 * self.num_sms).div_ceil(tiles.max(1));
+        let splits = wanted.min(16).min(blocks / 2).max(1);
+        // Even parts: as many as `splits` parts of the rounded-up size need.
+        blocks.div_ceil(blocks.div_ceil(splits).max(1)).max(1)
+    }
+
+    /// The tiled GEMM: 64 × 64 outputs a 256-thread block, k split in parts
+    /// (then summed in order) when the tiles are too few for the GPU.
     fn gemm_launch(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
         let name = match w.format {
             BlockFormat::Q8_0 => "gemm_q8_0",
             BlockFormat::Q4_1 => "gemm_q4_1",
             BlockFormat::F32 => "gemm_f32",
         };
-        let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", 1)]), name)?;
-        let (rows_i, n_i, k_i) = (to_i32(rows, "rows")?, to_i32(w.n, "n")?, to_i32(w.k, "k")?);
+        let variant = Variant::new(GEMV_Q, &[("ROWS", 1)]);
+        let f = self.function(&variant, name)?;
+        let blocks = w.k / 32;
+        let splits = self.gemm_splits(rows, w.n, w.k);
+        let per_split = blocks.div_ceil(splits);
+        let (rows_i, n_i, k_i, per_i) = (to_i32(rows, "rows")?, to_i32(w.n, "n")?, to_i32(w.k, "k")?, to_i32(per_split, "blocks")?);
+        let grid = (to_u32(w.n.div_ceil(64), "column tiles")?, to_u32(rows.div_ceil(64), "row tiles")?, to_u32(splits, "splits")?);
+        if splits == 1 {
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(&mut *y).arg(&w.blocks).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i).arg(&per_i);
+            // SAFETY: matches gemm_*(float*, unsigned short*, float*, int,
+            // int, int, int); the caller checked y (rows·n), x (rows·k) and
+            // w (n·k/32 blocks); the kernel guards rows and columns past the
+            // edges; one split covers every block of k.
+            unsafe { b.launch(cfg(grid, 256, 0)) }?;
+            return Ok(());
+        }
+        let len = rows * w.n;
+        // SAFETY: uninitialized device memory; split z's blocks write every
+        // in-range output of their tiles at parts[z · len ..], the sum reads
+        // only those.
+        let mut parts: CudaSlice<f32> = unsafe { self.stream.alloc(splits * len) }?;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(y).arg(&w.blocks).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i);
-        // SAFETY: matches gemm_*(float*, unsigned short*, float*, int, int,
-        // int); the caller checked y (rows·n), x (rows·k) and w (n·k/32
-        // blocks); the kernel guards rows and columns past the edges.
-        unsafe { b.launch(cfg((to_u32(w.n.div_ceil(64), "column tiles")?, to_u32(rows.div_ceil(64), "row tiles")?, 1), 256, 0)) }?;
+        b.arg(&mut parts).arg(&w.blocks).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i).arg(&per_i);
+        // SAFETY: as above, writing split z's partial sums to parts[z · len
+        // ..], which holds splits · len floats; the splits cover the blocks
+        // of k, each at least one.
+        unsafe { b.launch(cfg(grid, 256, 0)) }?;
+        let sum = self.function(&variant, "gemm_sum_splits")?;
+        let (len_i, splits_i) = (len as i64, to_i32(splits, "splits")?);
+        let mut b = self.stream.launch_builder(&sum);
+        b.arg(&mut *y).arg(&parts).arg(&len_i).arg(&splits_i);
+        // SAFETY: matches gemm_sum_splits(float*, float*, long long, int);
+        // y holds len floats (checked by the caller), parts splits · len.
+        unsafe { b.launch(cfg((to_u32(len.div_ceil(256).min(4096), "sum blocks")?, 1, 1), 256, 0)) }?;
         Ok(())
     }
 

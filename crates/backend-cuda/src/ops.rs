@@ -13,9 +13,12 @@
 //!   with the f32 GEMV.
 //! - **Attention**: `reshape_and_cache` through each KV-cache group's slot
 //!   mapping, then paged attention v1/v2 over the group's block tables.
-//! - **KV memory**: the free device memory after the weights, less a
-//!   reserve for activations ([`ACTIVATION_RESERVE`]); the engine takes its
-//!   `--kv-cache-memory` share of that (vLLM's `--gpu-memory-utilization`).
+//! - **KV memory** (thesis §4.2.1): with `--gpu-memory-utilization f`
+//!   (the default on this device, 0.9 as in vLLM) a profile run of the step
+//!   budget measures the activations' peak in the allocator's pool, and the
+//!   cache gets `f` of the GPU less what is in use and that peak; with
+//!   `--kv-cache-memory` a share of the free memory less a fixed reserve
+//!   ([`ACTIVATION_RESERVE`]), or a size.
 //! - **Swap**: block by block between the device pools and host vectors on
 //!   the compute stream (a pinned, side-stream copy is left to do).
 //!
@@ -27,9 +30,11 @@
 
 use crate::launch::{AttentionMetadata, AttentionParams, BlockFormat, Elementwise, Kernels, KvDtype, KvPool, QuantMatrix};
 use crate::CudaError;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, PinnedHostSlice};
+use std::sync::Mutex;
 use vellum_core::{
-    AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, StepBounds,
+    AttentionBackend, AttentionShape, BlockCopy, BlockSwap, DeviceMemory, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory,
+    StepBounds,
 };
 use vellum_models::gguf::GgmlType;
 use vellum_models::ops::{OpResult, Ops};
@@ -110,6 +115,13 @@ pub struct CudaKvCache {
 /// The model operations on one NVIDIA GPU.
 pub struct CudaOps {
     k: Kernels,
+    /// Page-locked staging for copies to the host (a step's logits: 50 MB
+    /// for 256 rows of a 49k vocabulary), so that they run at the link's
+    /// speed; grown as needed.
+    staging: Mutex<Option<PinnedHostSlice<f32>>>,
+    /// Host buffers handed back once sampled, reused so that a step's
+    /// logits land in memory that is already mapped.
+    spare: Mutex<Vec<Vec<f32>>>,
 }
 
 impl std::fmt::Debug for CudaOps {
@@ -126,7 +138,7 @@ impl CudaOps {
         if !crate::nvrtc::is_available() {
             return Err(CudaError::NoNvrtc);
         }
-        Ok(Self { k })
+        Ok(Self { k, staging: Mutex::new(None), spare: Mutex::new(Vec::new()) })
     }
 
     /// The kernels (for tests and benchmarks).
@@ -302,11 +314,56 @@ impl Ops for CudaOps {
 
     fn to_host(&self, x: &CudaTensor) -> OpResult<Vec<f32>> {
         let n = x.rows * x.cols;
-        let mut all = self.k.stream().clone_dtoh(&x.buf).map_err(|e| backend(e.into()))?;
-        self.k.stream().synchronize().map_err(|e| backend(e.into()))?;
-        all.truncate(n);
-        Ok(all)
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let driver = |e: cudarc::driver::DriverError| backend(e.into());
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let pinned = match &mut *staging {
+            Some(p) if p.len() >= n => p,
+            slot => {
+                // Plain page-locked memory (not write-combined: the host reads it).
+                // SAFETY: uninitialized host memory of n floats; the copy
+                // below writes the first n before anything reads them.
+                slot.insert(unsafe { self.k.context().alloc_pinned_with_flags::<f32>(n, 0) }.map_err(driver)?)
+            }
+        };
+        // The first n floats of the staging buffer: a copy moves as many
+        // elements as its destination holds.
+        let dst = &mut pinned.as_mut_slice().map_err(driver)?[..n];
+        self.k.stream().memcpy_dtoh(&x.buf.slice(..n), dst).map_err(driver)?;
+        self.k.stream().synchronize().map_err(driver)?;
+        let src = &pinned.as_slice().map_err(driver)?[..n];
+        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut out = spare.filter(|v| v.capacity() >= n).unwrap_or_else(|| Vec::with_capacity(n));
+        out.clear();
+        out.resize(n, 0.0);
+        copy_in_parallel(&mut out, src);
+        Ok(out)
     }
+
+    fn reuse_host_buffer(&self, buffer: Vec<f32>) {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < 2 {
+            spare.push(buffer);
+        }
+    }
+}
+
+/// `dst.copy_from_slice(src)` over up to 8 threads when it is large (a
+/// 50 MB step of logits takes one core ~5 ms).
+fn copy_in_parallel(dst: &mut [f32], src: &[f32]) {
+    const CHUNK: usize = 1 << 20;
+    if src.len() <= 2 * CHUNK {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let per = src.len().div_ceil(8).max(CHUNK);
+    std::thread::scope(|scope| {
+        for (d, s) in dst.chunks_mut(per).zip(src.chunks(per)) {
+            scope.spawn(move || d.copy_from_slice(s));
+        }
+    });
 }
 
 fn kv_dtype(d: KvCacheDtype) -> KvDtype {
@@ -339,7 +396,19 @@ impl AttentionBackend for CudaOps {
         let total = self.k.info().total_memory as u64;
         let free = self.k.context().mem_get_info().map_or(0, |(free, _)| free as u64);
         let reserve = (total as f64 * ACTIVATION_RESERVE) as u64;
-        KvMemory { available_bytes: free.saturating_sub(reserve), max_blocks: None }
+        KvMemory {
+            available_bytes: free.saturating_sub(reserve),
+            max_blocks: None,
+            device: Some(DeviceMemory { total_bytes: total, free_bytes: free, activation_peak_bytes: 0 }),
+        }
+    }
+
+    fn begin_memory_profile(&self) -> Option<u64> {
+        self.k.begin_memory_profile()
+    }
+
+    fn memory_profile_peak(&self) -> Option<u64> {
+        self.k.memory_profile_peak()
     }
 
     fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<CudaKvCache> {

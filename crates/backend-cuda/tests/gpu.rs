@@ -311,8 +311,12 @@ fn gemv_and_gemm_on_q8_0_q4_1_and_f32_blocks_match_the_dequantized_product_or_sk
         };
         let w_dev = QuantMatrix { blocks: up(&k, &blocks), format, n, k: kk };
         // Up to 8 rows: the GEMV (gemv_q takes no more); beyond: the tiled
-        // GEMM through gemv_rows, with partial tiles of rows and columns.
+        // GEMM through gemv_rows, with partial tiles of rows and columns,
+        // k split in parts at these sizes (too few tiles for the GPU).
         for rows in [1, 3, 8, 9, 37, 130] {
+            if rows > 8 {
+                assert!(k.gemm_splits(rows, n, kk) > 1, "{rows} rows: the tiles alone would fill the GPU");
+            }
             let x = rng.vec(rows * kk);
             let mut y: CudaSlice<f32> = k.stream().alloc_zeros(rows * n).expect("alloc");
             if rows <= 8 {
@@ -328,6 +332,22 @@ fn gemv_and_gemm_on_q8_0_q4_1_and_f32_blocks_match_the_dequantized_product_or_sk
                     assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "{format:?} rows={rows} [{r},{c}]: {g} vs {e}");
                 }
             }
+        }
+    }
+    // Enough tiles to fill the GPU: one pass over k, no split.
+    let (n, kk, rows) = (2200, 320, 520);
+    assert_eq!(k.gemm_splits(rows, n, kk), 1);
+    let (blocks, w) = quantized(&mut rng, n, kk, true);
+    let w_dev = QuantMatrix { blocks: up(&k, &blocks), format: BlockFormat::Q4_1, n, k: kk };
+    let x = rng.vec(rows * kk);
+    let mut y: CudaSlice<f32> = k.stream().alloc_zeros(rows * n).expect("alloc");
+    k.gemv_rows(&mut y, &w_dev, &up(&k, &x), rows).expect("gemm");
+    let got = down(&k, &y);
+    for r in (0..rows).step_by(7) {
+        for c in 0..n {
+            let e: f64 = (0..kk).map(|i| x[r * kk + i] as f64 * w[c * kk + i] as f64).sum();
+            let g = got[r * n + c] as f64;
+            assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "unsplit rows={rows} [{r},{c}]: {g} vs {e}");
         }
     }
 }

@@ -477,6 +477,8 @@ impl AttentionBackend for WgpuOps {
         KvMemory {
             available_bytes: self.ctx.available_bytes(),
             max_blocks: Some((self.binding_limit / spec.pool_block_bytes().max(1)) as usize),
+            // wgpu reports no device totals: --kv-cache-memory sizes the cache.
+            device: None,
         }
     }
 

@@ -144,6 +144,22 @@ pub struct KvMemory {
     /// The most blocks the device can address, if it has a limit below its
     /// memory (a storage binding of at most 128 MiB per pool on lavapipe).
     pub max_blocks: Option<usize>,
+    /// A device the engine has to itself (a GPU), for sizing the cache as a
+    /// fraction of its whole memory (vLLM's `--gpu-memory-utilization`);
+    /// `None` where the cache lives in host memory.
+    pub device: Option<DeviceMemory>,
+}
+
+/// A GPU's memory as the profile run left it (thesis §4.2.1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// All of the device's memory.
+    pub total_bytes: u64,
+    /// Free now: the weights and everything else allocated are not.
+    pub free_bytes: u64,
+    /// The most activation memory a forward pass of the step budget took
+    /// (the profile run); 0 before it runs.
+    pub activation_peak_bytes: u64,
 }
 
 /// Attention through a paged KV cache that the backend owns.
@@ -184,6 +200,22 @@ pub trait AttentionBackend {
 
     /// Memory the backend can give a cache of `spec`'s geometry.
     fn kv_memory(&self, spec: &KvCacheSpec) -> KvMemory;
+
+    /// Memory profiling (thesis §4.2.1): starts watching the peak of the
+    /// device memory in use and returns what is in use now; `None` where
+    /// the backend cannot (its memory is the host's), and the profile run
+    /// is skipped.
+    fn begin_memory_profile(&self) -> Option<u64> {
+        None
+    }
+
+    /// The most device memory in use since [`begin_memory_profile`]
+    /// (after waiting for the device's queued work).
+    ///
+    /// [`begin_memory_profile`]: AttentionBackend::begin_memory_profile
+    fn memory_profile_peak(&self) -> Option<u64> {
+        None
+    }
 
     /// Allocates `num_blocks` device blocks and `num_host_blocks` host
     /// (swap) blocks of `spec`'s geometry.

@@ -13,6 +13,10 @@ pub enum KvCacheSize {
     /// A fraction of the memory the backend reports free once the weights
     /// are loaded ([`crate::ModelExecutor::kv_memory`]).
     FractionOfFree(f32),
+    /// vLLM's `--gpu-memory-utilization`: the fraction of a GPU's whole
+    /// memory the engine may take — weights, the activations of a profile
+    /// run at the step budget, and the KV cache, which gets what is left.
+    DeviceFraction(f32),
 }
 
 /// Element type of the stored keys and values.
@@ -81,6 +85,9 @@ impl CacheConfig {
                 field: "kv_cache_memory",
                 message: format!("fraction of free memory must be in (0, 1], got {f}"),
             }),
+            KvCacheSize::DeviceFraction(f) if !(f > 0.0 && f <= 1.0) => {
+                Err(Error::InvalidConfig { field: "gpu_memory_utilization", message: format!("must be in (0, 1], got {f}") })
+            }
             _ => Ok(()),
         }
     }

@@ -44,7 +44,7 @@ mod seeded_rng;
 pub use architecture::{
     find_architecture, find_gguf_architecture, find_model_type, supported_architectures, Architecture, ModelFamily, ARCHITECTURES,
 };
-pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape, KvCacheSpec, KvMemory};
+pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape, DeviceMemory, KvCacheSpec, KvMemory};
 pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
 pub use cache_config::{CacheConfig, KvCacheDtype, KvCacheSize};
 pub use error::Error;

@@ -32,6 +32,7 @@ pub trait ModelExecutor {
             KvCacheSize::NumBlocks(n) => n,
             KvCacheSize::MemoryBytes(b) => (b / per_block) as usize,
             KvCacheSize::FractionOfFree(f) => ((memory.available_bytes as f64 * f as f64) as u64 / per_block) as usize,
+            KvCacheSize::DeviceFraction(f) => (device_fraction_bytes(f, memory)? / per_block) as usize,
         };
         // A device that addresses fewer blocks per pool caps the cache there.
         let blocks = memory.max_blocks.map_or(wanted, |max| wanted.min(max));
@@ -42,6 +43,16 @@ pub trait ModelExecutor {
             });
         }
         Ok(blocks)
+    }
+
+    /// Memory profiling (thesis §4.2.1): runs a dummy forward pass of
+    /// `num_tokens` prompt tokens spread over up to `num_seqs` sequences
+    /// (the step budget), so that [`ModelExecutor::kv_memory`] reports the
+    /// activation memory it took at its peak, and returns that peak. 0 where
+    /// the backend's memory is the host's (no run).
+    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, block_size: usize) -> Result<u64> {
+        let _ = (num_tokens, num_seqs, block_size);
+        Ok(0)
     }
 
     /// The window of each KV-cache group, in block-table order (see
@@ -66,6 +77,31 @@ pub trait ModelExecutor {
     }
 }
 
+/// The KV cache's share under `--gpu-memory-utilization f`: `f` of the
+/// device, less what is in use (weights, the runtime) and the profile run's
+/// activation peak.
+fn device_fraction_bytes(f: f32, memory: KvMemory) -> Result<u64> {
+    let d = memory.device.ok_or_else(|| Error::InvalidConfig {
+        field: "gpu_memory_utilization",
+        message: "applies to a GPU (--device cuda); size this device's cache with --kv-cache-memory".into(),
+    })?;
+    let budget = (d.total_bytes as f64 * f as f64) as u64;
+    let in_use = d.total_bytes.saturating_sub(d.free_bytes);
+    let taken = in_use + d.activation_peak_bytes;
+    if taken >= budget {
+        return Err(Error::InvalidConfig {
+            field: "gpu_memory_utilization",
+            message: format!(
+                "{f} of {} MiB leaves nothing for the KV cache: {} MiB are in use (weights, runtime) and a forward pass of the step budget takes {} MiB more; raise it or lower --max-num-batched-tokens",
+                d.total_bytes >> 20,
+                in_use >> 20,
+                d.activation_peak_bytes >> 20
+            ),
+        });
+    }
+    Ok(budget - taken)
+}
+
 impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
     fn describe(&self) -> String {
         (**self).describe()
@@ -77,6 +113,10 @@ impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
 
     fn kv_memory(&self, block_size: usize) -> KvMemory {
         (**self).kv_memory(block_size)
+    }
+
+    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, block_size: usize) -> Result<u64> {
+        (**self).profile_run(num_tokens, num_seqs, block_size)
     }
 
     fn num_kv_blocks(&self, size: KvCacheSize, block_size: usize) -> Result<usize> {
@@ -97,5 +137,33 @@ impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
 
     fn recycle_logits(&mut self, logits: Vec<f32>) {
         (**self).recycle_logits(logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DeviceMemory;
+
+    fn gpu(total: u64, free: u64, peak: u64) -> KvMemory {
+        KvMemory {
+            available_bytes: free,
+            max_blocks: None,
+            device: Some(DeviceMemory { total_bytes: total, free_bytes: free, activation_peak_bytes: peak }),
+        }
+    }
+
+    #[test]
+    fn gpu_memory_utilization_leaves_the_weights_and_the_profiled_activations_out() {
+        // 100 GiB device, 10 in use (weights, runtime), 5 of activations at the peak: 0.9 gives 75.
+        let g = 1u64 << 30;
+        let kv = device_fraction_bytes(0.9, gpu(100 * g, 90 * g, 5 * g)).expect("room");
+        assert!(kv.abs_diff(75 * g) < 1 << 20, "{kv}"); // 0.9 is not exact in f32
+                                                        // Nothing left: a typed error that names the flag and the numbers.
+        let e = device_fraction_bytes(0.1, gpu(100 * g, 90 * g, 5 * g)).expect_err("no room").to_string();
+        assert!(e.contains("gpu_memory_utilization") && e.contains("10240 MiB are in use"), "{e}");
+        // Host memory has no device totals.
+        let host = KvMemory { available_bytes: g, max_blocks: None, device: None };
+        assert!(device_fraction_bytes(0.9, host).is_err());
     }
 }

@@ -133,7 +133,13 @@ impl Llm {
         let max_batched = scheduler.max_num_batched_tokens;
         let kv_dtype = args.kv_cache_dtype.unwrap_or_else(|| auto_kv_cache_dtype(args.device, args.cpu_precision));
         let kv = (kv_dtype, !args.disable_hybrid_kv_cache_manager, args.cpu_precision);
-        let executor = make_executor(args.device, &*loaded.weights, config, kv, progress)?;
+        let mut executor = make_executor(args.device, &*loaded.weights, config, kv, progress)?;
+        if let KvCacheSize::DeviceFraction(f) = args.kv_cache {
+            // Memory profiling (thesis §4.2.1): the largest step's activations
+            // come out of the same budget as the weights and the KV cache.
+            let peak = executor.profile_run(max_batched, scheduler.max_num_seqs, args.block_size)?;
+            tracing::info!(gpu_memory_utilization = f, tokens = max_batched, activation_peak_mib = peak >> 20, "profile run");
+        }
         let num_blocks = executor.num_kv_blocks(args.kv_cache, args.block_size)?;
         let block_bytes = executor.kv_block_bytes(args.block_size);
         tracing::info!(backend = %executor.describe(), dtype = ?kv_dtype, num_blocks, block_size = args.block_size, mib = (num_blocks as u64 * block_bytes) >> 20, "KV cache");

@@ -77,7 +77,7 @@ impl ModelExecutor for FakeModel {
     }
 
     fn kv_memory(&self, _block_size: usize) -> vellum_core::KvMemory {
-        vellum_core::KvMemory { available_bytes: 1 << 20, max_blocks: None }
+        vellum_core::KvMemory { available_bytes: 1 << 20, max_blocks: None, device: None }
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_core::Result<()> {

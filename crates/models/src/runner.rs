@@ -21,6 +21,8 @@ pub struct ModelRunner<O: Ops> {
     hybrid_kv_cache: bool,
     /// The cache and its block size, once allocated.
     cache: Option<(O::KvCache, usize)>,
+    /// What the profile run measured (bytes of activations at the peak).
+    activation_peak: u64,
 }
 
 impl<O: Ops + 'static> ModelRunner<O> {
@@ -28,7 +30,7 @@ impl<O: Ops + 'static> ModelRunner<O> {
     /// the model definition from the architecture registry.
     pub fn load(ops: O, weights: &dyn WeightSource, config: ModelConfig, progress: impl FnMut(usize, usize)) -> Result<Self> {
         let model = load_model(&ops, weights, config, progress)?;
-        Ok(Self { ops, model, kv_cache_dtype: KvCacheDtype::F32, hybrid_kv_cache: true, cache: None })
+        Ok(Self { ops, model, kv_cache_dtype: KvCacheDtype::F32, hybrid_kv_cache: true, cache: None, activation_peak: 0 })
     }
 }
 
@@ -88,7 +90,31 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
     }
 
     fn kv_memory(&self, block_size: usize) -> KvMemory {
-        self.ops.kv_memory(&self.kv_cache_spec(block_size))
+        let mut memory = self.ops.kv_memory(&self.kv_cache_spec(block_size));
+        if let Some(device) = &mut memory.device {
+            device.activation_peak_bytes = self.activation_peak;
+        }
+        memory
+    }
+
+    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, block_size: usize) -> vellum_core::Result<u64> {
+        // Within the model's positions; one sequence at least, a token each.
+        let num_tokens = num_tokens.min(self.config().max_position_embeddings).max(1);
+        let num_seqs = num_seqs.clamp(1, num_tokens);
+        let batch = profile_batch(num_tokens, num_seqs, block_size, self.kv_cache_spec(block_size).groups.num_groups());
+        let blocks = batch.block_tables.iter().copied().max().map_or(1, |b| b as usize + 1);
+        // A cache just big enough for the batch; the real one replaces it.
+        self.initialize_kv_cache(blocks, 0, block_size)?;
+        let Some(before) = self.ops.begin_memory_profile() else {
+            self.cache = None;
+            return Ok(0);
+        };
+        let out = self.execute(&batch);
+        let peak = self.ops.memory_profile_peak();
+        self.cache = None;
+        out?;
+        self.activation_peak = peak.unwrap_or(before).saturating_sub(before);
+        Ok(self.activation_peak)
     }
 
     fn kv_group_windows(&self) -> Vec<Option<usize>> {
@@ -117,5 +143,62 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
 
     fn recycle_logits(&mut self, logits: Vec<f32>) {
         self.ops.reuse_host_buffer(logits);
+    }
+}
+
+/// The profile run's batch: `num_tokens` prompt tokens (id 0) in `num_seqs`
+/// sequences of equal length (the last takes the remainder), each in blocks
+/// of its own and asking for its last token's logits, as the largest
+/// prefill step the scheduler can form; every KV-cache group gets the same
+/// tables.
+fn profile_batch(num_tokens: usize, num_seqs: usize, block_size: usize, groups: usize) -> ForwardBatch {
+    let groups = groups.max(1);
+    let per_seq = num_tokens / num_seqs;
+    let lens: Vec<usize> = (0..num_seqs).map(|i| if i + 1 == num_seqs { num_tokens - per_seq * i } else { per_seq }).collect();
+    let stride = lens.iter().map(|l| l.div_ceil(block_size)).max().unwrap_or(1);
+    let mut b = ForwardBatch { block_table_stride: stride, num_kv_groups: groups, query_start_loc: vec![0], ..ForwardBatch::default() };
+    let (mut tables, mut slots, mut next_block) = (vec![0u32; num_seqs * stride], Vec::new(), 0u32);
+    for (s, &len) in lens.iter().enumerate() {
+        for blk in 0..len.div_ceil(block_size) {
+            tables[s * stride + blk] = next_block + blk as u32;
+        }
+        for pos in 0..len {
+            b.token_ids.push(0);
+            b.positions.push(pos as u32);
+            slots.push(next_block * block_size as u32 + pos as u32);
+        }
+        next_block += len.div_ceil(block_size) as u32;
+        let end = b.query_start_loc[s] + len as u32;
+        b.query_start_loc.push(end);
+        b.context_lens.push(len as u32);
+        b.logits_indices.push(end - 1);
+    }
+    for _ in 0..groups {
+        b.slot_mapping.extend_from_slice(&slots);
+        b.block_tables.extend_from_slice(&tables);
+    }
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::profile_batch;
+
+    #[test]
+    fn the_profile_batch_is_well_formed_for_every_split() {
+        for (tokens, seqs, bs, groups) in [(2048, 256, 16, 1), (2048, 1, 16, 2), (100, 7, 16, 1), (5, 5, 8, 3)] {
+            let b = profile_batch(tokens, seqs, bs, groups);
+            assert_eq!((b.num_tokens(), b.num_seqs(), b.kv_groups()), (tokens, seqs, groups));
+            let bounds = b.step_bounds(bs).expect("a valid batch");
+            // Every slot lies in its sequence's own blocks, and no two tokens share one.
+            let mut seen = std::collections::HashSet::new();
+            for (t, &slot) in b.slot_mapping[..tokens].iter().enumerate() {
+                assert!(seen.insert(slot), "slot {slot} used twice");
+                let s = bounds.token_seq[t] as usize;
+                let blk = (slot as usize) / bs;
+                assert!(b.block_tables[s * b.block_table_stride..(s + 1) * b.block_table_stride].contains(&(blk as u32)));
+            }
+            assert_eq!(b.logits_indices.len(), seqs);
+        }
     }
 }

@@ -30,10 +30,15 @@ pub struct EngineFlags {
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// KV cache size: bytes with a unit (`512MiB`, `4GiB`) or a fraction of
-    /// the memory the device has free once the weights are loaded (`0.5`);
-    /// the stand-in for vLLM's --gpu-memory-utilization.
-    #[arg(long, default_value = "0.5")]
-    pub kv_cache_memory: String,
+    /// the memory the device has free once the weights are loaded (`0.5`,
+    /// the default on the CPU and wgpu).
+    #[arg(long, conflicts_with = "gpu_memory_utilization")]
+    pub kv_cache_memory: Option<String>,
+    /// Fraction of the GPU's memory for weights, activations (measured by a
+    /// profile run of --max-num-batched-tokens) and the KV cache together
+    /// (vLLM's flag; `--device cuda` only; default 0.9 there).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f32>,
     /// Element type of the KV cache: auto (float16 on the CPU's default int8
     /// path, float32 otherwise), float32, float16, bfloat16.
     #[arg(long, default_value = "auto")]
@@ -132,13 +137,29 @@ impl EngineFlags {
             device: self.device.parse::<Device>().map_err(|e| anyhow!("{e}"))?,
             cpu_precision: self.cpu_precision.parse::<CpuPrecision>().map_err(|e| anyhow!("{e}"))?,
             block_size: self.block_size,
-            kv_cache: parse_kv_cache_memory(&self.kv_cache_memory)?,
+            kv_cache: kv_cache_size(self.kv_cache_memory.as_deref(), self.gpu_memory_utilization, &self.device)?,
             kv_cache_dtype: parse_kv_cache_dtype(&self.kv_cache_dtype)?,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             disable_hybrid_kv_cache_manager: self.disable_hybrid_kv_cache_manager,
             swap_space_bytes: if swap { (self.swap_space * (1u64 << 30) as f64) as u64 } else { 0 },
             scheduler,
         })
+    }
+}
+
+/// The KV cache's size from `--kv-cache-memory` or `--gpu-memory-utilization`
+/// (at most one is given), else the device's default: 0.9 of a GPU (vLLM's),
+/// half the free memory elsewhere.
+pub fn kv_cache_size(kv_cache_memory: Option<&str>, gpu_memory_utilization: Option<f32>, device: &str) -> Result<KvCacheSize> {
+    match (kv_cache_memory, gpu_memory_utilization) {
+        (Some(s), _) => parse_kv_cache_memory(s),
+        (None, Some(f)) if !(f > 0.0 && f <= 1.0) => bail!("--gpu-memory-utilization must be in (0, 1], got {f}"),
+        (None, Some(f)) if device != "cuda" => {
+            bail!("--gpu-memory-utilization {f} applies to --device cuda; size the cache on {device} with --kv-cache-memory")
+        }
+        (None, Some(f)) => Ok(KvCacheSize::DeviceFraction(f)),
+        (None, None) if device == "cuda" => Ok(KvCacheSize::DeviceFraction(0.9)),
+        (None, None) => Ok(KvCacheSize::FractionOfFree(0.5)),
     }
 }
 
@@ -233,6 +254,17 @@ mod tests {
         assert!(parse_policy("lifo").is_err());
         assert_eq!(parse_preemption("swap").ok(), Some(PreemptionMode::Swap));
         assert!(parse_preemption("x").is_err());
+    }
+
+    #[test]
+    fn the_kv_cache_size_defaults_to_vllms_gpu_memory_utilization_on_cuda_only() {
+        assert_eq!(kv_cache_size(None, None, "cuda").ok(), Some(KvCacheSize::DeviceFraction(0.9)));
+        assert_eq!(kv_cache_size(None, None, "cpu").ok(), Some(KvCacheSize::FractionOfFree(0.5)));
+        assert_eq!(kv_cache_size(None, Some(0.8), "cuda").ok(), Some(KvCacheSize::DeviceFraction(0.8)));
+        assert_eq!(kv_cache_size(Some("2GiB"), None, "cuda").ok(), Some(KvCacheSize::MemoryBytes(2 << 30)));
+        let e = kv_cache_size(None, Some(0.9), "cpu").expect_err("cpu has no GPU memory").to_string();
+        assert!(e.contains("--kv-cache-memory"), "{e}");
+        assert!(kv_cache_size(None, Some(1.5), "cuda").is_err());
     }
 
     #[test]
