@@ -86,6 +86,7 @@ fn batch(tokens: &[u32], start: usize) -> ForwardBatch {
         num_kv_groups: 1,
         logits_indices: vec![n as u32 - 1],
         block_ops: Default::default(),
+        argmax_only: false,
     }
 }
 

@@ -757,6 +757,25 @@ impl Kernels {
         Ok(())
     }
 
+    /// `out[r]` = the argmax of row `r` of `logits [rows, vocab]` (the lowest
+    /// id among equal maxima, as the host sampler breaks ties).
+    pub fn argmax_rows(&self, out: &mut CudaSlice<i32>, logits: &CudaSlice<f32>, rows: usize, vocab: usize) -> Result<(), CudaError> {
+        if out.len() < rows || logits.len() < rows * vocab || vocab == 0 {
+            return Err(shape_error(format!("argmax of {rows} rows of {vocab}: buffers too small")));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), "argmax_rows")?;
+        let vocab_i = to_i32(vocab, "vocab")?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(out).arg(logits).arg(&vocab_i);
+        // SAFETY: argmax_rows(int*, const float*, int); a block of
+        // NUM_THREADS (256, layers.cu's default) per row; sizes checked above.
+        unsafe { b.launch(cfg((to_u32(rows, "rows")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
     /// `out[r, :] = x[rows[r], :]` for the first `n` indices; the caller
     /// checked every index is below `x`'s rows.
     pub fn gather_rows(

@@ -342,6 +342,24 @@ impl Ops for CudaOps {
         Ok(out)
     }
 
+    fn argmax_rows(&self, x: &CudaTensor) -> OpResult<Option<Vec<u32>>> {
+        let driver = |e: cudarc::driver::DriverError| backend(e.into());
+        if x.rows == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        // SAFETY: uninitialized; the kernel writes one id per row.
+        let mut ids: CudaSlice<i32> = unsafe { self.k.stream().alloc(x.rows) }.map_err(driver)?;
+        self.k.argmax_rows(&mut ids, &x.buf, x.rows, x.cols).map_err(backend)?;
+        let ids = self.k.stream().clone_dtoh(&ids).map_err(driver)?;
+        self.k.stream().synchronize().map_err(driver)?;
+        // A row with no finite maximum (all NaN, say) keeps the kernel's
+        // sentinel: then the host sampler sees the logits and decides.
+        if ids.iter().any(|&i| i < 0 || i as usize >= x.cols) {
+            return Ok(None);
+        }
+        Ok(Some(ids.into_iter().map(|i| i as u32).collect()))
+    }
+
     fn reuse_host_buffer(&self, buffer: Vec<f32>) {
         let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
         if spare.len() < 2 {

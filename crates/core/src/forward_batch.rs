@@ -80,6 +80,12 @@ pub struct ForwardBatch {
     pub logits_indices: Vec<u32>,
     /// Block movements to apply first.
     pub block_ops: BlockOps,
+    /// Every logits row is a greedy sample that needs its argmax alone
+    /// ([`SamplingParams::argmax_suffices`](crate::SamplingParams::argmax_suffices)):
+    /// the executor may return [`StepOutput::argmax`](crate::StepOutput::argmax)
+    /// instead of the logits (a GPU then copies a token a row, not a row of
+    /// the vocabulary).
+    pub argmax_only: bool,
 }
 
 impl ForwardBatch {
@@ -193,6 +199,7 @@ mod tests {
             num_kv_groups: 1,
             logits_indices: vec![1, 2],
             block_ops: BlockOps::default(),
+            argmax_only: false,
         }
     }
 

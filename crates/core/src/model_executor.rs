@@ -6,10 +6,16 @@ use crate::{Error, ForwardBatch, KvCacheSize, KvMemory, Result};
 /// sampling.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepOutput {
-    /// Row-major `[logits_indices.len(), vocab_size]`.
+    /// Row-major `[logits_indices.len(), vocab_size]`; empty when `argmax`
+    /// is given.
     pub logits: Vec<f32>,
     /// Width of a row.
     pub vocab_size: usize,
+    /// Per row, its largest logit's token (the lowest id among equals),
+    /// computed where the logits are: only for a batch that is
+    /// [`ForwardBatch::argmax_only`], and only by a backend that does it;
+    /// empty otherwise.
+    pub argmax: Vec<u32>,
 }
 
 /// Runs a model's forward pass over a paged KV cache that it owns.

@@ -146,6 +146,24 @@ impl SamplingParams {
         self.temperature == 0.0 && self.beam_search.is_none()
     }
 
+    /// Whether a row's argmax is all the sampler needs of it: greedy, one
+    /// sequence, no logprobs of any kind, no penalties, bias, constraint or
+    /// minimum length. A step whose rows all say so may take the argmax
+    /// from the device instead of the logits
+    /// ([`ForwardBatch::argmax_only`](crate::ForwardBatch::argmax_only)).
+    pub fn argmax_suffices(&self) -> bool {
+        self.is_greedy()
+            && !self.needs_sampled_logprobs()
+            && self.prompt_logprobs.is_none()
+            && self.num_sequences() == 1
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+            && self.repetition_penalty == 1.0
+            && self.logit_bias.is_empty()
+            && self.structured_output.is_none()
+            && self.min_tokens == 0
+    }
+
     /// Whether the chosen tokens' log-probabilities are wanted: `logprobs`
     /// asked for (0 = the chosen token's alone), `best_of` ranking more
     /// samples than it returns, or a beam search. Otherwise the sampler

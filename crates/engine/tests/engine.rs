@@ -49,6 +49,9 @@ struct FakeModel {
     /// such as an allocation failure.
     error_at_step: Option<usize>,
     steps: usize,
+    /// Returns each row's argmax instead of the logits when a batch is
+    /// `argmax_only`, as the CUDA backend does, counting those steps here.
+    device_argmax: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
 }
 
 impl FakeModel {
@@ -63,6 +66,7 @@ impl FakeModel {
             panic_at_step: None,
             error_at_step: None,
             steps: 0,
+            device_argmax: None,
         }
     }
 }
@@ -123,7 +127,12 @@ impl ModelExecutor for FakeModel {
                 .collect();
             logits.extend(fake_logits(self.seed, self.vocab, &prefix));
         }
-        Ok(StepOutput { logits, vocab_size: self.vocab })
+        if let (Some(count), true) = (&self.device_argmax, b.argmax_only) {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let argmax = logits.chunks(self.vocab).map(argmax).collect();
+            return Ok(StepOutput { logits: Vec::new(), vocab_size: self.vocab, argmax });
+        }
+        Ok(StepOutput { logits, vocab_size: self.vocab, argmax: Vec::new() })
     }
 }
 
@@ -166,6 +175,35 @@ fn greedy_follows_the_model_and_temperature_zero_is_greedy() {
             seq.push(t);
         }
         assert_eq!(out.outputs[0].token_ids.len(), 12);
+    }
+}
+
+/// A backend that returns the argmax of `argmax_only` batches (the CUDA
+/// backend's greedy path) gives the same tokens as host sampling; a request
+/// that wants logprobs keeps its batches off that path.
+#[test]
+fn argmax_from_the_device_gives_the_host_samplers_greedy_tokens() {
+    let prompts: Vec<Vec<TokenId>> = (0..5).map(|i| (1..=(4 + 3 * i)).map(|t| (t % 40 + 1) as TokenId).collect()).collect();
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(10) };
+    let host = run(&mut engine(7, 50, 128, config()), &prompts, &params);
+    let device_engine = |count: &std::sync::Arc<std::sync::atomic::AtomicUsize>| {
+        let model = FakeModel { device_argmax: Some(count.clone()), ..FakeModel::new(7, 50) };
+        EngineCore::new(model, config(), 128, 64, 4, vec![EOS]).expect("engine")
+    };
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let device = run(&mut device_engine(&count), &prompts, &params);
+    assert!(count.load(std::sync::atomic::Ordering::Relaxed) > 0, "greedy batches took the device path");
+    for (h, d) in host.iter().zip(&device) {
+        assert_eq!(h.outputs[0].token_ids, d.outputs[0].token_ids);
+    }
+    // Logprobs wanted: the logits come back, and the logprobs with them.
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let with_logprobs = SamplingParams { logprobs: Some(2), ..params.clone() };
+    let out = run(&mut device_engine(&count), &prompts, &with_logprobs);
+    assert_eq!(count.load(std::sync::atomic::Ordering::Relaxed), 0);
+    for (h, o) in host.iter().zip(&out) {
+        assert_eq!(h.outputs[0].token_ids, o.outputs[0].token_ids);
+        assert_eq!(o.outputs[0].logprobs.len(), 10);
     }
 }
 

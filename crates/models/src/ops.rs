@@ -73,6 +73,12 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     fn take_host(&self, x: Self::Tensor) -> OpResult<Vec<f32>> {
         self.to_host(&x)
     }
+    /// Each row's argmax (the lowest id among equal maxima), computed where
+    /// `x` lives; `None` where the backend leaves it to the host sampler.
+    fn argmax_rows(&self, x: &Self::Tensor) -> OpResult<Option<Vec<u32>>> {
+        let _ = x;
+        Ok(None)
+    }
     /// Takes back a buffer [`take_host`](Self::take_host) returned (a
     /// step's logits, once sampled) to reuse for a later output of its size.
     fn reuse_host_buffer(&self, buffer: Vec<f32>) {

@@ -4,7 +4,8 @@
 //! execute(batch) ─ swap_blocks(out) ─ swap_blocks(in) ─ copy_blocks
 //!                ─ prepare_step(batch)            (per-step inputs, once)
 //!                ─ model.forward(ops, cache, step) (every layer's ops)
-//!                ─ take_host(logits)
+//!                ─ take_host(logits), or argmax_rows(logits) when the
+//!                  batch is argmax_only and the backend computes it
 //! ```
 
 use crate::ops::Ops;
@@ -138,7 +139,13 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         let step = ops.prepare_step(batch, *block_size)?;
         let model = &*self.model;
         let logits = ops.run_forward(|| model.forward(ops, cache, &step))?;
-        Ok(StepOutput { logits: ops.take_host(logits)?, vocab_size: model.config().vocab_size })
+        let vocab_size = model.config().vocab_size;
+        if batch.argmax_only {
+            if let Some(argmax) = ops.argmax_rows(&logits)? {
+                return Ok(StepOutput { logits: Vec::new(), vocab_size, argmax });
+            }
+        }
+        Ok(StepOutput { logits: ops.take_host(logits)?, vocab_size, argmax: Vec::new() })
     }
 
     fn recycle_logits(&mut self, logits: Vec<f32>) {

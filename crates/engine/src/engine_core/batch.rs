@@ -44,6 +44,8 @@ impl<E: ModelExecutor> EngineCore<E> {
             ..ForwardBatch::default()
         };
         b.query_start_loc.push(0);
+        // Cleared by the first row that needs more than its argmax.
+        b.argmax_only = true;
         let mut rows = Vec::new();
         let now = Instant::now();
         for (row, s) in out.scheduled.iter().enumerate() {
@@ -84,8 +86,10 @@ impl<E: ModelExecutor> EngineCore<E> {
             if s.samples {
                 b.logits_indices.push(b.token_ids.len() as u32 - 1);
                 rows.push(Row::Sample(s.request_id, s.seq_id));
+                b.argmax_only &= req.params.argmax_suffices() && seq.constraint.is_none();
             }
         }
+        b.argmax_only &= !rows.is_empty() && rows.iter().all(|r| matches!(r, Row::Sample(..)));
         (b, rows)
     }
 }

@@ -310,7 +310,11 @@ impl<E: ModelExecutor> EngineCore<E> {
             Err(e) => return Err(self.fail_step(&out, e)),
         };
         let t2 = Instant::now();
-        let (samples, draws) = self.sample(&result.logits, result.vocab_size, &rows, masks);
+        let (samples, draws) = if result.argmax.len() == rows.len() && batch.argmax_only {
+            self.sample_argmax(&result.argmax, &rows)
+        } else {
+            self.sample(&result.logits, result.vocab_size, &rows, masks)
+        };
         self.executor.recycle_logits(result.logits);
         let update = self.scheduler.update_from_output(&samples);
         let done = self.views.apply(&samples, &draws, &update);

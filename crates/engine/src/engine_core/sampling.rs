@@ -39,6 +39,28 @@ pub(super) fn structured_masks(seqs: &mut IdMap<SeqId, SeqView>, rows: &[Row]) -
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
+    /// [`EngineCore::sample`] for a batch that was `argmax_only`, from the
+    /// argmax the executor computed on the device: every row is a greedy
+    /// sample that needs nothing else (no logprobs: NaN, as the host path
+    /// leaves them when unasked).
+    pub(super) fn sample_argmax(&mut self, argmax: &[u32], rows: &[Row]) -> (StepSamples, IdMap<RequestId, Vec<Draw>>) {
+        let mut per_req: Vec<RequestSamples> = Vec::new();
+        let mut draws: IdMap<RequestId, Vec<Draw>> = IdMap::default();
+        for (&token, &use_) in argmax.iter().zip(rows) {
+            let Row::Sample(rid, sid) = use_ else { continue };
+            if !self.views.reqs.contains_key(&rid) {
+                continue;
+            }
+            draws.entry(rid).or_default().push(Draw { token, logprob: f32::NAN, top: None, index: None });
+            self.counters.generation_tokens += 1;
+            match per_req.last_mut() {
+                Some(last) if last.request_id == rid => last.next.push((sid, token)),
+                _ => per_req.push(RequestSamples::tokens(rid, vec![(sid, token)])),
+            }
+        }
+        (StepSamples { requests: per_req }, draws)
+    }
+
     /// Samples every row: the entries for the scheduler, and per request
     /// the draws behind them (same order).
     ///
