@@ -362,7 +362,8 @@ impl Ops for CudaOps {
 
     fn reuse_host_buffer(&self, buffer: Vec<f32>) {
         let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
-        if spare.len() < 2 {
+        // An argmax step hands back an empty buffer: nothing worth keeping.
+        if buffer.capacity() > 0 && spare.len() < 2 {
             spare.push(buffer);
         }
     }
@@ -419,6 +420,13 @@ impl AttentionBackend for CudaOps {
             max_blocks: None,
             device: Some(DeviceMemory { total_bytes: total, free_bytes: free, activation_peak_bytes: 0 }),
         }
+    }
+
+    fn attention_workspace_bytes(&self, num_tokens: usize, num_heads: usize, head_dim: usize, max_context: usize) -> u64 {
+        // v2's partial outputs and statistics for every partition of the
+        // longest context (launch.rs); v1 needs none.
+        let parts = max_context.div_ceil(crate::launch::PARTITION_SIZE) as u64;
+        num_tokens as u64 * num_heads as u64 * parts * (head_dim as u64 + 2) * 4
     }
 
     fn begin_memory_profile(&self) -> Option<u64> {

@@ -209,6 +209,15 @@ pub trait AttentionBackend {
         None
     }
 
+    /// Device memory an attention call may take beyond its output, at most,
+    /// for `num_tokens` queries of `num_heads` heads of `head_dim` over
+    /// contexts up to `max_context` (a split-context kernel's partial
+    /// results): what a profile run of short sequences does not see.
+    fn attention_workspace_bytes(&self, num_tokens: usize, num_heads: usize, head_dim: usize, max_context: usize) -> u64 {
+        let _ = (num_tokens, num_heads, head_dim, max_context);
+        0
+    }
+
     /// The most device memory in use since [`begin_memory_profile`]
     /// (after waiting for the device's queued work).
     ///

@@ -53,11 +53,13 @@ pub trait ModelExecutor {
 
     /// Memory profiling (thesis §4.2.1): runs a dummy forward pass of
     /// `num_tokens` prompt tokens spread over up to `num_seqs` sequences
-    /// (the step budget), so that [`ModelExecutor::kv_memory`] reports the
-    /// activation memory it took at its peak, and returns that peak. 0 where
-    /// the backend's memory is the host's (no run).
-    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, block_size: usize) -> Result<u64> {
-        let _ = (num_tokens, num_seqs, block_size);
+    /// (the step budget), every row's logits computed (a step of prompt
+    /// logprobs), so that [`ModelExecutor::kv_memory`] reports the
+    /// activation memory it took at its peak, plus the attention workspace
+    /// the backend needs for contexts of `max_model_len`, and returns that.
+    /// 0 where the backend's memory is the host's (no run).
+    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, max_model_len: usize, block_size: usize) -> Result<u64> {
+        let _ = (num_tokens, num_seqs, max_model_len, block_size);
         Ok(0)
     }
 
@@ -121,8 +123,8 @@ impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
         (**self).kv_memory(block_size)
     }
 
-    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, block_size: usize) -> Result<u64> {
-        (**self).profile_run(num_tokens, num_seqs, block_size)
+    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, max_model_len: usize, block_size: usize) -> Result<u64> {
+        (**self).profile_run(num_tokens, num_seqs, max_model_len, block_size)
     }
 
     fn num_kv_blocks(&self, size: KvCacheSize, block_size: usize) -> Result<usize> {

@@ -137,7 +137,7 @@ impl Llm {
         if let KvCacheSize::DeviceFraction(f) = args.kv_cache {
             // Memory profiling (thesis §4.2.1): the largest step's activations
             // come out of the same budget as the weights and the KV cache.
-            let peak = executor.profile_run(max_batched, scheduler.max_num_seqs, args.block_size)?;
+            let peak = executor.profile_run(max_batched, scheduler.max_num_seqs, max_model_len, args.block_size)?;
             tracing::info!(gpu_memory_utilization = f, tokens = max_batched, activation_peak_mib = peak >> 20, "profile run");
         }
         let num_blocks = executor.num_kv_blocks(args.kv_cache, args.block_size)?;

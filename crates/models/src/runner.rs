@@ -98,7 +98,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         memory
     }
 
-    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, block_size: usize) -> vellum_core::Result<u64> {
+    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, max_model_len: usize, block_size: usize) -> vellum_core::Result<u64> {
         // Within the model's positions; one sequence at least, a token each.
         let num_tokens = num_tokens.min(self.config().max_position_embeddings).max(1);
         let num_seqs = num_seqs.clamp(1, num_tokens);
@@ -111,10 +111,16 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
             return Ok(0);
         };
         let out = self.execute(&batch);
-        let peak = self.ops.memory_profile_peak();
+        // The dummy cache goes before the peak is read: the read waits for
+        // the device and hands the pool's free memory back, this cache's
+        // included, so that the free memory the KV cache is sized from does
+        // not count it (the high-water mark keeps what the run took).
         self.cache = None;
+        let peak = self.ops.memory_profile_peak();
         out?;
-        self.activation_peak = peak.unwrap_or(before).saturating_sub(before);
+        let c = self.config();
+        let workspace = self.ops.attention_workspace_bytes(num_tokens, c.num_attention_heads, c.head_dim, max_model_len);
+        self.activation_peak = peak.unwrap_or(before).saturating_sub(before) + workspace;
         Ok(self.activation_peak)
     }
 
@@ -155,21 +161,29 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
 
 /// The profile run's batch: `num_tokens` prompt tokens (id 0) in `num_seqs`
 /// sequences of equal length (the last takes the remainder), each in blocks
-/// of its own and asking for its last token's logits, as the largest
-/// prefill step the scheduler can form; every KV-cache group gets the same
-/// tables.
+/// of its own, the largest prefill step the scheduler can form; every
+/// token's logits are computed (the worst case: a step of prompt logprobs),
+/// and only their argmax comes back where the backend can do that; every
+/// KV-cache group gets the same tables.
 fn profile_batch(num_tokens: usize, num_seqs: usize, block_size: usize, groups: usize) -> ForwardBatch {
     let groups = groups.max(1);
     let per_seq = num_tokens / num_seqs;
     let lens: Vec<usize> = (0..num_seqs).map(|i| if i + 1 == num_seqs { num_tokens - per_seq * i } else { per_seq }).collect();
     let stride = lens.iter().map(|l| l.div_ceil(block_size)).max().unwrap_or(1);
-    let mut b = ForwardBatch { block_table_stride: stride, num_kv_groups: groups, query_start_loc: vec![0], ..ForwardBatch::default() };
+    let mut b = ForwardBatch {
+        block_table_stride: stride,
+        num_kv_groups: groups,
+        query_start_loc: vec![0],
+        argmax_only: true,
+        ..ForwardBatch::default()
+    };
     let (mut tables, mut slots, mut next_block) = (vec![0u32; num_seqs * stride], Vec::new(), 0u32);
     for (s, &len) in lens.iter().enumerate() {
         for blk in 0..len.div_ceil(block_size) {
             tables[s * stride + blk] = next_block + blk as u32;
         }
         for pos in 0..len {
+            b.logits_indices.push(b.token_ids.len() as u32);
             b.token_ids.push(0);
             b.positions.push(pos as u32);
             slots.push(next_block * block_size as u32 + pos as u32);
@@ -178,7 +192,6 @@ fn profile_batch(num_tokens: usize, num_seqs: usize, block_size: usize, groups: 
         let end = b.query_start_loc[s] + len as u32;
         b.query_start_loc.push(end);
         b.context_lens.push(len as u32);
-        b.logits_indices.push(end - 1);
     }
     for _ in 0..groups {
         b.slot_mapping.extend_from_slice(&slots);
@@ -205,7 +218,7 @@ mod tests {
                 let blk = (slot as usize) / bs;
                 assert!(b.block_tables[s * b.block_table_stride..(s + 1) * b.block_table_stride].contains(&(blk as u32)));
             }
-            assert_eq!(b.logits_indices.len(), seqs);
+            assert_eq!(b.logits_indices.len(), tokens, "every token's logits");
         }
     }
 }

@@ -48,7 +48,7 @@ impl<E: ModelExecutor> EngineCore<E> {
         let mut draws: IdMap<RequestId, Vec<Draw>> = IdMap::default();
         for (&token, &use_) in argmax.iter().zip(rows) {
             let Row::Sample(rid, sid) = use_ else { continue };
-            if !self.views.reqs.contains_key(&rid) {
+            if !self.views.reqs.contains_key(&rid) || !self.views.seqs.contains_key(&sid) {
                 continue;
             }
             draws.entry(rid).or_default().push(Draw { token, logprob: f32::NAN, top: None, index: None });

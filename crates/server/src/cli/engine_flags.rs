@@ -137,7 +137,11 @@ impl EngineFlags {
             device: self.device.parse::<Device>().map_err(|e| anyhow!("{e}"))?,
             cpu_precision: self.cpu_precision.parse::<CpuPrecision>().map_err(|e| anyhow!("{e}"))?,
             block_size: self.block_size,
-            kv_cache: kv_cache_size(self.kv_cache_memory.as_deref(), self.gpu_memory_utilization, &self.device)?,
+            kv_cache: kv_cache_size(
+                self.kv_cache_memory.as_deref(),
+                self.gpu_memory_utilization,
+                &self.device.parse::<Device>().map_err(|e| anyhow!("{e}"))?.to_string(),
+            )?,
             kv_cache_dtype: parse_kv_cache_dtype(&self.kv_cache_dtype)?,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             disable_hybrid_kv_cache_manager: self.disable_hybrid_kv_cache_manager,
