@@ -189,6 +189,12 @@ pub enum Elementwise<'a> {
     GeluTanhMul(&'a CudaSlice<f32>, &'a CudaSlice<f32>),
 }
 
+/// A configuration's module and the entry points looked up in it.
+struct Compiled {
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
+}
+
 /// The compiled kernels of one device, by configuration.
 pub struct Kernels {
     info: crate::device::DeviceInfo,
@@ -196,10 +202,10 @@ pub struct Kernels {
     stream: Arc<CudaStream>,
     arch: String,
     num_sms: usize,
-    modules: Mutex<HashMap<Variant, Arc<CudaModule>>>,
-    /// Entry points already looked up, so a launch costs no driver call
-    /// besides the launch itself.
-    functions: Mutex<HashMap<(Variant, String), CudaFunction>>,
+    /// Each configuration's module (compiled on first use) and the entry
+    /// points already looked up in it, so that a launch finds its function
+    /// without allocating or calling the driver.
+    modules: Mutex<HashMap<Variant, Compiled>>,
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32, smem: usize) -> LaunchConfig {
@@ -230,15 +236,7 @@ impl Kernels {
         // so no use of a buffer needs ordering against another stream.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        Ok(Self {
-            arch: info.arch(),
-            num_sms: info.num_sms.max(1) as usize,
-            info,
-            ctx,
-            stream,
-            modules: Mutex::new(HashMap::new()),
-            functions: Mutex::new(HashMap::new()),
-        })
+        Ok(Self { arch: info.arch(), num_sms: info.num_sms.max(1) as usize, info, ctx, stream, modules: Mutex::new(HashMap::new()) })
     }
 
     /// The device.
@@ -310,24 +308,20 @@ impl Kernels {
     /// Entry point `name` of `variant`, compiling and loading the module on
     /// first use.
     pub fn function(&self, variant: &Variant, name: &str) -> Result<CudaFunction, CudaError> {
-        let key = (variant.clone(), name.to_string());
-        if let Some(f) = self.functions.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
-            return Ok(f.clone());
-        }
-        let module = {
-            let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
-            match modules.get(variant) {
-                Some(m) => m.clone(),
-                None => {
-                    let ptx = nvrtc::compile(variant, &self.arch)?;
-                    let m = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
-                    modules.insert(variant.clone(), m.clone());
-                    m
-                }
+        let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        let compiled = match modules.get_mut(variant) {
+            Some(c) => c,
+            None => {
+                let ptx = nvrtc::compile(variant, &self.arch)?;
+                let module = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+                modules.entry(variant.clone()).or_insert(Compiled { module, functions: HashMap::new() })
             }
         };
-        let f = module.load_function(name)?;
-        self.functions.lock().unwrap_or_else(|p| p.into_inner()).insert(key, f.clone());
+        if let Some(f) = compiled.functions.get(name) {
+            return Ok(f.clone());
+        }
+        let f = compiled.module.load_function(name)?;
+        compiled.functions.insert(name.to_string(), f.clone());
         Ok(f)
     }
 

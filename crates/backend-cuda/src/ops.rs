@@ -336,8 +336,13 @@ impl Ops for CudaOps {
         let src = &pinned.as_slice().map_err(driver)?[..n];
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let mut out = spare.filter(|v| v.capacity() >= n).unwrap_or_else(|| Vec::with_capacity(n));
-        out.clear();
-        out.resize(n, 0.0);
+        // Every element is overwritten below: a recycled buffer of the
+        // step's size (the usual case) is not zeroed first.
+        if out.len() >= n {
+            out.truncate(n);
+        } else {
+            out.resize(n, 0.0);
+        }
         copy_in_parallel(&mut out, src);
         Ok(out)
     }

@@ -74,6 +74,7 @@ impl<E: ModelExecutor> EngineCore<E> {
                 for p in start..end.min(num_prompt - 1) {
                     b.logits_indices.push((first_row + p - start) as u32);
                     rows.push(Row::PromptLogprob(s.request_id, p + 1));
+                    b.argmax_only = false;
                 }
             }
             self.counters.prompt_tokens += end.min(num_prompt).saturating_sub(start) as u64;
@@ -89,7 +90,7 @@ impl<E: ModelExecutor> EngineCore<E> {
                 b.argmax_only &= req.params.argmax_suffices() && seq.constraint.is_none();
             }
         }
-        b.argmax_only &= !rows.is_empty() && rows.iter().all(|r| matches!(r, Row::Sample(..)));
+        b.argmax_only &= !rows.is_empty();
         (b, rows)
     }
 }
