@@ -64,6 +64,23 @@ impl<K: Copy + Eq + Hash, V> IdSlab<K, V> {
         self.slots[slot].as_mut().map(|(_, v)| v)
     }
 
+    /// The slot of `key`: its value's address in the slab while the key
+    /// stays live (a slot is reused once its key is removed, so a holder of
+    /// a slot checks the key it finds there: [`IdSlab::get_slot`]).
+    pub fn slot_of(&self, key: &K) -> Option<u32> {
+        self.index.get(key).copied()
+    }
+
+    /// The key and value in `slot`, if one is live there: an index, no probe.
+    pub fn get_slot(&self, slot: u32) -> Option<(&K, &V)> {
+        self.slots.get(slot as usize)?.as_ref().map(|(k, v)| (k, v))
+    }
+
+    /// The key and value in `slot`, the value mutably.
+    pub fn get_slot_mut(&mut self, slot: u32) -> Option<(&K, &mut V)> {
+        self.slots.get_mut(slot as usize)?.as_mut().map(|(k, v)| (&*k, v))
+    }
+
     /// Inserts `value` under `key`; returns the value it replaces.
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
         if let Some(slot) = self.slot(&key) {
@@ -168,6 +185,11 @@ mod tests {
         let mut all: Vec<(u64, String)> = s.iter().map(|(k, v)| (k.0, v.clone())).collect();
         all.sort();
         assert_eq!(all, [(3, "d".to_string()), (9, "b!".to_string())]);
+        let slot = s.slot_of(&RequestId(3)).unwrap();
+        assert_eq!(s.get_slot(slot), Some((&RequestId(3), &"d".to_string())));
+        s.get_slot_mut(slot).unwrap().1.push('?');
+        assert_eq!(s[&RequestId(3)], "d?");
+        assert!(s.slot_of(&RequestId(42)).is_none() && s.get_slot(99).is_none());
         s.prefetch(&RequestId(3));
         s.prefetch(&RequestId(42));
         assert_eq!(s.remove(&RequestId(42)), None);

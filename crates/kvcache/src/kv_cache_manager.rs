@@ -83,6 +83,11 @@ impl KvCacheManagerConfig {
 struct SeqBlocks {
     /// Groups interleaved: entry `i·G + g` is logical block `i` of group `g`.
     block_table: Vec<BlockId>,
+    /// A copy of the table's last entry ([`BlockId::NULL`] while it is
+    /// empty): a decode step that writes into the last block reads this
+    /// instead of the table, whose allocation lies elsewhere in the heap
+    /// (a cache miss per running sequence per step: docs/benchmarks.md).
+    tail: BlockId,
     /// Chained hashes of the leading full logical blocks (may lag the table).
     block_hashes: Vec<BlockHash>,
     /// Tokens with a reserved slot.
@@ -201,11 +206,18 @@ impl KvCacheManager {
                 pool.set_num_filled(b, filled);
             }
         }
+        s.tail = s.block_table.last().copied().unwrap_or(BlockId::NULL);
         s.num_tokens = s.num_tokens.max(total);
         s.hint = seq.hint;
-        // Register blocks that this step fills completely and whose tokens
-        // are all known (under asynchronous scheduling the last sampled token
-        // may still be in flight; its block is registered on a later call).
+        Self::register_full_blocks(g, pool, s, seq, total);
+    }
+
+    /// Registers in the prefix cache the blocks that a step up to `total`
+    /// tokens fills completely and whose tokens are all known (under
+    /// asynchronous scheduling the last sampled token may still be in
+    /// flight; its block is registered on a later call).
+    fn register_full_blocks(g: Geometry<'_>, pool: &mut BlockPool, s: &mut SeqBlocks, seq: &SeqTokens<'_>, total: usize) {
+        let (bs, groups) = (g.block_size, g.windows.len());
         if g.enable_prefix_caching {
             let num_full = total.min(seq.token_ids.len()) / bs;
             while s.block_hashes.len() < num_full {
@@ -271,6 +283,7 @@ impl KvCacheManager {
         let mut refs = vec![0u32; self.pool.num_blocks()];
         for (id, s) in &self.seqs {
             assert_eq!(s.block_table.len(), self.entries_for(s.num_tokens), "{id}: table length vs tokens");
+            assert_eq!(s.tail, s.block_table.last().copied().unwrap_or(BlockId::NULL), "{id}: tail vs the table's last entry");
             assert!(s.block_hashes.len() * self.windows.len() <= s.block_table.len(), "{id}: more hashes than blocks");
             for b in s.block_table.iter().filter(|b| !b.is_null()) {
                 refs[b.index()] += 1;
@@ -379,6 +392,27 @@ impl BlockAllocator for KvCacheManager {
         let geo = Geometry { block_size: bs, windows: &self.windows, enable_prefix_caching: self.enable_prefix_caching };
         if let Some(s) = self.seqs.get_mut(&seq.seq_id) {
             assert!(computed.block_ids.is_empty(), "{}: computed blocks are only for a new sequence", seq.seq_id);
+            // Most decode steps: one group without a window, the slots lie in
+            // the last block, and no other table holds it. Only `tail` and
+            // that block's metadata are read: the same result as below
+            // (nothing to copy, slide or append) without loading the table.
+            let num_entries = s.block_table.len();
+            if groups == 1
+                && self.windows[0].is_none()
+                && num_new_tokens > 0
+                && write_block_idx + 1 == num_entries
+                && total <= num_entries * bs
+                && self.pool.ref_cnt(s.tail) == 1
+            {
+                let filled = total - write_block_idx * bs;
+                if filled > self.pool.num_filled(s.tail) {
+                    self.pool.set_num_filled(s.tail, filled);
+                }
+                s.num_tokens = s.num_tokens.max(total);
+                s.hint = seq.hint;
+                Self::register_full_blocks(geo, &mut self.pool, s, seq, total);
+                return Some(AllocatedSlots { first_changed_block_idx: num_entries, num_blocks: num_entries });
+            }
             // Copy-on-write: the first slot written lies in blocks held by
             // others (entries of the written logical block, one per group).
             let write_entries = if num_new_tokens == 0 {
@@ -449,7 +483,7 @@ impl BlockAllocator for KvCacheManager {
         }
         self.prefix_cache_queries += seq.num_prompt_tokens as u64;
         self.prefix_cache_hits += computed.num_computed_tokens.min(seq.num_prompt_tokens) as u64;
-        let mut s = SeqBlocks { block_table, block_hashes, num_tokens: computed.num_computed_tokens, hint: seq.hint };
+        let mut s = SeqBlocks { block_table, tail: BlockId::NULL, block_hashes, num_tokens: computed.num_computed_tokens, hint: seq.hint };
         Self::grow(geo, &mut self.pool, &mut s, seq, total, num_new_blocks);
         let num_blocks = s.block_table.len();
         self.seqs.insert(seq.seq_id, s);
@@ -498,6 +532,7 @@ impl BlockAllocator for KvCacheManager {
             self.pool.release(b);
         }
         s.block_table.truncate(keep * groups);
+        s.tail = s.block_table.last().copied().unwrap_or(BlockId::NULL);
         s.num_tokens = num_computed_tokens;
         if keep > 0 {
             for &last in s.block_table[(keep - 1) * groups..].iter().filter(|b| !b.is_null()) {
@@ -560,7 +595,8 @@ impl BlockAllocator for KvCacheManager {
                     self.pool.recache_block(b, group_block_hash(s.block_hashes[j / groups], j % groups));
                 }
             }
-            self.seqs.insert(*id, SeqBlocks { block_table, block_hashes: s.block_hashes, num_tokens: s.num_tokens, hint: s.hint });
+            let tail = block_table.last().copied().unwrap_or(BlockId::NULL);
+            self.seqs.insert(*id, SeqBlocks { block_table, tail, block_hashes: s.block_hashes, num_tokens: s.num_tokens, hint: s.hint });
         }
         Some(swaps)
     }

@@ -28,11 +28,13 @@
 
 mod policies;
 mod preemption;
+mod running;
 mod update;
 
 use crate::error::Error;
 use crate::request::{FinishReason, HotParams, Request, RequestStatus, Sequence};
 use crate::scheduler_output::ScheduledSeq;
+use running::RunningQueue;
 use std::collections::{BTreeMap, VecDeque};
 use vellum_core::{BlockAllocator, IdSlab, RequestId, RequestState, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId};
 
@@ -72,19 +74,21 @@ pub struct Scheduler<A: BlockAllocator> {
     requests: IdSlab<RequestId, Request>,
     waiting: BTreeMap<QueueKey, RequestId>,
     staging: Vec<RequestId>,
-    /// Running requests in queue order.
-    running: BTreeMap<QueueKey, RequestId>,
+    /// Running requests in queue order, with their slots in `requests`.
+    running: RunningQueue,
     swapped: BTreeMap<QueueKey, RequestId>,
     finished: Vec<Request>,
     /// Whether finished requests are kept for `take_finished_requests`.
     keep_finished: bool,
     finished_since_output: Vec<(RequestId, FinishReason)>,
-    in_flight: VecDeque<Vec<ScheduledSeq>>,
+    /// Steps in flight: each scheduled sequence with its request's slot.
+    in_flight: VecDeque<Vec<(ScheduledSeq, u32)>>,
     /// Buffers of applied steps, reused for the next in-flight records.
-    spare_records: Vec<Vec<ScheduledSeq>>,
+    spare_records: Vec<Vec<(ScheduledSeq, u32)>>,
+    /// The request slot of each entry of the step's `scheduled` list.
+    step_slots: Vec<u32>,
     /// Per-step scratch space, kept to reuse its allocation.
-    scratch_ids: Vec<RequestId>,
-    scratch_order: Vec<(usize, QueueKey, RequestId)>,
+    scratch_order: Vec<(usize, QueueKey, u32)>,
     next_arrival: u64,
     next_seq_id: u64,
     /// Id of the next `schedule()` call (marks requests scheduled in it).
@@ -102,14 +106,14 @@ impl<A: BlockAllocator> Scheduler<A> {
             requests: IdSlab::default(),
             waiting: BTreeMap::new(),
             staging: Vec::new(),
-            running: BTreeMap::new(),
+            running: RunningQueue::default(),
             swapped: BTreeMap::new(),
             finished: Vec::new(),
             keep_finished: true,
             finished_since_output: Vec::new(),
             in_flight: VecDeque::new(),
             spare_records: Vec::new(),
-            scratch_ids: Vec::new(),
+            step_slots: Vec::new(),
             scratch_order: Vec::new(),
             next_arrival: 0,
             next_seq_id: 0,
@@ -187,6 +191,12 @@ impl<A: BlockAllocator> Scheduler<A> {
     fn queue_key(&self, req: &Request) -> QueueKey {
         let prio = if self.config.policy == SchedulingPolicy::Priority { req.priority } else { 0 };
         (prio, req.arrival_order)
+    }
+
+    /// The request whose record lies in `slot` (named by a running-queue
+    /// entry): an index into the slab, no hash probe.
+    fn request_at(&self, slot: u32) -> &Request {
+        self.requests.get_slot(slot).expect("a running request's slot is live").1
     }
 
     fn new_seq_id(&mut self) -> SeqId {
@@ -370,7 +380,9 @@ impl<A: BlockAllocator> Scheduler<A> {
         for (id, req) in &self.requests {
             match req.status {
                 RequestStatus::Running => {
-                    assert_eq!(self.running.get(&self.queue_key(req)), Some(id), "{id} running but not in the running queue");
+                    assert_eq!(self.running.get(&self.queue_key(req)), Some(*id), "{id} running but not in the running queue");
+                    let slot = self.running.iter().find(|e| e.2 == *id).map(|e| e.1);
+                    assert_eq!(slot, self.requests.slot_of(id), "{id}: the running queue names another slot");
                     for s in req.running_seqs() {
                         let held = self.allocator.block_table(s.seq_id).map_or(0, |t| t.len());
                         let implied = groups * s.num_scheduled_tokens().div_ceil(bs);

@@ -42,12 +42,14 @@ pub(super) struct StepState {
 impl<A: BlockAllocator> Scheduler<A> {
     /// Decides the next step.
     pub fn schedule(&mut self) -> SchedulerOutput {
+        self.running.compact();
         let mut out = SchedulerOutput {
             // Room for every running request's first sequence: no regrowth mid-step.
             scheduled: Vec::with_capacity(self.running.len() + 1),
             finished_requests: std::mem::take(&mut self.finished_since_output),
             ..Default::default()
         };
+        self.step_slots.clear();
         let mut step =
             StepState { budget: self.config.max_num_batched_tokens, step_id: self.next_step_id, preempted: false, num_running_seqs: None };
         match self.config.policy {
@@ -58,8 +60,10 @@ impl<A: BlockAllocator> Scheduler<A> {
         // The in-flight record reuses the buffer of an applied step: a step
         // allocates nothing it frees again (freeing ~100 KB a step made the
         // allocator give pages back and fault them in again, 14% of a step).
+        debug_assert_eq!(self.step_slots.len(), out.scheduled.len());
         let mut record = self.spare_records.pop().unwrap_or_default();
-        record.clone_from(&out.scheduled);
+        record.clear();
+        record.extend(out.scheduled.iter().copied().zip(self.step_slots.iter().copied()));
         self.in_flight.push_back(record);
         self.next_step_id += 1;
         out
@@ -68,16 +72,15 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// FCFS and priority (thesis Algorithm 1): running requests in queue
     /// order, then swapped-out groups, then waiting requests.
     fn schedule_in_order(&mut self, step: &mut StepState, out: &mut SchedulerOutput) {
-        let mut order = std::mem::take(&mut self.scratch_ids);
-        order.clear();
-        order.extend(self.running.values().copied());
-        for &id in &order {
+        // Preemption only marks entries, so positions hold during the walk.
+        for i in 0..self.running.positions() {
             if step.budget == 0 {
                 break;
             }
-            self.schedule_running(id, Victims::LaterArrivals, step, out);
+            if self.running.at(i).id.is_some() {
+                self.schedule_running(self.running.at(i).slot, Victims::LaterArrivals, step, out);
+            }
         }
-        self.scratch_ids = order;
         self.admit_swapped(step, out);
         while step.budget > 0 && self.swapped.is_empty() && !step.preempted {
             let Some((_, &id)) = self.waiting.first_key_value() else { break };
@@ -99,7 +102,7 @@ impl<A: BlockAllocator> Scheduler<A> {
         }
         let mut order = std::mem::take(&mut self.scratch_order);
         order.clear();
-        order.extend(self.running.iter().map(|(key, id)| (self.requests[id].num_schedulable_tokens(), *key, *id)));
+        order.extend(self.running.iter().map(|(key, slot, _)| (self.request_at(slot).num_schedulable_tokens(), key, slot)));
         // Decode steps keep the order of the last step: a sorted check is
         // one pass, a sort only where lengths changed.
         if !order.is_sorted() {
@@ -143,7 +146,7 @@ impl<A: BlockAllocator> Scheduler<A> {
 
     /// Sequence slots held by running requests (counted once per step).
     fn num_running_seqs(&self, step: &mut StepState) -> usize {
-        *step.num_running_seqs.get_or_insert_with(|| self.running.values().map(|id| self.requests[id].num_seq_slots()).sum())
+        *step.num_running_seqs.get_or_insert_with(|| self.running.iter().map(|(_, slot, _)| self.request_at(slot).num_seq_slots()).sum())
     }
 
     /// Remaining tokens of a staged request after its prefix-cache hit.
@@ -180,22 +183,23 @@ impl<A: BlockAllocator> Scheduler<A> {
             for s in &mut req.seqs {
                 s.num_synced_blocks = 0;
             }
-            self.running.insert(key, id);
+            let slot = self.requests.slot_of(&id).expect("swapped request is live");
+            self.running.insert(key, slot, id);
             step.num_running_seqs = Some(num_running_seqs + n_seqs);
             out.resumed_requests.push(id);
-            self.schedule_running(id, Victims::Itself, step, out);
+            self.schedule_running(slot, Victims::Itself, step, out);
         }
     }
 
-    /// Schedules a running request, preempting (as `victims` allows) while
-    /// there is no room.
-    fn schedule_running(&mut self, id: RequestId, victims: Victims, step: &mut StepState, out: &mut SchedulerOutput) {
-        match self.requests.get(&id) {
-            Some(r) if r.status == RequestStatus::Running && r.scheduled_step != step.step_id => {}
+    /// Schedules the running request in `slot`, preempting (as `victims`
+    /// allows) while there is no room.
+    fn schedule_running(&mut self, slot: u32, victims: Victims, step: &mut StepState, out: &mut SchedulerOutput) {
+        let id = match self.requests.get_slot(slot) {
+            Some((id, r)) if r.status == RequestStatus::Running && r.scheduled_step != step.step_id => *id,
             _ => return,
-        }
+        };
         loop {
-            match self.try_schedule(id, step, out) {
+            match self.try_schedule(slot, step, out) {
                 Attempt::Scheduled | Attempt::Idle => return,
                 Attempt::NoBudget => {
                     self.trim_to_scheduled(id);
@@ -207,17 +211,15 @@ impl<A: BlockAllocator> Scheduler<A> {
                     // count as scheduled).
                     let victim = match victims {
                         Victims::Itself => None,
-                        Victims::LaterArrivals => self
-                            .running
-                            .values()
-                            .rev()
-                            .copied()
-                            .find(|v| *v != id && self.requests[v].scheduled_step != step.step_id && !self.requests[v].has_in_flight()),
+                        Victims::LaterArrivals => self.running.iter().rev().map(|(_, s, v)| (s, v)).find(|&(s, v)| {
+                            let r = self.request_at(s);
+                            v != id && r.scheduled_step != step.step_id && !r.has_in_flight()
+                        }),
                     };
                     match victim {
-                        Some(v) => self.preempt(v, step, out),
+                        Some((_, v)) => self.preempt(v, step, out),
                         None => {
-                            if !self.requests[&id].has_in_flight() {
+                            if !self.request_at(slot).has_in_flight() {
                                 self.preempt(id, step, out);
                             }
                             return;
@@ -232,12 +234,13 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// failure it stays waiting and holds nothing.
     fn admit(&mut self, id: RequestId, step: &mut StepState, out: &mut SchedulerOutput) -> Attempt {
         let num_running_seqs = self.num_running_seqs(step);
-        let n_seqs = self.requests[&id].num_seq_slots();
+        let slot = self.requests.slot_of(&id).expect("waiting request is live");
+        let n_seqs = self.request_at(slot).num_seq_slots();
         if num_running_seqs + n_seqs > self.config.max_num_seqs {
             return Attempt::NoBudget;
         }
-        let attempt = self.try_schedule(id, step, out);
-        let req = self.requests.get_mut(&id).expect("waiting request is live");
+        let attempt = self.try_schedule(slot, step, out);
+        let req = self.requests.get_slot_mut(slot).expect("waiting request is live").1;
         if matches!(attempt, Attempt::Scheduled) {
             let key = (if self.config.policy == SchedulingPolicy::Priority { req.priority } else { 0 }, req.arrival_order);
             self.waiting.remove(&key);
@@ -247,7 +250,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             } else {
                 out.resumed_requests.push(id)
             }
-            self.running.insert(key, id);
+            self.running.insert(key, slot, id);
             step.num_running_seqs = Some(num_running_seqs + n_seqs);
         } else {
             // Roll back any partial allocation.
@@ -262,12 +265,13 @@ impl<A: BlockAllocator> Scheduler<A> {
         attempt
     }
 
-    /// Gives every running sequence of `id` its Δ, gang style: a group with
-    /// several sequences runs all of them in full or not at all.
-    fn try_schedule(&mut self, id: RequestId, step: &mut StepState, out: &mut SchedulerOutput) -> Attempt {
+    /// Gives every running sequence of the request in `slot` its Δ, gang
+    /// style: a group with several sequences runs all of them in full or
+    /// not at all.
+    fn try_schedule(&mut self, slot: u32, step: &mut StepState, out: &mut SchedulerOutput) -> Attempt {
         let threshold = self.config.long_prefill_token_threshold;
         let chunked = self.config.enable_chunked_prefill;
-        let req = self.requests.get_mut(&id).expect("scheduled request is live");
+        let (&id, req) = self.requests.get_slot_mut(slot).expect("scheduled request is live");
         if req.has_in_flight() && req.next_sample_reshapes() {
             return Attempt::Idle;
         }
@@ -324,6 +328,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             }
             if delta == 0 || (delta < remaining && !chunked) {
                 out.scheduled.truncate(mark);
+                self.step_slots.truncate(mark);
                 return Attempt::NoBudget;
             }
             // A sequence holding nothing gets slots from its prefix hit on; one
@@ -338,6 +343,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             };
             let Some(slots) = self.allocator.allocate_slots(&st, start + delta - alloc_from, computed) else {
                 out.scheduled.truncate(mark);
+                self.step_slots.truncate(mark);
                 return Attempt::NoRoom;
             };
             if hit > 0 {
@@ -360,6 +366,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                 num_computed_tokens: start,
                 samples: delta == remaining,
             });
+            self.step_slots.push(slot);
             budget -= delta;
         }
         if out.scheduled.len() == mark {

@@ -15,8 +15,13 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// out to be dropped). Returns what changed ([`StepUpdate`]).
     pub fn update_from_output(&mut self, samples: &StepSamples) -> StepUpdate {
         let scheduled = self.in_flight.pop_front().expect("update_from_output without a scheduled step");
-        for s in &scheduled {
-            let Some(req) = self.requests.get_mut(&s.request_id) else { continue };
+        for (s, slot) in &scheduled {
+            // The slot named the request when the step was scheduled; one
+            // that ended since may have left it to another.
+            let Some((&id, req)) = self.requests.get_slot_mut(*slot) else { continue };
+            if id != s.request_id {
+                continue;
+            }
             let Some(seq) = req.seqs.iter_mut().find(|q| q.seq_id == s.seq_id) else { continue };
             seq.num_in_flight_tokens -= s.num_scheduled_tokens;
             seq.num_in_flight_samples -= s.samples as usize;
