@@ -6,6 +6,9 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+#[cfg(target_arch = "x86_64")]
+mod wide;
+
 /// Positions per online-softmax tile.
 const TILE: usize = 64;
 
@@ -26,6 +29,11 @@ pub(super) struct Shape {
     pub(super) scale: f32,
     /// Soft-cap of the scores (`cap · tanh(s / cap)`), if any.
     pub(super) softcap: Option<f32>,
+    /// The SIMD tile computes its scores and values on AVX-512 a query
+    /// group at a time (`kernel/wide.rs`; the same bits): set where the CPU
+    /// kernel is [`Kernel::Avx512Vnni`](crate::quant::Kernel) and a group
+    /// has several heads.
+    pub(super) wide_tile: bool,
 }
 
 impl Shape {
@@ -35,7 +43,9 @@ impl Shape {
             "{what}: num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}"
         );
         assert!(head_dim > 0, "{what}: head_dim is 0");
-        Self { num_heads, num_kv_heads, head_dim, group: num_heads / num_kv_heads, scale: 1.0 / (head_dim as f32).sqrt(), softcap: None }
+        let group = num_heads / num_kv_heads;
+        let wide_tile = cfg!(target_arch = "x86_64") && group > 1 && crate::quant::Kernel::detect() == crate::quant::Kernel::Avx512Vnni;
+        Self { num_heads, num_kv_heads, head_dim, group, scale: 1.0 / (head_dim as f32).sqrt(), softcap: None, wide_tile }
     }
 
     /// Floats per token in the K/V layout.
@@ -125,8 +135,22 @@ pub(super) struct Rows<'a, T> {
     pub(super) head_off: usize,
 }
 
+/// How an element type of the KV pools becomes `f32` in a register.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum ElemKind {
+    /// Read as is.
+    F32,
+    /// `vcvtph2ps`.
+    F16,
+    /// A 16-bit shift into the high half.
+    Bf16,
+}
+
 /// An element type of the KV pools, read by the kernel as `f32`.
 pub(super) trait KvElem: Copy + Send + Sync {
+    /// Which type it is (the AVX-512 scores widen by hand).
+    const KIND: ElemKind;
+
     /// The slice itself when the elements already are `f32`: the kernel then
     /// reads the pools in place. `None` for `f16`/`bf16`, which the kernel
     /// widens tile by tile into scratch.
@@ -154,6 +178,7 @@ pub(super) trait KvElem: Copy + Send + Sync {
 }
 
 impl KvElem for f32 {
+    const KIND: ElemKind = ElemKind::F32;
     const CHEAP_WIDEN: bool = true;
 
     #[inline(always)]
@@ -182,6 +207,7 @@ impl KvElem for f32 {
 }
 
 impl KvElem for f16 {
+    const KIND: ElemKind = ElemKind::F16;
     const CHEAP_WIDEN: bool = false;
 
     #[inline(always)]
@@ -241,6 +267,7 @@ unsafe fn widen16_f16c(src: &[f16]) -> [f32; LANES] {
 }
 
 impl KvElem for bf16 {
+    const KIND: ElemKind = ElemKind::Bf16;
     const CHEAP_WIDEN: bool = true;
 
     #[inline(always)]
@@ -464,25 +491,35 @@ unsafe fn attend_tile<T: KvElem, const FMA: bool>(
     // head: a shift is cheaper than the round trip through the buffer).
     let mut k_buf = [0.0f32; MAX_WIDENED_HEAD_DIM];
     let widen_once = !T::CHEAP_WIDEN && hd <= MAX_WIDENED_HEAD_DIM && shape.group > 1;
-    for_each_row!(runs, rows.row_stride, |j, base| {
-        prefetch(&rows.v[base..base + row_len]);
-        for (kv, q_kv) in q.chunks_exact(group_len).enumerate() {
-            let k_row = &rows.k[base + kv * hd..base + (kv + 1) * hd];
-            if widen_once {
-                // SAFETY: forwarded from this function's contract.
-                unsafe { widen_row(k_row, &mut k_buf[..hd]) };
+    let wide = cfg!(target_arch = "x86_64") && FMA && shape.wide_tile;
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        // SAFETY: wide_tile is set only where the CPU kernel is Avx512Vnni
+        // (AVX-512F/BW/VL present); FMA only on the SIMD path (AVX2, FMA,
+        // F16C).
+        unsafe { wide::tile_scores(q, rows, runs, shape, scores) };
+    }
+    if !wide {
+        for_each_row!(runs, rows.row_stride, |j, base| {
+            prefetch(&rows.v[base..base + row_len]);
+            for (kv, q_kv) in q.chunks_exact(group_len).enumerate() {
+                let k_row = &rows.k[base + kv * hd..base + (kv + 1) * hd];
+                if widen_once {
+                    // SAFETY: forwarded from this function's contract.
+                    unsafe { widen_row(k_row, &mut k_buf[..hd]) };
+                }
+                for (g, q_h) in q_kv.chunks_exact(hd).enumerate() {
+                    // SAFETY: forwarded from this function's contract.
+                    let s = scale
+                        * if widen_once { unsafe { dot::<f32, FMA>(q_h, &k_buf[..hd]) } } else { unsafe { dot::<T, FMA>(q_h, k_row) } };
+                    scores[(kv * shape.group + g) * TILE + j] = match shape.softcap {
+                        Some(cap) => cap * (s / cap).tanh(),
+                        None => s,
+                    };
+                }
             }
-            for (g, q_h) in q_kv.chunks_exact(hd).enumerate() {
-                // SAFETY: forwarded from this function's contract.
-                let s =
-                    scale * if widen_once { unsafe { dot::<f32, FMA>(q_h, &k_buf[..hd]) } } else { unsafe { dot::<T, FMA>(q_h, k_row) } };
-                scores[(kv * shape.group + g) * TILE + j] = match shape.softcap {
-                    Some(cap) => cap * (s / cap).tanh(),
-                    None => s,
-                };
-            }
-        }
-    });
+        });
+    }
 
     // 2. Online softmax: rescale the running state to the new max.
     for g in 0..m.len() {
@@ -501,6 +538,12 @@ unsafe fn attend_tile<T: KvElem, const FMA: bool>(
     //    query heads of a group share their kv head's value rows: each
     //    16-value chunk of a row is loaded (and widened) once for up to
     //    four heads at a time.
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        // SAFETY: as for tile_scores above.
+        unsafe { wide::tile_values(out, scores, rows, runs, shape) };
+        return;
+    }
     if shape.group > 1 {
         for kv in 0..out.len() / group_len {
             for h in (0..shape.group).step_by(4) {

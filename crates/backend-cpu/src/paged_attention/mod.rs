@@ -52,6 +52,10 @@
 //! compiled a second time for them (`attend_group_simd`, picked at run time),
 //! and `f16`/`bf16` pools are widened sixteen values at a time in registers
 //! inside the tile; the baseline build widens each tile into scratch first.
+//! Where the CPU kernel is AVX-512 VNNI and a query group has several heads,
+//! the tile's score and value loops run on 512-bit registers, each key and
+//! value chunk loaded once for up to four heads (`kernel/wide.rs`): the
+//! same operations per element in the same order, so the same bits.
 //!
 //! `contiguous_attention` (feature `reference`) is the same kernel over
 //! per-sequence contiguous K/V: a reference for the tests and the baseline
