@@ -7,7 +7,9 @@
 //! each case reads off two adjacent lines. Two cases also run with the cache
 //! stored as f16 and bf16 (`decode/paged_{f16,bf16}/…`; same data, rounded),
 //! the kernel widening each tile to f32. Gemma 3 270M's shape (4 query
-//! heads sharing one kv head of 256) runs as `decode/gemma3_{f32,f16}/…`.
+//! heads sharing one kv head of 256) runs as `decode/gemma3_{f32,f16}/…`,
+//! and over 18 layers' caches in turn (read from memory, as in a model's
+//! step) as `decode/gemma3_f16_18_layers/…`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
@@ -142,6 +144,19 @@ fn decode(c: &mut Criterion) {
             });
         }
     }
+    // Gemma 3's 18 layers in turn, each with its own cache (227 MB of f16
+    // K/V in all, more than the caches): each call reads its rows from
+    // memory, as a model's decode step does.
+    let layers: Vec<DecodeCase> = (0..18).map(|_| DecodeCase::new(192, 64, KvCacheDtype::F16, GEMMA3)).collect();
+    group.throughput(Throughput::Bytes((18 * 2 * 64 * 192 * GEMMA3.1 * GEMMA3.2 * 2) as u64));
+    let mut out = vec![0.0f32; layers[0].q.len()];
+    group.bench_function(BenchmarkId::new("gemma3_f16_18_layers", "ctx192_b64"), |b| {
+        b.iter(|| {
+            for layer in &layers {
+                layer.paged(black_box(&mut out));
+            }
+        });
+    });
     group.finish();
 }
 
