@@ -87,6 +87,8 @@ struct SeqBlocks {
     /// empty): a decode step that writes into the last block reads this
     /// instead of the table, whose allocation lies elsewhere in the heap
     /// (a cache miss per running sequence per step: docs/benchmarks.md).
+    /// The table is still read once per block, when a write fills it and
+    /// prefix caching registers it.
     tail: BlockId,
     /// Chained hashes of the leading full logical blocks (may lag the table).
     block_hashes: Vec<BlockHash>,
@@ -394,8 +396,9 @@ impl BlockAllocator for KvCacheManager {
             assert!(computed.block_ids.is_empty(), "{}: computed blocks are only for a new sequence", seq.seq_id);
             // Most decode steps: one group without a window, the slots lie in
             // the last block, and no other table holds it. Only `tail` and
-            // that block's metadata are read: the same result as below
-            // (nothing to copy, slide or append) without loading the table.
+            // that block's metadata are read (the table too when the write
+            // fills the block and it is registered): the same result as
+            // below, where there is nothing to copy, slide or append.
             let num_entries = s.block_table.len();
             if groups == 1
                 && self.windows[0].is_none()

@@ -569,3 +569,44 @@ proptest! {
         }
     }
 }
+
+/// In-flight steps name their requests by slot: a request aborted while its
+/// step is in flight leaves its slot to a newcomer (and its id is reused
+/// too), and applying the old steps touches neither.
+#[test]
+fn an_in_flight_step_survives_an_abort_whose_slot_and_id_are_reused() {
+    let mut s = sched(64, 4, cfg(512));
+    add(&mut s, 0, prompt(8, 0), 10);
+    add(&mut s, 1, prompt(8, 1), 10);
+    let first = s.schedule();
+    assert!(s.abort(RequestId(1)));
+    add(&mut s, 7, prompt(6, 7), 10);
+    let second = s.schedule();
+    add(&mut s, 1, prompt(5, 3), 10);
+    let third = s.schedule();
+    s.assert_invariants();
+    let before = counters(&s, 1);
+    for out in [&first, &second, &third] {
+        // Samples for the sequences that still exist, as an engine sends them.
+        let mut per_req: HashMap<RequestId, Vec<(SeqId, TokenId)>> = HashMap::new();
+        for x in out.scheduled.iter().filter(|x| x.samples) {
+            if s.request(x.request_id).is_some_and(|r| r.seqs.iter().any(|q| q.seq_id == x.seq_id)) {
+                per_req.entry(x.request_id).or_default().push((x.seq_id, 30_000));
+            }
+        }
+        let requests = per_req.into_iter().map(|(id, next)| RequestSamples::tokens(id, next)).collect();
+        s.update_from_output(&StepSamples { requests });
+        s.assert_invariants();
+        s.allocator().assert_invariants();
+        if std::ptr::eq(out, &first) {
+            assert_eq!(counters(&s, 1), before, "the aborted request's step left the new request 1 alone");
+        }
+    }
+    for _ in 0..40 {
+        if !s.has_unfinished_requests() {
+            break;
+        }
+        step(&mut s);
+    }
+    assert!(!s.has_unfinished_requests());
+}

@@ -320,7 +320,8 @@ pub(super) fn attend<T: KvElem>(
     #[cfg(target_arch = "x86_64")]
     if crate::quant::Kernel::detect() != crate::quant::Kernel::Scalar {
         // SAFETY: Kernel::detect() offers a SIMD kernel only where
-        // has_simd() found AVX2, FMA and F16C.
+        // has_simd() found AVX2, FMA and F16C; Shape::new sets wide_tile
+        // only where it offers Avx512Vnni (AVX-512 F, BW, VL and VNNI).
         return unsafe { attend_group_simd(out, q, rows, positions, run_len, run_row, shape, scratch) };
     }
     attend_group::<T, false>(out, q, rows, positions, run_len, run_row, shape, scratch)
@@ -329,7 +330,8 @@ pub(super) fn attend<T: KvElem>(
 /// [`attend_group`] compiled for AVX2 + FMA + F16C, with the fused tile.
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C.
+/// The CPU must have AVX2, FMA and F16C, and AVX-512 F and BW where
+/// `shape.wide_tile` is set.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)] // Mirrors attend_group.
@@ -466,7 +468,8 @@ struct SoftmaxState<'a> {
 ///
 /// # Safety
 /// As [`KvElem::widen16`] for `T` (nothing for `f32`); with `FMA`, the CPU
-/// must also have AVX2 and FMA (only [`attend_group_simd`] sets it).
+/// must also have AVX2 and FMA (only [`attend_group_simd`] sets it), and
+/// with `FMA` and `shape.wide_tile` AVX-512 F and BW.
 #[allow(clippy::too_many_arguments)] // Private kernel; a struct would only rename the arguments.
 #[inline(always)]
 unsafe fn attend_tile<T: KvElem, const FMA: bool>(
@@ -494,9 +497,8 @@ unsafe fn attend_tile<T: KvElem, const FMA: bool>(
     let wide = cfg!(target_arch = "x86_64") && FMA && shape.wide_tile;
     #[cfg(target_arch = "x86_64")]
     if wide {
-        // SAFETY: wide_tile is set only where the CPU kernel is Avx512Vnni
-        // (AVX-512F/BW/VL present); FMA only on the SIMD path (AVX2, FMA,
-        // F16C).
+        // SAFETY: with FMA and wide_tile this function's contract
+        // guarantees AVX2, FMA, F16C and AVX-512 F and BW.
         unsafe { wide::tile_scores(q, rows, runs, shape, scores) };
     }
     if !wide {

@@ -1037,7 +1037,8 @@ impl Kernel {
                 if std::is_x86_feature_detected!("avxvnni") {
                     v.push(Kernel::AvxVnni);
                 }
-                if std::is_x86_feature_detected!("avx512vnni")
+                if std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512vnni")
                     && std::is_x86_feature_detected!("avx512vl")
                     && std::is_x86_feature_detected!("avx512bw")
                 {

@@ -194,9 +194,9 @@ impl<A: BlockAllocator> Scheduler<A> {
     }
 
     /// The request whose record lies in `slot` (named by a running-queue
-    /// entry): an index into the slab, no hash probe.
+    /// entry, or just looked up): an index into the slab, no hash probe.
     fn request_at(&self, slot: u32) -> &Request {
-        self.requests.get_slot(slot).expect("a running request's slot is live").1
+        self.requests.get_slot(slot).expect("the slot of a live request").1
     }
 
     fn new_seq_id(&mut self) -> SeqId {

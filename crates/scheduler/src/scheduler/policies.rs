@@ -72,8 +72,11 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// FCFS and priority (thesis Algorithm 1): running requests in queue
     /// order, then swapped-out groups, then waiting requests.
     fn schedule_in_order(&mut self, step: &mut StepState, out: &mut SchedulerOutput) {
-        // Preemption only marks entries, so positions hold during the walk.
-        for i in 0..self.running.positions() {
+        // Preemption only marks entries, so positions hold during the walk;
+        // admissions and swap-ins, which insert, come after it.
+        let n = self.running.positions();
+        for i in 0..n {
+            debug_assert_eq!(self.running.positions(), n, "the running queue grew during the walk");
             if step.budget == 0 {
                 break;
             }

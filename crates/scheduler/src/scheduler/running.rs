@@ -61,7 +61,9 @@ impl RunningQueue {
 
     /// Adds a request at its queue position. A running request's key is
     /// unique; a marked entry with the same key (the request itself, removed
-    /// earlier in this step) is reused.
+    /// earlier in the same step) is reused — no path does that today, since
+    /// admissions stop after a preemption, but the queue stays sorted if one
+    /// does.
     pub(crate) fn insert(&mut self, key: QueueKey, slot: u32, id: RequestId) {
         let entry = RunningEntry { key, slot, id: Some(id) };
         match self.entries.binary_search_by(|e| e.key.cmp(&key)) {
