@@ -209,16 +209,17 @@ impl KvCacheManager {
             }
         }
         s.tail = s.block_table.last().copied().unwrap_or(BlockId::NULL);
-        s.num_tokens = s.num_tokens.max(total);
-        s.hint = seq.hint;
-        Self::register_full_blocks(g, pool, s, seq, total);
+        Self::finish_write(g, pool, s, seq, total);
     }
 
-    /// Registers in the prefix cache the blocks that a step up to `total`
-    /// tokens fills completely and whose tokens are all known (under
-    /// asynchronous scheduling the last sampled token may still be in
-    /// flight; its block is registered on a later call).
-    fn register_full_blocks(g: Geometry<'_>, pool: &mut BlockPool, s: &mut SeqBlocks, seq: &SeqTokens<'_>, total: usize) {
+    /// The end of every allocation up to `total` tokens: the counters, then
+    /// the prefix-cache registration of the blocks the step fills
+    /// completely and whose tokens are all known (under asynchronous
+    /// scheduling the last sampled token may still be in flight; its block
+    /// is registered on a later call).
+    fn finish_write(g: Geometry<'_>, pool: &mut BlockPool, s: &mut SeqBlocks, seq: &SeqTokens<'_>, total: usize) {
+        s.num_tokens = s.num_tokens.max(total);
+        s.hint = seq.hint;
         let (bs, groups) = (g.block_size, g.windows.len());
         if g.enable_prefix_caching {
             let num_full = total.min(seq.token_ids.len()) / bs;
@@ -411,9 +412,7 @@ impl BlockAllocator for KvCacheManager {
                 if filled > self.pool.num_filled(s.tail) {
                     self.pool.set_num_filled(s.tail, filled);
                 }
-                s.num_tokens = s.num_tokens.max(total);
-                s.hint = seq.hint;
-                Self::register_full_blocks(geo, &mut self.pool, s, seq, total);
+                Self::finish_write(geo, &mut self.pool, s, seq, total);
                 return Some(AllocatedSlots { first_changed_block_idx: num_entries, num_blocks: num_entries });
             }
             // Copy-on-write: the first slot written lies in blocks held by

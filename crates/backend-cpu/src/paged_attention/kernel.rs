@@ -48,6 +48,16 @@ impl Shape {
         Self { num_heads, num_kv_heads, head_dim, group, scale: 1.0 / (head_dim as f32).sqrt(), softcap: None, wide_tile }
     }
 
+    /// A score from a query–key dot product: scaled, then soft-capped.
+    #[inline(always)]
+    pub(super) fn score(&self, dot: f32) -> f32 {
+        let s = self.scale * dot;
+        match self.softcap {
+            Some(cap) => cap * (s / cap).tanh(),
+            None => s,
+        }
+    }
+
     /// Floats per token in the K/V layout.
     pub(super) fn kv_row(&self) -> usize {
         self.num_kv_heads * self.head_dim
@@ -481,7 +491,6 @@ unsafe fn attend_tile<T: KvElem, const FMA: bool>(
     shape: &Shape,
     state: &mut SoftmaxState<'_>,
 ) {
-    let scale = shape.scale;
     let hd = shape.head_dim;
     let group_len = shape.group_len();
     let row_len = q.len() / shape.group;
@@ -512,12 +521,8 @@ unsafe fn attend_tile<T: KvElem, const FMA: bool>(
                 }
                 for (g, q_h) in q_kv.chunks_exact(hd).enumerate() {
                     // SAFETY: forwarded from this function's contract.
-                    let s = scale
-                        * if widen_once { unsafe { dot::<f32, FMA>(q_h, &k_buf[..hd]) } } else { unsafe { dot::<T, FMA>(q_h, k_row) } };
-                    scores[(kv * shape.group + g) * TILE + j] = match shape.softcap {
-                        Some(cap) => cap * (s / cap).tanh(),
-                        None => s,
-                    };
+                    let d = if widen_once { unsafe { dot::<f32, FMA>(q_h, &k_buf[..hd]) } } else { unsafe { dot::<T, FMA>(q_h, k_row) } };
+                    scores[(kv * shape.group + g) * TILE + j] = shape.score(d);
                 }
             }
         });
@@ -654,13 +659,43 @@ unsafe fn accumulate_values<T: KvElem, const FMA: bool, const N: usize>(
         }
         c += LANES;
     }
-    if c < hd {
-        for i in 0..N {
-            let o = &mut out[(first + i) * hd + c..(first + i + 1) * hd];
-            for_each_row!(runs, rows.row_stride, |j, base| {
-                axpy(o, scores[(first + i) * TILE + j], &rows.v[base + v_off + c..base + v_off + hd]);
-            });
-        }
+    accumulate_tail(out, scores, rows, runs, v_off, first..first + N, hd, c);
+}
+
+/// The value accumulation of heads `heads` past the last full 16-value
+/// chunk (`c..hd`), element by element (unfused, as [`axpy`]).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)] // Private helper of the value loops.
+fn accumulate_tail<T: KvElem>(
+    out: &mut [f32],
+    scores: &[f32],
+    rows: &Rows<'_, T>,
+    runs: &TileRuns,
+    v_off: usize,
+    heads: std::ops::Range<usize>,
+    hd: usize,
+    c: usize,
+) {
+    if c >= hd {
+        return;
+    }
+    for h in heads {
+        let o = &mut out[h * hd + c..(h + 1) * hd];
+        for_each_row!(runs, rows.row_stride, |j, base| {
+            axpy(o, scores[h * TILE + j], &rows.v[base + v_off + c..base + v_off + hd]);
+        });
+    }
+}
+
+/// A test's xorshift stream of values in [−1, 1).
+#[cfg(test)]
+pub(super) fn test_values(seed: u32) -> impl FnMut() -> f32 {
+    let mut x = seed;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
     }
 }
 
@@ -911,13 +946,7 @@ mod tests {
         let (heads, kv_heads, hd, n_ctx) = (6, 2, 72, 150);
         let shape = Shape { softcap: Some(30.0), ..Shape::new(heads, kv_heads, hd, "test") };
         let row = shape.kv_row();
-        let mut x = 0x2545_f491u32;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-        };
+        let mut rnd = test_values(0x2545_f491);
         let q: Vec<f32> = (0..heads * hd).map(|_| rnd()).collect();
         let k: Vec<f32> = (0..n_ctx * row).map(|_| rnd()).collect();
         let v: Vec<f32> = (0..n_ctx * row).map(|_| rnd()).collect();

@@ -15,7 +15,7 @@
 //! int8 golden gaps in docs/benchmarks.md do not move. Gemma 3 has four
 //! query heads per kv head and 256-value heads.
 
-use super::{axpy, for_each_row, prefetch, reduce_lanes_avx, ElemKind, KvElem, Rows, Shape, TileRuns, LANES, TILE, UNROLL};
+use super::{accumulate_tail, for_each_row, prefetch, reduce_lanes_avx, ElemKind, KvElem, Rows, Shape, TileRuns, LANES, TILE, UNROLL};
 use std::arch::x86_64::*;
 
 /// Sixteen elements from `p` as `f32` in one register.
@@ -65,11 +65,7 @@ pub(super) unsafe fn tile_scores<T: KvElem>(q: &[f32], rows: &Rows<'_, T>, runs:
                     }
                 }
                 for (i, &d) in dots[..n].iter().enumerate() {
-                    let s = shape.scale * d;
-                    scores[(kv * shape.group + h + i) * TILE + j] = match shape.softcap {
-                        Some(cap) => cap * (s / cap).tanh(),
-                        None => s,
-                    };
+                    scores[(kv * shape.group + h + i) * TILE + j] = shape.score(d);
                 }
             }
         }
@@ -212,20 +208,23 @@ unsafe fn values_n<T: KvElem, const N: usize>(
             c += LANES;
         }
     }
-    if c < hd {
-        for i in 0..N {
-            let o = &mut o[i * hd + c..(i + 1) * hd];
-            for_each_row!(runs, rows.row_stride, |j, base| {
-                axpy(o, p[i * TILE + j], &rows.v[base + v_off + c..base + v_off + hd]);
-            });
-        }
-    }
+    accumulate_tail(out, scores, rows, runs, v_off, first..first + N, hd, c);
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::dot;
+    use super::super::{dot, test_values};
     use super::*;
+
+    /// Whether this CPU runs the AVX-512 tile (and the 256-bit one beside
+    /// it); says so by the test's name when it does not.
+    fn wide_or_skip(test: &str) -> bool {
+        let wide = std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && crate::quant::has_simd();
+        if !wide {
+            eprintln!("SKIPPED {test}: no AVX-512 on this CPU");
+        }
+        wide
+    }
     use half::{bf16, f16};
 
     /// Every head's score equals `dot`'s, bit for bit, for head sizes with
@@ -233,17 +232,10 @@ mod tests {
     /// groups of 1 to 9 heads (a partial last pass of four).
     #[test]
     fn wide_scores_are_the_bits_of_dot_or_skip() {
-        if !(std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && crate::quant::has_simd()) {
-            eprintln!("SKIPPED wide_scores_are_the_bits_of_dot_or_skip: no AVX-512 on this CPU");
+        if !wide_or_skip("wide_scores_are_the_bits_of_dot_or_skip") {
             return;
         }
-        let mut x = 0x9e37_79b9u32;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-        };
+        let mut rnd = test_values(0x9e37_79b9);
         fn check<T: KvElem>(rnd: &mut impl FnMut() -> f32, narrow: fn(f32) -> T, hd: usize, group: usize, softcap: Option<f32>) {
             let n_ctx = 5;
             let shape = Shape { softcap, wide_tile: true, ..Shape::new(group * 2, 2, hd, "test") };
@@ -279,17 +271,10 @@ mod tests {
     /// groups with a partial last pass of four, a soft-cap, every pool type.
     #[test]
     fn the_wide_tile_gives_the_narrow_tiles_bits_or_skip() {
-        if !(std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && crate::quant::has_simd()) {
-            eprintln!("SKIPPED the_wide_tile_gives_the_narrow_tiles_bits_or_skip: no AVX-512 on this CPU");
+        if !wide_or_skip("the_wide_tile_gives_the_narrow_tiles_bits_or_skip") {
             return;
         }
-        let mut x = 0x1234_5678u32;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-        };
+        let mut rnd = test_values(0x1234_5678);
         fn check<T: KvElem>(rnd: &mut impl FnMut() -> f32, narrow: fn(f32) -> T, hd: usize, group: usize, n_ctx: usize) {
             let bs = 16;
             let n_blocks = n_ctx.div_ceil(bs);
