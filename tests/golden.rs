@@ -13,12 +13,13 @@
 //!
 //! The 0.02-nats bound is for float32 arithmetic (`--cpu-precision float32`
 //! and `int16`, whose activations round 20× finer than int8). The default
-//! CPU path quantizes activations to int8 as llama.cpp does, and is judged
-//! as vLLM judges quantized models (issue 12's rule): the same walk, the
-//! gap on agreeing tokens measured and reported, and the largest gap no
-//! larger than llama.cpp's own on the same file and prompts against the
-//! same references (`benchmarks/llama_cpp_logprobs.py`: 0.137 nats on
-//! SmolLM2, 0.237 on Gemma 3; docs/benchmarks.md).
+//! CPU path quantizes activations to int8 as llama.cpp does (its outlier
+//! channels in f32), and is judged as vLLM judges quantized models, against
+//! llama.cpp itself on the same file and prompts
+//! (`benchmarks/llama_cpp_logprobs.py`, docs/benchmarks.md): at least as
+//! many greedy tokens agreeing with the reference as llama.cpp's best
+//! configuration, and a largest and a mean gap on agreeing tokens no larger
+//! than its best.
 
 use serde::Deserialize;
 use vellum::core::{BlockAllocator, SamplingParams, SchedulerConfig};
@@ -49,22 +50,17 @@ struct Model {
     llama_cpp: LlamaCppGaps,
 }
 
-/// llama.cpp's gaps on agreeing tokens (`benchmarks/llama_cpp_logprobs.py`,
-/// greedy through `llama-server`), the largest over its equivalent
-/// configurations: flash attention on and off, 1 and 2 threads.
-///
-/// Why a spread and a mean rather than one run's largest gap: with int8
-/// activations the largest gap over ~100 tokens is a noisy statistic. A
-/// relative nudge of 2.4·10⁻⁷ to every linear's output moves Vellum's from
-/// 0.117 to 0.168 nats on SmolLM2 (its rounding to int8 flips), and
-/// llama.cpp's own moves from 0.137 to 0.265 with flash attention off. The
-/// mean over agreeing tokens is steadier (0.025–0.031 for Vellum's default
-/// path across such nudges, 0.029–0.035 for llama.cpp); docs/benchmarks.md
-/// has the table.
+/// llama.cpp against the same references (`benchmarks/llama_cpp_logprobs.py`,
+/// greedy through `llama-server`), the best of its configurations (flash
+/// attention on and off, 1 and 2 threads) in each figure: the bounds the
+/// default int8 path must meet. Measured 2026-11-26 (docs/benchmarks.md).
 struct LlamaCppGaps {
-    /// The largest gap on any agreeing token, over the configurations.
+    /// The most greedy tokens agreeing with the reference (each prompt
+    /// counted up to its first disagreement).
+    agreed: usize,
+    /// The smallest largest gap on agreeing tokens.
     largest: f64,
-    /// The largest mean gap over agreeing tokens, over the configurations.
+    /// The smallest mean gap over agreeing tokens.
     mean: f64,
 }
 
@@ -73,7 +69,7 @@ const SMOLLM2: Model = Model {
     golden: "smollm2-135m-instruct-q4_1.json",
     tolerance: |_| TOLERANCE,
     needed: |i, n| if i == 2 { 5 } else { 8.min(n) },
-    llama_cpp: LlamaCppGaps { largest: 0.2645, mean: 0.0345 },
+    llama_cpp: LlamaCppGaps { agreed: 115, largest: 0.1368, mean: 0.0292 },
 };
 
 const GEMMA3: Model = Model {
@@ -81,7 +77,7 @@ const GEMMA3: Model = Model {
     golden: "gemma3-270m-q4_k_m.json",
     tolerance: |i| if i == 4 { 0.03 } else { TOLERANCE },
     needed: |_, n| 8.min(n),
-    llama_cpp: LlamaCppGaps { largest: 0.3984, mean: 0.0421 },
+    llama_cpp: LlamaCppGaps { agreed: 73, largest: 0.2948, mean: 0.0321 },
 };
 
 fn load_golden(file: &str) -> Vec<Golden> {
@@ -233,7 +229,8 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
             }
         }
         // Quantized activations: llama.cpp's own greedy output first departs
-        // from these references at step 2 (golden README); ask as much.
+        // from these references at step 2 (golden README); ask as much per
+        // prompt, and llama.cpp's total over them all (below).
         let needed = if quantized_activations { 2.min(c.greedy_ids.len()) } else { (model.needed)(i, c.greedy_ids.len()) };
         assert!(
             agreed >= needed,
@@ -256,7 +253,9 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
         precision.name()
     );
     if quantized_activations {
-        assert!(mean <= model.llama_cpp.mean, "mean gap {mean:.5} over llama.cpp's {}", model.llama_cpp.mean);
+        let l = &model.llama_cpp;
+        assert!(total_agreed >= l.agreed, "{total_agreed} greedy tokens agree with the reference, fewer than llama.cpp's {}", l.agreed);
+        assert!(mean <= l.mean, "mean gap {mean:.5} over llama.cpp's {}", l.mean);
     }
     // Every block is returned once the requests are done.
     let st = llm.engine().scheduler().allocator().stats();

@@ -102,10 +102,13 @@ const RECYCLED_MAX: usize = 16;
 const RECYCLE_MIN_LEN: usize = 1 << 16;
 
 /// The CPU implementation of the model operations.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct CpuOps {
     weight_format: WeightFormat,
     activations: ActBits,
+    /// Set during a calibration pass: int8 linears record their inputs'
+    /// statistics ([`crate::outliers`]).
+    calibrating: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl CpuOps {
@@ -113,7 +116,7 @@ impl CpuOps {
     /// quantized weights by int8 activations ([`ActBits::I8`]).
     pub fn new(weight_format: WeightFormat) -> Self {
         keep_freed_memory();
-        Self { weight_format, activations: ActBits::I8 }
+        Self { weight_format, activations: ActBits::I8, calibrating: Default::default() }
     }
 
     /// The same operations with integer-kernel activations quantized to
@@ -134,28 +137,17 @@ impl CpuOps {
     }
 
     /// The activation width of the linear named `name` (its Hugging Face
-    /// name) under [`CpuOps::activations`]: with int8, the query, key and
-    /// value projections (`self_attn.{q,k,v}_proj`) take int8 with a scale
-    /// per 16 values ([`ActBits::I8Halves`]). Their input is the normalized
-    /// residual stream, whose few very large channels set the int8 block
-    /// scales (a scale per 16 halves the values each outlier coarsens); the
-    /// output projection reads the attention's output (a weighted mean of
-    /// value rows, no such outliers) and takes plain int8 like the MLP.
-    /// Measured on the golden tests against the float64 references (largest
-    /// / mean gap on agreeing tokens; crates/backend-cpu/KERNELS.md): 0.178
-    /// / 0.0339 nats on SmolLM2 and 0.221 / 0.0283 on Gemma 3, within
-    /// llama.cpp's 0.265 / 0.0345 and 0.398 / 0.0421 (int16 there, two
-    /// int8 passes and 16% slower on a 64-sequence Gemma 3 prefill: 0.168 /
-    /// 0.0334 and 0.128 / 0.0208); plain int8 there fails that rule in some
-    /// realizations (SmolLM2's mean 0.0355–0.0366). `VELLUM_CPU_QKV=int8|
-    /// halves|int16` picks their width (to measure that).
+    /// name): [`CpuOps::activations`] for every linear, unless
+    /// `VELLUM_CPU_ACT` names another for its role (to measure where the
+    /// error comes from; `examples/accuracy.rs` in the engine). On the int8
+    /// path the outlier channels a calibration chose go through f32 beside
+    /// every int8 product ([`crate::outliers`]), which makes the scale per
+    /// 16 values ([`ActBits::I8Halves`]) the query, key and value
+    /// projections once took unnecessary: on SmolLM2 and Gemma 3 the KL
+    /// divergence to the float32 path is the same with or without it
+    /// (KERNELS.md).
     pub fn activations_for(&self, name: &str) -> ActBits {
-        let qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"];
-        if self.activations == ActBits::I8 && qkv.iter().any(|p| name.contains(p)) {
-            qkv_activations()
-        } else {
-            self.activations
-        }
+        activation_override(name).unwrap_or(self.activations)
     }
 }
 
@@ -225,17 +217,49 @@ impl RopeRows {
     }
 }
 
-/// The activations of the q/k/v projections when the others are int8:
-/// `VELLUM_CPU_QKV=int8|halves|int16` (`VELLUM_CPU_INT8=all`, the older
-/// switch, means int8), else the default.
-fn qkv_activations() -> ActBits {
-    match std::env::var("VELLUM_CPU_QKV").as_deref() {
-        Ok("int8") => ActBits::I8,
-        Ok("halves") => ActBits::I8Halves,
-        Ok("int16") => ActBits::I16,
-        _ if std::env::var("VELLUM_CPU_INT8").as_deref() == Ok("all") => ActBits::I8,
-        _ => ActBits::I8Halves,
+/// The activation width `VELLUM_CPU_ACT` gives the linear named `name`, for
+/// measuring where quantization error comes from (`examples/accuracy.rs` in
+/// the engine): comma-separated `role=bits` with roles `q k v o gate up down
+/// head` and bits `int8`, `halves`, `int16`; `VELLUM_CPU_ACT_LAYERS=3,7-9`
+/// limits the roles other than `head` to those layers.
+fn activation_override(name: &str) -> Option<ActBits> {
+    let spec = std::env::var("VELLUM_CPU_ACT").ok()?;
+    let role = [
+        ("self_attn.q_proj", "q"),
+        ("self_attn.k_proj", "k"),
+        ("self_attn.v_proj", "v"),
+        ("self_attn.o_proj", "o"),
+        ("mlp.gate_proj", "gate"),
+        ("mlp.up_proj", "up"),
+        ("mlp.down_proj", "down"),
+        ("embed_tokens", "head"),
+        ("lm_head", "head"),
+    ]
+    .iter()
+    .find(|(p, _)| name.contains(p))?
+    .1;
+    if role != "head" {
+        if let Ok(layers) = std::env::var("VELLUM_CPU_ACT_LAYERS") {
+            let layer: usize = name.split("layers.").nth(1)?.split('.').next()?.parse().ok()?;
+            let listed = layers.split(',').any(|r| match r.split_once('-') {
+                Some((a, b)) => a.trim().parse::<usize>().is_ok_and(|a| a <= layer) && b.trim().parse::<usize>().is_ok_and(|b| layer <= b),
+                None => r.trim().parse::<usize>() == Ok(layer),
+            });
+            if !listed {
+                return None;
+            }
+        }
     }
+    spec.split(',').find_map(|entry| {
+        let (r, bits) = entry.split_once('=')?;
+        (r.trim() == role).then_some(())?;
+        match bits.trim() {
+            "int8" => Some(ActBits::I8),
+            "halves" => Some(ActBits::I8Halves),
+            "int16" => Some(ActBits::I16),
+            _ => None,
+        }
+    })
 }
 
 /// Element-wise ops split across the rayon threads from this many values.
@@ -294,6 +318,16 @@ impl Ops for CpuOps {
         self.weight(&w)
     }
 
+    /// int8 activations take their outlier channels from a calibration
+    /// pass ([`crate::outliers`]); the exact paths need none.
+    fn wants_calibration(&self) -> bool {
+        self.weight_format != WeightFormat::F32 && self.activations.int8()
+    }
+
+    fn set_calibrating(&self, on: bool) {
+        self.calibrating.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn vector(&self, _name: &str, data: &[f32]) -> vellum_models::Result<Vec<f32>> {
         Ok(data.to_vec())
     }
@@ -321,7 +355,7 @@ impl Ops for CpuOps {
         if m == 0 {
             return Ok(out);
         }
-        crate::linear::matmul(&mut out.data, &x.data, w, m);
+        crate::linear::matmul(&mut out.data, &x.data, w, m, self.calibrating.load(std::sync::atomic::Ordering::Relaxed));
         if let Some(b) = bias {
             check(b.len() == n, || format!("linear: bias of {} for {n} outputs", b.len()))?;
             for row in out.data.chunks_exact_mut(n) {
@@ -445,12 +479,8 @@ impl AttentionBackend for CpuOps {
         let acts = match (self.weight_format, self.activations) {
             (WeightFormat::F32, _) => "float32",
             (_, ActBits::I16) => "int16 activations",
-            (_, ActBits::I8Halves) => "int8 activations, a scale per 16",
-            (_, ActBits::I8) => match qkv_activations() {
-                ActBits::I8 => "int8 activations",
-                ActBits::I8Halves => "int8 activations, a scale per 16 in q/k/v",
-                ActBits::I16 => "int8 activations, int16 in q/k/v",
-            },
+            (_, ActBits::I8Halves) => "int8 activations, a scale per 16, outlier channels in f32",
+            (_, ActBits::I8) => "int8 activations, outlier channels in f32",
         };
         format!("cpu ({kernel}, {} threads, weights {:?}, {acts})", rayon::current_num_threads(), self.weight_format)
     }

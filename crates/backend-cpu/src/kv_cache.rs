@@ -28,6 +28,7 @@
 use std::ops::Range;
 
 use half::slice::HalfFloatSliceExt;
+use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 use vellum_core::{BlockCopy, BlockSwap, KvCacheDtype, KvCacheGroups, KvLayerSlot};
 
@@ -81,29 +82,23 @@ pub enum KvPool {
     Bf16(Vec<bf16>),
 }
 
-/// `v` with one element of every 4 KiB page written (volatile: a plain
-/// store of zero into zeroed memory may be optimized away).
-fn prefaulted<T: Copy>(mut v: Vec<T>, zero: T) -> Vec<T> {
-    let step = (4096 / std::mem::size_of::<T>().max(1)).max(1);
-    let p = v.as_mut_ptr();
-    for i in (0..v.len()).step_by(step) {
-        // SAFETY: i < v.len(), so `p + i` is an aligned, initialized element
-        // of `v`, which nothing else references during the loop.
-        unsafe { std::ptr::write_volatile(p.add(i), zero) };
-    }
-    v
-}
-
 impl KvPool {
-    /// `n` zeros of type `dtype`, every page of them resident: zeroed
-    /// allocations come as untouched pages, so without touching them the
-    /// process would grow as blocks are first used and an over-committed
-    /// machine would fail mid-serving instead of at startup.
+    /// `n` zeros of type `dtype`, none of them resident yet: the pool is
+    /// one zeroed allocation (`calloc`), whose pages the OS maps when a
+    /// block is first written, so a cache sized for 256 requests costs
+    /// the memory of the blocks in use, not of the whole pool, and a
+    /// server answers before gigabytes are touched. The engine's default
+    /// size keeps to half the memory free at startup
+    /// ([`vellum_core::KvCacheSize::Auto`]), so the pages it may touch
+    /// later are there.
     pub fn zeros(dtype: KvCacheDtype, n: usize) -> Self {
+        // `vec![0; n]` of a primitive is a zeroed allocation; half's types
+        // are not primitives (their `vec!` writes every element), so their
+        // pools start as zeroed `u16` bits, reinterpreted (0 is +0.0 in both).
         match dtype {
-            KvCacheDtype::F32 => KvPool::F32(prefaulted(vec![0.0; n], 0.0)),
-            KvCacheDtype::F16 => KvPool::F16(prefaulted(vec![f16::ZERO; n], f16::ZERO)),
-            KvCacheDtype::Bf16 => KvPool::Bf16(prefaulted(vec![bf16::ZERO; n], bf16::ZERO)),
+            KvCacheDtype::F32 => KvPool::F32(vec![0.0; n]),
+            KvCacheDtype::F16 => KvPool::F16(vec![0u16; n].reinterpret_into()),
+            KvCacheDtype::Bf16 => KvPool::Bf16(vec![0u16; n].reinterpret_into()),
         }
     }
 

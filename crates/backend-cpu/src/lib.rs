@@ -11,9 +11,10 @@
 //! **The one decision to know:** its float32 path (`WeightFormat::F32`,
 //! `--cpu-precision float32`) is the reference every other backend is
 //! checked against; the default multiplies the GGUF's integer blocks by
-//! activations quantized to int8 (a scale per 16 values in the query, key
-//! and value projections), as llama.cpp does, within llama.cpp's own
-//! distance of the float64 golden references (`KERNELS.md`). Everything
+//! activations quantized to int8, as llama.cpp does, except each weight's
+//! few outlier input channels, which a calibration pass picks and which go
+//! through f32 ([`outliers`]): closer to the float64 golden references than
+//! llama.cpp (`KERNELS.md`). Everything
 //! between the linears (norms, RoPE, attention, the residual stream) stays
 //! f32; the KV cache is f32 or f16 or bf16 (`CpuExecutor::with_kv_cache_dtype`;
 //! the engine's `auto` takes f16 on the int8 path, as llama.cpp does, f32 on
@@ -28,6 +29,7 @@ pub mod cpu_executor;
 pub mod cpu_ops;
 pub mod kv_cache;
 pub mod linear;
+pub mod outliers;
 pub mod paged_attention;
 pub mod quant;
 mod spin_team;

@@ -6,6 +6,7 @@
 //! crate for more — each splitting the output columns across the rayon
 //! threads by hand.
 
+use crate::outliers::{OutlierChannels, Outliers};
 use crate::quant::q5::Q5Lanes;
 use crate::quant::{self, ActBits, QuantActs, QuantKind, QuantWeight, WeightFormat};
 use vellum_models::gguf::{dequantize_into, GgmlType};
@@ -18,6 +19,9 @@ pub struct HostWeight {
     pub(crate) out: usize,
     pub(crate) inp: usize,
     storage: Storage,
+    /// The input channels multiplied in f32 beside the int8 kernel, once a
+    /// calibration pass has chosen them ([`crate::outliers`]).
+    outliers: OutlierChannels,
 }
 
 /// How a [`HostWeight`] keeps its values.
@@ -122,12 +126,22 @@ impl HostWeight {
             let q5 = (w.dtype == GgmlType::Q5_0 && acts.int8() && quant::q5::available())
                 .then(|| Q5Lanes::from_ggml(&w.data, out, inp))
                 .flatten();
-            return Ok(HostWeight { out, inp, storage: Storage::Quant(q.into_best_layout(acts), acts, q5) });
+            return Ok(HostWeight {
+                out,
+                inp,
+                storage: Storage::Quant(q.into_best_layout(acts), acts, q5),
+                outliers: OutlierChannels::default(),
+            });
         }
         let plain = matches!(w.dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
         if format == WeightFormat::Auto && !plain && w.dtype.is_dequantizable() && out > 0 && inp > 0 {
             let data = w.data.to_vec();
-            return Ok(HostWeight { out, inp, storage: Storage::Blocks { dtype: w.dtype, row_bytes: w.row_bytes(), data } });
+            return Ok(HostWeight {
+                out,
+                inp,
+                storage: Storage::Blocks { dtype: w.dtype, row_bytes: w.row_bytes(), data },
+                outliers: OutlierChannels::default(),
+            });
         }
         let data = w.to_f32()?;
         let kind = match format {
@@ -141,7 +155,7 @@ impl HostWeight {
             }
             _ => Storage::F32(transpose(&data, out, inp)),
         };
-        Ok(HostWeight { out, inp, storage })
+        Ok(HostWeight { out, inp, storage, outliers: OutlierChannels::default() })
     }
 
     /// Row `r` of the `[out, in]` matrix as f32 (an embedding lookup),
@@ -198,12 +212,22 @@ impl HostWeight {
 }
 
 /// `y[m, n] = x[m, k] · Wᵀ` (`y` zeroed, `m > 0`) through the kernel that
-/// suits the weight and the batch.
-pub(crate) fn matmul(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
+/// suits the weight and the batch. While `calibrating`, an int8 weight
+/// records its input's statistics ([`OutlierChannels::record`]); after,
+/// its outlier channels (if a calibration chose them) go through f32.
+pub(crate) fn matmul(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize, calibrating: bool) {
     // A quantized weight runs the integer kernel at every batch size: a
     // row's result is then bitwise independent of the batch it came in
     // (chunked prefill, prefix-cache hits, batch composition).
     match &w.storage {
+        Storage::Quant(q, acts, q5) if acts.int8() => {
+            if calibrating {
+                w.outliers.record(x, m, q.k);
+            } else if let Some(o) = w.outliers.fixed(q) {
+                return linear_quant_outliers(y, x, q, q5.as_ref(), *acts, m, Some(o));
+            }
+            linear_quant(y, x, q, q5.as_ref(), *acts, m)
+        }
         Storage::Quant(q, acts, q5) => linear_quant(y, x, q, q5.as_ref(), *acts, m),
         Storage::Blocks { dtype, row_bytes, data } => linear_blocks(y, x, w, (*dtype, *row_bytes, data), m),
         Storage::F32(kn) if m <= SMALL_M => linear_small(y, x, kn, w, m),
@@ -216,6 +240,25 @@ pub(crate) fn matmul(y: &mut [f32], x: &[f32], w: &HostWeight, m: usize) {
 /// with a 5.5-bit Q5_0 copy read that copy ([`quant::q5::gemv`]: the lane
 /// kernels' bits from 61% of their bytes).
 fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, q5: Option<&Q5Lanes>, bits: ActBits, m: usize) {
+    linear_quant_outliers(y, x, w, q5, bits, m, None)
+}
+
+/// Rows of `y` a thread computes at a time when outlier channels follow:
+/// their f32 products then add into rows still in its cache.
+const OUTLIER_ROWS: usize = 32;
+
+/// [`linear_quant`], with the outlier channels `outliers` (if any) quantized
+/// as zeros and their products added in f32 ([`crate::outliers`]) by each
+/// thread to its columns, [`OUTLIER_ROWS`] rows at a time.
+fn linear_quant_outliers(
+    y: &mut [f32],
+    x: &[f32],
+    w: &QuantWeight,
+    q5: Option<&Q5Lanes>,
+    bits: ActBits,
+    m: usize,
+    outliers: Option<&Outliers>,
+) {
     let (n, k) = (w.n, w.k);
     thread_local! {
         static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
@@ -224,25 +267,38 @@ fn linear_quant(y: &mut [f32], x: &[f32], w: &QuantWeight, q5: Option<&Q5Lanes>,
         return linear_quant_split(y, x, w, m);
     }
     let q5 = q5.filter(|_| m <= quant::q5::MAX_ROWS);
+    let zero = outliers.map_or(&[][..], |o| &o.channels[..]);
     let mut run = |acts: &mut QuantActs| {
-        QuantActs::quantize_cached(x, m, k, bits, acts);
+        QuantActs::quantize_cached_zeroing(x, m, k, bits, zero, acts);
         let acts = &*acts;
         let dst = SendPtr(y.as_mut_ptr());
-        // SAFETY (both calls): y is [m, n]; a call writes the columns it is
-        // given only; a Q5_0 copy exists only where `q5::available()` (AVX2,
-        // FMA, F16C) and is read for m ≤ MAX_ROWS.
-        let gemm = |cols: std::ops::Range<usize>| unsafe {
+        // SAFETY (both calls): y is [m, n]; a call writes the rows and
+        // columns it is given only; a Q5_0 copy exists only where
+        // `q5::available()` (AVX2, FMA, F16C) and is read for m ≤ MAX_ROWS.
+        let gemm = |rows: std::ops::Range<usize>, cols: std::ops::Range<usize>| unsafe {
             match q5 {
                 #[cfg(target_arch = "x86_64")]
-                Some(q5) => quant::q5::gemv(dst.get(), n, acts, q5, 0..m, cols),
-                _ => quant::gemm(dst.get(), n, acts, w, 0..m, cols),
+                Some(q5) => quant::q5::gemv(dst.get(), n, acts, q5, rows, cols),
+                _ => quant::gemm(dst.get(), n, acts, w, rows, cols),
+            }
+        };
+        let part = |cols: std::ops::Range<usize>| match outliers {
+            None => gemm(0..m, cols),
+            Some(o) => {
+                for r0 in (0..m).step_by(OUTLIER_ROWS) {
+                    let rows = r0..(r0 + OUTLIER_ROWS).min(m);
+                    gemm(rows.clone(), cols.clone());
+                    // SAFETY: as for `gemm`; the outlier values are
+                    // `channels.len()` per row of x.
+                    unsafe { o.add_products(dst.get(), n, &acts.zeroed_values, rows, cols.clone()) };
+                }
             }
         };
         let ranges = column_ranges(m, n, k);
         if ranges.len() == 1 {
-            return gemm(0..n);
+            return part(0..n);
         }
-        crate::spin_team::run(ranges.len(), &|i| gemm(ranges[i].clone()));
+        crate::spin_team::run(ranges.len(), &|i| part(ranges[i].clone()));
     };
     // The buffer is reused across calls; a re-entrant call (from a rayon
     // worker that stole work while waiting) gets a fresh one.

@@ -5,6 +5,14 @@ use crate::{Error, Result};
 /// How much memory the device KV pool gets.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KvCacheSize {
+    /// What the configuration can use, within limits: `max_num_seqs`
+    /// requests of `max_model_len` tokens (a sliding-window group holds
+    /// only its window), capped at [`AUTO_KV_CACHE_CAP_BYTES`] and at half
+    /// the memory the device has free once the weights are loaded. The
+    /// engine resolves it with the scheduler's budgets in hand
+    /// ([`KvCacheSize::resolve_auto`]); a small model on a large machine
+    /// gets what it can use, not half the machine. The default off a GPU.
+    Auto,
     /// Exactly this many blocks.
     NumBlocks(usize),
     /// This many bytes; the backend says how many blocks fit
@@ -17,6 +25,39 @@ pub enum KvCacheSize {
     /// memory the engine may take — weights, the activations of a profile
     /// run at the step budget, and the KV cache, which gets what is left.
     DeviceFraction(f32),
+}
+
+/// The most an [`KvCacheSize::Auto`] cache takes: 4 GiB, vLLM's CPU default
+/// (`VLLM_CPU_KVCACHE_SPACE`). SmolLM2-135M with a float16 cache holds
+/// 186k tokens in it.
+pub const AUTO_KV_CACHE_CAP_BYTES: u64 = 4 << 30;
+
+/// Why a [`KvCacheSize::Auto`] cache got the size it got (for the log line
+/// that tells a user which flag changes it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AutoKvLimit {
+    /// Everything the configuration can use fits.
+    Configuration,
+    /// [`AUTO_KV_CACHE_CAP_BYTES`].
+    Cap,
+    /// Half the free memory.
+    FreeMemory,
+}
+
+impl KvCacheSize {
+    /// Resolves [`KvCacheSize::Auto`] to bytes: `wanted_bytes` (what the
+    /// configuration can use), capped at [`AUTO_KV_CACHE_CAP_BYTES`] and
+    /// half of `available_bytes`; with the limit that decided it.
+    pub fn resolve_auto(wanted_bytes: u64, available_bytes: u64) -> (u64, AutoKvLimit) {
+        let half_free = available_bytes / 2;
+        if wanted_bytes <= AUTO_KV_CACHE_CAP_BYTES.min(half_free) {
+            (wanted_bytes, AutoKvLimit::Configuration)
+        } else if AUTO_KV_CACHE_CAP_BYTES <= half_free {
+            (AUTO_KV_CACHE_CAP_BYTES, AutoKvLimit::Cap)
+        } else {
+            (half_free, AutoKvLimit::FreeMemory)
+        }
+    }
 }
 
 /// Element type of the stored keys and values.
@@ -58,13 +99,7 @@ pub struct CacheConfig {
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        Self {
-            block_size: 16,
-            size: KvCacheSize::FractionOfFree(0.5),
-            swap_space_bytes: 1 << 30,
-            dtype: KvCacheDtype::F32,
-            enable_prefix_caching: true,
-        }
+        Self { block_size: 16, size: KvCacheSize::Auto, swap_space_bytes: 1 << 30, dtype: KvCacheDtype::F32, enable_prefix_caching: true }
     }
 }
 
@@ -108,5 +143,14 @@ mod tests {
         assert!(c.validate().is_err());
         let c = CacheConfig { size: KvCacheSize::NumBlocks(0), ..CacheConfig::default() };
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn auto_takes_what_the_configuration_uses_within_the_cap_and_half_the_free_memory() {
+        let gib = 1u64 << 30;
+        assert_eq!(KvCacheSize::resolve_auto(gib / 4, 20 * gib), (gib / 4, AutoKvLimit::Configuration));
+        assert_eq!(KvCacheSize::resolve_auto(48 * gib, 20 * gib), (AUTO_KV_CACHE_CAP_BYTES, AutoKvLimit::Cap));
+        assert_eq!(KvCacheSize::resolve_auto(48 * gib, 6 * gib), (3 * gib, AutoKvLimit::FreeMemory));
+        assert_eq!(KvCacheSize::resolve_auto(2 * gib, 2 * gib), (gib, AutoKvLimit::FreeMemory));
     }
 }

@@ -46,7 +46,7 @@ pub use architecture::{
 };
 pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape, DeviceMemory, KvCacheSpec, KvMemory};
 pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
-pub use cache_config::{CacheConfig, KvCacheDtype, KvCacheSize};
+pub use cache_config::{AutoKvLimit, CacheConfig, KvCacheDtype, KvCacheSize, AUTO_KV_CACHE_CAP_BYTES};
 pub use error::Error;
 pub use fast_math::exp_f32;
 pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch, StepBounds};

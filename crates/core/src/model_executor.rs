@@ -37,6 +37,8 @@ pub trait ModelExecutor {
         let wanted = match size {
             KvCacheSize::NumBlocks(n) => n,
             KvCacheSize::MemoryBytes(b) => (b / per_block) as usize,
+            // Unresolved (no scheduler budgets here): the cap, within half the free memory.
+            KvCacheSize::Auto => (KvCacheSize::resolve_auto(u64::MAX, memory.available_bytes).0 / per_block) as usize,
             KvCacheSize::FractionOfFree(f) => ((memory.available_bytes as f64 * f as f64) as u64 / per_block) as usize,
             KvCacheSize::DeviceFraction(f) => (device_fraction_bytes(f, memory)? / per_block) as usize,
         };
@@ -61,6 +63,16 @@ pub trait ModelExecutor {
     fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, max_model_len: usize, block_size: usize) -> Result<u64> {
         let _ = (num_tokens, num_seqs, max_model_len, block_size);
         Ok(0)
+    }
+
+    /// Runs the model over `token_ids` (a fixed calibration text, one
+    /// sequence) so that a backend that needs statistics of real
+    /// activations can take them (the CPU's int8 path: its outlier
+    /// channels); then a second pass, which fixes what they decided. Call
+    /// it once, before serving; a no-op for backends that need none.
+    fn calibrate(&mut self, token_ids: &[u32]) -> Result<()> {
+        let _ = token_ids;
+        Ok(())
     }
 
     /// The window of each KV-cache group, in block-table order (see
@@ -129,6 +141,10 @@ impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
 
     fn num_kv_blocks(&self, size: KvCacheSize, block_size: usize) -> Result<usize> {
         (**self).num_kv_blocks(size, block_size)
+    }
+
+    fn calibrate(&mut self, token_ids: &[u32]) -> Result<()> {
+        (**self).calibrate(token_ids)
     }
 
     fn kv_group_windows(&self) -> Vec<Option<usize>> {

@@ -36,6 +36,7 @@
 
 pub mod backend;
 mod beam;
+mod calibration;
 mod client;
 pub mod detokenizer;
 mod engine_core;
@@ -47,6 +48,7 @@ mod sequences;
 pub mod structured;
 
 pub use backend::{make_executor, CpuPrecision, Device};
+pub use calibration::calibration_token_ids;
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream, STREAM_BUFFER_EVENTS};
 pub use engine_core::{EngineCore, EngineCounters, Error, QueueStats};
 pub use llm::{auto_kv_cache_dtype, EngineArgs, KvSharing, Llm};

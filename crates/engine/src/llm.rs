@@ -1,11 +1,14 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
 use crate::backend::{make_executor, CpuPrecision, Device};
+use crate::calibration::calibration_token_ids;
 use crate::client::EngineClient;
 use crate::engine_core::{EngineCore, Error};
 use crate::output_processor::{OutputPiece, OutputProcessor};
 use crate::outputs::{RequestOutput, StepOutputs};
-use vellum_core::{KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId};
+use vellum_core::{
+    AutoKvLimit, KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId, AUTO_KV_CACHE_CAP_BYTES,
+};
 use vellum_models::{resolve_model, ChatMessage, ChatTemplate, Tokenizer};
 use vellum_scheduler::FinishReason;
 
@@ -37,9 +40,10 @@ pub struct EngineArgs {
     pub device: Device,
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Size of the KV pool: blocks, bytes, or a fraction of the memory
-    /// available once the weights are loaded (the profiling step of thesis
-    /// §4.2.1).
+    /// Size of the KV pool: what the scheduler's budgets can use within
+    /// limits ([`KvCacheSize::Auto`], the default), blocks, bytes, or a
+    /// fraction of the memory available once the weights are loaded (the
+    /// profiling step of thesis §4.2.1).
     pub kv_cache: KvCacheSize,
     /// Element type of the stored keys and values; `None` (vLLM's `auto`)
     /// picks per device and precision ([`auto_kv_cache_dtype`]).
@@ -65,7 +69,7 @@ impl Default for EngineArgs {
             model: None,
             device: Device::default(),
             block_size: 16,
-            kv_cache: KvCacheSize::FractionOfFree(0.5),
+            kv_cache: KvCacheSize::Auto,
             kv_cache_dtype: None,
             scheduler: SchedulerConfig::default(),
             enable_prefix_caching: true,
@@ -134,15 +138,54 @@ impl Llm {
         let kv_dtype = args.kv_cache_dtype.unwrap_or_else(|| auto_kv_cache_dtype(args.device, args.cpu_precision));
         let kv = (kv_dtype, !args.disable_hybrid_kv_cache_manager, args.cpu_precision);
         let mut executor = make_executor(args.device, &*loaded.weights, config, kv, progress)?;
+        let started = std::time::Instant::now();
+        executor.calibrate(&calibration_token_ids(&loaded.tokenizer, loaded.chat_template.as_ref()))?;
+        tracing::debug!(elapsed_ms = started.elapsed().as_millis() as u64, "calibration");
         if let KvCacheSize::DeviceFraction(f) = args.kv_cache {
             // Memory profiling (thesis §4.2.1): the largest step's activations
             // come out of the same budget as the weights and the KV cache.
             let peak = executor.profile_run(max_batched, scheduler.max_num_seqs, max_model_len, args.block_size)?;
             tracing::info!(gpu_memory_utilization = f, tokens = max_batched, activation_peak_mib = peak >> 20, "profile run");
         }
-        let num_blocks = executor.num_kv_blocks(args.kv_cache, args.block_size)?;
-        let block_bytes = executor.kv_block_bytes(args.block_size);
-        tracing::info!(backend = %executor.describe(), dtype = ?kv_dtype, num_blocks, block_size = args.block_size, mib = (num_blocks as u64 * block_bytes) >> 20, "KV cache");
+        let block_bytes = executor.kv_block_bytes(args.block_size).max(1);
+        let (size, why) = match args.kv_cache {
+            KvCacheSize::Auto => {
+                let windows = executor.kv_group_windows();
+                let per_request = vellum_kvcache::max_blocks_held(&windows, args.block_size, max_model_len, max_batched).max(1);
+                let wanted = (scheduler.max_num_seqs * per_request) as u64 * block_bytes;
+                let available = executor.kv_memory(args.block_size).available_bytes;
+                let (bytes, limit) = KvCacheSize::resolve_auto(wanted, available);
+                let why = match limit {
+                    AutoKvLimit::Configuration => {
+                        format!("what --max-num-seqs {} × --max-model-len {max_model_len} can use", scheduler.max_num_seqs)
+                    }
+                    AutoKvLimit::Cap => format!(
+                        "--max-num-seqs {} × --max-model-len {max_model_len} could use {} MiB; capped at {} MiB",
+                        scheduler.max_num_seqs,
+                        wanted >> 20,
+                        AUTO_KV_CACHE_CAP_BYTES >> 20
+                    ),
+                    AutoKvLimit::FreeMemory => format!(
+                        "--max-num-seqs {} × --max-model-len {max_model_len} could use {} MiB; capped at half the {} MiB free",
+                        scheduler.max_num_seqs,
+                        wanted >> 20,
+                        available >> 20
+                    ),
+                };
+                (KvCacheSize::MemoryBytes(bytes.max(block_bytes)), why)
+            }
+            other => (other, "as asked".to_string()),
+        };
+        let num_blocks = executor.num_kv_blocks(size, args.block_size)?;
+        tracing::info!(
+            backend = %executor.describe(),
+            dtype = ?kv_dtype,
+            num_blocks,
+            block_size = args.block_size,
+            mib = (num_blocks as u64 * block_bytes) >> 20,
+            sized_by = %why,
+            "KV cache (--kv-cache-memory sets its size)"
+        );
         let num_host_blocks = (args.swap_space_bytes / executor.kv_block_bytes(args.block_size).max(1)) as usize;
         let mut engine = EngineCore::with_prefix_caching(
             executor,

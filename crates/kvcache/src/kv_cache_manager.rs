@@ -332,16 +332,7 @@ impl BlockAllocator for KvCacheManager {
     }
 
     fn max_blocks_held(&self, num_tokens: usize, max_chunk: usize) -> usize {
-        let all = num_tokens.div_ceil(self.block_size);
-        self.windows
-            .iter()
-            .map(|w| match w {
-                // A step's first query sees W − 1 earlier positions; its chunk
-                // adds up to max_chunk; one more block for misalignment.
-                Some(w) => all.min((w - 1 + max_chunk.max(1)).div_ceil(self.block_size) + 1),
-                None => all,
-            })
-            .sum()
+        max_blocks_held(&self.windows, self.block_size, num_tokens, max_chunk)
     }
 
     fn get_computed_blocks(&mut self, seq: &SeqTokens<'_>) -> ComputedBlocks {
@@ -684,4 +675,23 @@ fn translate<F: Ord + Copy, T: Copy + Eq + std::hash::Hash>(
             t
         })
         .collect()
+}
+
+/// The most blocks one sequence of `num_tokens` tokens holds at once, over
+/// KV-cache groups with these `windows` (block-table order), when a step
+/// computes at most `max_chunk` of its tokens: a full-attention group holds
+/// every block; a sliding-window group only those its queries still see.
+/// What [`BlockAllocator::max_blocks_held`] answers, for sizing a cache
+/// before the manager exists.
+pub fn max_blocks_held(windows: &[Option<usize>], block_size: usize, num_tokens: usize, max_chunk: usize) -> usize {
+    let all = num_tokens.div_ceil(block_size);
+    windows
+        .iter()
+        .map(|w| match w {
+            // A step's first query sees W − 1 earlier positions; its chunk
+            // adds up to max_chunk; one more block for misalignment.
+            Some(w) => all.min((w - 1 + max_chunk.max(1)).div_ceil(block_size) + 1),
+            None => all,
+        })
+        .sum()
 }

@@ -34,5 +34,5 @@ pub use block_pool::BlockPool;
 pub use buddy_allocator::BuddyAllocator;
 pub use free_queue::FreeBlockQueue;
 pub use host_pool::HostPool;
-pub use kv_cache_manager::{KvCacheManager, KvCacheManagerConfig};
+pub use kv_cache_manager::{max_blocks_held, KvCacheManager, KvCacheManagerConfig};
 pub use orca::{OrcaAllocator, OrcaMode};

@@ -40,6 +40,18 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     /// Prepares an embedding table `[vocab, hidden]` (also usable as a tied
     /// LM head through [`Ops::linear`]).
     fn embedding_weight(&self, w: WeightView<'_>) -> Result<Self::Weight>;
+    /// Whether [`Ops::linear`] needs statistics of its inputs before it
+    /// serves (the CPU backend's int8 path picks its outlier channels from
+    /// them), gathered by a calibration pass over a fixed text
+    /// ([`crate::ModelRunner`]'s `ModelExecutor::calibrate`).
+    fn wants_calibration(&self) -> bool {
+        false
+    }
+    /// While `on`, [`Ops::linear`] records the statistics of its inputs;
+    /// the first products after turning it off fix what they decided.
+    fn set_calibrating(&self, on: bool) {
+        let _ = on;
+    }
     /// Uploads a 1-D parameter.
     fn vector(&self, name: &str, data: &[f32]) -> Result<Self::Vector>;
     /// Prepares the rotations of `table` for [`Ops::rope`].

@@ -124,6 +124,29 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         Ok(self.activation_peak)
     }
 
+    fn calibrate(&mut self, token_ids: &[u32]) -> vellum_core::Result<()> {
+        let n = token_ids.len().min(self.config().max_position_embeddings);
+        if !self.ops.wants_calibration() || n == 0 {
+            return Ok(());
+        }
+        let block_size = self.cache.as_ref().map_or(16, |c| c.1);
+        let mut batch = profile_batch(n, 1, block_size, self.kv_cache_spec(block_size).groups.num_groups());
+        batch.token_ids.copy_from_slice(&token_ids[..n]);
+        // Up to 64 rows, spread over the text, reach the LM head.
+        let every = n.div_ceil(CALIBRATION_LOGIT_ROWS);
+        batch.logits_indices = (0..n as u32).rev().step_by(every).collect::<Vec<_>>().into_iter().rev().collect();
+        // A cache of its own; the engine's, if any, is put back after.
+        let saved = self.cache.take();
+        self.initialize_kv_cache(n.div_ceil(block_size), 0, block_size)?;
+        self.ops.set_calibrating(true);
+        let recorded = self.execute(&batch);
+        self.ops.set_calibrating(false);
+        // The second pass fixes every weight's choice now, not in the first request.
+        let fixed = recorded.and_then(|_| self.execute(&batch));
+        self.cache = saved;
+        fixed.map(|_| ())
+    }
+
     fn kv_group_windows(&self) -> Vec<Option<usize>> {
         self.model.kv_cache_groups(self.kv_groups()).windows()
     }
@@ -158,6 +181,10 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         self.ops.reuse_host_buffer(logits);
     }
 }
+
+/// Rows of a calibration pass whose logits are computed (the LM head's
+/// inputs for its statistics).
+const CALIBRATION_LOGIT_ROWS: usize = 64;
 
 /// The profile run's batch: `num_tokens` prompt tokens (id 0) in `num_seqs`
 /// sequences of equal length (the last takes the remainder), each in blocks

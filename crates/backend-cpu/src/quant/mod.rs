@@ -607,6 +607,11 @@ pub struct QuantActs {
     /// The activations these records were made from (see
     /// [`QuantActs::quantize_cached`]).
     src: Vec<f32>,
+    /// The channels quantized as zeros ([`QuantActs::quantize_cached_zeroing`]).
+    zeroed: Vec<usize>,
+    /// Their values, `zeroed.len()` per row (what the f32 products of
+    /// [`crate::outliers`] multiply).
+    pub zeroed_values: Vec<f32>,
 }
 
 /// One block of activations as codes of at most `max`: (q, dx, Σ dx·q).
@@ -667,6 +672,39 @@ fn quantize_row(x: &[f32], bits: ActBits, out: &mut [u8], sums: &mut [f32], corr
     for j in j..pairs {
         quantize_pair(x, j, bits, &mut out[j * rec..(j + 1) * rec], sums, corr);
     }
+}
+
+/// [`quantize_row`] of `x` with the channels `zero` set to zero (in a
+/// per-thread copy of the row), their values into `picked`.
+fn quantize_row_zeroing(
+    x: &[f32],
+    bits: ActBits,
+    (zero, picked): (&[usize], &mut [f32]),
+    out: &mut [u8],
+    sums: &mut [f32],
+    corr: &mut [i32],
+) {
+    if zero.is_empty() {
+        return quantize_row(x, bits, out, sums, corr);
+    }
+    for (p, &c) in picked.iter_mut().zip(zero) {
+        *p = x[c];
+    }
+    thread_local! {
+        static ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let mut run = |row: &mut Vec<f32>| {
+        row.clear();
+        row.extend_from_slice(x);
+        for &c in zero {
+            row[c] = 0.0;
+        }
+        quantize_row(row, bits, out, sums, corr);
+    };
+    ROW.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut row) => run(&mut row),
+        Err(_) => run(&mut Vec::new()),
+    });
 }
 
 /// Pair `j` of row `x` (values `64j..64j + 64`, zeros past the end) into
@@ -791,25 +829,38 @@ impl QuantActs {
     /// parallel when many).
     pub fn quantize(x: &[f32], rows: usize, k: usize, bits: ActBits, into: &mut QuantActs) {
         into.src.clear();
-        Self::quantize_into(x, rows, k, bits, into)
+        into.zeroed.clear();
+        Self::quantize_into(x, rows, k, bits, &[], into)
     }
 
     /// [`QuantActs::quantize`], skipped when `x` equals the activations of
     /// the previous call (the Q, K and V projections, or gate and up, read
     /// the same input). Comparing is ~10× cheaper than quantizing.
     pub fn quantize_cached(x: &[f32], rows: usize, k: usize, bits: ActBits, into: &mut QuantActs) {
+        Self::quantize_cached_zeroing(x, rows, k, bits, &[], into)
+    }
+
+    /// [`QuantActs::quantize_cached`] with the input channels `zero`
+    /// quantized as zeros (a weight's outlier channels, which it multiplies
+    /// in f32: [`crate::outliers`]), so that they set no block's scale.
+    /// Each row is copied and zeroed where it is quantized (in L1), not as
+    /// a whole copy of `x`.
+    pub fn quantize_cached_zeroing(x: &[f32], rows: usize, k: usize, bits: ActBits, zero: &[usize], into: &mut QuantActs) {
         if !into.split
             && into.rows == rows
             && into.pairs == k.div_ceil(PAIR)
             && into.bits == bits
+            && into.zeroed == zero
             && into.src.len() == x.len()
             && into.src == x
         {
             return;
         }
-        Self::quantize_into(x, rows, k, bits, into);
+        Self::quantize_into(x, rows, k, bits, zero, into);
         into.src.clear();
         into.src.extend_from_slice(x);
+        into.zeroed.clear();
+        into.zeroed.extend_from_slice(zero);
     }
 
     /// int16 precision from two int8 passes, for the VNNI lane kernels:
@@ -831,6 +882,7 @@ impl QuantActs {
         into.pairs = pairs;
         into.bits = bits;
         into.split = true;
+        into.zeroed.clear();
         into.data.clear();
         into.data.resize(2 * rows * per, 0);
         into.sums.clear();
@@ -888,7 +940,7 @@ impl QuantActs {
         }
     }
 
-    fn quantize_into(x: &[f32], rows: usize, k: usize, bits: ActBits, into: &mut QuantActs) {
+    fn quantize_into(x: &[f32], rows: usize, k: usize, bits: ActBits, zero: &[usize], into: &mut QuantActs) {
         into.split = false;
         let pairs = k.div_ceil(PAIR);
         into.rows = rows;
@@ -902,24 +954,29 @@ impl QuantActs {
         let ncorr = if bits.int8() { 8 * pairs } else { 0 };
         into.corr.clear();
         into.corr.resize(rows * ncorr, 0);
+        into.zeroed_values.clear();
+        into.zeroed_values.resize(rows * zero.len(), 0.0);
         if k == 0 {
             return;
         }
         let per = pairs * bits.record();
-        // One (empty) slice per row when there are no corrections.
-        let mut corr: Vec<&mut [i32]> =
-            if ncorr == 0 { (0..rows).map(|_| &mut [][..]).collect() } else { into.corr.chunks_mut(ncorr).collect() };
+        // One (empty) slice per row when there are no corrections or no
+        // zeroed channels.
+        let empty_rows = |n: usize| -> Vec<&mut [i32]> { (0..n).map(|_| &mut [][..]).collect() };
+        let mut corr: Vec<&mut [i32]> = if ncorr == 0 { empty_rows(rows) } else { into.corr.chunks_mut(ncorr).collect() };
+        let mut picked: Vec<&mut [f32]> =
+            if zero.is_empty() { (0..rows).map(|_| &mut [][..]).collect() } else { into.zeroed_values.chunks_mut(zero.len()).collect() };
+        let rows_of = into.data.chunks_mut(per).zip(into.sums.chunks_mut(nbp)).zip(corr.iter_mut()).zip(picked.iter_mut()).zip(x.chunks(k));
         if rows * k >= 1 << 15 {
-            let mut items: Vec<_> =
-                into.data.chunks_mut(per).zip(into.sums.chunks_mut(nbp)).zip(corr.iter_mut()).zip(x.chunks(k)).collect();
+            let mut items: Vec<_> = rows_of.collect();
             crate::spin_team::for_chunks_mut(&mut items, rows_per_part(rows), &|_, part| {
-                for (((o, sm), cr), xr) in part.iter_mut() {
-                    quantize_row(xr, bits, o, sm, cr);
+                for ((((o, sm), cr), pk), xr) in part.iter_mut() {
+                    quantize_row_zeroing(xr, bits, (zero, pk), o, sm, cr);
                 }
             });
         } else {
-            for (((o, sm), cr), xr) in into.data.chunks_mut(per).zip(into.sums.chunks_mut(nbp)).zip(corr.iter_mut()).zip(x.chunks(k)) {
-                quantize_row(xr, bits, o, sm, cr);
+            for ((((o, sm), cr), pk), xr) in rows_of {
+                quantize_row_zeroing(xr, bits, (zero, pk), o, sm, cr);
             }
         }
     }

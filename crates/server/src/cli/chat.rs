@@ -40,7 +40,8 @@ pub struct ChatArgs {
 /// Runs `vellum chat`: one line of input is one user turn; an empty line or
 /// end of input quits.
 pub fn run(args: ChatArgs) -> Result<()> {
-    let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::default())?;
+    // One conversation: the KV cache is sized for one sequence.
+    let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults { max_num_seqs: 1, ..EngineDefaults::default() })?;
     let mut llm = super::load_with_progress(engine_args)?;
     let params = SamplingParams {
         temperature: args.temperature,

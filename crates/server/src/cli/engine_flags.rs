@@ -30,8 +30,9 @@ pub struct EngineFlags {
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// KV cache size: bytes with a unit (`512MiB`, `4GiB`) or a fraction of
-    /// the memory the device has free once the weights are loaded (`0.5`,
-    /// the default on the CPU and wgpu).
+    /// the memory the device has free once the weights are loaded (`0.5`).
+    /// Default on the CPU and wgpu: what --max-num-seqs × --max-model-len
+    /// can use, at most 4 GiB and half the free memory.
     #[arg(long, conflicts_with = "gpu_memory_utilization")]
     pub kv_cache_memory: Option<String>,
     /// Fraction of the GPU's memory for weights, activations (measured by a
@@ -64,9 +65,11 @@ pub struct EngineFlags {
     /// recompute or swap.
     #[arg(long, default_value = "recompute")]
     pub preemption_mode: String,
-    /// CPU backend: int8 (the file's blocks × int8 activations, as
-    /// llama.cpp), int16 (× int16 activations: within 0.002 nats of float64,
-    /// slower) or float32 (every weight widened: the reference).
+    /// CPU backend: int8 (the file's blocks × int8 activations as llama.cpp,
+    /// each weight's outlier channels in f32: closer to float64 than
+    /// llama.cpp), int16 (× int16 activations: within 0.002 nats of
+    /// float64, slower in batches) or float32 (every weight widened: the
+    /// reference).
     #[arg(long, default_value = "int8")]
     pub cpu_precision: String,
 }
@@ -153,7 +156,8 @@ impl EngineFlags {
 
 /// The KV cache's size from `--kv-cache-memory` or `--gpu-memory-utilization`
 /// (at most one is given), else the device's default: 0.9 of a GPU (vLLM's),
-/// half the free memory elsewhere.
+/// elsewhere what the configuration can use within limits
+/// ([`KvCacheSize::Auto`]).
 pub fn kv_cache_size(kv_cache_memory: Option<&str>, gpu_memory_utilization: Option<f32>, device: &str) -> Result<KvCacheSize> {
     match (kv_cache_memory, gpu_memory_utilization) {
         (Some(s), _) => parse_kv_cache_memory(s),
@@ -163,7 +167,7 @@ pub fn kv_cache_size(kv_cache_memory: Option<&str>, gpu_memory_utilization: Opti
         }
         (None, Some(f)) => Ok(KvCacheSize::DeviceFraction(f)),
         (None, None) if device == "cuda" => Ok(KvCacheSize::DeviceFraction(0.9)),
-        (None, None) => Ok(KvCacheSize::FractionOfFree(0.5)),
+        (None, None) => Ok(KvCacheSize::Auto),
     }
 }
 
@@ -263,7 +267,7 @@ mod tests {
     #[test]
     fn the_kv_cache_size_defaults_to_vllms_gpu_memory_utilization_on_cuda_only() {
         assert_eq!(kv_cache_size(None, None, "cuda").ok(), Some(KvCacheSize::DeviceFraction(0.9)));
-        assert_eq!(kv_cache_size(None, None, "cpu").ok(), Some(KvCacheSize::FractionOfFree(0.5)));
+        assert_eq!(kv_cache_size(None, None, "cpu").ok(), Some(KvCacheSize::Auto));
         assert_eq!(kv_cache_size(None, Some(0.8), "cuda").ok(), Some(KvCacheSize::DeviceFraction(0.8)));
         assert_eq!(kv_cache_size(Some("2GiB"), None, "cuda").ok(), Some(KvCacheSize::MemoryBytes(2 << 30)));
         let e = kv_cache_size(None, Some(0.9), "cpu").expect_err("cpu has no GPU memory").to_string();

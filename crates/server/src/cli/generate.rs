@@ -156,7 +156,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     params.validate().map_err(|e| anyhow!("{e}"))?;
     tracing::info!(model = args.model.as_deref().unwrap_or("default (SmolLM2-135M-Instruct Q4_1)"), "loading model");
-    let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::default())?;
+    // Sized for this job: its sequences run at once, and the KV cache holds
+    // what they can use (not a server's 256 at the model's full context).
+    let samples = args.n.max(args.beam_width.map_or(1, |w| 2 * w));
+    let defaults = EngineDefaults { max_num_seqs: (prompts.len() * samples).clamp(1, 256), ..EngineDefaults::default() };
+    let engine_args = args.engine.engine_args(args.model.clone(), defaults)?;
     let mut llm = super::load_with_progress(engine_args)?;
     let texts: Vec<String> = if args.chat {
         prompts
