@@ -30,16 +30,32 @@ enum Command {
     Bench(cli::bench::BenchCommand),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    use std::io::IsTerminal;
+    // Colour only on a terminal, and never under NO_COLOR (no-color.org).
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .init();
-    match Cli::parse().command {
+    let result = match Cli::parse().command {
         Command::Serve(args) => serve::run(args),
         Command::Simulate(args) => cli::simulate::run(args),
         Command::Generate(args) => cli::generate::run(args),
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Chat(args) => cli::chat::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // A user's mistake (a missing file, a bad flag value) is one
+            // message and its causes, not a backtrace.
+            eprintln!("error: {e}");
+            for cause in e.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            std::process::ExitCode::FAILURE
+        }
     }
 }

@@ -23,10 +23,15 @@ pub fn load_with_progress(args: EngineArgs) -> Result<Llm> {
     let llm = Llm::new_with_progress(args, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
-    })
-    .map_err(|e| anyhow!("{e}"))?;
+        // Cleared at the last layer, before the engine logs its next
+        // lines: a bar cleared after them would erase a log line and leave
+        // itself on screen.
+        if done == total {
+            bar.finish_and_clear();
+        }
+    });
     bar.finish_and_clear();
-    Ok(llm)
+    llm.map_err(|e| anyhow!("{e}"))
 }
 
 /// `len` random ordinary token ids (above the first 100 ids, where special

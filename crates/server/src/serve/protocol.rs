@@ -266,14 +266,38 @@ pub fn unknown_fields(unknown: &BTreeMap<String, Value>) -> Vec<&str> {
     unknown.keys().map(String::as_str).filter(|k| !KNOWN.contains(k)).collect()
 }
 
-/// Parses a JSON body into `T`, every failure a 400 naming what is wrong.
+/// Parses a JSON body into `T`, every failure a 400 naming what is wrong
+/// and, for a value of the wrong type, the field that holds it
+/// (`"temperature": "hot"` names `temperature`).
 pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     if bytes.is_empty() {
         return Err(ApiError::bad_request("The request body is empty; a JSON object is expected.", None));
     }
     serde_json::from_slice(bytes).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() { "Malformed JSON" } else { "Invalid request" };
-        ApiError::bad_request(format!("{what}: {e}"), None)
+        if e.is_syntax() || e.is_eof() {
+            return ApiError::bad_request(format!("Malformed JSON: {e}"), None);
+        }
+        let param = culprit::<T>(bytes);
+        let at = param.as_deref().map(|p| format!(" in `{p}`")).unwrap_or_default();
+        ApiError::bad_request(format!("Invalid request{at}: {e}"), param.as_deref())
+    })
+}
+
+/// The top-level field of a well-formed JSON object that `T` refuses: the
+/// one without which it parses, or only misses that field (a required one
+/// of the wrong type). The request types keep their unknown fields in a
+/// flattened map, so serde's own error has no path. Run on the error path
+/// only.
+fn culprit<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<String> {
+    let Ok(Value::Object(object)) = serde_json::from_slice::<Value>(bytes) else { return None };
+    object.keys().find_map(|k| {
+        let mut without = object.clone();
+        without.remove(k);
+        match serde_json::from_value::<T>(Value::Object(without)) {
+            Ok(_) => Some(k.clone()),
+            Err(e) if e.to_string().starts_with(&format!("missing field `{k}`")) => Some(k.clone()),
+            Err(_) => None,
+        }
     })
 }
 
@@ -419,6 +443,23 @@ pub fn message_text(m: &Message) -> Result<String, ApiError> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_field_of_the_wrong_type_is_named() {
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct Req {
+            messages: Vec<String>,
+            temperature: Option<f32>,
+            #[serde(flatten)]
+            rest: std::collections::BTreeMap<String, Value>,
+        }
+        let named = |body: &str| parse_body::<Req>(body.as_bytes()).err().and_then(|e| e.param);
+        assert_eq!(named(r#"{"messages": ["a"], "temperature": "hot", "x": 1}"#).as_deref(), Some("temperature"));
+        assert_eq!(named(r#"{"messages": 3}"#).as_deref(), Some("messages"));
+        assert_eq!(named(r#"{"temperature": 1}"#), None);
+        assert!(parse_body::<Req>(br#"{"messages": ["a"], "temperature": 0.5}"#).is_ok());
+    }
     use super::*;
 
     #[test]

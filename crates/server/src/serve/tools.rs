@@ -412,14 +412,11 @@ impl ToolCallParser {
         let mut events = Vec::new();
         match self.mode {
             ParseMode::Arguments(_) => self.start_named_call(&mut events),
-            ParseMode::Array => {
-                // Grammar-constrained: only a truncated output ends early. If
-                // nothing parsed, show what came out as content.
-                if self.num_calls == 0 && !self.buf.trim().is_empty() {
-                    events.push(ToolEvent::Content(std::mem::take(&mut self.buf)));
-                }
-                self.buf.clear();
-            }
+            // Grammar-constrained: only `max_tokens` ends it early. The call
+            // being written then is dropped (the calls before it stand), in
+            // a whole reply as in a stream, where a call is sent only once
+            // its array item is complete; the JSON is never content.
+            ParseMode::Array => self.buf.clear(),
             ParseMode::Tagged => self.scan_tagged(&mut events, true),
         }
         events
@@ -694,9 +691,9 @@ mod tests {
         // Cut off mid-item (max_tokens): the complete item only.
         let a = assert_split_invariant(ParseMode::Array, true, r#"[{"name": "f", "parameters": {}}, {"name": "g", "para"#);
         assert_eq!(a.calls, vec![("f".into(), "{}".into())]);
-        // Nothing complete: the text is shown as content.
+        // Nothing complete: nothing to report, and the JSON is not content.
         let a = assert_split_invariant(ParseMode::Array, true, r#"[{"name": "f""#);
-        assert_eq!((a.content.as_deref(), a.calls.len()), (Some(r#"[{"name": "f""#), 0));
+        assert_eq!((a.content.as_deref(), a.calls.len()), (None, 0));
     }
 
     #[test]

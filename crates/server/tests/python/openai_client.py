@@ -178,7 +178,10 @@ def too_long_is_400_with_counts():
 def invalid_parameters_are_400_naming_the_param():
     for kw, param in [({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"), ({"n": 0}, "n"),
                       ({"logprobs": 50}, "logprobs"), ({"presence_penalty": 5}, "presence_penalty"),
-                      ({"extra_body": {"logit_bias": {"999999999": 1}}}, "logit_bias")]:
+                      ({"extra_body": {"logit_bias": {"999999999": 1}}}, "logit_bias"),
+                      # Wrong types name their field too.
+                      ({"temperature": "hot"}, "temperature"), ({"max_tokens": "many"}, "max_tokens"),
+                      ({"extra_body": {"top_k": [1]}}, "top_k")]:
         try:
             greedy(**kw)
         except openai.BadRequestError as e:

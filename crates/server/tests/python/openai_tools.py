@@ -11,7 +11,8 @@ Usage: python3 openai_tools.py BASE_URL
 - `auto` and `none`: streamed and whole responses agree; `none` never calls.
 - A conversation with earlier calls and `role: "tool"` results renders and
   answers.
-- `max_tokens` cut mid-call is `length`, never a broken call.
+- `max_tokens` cut mid-call is `length`, never a broken call nor JSON as
+  content, the same whole and streamed.
 - 400s naming the field: unknown named function, `required` without tools,
   an invalid parameter schema, tools with another structured output.
 """
@@ -198,13 +199,18 @@ prompt = json.loads(urllib.request.urlopen(req).read())["prompt"]
 for needle in ["<tools>", "\"name\":\"get_weather\"", "<tool_call>", "<tool_response>\n14:05\n</tool_response>"]:
     check(needle in prompt, f"the rendered prompt has {needle!r}")
 
-# 6. Cut off by max_tokens: length, and only complete calls.
+# 6. Cut off by max_tokens: length, only complete calls, the JSON never as
+#    content, and the same reply whole and streamed.
+cut = []
 for stream in [False, True]:
     kw = dict(messages=messages(QUESTIONS[0]), tools=TOOLS, tool_choice="required", temperature=0, max_tokens=6)
     content, calls, finish = streamed(**kw) if stream else whole(**kw)
     check(finish == "length", f"max_tokens mid-call: length, got {finish}")
+    check(not content, f"a cut required call is not content: {content!r}")
     for name, arguments in calls:
         jsonschema.validate(json.loads(arguments), PARAMS[name])
+    cut.append((content or None, calls))
+check(cut[0] == cut[1], f"a cut reply is the same whole and streamed: {cut}")
 
 # 7. Bad requests: 400 naming the field.
 def bad(field, **kw):
