@@ -495,7 +495,9 @@ impl AttentionBackend for CpuOps {
 
     fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<KvCache> {
         let layout = KvCacheLayout { num_blocks, block_size: spec.block_size, num_kv_heads: spec.num_kv_heads, head_dim: spec.head_dim };
-        Ok(KvCache::grouped(layout, spec.groups.clone(), num_host_blocks, spec.dtype))
+        KvCache::try_grouped(layout, spec.groups.clone(), num_host_blocks, spec.dtype).map_err(|e| {
+            Error::Backend(format!("the KV cache ({num_blocks} blocks, {num_host_blocks} host blocks, {:?}): {e}", spec.dtype))
+        })
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<HostStep> {

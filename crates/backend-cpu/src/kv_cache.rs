@@ -28,7 +28,6 @@
 use std::ops::Range;
 
 use half::slice::HalfFloatSliceExt;
-use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 use vellum_core::{BlockCopy, BlockSwap, KvCacheDtype, KvCacheGroups, KvLayerSlot};
 
@@ -75,31 +74,117 @@ impl KvCacheLayout {
 #[derive(Clone, Debug, PartialEq)]
 pub enum KvPool {
     /// 4 bytes per element.
-    F32(Vec<f32>),
+    F32(PoolBuf<f32>),
     /// 2 bytes per element: 10-bit mantissa, range ±65504.
-    F16(Vec<f16>),
+    F16(PoolBuf<f16>),
     /// 2 bytes per element: 7-bit mantissa, the range of `f32`.
-    Bf16(Vec<bf16>),
+    Bf16(PoolBuf<bf16>),
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element a [`PoolBuf`] holds: a plain value type every bit pattern of
+/// which is a value, all-zero bits being +0.0 (`f32`, `f16`, `bf16`).
+pub trait PoolElem: Copy + PartialEq + std::fmt::Debug + Send + Sync + sealed::Sealed + 'static {}
+impl PoolElem for f32 {}
+impl PoolElem for f16 {}
+impl PoolElem for bf16 {}
+
+/// `len` elements in an anonymous memory map of their own, zeros until
+/// written: the OS maps a page when a block in it is first written, so a
+/// cache sized for 256 requests costs the memory of the blocks in use and a
+/// server answers before any of it is touched; dropping the pool gives its
+/// pages back. (From the heap, a pool freed and allocated again would be
+/// cleared by `calloc`, every page touched: the backend keeps freed heap
+/// memory in the process.)
+pub struct PoolBuf<T: PoolElem> {
+    /// `None` for no elements (a map cannot be empty).
+    map: Option<memmap2::MmapMut>,
+    len: usize,
+    _elem: std::marker::PhantomData<T>,
+}
+
+impl<T: PoolElem> PoolBuf<T> {
+    /// `len` zeros, none of them resident yet.
+    pub fn zeroed(len: usize) -> std::io::Result<Self> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("a pool of {len} elements overflows")))?;
+        let map = if bytes == 0 { None } else { Some(memmap2::MmapMut::map_anon(bytes)?) };
+        Ok(Self { map, len, _elem: std::marker::PhantomData })
+    }
+}
+
+impl<T: PoolElem> std::ops::Deref for PoolBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match &self.map {
+            // SAFETY: the map is page-aligned (past `T`'s alignment), holds
+            // `len · size_of::<T>()` initialized bytes (zeros, then what was
+            // written), every bit pattern of a `PoolElem` is a value, and the
+            // slice borrows `self`, which owns the map.
+            Some(m) => unsafe { std::slice::from_raw_parts(m.as_ptr().cast::<T>(), self.len) },
+            None => &[],
+        }
+    }
+}
+
+impl<T: PoolElem> std::ops::DerefMut for PoolBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match &mut self.map {
+            // SAFETY: as in `deref`; `&mut self` makes the borrow unique.
+            Some(m) => unsafe { std::slice::from_raw_parts_mut(m.as_mut_ptr().cast::<T>(), self.len) },
+            None => &mut [],
+        }
+    }
+}
+
+impl<T: PoolElem> Clone for PoolBuf<T> {
+    /// # Panics
+    /// If the OS refuses the new map.
+    fn clone(&self) -> Self {
+        let mut copy = Self::zeroed(self.len).unwrap_or_else(|e| panic!("cloning a KV pool of {} elements: {e}", self.len));
+        copy.copy_from_slice(self);
+        copy
+    }
+}
+
+impl<T: PoolElem> std::fmt::Debug for PoolBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PoolBuf<{}>({} elements)", std::any::type_name::<T>(), self.len)
+    }
+}
+
+impl<T: PoolElem> PartialEq for PoolBuf<T> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
 }
 
 impl KvPool {
-    /// `n` zeros of type `dtype`, none of them resident yet: the pool is
-    /// one zeroed allocation (`calloc`), whose pages the OS maps when a
-    /// block is first written, so a cache sized for 256 requests costs
-    /// the memory of the blocks in use, not of the whole pool, and a
-    /// server answers before gigabytes are touched. The engine's default
-    /// size keeps to half the memory free at startup
+    /// `n` zeros of type `dtype`, none of them resident yet ([`PoolBuf`]):
+    /// the engine's default size keeps to half the memory free at startup
     /// ([`vellum_core::KvCacheSize::Auto`]), so the pages it may touch
     /// later are there.
+    pub fn try_zeros(dtype: KvCacheDtype, n: usize) -> std::io::Result<Self> {
+        Ok(match dtype {
+            KvCacheDtype::F32 => KvPool::F32(PoolBuf::zeroed(n)?),
+            KvCacheDtype::F16 => KvPool::F16(PoolBuf::zeroed(n)?),
+            KvCacheDtype::Bf16 => KvPool::Bf16(PoolBuf::zeroed(n)?),
+        })
+    }
+
+    /// [`KvPool::try_zeros`].
+    ///
+    /// # Panics
+    /// If the OS refuses the map.
     pub fn zeros(dtype: KvCacheDtype, n: usize) -> Self {
-        // `vec![0; n]` of a primitive is a zeroed allocation; half's types
-        // are not primitives (their `vec!` writes every element), so their
-        // pools start as zeroed `u16` bits, reinterpreted (0 is +0.0 in both).
-        match dtype {
-            KvCacheDtype::F32 => KvPool::F32(vec![0.0; n]),
-            KvCacheDtype::F16 => KvPool::F16(vec![0u16; n].reinterpret_into()),
-            KvCacheDtype::Bf16 => KvPool::Bf16(vec![0u16; n].reinterpret_into()),
-        }
+        Self::try_zeros(dtype, n).unwrap_or_else(|e| panic!("a KV pool of {n} {dtype:?} elements: {e}"))
     }
 
     /// The storage type.
@@ -189,9 +274,18 @@ pub struct LayerKvCache {
 
 impl LayerKvCache {
     /// Zeroed pools for `layout`, stored as `dtype`.
+    ///
+    /// # Panics
+    /// If the OS refuses the memory ([`LayerKvCache::try_new`] says so instead).
     pub fn new(layout: &KvCacheLayout, dtype: KvCacheDtype) -> Self {
         let n = layout.pool_elems();
         Self { k: KvPool::zeros(dtype, n), v: KvPool::zeros(dtype, n) }
+    }
+
+    /// [`LayerKvCache::new`], an error if the OS refuses the memory.
+    pub fn try_new(layout: &KvCacheLayout, dtype: KvCacheDtype) -> std::io::Result<Self> {
+        let n = layout.pool_elems();
+        Ok(Self { k: KvPool::try_zeros(dtype, n)?, v: KvPool::try_zeros(dtype, n)? })
     }
 
     /// The storage type of both pools.
@@ -246,17 +340,25 @@ impl KvCache {
     }
 
     /// Zeroed device and host pools for the slots of `groups`.
+    ///
+    /// # Panics
+    /// If the OS refuses the memory ([`KvCache::try_grouped`] says so instead).
     pub fn grouped(layout: KvCacheLayout, groups: KvCacheGroups, num_host_blocks: usize, dtype: KvCacheDtype) -> Self {
+        Self::try_grouped(layout, groups, num_host_blocks, dtype).unwrap_or_else(|e| panic!("a KV cache of {layout:?}: {e}"))
+    }
+
+    /// [`KvCache::grouped`], an error if the OS refuses the memory.
+    pub fn try_grouped(layout: KvCacheLayout, groups: KvCacheGroups, num_host_blocks: usize, dtype: KvCacheDtype) -> std::io::Result<Self> {
         let host_layout = Self::host_layout_of(&layout, num_host_blocks);
         let slots = groups.layers_per_group();
-        Self {
+        Ok(Self {
             layout,
             dtype,
             groups,
-            layers: (0..slots).map(|_| LayerKvCache::new(&layout, dtype)).collect(),
-            host_layers: (0..slots).map(|_| LayerKvCache::new(&host_layout, dtype)).collect(),
+            layers: (0..slots).map(|_| LayerKvCache::try_new(&layout, dtype)).collect::<std::io::Result<_>>()?,
+            host_layers: (0..slots).map(|_| LayerKvCache::try_new(&host_layout, dtype)).collect::<std::io::Result<_>>()?,
             num_host_blocks,
-        }
+        })
     }
 
     /// Where `layer`'s K/V live, or `None` for a layer the cache lacks.
@@ -330,6 +432,31 @@ impl KvCache {
 
 #[cfg(test)]
 mod tests {
+    fn resident_kib() -> u64 {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn a_pool_is_zeros_and_resident_only_where_written() {
+        let mut pool = PoolBuf::<f16>::zeroed(512 << 20).expect("maps 1 GiB");
+        assert_eq!(pool.len(), 512 << 20);
+        let before = resident_kib();
+        assert!(pool[..1 << 20].iter().chain(&pool[(511 << 20)..]).all(|v| *v == f16::ZERO));
+        pool[12345] = f16::from_f32(1.5);
+        // Reading pages maps the shared zero page; a write maps one page.
+        assert!(resident_kib() < before + (64 << 10), "{} KiB resident after touching 1 GiB's ends", resident_kib() - before);
+        drop(pool);
+        let mut small = PoolBuf::<bf16>::zeroed(1000).expect("maps");
+        small[7] = bf16::from_f32(-2.0);
+        let copy = small.clone();
+        assert_eq!(copy[7], bf16::from_f32(-2.0));
+        assert!(copy == small);
+        assert!(PoolBuf::<f32>::zeroed(0).expect("empty").is_empty());
+        assert!(PoolBuf::<f32>::zeroed(usize::MAX / 2).is_err());
+    }
     use super::*;
 
     #[test]
