@@ -12,7 +12,11 @@ cd "$(dirname "$0")/.."
 if [ -n "${LLAMA_CPP_BIN:-}" ]; then echo "$LLAMA_CPP_BIN"; exit 0; fi
 ROOT=benchmarks/.llama.cpp
 BIN=$ROOT/src/vendor/llama.cpp/build/bin
-if [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-server" ]; then echo "$BIN"; exit 0; fi
+# EXTRA_TARGETS: more of its tools (benchmarks/accuracy.sh: llama-perplexity llama-quantize).
+TARGETS="llama-batched-bench llama-server ${EXTRA_TARGETS:-}"
+missing=""
+for t in $TARGETS; do [ -x "$BIN/$t" ] || missing="$missing $t"; done
+if [ -z "$missing" ]; then echo "$BIN"; exit 0; fi
 command -v cmake >/dev/null || { echo "cmake is needed: apt-get install cmake" >&2; exit 1; }
 mkdir -p "$ROOT"
 if [ ! -d "$ROOT/src" ]; then
@@ -21,7 +25,7 @@ if [ ! -d "$ROOT/src" ]; then
     tar -xzf "$ROOT/llama_cpp_python-0.3.36.tar.gz" -C "$ROOT"
     mv "$ROOT/llama_cpp_python-0.3.36" "$ROOT/src"
 fi
-echo "== building llama-batched-bench and llama-server (native CPU features)" >&2
+echo "== building $TARGETS (native CPU features)" >&2
 # On CPUs with AMX, -march=native turns on ggml's AMX matmul, which
 # segfaults at the first matmul of both benchmark models here (2026-11-25,
 # a Xeon with amx_int8; the tile permission is granted): the known, unfixed
@@ -34,5 +38,6 @@ if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
 fi
 cmake -S "$ROOT/src/vendor/llama.cpp" -B "$ROOT/src/vendor/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "${NO_AMX[@]}" >&2
-cmake --build "$ROOT/src/vendor/llama.cpp/build" -j"$(nproc)" --target llama-batched-bench llama-server >&2
+# shellcheck disable=SC2086
+cmake --build "$ROOT/src/vendor/llama.cpp/build" -j"$(nproc)" --target $TARGETS >&2
 echo "$BIN"

@@ -294,7 +294,9 @@ fn linear_quant_outliers(
                 // products add into them: OUTLIER_ROWS rows of as many
                 // columns as 256 KiB of int8 weights hold (an LM head's
                 // thread range alone is 32 MB of outputs at 64 rows).
-                let width = ((256 << 10) / k.max(1)).next_multiple_of(16).max(16);
+                // A few rows' outputs stay in cache anyway, and one call
+                // keeps the kernel's weight stream (and its prefetch) whole.
+                let width = if m <= 8 { cols.len().max(1) } else { ((256 << 10) / k.max(1)).next_multiple_of(16).max(16) };
                 for c0 in cols.clone().step_by(width) {
                     let tile_cols = c0..(c0 + width).min(cols.end);
                     for r0 in (0..m).step_by(OUTLIER_ROWS) {
