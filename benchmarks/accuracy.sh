@@ -14,7 +14,7 @@
 #    textwrap.py) and a fixed revision of docs/reliability.md; its sha256 is
 #    checked so that figures compare across runs.
 # 2. Greedy agreement with independent float64 references on prompts the
-#    golden files do not hold (benchmarks/accuracy/heldout-*: prompts and
+#    golden files do not hold (benchmarks/accuracy/heldout-*: 32 prompts and
 #    the references `reference_llama.py` / `reference_gemma3.py` of
 #    ../shared/golden computed on them), walked as tests/golden.rs walks
 #    the golden files; llama.cpp's through benchmarks/llama_cpp_logprobs.py.
