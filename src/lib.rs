@@ -16,6 +16,7 @@ pub use vellum_core as core;
 pub use vellum_engine as engine;
 pub use vellum_kvcache as kvcache;
 pub use vellum_models as models;
+pub use vellum_ops as ops;
 pub use vellum_scheduler as scheduler;
 
 /// The CPU backend (feature `cpu`, on by default).

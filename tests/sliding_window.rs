@@ -8,8 +8,9 @@
 #[path = "../crates/models/tests/common/tiny_checkpoint.rs"]
 mod tiny_checkpoint;
 
-use vellum::backend_cpu::{CpuExecutor, CpuOps, WeightFormat};
+use vellum::backend_cpu::{CpuOps, WeightFormat};
 use vellum::core::{BlockAllocator, ForwardBatch, KvCacheSize, KvMemory, ModelExecutor, SamplingParams, SchedulerConfig, StepOutput};
+use vellum::engine::CpuExecutor;
 use vellum::engine::EngineCore;
 use vellum::models::{SafetensorsWeights, WeightSource};
 

@@ -9,7 +9,11 @@
 //!   docs does not compile;
 //! - every dependency a crate declares is used by its code;
 //! - the engine keeps its own view of sequences: nothing in
-//!   `crates/engine/src` reads the scheduler's request objects.
+//!   `crates/engine/src` reads the scheduler's request objects;
+//! - the backends stand on the seam alone: no backend crate depends, even
+//!   indirectly, on `vellum-models` or on anything that parses files or text
+//!   (tokenizers, chat templates, safetensors, zip), read from `cargo
+//!   metadata`.
 //!
 //! `cargo fmt --check` and `cargo clippy --all-targets -- -D warnings` run
 //! beside this test in `.ci/run`.
@@ -223,4 +227,69 @@ fn the_engine_never_reads_scheduler_requests() {
         "the engine reads scheduler request objects (keep a view from StepUpdate instead):\n  {}",
         reads.join("\n  ")
     );
+}
+
+/// Crates a backend must not pull in (as normal dependencies, directly or
+/// through others): the model zoo and what parses files or text.
+const NOT_UNDER_A_BACKEND: [&str; 6] = ["vellum-models", "tokenizers", "minijinja", "safetensors", "zip", "sha2"];
+
+#[test]
+fn backends_depend_on_the_seam_alone() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // This machine's platform only: the other platforms' crates may not be
+    // downloaded, and a backend's dependencies are the same question on each.
+    let rustc = std::process::Command::new("rustc").arg("-vV").output().expect("rustc -vV runs");
+    let host = String::from_utf8_lossy(&rustc.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_string))
+        .expect("rustc names its host");
+    let out = std::process::Command::new(cargo)
+        .args(["metadata", "--format-version", "1", "--all-features", "--locked", "--offline", "--filter-platform", &host])
+        .current_dir(root())
+        .output()
+        .expect("cargo metadata runs");
+    assert!(out.status.success(), "cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON");
+    let name_of = |id: &str| -> String {
+        meta["packages"].as_array().into_iter().flatten().find(|p| p["id"] == id).and_then(|p| p["name"].as_str()).unwrap_or(id).to_string()
+    };
+    // Normal (not dev, not build) edges of the resolved graph.
+    let mut edges: std::collections::HashMap<String, Vec<String>> = Default::default();
+    for node in meta["resolve"]["nodes"].as_array().expect("a resolve graph") {
+        let from = node["id"].as_str().unwrap_or_default().to_string();
+        for dep in node["deps"].as_array().into_iter().flatten() {
+            let normal = dep["dep_kinds"].as_array().into_iter().flatten().any(|k| k["kind"].is_null());
+            if normal {
+                edges.entry(from.clone()).or_default().push(dep["pkg"].as_str().unwrap_or_default().to_string());
+            }
+        }
+    }
+    let mut found = Vec::new();
+    let backends: Vec<&serde_json::Value> = meta["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["name"].as_str().is_some_and(|n| n.starts_with("vellum-backend-")))
+        .collect();
+    assert_eq!(backends.len(), 3, "three backend crates");
+    for backend in backends {
+        let start = backend["id"].as_str().unwrap_or_default().to_string();
+        let mut seen = std::collections::HashSet::from([start.clone()]);
+        let mut stack = vec![(start, vec![backend["name"].as_str().unwrap_or_default().to_string()])];
+        while let Some((id, path)) = stack.pop() {
+            for next in edges.get(&id).into_iter().flatten() {
+                if !seen.insert(next.clone()) {
+                    continue;
+                }
+                let name = name_of(next);
+                let mut path = path.clone();
+                path.push(name.clone());
+                if NOT_UNDER_A_BACKEND.contains(&name.as_str()) {
+                    found.push(path.join(" -> "));
+                }
+                stack.push((next.clone(), path));
+            }
+        }
+    }
+    assert!(found.is_empty(), "backend crates depend on the seam (vellum-ops, vellum-core) alone, but:\n  {}", found.join("\n  "));
 }

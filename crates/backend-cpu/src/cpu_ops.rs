@@ -9,10 +9,13 @@ use crate::kv_cache::{KvCache, KvCacheLayout};
 use crate::linear::HostWeight;
 use crate::paged_attention::{paged_attention, write_kv};
 use crate::quant::{self, ActBits, WeightFormat};
-use vellum_core::{AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheSpec, KvMemory};
-use vellum_models::ops::{OpResult, Ops};
-use vellum_models::rope::RopeTable;
-use vellum_models::WeightView;
+use vellum_core::{
+    AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype,
+    KvCacheSpec, KvMemory, Sizes,
+};
+use vellum_ops::rope::RopeTable;
+use vellum_ops::WeightView;
+use vellum_ops::{OpResult, Ops};
 
 /// Row-major activations `[rows, cols]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -132,7 +135,7 @@ impl CpuOps {
 
     /// A linear weight, multiplying activations of the width its role
     /// takes (see [`CpuOps::activations_for`]).
-    fn weight(&self, w: &WeightView<'_>) -> vellum_models::Result<HostWeight> {
+    fn weight(&self, w: &WeightView<'_>) -> vellum_ops::Result<HostWeight> {
         HostWeight::from_view(w, self.weight_format, self.activations_for(&w.name))
     }
 
@@ -306,11 +309,11 @@ impl Ops for CpuOps {
     type Vector = Vec<f32>;
     type Rope = CpuRope;
 
-    fn linear_weight(&self, w: WeightView<'_>) -> vellum_models::Result<HostWeight> {
+    fn linear_weight(&self, w: WeightView<'_>) -> vellum_ops::Result<HostWeight> {
         self.weight(&w)
     }
 
-    fn embedding_weight(&self, w: WeightView<'_>) -> vellum_models::Result<HostWeight> {
+    fn embedding_weight(&self, w: WeightView<'_>) -> vellum_ops::Result<HostWeight> {
         // One copy serves both lookups (rows dequantized on demand) and the
         // tied LM head (int8 activations there cost 0.021 nats more than
         // int16 on SmolLM2's golden prompts and buy 29% of Gemma 3's
@@ -328,11 +331,11 @@ impl Ops for CpuOps {
         self.calibrating.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    fn vector(&self, _name: &str, data: &[f32]) -> vellum_models::Result<Vec<f32>> {
+    fn vector(&self, _name: &str, data: &[f32]) -> vellum_ops::Result<Vec<f32>> {
         Ok(data.to_vec())
     }
 
-    fn rope_table(&self, table: &RopeTable) -> vellum_models::Result<CpuRope> {
+    fn rope_table(&self, table: &RopeTable) -> vellum_ops::Result<CpuRope> {
         Ok(CpuRope { table: table.clone(), step: std::sync::Mutex::new(RopeRows::default()) })
     }
 
@@ -485,8 +488,17 @@ impl AttentionBackend for CpuOps {
         format!("cpu ({kernel}, {} threads, weights {:?}, {acts})", rayon::current_num_threads(), self.weight_format)
     }
 
-    fn supports_kv_groups(&self) -> bool {
-        true
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            head_dims: Sizes::ANY,
+            block_sizes: Sizes::ANY,
+            kv_dtypes: &[KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16],
+            kv_groups: true,
+        }
     }
 
     fn kv_memory(&self, _spec: &KvCacheSpec) -> KvMemory {
@@ -687,7 +699,7 @@ mod tests {
                 bytes.push((lo | (hi << 4)) as u8);
             }
         }
-        let view = WeightView::new("w", vec![n, k], vellum_models::gguf::GgmlType::Q4_1, bytes.into()).expect("whole blocks");
+        let view = WeightView::new("w", vec![n, k], vellum_ops::quant::GgmlType::Q4_1, bytes.into()).expect("whole blocks");
         let values = view.to_f32().expect("Q4_1 dequantizes");
         (view, values)
     }
@@ -756,8 +768,8 @@ mod tests {
     }
 
     /// Random GGUF blocks of `ty` for an `[n, k]` weight, f16 fields small.
-    fn random_blocks(ty: vellum_models::gguf::GgmlType, n: usize, k: usize, seed: &mut SeededRng) -> WeightView<'static> {
-        use vellum_models::gguf::GgmlType;
+    fn random_blocks(ty: vellum_ops::quant::GgmlType, n: usize, k: usize, seed: &mut SeededRng) -> WeightView<'static> {
+        use vellum_ops::quant::GgmlType;
         let (block, nb) = ty.block_layout();
         let mut bytes: Vec<u8> = (0..n * k / block * nb).map(|_| seed.below(256) as u8).collect();
         let halves: &[usize] = match ty {
@@ -777,7 +789,7 @@ mod tests {
 
     #[test]
     fn gguf_blocks_multiply_and_look_up_their_exact_values() {
-        use vellum_models::gguf::GgmlType;
+        use vellum_ops::quant::GgmlType;
         let mut seed = SeededRng::new(21);
         let types = [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q5_1, GgmlType::Q5_0];
         let int8 = [GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K].map(|t| (t, ActBits::I8));
@@ -832,7 +844,7 @@ mod tests {
     fn non_matrix_weights_are_typed_errors() {
         let ops = CpuOps::default();
         let err = ops.linear_weight(WeightView::from_f32("w", vec![4], &[0.0; 4]));
-        assert!(matches!(err, Err(vellum_models::Error::ShapeMismatch { .. })));
+        assert!(matches!(err, Err(vellum_ops::Error::ShapeMismatch { .. })));
         let x = HostTensor { rows: 1, cols: 3, data: vec![0.0; 3] };
         let w = ops.linear_weight(WeightView::from_f32("w", vec![2, 4], &[0.0; 8])).expect("2-D weight");
         assert!(matches!(ops.linear(&x, &w, None), Err(Error::Backend(_))), "a width mismatch is an error, not a panic");

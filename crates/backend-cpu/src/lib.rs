@@ -1,12 +1,13 @@
 //! # vellum-backend-cpu — the reference backend
 //!
 //! The host-memory implementation of the backend contracts: [`CpuOps`]
-//! implements the model operations of `vellum_models::ops::Ops` (linear
+//! implements the model operations of `vellum_ops::Ops` (linear
 //! layers, RMSNorm, RoPE, SiLU·mul, the fused K/V block write and paged
 //! attention over a mixed prefill/decode batch) and the core
 //! [`vellum_core::AttentionBackend`] (host KV pools, block copies for
-//! copy-on-write, swapping to a host pool); [`CpuExecutor`] is the generic
-//! `vellum_models::ModelRunner` over it.
+//! copy-on-write, swapping to a host pool). The crate depends on the seam
+//! (`vellum-ops`, `vellum-core`) alone; `vellum-models`' `ModelRunner<CpuOps>`
+//! runs a model on it (`vellum_engine::CpuExecutor`).
 //!
 //! **The one decision to know:** its float32 path (`WeightFormat::F32`,
 //! `--cpu-precision float32`) is the reference every other backend is
@@ -16,16 +17,13 @@
 //! through f32 ([`outliers`]): closer to the float64 golden references than
 //! llama.cpp (`KERNELS.md`). Everything
 //! between the linears (norms, RoPE, attention, the residual stream) stays
-//! f32; the KV cache is f32 or f16 or bf16 (`CpuExecutor::with_kv_cache_dtype`;
+//! f32; the KV cache is f32 or f16 or bf16 (`ModelRunner::with_kv_cache_dtype`;
 //! the engine's `auto` takes f16 on the int8 path, as llama.cpp does, f32 on
 //! the exact ones; measured cost on the golden prompts of the f32-weight
 //! path: 0.0048 nats for f16, 0.036 for bf16, no greedy token changed).
-//!
-//! [`CpuExecutor`]: cpu_executor::CpuExecutor
 
 #![deny(missing_docs)]
 
-pub mod cpu_executor;
 pub mod cpu_ops;
 pub mod kv_cache;
 pub mod linear;
@@ -34,6 +32,5 @@ pub mod paged_attention;
 pub mod quant;
 mod spin_team;
 
-pub use cpu_executor::CpuExecutor;
 pub use cpu_ops::{available_memory_bytes, CpuOps, HostStep, HostTensor};
 pub use quant::{ActBits, WeightFormat};

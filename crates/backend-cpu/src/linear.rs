@@ -9,8 +9,8 @@
 use crate::outliers::{OutlierChannels, Outliers, CHANNELS_PER_OUTLIER_LM_HEAD};
 use crate::quant::q5::Q5Lanes;
 use crate::quant::{self, ActBits, QuantActs, QuantKind, QuantWeight, WeightFormat};
-use vellum_models::gguf::{dequantize_into, GgmlType};
-use vellum_models::WeightView;
+use vellum_ops::quant::{dequantize_into, GgmlType};
+use vellum_ops::WeightView;
 
 /// A weight matrix for `x · Wᵀ` (`[out, in]`, also an embedding table
 /// `[vocab, hidden]` whose rows [`HostWeight::row`] looks up).
@@ -113,7 +113,7 @@ impl HostWeight {
     /// - `F32` converts everything to f32 (the reference path).
     ///
     /// Integer-kernel weights multiply activations quantized to `acts`.
-    pub(crate) fn from_view(w: &WeightView<'_>, format: WeightFormat, acts: ActBits) -> vellum_models::Result<HostWeight> {
+    pub(crate) fn from_view(w: &WeightView<'_>, format: WeightFormat, acts: ActBits) -> vellum_ops::Result<HostWeight> {
         let outliers =
             || if is_lm_head(&w.name) { OutlierChannels::one_in(CHANNELS_PER_OUTLIER_LM_HEAD) } else { OutlierChannels::default() };
         let (out, inp) = w.matrix_dims()?;

@@ -3,7 +3,7 @@
 //! as `f32`, `f16` and `bf16`, against the independent float64 reference of
 //! `shared/golden/` (the engine-level golden test is `tests/golden.rs`).
 //!
-//! The model is driven directly through [`CpuExecutor::execute`] with
+//! The model is driven directly through `ModelRunner::<CpuOps>::execute` with
 //! hand-built batches — one sequence at a time, a prefill then one decode per
 //! step, blocks `0..n` as its block table — so this test needs neither the
 //! engine nor the scheduler.
@@ -15,8 +15,9 @@
 //! comparison of that prompt stops there.
 
 use serde_json::Value;
-use vellum_backend_cpu::{ActBits, CpuExecutor, CpuOps};
+use vellum_backend_cpu::{ActBits, CpuOps};
 use vellum_core::{ForwardBatch, KvCacheDtype, ModelExecutor};
+use vellum_models::ModelRunner;
 
 const BLOCK_SIZE: usize = 16;
 const NUM_BLOCKS: usize = 16;
@@ -111,7 +112,7 @@ struct PromptResult {
 }
 
 /// Greedy decoding of one prompt, compared step by step with the reference.
-fn compare(exec: &mut CpuExecutor, c: &Golden, dtype: KvCacheDtype, i: usize) -> PromptResult {
+fn compare(exec: &mut ModelRunner<CpuOps>, c: &Golden, dtype: KvCacheDtype, i: usize) -> PromptResult {
     let mut out = exec.execute(&batch(&c.prompt_ids, 0)).expect("prefill runs");
     let mut pos = c.prompt_ids.len();
     let (mut agreed, mut worst) = (0, 0.0f64);
@@ -148,7 +149,7 @@ fn kv_cache_dtypes_against_the_float64_reference() {
         // int16 activations: the KV dtype's drift is judged by the float32
         // rule, which the int8 default path is not held to.
         let ops = CpuOps::default().with_activations(ActBits::I16);
-        let mut exec = CpuExecutor::load(ops, &*loaded.weights, loaded.config.clone(), |_, _| {})
+        let mut exec = ModelRunner::load(ops, &*loaded.weights, loaded.config.clone(), |_, _| {})
             .expect("the weights load")
             .with_kv_cache_dtype(dtype);
         exec.initialize_kv_cache(NUM_BLOCKS, 0, BLOCK_SIZE).expect("the cache allocates");

@@ -7,8 +7,9 @@
 mod tiny_checkpoint;
 
 use tiny_checkpoint::*;
-use vellum_backend_cpu::{CpuExecutor, CpuOps, WeightFormat};
+use vellum_backend_cpu::{CpuOps, WeightFormat};
 use vellum_core::{ForwardBatch, ModelExecutor};
+use vellum_models::ModelRunner;
 use vellum_models::{GgufWeights, SafetensorsWeights, WeightSource};
 
 /// ggml's Q8_0 round trip of each row: what the GGUF file holds, computed
@@ -27,7 +28,7 @@ fn q8_0_round_trip(x: &[f32]) -> Vec<f32> {
 fn run(weights: &dyn WeightSource) -> Vec<Vec<f32>> {
     let config = weights.model_config().expect("config");
     // The f32 reference path: both loaders must hand over the same values.
-    let mut exec = CpuExecutor::load(CpuOps::new(WeightFormat::F32), weights, config, |_, _| {}).expect("loads");
+    let mut exec = ModelRunner::load(CpuOps::new(WeightFormat::F32), weights, config, |_, _| {}).expect("loads");
     exec.initialize_kv_cache(8, 0, 4).expect("cache");
     let prompt: Vec<u32> = vec![1, 5, 9, 3, 17, 22, 8, 30, 11, 4];
     let table = [3u32, 0, 6]; // out of order on purpose

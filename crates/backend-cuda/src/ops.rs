@@ -1,5 +1,5 @@
 //! [`CudaOps`]: the model operations and the paged-attention contract on an
-//! NVIDIA GPU, so that `vellum_models::ModelRunner<CudaOps>` is the CUDA
+//! NVIDIA GPU, so that `vellum_models::ModelRunner<CudaOps>` (`vellum_engine::CudaExecutor`) is the CUDA
 //! backend's `ModelExecutor` — the same model code as the CPU and wgpu
 //! backends, on the kernels of `kernels/cuda/`.
 //!
@@ -33,13 +33,13 @@ use crate::CudaError;
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use std::sync::Mutex;
 use vellum_core::{
-    AttentionBackend, AttentionShape, BlockCopy, BlockSwap, DeviceMemory, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory,
-    StepBounds,
+    AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, DeviceMemory, Error, ForwardBatch,
+    KvCacheDtype, KvCacheSpec, KvMemory, Sizes, StepBounds,
 };
-use vellum_models::gguf::GgmlType;
-use vellum_models::ops::{OpResult, Ops};
-use vellum_models::rope::RopeTable;
-use vellum_models::WeightView;
+use vellum_ops::quant::GgmlType;
+use vellum_ops::rope::RopeTable;
+use vellum_ops::WeightView;
+use vellum_ops::{OpResult, Ops};
 
 /// Device memory kept free for activations and kernel workspaces when the
 /// KV cache is sized: a tenth of the GPU.
@@ -180,7 +180,7 @@ impl CudaOps {
 
     /// A weight in a layout the GEMV reads: Q8_0 and Q4_1 as stored, every
     /// other type dequantized to f32 (`always_f32`: embeddings).
-    fn weight(&self, w: &WeightView<'_>, always_f32: bool) -> vellum_models::Result<CudaWeight> {
+    fn weight(&self, w: &WeightView<'_>, always_f32: bool) -> vellum_ops::Result<CudaWeight> {
         let (n, k) = w.matrix_dims()?;
         check(k.is_multiple_of(32), || format!("{}: rows of {k} values; the CUDA GEMV needs a multiple of 32", w.name))?;
         let raw = match w.dtype {
@@ -213,19 +213,19 @@ impl Ops for CudaOps {
     type Vector = CudaVector;
     type Rope = CudaRope;
 
-    fn linear_weight(&self, w: WeightView<'_>) -> vellum_models::Result<CudaWeight> {
+    fn linear_weight(&self, w: WeightView<'_>) -> vellum_ops::Result<CudaWeight> {
         self.weight(&w, false)
     }
 
-    fn embedding_weight(&self, w: WeightView<'_>) -> vellum_models::Result<CudaWeight> {
+    fn embedding_weight(&self, w: WeightView<'_>) -> vellum_ops::Result<CudaWeight> {
         self.weight(&w, true)
     }
 
-    fn vector(&self, _name: &str, data: &[f32]) -> vellum_models::Result<CudaVector> {
+    fn vector(&self, _name: &str, data: &[f32]) -> vellum_ops::Result<CudaVector> {
         Ok(CudaVector { data: self.htod(data)? })
     }
 
-    fn rope_table(&self, table: &RopeTable) -> vellum_models::Result<CudaRope> {
+    fn rope_table(&self, table: &RopeTable) -> vellum_ops::Result<CudaRope> {
         let half = table.inv_freq.len();
         let head_dim = table.head_dim();
         let positions = table.max_positions.max(1);
@@ -402,6 +402,17 @@ fn i32_of(n: u32, what: &str) -> OpResult<i32> {
     i32::try_from(n).map_err(|_| Error::Backend(format!("{what} {n} does not fit the kernels' int32 indices")))
 }
 
+/// What the CUDA kernels support: the head sizes CI compiles and the GPU
+/// suite runs (`kernels::ci_variants`; the kernel itself takes any multiple
+/// of 64 up to 256, but an untested size is refused), the block sizes its
+/// variants are built for, and every KV element type.
+pub const CAPABILITIES: Capabilities = Capabilities {
+    head_dims: Sizes::Only(&[64, 128, 256]),
+    block_sizes: Sizes::Only(&[8, 16, 32]),
+    kv_dtypes: &[KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16],
+    kv_groups: true,
+};
+
 impl AttentionBackend for CudaOps {
     type Tensor = CudaTensor;
     type KvCache = CudaKvCache;
@@ -412,8 +423,12 @@ impl AttentionBackend for CudaOps {
         format!("cuda: {} ({}, {} GiB)", info.name, info.arch(), info.total_memory >> 30)
     }
 
-    fn supports_kv_groups(&self) -> bool {
-        true
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
     }
 
     fn kv_memory(&self, _spec: &KvCacheSpec) -> KvMemory {
@@ -443,12 +458,8 @@ impl AttentionBackend for CudaOps {
     }
 
     fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<CudaKvCache> {
-        check(spec.head_dim.is_multiple_of(64) && spec.head_dim <= 256 && [8, 16, 32].contains(&spec.block_size), || {
-            format!(
-                "cuda paged attention: head_dim {} must be 64, 128, 192 or 256 and the block size 8, 16 or 32 (got {})",
-                spec.head_dim, spec.block_size
-            )
-        })?;
+        CAPABILITIES
+            .check("cuda", &AttentionRequirements { head_dim: spec.head_dim, block_size: spec.block_size, kv_dtype: spec.dtype })?;
         let dtype = kv_dtype(spec.dtype);
         let mut pools = Vec::with_capacity(spec.num_slots());
         for _ in 0..spec.num_slots() {
@@ -601,5 +612,27 @@ impl AttentionBackend for CudaOps {
             }
         }
         stream.synchronize().map_err(|e| backend(e.into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CAPABILITIES;
+    use vellum_core::{AttentionRequirements, Error, KvCacheDtype};
+
+    /// What the kernels are compiled and tested for passes; a head size the
+    /// kernel would take but no test covers (192) is refused by name,
+    /// before any allocation (no GPU needed).
+    #[test]
+    fn capabilities_refuse_an_untested_head_size_by_name() {
+        let wanted = |head_dim, block_size| AttentionRequirements { head_dim, block_size, kv_dtype: KvCacheDtype::Bf16 };
+        for head_dim in [64, 128, 256] {
+            assert!(CAPABILITIES.check("cuda", &wanted(head_dim, 16)).is_ok(), "head size {head_dim}");
+        }
+        let e = CAPABILITIES.check("cuda", &wanted(192, 16)).expect_err("192 is not tested");
+        assert!(matches!(&e, Error::Unsupported(u) if u.value == "192"), "{e:?}");
+        assert_eq!(e.to_string(), "the cuda backend does not support head size 192 (supported: 64, 128, 256)");
+        let e = CAPABILITIES.check("cuda", &wanted(128, 12)).expect_err("block size 12");
+        assert!(e.to_string().contains("block size (--block-size) 12 (supported: 8, 16, 32)"), "{e}");
     }
 }

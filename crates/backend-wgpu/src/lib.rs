@@ -1,11 +1,12 @@
 //! # vellum-backend-wgpu — the WGSL backend
 //!
-//! The model operations ([`vellum_models::ops::Ops`]) and the paged KV
+//! The model operations ([`vellum_ops::Ops`]) and the paged KV
 //! cache ([`vellum_core::AttentionBackend`]) on a `wgpu` device — Vulkan,
 //! Metal or DirectX 12, compute only, headless — so the same model code and
 //! engine run on a laptop GPU, and on lavapipe (Mesa's CPU Vulkan driver) in
-//! CI. [`WgpuExecutor`] is the generic `vellum_models::ModelRunner` over
-//! [`WgpuOps`].
+//! CI. The crate depends on the seam (`vellum-ops`, `vellum-core`) alone;
+//! `vellum-models`' `ModelRunner<WgpuOps>` runs a model on it
+//! (`vellum_engine::WgpuExecutor`).
 //!
 //! ```text
 //!  prepare_step ── one u32 buffer: ids | positions | slots | token→seq | query starts
@@ -42,7 +43,3 @@ pub use context::GpuContext;
 pub use ops::{GpuKvCache, GpuRope, GpuStep, GpuTensor, GpuVector, WgpuOps};
 pub use recorder::KernelProfile;
 pub use weights::GpuWeight;
-
-/// A model ready to run on a wgpu device:
-/// `WgpuExecutor::load(WgpuOps::new()?, weights, config, progress)`.
-pub type WgpuExecutor = vellum_models::ModelRunner<WgpuOps>;

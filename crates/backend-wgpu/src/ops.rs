@@ -8,11 +8,12 @@ use crate::recorder::{Bound, KernelProfile, Recorder};
 use crate::weights::{self, GpuWeight};
 use std::sync::Arc;
 use vellum_core::{
-    AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, StepBounds,
+    AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, Sizes,
+    StepBounds,
 };
-use vellum_models::ops::{OpResult, Ops};
-use vellum_models::rope::RopeTable;
-use vellum_models::WeightView;
+use vellum_ops::rope::RopeTable;
+use vellum_ops::WeightView;
+use vellum_ops::{OpResult, Ops};
 
 /// Activations `[rows, cols]`, f32, in a pooled device buffer.
 #[derive(Debug)]
@@ -313,20 +314,20 @@ impl Ops for WgpuOps {
     type Vector = GpuVector;
     type Rope = GpuRope;
 
-    fn linear_weight(&self, w: WeightView<'_>) -> vellum_models::Result<GpuWeight> {
+    fn linear_weight(&self, w: WeightView<'_>) -> vellum_ops::Result<GpuWeight> {
         weights::upload(&self.ctx, &w, self.binding_limit)
     }
 
-    fn embedding_weight(&self, w: WeightView<'_>) -> vellum_models::Result<GpuWeight> {
+    fn embedding_weight(&self, w: WeightView<'_>) -> vellum_ops::Result<GpuWeight> {
         weights::upload(&self.ctx, &w, self.binding_limit)
     }
 
-    fn vector(&self, name: &str, data: &[f32]) -> vellum_models::Result<GpuVector> {
+    fn vector(&self, name: &str, data: &[f32]) -> vellum_ops::Result<GpuVector> {
         let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
         Ok(GpuVector { len: data.len(), data: DeviceBuffer::with_data(&self.ctx, name, &bytes)? })
     }
 
-    fn rope_table(&self, table: &RopeTable) -> vellum_models::Result<GpuRope> {
+    fn rope_table(&self, table: &RopeTable) -> vellum_ops::Result<GpuRope> {
         let half = table.inv_freq.len();
         let head_dim = table.head_dim();
         // Positions beyond what one binding holds are refused at run time.
@@ -469,8 +470,18 @@ impl AttentionBackend for WgpuOps {
         self.ctx.describe()
     }
 
-    fn supports_kv_groups(&self) -> bool {
-        true
+    fn name(&self) -> &'static str {
+        "wgpu"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            // A workgroup holds a head in vec4 lanes.
+            head_dims: Sizes::Multiples { multiple_of: 4, max: 256 },
+            block_sizes: Sizes::ANY,
+            kv_dtypes: &[KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16],
+            kv_groups: true,
+        }
     }
 
     fn kv_memory(&self, spec: &KvCacheSpec) -> KvMemory {

@@ -11,8 +11,8 @@ use crate::kernels::WeightFormat;
 use crate::memory::DeviceBuffer;
 use half::f16;
 use std::sync::Arc;
-use vellum_models::gguf::GgmlType;
-use vellum_models::{Error, Result, WeightView};
+use vellum_ops::quant::GgmlType;
+use vellum_ops::{Error, Result, WeightView};
 
 /// One chunk of a weight's rows.
 #[derive(Debug)]

@@ -1,7 +1,7 @@
 //! The attention contract: paged attention over block tables, on whatever
 //! device holds the KV cache.
 
-use crate::{BlockCopy, BlockSwap, ForwardBatch, KvCacheDtype, KvCacheGroups, Result};
+use crate::{BlockCopy, BlockSwap, Capabilities, ForwardBatch, KvCacheDtype, KvCacheGroups, Result};
 
 /// Per-step attention metadata on the host, borrowed from a
 /// [`ForwardBatch`] (see its module doc for the layout). Host backends read
@@ -190,13 +190,16 @@ pub trait AttentionBackend {
     /// A short description for logs (`cpu (avx2)`, `wgpu: llvmpipe (Vulkan)`).
     fn describe(&self) -> String;
 
-    /// Whether the backend runs models with several KV-cache groups (a slot
-    /// mapping and block tables per group, layers sharing block slots; see
-    /// [`KvCacheGroups`]). A backend that does not gets one group of every
-    /// layer, whose blocks are all kept.
-    fn supports_kv_groups(&self) -> bool {
-        false
-    }
+    /// The `--device` name of this backend, for messages (`cpu`, `wgpu`,
+    /// `cuda`).
+    fn name(&self) -> &'static str;
+
+    /// What the backend's kernels support: head sizes, block sizes, KV
+    /// element types, KV-cache groups (a slot mapping and block tables per
+    /// group, layers sharing block slots; see [`KvCacheGroups`]). The
+    /// runner checks a model and the engine's flags against it before it
+    /// loads a weight ([`Capabilities::check`]).
+    fn capabilities(&self) -> Capabilities;
 
     /// Memory the backend can give a cache of `spec`'s geometry.
     fn kv_memory(&self, spec: &KvCacheSpec) -> KvMemory;

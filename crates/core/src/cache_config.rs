@@ -79,6 +79,15 @@ impl KvCacheDtype {
             KvCacheDtype::F16 | KvCacheDtype::Bf16 => 2,
         }
     }
+
+    /// The name `--kv-cache-dtype` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::F32 => "float32",
+            KvCacheDtype::F16 => "float16",
+            KvCacheDtype::Bf16 => "bfloat16",
+        }
+    }
 }
 
 /// Block size, pool sizes and caching switches.

@@ -47,6 +47,10 @@ pub enum Error {
         /// Bytes asked for.
         bytes: u64,
     },
+    /// A backend's kernels do not support a configuration the model or a
+    /// flag asks for (see [`crate::Capabilities`]).
+    #[error("the {} backend does not support {} {} (supported: {})", .0.backend, .0.what, .0.value, .0.supported)]
+    Unsupported(Box<Unsupported>),
     /// This build lacks what a request asks for (a backend left out at
     /// compile time, a device that is not present).
     #[error("{what} is not available: {hint}")]
@@ -56,4 +60,17 @@ pub enum Error {
         /// How to get it.
         hint: String,
     },
+}
+
+/// What [`Error::Unsupported`] names (boxed: errors stay small to move).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unsupported {
+    /// The backend, as `--device` names it.
+    pub backend: String,
+    /// What was asked for (`head size`, `block size (--block-size)`, ...).
+    pub what: String,
+    /// The value asked for.
+    pub value: String,
+    /// The values it supports.
+    pub supported: String,
 }

@@ -27,6 +27,7 @@ mod architecture;
 mod attention_backend;
 mod block_allocator;
 mod cache_config;
+mod capabilities;
 mod error;
 mod fast_math;
 mod forward_batch;
@@ -47,7 +48,8 @@ pub use architecture::{
 pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape, DeviceMemory, KvCacheSpec, KvMemory};
 pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
 pub use cache_config::{AutoKvLimit, CacheConfig, KvCacheDtype, KvCacheSize, AUTO_KV_CACHE_CAP_BYTES};
-pub use error::Error;
+pub use capabilities::{AttentionRequirements, Capabilities, Sizes};
+pub use error::{Error, Unsupported};
 pub use fast_math::exp_f32;
 pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch, StepBounds};
 pub use id_map::{IdHasher, IdMap, IdSet};

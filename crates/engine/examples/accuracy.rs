@@ -25,8 +25,8 @@
 use std::time::Instant;
 
 use vellum_core::{ForwardBatch, KvCacheDtype, ModelExecutor};
-use vellum_engine::{auto_kv_cache_dtype, calibration_token_ids, make_executor, CpuPrecision, Device};
-use vellum_models::resolve_model;
+use vellum_engine::{auto_kv_cache_dtype, calibration_token_ids, make_executor, CpuOptions, CpuPrecision, Device, ExecutorOptions};
+use vellum_models::{resolve_model, RunnerOptions};
 
 struct Config {
     name: String,
@@ -123,8 +123,11 @@ fn main() {
     let num_blocks = ctx.div_ceil(block_size) + 1;
     let load = |precision: CpuPrecision, kv: Option<KvCacheDtype>, calibrate: bool| -> Box<dyn ModelExecutor + Send> {
         let dtype = kv.unwrap_or_else(|| auto_kv_cache_dtype(Device::Cpu, precision));
-        let mut ex =
-            make_executor(Device::Cpu, &*loaded.weights, loaded.config.clone(), (dtype, false, precision), |_, _| {}).expect("loads");
+        let options = ExecutorOptions {
+            runner: RunnerOptions { kv_cache_dtype: dtype, hybrid_kv_cache: false, block_size },
+            cpu: CpuOptions { precision },
+        };
+        let mut ex = make_executor(Device::Cpu, &*loaded.weights, loaded.config.clone(), options, |_, _| {}).expect("loads");
         // As the engine does before serving (the int8 path's outlier channels).
         if calibrate {
             ex.calibrate(&calibration_token_ids(&loaded.tokenizer, loaded.chat_template.as_ref())).expect("calibrates");

@@ -4,8 +4,21 @@
 
 use std::fmt;
 use std::str::FromStr;
-use vellum_core::{Error, KvCacheDtype, ModelConfig, ModelExecutor};
-use vellum_models::WeightSource;
+use vellum_core::{Error, ModelConfig, ModelExecutor};
+use vellum_models::{RunnerOptions, WeightSource};
+
+/// A model ready to run on the CPU:
+/// `CpuExecutor::load(CpuOps::default(), weights, config, progress)`.
+#[cfg(feature = "cpu")]
+pub type CpuExecutor = vellum_models::ModelRunner<vellum_backend_cpu::CpuOps>;
+/// A model ready to run on a wgpu device:
+/// `WgpuExecutor::load(WgpuOps::new()?, weights, config, progress)`.
+#[cfg(feature = "wgpu")]
+pub type WgpuExecutor = vellum_models::ModelRunner<vellum_backend_wgpu::WgpuOps>;
+/// A model ready to run on an NVIDIA GPU:
+/// `CudaExecutor::load(CudaOps::new(0)?, weights, config, progress)`.
+#[cfg(feature = "cuda")]
+pub type CudaExecutor = vellum_models::ModelRunner<vellum_backend_cuda::CudaOps>;
 
 /// Where a model runs (`--device`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -58,6 +71,25 @@ impl FromStr for Device {
             .find(|d| d.name() == s.trim().to_ascii_lowercase())
             .ok_or_else(|| Error::InvalidConfig { field: "device", message: format!("unknown device {s:?}; one of cpu, wgpu, cuda") })
     }
+}
+
+/// How [`make_executor`] builds an executor: what every backend's runner
+/// takes (the KV cache's element type, groups and block size, checked
+/// against the backend's capabilities before a weight is read), and each
+/// backend's own options, typed per backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecutorOptions {
+    /// The KV cache, for every backend.
+    pub runner: RunnerOptions,
+    /// The CPU backend's own (`--device cpu`; other backends ignore them).
+    pub cpu: CpuOptions,
+}
+
+/// The CPU backend's options.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CpuOptions {
+    /// `--cpu-precision`.
+    pub precision: CpuPrecision,
 }
 
 /// How the CPU backend multiplies the weights it keeps as integer blocks
@@ -128,44 +160,41 @@ fn not_compiled(device: Device) -> Error {
     }
 }
 
-/// Loads `weights` onto `device`'s backend as a [`ModelExecutor`] whose KV
-/// cache will be stored as `kv_cache_dtype`, with a block table per
-/// KV-cache group unless `hybrid_kv_cache` is off, and the CPU's integer
-/// kernels at `cpu_precision`; `progress(layers_done, layers)` is called
-/// while the weights load. (`VELLUM_CPU_WEIGHTS=q4|q8` re-quantizes every
+/// Loads `weights` onto `device`'s backend as a [`ModelExecutor`] with
+/// `options` (its KV cache's element type, groups and block size; the
+/// CPU's integer kernels' precision), after checking the backend supports
+/// them and the model's head size; `progress(layers_done, layers)` is
+/// called while the weights load. (`VELLUM_CPU_WEIGHTS=q4|q8` re-quantizes every
 /// weight, for kernel benchmarks.)
 pub fn make_executor(
     device: Device,
     weights: &dyn WeightSource,
     config: ModelConfig,
-    (kv_cache_dtype, hybrid_kv_cache, cpu_precision): (KvCacheDtype, bool, CpuPrecision),
+    options: ExecutorOptions,
     progress: impl FnMut(usize, usize),
 ) -> Result<Box<dyn ModelExecutor + Send>, crate::Error> {
     // Each arm is compiled only with its feature; the others are typed errors.
-    let _ = (&weights, &config, kv_cache_dtype, hybrid_kv_cache, cpu_precision);
+    let _ = (&weights, &config, &options);
     match device {
         #[cfg(feature = "cpu")]
         Device::Cpu => {
             use vellum_backend_cpu::{ActBits, CpuOps, WeightFormat};
-            let ops = match cpu_precision {
+            let ops = match options.cpu.precision {
                 CpuPrecision::Float32 => CpuOps::new(WeightFormat::F32),
                 CpuPrecision::Int16 => CpuOps::new(WeightFormat::from_env()).with_activations(ActBits::I16),
                 CpuPrecision::Int8 => CpuOps::new(WeightFormat::from_env()).with_activations(ActBits::I8),
             };
-            let runner = vellum_models::ModelRunner::load(ops, weights, config, progress)?;
-            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype).with_hybrid_kv_cache(hybrid_kv_cache)))
+            Ok(Box::new(CpuExecutor::load_with(ops, weights, config, options.runner, progress)?))
         }
         #[cfg(feature = "wgpu")]
         Device::Wgpu => {
             let ops = vellum_backend_wgpu::WgpuOps::new()?;
-            let runner = vellum_models::ModelRunner::load(ops, weights, config, progress)?;
-            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype).with_hybrid_kv_cache(hybrid_kv_cache)))
+            Ok(Box::new(WgpuExecutor::load_with(ops, weights, config, options.runner, progress)?))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda => {
             let ops = vellum_backend_cuda::CudaOps::new(0).map_err(cuda_unavailable)?;
-            let runner = vellum_models::ModelRunner::load(ops, weights, config, progress)?;
-            Ok(Box::new(runner.with_kv_cache_dtype(kv_cache_dtype).with_hybrid_kv_cache(hybrid_kv_cache)))
+            Ok(Box::new(CudaExecutor::load_with(ops, weights, config, options.runner, progress)?))
         }
         #[allow(unreachable_patterns)]
         other => {

@@ -47,7 +47,13 @@ pub mod sampler;
 mod sequences;
 pub mod structured;
 
-pub use backend::{make_executor, CpuPrecision, Device};
+#[cfg(feature = "cpu")]
+pub use backend::CpuExecutor;
+#[cfg(feature = "cuda")]
+pub use backend::CudaExecutor;
+#[cfg(feature = "wgpu")]
+pub use backend::WgpuExecutor;
+pub use backend::{make_executor, CpuOptions, CpuPrecision, Device, ExecutorOptions};
 pub use calibration::calibration_token_ids;
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream, STREAM_BUFFER_EVENTS};
 pub use engine_core::{EngineCore, EngineCounters, Error, QueueStats};

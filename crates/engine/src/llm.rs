@@ -1,6 +1,6 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
-use crate::backend::{make_executor, CpuPrecision, Device};
+use crate::backend::{make_executor, CpuOptions, CpuPrecision, Device, ExecutorOptions};
 use crate::calibration::calibration_token_ids;
 use crate::client::EngineClient;
 use crate::engine_core::{EngineCore, Error};
@@ -9,7 +9,7 @@ use crate::outputs::{RequestOutput, StepOutputs};
 use vellum_core::{
     AutoKvLimit, KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId, AUTO_KV_CACHE_CAP_BYTES,
 };
-use vellum_models::{resolve_model, ChatMessage, ChatTemplate, Tokenizer};
+use vellum_models::{resolve_model, ChatMessage, ChatTemplate, RunnerOptions, Tokenizer};
 use vellum_scheduler::FinishReason;
 
 /// The KV-cache element type `auto` means: float16 on the CPU's default
@@ -136,8 +136,15 @@ impl Llm {
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
         let max_batched = scheduler.max_num_batched_tokens;
         let kv_dtype = args.kv_cache_dtype.unwrap_or_else(|| auto_kv_cache_dtype(args.device, args.cpu_precision));
-        let kv = (kv_dtype, !args.disable_hybrid_kv_cache_manager, args.cpu_precision);
-        let mut executor = make_executor(args.device, &*loaded.weights, config, kv, progress)?;
+        let options = ExecutorOptions {
+            runner: RunnerOptions {
+                kv_cache_dtype: kv_dtype,
+                hybrid_kv_cache: !args.disable_hybrid_kv_cache_manager,
+                block_size: args.block_size,
+            },
+            cpu: CpuOptions { precision: args.cpu_precision },
+        };
+        let mut executor = make_executor(args.device, &*loaded.weights, config, options, progress)?;
         let started = std::time::Instant::now();
         executor.calibrate(&calibration_token_ids(&loaded.tokenizer, loaded.chat_template.as_ref()))?;
         tracing::debug!(elapsed_ms = started.elapsed().as_millis() as u64, "calibration");

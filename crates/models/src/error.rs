@@ -42,9 +42,9 @@ pub enum Error {
         what: String,
     },
     /// A tensor is stored in a type this crate cannot convert to f32.
-    #[error("tensor `{tensor}` in {} has type {dtype}, which is not supported (supported: {supported})", path.display())]
+    #[error("tensor `{tensor}`{} has type {dtype}, which is not supported (supported: {supported})", in_file(path))]
     UnsupportedTensorType {
-        /// The file.
+        /// The file (empty where a backend refused the tensor).
         path: PathBuf,
         /// The tensor's name as stored in the file.
         tensor: String,
@@ -154,5 +154,30 @@ impl Error {
     /// An [`Error::Io`] for `path`.
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io { path: path.into(), source }
+    }
+}
+
+/// A weight the seam refused keeps its kind: the loaders' variants carry
+/// the same names (a seam error has no file path to give).
+impl From<vellum_ops::Error> for Error {
+    fn from(e: vellum_ops::Error) -> Self {
+        match e {
+            vellum_ops::Error::UnsupportedTensorType { tensor, dtype, supported } => {
+                Error::UnsupportedTensorType { path: PathBuf::new(), tensor, dtype, supported }
+            }
+            vellum_ops::Error::ShapeMismatch { tensor, expected, actual } => Error::ShapeMismatch { tensor, expected, actual },
+            vellum_ops::Error::Backend(e) => Error::Backend(e),
+            // `vellum_ops::Error` is non-exhaustive.
+            other => Error::Backend(vellum_core::Error::Backend(other.to_string())),
+        }
+    }
+}
+
+/// ` in FILE`, or nothing for an empty path.
+fn in_file(path: &std::path::Path) -> String {
+    if path.as_os_str().is_empty() {
+        String::new()
+    } else {
+        format!(" in {}", path.display())
     }
 }

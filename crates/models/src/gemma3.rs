@@ -76,13 +76,13 @@ impl<O: Ops> Gemma3Model<O> {
         let (h, hd) = (config.hidden_size, config.head_dim);
         let (nq, nkv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
         let im = config.intermediate_size;
-        let mat = |name: &str, shape: [usize; 2]| -> Result<O::Weight> { ops.linear_weight(weights.tensor_shaped(name, &shape)?) };
+        let mat = |name: &str, shape: [usize; 2]| -> Result<O::Weight> { Ok(ops.linear_weight(weights.tensor_shaped(name, &shape)?)?) };
         // Gemma's RMSNorm multiplies by (1 + w).
         let offset = if weights.norms_hold_one_plus_w() { 0.0 } else { 1.0 };
         let norm = |name: &str, len: usize| -> Result<O::Vector> {
             let mut w = weights.tensor_f32_shaped(name, &[len])?.data;
             w.iter_mut().for_each(|v| *v += offset);
-            ops.vector(name, &w)
+            Ok(ops.vector(name, &w)?)
         };
         let embed_tokens = ops.embedding_weight(weights.tensor_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?)?;
         let lm_head = if config.tie_word_embeddings || !weights.contains("lm_head.weight") {

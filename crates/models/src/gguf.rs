@@ -12,15 +12,12 @@
 //! size when it is opened, so later accesses cannot read out of bounds.
 
 mod cursor;
-mod dequantize;
-mod ggml_type;
 mod metadata_value;
 mod tensor_info;
 
-pub use dequantize::{dequantize, dequantize_into, scale_min_k4};
-pub use ggml_type::{GgmlType, DEQUANTIZABLE};
 pub use metadata_value::MetadataValue;
 pub use tensor_info::TensorInfo;
+pub use vellum_ops::quant::{dequantize, dequantize_into, scale_min_k4, GgmlType, DEQUANTIZABLE};
 
 use crate::{Error, Result};
 use cursor::Cursor;

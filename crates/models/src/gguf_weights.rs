@@ -84,7 +84,7 @@ impl GgufWeights {
                 Cow::Owned(unpermute_rows(bytes, row_len / block * block_bytes, self.n_heads_for(p)?, name)?)
             }
         };
-        WeightView::new(name, shape, info.ggml_type, data)
+        Ok(WeightView::new(name, shape, info.ggml_type, data)?)
     }
 
     fn require(&self, name: &str) -> Result<&str> {

@@ -34,12 +34,9 @@ mod gemma3;
 mod gguf_weights;
 mod llama;
 mod model_source;
-pub mod ops;
 mod registry;
-pub mod rope;
 mod runner;
 mod safetensors_weights;
-mod tensor;
 mod tokenizer;
 mod weight_source;
 
@@ -54,8 +51,10 @@ pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights};
 pub use llama::LlamaModel;
 pub use model_source::{resolve_model, LoadedModel, ModelSource};
 pub use registry::{load_model, CausalLm};
-pub use runner::ModelRunner;
+pub use runner::{check_supported, ModelRunner, RunnerOptions};
 pub use safetensors_weights::SafetensorsWeights;
-pub use tensor::Tensor;
 pub use tokenizer::Tokenizer;
-pub use weight_source::{WeightSource, WeightView};
+/// The seam to the backends, re-exported: model code here is written against
+/// [`ops::Ops`], and backends implement it from `vellum-ops` alone.
+pub use vellum_ops::{ops, rope, Tensor, WeightView};
+pub use weight_source::WeightSource;

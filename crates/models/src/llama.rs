@@ -48,8 +48,8 @@ impl<O: Ops> LlamaModel<O> {
         let (h, hd) = (config.hidden_size, config.head_dim);
         let (nq, nkv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
         let im = config.intermediate_size;
-        let mat = |name: &str, shape: [usize; 2]| -> Result<O::Weight> { ops.linear_weight(weights.tensor_shaped(name, &shape)?) };
-        let vec = |name: &str, len: usize| -> Result<O::Vector> { ops.vector(name, &weights.tensor_f32_shaped(name, &[len])?.data) };
+        let mat = |name: &str, shape: [usize; 2]| -> Result<O::Weight> { Ok(ops.linear_weight(weights.tensor_shaped(name, &shape)?)?) };
+        let vec = |name: &str, len: usize| -> Result<O::Vector> { Ok(ops.vector(name, &weights.tensor_f32_shaped(name, &[len])?.data)?) };
         let embed_tokens = ops.embedding_weight(weights.tensor_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?)?;
         let lm_head = if config.tie_word_embeddings || !weights.contains("lm_head.weight") {
             None

@@ -11,7 +11,9 @@
 use crate::ops::Ops;
 use crate::registry::{load_model, CausalLm};
 use crate::{Result, WeightSource};
-use vellum_core::{Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, ModelConfig, ModelExecutor, StepOutput};
+use vellum_core::{
+    AttentionRequirements, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, ModelConfig, ModelExecutor, StepOutput,
+};
 
 /// A model loaded on backend `O`, with the paged KV cache `O` allocates.
 pub struct ModelRunner<O: Ops> {
@@ -26,13 +28,57 @@ pub struct ModelRunner<O: Ops> {
     activation_peak: u64,
 }
 
+/// How a [`ModelRunner`] keeps its KV cache, fixed at load so that the
+/// backend's [`Capabilities`](vellum_core::Capabilities) are checked before a
+/// weight is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunnerOptions {
+    /// Element type of the stored keys and values.
+    pub kv_cache_dtype: KvCacheDtype,
+    /// A block table per KV-cache group for models that mix local and
+    /// global layers (see [`ModelRunner::with_hybrid_kv_cache`]).
+    pub hybrid_kv_cache: bool,
+    /// Tokens per KV block.
+    pub block_size: usize,
+}
+
+impl Default for RunnerOptions {
+    fn default() -> Self {
+        Self { kv_cache_dtype: KvCacheDtype::F32, hybrid_kv_cache: true, block_size: 16 }
+    }
+}
+
 impl<O: Ops + 'static> ModelRunner<O> {
     /// Loads `weights` (shapes checked against `config`) on `ops`, choosing
-    /// the model definition from the architecture registry.
+    /// the model definition from the architecture registry, with the
+    /// default [`RunnerOptions`] (f32 KV cache, KV-cache groups).
     pub fn load(ops: O, weights: &dyn WeightSource, config: ModelConfig, progress: impl FnMut(usize, usize)) -> Result<Self> {
         let model = load_model(&ops, weights, config, progress)?;
         Ok(Self { ops, model, kv_cache_dtype: KvCacheDtype::F32, hybrid_kv_cache: true, cache: None, activation_peak: 0 })
     }
+
+    /// [`load`](Self::load) with `options`, after checking that the
+    /// backend supports the model's head size, the block size and the KV
+    /// element type: an unsupported one is [`vellum_core::Error::Unsupported`]
+    /// before any weight is read.
+    pub fn load_with(
+        ops: O,
+        weights: &dyn WeightSource,
+        config: ModelConfig,
+        options: RunnerOptions,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        check_supported(&ops, &config, &options)?;
+        Ok(Self::load(ops, weights, config, progress)?
+            .with_kv_cache_dtype(options.kv_cache_dtype)
+            .with_hybrid_kv_cache(options.hybrid_kv_cache))
+    }
+}
+
+/// Whether `ops` runs `config` with `options` ([`ModelRunner::load_with`]).
+pub fn check_supported<O: Ops>(ops: &O, config: &ModelConfig, options: &RunnerOptions) -> vellum_core::Result<()> {
+    let wanted = AttentionRequirements { head_dim: config.head_dim, block_size: options.block_size, kv_dtype: options.kv_cache_dtype };
+    ops.capabilities().check(ops.name(), &wanted)
 }
 
 impl<O: Ops> ModelRunner<O> {
@@ -72,7 +118,7 @@ impl<O: Ops> ModelRunner<O> {
 
     /// Whether this runner gives local and global layers KV-cache groups.
     fn kv_groups(&self) -> bool {
-        self.hybrid_kv_cache && self.ops.supports_kv_groups()
+        self.hybrid_kv_cache && self.ops.capabilities().kv_groups
     }
 
     /// The cache's geometry, KV-cache groups included.
@@ -154,7 +200,10 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_core::Result<()> {
         // Drop the old cache first so its memory is free for the new one.
         self.cache = None;
-        let cache = self.ops.allocate_kv_cache(&self.kv_cache_spec(block_size), num_blocks, num_host_blocks)?;
+        let spec = self.kv_cache_spec(block_size);
+        let wanted = AttentionRequirements { head_dim: spec.head_dim, block_size, kv_dtype: spec.dtype };
+        self.ops.capabilities().check(self.ops.name(), &wanted)?;
+        let cache = self.ops.allocate_kv_cache(&spec, num_blocks, num_host_blocks)?;
         self.cache = Some((cache, block_size));
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! The operations model code needs from a backend.
 //!
-//! A model definition (e.g. [`crate::LlamaModel`]) is written once against
+//! A model definition (`vellum-models`' `LlamaModel`, `Gemma3Model`) is written once against
 //! [`Ops`]; each backend implements it for its own storage: host vectors on
 //! the CPU, device buffers on a GPU. [`Ops`] extends the core
 //! [`AttentionBackend`] (the paged KV cache, the per-step inputs and the
@@ -15,8 +15,8 @@
 //!   query offsets, context lengths, logits rows) reach the backend once, in
 //!   [`AttentionBackend::prepare_step`]; ops read the prepared step.
 //! - **Every op can fail**: a lost device or an allocation that does not fit
-//!   is a [`vellum_core::Error`], never a panic. Loading fails with this
-//!   crate's [`crate::Error`].
+//!   is a [`vellum_core::Error`], never a panic. Preparing a weight fails
+//!   with this crate's [`crate::Error`].
 
 use crate::rope::RopeTable;
 use crate::{Result, WeightView};
@@ -43,7 +43,7 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     /// Whether [`Ops::linear`] needs statistics of its inputs before it
     /// serves (the CPU backend's int8 path picks its outlier channels from
     /// them), gathered by a calibration pass over a fixed text
-    /// ([`crate::ModelRunner`]'s `ModelExecutor::calibrate`).
+    /// (`vellum-models`' `ModelRunner`, in `ModelExecutor::calibrate`).
     fn wants_calibration(&self) -> bool {
         false
     }

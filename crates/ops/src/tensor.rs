@@ -1,4 +1,5 @@
-//! A dense f32 tensor, the unit a [`crate::WeightSource`] hands out.
+//! A dense f32 tensor, what a weight view converts to (and the unit the
+//! loaders' `WeightSource::tensor_f32` hands out).
 
 /// A row-major f32 tensor with its shape. Matrices follow the Hugging Face
 /// convention: a linear layer's weight is `[out_features, in_features]`.

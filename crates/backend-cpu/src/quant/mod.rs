@@ -30,7 +30,7 @@
 //! 64 (a zero activation contributes nothing, whatever the padded weight).
 
 use half::f16;
-use vellum_models::gguf::GgmlType;
+use vellum_ops::quant::GgmlType;
 
 /// How [`crate::CpuOps`] stores linear-layer weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -555,7 +555,7 @@ const SUPER: usize = 256;
 fn q4_k_block(b: &[u8], sub: usize, q: &mut [u8; BLOCK]) -> ([f32; 2], f32) {
     let half = |o: usize| f16::from_le_bytes([b[o], b[o + 1]]).to_f32();
     let (d, dmin) = (half(0), half(2));
-    let (sc, m) = vellum_models::gguf::scale_min_k4(sub, &b[4..16]);
+    let (sc, m) = vellum_ops::quant::scale_min_k4(sub, &b[4..16]);
     let qs = &b[16 + 32 * (sub / 2)..16 + 32 * (sub / 2) + 32];
     for (qe, &byte) in q.iter_mut().zip(qs) {
         *qe = if sub.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 };

@@ -88,7 +88,7 @@ fn k_quant_blocks_are_kept_exactly() {
         let bytes = kquant_blocks(ty, n, k, &mut s);
         let qw = QuantWeight::from_ggml(ty, &bytes, n, k).expect("whole super-blocks");
         assert_eq!(qw.kind, kind);
-        let want = vellum_models::gguf::dequantize(ty, &bytes, n * k).expect("valid blocks");
+        let want = vellum_ops::quant::dequantize(ty, &bytes, n * k).expect("valid blocks");
         let mut row = vec![0.0; k];
         for c in 0..n {
             qw.dequantize_row(c, &mut row);
@@ -108,7 +108,7 @@ fn ggml_blocks_are_kept_bit_for_bit() {
         let qw = QuantWeight::from_ggml(ty, &bytes, n, k).expect("whole blocks");
         let q8 = matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0);
         assert_eq!(qw.kind, if q8 { QuantKind::Q8 } else { QuantKind::Q4 });
-        let want = vellum_models::gguf::dequantize(ty, &bytes, n * k).expect("valid blocks");
+        let want = vellum_ops::quant::dequantize(ty, &bytes, n * k).expect("valid blocks");
         let mut row = vec![0.0; k];
         for c in 0..n {
             qw.dequantize_row(c, &mut row);
@@ -124,7 +124,7 @@ fn q8_and_q4_quantization_round_trips_exact_blocks() {
     let mut s = SeededRng::new(13);
     for (ty, kind) in [(GgmlType::Q8_0, QuantKind::Q8), (GgmlType::Q4_1, QuantKind::Q4)] {
         let bytes = ggml_blocks(ty, 4, 320, &mut s);
-        let w = vellum_models::gguf::dequantize(ty, &bytes, 4 * 320).expect("valid blocks");
+        let w = vellum_ops::quant::dequantize(ty, &bytes, 4 * 320).expect("valid blocks");
         let qw = QuantWeight::quantize(&w, 4, 320, kind);
         let mut row = vec![0.0; 320];
         for c in 0..4 {

@@ -1,6 +1,6 @@
 //! A tensor's entry in a GGUF file's tensor table.
 
-use super::ggml_type::GgmlType;
+use vellum_ops::quant::GgmlType;
 
 /// Where a tensor lies in a GGUF file and how it is stored. Validated at
 /// open: its bytes lie inside the file.

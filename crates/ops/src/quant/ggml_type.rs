@@ -43,7 +43,7 @@ pub enum GgmlType {
     MXFP4,
 }
 
-/// The types [`crate::gguf::dequantize`] converts to f32.
+/// The types [`crate::quant::dequantize`] converts to f32.
 pub const DEQUANTIZABLE: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
 
 impl GgmlType {
@@ -161,7 +161,7 @@ impl GgmlType {
         }
     }
 
-    /// Whether [`crate::gguf::dequantize`] supports this type.
+    /// Whether [`crate::quant::dequantize`] supports this type.
     pub fn is_dequantizable(self) -> bool {
         use GgmlType::*;
         matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
