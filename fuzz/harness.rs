@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
-use vellum_core::ModelConfig;
+use vellum_base::ModelConfig;
 use vellum_models::gguf::GgufFile;
 use vellum_models::{ChatMessage, ChatTemplate, GgufWeights, Tokenizer, WeightSource};
 

@@ -12,7 +12,7 @@
 
 #![deny(missing_docs)]
 
-pub use vellum_core as core;
+pub use vellum_base as core;
 pub use vellum_engine as engine;
 pub use vellum_kvcache as kvcache;
 pub use vellum_models as models;

@@ -13,7 +13,13 @@
 //! - the backends stand on the seam alone: no backend crate depends, even
 //!   indirectly, on `vellum-models` or on anything that parses files or text
 //!   (tokenizers, chat templates, safetensors, zip), read from `cargo
-//!   metadata`.
+//!   metadata`;
+//! - a CUDA launch that reads device memory at indices it is given (slot
+//!   mappings, block tables, positions, row ids) is an `unsafe fn`, unless
+//!   its kernel checks each index itself (listed below with why);
+//! - every package name is free on crates.io (read from its sparse index,
+//!   where yanked crates still hold their names), so each crate can be
+//!   published and depended on; offline, the check says it skipped.
 //!
 //! `cargo fmt --check` and `cargo clippy --all-targets -- -D warnings` run
 //! beside this test in `.ci/run`.
@@ -291,5 +297,94 @@ fn backends_depend_on_the_seam_alone() {
             }
         }
     }
-    assert!(found.is_empty(), "backend crates depend on the seam (vellum-ops, vellum-core) alone, but:\n  {}", found.join("\n  "));
+    assert!(found.is_empty(), "backend crates depend on the seam (vellum-ops, vellum-base) alone, but:\n  {}", found.join("\n  "));
+}
+
+/// Names on crates.io that are ours (none is published yet): a package may
+/// keep a name only the project holds.
+const OURS_ON_CRATES_IO: [&str; 0] = [];
+
+/// The sparse-index path of a crate name (crates.io's layout).
+fn index_path(name: &str) -> String {
+    let n = name.to_ascii_lowercase();
+    match n.len() {
+        1 => format!("1/{n}"),
+        2 => format!("2/{n}"),
+        3 => format!("3/{}/{n}", &n[..1]),
+        _ => format!("{}/{}/{n}", &n[..2], &n[2..4]),
+    }
+}
+
+#[test]
+fn package_names_are_free_on_crates_io_or_skipped_offline() {
+    let mut names = Vec::new();
+    for pkg in packages() {
+        let manifest = fs::read_to_string(pkg.join("Cargo.toml")).expect("Cargo.toml");
+        let mut in_package = false;
+        for line in manifest.lines() {
+            let t = line.trim();
+            if t.starts_with('[') {
+                in_package = t == "[package]";
+            } else if in_package {
+                if let Some(v) = t.strip_prefix("name").map(str::trim).and_then(|r| r.strip_prefix('=')) {
+                    names.push(v.trim().trim_matches('"').to_string());
+                }
+            }
+        }
+    }
+    assert!(names.len() >= 12, "read every package's name: {names:?}");
+    // python3 is what CI installs; its urllib reads the index without a Rust HTTP client.
+    let script = "import sys, urllib.request, urllib.error\n\
+        for path in sys.argv[1:]:\n\
+        \ttry:\n\
+        \t\turllib.request.urlopen('https://index.crates.io/' + path, timeout=10); print('taken')\n\
+        \texcept urllib.error.HTTPError as e:\n\
+        \t\tprint('free' if e.code == 404 else 'unknown')\n\
+        \texcept Exception:\n\
+        \t\tprint('unknown')\n";
+    let paths: Vec<String> = names.iter().map(|n| index_path(n)).collect();
+    let out = std::process::Command::new("python3").arg("-c").arg(script).args(&paths).output();
+    let answers: Vec<String> = match &out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).lines().map(str::to_string).collect(),
+        _ => Vec::new(),
+    };
+    if answers.len() != names.len() || answers.iter().any(|a| a == "unknown") {
+        println!("SKIPPED: crates.io's index is not reachable from here; package names not checked against the registry");
+        return;
+    }
+    let taken: Vec<&String> =
+        names.iter().zip(&answers).filter(|(n, a)| *a == "taken" && !OURS_ON_CRATES_IO.contains(&n.as_str())).map(|(n, _)| n).collect();
+    assert!(taken.is_empty(), "package names already on crates.io (someone else's; rename the package, keep the directory): {taken:?}");
+}
+
+/// Launches taking index buffers whose kernels bounds-check every index.
+const LAUNCHES_THAT_CHECK_THEIR_INDICES: [(&str, &str); 1] =
+    [("embedding", "embedding_* in layers.cu reads row 0 and writes zeros for an id outside the vocabulary")];
+
+#[test]
+fn cuda_launches_that_index_device_memory_are_unsafe() {
+    let path = root().join("crates/backend-cuda/src/launch.rs");
+    let text = fs::read_to_string(&path).expect("launch.rs");
+    let mut safe = Vec::new();
+    let mut seen = 0;
+    let mut rest = text.as_str();
+    while let Some(at) = rest.find("pub ") {
+        rest = &rest[at + 4..];
+        let is_unsafe = rest.starts_with("unsafe fn ");
+        let Some(sig) = rest.strip_prefix("unsafe fn ").or_else(|| rest.strip_prefix("fn ")) else { continue };
+        let name: String = sig.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        let params = sig.split_once(')').map_or("", |(p, _)| p);
+        let indexes = ["&CudaSlice<i64>", "&CudaSlice<i32>", "&DeviceAttentionMetadata"].iter().any(|t| params.contains(t));
+        if indexes {
+            seen += 1;
+            if !is_unsafe && !LAUNCHES_THAT_CHECK_THEIR_INDICES.iter().any(|(n, _)| *n == name) {
+                safe.push(name);
+            }
+        }
+    }
+    assert!(seen >= 6, "found the launches that take index buffers ({seen})");
+    assert!(
+        safe.is_empty(),
+        "these launches read device memory at caller-given indices but are safe to call (make them `unsafe fn` with a `# Safety` section): {safe:?}"
+    );
 }

@@ -16,8 +16,8 @@ use std::hint::black_box;
 use std::time::Duration;
 use vellum_backend_cpu::kv_cache::{KvCacheLayout, LayerKvCache};
 use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention, write_kv};
-use vellum_core::SeededRng as Rng;
-use vellum_core::{AttentionMetadata, AttentionShape, KvCacheDtype};
+use vellum_base::SeededRng as Rng;
+use vellum_base::{AttentionMetadata, AttentionShape, KvCacheDtype};
 
 /// (query heads, kv heads, head_dim).
 type Heads = (usize, usize, usize);

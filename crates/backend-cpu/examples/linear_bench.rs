@@ -22,7 +22,7 @@ fn cpu_time() -> f64 {
 }
 
 /// A Q4_1 weight `[n, k]` as a GGUF stores it (20-byte blocks of 32).
-fn q4_weight(n: usize, k: usize, rng: &mut vellum_core::SeededRng) -> WeightView<'static> {
+fn q4_weight(n: usize, k: usize, rng: &mut vellum_base::SeededRng) -> WeightView<'static> {
     let mut next = || (rng.next_u64() >> 33) as u32;
     let mut bytes = Vec::with_capacity(n * k / 32 * 20);
     for _ in 0..n * k / 32 {
@@ -40,7 +40,7 @@ fn q4_weight(n: usize, k: usize, rng: &mut vellum_core::SeededRng) -> WeightView
 
 /// A K-quant weight (`Q4_K` or `Q6_K`) or a `Q5_0` one `[n, k]`: random
 /// blocks with small f16 scales.
-fn kquant_weight(ty: GgmlType, n: usize, k: usize, rng: &mut vellum_core::SeededRng) -> WeightView<'static> {
+fn kquant_weight(ty: GgmlType, n: usize, k: usize, rng: &mut vellum_base::SeededRng) -> WeightView<'static> {
     let (values, bytes_per, halves): (usize, usize, &[usize]) = match ty {
         GgmlType::Q4_K => (256, 144, &[0, 2]),
         GgmlType::Q6_K => (256, 210, &[208]),
@@ -58,7 +58,7 @@ fn kquant_weight(ty: GgmlType, n: usize, k: usize, rng: &mut vellum_core::Seeded
 
 /// Gemma 3 270M's K-quant matrices (`attn_output` Q4_K, `ffn_down` Q4_K
 /// or Q6_K) through the integer kernel, int16 and int8 activations.
-fn kquants(ms: &[usize], seed: &mut vellum_core::SeededRng) {
+fn kquants(ms: &[usize], seed: &mut vellum_base::SeededRng) {
     for &m in ms {
         for (ty, n, k, name) in [
             (GgmlType::Q4_K, 640, 1024, "o Q4_K"),
@@ -122,7 +122,7 @@ fn quantize_bench() {
 }
 
 fn main() {
-    let mut seed = vellum_core::SeededRng::new(1);
+    let mut seed = vellum_base::SeededRng::new(1);
     if std::env::var("QUANTIZE").is_ok_and(|v| v == "1") {
         return quantize_bench();
     }

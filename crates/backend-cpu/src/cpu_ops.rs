@@ -9,7 +9,7 @@ use crate::kv_cache::{KvCache, KvCacheLayout};
 use crate::linear::HostWeight;
 use crate::paged_attention::{paged_attention, write_kv};
 use crate::quant::{self, ActBits, WeightFormat};
-use vellum_core::{
+use vellum_base::{
     AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype,
     KvCacheSpec, KvMemory, Sizes,
 };
@@ -505,14 +505,14 @@ impl AttentionBackend for CpuOps {
         KvMemory { available_bytes: available_memory_bytes(), max_blocks: None, device: None }
     }
 
-    fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<KvCache> {
+    fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_base::Result<KvCache> {
         let layout = KvCacheLayout { num_blocks, block_size: spec.block_size, num_kv_heads: spec.num_kv_heads, head_dim: spec.head_dim };
         KvCache::try_grouped(layout, spec.groups.clone(), num_host_blocks, spec.dtype).map_err(|e| {
             Error::Backend(format!("the KV cache ({num_blocks} blocks, {num_host_blocks} host blocks, {:?}): {e}", spec.dtype))
         })
     }
 
-    fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<HostStep> {
+    fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<HostStep> {
         let (t, rows) = (batch.num_tokens(), batch.num_seqs() * batch.block_table_stride);
         let groups = batch.kv_groups();
         if batch.slot_mapping.len() != groups * t || batch.block_tables.len() < groups * rows {
@@ -527,7 +527,7 @@ impl AttentionBackend for CpuOps {
         Ok(HostStep { batch: batch.clone(), block_size })
     }
 
-    fn write_kv(&self, cache: &mut KvCache, layer: usize, k: &HostTensor, v: &HostTensor, step: &HostStep) -> vellum_core::Result<()> {
+    fn write_kv(&self, cache: &mut KvCache, layer: usize, k: &HostTensor, v: &HostTensor, step: &HostStep) -> vellum_base::Result<()> {
         let layout = cache.layout;
         let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("write_kv: no layer {layer}")))?;
         check_group(at.group, step)?;
@@ -542,7 +542,7 @@ impl AttentionBackend for CpuOps {
         q: &HostTensor,
         step: &HostStep,
         shape: &AttentionShape,
-    ) -> vellum_core::Result<HostTensor> {
+    ) -> vellum_base::Result<HostTensor> {
         let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("paged_attention: no layer {layer}")))?;
         check_group(at.group, step)?;
         // Every row is written: each work item zeroes its run first.
@@ -551,19 +551,19 @@ impl AttentionBackend for CpuOps {
         Ok(out)
     }
 
-    fn copy_blocks(&self, cache: &mut KvCache, copies: &[BlockCopy]) -> vellum_core::Result<()> {
+    fn copy_blocks(&self, cache: &mut KvCache, copies: &[BlockCopy]) -> vellum_base::Result<()> {
         cache.copy_blocks(copies);
         Ok(())
     }
 
-    fn swap_blocks(&self, cache: &mut KvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_core::Result<()> {
+    fn swap_blocks(&self, cache: &mut KvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_base::Result<()> {
         cache.swap_blocks(swaps, to_host);
         Ok(())
     }
 }
 
 /// A layer of KV-cache group `group` needs the step to carry that group.
-fn check_group(group: usize, step: &HostStep) -> vellum_core::Result<()> {
+fn check_group(group: usize, step: &HostStep) -> vellum_base::Result<()> {
     let groups = step.batch.kv_groups();
     if group < groups {
         Ok(())
@@ -659,7 +659,7 @@ fn rms_norm_part(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
 #[inline(always)]
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    x / (1.0 + vellum_core::exp_f32(-2.0 * SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)))
+    x / (1.0 + vellum_base::exp_f32(-2.0 * SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)))
 }
 
 #[cfg(test)]
@@ -680,7 +680,7 @@ mod tests {
     }
     use crate::quant::QuantKind;
 
-    use vellum_core::SeededRng;
+    use vellum_base::SeededRng;
 
     fn lcg(rng: &mut SeededRng) -> u32 {
         (rng.next_u64() >> 33) as u32

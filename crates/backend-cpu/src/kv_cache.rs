@@ -29,7 +29,7 @@ use std::ops::Range;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use vellum_core::{BlockCopy, BlockSwap, KvCacheDtype, KvCacheGroups, KvLayerSlot};
+use vellum_base::{BlockCopy, BlockSwap, KvCacheDtype, KvCacheGroups, KvLayerSlot};
 
 /// Shape of the paged KV cache of one layer: K and V each
 /// `[num_blocks, block_size, num_kv_heads, head_dim]`, row-major (elements of
@@ -169,7 +169,7 @@ impl<T: PoolElem> PartialEq for PoolBuf<T> {
 impl KvPool {
     /// `n` zeros of type `dtype`, none of them resident yet ([`PoolBuf`]):
     /// the engine's default size keeps to half the memory free at startup
-    /// ([`vellum_core::KvCacheSize::Auto`]), so the pages it may touch
+    /// ([`vellum_base::KvCacheSize::Auto`]), so the pages it may touch
     /// later are there.
     pub fn try_zeros(dtype: KvCacheDtype, n: usize) -> std::io::Result<Self> {
         Ok(match dtype {
@@ -464,7 +464,7 @@ mod tests {
         let layout = KvCacheLayout { num_blocks: 10, block_size: 16, num_kv_heads: 3, head_dim: 64 };
         assert_eq!(layout.block_elems(), 16 * 3 * 64);
         for (dtype, bytes) in [(KvCacheDtype::F32, 4), (KvCacheDtype::F16, 2), (KvCacheDtype::Bf16, 2)] {
-            let spec = vellum_core::KvCacheSpec::uniform(30, 3, 64, 16, dtype);
+            let spec = vellum_base::KvCacheSpec::uniform(30, 3, 64, 16, dtype);
             assert_eq!(spec.block_bytes(), 2 * 16 * 3 * 64 * bytes * 30);
             let cache = KvCache::new(layout, 2, 4, dtype);
             assert_eq!(cache.layers[1].k.len(), 10 * 16 * 3 * 64);

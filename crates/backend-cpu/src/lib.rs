@@ -4,9 +4,9 @@
 //! implements the model operations of `vellum_ops::Ops` (linear
 //! layers, RMSNorm, RoPE, SiLU·mul, the fused K/V block write and paged
 //! attention over a mixed prefill/decode batch) and the core
-//! [`vellum_core::AttentionBackend`] (host KV pools, block copies for
+//! [`vellum_base::AttentionBackend`] (host KV pools, block copies for
 //! copy-on-write, swapping to a host pool). The crate depends on the seam
-//! (`vellum-ops`, `vellum-core`) alone; `vellum-models`' `ModelRunner<CpuOps>`
+//! (`vellum-ops`, `vellum-base`) alone; `vellum-models`' `ModelRunner<CpuOps>`
 //! runs a model on it (`vellum_engine::CpuExecutor`).
 //!
 //! **The one decision to know:** its float32 path (`WeightFormat::F32`,
@@ -34,3 +34,21 @@ mod spin_team;
 
 pub use cpu_ops::{available_memory_bytes, CpuOps, HostStep, HostTensor};
 pub use quant::{ActBits, WeightFormat};
+
+/// How a kernel test that needs a CPU feature skips: by saying so, or, when
+/// CI requires the feature (`VELLUM_REQUIRE_AVX2=1`, `VELLUM_REQUIRE_AVX512=1`,
+/// as `VELLUM_REQUIRE_GPU` requires a GPU), by failing.
+#[cfg(test)]
+pub(crate) fn runs_or_skips(present: bool, test: &str, feature: &str) -> bool {
+    if present {
+        return true;
+    }
+    let var = match feature {
+        "AVX2" => "VELLUM_REQUIRE_AVX2",
+        _ => "VELLUM_REQUIRE_AVX512",
+    };
+    let required = std::env::var(var).is_ok_and(|v| !v.is_empty() && v != "0");
+    assert!(!required, "{test}: {var} is set but this CPU lacks {feature}");
+    eprintln!("SKIPPED {test}: this CPU lacks {feature} (set {var}=1 to make that a failure)");
+    false
+}

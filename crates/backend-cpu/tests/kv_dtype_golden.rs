@@ -16,7 +16,7 @@
 
 use serde_json::Value;
 use vellum_backend_cpu::{ActBits, CpuOps};
-use vellum_core::{ForwardBatch, KvCacheDtype, ModelExecutor};
+use vellum_base::{ForwardBatch, KvCacheDtype, ModelExecutor};
 use vellum_models::ModelRunner;
 
 const BLOCK_SIZE: usize = 16;

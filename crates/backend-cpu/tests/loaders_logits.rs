@@ -8,7 +8,7 @@ mod tiny_checkpoint;
 
 use tiny_checkpoint::*;
 use vellum_backend_cpu::{CpuOps, WeightFormat};
-use vellum_core::{ForwardBatch, ModelExecutor};
+use vellum_base::{ForwardBatch, ModelExecutor};
 use vellum_models::ModelRunner;
 use vellum_models::{GgufWeights, SafetensorsWeights, WeightSource};
 

@@ -17,8 +17,8 @@ use half::{bf16, f16};
 use proptest::prelude::*;
 use vellum_backend_cpu::kv_cache::{KvCache, KvCacheLayout, KvPool, LayerKvCache};
 use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention, write_kv};
-use vellum_core::SeededRng as Rng;
-use vellum_core::{AttentionMetadata, AttentionShape, BlockCopy, BlockId, BlockSwap, HostBlockId, KvCacheDtype};
+use vellum_base::SeededRng as Rng;
+use vellum_base::{AttentionMetadata, AttentionShape, BlockCopy, BlockId, BlockSwap, HostBlockId, KvCacheDtype};
 
 const DTYPES: [KvCacheDtype; 3] = [KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16];
 

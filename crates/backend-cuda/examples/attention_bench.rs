@@ -21,7 +21,7 @@
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use std::time::Instant;
-use vellum_backend_cuda::launch::{AttentionMetadata, AttentionParams, Elementwise, Kernels, KvDtype, KvLayout, KvPool};
+use vellum_backend_cuda::launch::{AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvLayout, KvPool, PoolDtype};
 
 /// A model's attention shape.
 struct Shape {
@@ -157,7 +157,7 @@ fn main() -> Res<()> {
     eprintln!("|---|---|---|---|---|---|---|---|---|---|---|");
     for shape in &SHAPES {
         let max_blocks_total = max_batch * max_ctx / BLOCK;
-        let pool = KvPool::new(k.stream(), KvDtype::F16, max_blocks_total, BLOCK, shape.kv_heads, shape.head_dim)?;
+        let pool = KvPool::new(k.stream(), PoolDtype::F16, max_blocks_total, BLOCK, shape.kv_heads, shape.head_dim)?;
         let mut all: Vec<i32> = (0..max_blocks_total as i32).collect();
         for i in (1..all.len()).rev() {
             all.swap(i, (rng.next() % (i as u64 + 1)) as usize);
@@ -170,8 +170,8 @@ fn main() -> Res<()> {
                 let token_seq: Vec<i32> = (0..batch as i32).collect();
                 let qsl: Vec<i32> = (0..=batch as i32).collect();
                 let ctx = vec![context as i32; batch];
-                let meta_of = |tables: &[i32]| -> Res<AttentionMetadata> {
-                    Ok(AttentionMetadata {
+                let meta_of = |tables: &[i32]| -> Res<DeviceAttentionMetadata> {
+                    Ok(DeviceAttentionMetadata {
                         block_tables: up(&k, tables)?,
                         max_blocks_per_seq: max_blocks,
                         token_seq: up(&k, &token_seq)?,
@@ -189,8 +189,10 @@ fn main() -> Res<()> {
                 let queries = Kernels::attention_queries(shape.heads, shape.kv_heads, shape.head_dim);
                 let version = k.attention_version(batch, shape.heads, queries, shape.head_dim, context);
                 let iters = if batch * context >= 1 << 20 { 10 } else { 50 };
-                let mut run = |meta: &AttentionMetadata, layout: KvLayout| {
-                    time_ms(&k, 3, iters, || Ok(k.attention_with_layout(&mut out, &q, &pool, meta, params, None, layout)?))
+                let mut run = |meta: &DeviceAttentionMetadata, layout: KvLayout| {
+                    // SAFETY: both layouts' metadata address the pool's own
+                    // blocks for `batch` sequences of `context` tokens.
+                    time_ms(&k, 3, iters, || Ok(unsafe { k.attention_with_layout(&mut out, &q, &pool, meta, params, None, layout) }?))
                 };
                 // Each layout twice, in mirrored order (the best of two), so
                 // that no layout always runs first or last.
@@ -205,7 +207,7 @@ fn main() -> Res<()> {
                         }
                     }
                 }
-                let bytes = (2 * batch * context * shape.kv_heads * shape.head_dim * KvDtype::F16.size()) as f64;
+                let bytes = (2 * batch * context * shape.kv_heads * shape.head_dim * PoolDtype::F16.size()) as f64;
                 let gbps = |ms: f64| bytes / (ms * 1e6);
                 eprintln!(
                     "| {} | {context} | {batch} | {version:?} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.3} |",

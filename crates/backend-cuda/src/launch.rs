@@ -3,7 +3,7 @@
 //! that checks its shapes before anything reaches the GPU.
 //!
 //! Device buffers are `cudarc` slices; a KV pool is a pair of byte buffers
-//! whose element type is [`KvDtype`] (the kernels take `void *`).
+//! whose element type is [`PoolDtype`] (the kernels take `void *`).
 
 use crate::kernels::{Variant, CACHE, GEMV_Q, LAYERS, PAGED_ATTENTION};
 use crate::{nvrtc, CudaError};
@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 /// Element type of a KV pool (`--kv-cache-dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KvDtype {
+pub enum PoolDtype {
     /// 4 bytes an element.
     F32,
     /// IEEE binary16.
@@ -22,21 +22,21 @@ pub enum KvDtype {
     Bf16,
 }
 
-impl KvDtype {
+impl PoolDtype {
     /// Bytes an element.
     pub fn size(self) -> usize {
         match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 | KvDtype::Bf16 => 2,
+            PoolDtype::F32 => 4,
+            PoolDtype::F16 | PoolDtype::Bf16 => 2,
         }
     }
 
     /// The entry-point suffix (`_f32`, `_f16`, `_bf16`).
     pub fn suffix(self) -> &'static str {
         match self {
-            KvDtype::F32 => "f32",
-            KvDtype::F16 => "f16",
-            KvDtype::Bf16 => "bf16",
+            PoolDtype::F32 => "f32",
+            PoolDtype::F16 => "f16",
+            PoolDtype::Bf16 => "bf16",
         }
     }
 }
@@ -49,7 +49,7 @@ pub struct KvPool {
     /// Values.
     pub v: CudaSlice<u8>,
     /// Element type.
-    pub dtype: KvDtype,
+    pub dtype: PoolDtype,
     /// Blocks in each pool.
     pub num_blocks: usize,
     /// Tokens a block.
@@ -64,7 +64,7 @@ impl KvPool {
     /// Zeroed pools.
     pub fn new(
         stream: &Arc<CudaStream>,
-        dtype: KvDtype,
+        dtype: PoolDtype,
         num_blocks: usize,
         block_size: usize,
         num_kv_heads: usize,
@@ -109,7 +109,7 @@ const ATTENTION_THREADS: u32 = 128;
 const DEFAULT_SHARED_MEMORY: usize = 48 * 1024;
 
 /// A mixed batch's attention metadata, on the device (int32 unless noted).
-pub struct AttentionMetadata {
+pub struct DeviceAttentionMetadata {
     /// `[num_seqs, max_blocks_per_seq]` block ids.
     pub block_tables: CudaSlice<i32>,
     /// Entries per block-table row.
@@ -327,7 +327,11 @@ impl Kernels {
 
     /// Writes each token's K and V rows (`[num_tokens, row]` f32) into the
     /// pools at `slot_mapping[t]` (a negative slot writes nothing).
-    pub fn reshape_and_cache(
+    ///
+    /// # Safety
+    /// Every slot in `slot_mapping` is negative or below the pool's
+    /// `num_blocks · block_size`: the kernel writes at each slot unchecked.
+    pub unsafe fn reshape_and_cache(
         &self,
         key: &CudaSlice<f32>,
         value: &CudaSlice<f32>,
@@ -348,14 +352,18 @@ impl Kernels {
         // SAFETY: the signature matches reshape_and_cache_* in cache.cu
         // (f32*, f32*, void*, void*, long long*, int); key and value hold n·row
         // floats (checked above); the kernel writes row elements at each
-        // slot, and the caller's slots come from this pool's block tables
-        // (< num_blocks · block_size).
+        // slot, and the caller promises every slot is below num_blocks ·
+        // block_size (this function's contract).
         unsafe { b.launch(cfg((to_u32(n, "tokens")?, 1, 1), 256, 0)) }?;
         Ok(())
     }
 
     /// Copies block `pairs[2i]` to block `pairs[2i + 1]` in both pools.
-    pub fn copy_blocks(&self, pool: &mut KvPool, pairs: &CudaSlice<i64>) -> Result<(), CudaError> {
+    ///
+    /// # Safety
+    /// Every id in `pairs` is below the pool's `num_blocks`: the kernel
+    /// copies whole blocks at those ids unchecked.
+    pub unsafe fn copy_blocks(&self, pool: &mut KvPool, pairs: &CudaSlice<i64>) -> Result<(), CudaError> {
         let num_pairs = pairs.len() / 2;
         if num_pairs == 0 {
             return Ok(());
@@ -367,7 +375,8 @@ impl Kernels {
         b.arg(&mut pool.k).arg(&mut pool.v).arg(pairs).arg(&block_words);
         // SAFETY: matches copy_blocks(unsigned*, unsigned*, long long*, long
         // long); a block is block_bytes (a multiple of 4: head_dim is a
-        // multiple of 64); the caller's block ids are < num_blocks.
+        // multiple of 64); the caller promises the ids are < num_blocks
+        // (this function's contract).
         unsafe { b.launch(cfg((to_u32(num_pairs, "pairs")?, 4, 1), 256, 0)) }?;
         Ok(())
     }
@@ -411,28 +420,42 @@ impl Kernels {
     /// Paged attention over a mixed batch: `out [num_tokens, num_heads,
     /// head_dim]` from `q` (same shape) and the pools through `meta`.
     /// `version` forces a kernel (tests); `None` picks one.
-    pub fn paged_attention(
+    ///
+    /// # Safety
+    /// As [`Kernels::attention_with_layout`]: `meta`'s block tables hold
+    /// ids below the pool's `num_blocks`, and its context lengths and
+    /// query starts describe `meta.num_tokens` tokens whose keys the
+    /// tables cover.
+    pub unsafe fn paged_attention(
         &self,
         out: &mut CudaSlice<f32>,
         q: &CudaSlice<f32>,
         pool: &KvPool,
-        meta: &AttentionMetadata,
+        meta: &DeviceAttentionMetadata,
         p: AttentionParams,
         version: Option<AttentionVersion>,
     ) -> Result<(), CudaError> {
-        self.attention_with_layout(out, q, pool, meta, p, version, KvLayout::Paged)
+        // SAFETY: this function's contract is attention_with_layout's.
+        unsafe { self.attention_with_layout(out, q, pool, meta, p, version, KvLayout::Paged) }
     }
 
     /// [`Kernels::paged_attention`] with the KV layout chosen: the
     /// bandwidth benchmark's contiguous baseline runs the same kernel
     /// without its block table.
+    ///
+    /// # Safety
+    /// `meta`'s block tables hold ids below the pool's `num_blocks` (for
+    /// [`KvLayout::ContiguousBaseline`], each sequence's context fits the pool
+    /// from its start), and its context lengths and query starts describe
+    /// `meta.num_tokens` tokens whose keys the tables cover: the kernels
+    /// read K/V through them unchecked.
     #[allow(clippy::too_many_arguments)]
-    pub fn attention_with_layout(
+    pub unsafe fn attention_with_layout(
         &self,
         out: &mut CudaSlice<f32>,
         q: &CudaSlice<f32>,
         pool: &KvPool,
-        meta: &AttentionMetadata,
+        meta: &DeviceAttentionMetadata,
         p: AttentionParams,
         version: Option<AttentionVersion>,
         layout: KvLayout,
@@ -654,9 +677,12 @@ impl Kernels {
 
     /// Half-split RoPE in place on every head of `x [tokens, heads,
     /// head_dim]` at `positions` (int64, one per token), from `cos_sin
-    /// [max_positions, head_dim]` (cos of the pairs, then sin); the caller
-    /// checked every position is below `max_positions`.
-    pub fn rope(
+    /// [max_positions, head_dim]` (cos of the pairs, then sin).
+    ///
+    /// # Safety
+    /// Every position is below `cos_sin`'s `max_positions`: the kernel
+    /// reads the table at each position unchecked.
+    pub unsafe fn rope(
         &self,
         x: &mut CudaSlice<f32>,
         cos_sin: &CudaSlice<f32>,
@@ -770,9 +796,12 @@ impl Kernels {
         Ok(())
     }
 
-    /// `out[r, :] = x[rows[r], :]` for the first `n` indices; the caller
-    /// checked every index is below `x`'s rows.
-    pub fn gather_rows(
+    /// `out[r, :] = x[rows[r], :]` for the first `n` indices.
+    ///
+    /// # Safety
+    /// Every index in `rows[..n]` is below `x`'s rows (`x.len() / cols`):
+    /// the kernel reads `x` at each index unchecked.
+    pub unsafe fn gather_rows(
         &self,
         out: &mut CudaSlice<f32>,
         x: &CudaSlice<f32>,

@@ -12,16 +12,17 @@
 //!
 //! | [`ops`] | [`CudaOps`]: the model operations and the paged-attention contract, so that `ModelRunner<CudaOps>` is the CUDA `ModelExecutor` (`--device cuda`) |
 //!
-//! Status (see the CUDA issue and `docs/cuda_kernels.md`): the kernels —
-//! `reshape_and_cache`, paged attention v1/v2 for mixed prefill/decode
-//! batches, `copy_blocks`, RMSNorm (fused with the residual add), RoPE,
-//! SwiGLU/GeGLU, embedding gather, greedy argmax, the Q8_0/Q4_1/f32 GEMV
-//! and the executor's glue — compile for `compute_80` and `compute_90` in
-//! CI, with registers and spills recorded per kernel. [`launch::Kernels`]
-//! launches them with shape checks, and `tests/gpu.rs` checks them against
-//! float64 references, and the executor against the CPU's f32 path on a
-//! tiny Llama, on a GPU (skipped by name without one). None of it has run
-//! on a GPU yet: none has been lent to the sessions that wrote it.
+//! The kernels — `reshape_and_cache`, paged attention v1/v2 for mixed
+//! prefill/decode batches, `copy_blocks`, RMSNorm (fused with the residual
+//! add), RoPE, SwiGLU/GeGLU, embedding gather, greedy argmax, the
+//! Q8_0/Q4_1/f32 GEMV and the executor's glue — compile for `compute_80`
+//! and `compute_90` in CI, with registers and spills recorded per kernel
+//! (`docs/cuda_kernels.md`). [`launch::Kernels`] launches them; a launch
+//! that reads device memory at indices it is given is an `unsafe fn`, and
+//! [`CudaOps`] checks those indices against the step's bounds before it
+//! calls one. `tests/gpu.rs` checks the kernels against float64 references
+//! and the executor against the CPU's f32 path on a tiny Llama, on a GPU
+//! (skipped by name without one). README.md says where it has run.
 //!
 //! Both libraries are loaded dynamically (cudarc's `dynamic-loading`), so
 //! this crate builds and links on machines with no CUDA at all; every entry

@@ -23,16 +23,16 @@
 //!   the compute stream (a pinned, side-stream copy is left to do).
 //!
 //! Every op checks shapes and indices on the host first and returns a
-//! typed [`vellum_core::Error`]; nothing here panics on a bad batch.
+//! typed [`vellum_base::Error`]; nothing here panics on a bad batch.
 //!
 //! Status: compiled in CI; run where a GPU is lent (`tests/gpu.rs`, and
 //! the golden prompts through `--device cuda` in `tests/golden.rs`).
 
-use crate::launch::{AttentionMetadata, AttentionParams, BlockFormat, Elementwise, Kernels, KvDtype, KvPool, QuantMatrix};
+use crate::launch::{AttentionParams, BlockFormat, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix};
 use crate::CudaError;
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use std::sync::Mutex;
-use vellum_core::{
+use vellum_base::{
     AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, DeviceMemory, Error, ForwardBatch,
     KvCacheDtype, KvCacheSpec, KvMemory, Sizes, StepBounds,
 };
@@ -87,7 +87,7 @@ pub struct CudaRope {
 /// One KV-cache group's slot mapping and attention metadata.
 struct GroupStep {
     slots: CudaSlice<i64>,
-    meta: AttentionMetadata,
+    meta: DeviceAttentionMetadata,
 }
 
 /// One step's inputs on the device, uploaded once in `prepare_step`.
@@ -277,7 +277,9 @@ impl Ops for CudaOps {
             format!("rope: {} rows of width {} for {} tokens, head_dim {}", x.rows, x.cols, step.tokens, rope.head_dim)
         })?;
         StepBounds::check_below(step.bounds.max_position, rope.positions, "rope: position", "the table")?;
-        self.k.rope(&mut x.buf, &rope.table, &step.positions, x.cols / rope.head_dim, rope.head_dim).map_err(backend)
+        // SAFETY: every position of the step is below the table's length
+        // (checked just above against the step's bounds).
+        unsafe { self.k.rope(&mut x.buf, &rope.table, &step.positions, x.cols / rope.head_dim, rope.head_dim) }.map_err(backend)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> OpResult<CudaTensor> {
@@ -308,7 +310,9 @@ impl Ops for CudaOps {
     fn logits_rows(&self, x: &CudaTensor, step: &CudaStep) -> OpResult<CudaTensor> {
         StepBounds::check_below(step.bounds.max_logits_row, x.rows, "logits row", "the batch")?;
         let mut out = self.tensor(step.logits_rows, x.cols)?;
-        self.k.gather_rows(&mut out.buf, &x.buf, &step.logits, step.logits_rows, x.cols).map_err(backend)?;
+        // SAFETY: every logits row of the step is below x's rows (checked
+        // just above against the step's bounds).
+        unsafe { self.k.gather_rows(&mut out.buf, &x.buf, &step.logits, step.logits_rows, x.cols) }.map_err(backend)?;
         Ok(out)
     }
 
@@ -390,11 +394,11 @@ fn copy_in_parallel(dst: &mut [f32], src: &[f32]) {
     });
 }
 
-fn kv_dtype(d: KvCacheDtype) -> KvDtype {
+fn kv_dtype(d: KvCacheDtype) -> PoolDtype {
     match d {
-        KvCacheDtype::F32 => KvDtype::F32,
-        KvCacheDtype::F16 => KvDtype::F16,
-        KvCacheDtype::Bf16 => KvDtype::Bf16,
+        KvCacheDtype::F32 => PoolDtype::F32,
+        KvCacheDtype::F16 => PoolDtype::F16,
+        KvCacheDtype::Bf16 => PoolDtype::Bf16,
     }
 }
 
@@ -457,7 +461,7 @@ impl AttentionBackend for CudaOps {
         self.k.memory_profile_peak()
     }
 
-    fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<CudaKvCache> {
+    fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_base::Result<CudaKvCache> {
         CAPABILITIES
             .check("cuda", &AttentionRequirements { head_dim: spec.head_dim, block_size: spec.block_size, kv_dtype: spec.dtype })?;
         let dtype = kv_dtype(spec.dtype);
@@ -473,7 +477,7 @@ impl AttentionBackend for CudaOps {
         Ok(CudaKvCache { spec: spec.clone(), num_blocks, pools, host, num_host_blocks })
     }
 
-    fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<CudaStep> {
+    fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<CudaStep> {
         let (t, s, groups, stride) = (batch.num_tokens(), batch.num_seqs(), batch.kv_groups(), batch.block_table_stride);
         let bounds = batch.step_bounds(block_size)?;
         let to_i32 = |xs: &[u32], what: &str| xs.iter().map(|&x| i32_of(x, what)).collect::<OpResult<Vec<i32>>>();
@@ -490,7 +494,7 @@ impl AttentionBackend for CudaOps {
             let tables = to_i32(&batch.block_tables[g * s * stride..(g + 1) * s * stride], "block id")?;
             group_steps.push(GroupStep {
                 slots: self.htod(&slots)?,
-                meta: AttentionMetadata {
+                meta: DeviceAttentionMetadata {
                     block_tables: self.htod(&tables)?,
                     max_blocks_per_seq: stride.max(1),
                     token_seq: self.htod(&token_seq)?,
@@ -515,7 +519,7 @@ impl AttentionBackend for CudaOps {
         })
     }
 
-    fn write_kv(&self, cache: &mut CudaKvCache, layer: usize, k: &CudaTensor, v: &CudaTensor, step: &CudaStep) -> vellum_core::Result<()> {
+    fn write_kv(&self, cache: &mut CudaKvCache, layer: usize, k: &CudaTensor, v: &CudaTensor, step: &CudaStep) -> vellum_base::Result<()> {
         let spec = &cache.spec;
         let row = spec.num_kv_heads * spec.head_dim;
         check(k.rows == step.tokens && v.rows == step.tokens && k.cols == row && v.cols == row, || {
@@ -530,7 +534,10 @@ impl AttentionBackend for CudaOps {
         if step.tokens == 0 {
             return Ok(());
         }
-        self.k.reshape_and_cache(&k.buf, &v.buf, &mut cache.pools[at.slot], &g.slots).map_err(backend)
+        // SAFETY: every slot of the step is below num_blocks · block_size
+        // (checked above against the step's bounds; negative slots write
+        // nothing).
+        unsafe { self.k.reshape_and_cache(&k.buf, &v.buf, &mut cache.pools[at.slot], &g.slots) }.map_err(backend)
     }
 
     fn paged_attention(
@@ -540,7 +547,7 @@ impl AttentionBackend for CudaOps {
         q: &CudaTensor,
         step: &CudaStep,
         shape: &AttentionShape,
-    ) -> vellum_core::Result<CudaTensor> {
+    ) -> vellum_base::Result<CudaTensor> {
         let spec = &cache.spec;
         check(shape.num_kv_heads == spec.num_kv_heads && shape.head_dim == spec.head_dim, || {
             format!(
@@ -568,11 +575,15 @@ impl AttentionBackend for CudaOps {
             softcap: shape.logit_softcap.unwrap_or(0.0),
             window: shape.sliding_window.unwrap_or(0),
         };
-        self.k.paged_attention(&mut out.buf, &q.buf, &cache.pools[at.slot], &g.meta, params, None).map_err(backend)?;
+        // SAFETY: every block id of the step's tables is below the pool's
+        // num_blocks (checked above against the step's bounds), and the
+        // group's metadata was built by prepare_step from a batch whose
+        // shape ForwardBatch::step_bounds checked.
+        unsafe { self.k.paged_attention(&mut out.buf, &q.buf, &cache.pools[at.slot], &g.meta, params, None) }.map_err(backend)?;
         Ok(out)
     }
 
-    fn copy_blocks(&self, cache: &mut CudaKvCache, copies: &[BlockCopy]) -> vellum_core::Result<()> {
+    fn copy_blocks(&self, cache: &mut CudaKvCache, copies: &[BlockCopy]) -> vellum_base::Result<()> {
         if copies.is_empty() {
             return Ok(());
         }
@@ -584,12 +595,13 @@ impl AttentionBackend for CudaOps {
         let pairs: Vec<i64> = copies.iter().flat_map(|c| [i64::from(c.src.0), i64::from(c.dst.0)]).collect();
         let pairs = self.htod(&pairs)?;
         for pool in &mut cache.pools {
-            self.k.copy_blocks(pool, &pairs).map_err(backend)?;
+            // SAFETY: every id in pairs is below num_blocks (checked above).
+            unsafe { self.k.copy_blocks(pool, &pairs) }.map_err(backend)?;
         }
         Ok(())
     }
 
-    fn swap_blocks(&self, cache: &mut CudaKvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_core::Result<()> {
+    fn swap_blocks(&self, cache: &mut CudaKvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_base::Result<()> {
         let bb = cache.spec.pool_block_bytes() as usize;
         for s in swaps {
             check((s.device.0 as usize) < cache.num_blocks && (s.host.0 as usize) < cache.num_host_blocks, || {
@@ -618,7 +630,7 @@ impl AttentionBackend for CudaOps {
 #[cfg(test)]
 mod tests {
     use super::CAPABILITIES;
-    use vellum_core::{AttentionRequirements, Error, KvCacheDtype};
+    use vellum_base::{AttentionRequirements, Error, KvCacheDtype};
 
     /// What the kernels are compiled and tested for passes; a head size the
     /// kernel would take but no test covers (192) is refused by name,

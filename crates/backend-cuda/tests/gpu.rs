@@ -12,7 +12,7 @@
 
 use cudarc::driver::CudaSlice;
 use vellum_backend_cuda::launch::{
-    AttentionMetadata, AttentionParams, AttentionVersion, BlockFormat, Kernels, KvDtype, KvPool, QuantMatrix,
+    AttentionParams, AttentionVersion, BlockFormat, DeviceAttentionMetadata, Kernels, KvPool, PoolDtype, QuantMatrix,
 };
 
 fn gpu_or_skip(test: &str) -> Option<Kernels> {
@@ -50,20 +50,20 @@ impl Rng {
 }
 
 /// A value as the cache stores it.
-fn round(x: f32, dtype: KvDtype) -> f32 {
+fn round(x: f32, dtype: PoolDtype) -> f32 {
     match dtype {
-        KvDtype::F32 => x,
-        KvDtype::F16 => half::f16::from_f32(x).to_f32(),
-        KvDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+        PoolDtype::F32 => x,
+        PoolDtype::F16 => half::f16::from_f32(x).to_f32(),
+        PoolDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
     }
 }
 
 /// Decodes a pool read back as bytes.
-fn decode(bytes: &[u8], dtype: KvDtype) -> Vec<f32> {
+fn decode(bytes: &[u8], dtype: PoolDtype) -> Vec<f32> {
     match dtype {
-        KvDtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        KvDtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        KvDtype::Bf16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        PoolDtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        PoolDtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        PoolDtype::Bf16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
     }
 }
 
@@ -84,7 +84,7 @@ struct Seq {
 
 struct Case {
     head_dim: usize,
-    dtype: KvDtype,
+    dtype: PoolDtype,
     window: usize,
     softcap: f32,
     /// Query and KV heads (a thread block serves a group's heads together).
@@ -139,7 +139,8 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
     k_all.extend(std::iter::repeat_n(9.0f32, row));
     v_all.extend(std::iter::repeat_n(9.0f32, row));
     let mut pool = KvPool::new(k.stream(), case.dtype, num_blocks, BLOCK, case.kv_heads, d).expect("pool");
-    k.reshape_and_cache(&up(k, &k_all), &up(k, &v_all), &mut pool, &up(k, &slots)).expect("reshape_and_cache");
+    // SAFETY: the slots are -1 or below num_blocks · BLOCK, as built above.
+    unsafe { k.reshape_and_cache(&up(k, &k_all), &up(k, &v_all), &mut pool, &up(k, &slots)) }.expect("reshape_and_cache");
     // The pools hold each row at its slot, rounded to the cache type, and
     // nothing else (the padding row of 9s went nowhere).
     let (k_pool, v_pool) = (decode(&down(k, &pool.k), case.dtype), decode(&down(k, &pool.v), case.dtype));
@@ -163,7 +164,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
     }
     let max_context =
         seqs.iter().map(|s| if case.window > 0 { s.context_len.min(case.window) } else { s.context_len }).max().expect("seqs");
-    let meta = AttentionMetadata {
+    let meta = DeviceAttentionMetadata {
         block_tables: up(k, &tables),
         max_blocks_per_seq: max_blocks,
         token_seq: up(k, &token_seq),
@@ -212,7 +213,9 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
     let q_dev = up(k, &q);
     for version in [AttentionVersion::V1, AttentionVersion::V2] {
         let mut out: CudaSlice<f32> = k.stream().alloc_zeros(num_tokens * case.heads * d).expect("alloc");
-        k.paged_attention(&mut out, &q_dev, &pool, &meta, params, Some(version)).expect("paged attention");
+        // SAFETY: meta's tables hold the pool's own block ids and its
+        // lengths describe the num_tokens queries built above.
+        unsafe { k.paged_attention(&mut out, &q_dev, &pool, &meta, params, Some(version)) }.expect("paged attention");
         let got = down(k, &out);
         let worst = got.iter().zip(&expected).map(|(&g, &e)| (g as f64 - e).abs()).fold(0.0, f64::max);
         eprintln!(
@@ -228,18 +231,18 @@ fn paged_attention_matches_the_float64_reference_on_a_mixed_batch_or_skips_witho
     let Some(k) = gpu_or_skip("paged_attention_matches_the_float64_reference_on_a_mixed_batch") else { return };
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for head_dim in [64, 128, 256] {
-        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+        for dtype in [PoolDtype::F32, PoolDtype::F16, PoolDtype::Bf16] {
             check_attention(&k, &Case { head_dim, dtype, window: 0, softcap: 0.0, heads: 8, kv_heads: 2 }, &mut rng);
         }
     }
     // Gemma-style: a sliding window and a soft-cap.
-    check_attention(&k, &Case { head_dim: 256, dtype: KvDtype::Bf16, window: 64, softcap: 30.0, heads: 8, kv_heads: 2 }, &mut rng);
-    check_attention(&k, &Case { head_dim: 64, dtype: KvDtype::F32, window: 600, softcap: 0.0, heads: 8, kv_heads: 2 }, &mut rng);
+    check_attention(&k, &Case { head_dim: 256, dtype: PoolDtype::Bf16, window: 64, softcap: 30.0, heads: 8, kv_heads: 2 }, &mut rng);
+    check_attention(&k, &Case { head_dim: 64, dtype: PoolDtype::F32, window: 600, softcap: 0.0, heads: 8, kv_heads: 2 }, &mut rng);
     // Other group sizes: SmolLM2's 9/3 (groups of 3), multi-head (1), 8
     // heads a group at 64 and 128 dims (8 queries a thread block), and a
     // group of 8 at 256 dims, served 4 heads a thread block.
     for (head_dim, heads, kv_heads) in [(64, 9, 3), (128, 2, 2), (64, 16, 2), (128, 16, 2), (256, 8, 1)] {
-        let case = Case { head_dim, dtype: KvDtype::F16, window: 0, softcap: 0.0, heads, kv_heads };
+        let case = Case { head_dim, dtype: PoolDtype::F16, window: 0, softcap: 0.0, heads, kv_heads };
         check_attention(&k, &case, &mut rng);
     }
 }
@@ -248,16 +251,18 @@ fn paged_attention_matches_the_float64_reference_on_a_mixed_batch_or_skips_witho
 fn copy_blocks_copies_whole_blocks_in_both_pools_or_skips_without_a_gpu() {
     let Some(k) = gpu_or_skip("copy_blocks_copies_whole_blocks_in_both_pools") else { return };
     let mut rng = Rng(7);
-    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+    for dtype in [PoolDtype::F32, PoolDtype::Bf16] {
         let (blocks, d) = (12, 64);
         let mut pool = KvPool::new(k.stream(), dtype, blocks, BLOCK, 2, d).expect("pool");
         let n = blocks * BLOCK;
         let slots: Vec<i64> = (0..n as i64).collect();
-        k.reshape_and_cache(&up(&k, &rng.vec(n * pool.row())), &up(&k, &rng.vec(n * pool.row())), &mut pool, &up(&k, &slots))
+        // SAFETY: slots 0..n are exactly the pool's slots.
+        unsafe { k.reshape_and_cache(&up(&k, &rng.vec(n * pool.row())), &up(&k, &rng.vec(n * pool.row())), &mut pool, &up(&k, &slots)) }
             .expect("fill");
         let before = (down(&k, &pool.k), down(&k, &pool.v));
         let pairs: Vec<i64> = vec![3, 7, 0, 11, 5, 1];
-        k.copy_blocks(&mut pool, &up(&k, &pairs)).expect("copy_blocks");
+        // SAFETY: every id is below the pool's 12 blocks.
+        unsafe { k.copy_blocks(&mut pool, &up(&k, &pairs)) }.expect("copy_blocks");
         let after = (down(&k, &pool.k), down(&k, &pool.v));
         let bb = BLOCK * pool.row() * dtype.size();
         for b in 0..blocks {
@@ -404,8 +409,8 @@ fn tiny_gguf() -> std::path::PathBuf {
 
 /// Logits of three steps — two prompts prefilled together, then two
 /// decode steps of both — with shuffled, partial blocks of 16.
-fn run_steps(exec: &mut dyn vellum_core::ModelExecutor) -> Vec<Vec<f32>> {
-    use vellum_core::ForwardBatch;
+fn run_steps(exec: &mut dyn vellum_base::ModelExecutor) -> Vec<Vec<f32>> {
+    use vellum_base::ForwardBatch;
     exec.initialize_kv_cache(16, 4, 16).expect("cache");
     let tables = [[5u32, 2, 9], [0, 7, 3]];
     let slot = |s: usize, p: usize| tables[s][p / 16] * 16 + (p % 16) as u32;

@@ -10,7 +10,7 @@ use vellum_models::ops::Ops;
 use vellum_models::WeightView;
 
 fn weight(ty: GgmlType, n: usize, k: usize) -> WeightView<'static> {
-    let mut rng = vellum_core::SeededRng::new(1);
+    let mut rng = vellum_base::SeededRng::new(1);
     let mut next = || (rng.next_u64() >> 33) as u8;
     let block = match ty {
         GgmlType::Q4_1 => 20,

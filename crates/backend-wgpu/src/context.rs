@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use vellum_core::Error;
+use vellum_base::Error;
 
 /// What to install when no adapter is found.
 const INSTALL_HINT: &str = "no Vulkan, Metal or DirectX 12 adapter was found; on Debian/Ubuntu install a Vulkan \

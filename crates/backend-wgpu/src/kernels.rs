@@ -2,7 +2,7 @@
 //! their weight- or KV-format snippet and compiled once per device, on
 //! first use.
 
-use vellum_core::KvCacheDtype;
+use vellum_base::KvCacheDtype;
 
 /// How a weight is stored on the device (the backend's own layout, chosen
 /// per tensor from the file's type; see `weights.rs`).

@@ -1,10 +1,10 @@
 //! # vellum-backend-wgpu — the WGSL backend
 //!
 //! The model operations ([`vellum_ops::Ops`]) and the paged KV
-//! cache ([`vellum_core::AttentionBackend`]) on a `wgpu` device — Vulkan,
+//! cache ([`vellum_base::AttentionBackend`]) on a `wgpu` device — Vulkan,
 //! Metal or DirectX 12, compute only, headless — so the same model code and
 //! engine run on a laptop GPU, and on lavapipe (Mesa's CPU Vulkan driver) in
-//! CI. The crate depends on the seam (`vellum-ops`, `vellum-core`) alone;
+//! CI. The crate depends on the seam (`vellum-ops`, `vellum-base`) alone;
 //! `vellum-models`' `ModelRunner<WgpuOps>` runs a model on it
 //! (`vellum_engine::WgpuExecutor`).
 //!
@@ -27,7 +27,7 @@
 //! neighbouring words; a weight larger than the adapter's storage-binding
 //! limit (128 MiB on lavapipe) is split into chunks of rows, a `linear` whose
 //! output would exceed it runs in row ranges, and the KV pool is capped at
-//! the blocks one binding holds ([`vellum_core::KvMemory::max_blocks`]).
+//! the blocks one binding holds ([`vellum_base::KvMemory::max_blocks`]).
 //! No adapter, a full device or a lost one are typed errors, never panics.
 
 #![deny(missing_docs)]

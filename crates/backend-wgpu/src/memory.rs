@@ -5,7 +5,7 @@ use crate::context::GpuContext;
 use crate::recorder::Bound;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use vellum_core::Error;
+use vellum_base::Error;
 
 /// Usage of every buffer kernels read or write.
 pub const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC).union(wgpu::BufferUsages::COPY_DST);

@@ -7,7 +7,7 @@ use crate::memory::{BufferPool, DeviceBuffer, Pooled};
 use crate::recorder::{Bound, KernelProfile, Recorder};
 use crate::weights::{self, GpuWeight};
 use std::sync::Arc;
-use vellum_core::{
+use vellum_base::{
     AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, Sizes,
     StepBounds,
 };
@@ -93,7 +93,7 @@ impl GpuStep {
     }
 
     /// Word offsets of KV-cache group `group`'s slot mapping and block tables.
-    fn group_offsets(&self, group: usize) -> vellum_core::Result<(u32, u32)> {
+    fn group_offsets(&self, group: usize) -> vellum_base::Result<(u32, u32)> {
         check(group < self.num_kv_groups, || format!("a layer of KV-cache group {group} in a batch of {} groups", self.num_kv_groups))?;
         let slots = self.off.slots as usize + group * self.tokens;
         let tables = self.off.tables as usize + group * self.num_seqs * self.stride;
@@ -493,7 +493,7 @@ impl AttentionBackend for WgpuOps {
         }
     }
 
-    fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_core::Result<GpuKvCache> {
+    fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_base::Result<GpuKvCache> {
         check(spec.head_dim.is_multiple_of(4) && spec.head_dim <= 256, || {
             format!("wgpu paged attention: head_dim {} must be a multiple of 4, at most 256", spec.head_dim)
         })?;
@@ -513,7 +513,7 @@ impl AttentionBackend for WgpuOps {
         Ok(GpuKvCache { spec: spec.clone(), num_blocks, layers, host, num_host_blocks })
     }
 
-    fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_core::Result<GpuStep> {
+    fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<GpuStep> {
         let (t, s, groups) = (batch.num_tokens(), batch.num_seqs(), batch.kv_groups());
         let bounds = batch.step_bounds(block_size)?;
         let mut meta: Vec<u32> = Vec::new();
@@ -549,7 +549,7 @@ impl AttentionBackend for WgpuOps {
         })
     }
 
-    fn write_kv(&self, cache: &mut GpuKvCache, layer: usize, k: &GpuTensor, v: &GpuTensor, step: &GpuStep) -> vellum_core::Result<()> {
+    fn write_kv(&self, cache: &mut GpuKvCache, layer: usize, k: &GpuTensor, v: &GpuTensor, step: &GpuStep) -> vellum_base::Result<()> {
         let spec = &cache.spec;
         let row = spec.num_kv_heads * spec.head_dim;
         check(k.rows == step.tokens && v.rows == step.tokens && k.cols == row && v.cols == row, || {
@@ -575,7 +575,7 @@ impl AttentionBackend for WgpuOps {
         q: &GpuTensor,
         step: &GpuStep,
         shape: &AttentionShape,
-    ) -> vellum_core::Result<GpuTensor> {
+    ) -> vellum_base::Result<GpuTensor> {
         let spec = &cache.spec;
         check(shape.num_kv_heads == spec.num_kv_heads && shape.head_dim == spec.head_dim, || {
             format!(
@@ -624,7 +624,7 @@ impl AttentionBackend for WgpuOps {
         Ok(out)
     }
 
-    fn copy_blocks(&self, cache: &mut GpuKvCache, copies: &[BlockCopy]) -> vellum_core::Result<()> {
+    fn copy_blocks(&self, cache: &mut GpuKvCache, copies: &[BlockCopy]) -> vellum_base::Result<()> {
         if copies.is_empty() {
             return Ok(());
         }
@@ -648,7 +648,7 @@ impl AttentionBackend for WgpuOps {
         Ok(())
     }
 
-    fn swap_blocks(&self, cache: &mut GpuKvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_core::Result<()> {
+    fn swap_blocks(&self, cache: &mut GpuKvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_base::Result<()> {
         if swaps.is_empty() {
             return Ok(());
         }

@@ -13,7 +13,7 @@ use crate::context::GpuContext;
 use crate::kernels::Kernel;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use vellum_core::Error;
+use vellum_base::Error;
 use wgpu::util::DeviceExt;
 
 /// A buffer range bound to a kernel: `(buffer, offset, size)`.

@@ -143,7 +143,7 @@ pub fn upload(ctx: &Arc<GpuContext>, view: &WeightView<'_>, limit: u64) -> Resul
     let per_row = row_bytes(format, inp).max(4) as u64;
     let rows_per_chunk = (limit / per_row) as usize;
     if rows_per_chunk == 0 {
-        return Err(Error::Backend(vellum_core::Error::OutOfMemory {
+        return Err(Error::Backend(vellum_base::Error::OutOfMemory {
             what: format!("{}: one row of {per_row} bytes exceeds the device's {limit}-byte storage binding", view.name),
             bytes: per_row,
         }));

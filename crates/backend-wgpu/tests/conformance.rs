@@ -20,8 +20,8 @@ use proptest::prelude::*;
 use std::sync::{Arc, OnceLock};
 use vellum_backend_cpu::{CpuOps, HostTensor, WeightFormat};
 use vellum_backend_wgpu::{GpuContext, WgpuOps};
-use vellum_core::SeededRng as Rng;
-use vellum_core::{AttentionBackend, AttentionShape, BlockCopy, BlockId, BlockSwap, ForwardBatch, HostBlockId, KvCacheDtype, KvCacheSpec};
+use vellum_base::SeededRng as Rng;
+use vellum_base::{AttentionBackend, AttentionShape, BlockCopy, BlockId, BlockSwap, ForwardBatch, HostBlockId, KvCacheDtype, KvCacheSpec};
 use vellum_models::gguf::GgmlType;
 use vellum_models::ops::Ops;
 use vellum_models::rope::RopeTable;
@@ -184,7 +184,7 @@ fn norms_rope_and_elementwise_ops_match_cpu() {
     assert_close(&g.to_host(&gsum).unwrap(), &hsum.data, 0.0, "add");
 
     // RoPE at scattered positions, with Llama 3 scaling in the table.
-    let config = vellum_core::ModelConfig::from_json_str(
+    let config = vellum_base::ModelConfig::from_json_str(
         r#"{"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":320,"intermediate_size":8,"num_hidden_layers":1,
             "num_attention_heads":5,"max_position_embeddings":4096,"rope_theta":500000.0,
             "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":1024}}"#,

@@ -3,7 +3,7 @@
 //! environment variable that no other test may see.)
 
 use vellum_backend_wgpu::WgpuOps;
-use vellum_core::Error;
+use vellum_base::Error;
 
 #[test]
 fn no_adapter_is_a_typed_error_saying_what_to_install() {

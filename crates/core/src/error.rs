@@ -1,6 +1,6 @@
 //! The crate's error type.
 
-/// Everything that can go wrong in `vellum-core`: invalid input from a caller
+/// Everything that can go wrong in `vellum-base`: invalid input from a caller
 /// or a configuration file. Each variant names what was wrong.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

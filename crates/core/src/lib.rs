@@ -1,4 +1,4 @@
-//! # vellum-core — the backend-neutral vocabulary
+//! # vellum-base — the backend-neutral vocabulary
 //!
 //! Every other crate speaks these types. Nothing here knows about tensors,
 //! threads or devices:

@@ -24,7 +24,7 @@
 
 use std::time::Instant;
 
-use vellum_core::{ForwardBatch, KvCacheDtype, ModelExecutor};
+use vellum_base::{ForwardBatch, KvCacheDtype, ModelExecutor};
 use vellum_engine::{auto_kv_cache_dtype, calibration_token_ids, make_executor, CpuOptions, CpuPrecision, Device, ExecutorOptions};
 use vellum_models::{resolve_model, RunnerOptions};
 

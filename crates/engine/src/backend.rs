@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use vellum_core::{Error, ModelConfig, ModelExecutor};
+use vellum_base::{Error, ModelConfig, ModelExecutor};
 use vellum_models::{RunnerOptions, WeightSource};
 
 /// A model ready to run on the CPU:

@@ -11,7 +11,7 @@
 use crate::outputs::beam_score;
 use crate::sampler::{log_softmax, top_k};
 use crate::sequences::{Draw, ReqView, SeqView};
-use vellum_core::{BeamSearchParams, IdMap, SeqId, TokenId};
+use vellum_base::{BeamSearchParams, IdMap, SeqId, TokenId};
 
 /// The next step of one beam-search request: `(parent, token)` entries for
 /// the scheduler, and one [`Draw`] per entry. `rows` are the request's

@@ -1,5 +1,5 @@
 //! The fixed text a backend calibrates on before serving
-//! ([`vellum_core::ModelExecutor::calibrate`]): the CPU's int8 path picks
+//! ([`vellum_base::ModelExecutor::calibrate`]): the CPU's int8 path picks
 //! each linear layer's outlier channels from the activations it produces.
 //!
 //! The text is short (a forward pass of ~200 tokens at startup) and mixes

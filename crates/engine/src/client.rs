@@ -19,14 +19,15 @@
 //! unhealthy and exit instead of leaving clients waiting. A test-only hook
 //! injects such a panic: `VELLUM_FAULT_INJECTION=panic-at-step:N`.
 
-use crate::engine_core::{EngineCore, EngineCounters, Error};
+use crate::engine_core::{EngineCore, EngineCounters};
+use crate::error::Error;
 use crate::outputs::{RequestOutput, SequenceDelta};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc as tmpsc;
-use vellum_core::{IdMap, KvCacheStats, ModelExecutor, RequestId, SamplingParams, TokenId};
+use vellum_base::{IdMap, KvCacheStats, ModelExecutor, RequestId, SamplingParams, TokenId};
 use vellum_scheduler::FinishReason;
 
 /// What a request's stream carries.

@@ -13,7 +13,7 @@
 //!
 //! [`TextStream`] combines the two for one sequence.
 
-use vellum_core::TokenId;
+use vellum_base::TokenId;
 use vellum_models::Tokenizer;
 
 /// Tokens of the prompt kept as left context, so that tokenizers which

@@ -2,13 +2,13 @@
 //!
 //! [`EngineCore`] (thesis §4.1) steps the scheduler, the KV-cache manager,
 //! an executor and the sampler in lockstep: each step asks the scheduler for
-//! a batch, builds the backend's [`vellum_core::ForwardBatch`] (token ids,
+//! a batch, builds the backend's [`vellum_base::ForwardBatch`] (token ids,
 //! positions, slot mapping, block tables kept in sync by incremental
 //! updates), runs it, samples, and feeds the tokens back. [`Llm`] is the
 //! offline API on top (thesis Listing 4.1).
 //!
 //! ```no_run
-//! use vellum_core::SamplingParams;
+//! use vellum_base::SamplingParams;
 //! use vellum_engine::{EngineArgs, LLM};
 //! use vellum_models::ChatMessage;
 //!
@@ -29,7 +29,7 @@
 //! each one's tokens back on its own [`RequestStream`].
 //!
 //! **The one decision to know:** the engine is generic over
-//! [`vellum_core::ModelExecutor`]; backend selection (every backend `cfg`)
+//! [`vellum_base::ModelExecutor`]; backend selection (every backend `cfg`)
 //! lives in [`backend::make_executor`] alone, driven by [`Device`].
 
 #![deny(missing_docs)]
@@ -40,6 +40,7 @@ mod calibration;
 mod client;
 pub mod detokenizer;
 mod engine_core;
+mod error;
 mod llm;
 pub mod output_processor;
 mod outputs;
@@ -56,7 +57,8 @@ pub use backend::WgpuExecutor;
 pub use backend::{make_executor, CpuOptions, CpuPrecision, Device, ExecutorOptions};
 pub use calibration::calibration_token_ids;
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream, STREAM_BUFFER_EVENTS};
-pub use engine_core::{EngineCore, EngineCounters, Error, QueueStats};
+pub use engine_core::{EngineCore, EngineCounters, QueueStats};
+pub use error::Error;
 pub use llm::{auto_kv_cache_dtype, EngineArgs, KvSharing, Llm};
 pub use output_processor::{OutputPiece, OutputProcessor, Processed, TokenOutput};
 pub use outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};

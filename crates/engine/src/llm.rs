@@ -3,10 +3,11 @@
 use crate::backend::{make_executor, CpuOptions, CpuPrecision, Device, ExecutorOptions};
 use crate::calibration::calibration_token_ids;
 use crate::client::EngineClient;
-use crate::engine_core::{EngineCore, Error};
+use crate::engine_core::EngineCore;
+use crate::error::Error;
 use crate::output_processor::{OutputPiece, OutputProcessor};
 use crate::outputs::{RequestOutput, StepOutputs};
-use vellum_core::{
+use vellum_base::{
     AutoKvLimit, KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId, AUTO_KV_CACHE_CAP_BYTES,
 };
 use vellum_models::{resolve_model, ChatMessage, ChatTemplate, RunnerOptions, Tokenizer};
@@ -213,8 +214,8 @@ impl Llm {
         // once (a sliding-window group holds only its window). `tokens`: the
         // context every group can hold at once (a block serves one group).
         let allocator = engine.scheduler().allocator();
-        let per_request = vellum_core::BlockAllocator::max_blocks_held(allocator, max_model_len, max_batched).max(1);
-        let groups = vellum_core::BlockAllocator::num_kv_groups(allocator);
+        let per_request = vellum_base::BlockAllocator::max_blocks_held(allocator, max_model_len, max_batched).max(1);
+        let groups = vellum_base::BlockAllocator::num_kv_groups(allocator);
         tracing::info!(
             tokens = num_blocks * args.block_size / groups,
             kv_cache_groups = groups,

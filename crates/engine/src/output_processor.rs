@@ -20,7 +20,7 @@
 
 use crate::detokenizer::TextStream;
 use crate::outputs::{RequestOutput, SequenceDelta, StepOutputs};
-use vellum_core::{IdMap, RequestId, SamplingParams, TokenId};
+use vellum_base::{IdMap, RequestId, SamplingParams, TokenId};
 use vellum_models::Tokenizer;
 use vellum_scheduler::FinishReason;
 

@@ -1,6 +1,6 @@
 //! What the engine hands back: per-step token deltas and finished requests.
 
-use vellum_core::{RequestId, TokenId};
+use vellum_base::{RequestId, TokenId};
 use vellum_scheduler::FinishReason;
 
 /// What a finished sequence produced.
@@ -17,10 +17,10 @@ pub struct SequenceOutput {
     /// Per generated position, the top (token, logprob) pairs (if asked).
     pub logprobs: Vec<Vec<(TokenId, f32)>>,
     /// Log-probability of each generated token (empty unless
-    /// [`SamplingParams::needs_sampled_logprobs`](vellum_core::SamplingParams::needs_sampled_logprobs)).
+    /// [`SamplingParams::needs_sampled_logprobs`](vellum_base::SamplingParams::needs_sampled_logprobs)).
     pub token_logprobs: Vec<f32>,
     /// Sum of the chosen tokens' log-probabilities (`None` unless
-    /// [`SamplingParams::needs_sampled_logprobs`](vellum_core::SamplingParams::needs_sampled_logprobs),
+    /// [`SamplingParams::needs_sampled_logprobs`](vellum_base::SamplingParams::needs_sampled_logprobs),
     /// as in vLLM).
     pub cumulative_logprob: Option<f64>,
     /// `stop`, `length` or `abort`.

@@ -2,8 +2,8 @@
 
 mod vector;
 
-pub use vellum_core::SeededRng;
-use vellum_core::{SamplingParams, TokenId};
+pub use vellum_base::SeededRng;
+use vellum_base::{SamplingParams, TokenId};
 
 /// One sampled token with its log-probability and the top alternatives.
 #[derive(Clone, Debug, PartialEq)]

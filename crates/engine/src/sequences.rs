@@ -13,7 +13,7 @@
 use crate::outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput};
 use crate::structured::Constraint;
 use std::time::Instant;
-use vellum_core::{IdMap, RequestId, SamplingParams, SeededRng, SeqId, TokenId};
+use vellum_base::{IdMap, RequestId, SamplingParams, SeededRng, SeqId, TokenId};
 use vellum_scheduler::{FinishReason, StepSamples, StepUpdate};
 
 /// One sequence as the engine sees it.

@@ -14,13 +14,13 @@
 //! `max_tokens` is reported as `length`. Log-probabilities stay the model's
 //! own, before the mask (as vLLM reports them by default).
 
-use crate::engine_core::Error;
+use crate::error::Error;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
-use vellum_core::{StructuredOutput, TokenId};
+use vellum_base::{StructuredOutput, TokenId};
 use vellum_models::Tokenizer;
 
 /// Compiled grammars kept for reuse (a server sees the same schema often).

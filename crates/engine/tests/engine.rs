@@ -9,7 +9,7 @@
 //! tests also check the engine's bookkeeping against the KV layout.
 
 use std::collections::HashMap;
-use vellum_core::{
+use vellum_base::{
     BeamSearchParams, BlockAllocator, ForwardBatch, ModelExecutor, PreemptionMode, SamplingParams, SchedulerConfig, StepOutput, TokenId,
 };
 use vellum_engine::sampler::log_softmax;
@@ -80,23 +80,23 @@ impl ModelExecutor for FakeModel {
         block_size as u64
     }
 
-    fn kv_memory(&self, _block_size: usize) -> vellum_core::KvMemory {
-        vellum_core::KvMemory { available_bytes: 1 << 20, max_blocks: None, device: None }
+    fn kv_memory(&self, _block_size: usize) -> vellum_base::KvMemory {
+        vellum_base::KvMemory { available_bytes: 1 << 20, max_blocks: None, device: None }
     }
 
-    fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_core::Result<()> {
+    fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_base::Result<()> {
         self.block_size = block_size;
         self.slots = vec![None; num_blocks * block_size];
         self.host = vec![None; num_host_blocks * block_size];
         Ok(())
     }
 
-    fn execute(&mut self, b: &ForwardBatch) -> vellum_core::Result<StepOutput> {
+    fn execute(&mut self, b: &ForwardBatch) -> vellum_base::Result<StepOutput> {
         std::thread::sleep(self.step_time);
         self.steps += 1;
         assert!(self.panic_at_step != Some(self.steps), "FakeModel: a backend bug at step {}", self.steps);
         if self.error_at_step == Some(self.steps) {
-            return Err(vellum_core::Error::OutOfMemory { what: format!("step {} (injected)", self.steps), bytes: 1 << 30 });
+            return Err(vellum_base::Error::OutOfMemory { what: format!("step {} (injected)", self.steps), bytes: 1 << 30 });
         }
         let bs = self.block_size;
         for s in &b.block_ops.swap_out {

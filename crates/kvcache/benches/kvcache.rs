@@ -7,7 +7,7 @@
 //!   256 blocks are all cached.
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use vellum_core::{BlockAllocator, ComputedBlocks, LengthHint, SeqId, SeqTokens};
+use vellum_base::{BlockAllocator, ComputedBlocks, LengthHint, SeqId, SeqTokens};
 use vellum_kvcache::{KvCacheManager, KvCacheManagerConfig};
 
 const NUM_SEQS: usize = 10_000;

@@ -8,7 +8,7 @@
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::OnceLock;
-use vellum_core::TokenId;
+use vellum_base::TokenId;
 
 /// Identity of a full block's prefix. 128 bits, so that a collision (which
 /// would hand a request someone else's KV) is not a practical concern.

@@ -16,7 +16,7 @@ use crate::block_hash::BlockHash;
 use crate::free_queue::FreeBlockQueue;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use vellum_core::BlockId;
+use vellum_base::BlockId;
 
 /// Per-block bookkeeping.
 #[derive(Clone, Copy, Debug, Default)]

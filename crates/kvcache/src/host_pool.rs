@@ -3,7 +3,7 @@
 //! Swapped-out blocks keep their sharing: a device block shared by three
 //! sequences becomes one host block with a reference count of three.
 
-use vellum_core::HostBlockId;
+use vellum_base::HostBlockId;
 
 /// Blocks of host memory holding swapped-out KV.
 #[derive(Clone, Debug)]

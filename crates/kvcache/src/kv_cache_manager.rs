@@ -22,7 +22,7 @@
 //!   per sequence however long it grows. Its hash stays registered while the
 //!   block waits in the free queue, so prefix hits still find it.
 //! * KV-cache groups (vLLM's hybrid manager; see
-//!   [`KvCacheGroups`](vellum_core::KvCacheGroups)): a model that mixes
+//!   [`KvCacheGroups`](vellum_base::KvCacheGroups)): a model that mixes
 //!   local and global layers keeps a block table per group of layers over
 //!   the one pool, interleaved in one table (entry `i·G + g` is logical
 //!   block `i` of group `g`). Each group slides by its own window; a prefix
@@ -37,10 +37,10 @@ use crate::block_hash::{group_block_hash, hash_block_tokens, BlockHash};
 use crate::block_pool::BlockPool;
 use crate::host_pool::HostPool;
 use std::collections::BTreeMap;
-use vellum_core::{
+use vellum_base::{
     AllocatedSlots, BlockAllocator, BlockCopy, BlockId, BlockSwap, ComputedBlocks, HostBlockId, KvCacheStats, LengthHint, SeqId, SeqTokens,
 };
-use vellum_core::{IdMap, IdSet, IdSlab};
+use vellum_base::{IdMap, IdSet, IdSlab};
 
 /// Sizes and switches of a [`KvCacheManager`].
 #[derive(Clone, Debug, PartialEq, Eq)]

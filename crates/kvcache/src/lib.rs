@@ -14,7 +14,7 @@
 //!
 //! **Architecture invariant:** this crate never sees a tensor. It hands out
 //! block ids and lists of block copies/swaps; the backend moves the bytes.
-//! Both allocators implement [`vellum_core::BlockAllocator`], the only
+//! Both allocators implement [`vellum_base::BlockAllocator`], the only
 //! interface the scheduler uses. Running out of blocks is a value (`None`),
 //! not an error; a broken contract (double free, writing into a shared block)
 //! panics with a message.

@@ -14,7 +14,7 @@
 //! and copies the parent's filled blocks.
 
 use crate::buddy_allocator::BuddyAllocator;
-use vellum_core::{AllocatedSlots, BlockAllocator, BlockCopy, BlockId, ComputedBlocks, IdMap, KvCacheStats, LengthHint, SeqId, SeqTokens};
+use vellum_base::{AllocatedSlots, BlockAllocator, BlockCopy, BlockId, ComputedBlocks, IdMap, KvCacheStats, LengthHint, SeqId, SeqTokens};
 
 /// How much an Orca baseline over-reserves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

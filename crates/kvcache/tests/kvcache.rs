@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use std::collections::HashMap;
-use vellum_core::{BlockAllocator, BlockId, ComputedBlocks, HostBlockId, LengthHint, SeqId, SeqTokens};
+use vellum_base::{BlockAllocator, BlockId, ComputedBlocks, HostBlockId, LengthHint, SeqId, SeqTokens};
 use vellum_kvcache::{KvCacheManager, KvCacheManagerConfig, OrcaAllocator, OrcaMode};
 
 fn seq<'a>(id: u64, tokens: &'a [u32], num_computed: usize) -> SeqTokens<'a> {

@@ -80,7 +80,7 @@ pub enum Error {
         what: String,
     },
     /// The model's architecture has no model definition.
-    #[error("{}: unsupported architecture {architecture:?} (supported: {list})", path.display(), list = vellum_core::supported_architectures())]
+    #[error("{}: unsupported architecture {architecture:?} (supported: {list})", path.display(), list = vellum_base::supported_architectures())]
     UnsupportedArchitecture {
         /// The file.
         path: PathBuf,
@@ -94,7 +94,7 @@ pub enum Error {
         /// The file the config came from.
         path: PathBuf,
         /// The parser's error.
-        source: vellum_core::Error,
+        source: vellum_base::Error,
     },
     /// The tokenizer could not be built, or failed on an input.
     #[error("tokenizer ({context}): {message}")]
@@ -126,7 +126,7 @@ pub enum Error {
     /// The backend failed while taking a weight (out of device memory, a
     /// lost device).
     #[error(transparent)]
-    Backend(#[from] vellum_core::Error),
+    Backend(#[from] vellum_base::Error),
     /// A downloaded file's SHA-256 differs from the expected one.
     #[error("{}: sha256 is {actual}, expected {expected}", path.display())]
     ChecksumMismatch {
@@ -168,7 +168,7 @@ impl From<vellum_ops::Error> for Error {
             vellum_ops::Error::ShapeMismatch { tensor, expected, actual } => Error::ShapeMismatch { tensor, expected, actual },
             vellum_ops::Error::Backend(e) => Error::Backend(e),
             // `vellum_ops::Error` is non-exhaustive.
-            other => Error::Backend(vellum_core::Error::Backend(other.to_string())),
+            other => Error::Backend(vellum_base::Error::Backend(other.to_string())),
         }
     }
 }

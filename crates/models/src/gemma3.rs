@@ -30,7 +30,7 @@ use crate::ops::{OpResult, Ops};
 use crate::registry::CausalLm;
 use crate::rope::RopeTable;
 use crate::{Result, WeightSource};
-use vellum_core::{AttentionShape, ModelConfig};
+use vellum_base::{AttentionShape, ModelConfig};
 
 struct Layer<O: Ops> {
     input_norm: O::Vector,
@@ -69,7 +69,7 @@ impl<O: Ops> Gemma3Model<O> {
     /// `progress(done, total)` is called after each layer.
     pub fn load(ops: &O, weights: &dyn WeightSource, config: ModelConfig, mut progress: impl FnMut(usize, usize)) -> Result<Self> {
         if let Some(cap) = config.final_logit_softcapping {
-            return Err(crate::Error::Backend(vellum_core::Error::Backend(format!(
+            return Err(crate::Error::Backend(vellum_base::Error::Backend(format!(
                 "final_logit_softcapping = {cap} is not supported (Gemma 3 checkpoints do not set it)"
             ))));
         }

@@ -19,7 +19,7 @@ use crate::{Error, Result, WeightSource, WeightView};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
-use vellum_core::{find_gguf_architecture, Architecture, ModelConfig};
+use vellum_base::{find_gguf_architecture, Architecture, ModelConfig};
 
 /// A GGUF checkpoint seen through Hugging Face names and layouts.
 #[derive(Debug)]
@@ -238,7 +238,7 @@ impl WeightSource for GgufWeights {
 /// `post_attention_layernorm` in Llama, `pre_feedforward_layernorm` in Gemma
 /// (whose `post_attention_norm` follows the attention output).
 pub fn hf_name(gguf_name: &str, arch: Option<&Architecture>) -> Option<String> {
-    let sandwich = arch.is_some_and(|a| a.family == vellum_core::ModelFamily::Gemma3);
+    let sandwich = arch.is_some_and(|a| a.family == vellum_base::ModelFamily::Gemma3);
     let global = match gguf_name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),

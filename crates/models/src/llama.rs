@@ -14,7 +14,7 @@ use crate::ops::{OpResult, Ops};
 use crate::registry::CausalLm;
 use crate::rope::RopeTable;
 use crate::{Result, WeightSource};
-use vellum_core::{AttentionShape, ModelConfig};
+use vellum_base::{AttentionShape, ModelConfig};
 
 struct Layer<O: Ops> {
     input_norm: O::Vector,

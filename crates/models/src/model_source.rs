@@ -3,7 +3,7 @@
 use crate::default_model::{fetch_default_model, known_model, KNOWN_MODELS};
 use crate::{ChatTemplate, Error, GgufWeights, Result, SafetensorsWeights, Tokenizer, WeightSource};
 use std::path::{Path, PathBuf};
-use vellum_core::ModelConfig;
+use vellum_base::ModelConfig;
 
 /// Where a model's files are.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,10 +1,10 @@
 //! From a checkpoint to a runnable model: the [`CausalLm`] contract and the
 //! loader that picks a model definition from the architecture registry
-//! ([`vellum_core::ARCHITECTURES`]).
+//! ([`vellum_base::ARCHITECTURES`]).
 
 use crate::ops::{OpResult, Ops};
 use crate::{Error, Gemma3Model, LlamaModel, Result, WeightSource};
-use vellum_core::{KvCacheDtype, KvCacheGroups, KvCacheSpec, ModelConfig, ModelFamily};
+use vellum_base::{KvCacheDtype, KvCacheGroups, KvCacheSpec, ModelConfig, ModelFamily};
 
 /// A causal language model loaded on backend `O`.
 pub trait CausalLm<O: Ops>: Send + Sync {

@@ -11,7 +11,7 @@
 use crate::ops::Ops;
 use crate::registry::{load_model, CausalLm};
 use crate::{Result, WeightSource};
-use vellum_core::{
+use vellum_base::{
     AttentionRequirements, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, ModelConfig, ModelExecutor, StepOutput,
 };
 
@@ -29,7 +29,7 @@ pub struct ModelRunner<O: Ops> {
 }
 
 /// How a [`ModelRunner`] keeps its KV cache, fixed at load so that the
-/// backend's [`Capabilities`](vellum_core::Capabilities) are checked before a
+/// backend's [`Capabilities`](vellum_base::Capabilities) are checked before a
 /// weight is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RunnerOptions {
@@ -59,7 +59,7 @@ impl<O: Ops + 'static> ModelRunner<O> {
 
     /// [`load`](Self::load) with `options`, after checking that the
     /// backend supports the model's head size, the block size and the KV
-    /// element type: an unsupported one is [`vellum_core::Error::Unsupported`]
+    /// element type: an unsupported one is [`vellum_base::Error::Unsupported`]
     /// before any weight is read.
     pub fn load_with(
         ops: O,
@@ -76,7 +76,7 @@ impl<O: Ops + 'static> ModelRunner<O> {
 }
 
 /// Whether `ops` runs `config` with `options` ([`ModelRunner::load_with`]).
-pub fn check_supported<O: Ops>(ops: &O, config: &ModelConfig, options: &RunnerOptions) -> vellum_core::Result<()> {
+pub fn check_supported<O: Ops>(ops: &O, config: &ModelConfig, options: &RunnerOptions) -> vellum_base::Result<()> {
     let wanted = AttentionRequirements { head_dim: config.head_dim, block_size: options.block_size, kv_dtype: options.kv_cache_dtype };
     ops.capabilities().check(ops.name(), &wanted)
 }
@@ -144,7 +144,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         memory
     }
 
-    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, max_model_len: usize, block_size: usize) -> vellum_core::Result<u64> {
+    fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, max_model_len: usize, block_size: usize) -> vellum_base::Result<u64> {
         // Within the model's positions; one sequence at least, a token each.
         let num_tokens = num_tokens.min(self.config().max_position_embeddings).max(1);
         let num_seqs = num_seqs.clamp(1, num_tokens);
@@ -170,7 +170,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         Ok(self.activation_peak)
     }
 
-    fn calibrate(&mut self, token_ids: &[u32]) -> vellum_core::Result<()> {
+    fn calibrate(&mut self, token_ids: &[u32]) -> vellum_base::Result<()> {
         let n = token_ids.len().min(self.config().max_position_embeddings);
         if !self.ops.wants_calibration() || n == 0 {
             return Ok(());
@@ -197,7 +197,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         self.model.kv_cache_groups(self.kv_groups()).windows()
     }
 
-    fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_core::Result<()> {
+    fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_base::Result<()> {
         // Drop the old cache first so its memory is free for the new one.
         self.cache = None;
         let spec = self.kv_cache_spec(block_size);
@@ -208,7 +208,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         Ok(())
     }
 
-    fn execute(&mut self, batch: &ForwardBatch) -> vellum_core::Result<StepOutput> {
+    fn execute(&mut self, batch: &ForwardBatch) -> vellum_base::Result<StepOutput> {
         let (cache, block_size) = self.cache.as_mut().ok_or_else(|| Error::Backend("execute before initialize_kv_cache".into()))?;
         let ops = &self.ops;
         ops.swap_blocks(cache, &batch.block_ops.swap_out, true)?;

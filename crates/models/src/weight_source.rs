@@ -1,7 +1,7 @@
 //! The loader-neutral interface model code reads weights through.
 
 use crate::{Result, Tensor};
-use vellum_core::ModelConfig;
+use vellum_base::ModelConfig;
 pub use vellum_ops::WeightView;
 
 /// A checkpoint's weights, by Hugging Face name and in Hugging Face layout,

@@ -68,7 +68,7 @@ fn any_text_round_trips_and_special_tokens_can_be_skipped() {
     let t = tokenizer();
     // Not `▁` itself: SentencePiece reads it as a space (llama.cpp too).
     let alphabet: Vec<char> = " \n\t\u{a0}aé東🦫ℵ<>/_sbr0ßЖx\u{301}".chars().collect();
-    let mut rng = vellum_core::SeededRng::new(13);
+    let mut rng = vellum_base::SeededRng::new(13);
     for _ in 0..300 {
         let len = rng.below(24);
         let text: String = (0..len).map(|_| alphabet[rng.below(alphabet.len())]).collect();

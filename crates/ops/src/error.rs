@@ -30,7 +30,7 @@ pub enum Error {
     /// The backend failed (device lost, allocation refused, a weight layout
     /// its kernels lack).
     #[error(transparent)]
-    Backend(#[from] vellum_core::Error),
+    Backend(#[from] vellum_base::Error),
 }
 
 /// `Result` with the seam's [`Error`].

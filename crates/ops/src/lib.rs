@@ -4,7 +4,7 @@
 //! `ModelRunner` that drives them) is written once against [`Ops`]; each
 //! backend (`vellum-backend-cpu`, `-wgpu`, `-cuda`) implements it. This
 //! crate holds only what both sides must agree on, so a backend depends on
-//! it and on `vellum-core` and on nothing that parses files or text:
+//! it and on `vellum-base` and on nothing that parses files or text:
 //!
 //! | item | what it is |
 //! |---|---|

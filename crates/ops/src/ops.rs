@@ -15,15 +15,15 @@
 //!   query offsets, context lengths, logits rows) reach the backend once, in
 //!   [`AttentionBackend::prepare_step`]; ops read the prepared step.
 //! - **Every op can fail**: a lost device or an allocation that does not fit
-//!   is a [`vellum_core::Error`], never a panic. Preparing a weight fails
+//!   is a [`vellum_base::Error`], never a panic. Preparing a weight fails
 //!   with this crate's [`crate::Error`].
 
 use crate::rope::RopeTable;
 use crate::{Result, WeightView};
-use vellum_core::{AttentionBackend, AttentionShape};
+use vellum_base::{AttentionBackend, AttentionShape};
 
 /// `Result` of an op at run time.
-pub type OpResult<T> = vellum_core::Result<T>;
+pub type OpResult<T> = vellum_base::Result<T>;
 
 /// Backend operations over activations `[rows, cols]` (one row per token).
 pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send + Sync> + Send + Sync {

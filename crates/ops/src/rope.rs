@@ -1,6 +1,6 @@
 //! Rotary position embedding frequencies (with Llama 3 scaling).
 
-use vellum_core::{ModelConfig, RopeScaling};
+use vellum_base::{ModelConfig, RopeScaling};
 
 /// The inverse frequencies of one head's rotation pairs.
 #[derive(Clone, Debug, PartialEq)]

@@ -2,14 +2,14 @@
 //! (figures in docs/benchmarks.md; target < 100 µs per step).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use vellum_core::{RequestId, SamplingParams, SchedulerConfig};
+use vellum_base::{RequestId, SamplingParams, SchedulerConfig};
 use vellum_kvcache::{KvCacheManager, KvCacheManagerConfig};
 use vellum_scheduler::{NewRequest, RequestSamples, Scheduler, StepSamples};
 
 const NUM_REQUESTS: usize = 1000;
 const STEPS: usize = 16;
 
-fn setup(policy: vellum_core::SchedulingPolicy) -> (Scheduler<KvCacheManager>, StepSamples) {
+fn setup(policy: vellum_base::SchedulingPolicy) -> (Scheduler<KvCacheManager>, StepSamples) {
     let config = SchedulerConfig {
         max_num_seqs: NUM_REQUESTS,
         max_num_batched_tokens: 64 * NUM_REQUESTS,
@@ -46,7 +46,7 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("scheduler");
     g.sample_size(20);
     for (name, policy) in
-        [("fcfs", vellum_core::SchedulingPolicy::Fcfs), ("two_level", vellum_core::SchedulingPolicy::TwoLevel { staging_queue_size: 8 })]
+        [("fcfs", vellum_base::SchedulingPolicy::Fcfs), ("two_level", vellum_base::SchedulingPolicy::TwoLevel { staging_queue_size: 8 })]
     {
         g.bench_function(format!("{name}_1000_running_x{STEPS}_steps"), |b| {
             b.iter_batched(

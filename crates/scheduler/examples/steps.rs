@@ -13,7 +13,7 @@
 //! and 300 steps (docs/benchmarks.md, "Scheduler").
 
 use std::time::Instant;
-use vellum_core::{RequestId, SamplingParams, SchedulerConfig, SchedulingPolicy};
+use vellum_base::{RequestId, SamplingParams, SchedulerConfig, SchedulingPolicy};
 use vellum_kvcache::{KvCacheManager, KvCacheManagerConfig};
 use vellum_scheduler::{NewRequest, RequestSamples, Scheduler, StepSamples};
 

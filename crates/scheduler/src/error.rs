@@ -1,6 +1,6 @@
 //! The scheduler's error type: requests it refuses to accept.
 
-use vellum_core::RequestId;
+use vellum_base::RequestId;
 
 /// Why `add_request` refused a request. Nothing was queued.
 #[derive(Debug, thiserror::Error)]
@@ -8,7 +8,7 @@ use vellum_core::RequestId;
 pub enum Error {
     /// The sampling parameters are invalid.
     #[error(transparent)]
-    InvalidParams(#[from] vellum_core::Error),
+    InvalidParams(#[from] vellum_base::Error),
     /// The prompt is empty.
     #[error("{0}: the prompt is empty")]
     EmptyPrompt(RequestId),

@@ -8,7 +8,7 @@
 //! §4.5.3) and priority.
 //!
 //! **The one design decision to know:** the scheduler is pure logic over a
-//! [`vellum_core::BlockAllocator`] — no tensors, no clocks, no threads. The
+//! [`vellum_base::BlockAllocator`] — no tensors, no clocks, no threads. The
 //! same code runs under the engine and under the `vellum-simulator` crate,
 //! which replays hour-long traces in seconds against the paged manager or
 //! the Orca baselines. What a step changed comes back from
@@ -17,12 +17,12 @@
 
 #![deny(missing_docs)]
 
+mod batcher;
 mod error;
-mod request;
-mod scheduler;
 mod scheduler_output;
+mod sequence_group;
 
+pub use batcher::{NewRequest, Scheduler};
 pub use error::Error;
-pub use request::{FinishReason, Request, RequestStatus, Sequence};
-pub use scheduler::{NewRequest, Scheduler};
 pub use scheduler_output::{BlockTableUpdate, RequestSamples, ScheduledSeq, SchedulerOutput, SeqFork, StepSamples, StepUpdate};
+pub use sequence_group::{FinishReason, Request, RequestStatus, Sequence};

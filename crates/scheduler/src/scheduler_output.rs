@@ -1,7 +1,7 @@
 //! What one `schedule()` call decides, and what the engine feeds back.
 
-use crate::request::FinishReason;
-use vellum_core::{BlockId, BlockOps, RequestId, SeqId, TokenId};
+use crate::sequence_group::FinishReason;
+use vellum_base::{BlockId, BlockOps, RequestId, SeqId, TokenId};
 
 /// One sequence's share of a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use std::collections::HashMap;
-use vellum_core::{
+use vellum_base::{
     BeamSearchParams, BlockAllocator, PreemptionMode, RequestId, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId,
 };
 use vellum_kvcache::{KvCacheManager, KvCacheManagerConfig};

@@ -17,5 +17,5 @@ mod workload;
 pub use calibration::{calibrate, Calibration, PAPER_FIG13A_RATIO_VS_MAX, PAPER_FIG13A_RATIO_VS_ORACLE};
 pub use cost_model::{CostModel, FITTED_TIME_SCALE};
 pub use simulator::{simulate, AllocatorKind, SimConfig, SimReport};
-pub use vellum_core::SeededRng as Rng;
+pub use vellum_base::SeededRng as Rng;
 pub use workload::{generate_trace, TraceRequest, Workload};

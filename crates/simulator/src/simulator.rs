@@ -4,8 +4,8 @@ use crate::cost_model::CostModel;
 use crate::workload::{generate_trace, Workload};
 use serde::Serialize;
 use std::collections::HashMap;
-use vellum_core::SeededRng as Rng;
-use vellum_core::{BeamSearchParams, BlockAllocator, RequestId, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId};
+use vellum_base::SeededRng as Rng;
+use vellum_base::{BeamSearchParams, BlockAllocator, RequestId, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId};
 use vellum_kvcache::{KvCacheManager, KvCacheManagerConfig, OrcaAllocator, OrcaMode};
 use vellum_scheduler::{NewRequest, RequestSamples, Scheduler, StepSamples};
 

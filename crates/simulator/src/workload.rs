@@ -1,7 +1,7 @@
 //! Synthetic request traces shaped like the paper's datasets (§6.1, Fig. 11).
 
 use serde::Serialize;
-use vellum_core::SeededRng as Rng;
+use vellum_base::SeededRng as Rng;
 
 /// Which dataset the lengths imitate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

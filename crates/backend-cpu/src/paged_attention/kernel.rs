@@ -890,13 +890,13 @@ fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
 
 /// Replaces every `x` of `s` by `exp(x - m)` and returns their sum.
 ///
-/// Through [`vellum_core::exp_f32`] (branch-free, within 2 ulp), so that
+/// Through [`vellum_base::exp_f32`] (branch-free, within 2 ulp), so that
 /// LLVM vectorises the loop; `x - m ≤ 0` here, and arguments below -87
 /// (masked scores among them) give 0.
 #[inline(always)]
 fn exp_shifted(s: &mut [f32], m: f32) -> f32 {
     for x in s.iter_mut() {
-        *x = vellum_core::exp_f32(*x - m);
+        *x = vellum_base::exp_f32(*x - m);
     }
     // A separate lane-wise sum: a running scalar sum would keep the loop
     // above from vectorising (f32 addition is not reassociated).

@@ -64,7 +64,7 @@
 mod kernel;
 
 use kernel::{attend, check_query_start_loc, run_items, KvElem, Rows, Shape};
-use vellum_core::{AttentionMetadata, AttentionShape};
+use vellum_base::{AttentionMetadata, AttentionShape};
 
 use crate::kv_cache::{KvCacheLayout, KvPool, LayerKvCache};
 

@@ -3,7 +3,7 @@
 
 use super::*;
 
-use vellum_core::SeededRng;
+use vellum_base::SeededRng;
 
 fn rng(r: &mut SeededRng) -> f32 {
     r.signed_f32()
@@ -561,9 +561,8 @@ fn two_int8_passes_reach_int16_precision() {
 /// values at the code range's edges (±amax, halfway between codes), zero
 /// blocks and a huge outlier, at both widths.
 #[test]
-fn simd_quantizer_matches_the_scalar_one_bit_for_bit() {
-    if !has_simd() {
-        eprintln!("SKIPPED simd_quantizer_matches_the_scalar_one_bit_for_bit: no AVX2 on this CPU");
+fn simd_quantizer_matches_the_scalar_one_bit_for_bit_or_skip() {
+    if !crate::runs_or_skips(has_simd(), "simd_quantizer_matches_the_scalar_one_bit_for_bit_or_skip", "AVX2") {
         return;
     }
     let mut s = SeededRng::new(5);
@@ -609,8 +608,7 @@ fn simd_quantizer_matches_the_scalar_one_bit_for_bit() {
 #[test]
 fn wide_groups_give_the_narrow_groups_bits_or_skip() {
     let kernels = Kernel::available();
-    if !kernels.contains(&Kernel::Avx512Vnni) {
-        eprintln!("SKIPPED wide_groups_give_the_narrow_groups_bits: this CPU lacks AVX-512 VNNI ({kernels:?})");
+    if !crate::runs_or_skips(kernels.contains(&Kernel::Avx512Vnni), "wide_groups_give_the_narrow_groups_bits_or_skip", "AVX-512 VNNI") {
         return;
     }
     let mut s = SeededRng::new(37);
@@ -693,9 +691,8 @@ fn lane_kernels_walk_a_large_weight_in_chunks() {
 /// whole pairs, a partial last pair, a single block, outputs not a multiple
 /// of 8 and column ranges that split a group; the copy holds every code.
 #[test]
-fn q5_lanes_give_the_lane_kernels_bits() {
-    if !super::q5::available() {
-        eprintln!("SKIPPED q5_lanes_give_the_lane_kernels_bits: no AVX2 on this CPU");
+fn q5_lanes_give_the_lane_kernels_bits_or_skip() {
+    if !crate::runs_or_skips(super::q5::available(), "q5_lanes_give_the_lane_kernels_bits_or_skip", "AVX2") {
         return;
     }
     let mut s = SeededRng::new(43);

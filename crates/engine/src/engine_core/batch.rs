@@ -6,7 +6,7 @@
 
 use super::EngineCore;
 use std::time::Instant;
-use vellum_core::{BlockAllocator, ForwardBatch, ModelExecutor, RequestId, SeqId};
+use vellum_base::{BlockAllocator, ForwardBatch, ModelExecutor, RequestId, SeqId};
 use vellum_scheduler::SchedulerOutput;
 
 /// What a row of the executor's logits is for.

@@ -1,7 +1,7 @@
 //! The engine core (thesis §4.1): schedule → execute → sample → update.
 //!
 //! One [`EngineCore::step_streaming`]: `scheduler.schedule()` → the
-//! [`vellum_core::ForwardBatch`] built from the engine's own view of the scheduled
+//! [`vellum_base::ForwardBatch`] built from the engine's own view of the scheduled
 //! sequences (`batch.rs`) → `executor.execute` → a token per sampling
 //! row (`sampling.rs`; beam search in [`crate::beam`]) → `update_from_output`,
 //! whose [`vellum_scheduler::StepUpdate`] the view applies
@@ -11,53 +11,17 @@
 mod batch;
 mod sampling;
 
+use crate::error::Error;
 use crate::outputs::{RequestOutput, SequenceDelta, StepOutputs};
 use crate::sequences::Sequences;
 use crate::structured::StructuredOutputs;
 use std::sync::Arc;
 use std::time::Instant;
-use vellum_core::{
+use vellum_base::{
     BlockAllocator, BlockId, IdMap, KvCacheStats, ModelExecutor, RequestId, SamplingParams, SchedulerConfig, SeqId, TokenId,
 };
 use vellum_kvcache::KvCacheManager;
 use vellum_scheduler::{FinishReason, NewRequest, Scheduler, StepSamples};
-
-/// Why the engine refused or failed something.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// The request was refused.
-    #[error(transparent)]
-    Request(#[from] vellum_scheduler::Error),
-    /// The backend failed.
-    #[error(transparent)]
-    Backend(#[from] vellum_core::Error),
-    /// Loading the model failed.
-    #[error(transparent)]
-    Model(#[from] vellum_models::Error),
-    /// A forward pass failed (a backend fault such as an allocation
-    /// failure): the requests it carried were aborted, their blocks freed,
-    /// and the step retired, so the engine goes on with the others.
-    #[error("the forward pass failed and its {} request(s) were aborted: {source}", requests.len())]
-    StepFailed {
-        /// The requests of the failed step.
-        requests: Vec<RequestId>,
-        /// What the backend reported.
-        source: vellum_core::Error,
-    },
-    /// A feature this engine does not run yet.
-    #[error("not supported yet: {0}")]
-    Unsupported(&'static str),
-    /// A structured-output constraint (JSON schema, regex, choice, grammar)
-    /// that does not compile, or that this engine cannot apply.
-    #[error("{field}: {message}")]
-    StructuredOutput {
-        /// The request field, as vLLM names it.
-        field: &'static str,
-        /// What is wrong.
-        message: String,
-    },
-}
 
 /// Requests per queue, and preemptions so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -303,7 +267,7 @@ impl<E: ModelExecutor> EngineCore<E> {
         };
         let result = match result {
             Ok(_) if std::mem::take(&mut self.fail_next_forward) => {
-                let e = vellum_core::Error::Backend("injected fault (VELLUM_FAULT_INJECTION)".into());
+                let e = vellum_base::Error::Backend("injected fault (VELLUM_FAULT_INJECTION)".into());
                 return Err(self.fail_step(&out, e));
             }
             Ok(r) => r,
@@ -346,7 +310,7 @@ impl<E: ModelExecutor> EngineCore<E> {
     /// (aborted, blocks freed; their outputs come with the next `step()` or
     /// [`EngineCore::take_finished`]) and retires the step with no samples,
     /// so that the scheduler's counters stay consistent for the others.
-    fn fail_step(&mut self, out: &vellum_scheduler::SchedulerOutput, source: vellum_core::Error) -> Error {
+    fn fail_step(&mut self, out: &vellum_scheduler::SchedulerOutput, source: vellum_base::Error) -> Error {
         let mut requests: Vec<RequestId> = Vec::new();
         for s in &out.scheduled {
             if !requests.contains(&s.request_id) {

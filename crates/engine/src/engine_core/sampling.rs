@@ -10,7 +10,7 @@ use crate::sampler::{log_softmax, sample_masked, top_k, AllowedTokens, RowStats,
 use crate::sequences::{Draw, SeqView};
 use crate::structured::Constraint;
 use llguidance::toktrie::SimpleVob;
-use vellum_core::{IdMap, IdSet, ModelExecutor, RequestId, SamplingParams, SeqId};
+use vellum_base::{IdMap, IdSet, ModelExecutor, RequestId, SamplingParams, SeqId};
 use vellum_scheduler::{RequestSamples, StepSamples};
 
 /// The allowed tokens of each constrained sampling row, and the vocabulary

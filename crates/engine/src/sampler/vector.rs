@@ -4,13 +4,13 @@
 //!
 //! With a 262,144-token vocabulary (Gemma 3) and 64 rows a step, these
 //! passes were a quarter of a decode step with libm's scalar `expf` and a
-//! sequential f64 sum. Here `exp` is a polynomial ([`vellum_core::exp_f32`]) and the sum
+//! sequential f64 sum. Here `exp` is a polynomial ([`vellum_base::exp_f32`]) and the sum
 //! runs in 16 independent f64 lanes, so the compiler turns both into vector
 //! code; on x86_64 the loops are compiled a second time for AVX2 and picked
 //! at run time. No fused multiply-add is used, so both builds give the same
 //! bits on every machine: a seeded draw does not depend on the CPU.
 
-use vellum_core::TokenId;
+use vellum_base::TokenId;
 
 /// Entries per chunk of the per-chunk sums.
 pub(crate) const CHUNK: usize = 1024;
@@ -22,7 +22,7 @@ const LANES: usize = 16;
 /// maximum is `max`: `exp((x − max)/t)`, the same bits in every pass.
 #[inline(always)]
 pub(crate) fn weight(x: f32, max: f32, inv_t: f32) -> f32 {
-    vellum_core::exp_f32((x - max) * inv_t)
+    vellum_base::exp_f32((x - max) * inv_t)
 }
 
 #[inline(always)]
@@ -89,7 +89,7 @@ fn top_k_generic(values: &[f32], k: usize) -> Vec<(TokenId, f32)> {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use vellum_core::TokenId;
+    use vellum_base::TokenId;
 
     /// [`super::top_k_generic`] compiled for AVX2.
     ///

@@ -10,10 +10,10 @@ use std::path::Path;
 
 /// Deterministic pseudo-random values in [-1, 1) (the workspace's one
 /// generator).
-pub struct Lcg(vellum_core::SeededRng);
+pub struct Lcg(vellum_base::SeededRng);
 impl Lcg {
     pub fn new(seed: u64) -> Self {
-        Self(vellum_core::SeededRng::new(seed))
+        Self(vellum_base::SeededRng::new(seed))
     }
     pub fn next(&mut self) -> f32 {
         self.0.signed_f32()

@@ -6,7 +6,7 @@ use super::engine_flags::{EngineDefaults, EngineFlags};
 use anyhow::{anyhow, bail, Result};
 use clap::{Args, Subcommand};
 use serde_json::json;
-use vellum_core::{SamplingParams, SeededRng};
+use vellum_base::{SamplingParams, SeededRng};
 use vellum_simulator::{generate_trace, Workload};
 
 /// `vellum bench ...`

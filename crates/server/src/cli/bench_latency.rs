@@ -14,7 +14,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use std::time::Instant;
-use vellum_core::{SamplingParams, SeededRng};
+use vellum_base::{SamplingParams, SeededRng};
 
 /// Arguments of `vellum bench latency`.
 #[derive(Args, Debug)]

@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use vellum_core::SeededRng;
+use vellum_base::SeededRng;
 use vellum_simulator::{generate_trace, Workload};
 
 /// Arguments of `vellum bench serve`.

@@ -5,7 +5,7 @@ use super::engine_flags::{EngineDefaults, EngineFlags};
 use anyhow::{anyhow, Result};
 use clap::Args;
 use std::io::{BufRead, Write};
-use vellum_core::SamplingParams;
+use vellum_base::SamplingParams;
 use vellum_models::ChatMessage;
 
 /// Arguments of `vellum chat`.

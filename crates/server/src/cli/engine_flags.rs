@@ -4,7 +4,7 @@
 
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
-use vellum_core::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy};
+use vellum_base::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy};
 use vellum_engine::{CpuPrecision, Device, EngineArgs};
 
 /// Engine options shared by every subcommand that loads a model.

@@ -9,7 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
-use vellum_core::{BeamSearchParams, SamplingParams, StructuredOutput};
+use vellum_base::{BeamSearchParams, SamplingParams, StructuredOutput};
 use vellum_models::ChatMessage;
 
 /// Arguments of `vellum generate`.

@@ -36,7 +36,7 @@ pub fn load_with_progress(args: EngineArgs) -> Result<Llm> {
 
 /// `len` random ordinary token ids (above the first 100 ids, where special
 /// tokens live), for benchmark prompts.
-pub fn random_prompt(rng: &mut vellum_core::SeededRng, vocab_size: usize, len: usize) -> Vec<u32> {
+pub fn random_prompt(rng: &mut vellum_base::SeededRng, vocab_size: usize, len: usize) -> Vec<u32> {
     let span = vocab_size.saturating_sub(100).max(1) as u64;
     (0..len).map(|_| (100 + rng.next_u64() % span) as u32).collect()
 }

@@ -3,7 +3,6 @@
 //! with tables, SVG figures and the raw JSON.
 
 use super::plot::{bar_chart, line_chart, Series};
-use super::simulate::SimulateArgs;
 use anyhow::{Context, Result};
 use std::fmt::Write as _;
 use vellum_simulator::{
@@ -52,9 +51,23 @@ fn sustainable_rate(points: &[(f64, f64)]) -> f64 {
     }
 }
 
+/// What `vellum simulate --reproduce-paper` takes from its flags.
+pub struct ReproductionArgs {
+    /// Where `paper-reproduction.md` and `figures/` go (`--out-dir`).
+    pub out_dir: std::path::PathBuf,
+    /// Simulated seconds of each trace (`--duration-s`).
+    pub duration_s: f64,
+    /// Trace seed (`--seed`).
+    pub seed: u64,
+    /// KV-cache slots (`--kv-slots`).
+    pub kv_slots: usize,
+    /// Tokens per block (`--block-size`).
+    pub block_size: usize,
+}
+
 /// Runs everything and writes `out_dir/paper-reproduction.md` and
 /// `out_dir/figures/*`.
-pub fn run(args: &SimulateArgs) -> Result<()> {
+pub fn run(args: &ReproductionArgs) -> Result<()> {
     let fig_dir = args.out_dir.join("figures");
     std::fs::create_dir_all(&fig_dir).with_context(|| format!("creating {}", fig_dir.display()))?;
     let duration = args.duration_s;
@@ -172,7 +185,7 @@ struct Results<'a> {
     light_latency_s: f64,
 }
 
-fn write_markdown(md: &mut String, args: &SimulateArgs, res: &Results<'_>, elapsed_s: f64) -> Result<()> {
+fn write_markdown(md: &mut String, args: &ReproductionArgs, res: &Results<'_>, elapsed_s: f64) -> Result<()> {
     let Results { fit, fig13_points, fig13, sustain, fig15, light_latency_s } = *res;
     let cm = CostModel::default();
     let fp = CostModel::first_principles();

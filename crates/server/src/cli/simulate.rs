@@ -4,7 +4,7 @@
 use anyhow::{anyhow, Result};
 use clap::Args;
 use std::path::PathBuf;
-use vellum_core::SchedulingPolicy;
+use vellum_base::SchedulingPolicy;
 use vellum_simulator::{
     calibrate, simulate, AllocatorKind, SimConfig, SimReport, Workload, PAPER_FIG13A_RATIO_VS_MAX, PAPER_FIG13A_RATIO_VS_ORACLE,
 };
@@ -93,7 +93,7 @@ pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
         n: args.n,
         beam_width: args.beam_width,
         seed: args.seed,
-        scheduler: vellum_core::SchedulerConfig { policy, ..base.scheduler.clone() },
+        scheduler: vellum_base::SchedulerConfig { policy, ..base.scheduler.clone() },
         ..base
     })
 }
@@ -101,7 +101,13 @@ pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
 /// Runs `vellum simulate`.
 pub fn run(args: SimulateArgs) -> Result<()> {
     if args.reproduce_paper {
-        return super::paper_reproduction::run(&args);
+        return super::paper_reproduction::run(&super::paper_reproduction::ReproductionArgs {
+            out_dir: args.out_dir,
+            duration_s: args.duration_s,
+            seed: args.seed,
+            kv_slots: args.kv_slots,
+            block_size: args.block_size,
+        });
     }
     if args.calibrate {
         let base = SimConfig {

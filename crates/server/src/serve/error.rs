@@ -71,7 +71,7 @@ impl ApiError {
             EngineError::Request(SchedError::TooLong { num_prompt_tokens, max_tokens, max_model_len, .. }) => {
                 too_long(num_prompt_tokens, max_tokens, max_model_len)
             }
-            EngineError::Request(SchedError::InvalidParams(vellum_core::Error::InvalidSamplingParam { param, message })) => {
+            EngineError::Request(SchedError::InvalidParams(vellum_base::Error::InvalidSamplingParam { param, message })) => {
                 Self::bad_request(format!("{param}: {message}"), Some(param))
             }
             EngineError::Request(SchedError::EmptyPrompt(_)) => Self::bad_request("The prompt is empty.", Some("prompt")),

@@ -14,7 +14,7 @@ use super::AppState;
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use std::sync::Arc;
 use std::time::Instant;
-use vellum_core::{RequestId, SamplingParams, TokenId};
+use vellum_base::{RequestId, SamplingParams, TokenId};
 use vellum_engine::{OutputPiece, OutputProcessor, RequestEvent, RequestStream};
 use vellum_scheduler::FinishReason;
 

@@ -18,7 +18,7 @@ use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tracing::Instrument;
-use vellum_core::{SamplingParams, TokenId};
+use vellum_base::{SamplingParams, TokenId};
 
 /// Which endpoint a generation answers.
 #[derive(Clone, Copy, PartialEq, Eq)]

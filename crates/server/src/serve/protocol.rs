@@ -5,7 +5,7 @@ use super::error::ApiError;
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use vellum_core::{BeamSearchParams, SamplingParams, StructuredOutput, TokenId};
+use vellum_base::{BeamSearchParams, SamplingParams, StructuredOutput, TokenId};
 
 /// `prompt`: a string, strings, token ids, or lists of token ids.
 #[derive(Debug, Clone, Deserialize)]
@@ -409,7 +409,7 @@ pub fn sampling_params(
         structured_output: structured_output(c)?,
     };
     params.validate().map_err(|e| match e {
-        vellum_core::Error::InvalidSamplingParam { param, message } => ApiError::bad_request(format!("{param}: {message}"), Some(param)),
+        vellum_base::Error::InvalidSamplingParam { param, message } => ApiError::bad_request(format!("{param}: {message}"), Some(param)),
         other => ApiError::bad_request(other.to_string(), None),
     })?;
     Ok(params)

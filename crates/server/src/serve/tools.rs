@@ -26,7 +26,7 @@
 use super::error::ApiError;
 use super::protocol::{self, Message};
 use serde_json::{json, Map, Value};
-use vellum_core::StructuredOutput;
+use vellum_base::StructuredOutput;
 
 /// The system prompt that describes tools to a model whose chat template
 /// does not read `tools`; `{tools}` becomes one JSON object per line.

@@ -220,10 +220,7 @@ mod tests {
     /// it); says so by the test's name when it does not.
     fn wide_or_skip(test: &str) -> bool {
         let wide = std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && crate::quant::has_simd();
-        if !wide {
-            eprintln!("SKIPPED {test}: no AVX-512 on this CPU");
-        }
-        wide
+        crate::runs_or_skips(wide, test, "AVX-512")
     }
     use half::{bf16, f16};
 

@@ -4,7 +4,7 @@
 //! loop order instead; both must give the same f32 values.
 
 use super::*;
-use vellum_core::SeededRng;
+use vellum_base::SeededRng;
 
 fn h(x: f32) -> [u8; 2] {
     f16::from_f32(x).to_le_bytes()

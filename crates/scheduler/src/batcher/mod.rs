@@ -1,4 +1,4 @@
-//! The scheduler: which sequences run in the next step, and how many tokens
+//! The scheduler (the continuous batcher): which sequences run in the next step, and how many tokens
 //! each (thesis §4.4–4.6, Listing 4.3).
 //!
 //! ```text
@@ -32,11 +32,11 @@ mod running;
 mod update;
 
 use crate::error::Error;
-use crate::request::{FinishReason, HotParams, Request, RequestStatus, Sequence};
 use crate::scheduler_output::ScheduledSeq;
+use crate::sequence_group::{FinishReason, HotParams, Request, RequestStatus, Sequence};
 use running::RunningQueue;
 use std::collections::{BTreeMap, VecDeque};
-use vellum_core::{BlockAllocator, IdSlab, RequestId, RequestState, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId};
+use vellum_base::{BlockAllocator, IdSlab, RequestId, RequestState, SamplingParams, SchedulerConfig, SchedulingPolicy, SeqId, TokenId};
 
 /// Queue order: (priority under the priority policy, else 0; arrival order).
 pub(crate) type QueueKey = (i64, u64);
@@ -288,7 +288,7 @@ impl<A: BlockAllocator> Scheduler<A> {
     pub fn add_draft_tokens(&mut self, id: RequestId, drafts: &[TokenId]) -> Result<(), Error> {
         let req = self.requests.get_mut(&id).ok_or(Error::UnknownRequest(id))?;
         if req.seqs.len() != 1 || req.has_in_flight() {
-            return Err(Error::InvalidParams(vellum_core::Error::InvalidTransition(
+            return Err(Error::InvalidParams(vellum_base::Error::InvalidTransition(
                 "drafts need a single sequence with no step in flight".into(),
             )));
         }

@@ -4,9 +4,9 @@
 
 use super::policies::StepState;
 use super::Scheduler;
-use crate::request::RequestStatus;
 use crate::scheduler_output::SchedulerOutput;
-use vellum_core::{BlockAllocator, PreemptionMode, RequestId, SchedulingPolicy, SeqId};
+use crate::sequence_group::RequestStatus;
+use vellum_base::{BlockAllocator, PreemptionMode, RequestId, SchedulingPolicy, SeqId};
 
 impl<A: BlockAllocator> Scheduler<A> {
     /// Preempts a whole group: by swapping if configured and the host pool

@@ -3,9 +3,9 @@
 //! and what changed goes back as a [`StepUpdate`].
 
 use super::Scheduler;
-use crate::request::{FinishReason, Request, Sequence};
 use crate::scheduler_output::{RequestSamples, SeqFork, StepSamples, StepUpdate};
-use vellum_core::{BlockAllocator, IdSet, SeqId, TokenId};
+use crate::sequence_group::{FinishReason, Request, Sequence};
+use vellum_base::{BlockAllocator, IdSet, SeqId, TokenId};
 
 impl<A: BlockAllocator> Scheduler<A> {
     /// Applies the oldest in-flight step: `num_computed_tokens += Δ` for

@@ -6,7 +6,7 @@
 //! The group is scheduled and preempted as one unit.
 
 use smallvec::SmallVec;
-use vellum_core::{LengthHint, RequestId, RequestState, SamplingParams, SeqId, TokenId};
+use vellum_base::{LengthHint, RequestId, RequestState, SamplingParams, SeqId, TokenId};
 
 /// Why a sequence or request ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

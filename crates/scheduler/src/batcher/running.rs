@@ -11,7 +11,7 @@
 //! binary searches.
 
 use super::QueueKey;
-use vellum_core::RequestId;
+use vellum_base::RequestId;
 
 /// One running request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,9 +4,9 @@
 //! preempted; every attempt goes through `allocate_slots` (thesis §4.5).
 
 use super::Scheduler;
-use crate::request::{RequestStatus, Sequence};
 use crate::scheduler_output::{BlockTableUpdate, ScheduledSeq, SchedulerOutput};
-use vellum_core::{BlockAllocator, ComputedBlocks, RequestId, SchedulingPolicy, SeqId, SeqTokens};
+use crate::sequence_group::{RequestStatus, Sequence};
+use vellum_base::{BlockAllocator, ComputedBlocks, RequestId, SchedulingPolicy, SeqId, SeqTokens};
 
 /// What happened when a request was offered a share of the step.
 enum Attempt {

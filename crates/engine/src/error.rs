@@ -1,0 +1,40 @@
+//! The engine's error type, below every module that returns it.
+
+use vellum_base::RequestId;
+
+/// Why the engine refused or failed something.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The request was refused.
+    #[error(transparent)]
+    Request(#[from] vellum_scheduler::Error),
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] vellum_base::Error),
+    /// Loading the model failed.
+    #[error(transparent)]
+    Model(#[from] vellum_models::Error),
+    /// A forward pass failed (a backend fault such as an allocation
+    /// failure): the requests it carried were aborted, their blocks freed,
+    /// and the step retired, so the engine goes on with the others.
+    #[error("the forward pass failed and its {} request(s) were aborted: {source}", requests.len())]
+    StepFailed {
+        /// The requests of the failed step.
+        requests: Vec<RequestId>,
+        /// What the backend reported.
+        source: vellum_base::Error,
+    },
+    /// A feature this engine does not run yet.
+    #[error("not supported yet: {0}")]
+    Unsupported(&'static str),
+    /// A structured-output constraint (JSON schema, regex, choice, grammar)
+    /// that does not compile, or that this engine cannot apply.
+    #[error("{field}: {message}")]
+    StructuredOutput {
+        /// The request field, as vLLM names it.
+        field: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+}
