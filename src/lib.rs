@@ -11,6 +11,7 @@
 //! * [`engine`] — the engine core and the offline API.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub use vellum_base as core;
 pub use vellum_engine as engine;

@@ -17,6 +17,8 @@
 //! - a CUDA launch that reads device memory at indices it is given (slot
 //!   mappings, block tables, positions, row ids) is an `unsafe fn`, unless
 //!   its kernel checks each index itself (listed below with why);
+//! - a crate embeds files (`include_str!`, `include_bytes!`) only from its
+//!   own directory, so it builds from its published package;
 //! - every package name is free on crates.io (read from its sparse index,
 //!   where yanked crates still hold their names), so each crate can be
 //!   published and depended on; offline, the check says it skipped.
@@ -31,9 +33,10 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The workspace's packages: the root facade and every `crates/*`.
+/// The workspace's packages: the root facade, every `crates/*`, and
+/// `kernels/`.
 fn packages() -> Vec<PathBuf> {
-    let mut dirs = vec![root()];
+    let mut dirs = vec![root(), root().join("kernels")];
     let mut crates: Vec<PathBuf> = fs::read_dir(root().join("crates"))
         .expect("crates/")
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -386,5 +389,49 @@ fn cuda_launches_that_index_device_memory_are_unsafe() {
     assert!(
         safe.is_empty(),
         "these launches read device memory at caller-given indices but are safe to call (make them `unsafe fn` with a `# Safety` section): {safe:?}"
+    );
+}
+
+#[test]
+fn crates_embed_only_their_own_files() {
+    let mut outside = Vec::new();
+    for pkg in packages() {
+        for file in sources(&pkg, &["src", "tests", "benches", "examples"]) {
+            let text = fs::read_to_string(&file).expect("readable source");
+            for (i, line) in text.lines().enumerate() {
+                let c = code(line);
+                for mac in ["include_str!(\"", "include_bytes!(\""] {
+                    // `code` blanks string contents: find the macro there (not
+                    // in a comment), read its path from the line itself.
+                    if !c.contains(&mac[..mac.len() - 1]) {
+                        continue;
+                    }
+                    let Some(at) = line.find(mac) else { continue };
+                    let rel = line[at + mac.len()..].split('"').next().unwrap_or_default();
+                    let target = file.parent().map(|d| d.join(rel)).unwrap_or_default();
+                    // Normalise `..` by hand: the file may not exist yet.
+                    let mut parts: Vec<std::path::Component> = Vec::new();
+                    for comp in target.components() {
+                        match comp {
+                            std::path::Component::ParentDir => {
+                                parts.pop();
+                            }
+                            std::path::Component::CurDir => {}
+                            other => parts.push(other),
+                        }
+                    }
+                    let resolved: PathBuf = parts.iter().collect();
+                    let own = resolved.starts_with(&pkg) && (pkg != root() || !resolved.starts_with(root().join("crates")));
+                    if !own {
+                        outside.push(format!("{}:{}: {}", file.strip_prefix(root()).unwrap_or(&file).display(), i + 1, line.trim()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        outside.is_empty(),
+        "files embedded from outside their crate (a published package would not have them):\n  {}",
+        outside.join("\n  ")
     );
 }

@@ -8,7 +8,7 @@
 
 /// `kernels/cuda/common.cuh`: 16-bit float conversions, warp and block
 /// reductions, the per-dtype entry-point macro.
-pub const COMMON: &str = include_str!("../../../kernels/cuda/common.cuh");
+pub const COMMON: &str = vellum_kernels::cuda::COMMON;
 
 /// One kernel source file and the entry points it defines (equal when
 /// their file names are: the files are the constants below).
@@ -25,14 +25,14 @@ pub struct KernelSource {
 /// `cache.cu`: the fused block write and the batched block copies.
 pub const CACHE: KernelSource = KernelSource {
     file: "cache.cu",
-    text: include_str!("../../../kernels/cuda/cache.cu"),
+    text: vellum_kernels::cuda::CACHE,
     entry_points: &["reshape_and_cache_f32", "reshape_and_cache_f16", "reshape_and_cache_bf16", "copy_blocks"],
 };
 
 /// `paged_attention.cu`: v1, v2 and v2's reduction, for mixed batches.
 pub const PAGED_ATTENTION: KernelSource = KernelSource {
     file: "paged_attention.cu",
-    text: include_str!("../../../kernels/cuda/paged_attention.cu"),
+    text: vellum_kernels::cuda::PAGED_ATTENTION,
     entry_points: &[
         "paged_attention_v1_f32",
         "paged_attention_v1_f16",
@@ -49,7 +49,7 @@ pub const PAGED_ATTENTION: KernelSource = KernelSource {
 /// (residual add, scale, bias, logits-row gather).
 pub const LAYERS: KernelSource = KernelSource {
     file: "layers.cu",
-    text: include_str!("../../../kernels/cuda/layers.cu"),
+    text: vellum_kernels::cuda::LAYERS,
     entry_points: &[
         "rms_norm",
         "fused_add_rms_norm",
@@ -74,7 +74,7 @@ pub const LAYERS: KernelSource = KernelSource {
 /// dequantized when it loads).
 pub const GEMV_Q: KernelSource = KernelSource {
     file: "gemv_q.cu",
-    text: include_str!("../../../kernels/cuda/gemv_q.cu"),
+    text: vellum_kernels::cuda::GEMV_Q,
     entry_points: &["gemv_q8_0", "gemv_q4_1", "gemv_f32", "gemm_q8_0", "gemm_q4_1", "gemm_f32", "gemm_sum_splits"],
 };
 

@@ -23,20 +23,20 @@ pub enum WeightFormat {
 impl WeightFormat {
     fn snippet(self) -> &'static str {
         match self {
-            WeightFormat::F32 => include_str!("../../../kernels/wgsl/weights_f32.wgsl"),
-            WeightFormat::F16 => include_str!("../../../kernels/wgsl/weights_f16.wgsl"),
-            WeightFormat::Bf16 => include_str!("../../../kernels/wgsl/weights_bf16.wgsl"),
-            WeightFormat::Q4_1 => include_str!("../../../kernels/wgsl/weights_q4_1.wgsl"),
-            WeightFormat::Q8_0 => include_str!("../../../kernels/wgsl/weights_q8_0.wgsl"),
+            WeightFormat::F32 => vellum_kernels::wgsl::WEIGHTS_F32,
+            WeightFormat::F16 => vellum_kernels::wgsl::WEIGHTS_F16,
+            WeightFormat::Bf16 => vellum_kernels::wgsl::WEIGHTS_BF16,
+            WeightFormat::Q4_1 => vellum_kernels::wgsl::WEIGHTS_Q4_1,
+            WeightFormat::Q8_0 => vellum_kernels::wgsl::WEIGHTS_Q8_0,
         }
     }
 }
 
 fn kv_snippet(dtype: KvCacheDtype) -> &'static str {
     match dtype {
-        KvCacheDtype::F32 => include_str!("../../../kernels/wgsl/kv_f32.wgsl"),
-        KvCacheDtype::F16 => include_str!("../../../kernels/wgsl/kv_f16.wgsl"),
-        KvCacheDtype::Bf16 => include_str!("../../../kernels/wgsl/kv_bf16.wgsl"),
+        KvCacheDtype::F32 => vellum_kernels::wgsl::KV_F32,
+        KvCacheDtype::F16 => vellum_kernels::wgsl::KV_F16,
+        KvCacheDtype::Bf16 => vellum_kernels::wgsl::KV_BF16,
     }
 }
 
@@ -97,24 +97,20 @@ impl Kernel {
             Kernel::Matmul { format, tm } => {
                 // Stage 8 KiB of x per pass, at least 128 values of each row.
                 let kc = (2048 / tm).clamp(128, 1024);
-                format!(
-                    "const TM: u32 = {tm}u;\nconst KC: u32 = {kc}u;\n{}\n{}",
-                    format.snippet(),
-                    include_str!("../../../kernels/wgsl/matmul.wgsl")
-                )
+                format!("const TM: u32 = {tm}u;\nconst KC: u32 = {kc}u;\n{}\n{}", format.snippet(), vellum_kernels::wgsl::MATMUL)
             }
-            Kernel::Embed(format) => format!("{}\n{}", format.snippet(), include_str!("../../../kernels/wgsl/embed.wgsl")),
-            Kernel::RmsNorm => include_str!("../../../kernels/wgsl/rms_norm.wgsl").to_string(),
-            Kernel::Rope => include_str!("../../../kernels/wgsl/rope.wgsl").to_string(),
-            Kernel::GatedMul(act) => format!("{}\n{}", act.snippet(), include_str!("../../../kernels/wgsl/gated_mul.wgsl")),
-            Kernel::Scale => include_str!("../../../kernels/wgsl/scale.wgsl").to_string(),
-            Kernel::Add => include_str!("../../../kernels/wgsl/add.wgsl").to_string(),
-            Kernel::GatherRows => include_str!("../../../kernels/wgsl/gather_rows.wgsl").to_string(),
-            Kernel::WriteKv(dtype) => format!("{}\n{}", kv_snippet(dtype), include_str!("../../../kernels/wgsl/write_kv.wgsl")),
+            Kernel::Embed(format) => format!("{}\n{}", format.snippet(), vellum_kernels::wgsl::EMBED),
+            Kernel::RmsNorm => vellum_kernels::wgsl::RMS_NORM.to_string(),
+            Kernel::Rope => vellum_kernels::wgsl::ROPE.to_string(),
+            Kernel::GatedMul(act) => format!("{}\n{}", act.snippet(), vellum_kernels::wgsl::GATED_MUL),
+            Kernel::Scale => vellum_kernels::wgsl::SCALE.to_string(),
+            Kernel::Add => vellum_kernels::wgsl::ADD.to_string(),
+            Kernel::GatherRows => vellum_kernels::wgsl::GATHER_ROWS.to_string(),
+            Kernel::WriteKv(dtype) => format!("{}\n{}", kv_snippet(dtype), vellum_kernels::wgsl::WRITE_KV),
             Kernel::PagedAttention(dtype) => {
-                format!("{}\n{}", kv_snippet(dtype), include_str!("../../../kernels/wgsl/paged_attention.wgsl"))
+                format!("{}\n{}", kv_snippet(dtype), vellum_kernels::wgsl::PAGED_ATTENTION)
             }
-            Kernel::CopyBlocks => include_str!("../../../kernels/wgsl/copy_blocks.wgsl").to_string(),
+            Kernel::CopyBlocks => vellum_kernels::wgsl::COPY_BLOCKS.to_string(),
         }
     }
 }

@@ -20,6 +20,7 @@
 //! panics with a message.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod block_hash;
 mod block_pool;

@@ -16,6 +16,7 @@
 //! keeps its own view of the sequences.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod batcher;
 mod error;

@@ -5,3 +5,4 @@
 //! subcommands (`src/cli/`). See docs/serving.md.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]

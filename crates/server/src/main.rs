@@ -1,5 +1,7 @@
 //! `vellum` — the command line.
 
+#![forbid(unsafe_code)]
+
 use clap::{Parser, Subcommand};
 
 mod cli;

@@ -8,6 +8,7 @@
 //! memory metrics.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod calibration;
 mod cost_model;
