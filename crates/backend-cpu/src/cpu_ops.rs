@@ -11,11 +11,11 @@ use crate::paged_attention::{paged_attention, write_kv};
 use crate::quant::{self, ActBits, WeightFormat};
 use vellum_base::{
     AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype,
-    KvCacheSpec, KvMemory, Sizes,
+    KvCacheSpec, KvMemory, Sizes, StepBounds,
 };
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
-use vellum_ops::{OpResult, Ops};
+use vellum_ops::{HostIo, OpResult, Ops};
 
 /// Row-major activations `[rows, cols]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -304,6 +304,21 @@ fn check(cond: bool, what: impl FnOnce() -> String) -> OpResult<()> {
     }
 }
 
+impl HostIo for CpuOps {
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> OpResult<HostTensor> {
+        if data.len() != rows * cols {
+            return Err(Error::Backend(format!("upload: {} values for [{rows}, {cols}]", data.len())));
+        }
+        Ok(HostTensor { rows, cols, data: data.to_vec() })
+    }
+
+    fn read_kv(&self, cache: &KvCache, layer: usize, value: bool) -> OpResult<Vec<f32>> {
+        let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("read_kv: no layer {layer}")))?;
+        let pools = &cache.layers[at.slot];
+        Ok(if value { pools.v.to_f32_vec() } else { pools.k.to_f32_vec() })
+    }
+}
+
 impl Ops for CpuOps {
     type Weight = HostWeight;
     type Vector = Vec<f32>;
@@ -434,7 +449,9 @@ impl Ops for CpuOps {
     }
 
     fn add_assign(&self, x: &mut HostTensor, y: &HostTensor) -> OpResult<()> {
-        check(x.data.len() == y.data.len(), || "add_assign: shapes differ".into())?;
+        check((x.rows, x.cols) == (y.rows, y.cols) && x.data.len() == y.data.len(), || {
+            format!("add_assign: [{}, {}] += [{}, {}]", x.rows, x.cols, y.rows, y.cols)
+        })?;
         for (a, b) in x.data.iter_mut().zip(&y.data) {
             *a += b;
         }
@@ -552,11 +569,13 @@ impl AttentionBackend for CpuOps {
     }
 
     fn copy_blocks(&self, cache: &mut KvCache, copies: &[BlockCopy]) -> vellum_base::Result<()> {
+        StepBounds::check_copies(copies, cache.layout.num_blocks)?;
         cache.copy_blocks(copies);
         Ok(())
     }
 
     fn swap_blocks(&self, cache: &mut KvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_base::Result<()> {
+        StepBounds::check_swaps(swaps, cache.layout.num_blocks, cache.num_host_blocks)?;
         cache.swap_blocks(swaps, to_host);
         Ok(())
     }

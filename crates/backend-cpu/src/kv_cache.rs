@@ -221,9 +221,7 @@ impl KvPool {
         }
     }
 
-    /// Reads elements `offset..offset + dst.len()` into `dst` as `f32`
-    /// (feature `reference`: for tests).
-    #[cfg(any(test, feature = "reference"))]
+    /// Reads elements `offset..offset + dst.len()` into `dst` as `f32`.
     pub fn read_f32(&self, offset: usize, dst: &mut [f32]) {
         let range = offset..offset + dst.len();
         match self {
@@ -233,8 +231,7 @@ impl KvPool {
         }
     }
 
-    /// The whole pool as `f32` (feature `reference`: for tests).
-    #[cfg(any(test, feature = "reference"))]
+    /// The whole pool as `f32` (for tests and `HostIo::read_kv`).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len()];
         self.read_f32(0, &mut out);

@@ -39,7 +39,7 @@ use vellum_base::{
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
-use vellum_ops::{OpResult, Ops};
+use vellum_ops::{HostIo, OpResult, Ops};
 
 /// Device memory kept free for activations and kernel workspaces when the
 /// KV cache is sized: a tenth of the GPU.
@@ -205,6 +205,24 @@ impl CudaOps {
             format!("{}: {} words for [{n}, {k}] in {format:?}", w.name, words.len())
         })?;
         Ok(CudaWeight { m: QuantMatrix { blocks: self.htod(&words)?, format, n, k } })
+    }
+}
+
+impl HostIo for CudaOps {
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> OpResult<CudaTensor> {
+        check(data.len() == rows * cols, || format!("upload: {} values for [{rows}, {cols}]", data.len()))?;
+        Ok(CudaTensor { rows, cols, buf: self.htod(data)? })
+    }
+
+    fn read_kv(&self, cache: &CudaKvCache, layer: usize, value: bool) -> OpResult<Vec<f32>> {
+        check(layer < cache.spec.groups.num_layers(), || format!("read_kv: no layer {layer}"))?;
+        let pool = &cache.pools[cache.spec.groups.slot(layer).slot];
+        let bytes = self.k.stream().clone_dtoh(if value { &pool.v } else { &pool.k }).map_err(|e| backend(e.into()))?;
+        Ok(match cache.spec.dtype {
+            KvCacheDtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            KvCacheDtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            KvCacheDtype::Bf16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        })
     }
 }
 
@@ -587,11 +605,7 @@ impl AttentionBackend for CudaOps {
         if copies.is_empty() {
             return Ok(());
         }
-        for c in copies {
-            check((c.src.0 as usize) < cache.num_blocks && (c.dst.0 as usize) < cache.num_blocks, || {
-                format!("copy_blocks: {c:?} outside the pool of {}", cache.num_blocks)
-            })?;
-        }
+        StepBounds::check_copies(copies, cache.num_blocks)?;
         let pairs: Vec<i64> = copies.iter().flat_map(|c| [i64::from(c.src.0), i64::from(c.dst.0)]).collect();
         let pairs = self.htod(&pairs)?;
         for pool in &mut cache.pools {
@@ -603,11 +617,7 @@ impl AttentionBackend for CudaOps {
 
     fn swap_blocks(&self, cache: &mut CudaKvCache, swaps: &[BlockSwap], to_host: bool) -> vellum_base::Result<()> {
         let bb = cache.spec.pool_block_bytes() as usize;
-        for s in swaps {
-            check((s.device.0 as usize) < cache.num_blocks && (s.host.0 as usize) < cache.num_host_blocks, || {
-                format!("swap_blocks: {s:?} outside the pools ({} device, {} host blocks)", cache.num_blocks, cache.num_host_blocks)
-            })?;
-        }
+        StepBounds::check_swaps(swaps, cache.num_blocks, cache.num_host_blocks)?;
         let stream = self.k.stream().clone();
         for s in swaps {
             let (d, h) = (s.device.0 as usize * bb, s.host.0 as usize * bb);

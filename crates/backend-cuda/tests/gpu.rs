@@ -474,3 +474,18 @@ fn the_cuda_executor_matches_the_cpu_f32_path_on_a_tiny_llama_or_skips_without_a
     }
     let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
 }
+
+/// The shared conformance suite (`vellum-conformance`): every op and the
+/// paged attention at the head sizes, block sizes and KV types the backend
+/// declares, against the CPU's float32 path.
+#[test]
+fn the_conformance_suite_passes_or_skips_without_a_gpu() {
+    let test = "the_conformance_suite_passes";
+    match vellum_backend_cuda::CudaOps::new(0) {
+        Ok(ops) => vellum_conformance::Suite::new("cuda").run(&ops),
+        Err(e) => {
+            assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
+            eprintln!("SKIPPED {test}: {e}");
+        }
+    }
+}

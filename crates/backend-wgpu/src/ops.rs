@@ -13,7 +13,7 @@ use vellum_base::{
 };
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
-use vellum_ops::{OpResult, Ops};
+use vellum_ops::{HostIo, OpResult, Ops};
 
 /// Activations `[rows, cols]`, f32, in a pooled device buffer.
 #[derive(Debug)]
@@ -306,6 +306,16 @@ impl Drop for WgpuOps {
                 );
             }
         }
+    }
+}
+
+impl HostIo for WgpuOps {
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> OpResult<GpuTensor> {
+        WgpuOps::upload(self, rows, cols, data)
+    }
+
+    fn read_kv(&self, cache: &GpuKvCache, layer: usize, value: bool) -> OpResult<Vec<f32>> {
+        self.read_kv_pool(cache, layer, value)
     }
 }
 
@@ -628,11 +638,7 @@ impl AttentionBackend for WgpuOps {
         if copies.is_empty() {
             return Ok(());
         }
-        for c in copies {
-            check((c.src.0 as usize) < cache.num_blocks && (c.dst.0 as usize) < cache.num_blocks, || {
-                format!("copy_blocks: {c:?} outside the pool of {}", cache.num_blocks)
-            })?;
-        }
+        StepBounds::check_copies(copies, cache.num_blocks)?;
         let list: Vec<u8> = copies.iter().flat_map(|c| [c.src.0, c.dst.0]).flat_map(|w| w.to_le_bytes()).collect();
         let buf = self.pool.take(list.len() as u64)?;
         self.rec.upload(&buf.buf, 0, &list)?;
@@ -653,11 +659,7 @@ impl AttentionBackend for WgpuOps {
             return Ok(());
         }
         let bb = cache.spec.pool_block_bytes();
-        for s in swaps {
-            check((s.device.0 as usize) < cache.num_blocks && (s.host.0 as usize) < cache.num_host_blocks, || {
-                format!("swap_blocks: {s:?} outside the pools ({} device, {} host blocks)", cache.num_blocks, cache.num_host_blocks)
-            })?;
-        }
+        StepBounds::check_swaps(swaps, cache.num_blocks, cache.num_host_blocks)?;
         if to_host {
             // Gather every (swap, layer, K/V) block into one buffer, read it once.
             let n = swaps.len() * cache.layers.len() * 2;

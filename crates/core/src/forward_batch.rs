@@ -180,6 +180,26 @@ impl StepBounds {
             _ => Ok(()),
         }
     }
+
+    /// Every block of `copies` is below `num_blocks`: the check each
+    /// backend makes before its `copy_blocks` touches a pool.
+    pub fn check_copies(copies: &[BlockCopy], num_blocks: usize) -> Result<()> {
+        match copies.iter().find(|c| c.src.index() >= num_blocks || c.dst.index() >= num_blocks) {
+            Some(c) => Err(Error::Backend(format!("copy_blocks: {} -> {} outside the pool of {num_blocks} blocks", c.src, c.dst))),
+            None => Ok(()),
+        }
+    }
+
+    /// Every block of `swaps` is inside its pool (device or host): the
+    /// check each backend makes before its `swap_blocks`.
+    pub fn check_swaps(swaps: &[BlockSwap], num_blocks: usize, num_host_blocks: usize) -> Result<()> {
+        match swaps.iter().find(|s| s.device.index() >= num_blocks || s.host.index() >= num_host_blocks) {
+            Some(s) => Err(Error::Backend(format!(
+                "swap_blocks: {s:?} outside the pools ({num_blocks} device blocks, {num_host_blocks} host blocks)"
+            ))),
+            None => Ok(()),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -120,3 +120,15 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
         f()
     }
 }
+
+/// Host data in, KV pools out: what a conformance suite needs beyond [`Ops`]
+/// to feed a backend's ops and read back its cache (`vellum-conformance`
+/// runs every backend's ops against the CPU's float32 path through it).
+pub trait HostIo: Ops {
+    /// A `[rows, cols]` activation tensor holding `data` (row-major).
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> OpResult<Self::Tensor>;
+    /// The device pool of `layer`'s keys (`value: false`) or values, as
+    /// f32, in the pool's own order (`[num_blocks, block_size,
+    /// num_kv_heads, head_dim]`).
+    fn read_kv(&self, cache: &Self::KvCache, layer: usize, value: bool) -> OpResult<Vec<f32>>;
+}
