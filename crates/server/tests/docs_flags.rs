@@ -90,7 +90,7 @@ fn the_readme_names_only_flags_vellum_has() {
         known.extend(flags_in(&help(sub)));
     }
     // Cargo's own, in the commands that build and test.
-    known.extend(["--release", "--locked", "--workspace", "--features"].map(String::from));
+    known.extend(["--release", "--locked", "--workspace", "--features", "--example"].map(String::from));
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).expect("README.md");
     let unknown: Vec<String> = flags_in(&readme).into_iter().filter(|f| !known.contains(f)).collect();
     assert!(unknown.is_empty(), "README.md names flags no `vellum` subcommand has: {unknown:?}");
