@@ -480,8 +480,7 @@ impl AttentionBackend for CudaOps {
     }
 
     fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_base::Result<CudaKvCache> {
-        CAPABILITIES
-            .check("cuda", &AttentionRequirements { head_dim: spec.head_dim, block_size: spec.block_size, kv_dtype: spec.dtype })?;
+        CAPABILITIES.check("cuda", &AttentionRequirements::of(spec))?;
         let dtype = kv_dtype(spec.dtype);
         let mut pools = Vec::with_capacity(spec.num_slots());
         for _ in 0..spec.num_slots() {

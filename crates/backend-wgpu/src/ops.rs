@@ -315,7 +315,9 @@ impl HostIo for WgpuOps {
     }
 
     fn read_kv(&self, cache: &GpuKvCache, layer: usize, value: bool) -> OpResult<Vec<f32>> {
-        self.read_kv_pool(cache, layer, value)
+        // The pools are per slot; a hybrid cache's layers share slots.
+        check(layer < cache.spec.groups.num_layers(), || format!("read_kv: no layer {layer}"))?;
+        self.read_kv_pool(cache, cache.spec.groups.slot(layer).slot, value)
     }
 }
 

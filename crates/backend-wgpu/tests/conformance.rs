@@ -10,14 +10,14 @@
 //! 1e-4 relative (both sides compute in f32 on the same dequantized values),
 //! `embed` exact; the suite's own are in its crate docs.
 
-use half::{bf16, f16};
 use std::sync::{Arc, OnceLock};
 use vellum_backend_cpu::{CpuOps, HostTensor, WeightFormat};
 use vellum_backend_wgpu::{GpuContext, WgpuOps};
 use vellum_base::SeededRng as Rng;
 use vellum_base::{AttentionBackend, ForwardBatch};
+use vellum_conformance::{one_sequence_batch, random_weight};
 use vellum_ops::quant::GgmlType;
-use vellum_ops::{Ops, WeightView};
+use vellum_ops::Ops;
 
 /// One device for the whole test binary (opening lavapipe costs ~0.1 s).
 fn device() -> Arc<GpuContext> {
@@ -44,36 +44,11 @@ fn host(rows: usize, cols: usize, data: Vec<f32>) -> HostTensor {
     HostTensor { rows, cols, data }
 }
 
-/// A weight `[n, k]` of file type `ty` with random contents.
-fn weight(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> WeightView<'static> {
-    let mut bytes = Vec::new();
-    match ty {
-        GgmlType::F32 => return WeightView::from_f32("w", vec![n, k], &rng.signed_vec(n * k)),
-        GgmlType::F16 => bytes.extend((0..n * k).flat_map(|_| f16::from_f32(rng.signed_f32()).to_le_bytes())),
-        GgmlType::BF16 => bytes.extend((0..n * k).flat_map(|_| bf16::from_f32(rng.signed_f32()).to_le_bytes())),
-        _ => {
-            for _ in 0..n * k / 32 {
-                bytes.extend_from_slice(&f16::from_f32(rng.signed_f32().abs() * 0.1 + 0.01).to_le_bytes());
-                match ty {
-                    GgmlType::Q8_0 => bytes.extend((0..32).map(|_| rng.next_u64() as u8)),
-                    GgmlType::Q4_1 => {
-                        bytes.extend_from_slice(&f16::from_f32(rng.signed_f32() * 0.5).to_le_bytes());
-                        bytes.extend((0..16).map(|_| rng.next_u64() as u8));
-                    }
-                    GgmlType::Q4_0 => bytes.extend((0..16).map(|_| rng.next_u64() as u8)),
-                    other => panic!("no generator for {other:?}"),
-                }
-            }
-        }
-    }
-    WeightView::new("w", vec![n, k], ty, bytes.into()).expect("whole blocks")
-}
-
 /// `linear` on both backends, for a weight format, a shape and a binding
 /// limit (small limits split the weight and the rows).
 fn check_linear(ty: GgmlType, m: usize, n: usize, k: usize, seed: u64, limit: Option<u64>) {
     let mut rng = Rng::new(seed);
-    let w = weight(ty, n, k, &mut rng);
+    let w = random_weight(ty, n, k, &mut rng);
     let x = rng.signed_vec(m * k);
     let bias = rng.signed_vec(n);
     let (c, mut g) = (cpu(), gpu());
@@ -102,7 +77,7 @@ fn embed_gathers_rows_of_every_format_and_chunk() {
     for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q4_1, GgmlType::Q8_0] {
         for limit in [None, Some(8192)] {
             let (vocab, hidden) = (300, 64);
-            let w = weight(ty, vocab, hidden, &mut rng);
+            let w = random_weight(ty, vocab, hidden, &mut rng);
             let ids: Vec<u32> = (0..20).map(|_| rng.below(vocab) as u32).chain([0, vocab as u32 - 1]).collect();
             let batch = ForwardBatch { token_ids: ids.clone(), ..one_sequence_batch(ids.len()) };
             let c = cpu();
@@ -120,23 +95,6 @@ fn embed_gathers_rows_of_every_format_and_chunk() {
             let bad = ForwardBatch { token_ids: vec![vocab as u32; ids.len()], ..batch };
             assert!(g.embed(&table, &g.prepare_step(&bad, 4).unwrap()).is_err(), "a token id past the vocabulary is an error");
         }
-    }
-}
-
-/// One sequence of `t` new tokens at positions 0.. (a prefill) in blocks
-/// 0, 1, … of 4 tokens.
-fn one_sequence_batch(t: usize) -> ForwardBatch {
-    ForwardBatch {
-        token_ids: vec![1; t],
-        positions: (0..t as u32).collect(),
-        slot_mapping: (0..t as u32).collect(),
-        query_start_loc: vec![0, t as u32],
-        context_lens: vec![t as u32],
-        block_tables: (0..t.div_ceil(4) as u32).collect(),
-        block_table_stride: t.div_ceil(4),
-        num_kv_groups: 1,
-        logits_indices: vec![t as u32 - 1],
-        ..ForwardBatch::default()
     }
 }
 

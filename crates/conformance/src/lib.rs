@@ -46,8 +46,6 @@ use vellum_ops::{HostIo, Ops, WeightView};
 pub struct Suite {
     name: String,
     weight_formats: Vec<GgmlType>,
-    attention_cases: usize,
-    host_blocks: bool,
 }
 
 impl Suite {
@@ -58,26 +56,12 @@ impl Suite {
         Self {
             name: name.to_string(),
             weight_formats: vec![GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0],
-            attention_cases: 24,
-            host_blocks: true,
         }
     }
 
     /// Only these weight formats for `linear` and `embed`.
     pub fn weight_formats(mut self, formats: &[GgmlType]) -> Self {
         self.weight_formats = formats.to_vec();
-        self
-    }
-
-    /// This many random attention cases (each at every KV element type).
-    pub fn attention_cases(mut self, n: usize) -> Self {
-        self.attention_cases = n;
-        self
-    }
-
-    /// Whether the backend swaps blocks to a host pool (`swap_blocks`).
-    pub fn host_blocks(mut self, yes: bool) -> Self {
-        self.host_blocks = yes;
         self
     }
 
@@ -99,7 +83,7 @@ impl Suite {
             for (j, &m) in [1usize, 3, 8, 13, 40].iter().enumerate() {
                 let (n, k) = (70 + 13 * j, if odd_k && j % 2 == 1 { 75 } else { 160 });
                 let mut rng = Rng::new((i * 10 + j) as u64);
-                let w = weight(ty, n, k, &mut rng);
+                let w = random_weight(ty, n, k, &mut rng);
                 let (x, bias) = (rng.signed_vec(m * k), rng.signed_vec(n));
                 let want = run_linear(&c, &w, m, k, &x, &bias);
                 let got = run_linear(ops, &w, m, k, &x, &bias);
@@ -114,14 +98,14 @@ impl Suite {
         let mut rng = Rng::new(3);
         for &ty in &self.weight_formats {
             let (vocab, hidden) = (300, 64);
-            let w = weight(ty, vocab, hidden, &mut rng);
+            let w = random_weight(ty, vocab, hidden, &mut rng);
             let ids: Vec<u32> = (0..20).map(|_| rng.below(vocab) as u32).chain([0, vocab as u32 - 1]).collect();
             let batch = ForwardBatch { token_ids: ids.clone(), ..one_sequence_batch(ids.len()) };
-            let want =
-                c.to_host(&c.embed(&c.embedding_weight(w.clone()).expect("cpu"), &c.prepare_step(&batch, 4).expect("cpu")).expect("cpu"));
+            let reference_table = c.embedding_weight(w.clone()).expect("cpu");
+            let want = c.to_host(&c.embed(&reference_table, &c.prepare_step(&batch, 4).expect("cpu")).expect("cpu")).expect("cpu");
             let table = ops.embedding_weight(w).unwrap_or_else(|e| panic!("{}: embedding_weight {ty:?}: {e}", self.name));
             let got = ops.embed(&table, &ops.prepare_step(&batch, 4).expect("prepare_step")).expect("embed");
-            self.close(&ops.to_host(&got).expect("to_host"), &want.expect("cpu"), 0.0, &format!("embed {ty:?}"));
+            self.close(&ops.to_host(&got).expect("to_host"), &want, 0.0, &format!("embed {ty:?}"));
         }
     }
 
@@ -210,7 +194,7 @@ impl Suite {
             self.check_attention(ops, &smallest, dtype);
         }
         let mut rng = Rng::new(0x5eed);
-        for i in 0..self.attention_cases {
+        for i in 0..ATTENTION_CASES {
             let seqs = (0..1 + rng.below(5))
                 .map(|_| {
                     let ctx = 1 + rng.below(89);
@@ -261,7 +245,7 @@ impl Suite {
         let head_dim = [8usize, 64, 128].into_iter().find(|&d| caps.head_dims.allows(d)).unwrap_or(64);
         for &dtype in caps.kv_dtypes {
             let spec = KvCacheSpec::uniform(3, 2, head_dim, block_size, dtype);
-            let (num_blocks, host_blocks) = (8, if self.host_blocks { 3 } else { 0 });
+            let (num_blocks, host_blocks) = (8, 3);
             let row = spec.num_kv_heads * spec.head_dim;
             let mut rng = Rng::new(13);
             let mut cc = c.allocate_kv_cache(&spec, num_blocks, host_blocks).expect("cpu");
@@ -284,13 +268,11 @@ impl Suite {
             let copies = [BlockCopy { src: BlockId(1), dst: BlockId(6) }, BlockCopy { src: BlockId(5), dst: BlockId(0) }];
             c.copy_blocks(&mut cc, &copies).expect("cpu");
             ops.copy_blocks(&mut gc, &copies).expect("copy_blocks");
-            if self.host_blocks {
-                let out = [BlockSwap { device: BlockId(4), host: HostBlockId(2) }, BlockSwap { device: BlockId(1), host: HostBlockId(0) }];
-                let back = [BlockSwap { device: BlockId(7), host: HostBlockId(2) }, BlockSwap { device: BlockId(3), host: HostBlockId(0) }];
-                for (swaps, to_host) in [(&out, true), (&back, false)] {
-                    c.swap_blocks(&mut cc, swaps, to_host).expect("cpu");
-                    ops.swap_blocks(&mut gc, swaps, to_host).expect("swap_blocks");
-                }
+            let out = [BlockSwap { device: BlockId(4), host: HostBlockId(2) }, BlockSwap { device: BlockId(1), host: HostBlockId(0) }];
+            let back = [BlockSwap { device: BlockId(7), host: HostBlockId(2) }, BlockSwap { device: BlockId(3), host: HostBlockId(0) }];
+            for (swaps, to_host) in [(&out, true), (&back, false)] {
+                c.swap_blocks(&mut cc, swaps, to_host).expect("cpu");
+                ops.swap_blocks(&mut gc, swaps, to_host).expect("swap_blocks");
             }
             for l in 0..spec.num_slots() {
                 for value in [false, true] {
@@ -359,6 +341,9 @@ impl Suite {
     }
 }
 
+/// Random attention cases, each at every KV element type the backend takes.
+const ATTENTION_CASES: usize = 24;
+
 /// The reference: the CPU backend's float32 path.
 fn reference() -> CpuOps {
     CpuOps::new(WeightFormat::F32)
@@ -380,8 +365,9 @@ fn run_linear<O: HostIo>(ops: &O, w: &WeightView<'static>, m: usize, k: usize, x
     ops.to_host(&y).expect("to_host")
 }
 
-/// A weight `[n, k]` of file type `ty` with random contents.
-fn weight(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> WeightView<'static> {
+/// A weight `[n, k]` of file type `ty` (F32, F16, BF16, Q4_0, Q4_1, Q8_0)
+/// with random contents, for a backend's own tests too.
+pub fn random_weight(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> WeightView<'static> {
     let mut bytes = Vec::new();
     match ty {
         GgmlType::F32 => return WeightView::from_f32("w", vec![n, k], &rng.signed_vec(n * k)),
@@ -406,8 +392,8 @@ fn weight(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> WeightView<'static
 }
 
 /// One sequence of `t` new tokens at positions 0.. (a prefill) in blocks
-/// 0, 1, … of 4 tokens.
-fn one_sequence_batch(t: usize) -> ForwardBatch {
+/// 0, 1, … of 4 tokens, for a backend's own tests too.
+pub fn one_sequence_batch(t: usize) -> ForwardBatch {
     ForwardBatch {
         token_ids: vec![1; t],
         positions: (0..t as u32).collect(),

@@ -79,6 +79,13 @@ pub struct AttentionRequirements {
     pub kv_dtype: KvCacheDtype,
 }
 
+impl AttentionRequirements {
+    /// What a cache of geometry `spec` asks of a backend.
+    pub fn of(spec: &crate::KvCacheSpec) -> Self {
+        Self { head_dim: spec.head_dim, block_size: spec.block_size, kv_dtype: spec.dtype }
+    }
+}
+
 impl Capabilities {
     /// `Ok` if `backend` (its name, for the message) supports `wanted`;
     /// otherwise [`Error::Unsupported`] naming the first value it does not,

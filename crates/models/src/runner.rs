@@ -201,8 +201,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         // Drop the old cache first so its memory is free for the new one.
         self.cache = None;
         let spec = self.kv_cache_spec(block_size);
-        let wanted = AttentionRequirements { head_dim: spec.head_dim, block_size, kv_dtype: spec.dtype };
-        self.ops.capabilities().check(self.ops.name(), &wanted)?;
+        self.ops.capabilities().check(self.ops.name(), &AttentionRequirements::of(&spec))?;
         let cache = self.ops.allocate_kv_cache(&spec, num_blocks, num_host_blocks)?;
         self.cache = Some((cache, block_size));
         Ok(())
