@@ -240,13 +240,25 @@ fn the_engine_never_reads_scheduler_requests() {
 
 /// Crates a backend must not pull in (as normal dependencies, directly or
 /// through others): the model zoo and what parses files or text.
-const NOT_UNDER_A_BACKEND: [&str; 6] = ["vellum-models", "tokenizers", "minijinja", "safetensors", "zip", "sha2"];
+const NOT_UNDER_A_BACKEND: [&str; 8] =
+    ["vellum-models", "vellum-formats", "vellum-tokenizer", "tokenizers", "minijinja", "safetensors", "zip", "sha2"];
+
+/// One job per crate, read from the dependency graph: each entry is a
+/// package (or a name prefix ending in `-`) and the crates it must not pull
+/// in as normal dependencies, directly or through others.
+const MUST_NOT_REACH: [(&str, &[&str]); 3] = [
+    ("vellum-backend-", &NOT_UNDER_A_BACKEND),
+    // The file readers parse no text and render no templates.
+    ("vellum-formats", &["vellum-tokenizer", "tokenizers", "minijinja", "vellum-models"]),
+    // The tokenizer knows nothing of weights or backends.
+    ("vellum-tokenizer", &["vellum-models", "vellum-backend-cpu", "vellum-backend-wgpu", "vellum-backend-cuda"]),
+];
 
 #[test]
-fn backends_depend_on_the_seam_alone() {
+fn backends_depend_on_the_seam_alone_and_each_crate_keeps_to_its_job() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     // This machine's platform only: the other platforms' crates may not be
-    // downloaded, and a backend's dependencies are the same question on each.
+    // downloaded, and a crate's dependencies are the same question on each.
     let rustc = std::process::Command::new("rustc").arg("-vV").output().expect("rustc -vV runs");
     let host = String::from_utf8_lossy(&rustc.stdout)
         .lines()
@@ -274,33 +286,71 @@ fn backends_depend_on_the_seam_alone() {
         }
     }
     let mut found = Vec::new();
-    let backends: Vec<&serde_json::Value> = meta["packages"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|p| p["name"].as_str().is_some_and(|n| n.starts_with("vellum-backend-")))
-        .collect();
-    assert_eq!(backends.len(), 3, "three backend crates");
-    for backend in backends {
-        let start = backend["id"].as_str().unwrap_or_default().to_string();
-        let mut seen = std::collections::HashSet::from([start.clone()]);
-        let mut stack = vec![(start, vec![backend["name"].as_str().unwrap_or_default().to_string()])];
-        while let Some((id, path)) = stack.pop() {
-            for next in edges.get(&id).into_iter().flatten() {
-                if !seen.insert(next.clone()) {
-                    continue;
+    for (pattern, forbidden) in MUST_NOT_REACH {
+        let matches = |n: &str| if pattern.ends_with('-') { n.starts_with(pattern) } else { n == pattern };
+        let roots: Vec<(&str, &str)> = names.iter().filter(|(_, n)| matches(n)).map(|(id, n)| (*id, *n)).collect();
+        assert!(!roots.is_empty(), "no package matches {pattern}");
+        if pattern == "vellum-backend-" {
+            assert_eq!(roots.len(), 3, "three backend crates");
+        }
+        for (start, root_name) in roots {
+            let mut seen = std::collections::HashSet::from([start.to_string()]);
+            let mut stack = vec![(start.to_string(), vec![root_name.to_string()])];
+            while let Some((id, path)) = stack.pop() {
+                for next in edges.get(&id).into_iter().flatten() {
+                    if !seen.insert(next.clone()) {
+                        continue;
+                    }
+                    let name = name_of(next);
+                    let mut path = path.clone();
+                    path.push(name.clone());
+                    if forbidden.contains(&name.as_str()) {
+                        found.push(path.join(" -> "));
+                    }
+                    stack.push((next.clone(), path));
                 }
-                let name = name_of(next);
-                let mut path = path.clone();
-                path.push(name.clone());
-                if NOT_UNDER_A_BACKEND.contains(&name.as_str()) {
-                    found.push(path.join(" -> "));
-                }
-                stack.push((next.clone(), path));
             }
         }
     }
-    assert!(found.is_empty(), "backend crates depend on the seam (vellum-ops, vellum-base) alone, but:\n  {}", found.join("\n  "));
+    assert!(
+        found.is_empty(),
+        "backend crates depend on the seam (vellum-ops, vellum-base) alone, and each crate keeps to its job (MUST_NOT_REACH), but:\n  {}",
+        found.join("\n  ")
+    );
+}
+
+/// What a registry page shows for a package: each package's `[package]`
+/// table names a description, a license, a repository and a readme, and
+/// the readme exists.
+#[test]
+fn every_package_has_registry_metadata_and_a_readme() {
+    let mut missing = Vec::new();
+    for pkg in packages() {
+        let manifest = fs::read_to_string(pkg.join("Cargo.toml")).expect("Cargo.toml");
+        let mut in_package = false;
+        let mut keys = Vec::new();
+        for line in manifest.lines() {
+            let t = line.trim();
+            if t.starts_with('[') {
+                in_package = t == "[package]";
+            } else if in_package {
+                if let Some((key, value)) = t.split_once('=') {
+                    keys.push((key.trim().trim_end_matches(".workspace").to_string(), value.trim().trim_matches('"').to_string()));
+                }
+            }
+        }
+        for wanted in ["description", "license", "repository", "readme"] {
+            if !keys.iter().any(|(k, _)| k == wanted) {
+                missing.push(format!("{}: no `{wanted}`", pkg.display()));
+            }
+        }
+        if let Some((_, readme)) = keys.iter().find(|(k, _)| k == "readme") {
+            if !pkg.join(readme).is_file() {
+                missing.push(format!("{}: readme {readme} does not exist", pkg.display()));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "package metadata:\n  {}", missing.join("\n  "));
 }
 
 /// Names on crates.io that are ours (none is published yet): a package may

@@ -142,7 +142,10 @@ fn compare(exec: &mut ModelRunner<CpuOps>, c: &Golden, dtype: KvCacheDtype, i: u
 #[test]
 fn kv_cache_dtypes_against_the_float64_reference() {
     let cases = golden();
-    let loaded = vellum_models::resolve_model(None).and_then(|m| m.load()).expect("the default model loads");
+    let loaded = vellum_models::resolve_model(None)
+        .map_err(vellum_models::Error::from)
+        .and_then(|m| vellum_models::LoadedModel::open(&m))
+        .expect("the default model loads");
     let mut table = Vec::new();
     for (dtype, tolerance) in [(KvCacheDtype::F32, F32_TOLERANCE), (KvCacheDtype::F16, F16_TOLERANCE), (KvCacheDtype::Bf16, BF16_TOLERANCE)]
     {

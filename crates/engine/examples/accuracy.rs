@@ -111,7 +111,7 @@ fn main() {
         configs.push(parse_config("default"));
     }
     let source = resolve_model(model.as_deref()).expect("model");
-    let loaded = source.load().expect("model loads");
+    let loaded = vellum_models::LoadedModel::open(&source).expect("model loads");
     let vocab = loaded.config.vocab_size;
     let tokens = loaded.tokenizer.encode(&text, false).expect("tokenizes");
     let bos = loaded.tokenizer.encode("", true).expect("tokenizes").first().copied();

@@ -12,7 +12,8 @@ pub enum Error {
     /// The backend failed.
     #[error(transparent)]
     Backend(#[from] vellum_base::Error),
-    /// Loading the model failed.
+    /// Loading the model failed: its files, its tokenizer, or a backend
+    /// taking its weights.
     #[error(transparent)]
     Model(#[from] vellum_models::Error),
     /// A forward pass failed (a backend fault such as an allocation
@@ -37,4 +38,18 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+}
+
+/// A model file that cannot be found or read is a [`Error::Model`].
+impl From<vellum_formats::Error> for Error {
+    fn from(e: vellum_formats::Error) -> Self {
+        Error::Model(e.into())
+    }
+}
+
+/// A tokenizer or chat template that fails is a [`Error::Model`].
+impl From<vellum_tokenizer::Error> for Error {
+    fn from(e: vellum_tokenizer::Error) -> Self {
+        Error::Model(e.into())
+    }
 }

@@ -123,7 +123,7 @@ impl Llm {
         // Before any file is read: a backend this build lacks is the user's first error.
         args.device.ensure_compiled()?;
         let source = resolve_model(args.model.as_deref())?;
-        let loaded = source.load()?;
+        let loaded = vellum_models::LoadedModel::open(&source)?;
         let config = loaded.config.clone();
         // The config's EOS, then the tokenizer's (generation_config.json's
         // list; Gemma's <end_of_turn>).

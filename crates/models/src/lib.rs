@@ -1,60 +1,43 @@
-//! # vellum-models — model files: weights, tokenizer, chat template
+//! # vellum-models — the model graphs and the runner that executes them
 //!
-//! Reads what a model is made of, from either of two formats:
+//! The transformer graphs ([`LlamaModel`] for Llama, Mistral, Qwen2/Qwen3
+//! and SmolLM; [`Gemma3Model`]) are written once against the backend seam
+//! ([`ops::Ops`], from `vellum-ops`), read their weights through
+//! `vellum-formats`' [`WeightSource`], and are picked by architecture in
+//! [`load_model`]. [`ModelRunner`] is the one `ModelExecutor`: it owns a
+//! backend's ops, the model and its paged KV cache, and runs one scheduled
+//! batch per step. [`LoadedModel::open`] opens everything a model's files
+//! hold (weights, config, tokenizer, chat template) from a [`ModelSource`].
 //!
-//! - **GGUF** files ([`gguf::GgufFile`], a small bounds-checked reader over a
-//!   memory map; F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants Q2_K–Q6_K dequantize to f32, and the raw
-//!   blocks stay reachable for quantized kernels), and
-//! - **Hugging Face directories** (`config.json` + safetensors, sharded or not).
-//!
-//! Model code reads weights only through the [`WeightSource`] trait
-//! (`tensor_f32(name)`, `contains(name)`, `model_config()`), implemented by
-//! [`GgufWeights`] and [`SafetensorsWeights`]. [`Tokenizer`] and
-//! [`ChatTemplate`] are built from either format too, and [`resolve_model`]
-//! turns a user's model spec (nothing, a `.gguf` path, a directory, or a
-//! hub id in the local cache) into a [`ModelSource`]; with nothing given it
-//! fetches the default model, SmolLM2-135M-Instruct Q4_1.
-//!
-//! **The one decision to know: Hugging Face names and layouts everywhere.**
-//! Tensors are named as in `transformers` (`model.layers.0.self_attn.q_proj.weight`),
-//! matrices are row-major `[out, in]`, and Q/K projections are in Hugging
-//! Face row order, which pairs with half-split ("rotate_half") RoPE. GGUF
-//! files store Llama's Q/K rows permuted for interleaved-pair RoPE;
-//! [`GgufWeights`] un-permutes them at load, so one model definition serves
-//! both loaders.
+//! The file readers (`vellum-formats`) and the tokenizer and chat template
+//! (`vellum-tokenizer`) are crates of their own, re-exported here so that an
+//! application needs one dependency to go from a model spec to a runner.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
-pub mod gguf;
-
-mod chat_template;
-mod default_model;
 mod error;
 mod gemma3;
-mod gguf_weights;
 mod llama;
-mod model_source;
+mod loaded_model;
 mod registry;
 mod runner;
-mod safetensors_weights;
-mod tokenizer;
-mod weight_source;
 
-pub use chat_template::{ChatMessage, ChatTemplate};
-pub use default_model::{
-    cache_dir, default_model_path, fetch_default_model, known_model, KnownModel, DEFAULT_MODEL, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256,
-    KNOWN_MODELS,
-};
 pub use error::{Error, Result};
 pub use gemma3::Gemma3Model;
-pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights};
 pub use llama::LlamaModel;
-pub use model_source::{resolve_model, LoadedModel, ModelSource};
+pub use loaded_model::LoadedModel;
 pub use registry::{load_model, CausalLm};
 pub use runner::{check_supported, ModelRunner, RunnerOptions};
-pub use safetensors_weights::SafetensorsWeights;
-pub use tokenizer::Tokenizer;
+
 /// The seam to the backends, re-exported: model code here is written against
 /// [`ops::Ops`], and backends implement it from `vellum-ops` alone.
 pub use vellum_ops::{ops, rope, Tensor, WeightView};
-pub use weight_source::WeightSource;
+
+/// The file readers, re-exported from `vellum-formats`.
+pub use vellum_formats::{
+    cache_dir, default_model_path, fetch_default_model, gguf, hf_name, known_model, resolve_model, unpermute_rows, GgufWeights, KnownModel,
+    ModelSource, SafetensorsWeights, WeightSource, DEFAULT_MODEL, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, KNOWN_MODELS,
+};
+/// The tokenizer and chat template, re-exported from `vellum-tokenizer`.
+pub use vellum_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};

@@ -3,7 +3,7 @@
 //! ([`vellum_base::ARCHITECTURES`]).
 
 use crate::ops::{OpResult, Ops};
-use crate::{Error, Gemma3Model, LlamaModel, Result, WeightSource};
+use crate::{Gemma3Model, LlamaModel, Result, WeightSource};
 use vellum_base::{KvCacheDtype, KvCacheGroups, KvCacheSpec, ModelConfig, ModelFamily};
 
 /// A causal language model loaded on backend `O`.
@@ -52,9 +52,10 @@ pub fn load_model<O: Ops + 'static>(
     config: ModelConfig,
     progress: impl FnMut(usize, usize),
 ) -> Result<Box<dyn CausalLm<O>>> {
-    let arch = config
-        .arch()
-        .ok_or_else(|| Error::UnsupportedArchitecture { path: Default::default(), architecture: config.architecture.clone() })?;
+    let arch = config.arch().ok_or_else(|| vellum_formats::Error::UnsupportedArchitecture {
+        path: Default::default(),
+        architecture: config.architecture.clone(),
+    })?;
     match arch.family {
         ModelFamily::Llama => Ok(Box::new(LlamaModel::load(ops, weights, config, progress)?)),
         ModelFamily::Gemma3 => Ok(Box::new(Gemma3Model::load(ops, weights, config, progress)?)),

@@ -4,9 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use vellum_models::gguf::{GgmlType, GgufFile, MetadataValue};
+// The readers' errors are `vellum-formats`' own.
+use vellum_formats::Error;
 use vellum_models::{
-    fetch_default_model, resolve_model, ChatMessage, ChatTemplate, Error, GgufWeights, ModelSource, SafetensorsWeights, Tokenizer,
-    WeightSource,
+    fetch_default_model, resolve_model, ChatMessage, ChatTemplate, GgufWeights, ModelSource, SafetensorsWeights, Tokenizer, WeightSource,
 };
 
 // ---------------------------------------------------------------- helpers
@@ -195,7 +196,7 @@ fn resolve_and_load_the_default_model() {
     let source = resolve_model(None).unwrap();
     assert_eq!(source, ModelSource::Gguf(expected.to_path_buf()));
     assert_eq!(resolve_model(model_path().to_str()).unwrap(), source);
-    let loaded = source.load().unwrap();
+    let loaded = vellum_models::LoadedModel::open(&source).unwrap();
     assert_eq!(loaded.config.num_hidden_layers, 30);
     assert!(loaded.chat_template.is_some());
     assert_eq!(loaded.tokenizer.encode("The capital of France is", false).unwrap(), golden()[0].prompt_ids);
@@ -349,7 +350,7 @@ fn safetensors_errors_are_typed() {
 
 // --------------------------------------------------------- malformed GGUF
 
-fn open_bytes(dir: &Path, name: &str, bytes: &[u8]) -> vellum_models::Result<GgufFile> {
+fn open_bytes(dir: &Path, name: &str, bytes: &[u8]) -> vellum_formats::Result<GgufFile> {
     let path = dir.join(name);
     std::fs::write(&path, bytes).unwrap();
     GgufFile::open(&path)

@@ -172,7 +172,9 @@ impl GgufFile {
         self.metadata.get(key).ok_or_else(|| Error::MissingMetadata { path: self.path.clone(), key: key.to_string() })
     }
 
-    pub(crate) fn bad_type(&self, key: &str, expected: &str, found: &MetadataValue) -> Error {
+    /// An [`Error::BadMetadata`] for `key`, whose value `found` is not
+    /// `expected` (a description such as "an array of strings").
+    pub fn bad_type(&self, key: &str, expected: &str, found: &MetadataValue) -> Error {
         Error::BadMetadata {
             path: self.path.clone(),
             key: key.to_string(),

@@ -3,7 +3,7 @@
 //! `gguf.quants.dequantize`, float32) computes for them, kept in
 //! `tests/data/ggml_blocks.json`. The values must be equal bit for bit.
 
-use vellum_models::gguf::{dequantize, GgmlType};
+use vellum_formats::gguf::{dequantize, GgmlType};
 
 fn ggml_type(name: &str) -> GgmlType {
     (0..64).filter_map(GgmlType::from_id).find(|t| t.to_string() == name).unwrap_or_else(|| panic!("unknown type {name}"))

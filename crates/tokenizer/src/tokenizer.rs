@@ -8,9 +8,7 @@
 //! pre-tokenizer follows `tokenizer.ggml.pre`. GGUF `tokenizer.ggml.model =
 //! llama` is SentencePiece with scores and byte fallback ([`spm`]).
 
-mod spm;
-
-use crate::gguf::{GgufFile, MetadataValue};
+use crate::spm;
 use crate::{Error, Result};
 use spm::{SpmTokenizer, TokenType};
 use std::path::Path;
@@ -20,6 +18,7 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+use vellum_formats::gguf::{GgufFile, MetadataValue};
 
 /// GGUF token types that are matched whole: control (3) and user-defined (4).
 const SPECIAL_TOKEN_TYPES: [i64; 2] = [3, 4];
@@ -84,7 +83,7 @@ impl Tokenizer {
                 let items = v.as_array().ok_or_else(|| file.bad_type("tokenizer.ggml.token_type", "an array", v))?;
                 items
                     .iter()
-                    .map(|t| t.as_i64().ok_or_else(|| file.bad_type("tokenizer.ggml.token_type", "integers", t)))
+                    .map(|t| t.as_i64().ok_or_else(|| file.bad_type("tokenizer.ggml.token_type", "integers", t).into()))
                     .collect::<Result<_>>()?
             }
         };
@@ -113,7 +112,7 @@ impl Tokenizer {
                     .and_then(|id| u32::try_from(id).ok())
                     .filter(|&id| (id as usize) < vocab)
                     .map(Some)
-                    .ok_or_else(|| file.bad_type(key, &format!("a token id below the vocabulary size {vocab}"), v)),
+                    .ok_or_else(|| file.bad_type(key, &format!("a token id below the vocabulary size {vocab}"), v).into()),
             }
         };
         let bos_token_id = token_id("tokenizer.ggml.bos_token_id")?;
@@ -260,13 +259,9 @@ fn sentencepiece(file: &GgufFile, tokens: Vec<&str>, token_types: &[i64]) -> Res
     let scores: Vec<f32> = file
         .get_array(key)?
         .iter()
-        .map(|v| v.as_f64().map(|s| s as f32).ok_or_else(|| file.bad_type(key, "numbers", v)))
+        .map(|v| v.as_f64().map(|s| s as f32).ok_or_else(|| file.bad_type(key, "numbers", v).into()))
         .collect::<Result<_>>()?;
-    let bad_len = |key: &str, n: usize| Error::BadMetadata {
-        path: file.path().to_path_buf(),
-        key: key.into(),
-        what: format!("{n} entries for {} tokens", tokens.len()),
-    };
+    let bad_len = |key: &str, n: usize| Error::bad_metadata(file.path(), key, format!("{n} entries for {} tokens", tokens.len()));
     if scores.len() != tokens.len() {
         return Err(bad_len(key, scores.len()));
     }
@@ -286,11 +281,9 @@ fn byte_level_bpe(file: &GgufFile, tokens: &[&str], token_types: &[i64], context
         .into_iter()
         .enumerate()
         .map(|(i, m)| {
-            m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| Error::BadMetadata {
-                path: path.to_path_buf(),
-                key: "tokenizer.ggml.merges".into(),
-                what: format!("merge #{i} {m:?} has no space"),
-            })
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| Error::bad_metadata(path, "tokenizer.ggml.merges", format!("merge #{i} {m:?} has no space")))
         })
         .collect::<Result<Vec<_>>>()?;
     let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
@@ -328,7 +321,7 @@ fn pre_tokenizer(pre: &str) -> std::result::Result<PreTokenizerWrapper, String> 
 
 /// A GGUF array of strings.
 fn string_array<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {
-    file.get_array(key)?.iter().map(|v| v.as_str().ok_or_else(|| file.bad_type(key, "an array of strings", v))).collect()
+    file.get_array(key)?.iter().map(|v| v.as_str().ok_or_else(|| file.bad_type(key, "an array of strings", v).into())).collect()
 }
 
 fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {

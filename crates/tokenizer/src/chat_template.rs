@@ -21,7 +21,6 @@
 //! minijinja's `unstable_machinery` API, which is why the workspace pins it
 //! exactly.
 
-use crate::gguf::GgufFile;
 use crate::{Error, Result};
 use minijinja::machinery::{self, CodeGenerator, Instruction, Instructions, WhitespaceConfig};
 use minijinja::value::ValueKind;
@@ -30,6 +29,7 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::LazyLock;
+use vellum_formats::gguf::GgufFile;
 
 const TEMPLATE_NAME: &str = "chat";
 

@@ -5,8 +5,9 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use vellum_models::gguf::GgufFile;
-use vellum_models::{known_model, Tokenizer};
+use vellum_formats::gguf::GgufFile;
+use vellum_formats::known_model;
+use vellum_tokenizer::Tokenizer;
 
 fn gemma_path() -> &'static Path {
     static PATH: OnceLock<PathBuf> = OnceLock::new();

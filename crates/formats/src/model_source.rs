@@ -1,9 +1,8 @@
 //! Turning a user's model specification into files on disk.
 
 use crate::default_model::{fetch_default_model, known_model, KNOWN_MODELS};
-use crate::{ChatTemplate, Error, GgufWeights, Result, SafetensorsWeights, Tokenizer, WeightSource};
+use crate::{Error, Result};
 use std::path::{Path, PathBuf};
-use vellum_base::ModelConfig;
 
 /// Where a model's files are.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -14,53 +13,11 @@ pub enum ModelSource {
     HfDir(PathBuf),
 }
 
-/// Everything needed to serve a model, opened from a [`ModelSource`].
-pub struct LoadedModel {
-    /// The model's shape.
-    pub config: ModelConfig,
-    /// The weights.
-    pub weights: Box<dyn WeightSource>,
-    /// The tokenizer.
-    pub tokenizer: Tokenizer,
-    /// The chat template, if the model has one.
-    pub chat_template: Option<ChatTemplate>,
-}
-
-impl std::fmt::Debug for LoadedModel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LoadedModel")
-            .field("config", &self.config)
-            .field("tokenizer", &self.tokenizer)
-            .field("has_chat_template", &self.chat_template.is_some())
-            .finish()
-    }
-}
-
 impl ModelSource {
     /// The file or directory.
     pub fn path(&self) -> &Path {
         match self {
             ModelSource::Gguf(p) | ModelSource::HfDir(p) => p,
-        }
-    }
-
-    /// Opens weights, config, tokenizer and chat template.
-    pub fn load(&self) -> Result<LoadedModel> {
-        match self {
-            ModelSource::Gguf(path) => {
-                let weights = GgufWeights::open(path)?;
-                let tokenizer = Tokenizer::from_gguf(weights.gguf())?;
-                let chat_template = ChatTemplate::from_gguf(weights.gguf())?;
-                let config = weights.model_config()?;
-                Ok(LoadedModel { config, weights: Box::new(weights), tokenizer, chat_template })
-            }
-            ModelSource::HfDir(dir) => {
-                let weights = SafetensorsWeights::open(dir)?;
-                let tokenizer = Tokenizer::from_hf_dir(dir)?;
-                let chat_template = ChatTemplate::from_hf_dir(dir)?;
-                let config = weights.model_config()?;
-                Ok(LoadedModel { config, weights: Box::new(weights), tokenizer, chat_template })
-            }
         }
     }
 }
