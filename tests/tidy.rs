@@ -319,6 +319,29 @@ fn backends_depend_on_the_seam_alone_and_each_crate_keeps_to_its_job() {
     );
 }
 
+/// A crate whose code has no `unsafe` says so to the compiler, so that
+/// none can arrive unnoticed: its root has `#![forbid(unsafe_code)]`.
+#[test]
+fn crates_without_unsafe_forbid_it() {
+    let mut missing = Vec::new();
+    for pkg in packages() {
+        let files = sources(&pkg, &["src"]);
+        let has_unsafe = files.iter().any(|f| {
+            fs::read_to_string(f).unwrap_or_default().lines().any(|l| {
+                let c = code(l);
+                c.contains("unsafe ") || c.contains("unsafe{")
+            })
+        });
+        let root = ["src/lib.rs", "src/main.rs"].iter().map(|r| pkg.join(r)).find(|p| p.is_file());
+        let Some(root) = root else { continue };
+        let forbids = fs::read_to_string(&root).unwrap_or_default().lines().any(|l| l.trim() == "#![forbid(unsafe_code)]");
+        if !has_unsafe && !forbids {
+            missing.push(root.display().to_string());
+        }
+    }
+    assert!(missing.is_empty(), "no unsafe code, but no #![forbid(unsafe_code)]:\n  {}", missing.join("\n  "));
+}
+
 /// What a registry page shows for a package: each package's `[package]`
 /// table names a description, a license, a repository and a readme, and
 /// the readme exists.
