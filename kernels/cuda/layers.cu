@@ -103,6 +103,14 @@ extern "C" __global__ void scale_inplace(float *x, float factor, long long n) {
     for (long long i = blockIdx.x * (long long)NUM_THREADS + threadIdx.x; i < n; i += (long long)gridDim.x * NUM_THREADS) x[i] *= factor;
 }
 
+// y[i] = x[i] rounded to nearest (even) in the 16-bit type, over n
+// elements: activations cast for a 16-bit tensor-core GEMM. Grid-stride.
+template <typename T> __device__ __forceinline__ void cast_from_f32(T *y, const float *__restrict__ x, long long n) {
+    for (long long i = blockIdx.x * (long long)NUM_THREADS + threadIdx.x; i < n; i += (long long)gridDim.x * NUM_THREADS) y[i] = from_float<T>(x[i]);
+}
+extern "C" __global__ void cast_f32_to_f16(f16 *y, const float *__restrict__ x, long long n) { cast_from_f32(y, x, n); }
+extern "C" __global__ void cast_f32_to_bf16(bf16 *y, const float *__restrict__ x, long long n) { cast_from_f32(y, x, n); }
+
 // y[r, :] += b for every row of y [rows, cols]. Grid (rows).
 extern "C" __global__ void add_bias_rows(float *y, const float *__restrict__ b, int cols) {
     float *yr = y + (long long)blockIdx.x * cols;

@@ -26,6 +26,21 @@ if [ -n "$nv" ]; then
     export LD_LIBRARY_PATH="/tmp/vellum-nvrtc:$(dirname "$(readlink -f "$nv")")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 echo "NVRTC: ${nv:-not found}"
+# cuBLAS (f16/bf16 weights on tensor cores): the toolkit's, or the one torch's
+# wheels bring; cudarc dlopens libcublas.so first.
+cb=""
+for d in "${CUBLAS_DIR:-}" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in os.listdir(p)))' 2>/dev/null); do
+    [ -n "$d" ] || continue
+    for f in "$d"/libcublas.so "$d"/libcublas.so.1[0-9]*; do
+        if [ -e "$f" ]; then cb=$f; break 2; fi
+    done
+done
+if [ -n "$cb" ]; then
+    mkdir -p /tmp/vellum-nvrtc && ln -sf "$(readlink -f "$cb")" /tmp/vellum-nvrtc/libcublas.so
+    export LD_LIBRARY_PATH="/tmp/vellum-nvrtc:$(dirname "$(readlink -f "$cb")")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+echo "cuBLAS: ${cb:-not found}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
 export VELLUM_REQUIRE_GPU=1 VELLUM_GOLDEN_DIR="$here/golden" RUST_BACKTRACE=1
 export VELLUM_CACHE=${VELLUM_CACHE:-$here/models}

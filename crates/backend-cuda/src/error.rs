@@ -13,6 +13,12 @@ pub enum CudaError {
     /// NVRTC (`libnvrtc.so.12`) could not be loaded.
     #[error("NVRTC is not loadable (libnvrtc.so.12): `pip install nvidia-cuda-nvrtc-cu12` and put its lib directory on LD_LIBRARY_PATH")]
     NoNvrtc,
+    /// cuBLAS (`libcublas.so.12`) could not be loaded.
+    #[error("cuBLAS is not loadable (libcublas.so.12): `pip install nvidia-cublas-cu12` and put its lib directory on LD_LIBRARY_PATH (16-bit weights then run on tensor cores; without it they are widened to f32)")]
+    NoCublas,
+    /// A cuBLAS call failed.
+    #[error("cuBLAS: {0}")]
+    Cublas(String),
     /// A driver call failed.
     #[error("CUDA driver: {0}")]
     Driver(String),

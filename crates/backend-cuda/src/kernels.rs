@@ -46,7 +46,8 @@ pub const PAGED_ATTENTION: KernelSource = KernelSource {
 
 /// `layers.cu`: RMSNorm (fused with the residual add), RoPE, gated
 /// activations, embedding gather, greedy argmax, and the executor's glue
-/// (residual add, scale, bias, logits-row gather).
+/// (residual add, scale, bias, logits-row gather, the cast of activations
+/// to 16 bits for cuBLAS).
 pub const LAYERS: KernelSource = KernelSource {
     file: "layers.cu",
     text: vellum_kernels::cuda::LAYERS,
@@ -66,6 +67,8 @@ pub const LAYERS: KernelSource = KernelSource {
         "scale_inplace",
         "add_bias_rows",
         "gather_rows",
+        "cast_f32_to_f16",
+        "cast_f32_to_bf16",
     ],
 };
 

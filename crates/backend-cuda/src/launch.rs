@@ -758,6 +758,31 @@ impl Kernels {
         Ok(())
     }
 
+    /// `y[i] = x[i]` rounded to nearest (even) in `dtype`, for the first
+    /// `n` elements: activations cast for a 16-bit tensor-core GEMM.
+    pub fn cast_to_16(&self, y: &mut CudaSlice<u16>, x: &CudaSlice<f32>, n: usize, dtype: crate::blas::Half) -> Result<(), CudaError> {
+        if y.len() < n || x.len() < n {
+            return Err(shape_error(format!("cast of {n} elements: buffers of {} and {}", y.len(), x.len())));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let name = match dtype {
+            crate::blas::Half::F16 => "cast_f32_to_f16",
+            crate::blas::Half::Bf16 => "cast_f32_to_bf16",
+        };
+        let f = self.function(&Variant::new(LAYERS, &[]), name)?;
+        let n_i = i64::try_from(n).map_err(|_| shape_error(format!("cast of {n} elements")))?;
+        let grid = to_u32(n.div_ceil(256).min(65_535), "element blocks")?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(y).arg(x).arg(&n_i);
+        // SAFETY: cast_f32_to_{f16,bf16}(T*, const float*, long long), a
+        // 16-bit T; both buffers hold at least n elements (checked); a
+        // grid-stride loop of NUM_THREADS (256) a block.
+        unsafe { b.launch(cfg((grid, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
     /// `y[r, :] += bias` for `rows` rows of `bias.len()`.
     pub fn add_bias_rows(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
         let cols = bias.len();

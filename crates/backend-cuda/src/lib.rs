@@ -7,6 +7,7 @@
 //! |---|---|
 //! | [`kernels`] | the CUDA C++ sources (embedded), their entry points, the configurations CI compiles |
 //! | [`nvrtc`] | compiling a source to PTX for a `compute_XY` architecture, with no GPU needed |
+//! | [`blas`] | cuBLAS, loaded at run time: 16-bit weights' GEMMs on tensor cores |
 //! | [`device`] | finding a GPU: a typed error, never a panic, when there is no driver |
 //! | [`launch`] | [`launch::Kernels`]: modules compiled on first use per configuration, one shape-checked call per kernel |
 //!
@@ -24,13 +25,15 @@
 //! and the executor against the CPU's f32 path on a tiny Llama, on a GPU
 //! (skipped by name without one). README.md says where it has run.
 //!
-//! Both libraries are loaded dynamically (cudarc's `dynamic-loading`), so
+//! The libraries are loaded dynamically (cudarc's `dynamic-loading`), so
 //! this crate builds and links on machines with no CUDA at all; every entry
 //! point checks that the library it needs is present first
-//! ([`device::driver_is_present`], [`nvrtc::is_available`]).
+//! ([`device::driver_is_present`], [`nvrtc::is_available`],
+//! [`blas::cublas_is_present`]).
 
 #![deny(missing_docs)]
 
+pub mod blas;
 pub mod device;
 mod error;
 pub mod kernels;

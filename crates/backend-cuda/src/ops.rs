@@ -6,9 +6,13 @@
 //! What runs where:
 //! - **Linears**: the GEMV of `gemv_q.cu` on the file's own Q8_0 and Q4_1
 //!   blocks (4 or 8 bits a weight read per decode step) up to 8 rows, its
-//!   tiled GEMM beyond (prefill, large decode batches); every other weight
-//!   type is dequantized to f32 once, when it loads, and read by the same
-//!   kernels as f32 "blocks" (docs/cuda_kernels.md).
+//!   tiled GEMM beyond (prefill, large decode batches); f16 and bf16
+//!   weights stay as the file stores them and go through cuBLAS on tensor
+//!   cores (`cublasGemmEx`, f32 accumulation), their input rows cast to the
+//!   weight's type first (`Ops::linear_input_dtype` says so), when cuBLAS
+//!   loads; every other weight type (and 16-bit ones without cuBLAS) is
+//!   dequantized to f32 once, when it loads, and read by the GEMV/GEMM as
+//!   f32 "blocks" (docs/cuda_kernels.md).
 //! - **Embeddings** are dequantized to an f32 table; a tied LM head reads it
 //!   with the f32 GEMV.
 //! - **Attention**: `reshape_and_cache` through each KV-cache group's slot
@@ -28,6 +32,7 @@
 //! Status: compiled in CI; run where a GPU is lent (`tests/gpu.rs`, and
 //! the golden prompts through `--device cuda` in `tests/golden.rs`).
 
+use crate::blas::{Blas, Half};
 use crate::launch::{AttentionParams, BlockFormat, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix};
 use crate::CudaError;
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
@@ -39,7 +44,7 @@ use vellum_base::{
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
-use vellum_ops::{HostIo, OpResult, Ops};
+use vellum_ops::{ActivationDtype, HostIo, OpResult, Ops};
 
 /// Device memory kept free for activations and kernel workspaces when the
 /// KV cache is sized: a tenth of the GPU.
@@ -68,7 +73,34 @@ pub struct CudaTensor {
 
 /// A linear or embedding weight `[out, inp]`.
 pub struct CudaWeight {
-    m: QuantMatrix,
+    m: Stored,
+}
+
+/// How a weight sits on the device.
+enum Stored {
+    /// Blocks the GEMV/GEMM kernels of `gemv_q.cu` read (Q8_0, Q4_1, f32).
+    Blocks(QuantMatrix),
+    /// f16/bf16 values as the file stores them, row-major `[n, k]`, for
+    /// cuBLAS on tensor cores.
+    Half { data: CudaSlice<u16>, dtype: Half, n: usize, k: usize },
+}
+
+impl CudaWeight {
+    /// Output features.
+    fn n(&self) -> usize {
+        match &self.m {
+            Stored::Blocks(q) => q.n,
+            Stored::Half { n, .. } => *n,
+        }
+    }
+
+    /// Input features.
+    fn k(&self) -> usize {
+        match &self.m {
+            Stored::Blocks(q) => q.k,
+            Stored::Half { k, .. } => *k,
+        }
+    }
 }
 
 /// A 1-D parameter (norm weight, bias).
@@ -115,6 +147,9 @@ pub struct CudaKvCache {
 /// The model operations on one NVIDIA GPU.
 pub struct CudaOps {
     k: Kernels,
+    /// cuBLAS, when it loads: f16/bf16 weights then stay 16-bit and their
+    /// products run on tensor cores; without it they are widened to f32.
+    blas: Option<Blas>,
     /// Page-locked staging for copies to the host (a step's logits: 50 MB
     /// for 256 rows of a 49k vocabulary), so that they run at the link's
     /// speed; grown as needed.
@@ -138,7 +173,14 @@ impl CudaOps {
         if !crate::nvrtc::is_available() {
             return Err(CudaError::NoNvrtc);
         }
-        Ok(Self { k, staging: Mutex::new(None), spare: Mutex::new(Vec::new()) })
+        let blas = match Blas::new(k.stream().clone()) {
+            Ok(blas) => Some(blas),
+            Err(e) => {
+                tracing::warn!("{e}");
+                None
+            }
+        };
+        Ok(Self { k, blas, staging: Mutex::new(None), spare: Mutex::new(Vec::new()) })
     }
 
     /// The kernels (for tests and benchmarks).
@@ -178,10 +220,16 @@ impl CudaOps {
         Ok(CudaTensor { rows, cols, buf })
     }
 
-    /// A weight in a layout the GEMV reads: Q8_0 and Q4_1 as stored, every
-    /// other type dequantized to f32 (`always_f32`: embeddings).
+    /// A weight in a layout the GEMV reads: Q8_0 and Q4_1 as stored, f16
+    /// and bf16 as stored when cuBLAS is there to multiply them, every other
+    /// type dequantized to f32 (`always_f32`: embeddings).
     fn weight(&self, w: &WeightView<'_>, always_f32: bool) -> vellum_ops::Result<CudaWeight> {
         let (n, k) = w.matrix_dims()?;
+        if let (Some(dtype), false) = (self.tensor_core_dtype(w.dtype), always_f32) {
+            let words: Vec<u16> = w.data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            check(words.len() == n * k, || format!("{}: {} values for [{n}, {k}]", w.name, words.len()))?;
+            return Ok(CudaWeight { m: Stored::Half { data: self.htod(&words)?, dtype, n, k } });
+        }
         check(k.is_multiple_of(32), || format!("{}: rows of {k} values; the CUDA GEMV needs a multiple of 32", w.name))?;
         let raw = match w.dtype {
             GgmlType::Q8_0 if !always_f32 => Some(BlockFormat::Q8_0),
@@ -204,7 +252,18 @@ impl CudaOps {
         check(words.len() == n * k / 32 * format.words_per_block(), || {
             format!("{}: {} words for [{n}, {k}] in {format:?}", w.name, words.len())
         })?;
-        Ok(CudaWeight { m: QuantMatrix { blocks: self.htod(&words)?, format, n, k } })
+        Ok(CudaWeight { m: Stored::Blocks(QuantMatrix { blocks: self.htod(&words)?, format, n, k }) })
+    }
+
+    /// The 16-bit type a weight stored as `ty` keeps on the device, when
+    /// cuBLAS is there to multiply it on tensor cores.
+    fn tensor_core_dtype(&self, ty: GgmlType) -> Option<Half> {
+        self.blas.as_ref()?;
+        match ty {
+            GgmlType::F16 => Some(Half::F16),
+            GgmlType::BF16 => Some(Half::Bf16),
+            _ => None,
+        }
     }
 }
 
@@ -239,6 +298,14 @@ impl Ops for CudaOps {
         self.weight(&w, true)
     }
 
+    fn linear_input_dtype(&self, weight: GgmlType) -> ActivationDtype {
+        match self.tensor_core_dtype(weight) {
+            Some(Half::F16) => ActivationDtype::F16,
+            Some(Half::Bf16) => ActivationDtype::Bf16,
+            None => ActivationDtype::F32,
+        }
+    }
+
     fn vector(&self, _name: &str, data: &[f32]) -> vellum_ops::Result<CudaVector> {
         Ok(CudaVector { data: self.htod(data)? })
     }
@@ -258,23 +325,36 @@ impl Ops for CudaOps {
     }
 
     fn embed(&self, table: &CudaWeight, step: &CudaStep) -> OpResult<CudaTensor> {
-        StepBounds::check_below(step.bounds.max_id, table.m.n, "token id", "the vocabulary")?;
-        check(table.m.format == BlockFormat::F32, || "embed: the table is not stored as f32".into())?;
-        let mut out = self.tensor(step.tokens, table.m.k)?;
-        self.k.embedding(&mut out.buf, &table.m.blocks, &step.ids, table.m.n, table.m.k).map_err(backend)?;
+        StepBounds::check_below(step.bounds.max_id, table.n(), "token id", "the vocabulary")?;
+        let Stored::Blocks(m) = &table.m else {
+            return Err(Error::Backend("embed: the table is not stored as f32".into()));
+        };
+        check(m.format == BlockFormat::F32, || "embed: the table is not stored as f32".into())?;
+        let mut out = self.tensor(step.tokens, m.k)?;
+        self.k.embedding(&mut out.buf, &m.blocks, &step.ids, m.n, m.k).map_err(backend)?;
         Ok(out)
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaVector>) -> OpResult<CudaTensor> {
-        check(x.cols == w.m.k, || format!("linear: input width {} but the weight takes {}", x.cols, w.m.k))?;
+        check(x.cols == w.k(), || format!("linear: input width {} but the weight takes {}", x.cols, w.k()))?;
         if let Some(b) = bias {
-            check(b.data.len() == w.m.n, || format!("linear: bias of {} for {} outputs", b.data.len(), w.m.n))?;
+            check(b.data.len() == w.n(), || format!("linear: bias of {} for {} outputs", b.data.len(), w.n()))?;
         }
-        let mut out = self.tensor(x.rows, w.m.n)?;
+        let mut out = self.tensor(x.rows, w.n())?;
         if x.rows == 0 {
             return Ok(out);
         }
-        self.k.gemv_rows(&mut out.buf, &w.m, &x.buf, x.rows).map_err(backend)?;
+        match &w.m {
+            Stored::Blocks(m) => self.k.gemv_rows(&mut out.buf, m, &x.buf, x.rows).map_err(backend)?,
+            Stored::Half { data, dtype, n, k } => {
+                let blas = self.blas.as_ref().ok_or_else(|| backend(CudaError::NoCublas))?;
+                // SAFETY: uninitialized device memory of x's length, which
+                // cast_to_16 writes in full before the GEMM reads it.
+                let mut x16 = unsafe { self.k.stream().alloc::<u16>(x.buf.len().max(1)) }.map_err(|e| backend(e.into()))?;
+                self.k.cast_to_16(&mut x16, &x.buf, x.rows * k, *dtype).map_err(backend)?;
+                blas.linear_16(&mut out.buf, data, &x16, *dtype, x.rows, *n, *k).map_err(backend)?;
+            }
+        }
         if let Some(b) = bias {
             self.k.add_bias_rows(&mut out.buf, &b.data, x.rows).map_err(backend)?;
         }

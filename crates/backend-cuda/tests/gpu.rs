@@ -489,3 +489,63 @@ fn the_conformance_suite_passes_or_skips_without_a_gpu() {
         }
     }
 }
+
+/// cuBLAS's 16-bit GEMM behind f16/bf16 weights, with the activations cast
+/// by `cast_to_16`: against a float64 product of the same rounded inputs
+/// (fresh random values, output poisoned first), decode- and prefill-sized.
+#[test]
+fn sixteen_bit_linear_on_tensor_cores_matches_the_float64_product_or_skips_without_a_gpu() {
+    use vellum_backend_cuda::blas::{Blas, Half};
+    let test = "sixteen_bit_linear_on_tensor_cores_matches_the_float64_product";
+    let Some(k) = gpu_or_skip(test) else { return };
+    let blas = match Blas::new(k.stream().clone()) {
+        Ok(b) => b,
+        Err(e) => {
+            assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
+            eprintln!("SKIPPED {test}: {e}");
+            return;
+        }
+    };
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64) | 1;
+    let mut rng = Rng(seed);
+    for dtype in [Half::F16, Half::Bf16] {
+        type Round = (fn(f32) -> u16, fn(u16) -> f32);
+        let (to16, from16): Round = match dtype {
+            Half::F16 => (|v| half::f16::from_f32(v).to_bits(), |b| half::f16::from_bits(b).to_f32()),
+            Half::Bf16 => (|v| half::bf16::from_f32(v).to_bits(), |b| half::bf16::from_bits(b).to_f32()),
+        };
+        for (rows, n, kk) in [(1usize, 1000usize, 4096usize), (7, 333, 1000), (64, 2048, 512)] {
+            let w: Vec<u16> = (0..n * kk).map(|_| to16(rng.f())).collect();
+            let x = rng.vec(rows * kk);
+            let w_dev = up(&k, &w);
+            let x_dev = up(&k, &x);
+            let mut x16 = up(&k, &vec![0u16; rows * kk]);
+            k.cast_to_16(&mut x16, &x_dev, rows * kk, dtype).expect("cast");
+            let cast = down(&k, &x16);
+            // The cast is the host's round-to-nearest-even.
+            for (i, (&c, &v)) in cast.iter().zip(&x).enumerate() {
+                assert_eq!(c, to16(v), "{dtype:?} cast of element {i} ({v})");
+            }
+            let mut y = up(&k, &vec![f32::NAN; rows * n]);
+            blas.linear_16(&mut y, &w_dev, &x16, dtype, rows, n, kk).expect("linear_16");
+            let got = down(&k, &y);
+            for r in 0..rows {
+                for o in 0..n {
+                    let (mut want, mut mag) = (0f64, 0f64);
+                    for i in 0..kk {
+                        let p = from16(w[o * kk + i]) as f64 * from16(cast[r * kk + i]) as f64;
+                        want += p;
+                        mag += p.abs();
+                    }
+                    let g = got[r * n + o] as f64;
+                    // f32 accumulation over k terms of exact 16-bit products.
+                    let tol = 1e-6 * mag * (kk as f64).sqrt() + 1e-6;
+                    assert!(
+                        (g - want).abs() <= tol,
+                        "{dtype:?} [{rows}x{kk}]·[{n}x{kk}]ᵀ ({r}, {o}): {g} vs {want} (tolerance {tol}, seed {seed})"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -13,7 +13,10 @@
 //!
 //! What it checks, with tolerances relative to `max(1, |reference|)`:
 //! - `linear` for each weight format the suite is given (1e-4: both sides
-//!   compute in f32 on the same dequantized values);
+//!   compute in f32 on the same dequantized values; a backend that rounds
+//!   the inputs to 16 bits for a weight type, as its
+//!   `Ops::linear_input_dtype` says, gets one rounding of every term on
+//!   top, `u · Σ|w||x|`);
 //! - `embed`, `add_assign`, `logits_rows`, block copies and swaps (exact),
 //!   `rms_norm` (rows and per-head groups), `rope` (Llama 3 scaling,
 //!   scattered positions), `silu_mul` (1e-5);
@@ -39,7 +42,7 @@ use vellum_base::{
 };
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
-use vellum_ops::{HostIo, Ops, WeightView};
+use vellum_ops::{ActivationDtype, HostIo, Ops, WeightView};
 
 /// The suite, configured for one backend.
 #[derive(Clone, Debug)]
@@ -87,7 +90,32 @@ impl Suite {
                 let (x, bias) = (rng.signed_vec(m * k), rng.signed_vec(n));
                 let want = run_linear(&c, &w, m, k, &x, &bias);
                 let got = run_linear(ops, &w, m, k, &x, &bias);
-                self.close(&got, &want, 1e-4, &format!("linear {ty:?} [{m}x{k}]·[{n}x{k}]ᵀ"));
+                let what = format!("linear {ty:?} [{m}x{k}]·[{n}x{k}]ᵀ");
+                let input = ops.linear_input_dtype(ty);
+                if input == ActivationDtype::F32 {
+                    self.close(&got, &want, 1e-4, &what);
+                } else {
+                    // Inputs rounded to `input` before the product: each
+                    // output may move by one rounding of every term,
+                    // u · Σ|w||x|, on top of the f32 bound.
+                    let abs_w = WeightView::from_f32(
+                        "|w|",
+                        vec![n, k],
+                        &w.to_f32().expect("dequantize").iter().map(|v| v.abs()).collect::<Vec<_>>(),
+                    );
+                    let abs_x: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+                    let bound = run_linear(&c, &abs_w, m, k, &abs_x, &vec![0.0; n]);
+                    let u = input.unit_roundoff();
+                    assert_eq!(got.len(), want.len(), "{}: {what}: lengths differ", self.name);
+                    for (i, ((g, w), b)) in got.iter().zip(&want).zip(&bound).enumerate() {
+                        let tol = u * b + 1e-4 * w.abs().max(1.0);
+                        assert!(
+                            (g - w).abs() <= tol,
+                            "{}: {what} with {input:?} inputs: element {i}: {g}, the reference {w} (bound {tol})",
+                            self.name
+                        );
+                    }
+                }
             }
         }
     }

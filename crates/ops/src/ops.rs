@@ -18,9 +18,37 @@
 //!   is a [`vellum_base::Error`], never a panic. Preparing a weight fails
 //!   with this crate's [`crate::Error`].
 
+use crate::quant::GgmlType;
 use crate::rope::RopeTable;
 use crate::{Result, WeightView};
 use vellum_base::{AttentionBackend, AttentionShape};
+
+/// The element type a backend rounds an activation to before a product
+/// reads it: what [`Ops::linear_input_dtype`] reports, so that a test (the
+/// conformance suite) knows which rounding error to allow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ActivationDtype {
+    /// IEEE single precision: no rounding before the product.
+    F32,
+    /// IEEE half precision (10 mantissa bits).
+    F16,
+    /// bfloat16 (7 mantissa bits), as tensor-core GEMMs of bf16 weights take it.
+    Bf16,
+}
+
+impl ActivationDtype {
+    /// The largest relative error of one rounding to this type (half a unit
+    /// in the last place, round to nearest): 0 for f32 inputs, 2⁻¹¹ for f16,
+    /// 2⁻⁸ for bf16.
+    pub fn unit_roundoff(self) -> f32 {
+        match self {
+            ActivationDtype::F32 => 0.0,
+            ActivationDtype::F16 => 1.0 / 2048.0,
+            ActivationDtype::Bf16 => 1.0 / 256.0,
+        }
+    }
+}
 
 /// `Result` of an op at run time.
 pub type OpResult<T> = vellum_base::Result<T>;
@@ -51,6 +79,15 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     /// the first products after turning it off fix what they decided.
     fn set_calibrating(&self, on: bool) {
         let _ = on;
+    }
+    /// The element type [`Ops::linear`] rounds its input rows to before it
+    /// multiplies a weight stored as `weight` (accumulating in f32 either
+    /// way): f32 unless the backend feeds 16-bit weights to 16-bit matrix
+    /// units with activations cast to match. A backend's choice, stated so
+    /// that its results can be checked with the right bound.
+    fn linear_input_dtype(&self, weight: GgmlType) -> ActivationDtype {
+        let _ = weight;
+        ActivationDtype::F32
     }
     /// Uploads a 1-D parameter.
     fn vector(&self, name: &str, data: &[f32]) -> Result<Self::Vector>;
