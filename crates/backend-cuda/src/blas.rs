@@ -76,7 +76,9 @@ impl Blas {
     }
 
     /// `y [rows, n] = x [rows, k] · w [n, k]ᵀ`: `x` and `w` row-major in
-    /// `dtype`, `y` f32, accumulated in f32 on tensor cores.
+    /// `dtype`, `y` f32, accumulated in f32 on tensor cores. The three
+    /// buffers must live in this handle's context (checked). f16 inputs
+    /// hold only values within ±65504: the caller's cast decides that.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_16(
         &self,
@@ -96,17 +98,24 @@ impl Blas {
                 y.len()
             )));
         }
+        let ours = self.stream.context();
+        if ![w.context(), x.context(), y.context()].iter().all(|c| Arc::ptr_eq(c, ours)) {
+            return Err(CudaError::Shape("linear_16: a buffer of another device's context".into()));
+        }
         if rows == 0 || n == 0 {
             return Ok(());
         }
+        // cuBLAS wants every leading dimension ≥ 1, also for k = 0 (where
+        // beta = 0 makes it write zeros).
         let (m_i, n_i, k_i) = (dim(n, "n")?, dim(rows, "rows")?, dim(k, "k")?);
+        let (ld_k, ld_n) = (k_i.max(1), m_i.max(1));
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (w_ptr, _w_sync) = w.device_ptr(&self.stream);
         let (x_ptr, _x_sync) = x.device_ptr(&self.stream);
         let (y_ptr, _y_sync) = y.device_ptr_mut(&self.stream);
         let t = dtype.cuda_type();
-        // SAFETY: the handle is bound to `self.stream`, on which the three
-        // pointers are valid (the sync guards order this call after their
+        // SAFETY: the handle is bound to `self.stream`, in whose context
+        // the three buffers live (checked), so their pointers are valid (the sync guards order this call after their
         // writers and before their next users); cuBLAS reads n·k elements
         // of `w` (lda = k), rows·k of `x` (ldb = k) and writes rows·n f32
         // of `y` (ldc = n), all within the lengths checked above; alpha
@@ -123,14 +132,14 @@ impl Blas {
                 (&alpha as *const f32).cast(),
                 w_ptr as *const _,
                 t,
-                k_i,
+                ld_k,
                 x_ptr as *const _,
                 t,
-                k_i,
+                ld_k,
                 (&beta as *const f32).cast(),
                 y_ptr as *mut _,
                 sys::cudaDataType::CUDA_R_32F,
-                m_i,
+                ld_n,
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

@@ -6,11 +6,11 @@
 //! What runs where:
 //! - **Linears**: the GEMV of `gemv_q.cu` on the file's own Q8_0 and Q4_1
 //!   blocks (4 or 8 bits a weight read per decode step) up to 8 rows, its
-//!   tiled GEMM beyond (prefill, large decode batches); f16 and bf16
-//!   weights stay as the file stores them and go through cuBLAS on tensor
-//!   cores (`cublasGemmEx`, f32 accumulation), their input rows cast to the
-//!   weight's type first (`Ops::linear_input_dtype` says so), when cuBLAS
-//!   loads; every other weight type (and 16-bit ones without cuBLAS) is
+//!   tiled GEMM beyond (prefill, large decode batches); bf16 weights stay
+//!   as the file stores them and go through cuBLAS on tensor cores
+//!   (`cublasGemmEx`, f32 accumulation), their input rows cast to bf16
+//!   first (`Ops::linear_input_dtype` says so), when cuBLAS loads; every
+//!   other weight type (f16 too, and bf16 without cuBLAS) is
 //!   dequantized to f32 once, when it loads, and read by the GEMV/GEMM as
 //!   f32 "blocks" (docs/cuda_kernels.md).
 //! - **Embeddings** are dequantized to an f32 table; a tied LM head reads it
@@ -256,11 +256,13 @@ impl CudaOps {
     }
 
     /// The 16-bit type a weight stored as `ty` keeps on the device, when
-    /// cuBLAS is there to multiply it on tensor cores.
+    /// cuBLAS is there to multiply it on tensor cores: bf16 alone, whose
+    /// activations keep f32's range. f16 weights are widened to f32, since
+    /// casting activations to f16 turns any beyond ±65504 into infinities
+    /// (Gemma's are known to reach that) until the cast is scaled.
     fn tensor_core_dtype(&self, ty: GgmlType) -> Option<Half> {
         self.blas.as_ref()?;
         match ty {
-            GgmlType::F16 => Some(Half::F16),
             GgmlType::BF16 => Some(Half::Bf16),
             _ => None,
         }

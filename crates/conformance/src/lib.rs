@@ -97,7 +97,8 @@ impl Suite {
                 } else {
                     // Inputs rounded to `input` before the product: each
                     // output may move by one rounding of every term,
-                    // u · Σ|w||x|, on top of the f32 bound.
+                    // u · Σ|w||x|, and by each side's f32 summation,
+                    // k · 2⁻²⁴ · Σ|w||x|, on top of the f32 bound.
                     let abs_w = WeightView::from_f32(
                         "|w|",
                         vec![n, k],
@@ -108,7 +109,8 @@ impl Suite {
                     let u = input.unit_roundoff();
                     assert_eq!(got.len(), want.len(), "{}: {what}: lengths differ", self.name);
                     for (i, ((g, w), b)) in got.iter().zip(&want).zip(&bound).enumerate() {
-                        let tol = u * b + 1e-4 * w.abs().max(1.0);
+                        // Plus each side's f32 summation over k terms.
+                        let tol = (u + 2.0 * k as f32 * f32::EPSILON / 2.0) * b + 1e-4 * w.abs().max(1.0);
                         assert!(
                             (g - w).abs() <= tol,
                             "{}: {what} with {input:?} inputs: element {i}: {g}, the reference {w} (bound {tol})",

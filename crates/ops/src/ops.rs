@@ -39,8 +39,9 @@ pub enum ActivationDtype {
 
 impl ActivationDtype {
     /// The largest relative error of one rounding to this type (half a unit
-    /// in the last place, round to nearest): 0 for f32 inputs, 2⁻¹¹ for f16,
-    /// 2⁻⁸ for bf16.
+    /// in the last place, round to nearest) for a value within its normal
+    /// range: 0 for f32 inputs, 2⁻¹¹ for f16 (whose range ends at ±65504),
+    /// 2⁻⁸ for bf16 (f32's range).
     pub fn unit_roundoff(self) -> f32 {
         match self {
             ActivationDtype::F32 => 0.0,
