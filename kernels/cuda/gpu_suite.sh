@@ -16,6 +16,10 @@
 #               --device cuda); needs the default model in $VELLUM_CACHE
 #   throughput  `vellum bench throughput --device cuda` on $VELLUM_MODEL (or
 #               the default model) -> $OUT/throughput.json
+#   bf16        (not in the default set) writes a Llama-3-8B-shaped bf16
+#               Hugging Face directory there (write_random_checkpoint), then
+#               `vellum bench latency --device cuda` at 1/64/256 requests ->
+#               $OUT/bf16.jsonl
 # Every test must find the GPU (VELLUM_REQUIRE_GPU). Logs go to $OUT (the
 # device tool's) or .gpu/out. The kernels compile there with its own NVRTC
 # (a CUDA toolkit's libnvrtc; NVRTC_DIR names its directory if run.sh's
@@ -43,6 +47,7 @@ stage)
         [golden]="$(artifact golden test --release --locked --features cuda --test golden --no-run)"
         [attention_bench]="$(artifact attention_bench build -p vellum-backend-cuda --release --locked --example attention_bench)"
         [vellum]="$(artifact vellum build -p vellum-server --release --locked --features cuda --bin vellum)"
+        [write_random_checkpoint]="$(artifact write_random_checkpoint build -p vellum-formats --release --locked --example write_random_checkpoint)"
     )
     for name in "${!bins[@]}"; do
         [ -n "${bins[$name]}" ] || { echo "building $name failed" >&2; exit 1; }

@@ -66,6 +66,16 @@ for s in $steps; do
         step throughput "${THROUGHPUT_LIMIT:-240}" "$here/x/vellum" bench throughput --device cuda ${VELLUM_MODEL:+--model "$VELLUM_MODEL"} \
             --input-len 128 --output-len 128 --num-prompts ${NUM_PROMPTS:-256} --json
         ;;
+    bf16)
+        # Llama-3-8B-shaped, bf16, as a sharded Hugging Face directory written
+        # here (16 GB; no session can carry it), then the batch latency at 1,
+        # 64 and 256 requests of 128 in / 128 out.
+        dir=${BF16_DIR:-/tmp/vellum-llama3-8b-bf16}
+        [ -f "$dir/model.safetensors.index.json" ] ||
+            step write "${WRITE_LIMIT:-240}" "$here/x/write_random_checkpoint" --shape llama3-8b --dtype bf16 --out "$dir"
+        step bf16 "${BF16_LIMIT:-420}" bash -c "for b in ${BF16_BATCHES:-1 64 256}; do '$here/x/vellum' bench latency --device cuda \
+            --model '$dir' --batch-size \$b --input-len 128 --output-len 128 --num-iters 2 --json || exit 1; done > '$out/bf16.jsonl'"
+        ;;
     *) echo "unknown step $s" && status=1 ;;
     esac
 done

@@ -696,3 +696,51 @@ fn finishing_one_parallel_sample_frees_its_blocks_and_the_rest_go_on() {
     assert_eq!((o[0].token_ids.len(), o[2].token_ids.len()), (30, 30), "the siblings ran to the end");
     assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0);
 }
+
+/// A random-weight Llama checkpoint written by `vellum-formats` (bf16,
+/// sharded, with its index, config and byte-level tokenizer) is what the
+/// loaders read and the engine runs: the GPU benchmarks write 8B ones of it.
+#[cfg(feature = "cpu")]
+#[test]
+fn a_written_random_checkpoint_loads_and_generates_on_the_cpu() {
+    use vellum_formats::{write_random_checkpoint, CheckpointDtype, CheckpointShape};
+    let root = std::env::temp_dir().join(format!("vellum-random-checkpoint-{}", std::process::id()));
+    let shape = CheckpointShape {
+        hidden: 64,
+        intermediate: 160,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        vocab: 300,
+        max_positions: 256,
+        rope_theta: 10_000.0,
+    };
+    let (a, b) = (root.join("a"), root.join("b"));
+    let mut calls = 0;
+    let report = write_random_checkpoint(&a, &shape, CheckpointDtype::Bf16, 7, 40_000, |done, total| {
+        calls += 1;
+        assert!(done <= total);
+    })
+    .expect("writes");
+    assert_eq!(report.weight_bytes, 2 * shape.parameters());
+    assert!(report.shards >= 3, "{report:?}: a shard limit of 40 kB splits it");
+    assert_eq!(calls, report.tensors);
+    // The same seed writes the same bytes.
+    write_random_checkpoint(&b, &shape, CheckpointDtype::Bf16, 7, 40_000, |_, _| {}).expect("writes");
+    for k in 1..=report.shards {
+        let name = format!("model-{k:05}-of-{:05}.safetensors", report.shards);
+        assert_eq!(std::fs::read(a.join(&name)).expect("shard"), std::fs::read(b.join(&name)).expect("shard"), "{name}");
+    }
+
+    let args = vellum_engine::EngineArgs { model: Some(a.to_string_lossy().into_owned()), ..Default::default() };
+    let mut llm = vellum_engine::Llm::new(args).expect("the engine loads the written checkpoint");
+    let params = SamplingParams { temperature: 0.0, max_tokens: Some(6), ignore_eos: true, logprobs: Some(1), ..SamplingParams::default() };
+    let out = llm.generate(&["hello, wörld"], &params).expect("generates");
+    let seq = &out[0].outputs[0];
+    // "hello, wörld": 13 bytes, each a token, after <|begin_of_text|>.
+    assert_eq!(out[0].prompt_token_ids.len(), 14, "{:?}", out[0].prompt_token_ids);
+    assert_eq!(seq.token_ids.len(), 6);
+    assert!(seq.token_ids.iter().all(|&t| (t as usize) < shape.vocab));
+    assert!(seq.logprobs.iter().flatten().all(|(_, lp)| lp.is_finite() && *lp <= 0.0), "{:?}", seq.logprobs);
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -118,6 +118,9 @@ pub enum Error {
     /// not name (`vellum-ops`' checks).
     #[error(transparent)]
     Weight(vellum_ops::Error),
+    /// A shape asked of [`crate::write_random_checkpoint`] that no model has.
+    #[error("checkpoint shape: {0}")]
+    CheckpointShape(String),
     /// A model specification matched nothing.
     #[error("cannot find model {spec:?}; tried:\n  {}", tried.join("\n  "))]
     ModelNotFound {

@@ -14,7 +14,9 @@
 //! user's model spec (nothing, a known name, a `.gguf` path, a directory, or
 //! a hub id in the local cache) into a [`ModelSource`]; with nothing given it
 //! fetches the default model, SmolLM2-135M-Instruct Q4_1
-//! ([`fetch_default_model`]).
+//! ([`fetch_default_model`]). [`write_random_checkpoint`] writes a
+//! random-weight Hugging Face directory of a real shape (Llama 3 8B, …) for
+//! benchmarks on machines that cannot download weights.
 //!
 //! The tokenizer and chat template a file carries are built by
 //! `vellum-tokenizer` from [`gguf::GgufFile`]'s metadata or the directory's
@@ -36,6 +38,7 @@ mod default_model;
 mod error;
 mod gguf_weights;
 mod model_source;
+mod random_checkpoint;
 mod safetensors_weights;
 mod weight_source;
 
@@ -46,6 +49,7 @@ pub use default_model::{
 pub use error::{Error, Result};
 pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights};
 pub use model_source::{resolve_model, ModelSource};
+pub use random_checkpoint::{write_random_checkpoint, CheckpointDtype, CheckpointShape, WriteReport};
 pub use safetensors_weights::SafetensorsWeights;
 pub use vellum_ops::{Tensor, WeightView};
 pub use weight_source::WeightSource;
