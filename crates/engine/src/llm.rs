@@ -145,7 +145,14 @@ impl Llm {
             },
             cpu: CpuOptions { precision: args.cpu_precision },
         };
+        let load_started = std::time::Instant::now();
         let mut executor = make_executor(args.device, &*loaded.weights, config, options, progress)?;
+        tracing::info!(
+            model = %source.path().display(),
+            backend = %executor.describe(),
+            seconds = format!("{:.2}", load_started.elapsed().as_secs_f64()),
+            "weights loaded"
+        );
         let started = std::time::Instant::now();
         executor.calibrate(&calibration_token_ids(&loaded.tokenizer, loaded.chat_template.as_ref()))?;
         tracing::debug!(elapsed_ms = started.elapsed().as_millis() as u64, "calibration");
