@@ -84,6 +84,28 @@ fn tool_calls_validate_and_stream_through_the_openai_client() {
     run_python(&python, "openai_tools.py", &[server.base_url()]);
 }
 
+/// Anthropic's Messages API through the official `anthropic` client
+/// (`python/anthropic_messages.py`): text whole and streamed agree, tool use
+/// whole and streamed with tool results rendered back, `count_tokens`,
+/// `x-api-key`, and errors in Anthropic's shape naming the field.
+#[test]
+fn the_messages_api_answers_the_anthropic_client() {
+    let python = python_with_openai();
+    let has_anthropic = std::process::Command::new(&python).args(["-c", "import anthropic"]).status().is_ok_and(|s| s.success());
+    assert!(has_anthropic, "the Messages API test needs the official client: python3 -m pip install anthropic (CI does this in .ci/run)");
+    let server = Server::start(&[
+        "--kv-cache-memory",
+        "96MiB",
+        "--max-model-len",
+        "1024",
+        "--api-key",
+        "anthropic-key",
+        "--served-model-name",
+        "vellum",
+    ]);
+    run_python(&python, "anthropic_messages.py", &[server.base_url(), "anthropic-key".to_string()]);
+}
+
 #[cfg(not(feature = "wgpu"))]
 #[test]
 fn serve_on_wgpu_skipped_build_has_no_wgpu_feature() {

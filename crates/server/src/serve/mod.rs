@@ -10,6 +10,7 @@
 //! engine requests; dropping them (client gone) aborts the requests and
 //! frees their KV blocks before the next engine step.
 
+mod anthropic;
 mod error;
 mod generation;
 mod metrics;
@@ -180,6 +181,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/models", get(openai::models))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
     Router::new()

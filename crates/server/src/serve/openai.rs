@@ -247,6 +247,17 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
     generate(state, request, &req.common, format).await
 }
 
+/// The prompt tokens of a chat request (a chat-completion body) as the
+/// model's template renders it with its tools: Anthropic's
+/// `/v1/messages/count_tokens`.
+pub async fn count_chat_tokens(state: &AppState, body: Value) -> Result<usize, ApiError> {
+    let req: ChatRequest = serde_json::from_value(body).map_err(|e| ApiError::bad_request(e.to_string(), None))?;
+    state.check_model(&req.common.model)?;
+    let tool_request = ToolRequest::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
+    let text = render_chat(state, &req.messages, tool_request.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
+    Ok(encode(state, &text, false)?.len())
+}
+
 /// A request ready to run.
 struct Request {
     id: String,
