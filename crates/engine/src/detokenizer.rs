@@ -88,12 +88,14 @@ pub enum StopCheck {
 pub struct StopStrings {
     stops: Vec<String>,
     held: String,
+    /// The stop string that matched, once one has.
+    matched: Option<String>,
 }
 
 impl StopStrings {
     /// A checker for `stops` (empty strings are ignored).
     pub fn new(stops: &[String]) -> Self {
-        Self { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), held: String::new() }
+        Self { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), held: String::new(), matched: None }
     }
 
     /// Feeds new text.
@@ -102,8 +104,10 @@ impl StopStrings {
             return StopCheck::Text(text.to_string());
         }
         self.held.push_str(text);
-        let first_match = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(at) = first_match {
+        // The earliest match; among matches at one place, the first listed.
+        let first_match = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s))).min_by_key(|&(at, _)| at);
+        if let Some((at, stop)) = first_match {
+            self.matched = Some(stop.clone());
             let out = self.held[..at].to_string();
             self.held.clear();
             return StopCheck::Stopped(out);
@@ -113,6 +117,11 @@ impl StopStrings {
         let out = self.held[..emit_to].to_string();
         self.held.drain(..emit_to);
         StopCheck::Text(out)
+    }
+
+    /// The stop string that matched, if one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// The text held back, released when the sequence ends without a match.
@@ -202,6 +211,11 @@ impl TextStream {
         self.stopped
     }
 
+    /// The stop string that ended the text, if one did.
+    pub fn stop_string(&self) -> Option<&str> {
+        self.stops.matched()
+    }
+
     /// All text shown so far.
     pub fn text(&self) -> &str {
         &self.text
@@ -226,6 +240,16 @@ mod tests {
         }
         out.push(s.finish());
         (out, false)
+    }
+
+    #[test]
+    fn the_stop_string_that_matched_first_is_named() {
+        let mut s = StopStrings::new(&["never".to_string(), "END".to_string(), "ND".to_string()]);
+        assert_eq!(s.matched(), None);
+        assert!(matches!(s.push("text E"), StopCheck::Text(t) if t == "text "));
+        // "E" was held back; "END" then starts the held text, before "ND".
+        assert!(matches!(s.push("ND more"), StopCheck::Stopped(t) if t.is_empty()));
+        assert_eq!(s.matched(), Some("END"), "END starts before ND");
     }
 
     #[test]

@@ -48,12 +48,15 @@ pub struct OutputPiece {
     pub tokens: Vec<TokenOutput>,
     /// Set on the sequence's last piece.
     pub finish_reason: Option<FinishReason>,
+    /// On the last piece of a sequence a stop string ended: that string
+    /// (vLLM's `stop_reason`).
+    pub stop_string: Option<String>,
 }
 
 impl OutputPiece {
     /// No output yet for sequence `index` of `request_id`.
     pub fn empty(request_id: RequestId, index: usize) -> Self {
-        Self { request_id, index, text: String::new(), tokens: Vec::new(), finish_reason: None }
+        Self { request_id, index, text: String::new(), tokens: Vec::new(), finish_reason: None, stop_string: None }
     }
 
     fn is_empty(&self) -> bool {
@@ -203,6 +206,7 @@ impl OutputProcessor {
                     seq.done = true;
                     piece.finish_reason =
                         Some(if seq.text.stopped() { FinishReason::Stop } else { o.finish_reason.unwrap_or(FinishReason::Length) });
+                    piece.stop_string = seq.text.stop_string().map(str::to_string);
                 }
                 pieces.push(piece);
             }
@@ -246,6 +250,7 @@ fn push(
         if seq.text.stopped() {
             seq.done = true;
             piece.finish_reason = Some(FinishReason::Stop);
+            piece.stop_string = seq.text.stop_string().map(str::to_string);
             break;
         }
     }

@@ -23,9 +23,8 @@
 //! Anthropic's body, `{"type": "error", "error": {"type", "message"}}`. A
 //! field this server does not implement (images, documents, extended
 //! thinking, …) is a 400 naming it.
-//!
-//! Not yet told apart: a stop on one of `stop_sequences` reports `end_turn`
-//! (the chat path does not say which stop ended a sequence).
+//! A stop on one of `stop_sequences` is `stop_reason: "stop_sequence"` with
+//! the string (the chat path's `stop_reason`).
 
 use super::error::ApiError;
 use super::openai;
@@ -212,10 +211,12 @@ fn to_chat_request(req: &Map<String, Value>) -> Result<Value, Invalid> {
 }
 
 /// Anthropic's `stop_reason`: `tool_use` whenever the answer calls a tool
-/// (the chat path says `stop` for a forced named function, as OpenAI does).
-fn stop_reason(finish_reason: Option<&str>, called_a_tool: bool) -> Value {
+/// (the chat path says `stop` for a forced named function, as OpenAI does),
+/// `stop_sequence` when one of the request's stop strings ended it.
+fn stop_reason(finish_reason: Option<&str>, called_a_tool: bool, stop_sequence: Option<&str>) -> Value {
     match finish_reason {
         Some("length") => json!("max_tokens"),
+        Some(_) if stop_sequence.is_some() => json!("stop_sequence"),
         Some(_) if called_a_tool => json!("tool_use"),
         Some("tool_calls") => json!("tool_use"),
         Some(_) => json!("end_turn"),
@@ -303,8 +304,8 @@ async fn translate_message(response: Response, model: Value) -> Response {
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": stop_reason(choice["finish_reason"].as_str(), called_a_tool),
-        "stop_sequence": null,
+        "stop_reason": stop_reason(choice["finish_reason"].as_str(), called_a_tool, choice["stop_reason"].as_str()),
+        "stop_sequence": choice["stop_reason"].as_str(),
         "usage": {"input_tokens": v["usage"]["prompt_tokens"], "output_tokens": v["usage"]["completion_tokens"]},
     });
     (StatusCode::OK, axum::Json(body)).into_response()
@@ -325,6 +326,7 @@ struct Translator {
     open: Open,
     index: usize,
     finish_reason: Option<String>,
+    stop_sequence: Option<String>,
     called_a_tool: bool,
     usage: (u64, u64),
     done: bool,
@@ -417,6 +419,7 @@ impl Translator {
         }
         if let Some(reason) = choice["finish_reason"].as_str() {
             self.finish_reason = Some(reason.to_string());
+            self.stop_sequence = choice["stop_reason"].as_str().map(str::to_string);
         }
     }
 
@@ -429,7 +432,9 @@ impl Translator {
         Self::event(
             out,
             "message_delta",
-            json!({"type": "message_delta", "delta": {"stop_reason": stop_reason(self.finish_reason.as_deref(), self.called_a_tool), "stop_sequence": null},
+            json!({"type": "message_delta", "delta": {
+                "stop_reason": stop_reason(self.finish_reason.as_deref(), self.called_a_tool, self.stop_sequence.as_deref()),
+                "stop_sequence": self.stop_sequence},
                    "usage": {"input_tokens": self.usage.0, "output_tokens": self.usage.1}}),
         );
         Self::event(out, "message_stop", json!({"type": "message_stop"}));
@@ -443,6 +448,7 @@ fn translate_stream(response: Response, model: Value) -> Response {
         open: Open::None,
         index: 0,
         finish_reason: None,
+        stop_sequence: None,
         called_a_tool: false,
         usage: (0, 0),
         done: false,
@@ -554,6 +560,7 @@ mod tests {
             open: Open::None,
             index: 0,
             finish_reason: None,
+            stop_sequence: None,
             called_a_tool: false,
             usage: (0, 0),
             done: false,

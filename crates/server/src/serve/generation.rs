@@ -32,6 +32,9 @@ pub struct Piece {
     pub tokens: Vec<TokenInfo>,
     /// Set on the choice's last piece.
     pub finish_reason: Option<&'static str>,
+    /// The stop string that ended the choice, on its last piece (vLLM's
+    /// `stop_reason`).
+    pub stop_string: Option<String>,
 }
 
 struct PromptState {
@@ -133,6 +136,7 @@ impl Generation {
             text: piece.text,
             tokens: if self.want_logprobs { piece.tokens } else { Vec::new() },
             finish_reason,
+            stop_string: piece.stop_string,
         }
     }
 

@@ -329,6 +329,8 @@ struct Choice {
     text: String,
     tokens: Vec<TokenInfo>,
     finish_reason: Option<&'static str>,
+    /// The stop string that ended it (`stop_reason`).
+    stop_string: Option<String>,
 }
 
 async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result<Response, ApiError> {
@@ -340,6 +342,7 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
                 c.tokens.extend(p.tokens);
                 if p.finish_reason.is_some() {
                     c.finish_reason = p.finish_reason;
+                    c.stop_string = p.stop_string;
                 }
             }
         }
@@ -354,7 +357,7 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
                 .map(|(i, c)| {
                     let prefix = f.echo.as_ref().and_then(|e| e.get(i / n_per_prompt.max(1))).cloned().unwrap_or_default();
                     let logprobs = f.logprobs.map(|_| completion_logprobs(&state, &c.tokens, &f, prefix.len()));
-                    json!({"index": i, "text": prefix + &c.text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": null})
+                    json!({"index": i, "text": prefix + &c.text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_string})
                 })
                 .collect();
             json!({"id": gen.id, "object": "text_completion", "created": f.created, "model": f.model, "choices": out, "usage": usage})
@@ -371,7 +374,7 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
                         "message": message,
                         "logprobs": logprobs,
                         "finish_reason": finish_reason,
-                        "stop_reason": null
+                        "stop_reason": c.stop_string
                     })
                 })
                 .collect();
@@ -487,12 +490,12 @@ fn piece_choice(s: &SseState, p: &Piece) -> Value {
     match s.f.kind {
         Kind::Completion => {
             let logprobs = s.f.logprobs.map(|_| completion_logprobs(&s.state, &p.tokens, &s.f, 0));
-            json!({"index": p.choice, "text": p.text, "logprobs": logprobs, "finish_reason": p.finish_reason, "stop_reason": null})
+            json!({"index": p.choice, "text": p.text, "logprobs": logprobs, "finish_reason": p.finish_reason, "stop_reason": p.stop_string})
         }
         Kind::Chat => {
             let delta = if p.text.is_empty() && p.finish_reason.is_some() { json!({}) } else { json!({"content": p.text}) };
             let logprobs = s.f.logprobs.map(|_| json!({"content": chat_logprobs(&s.state, &p.tokens, &s.f)}));
-            json!({"index": p.choice, "delta": delta, "logprobs": logprobs, "finish_reason": p.finish_reason})
+            json!({"index": p.choice, "delta": delta, "logprobs": logprobs, "finish_reason": p.finish_reason, "stop_reason": p.stop_string})
         }
     }
 }
@@ -529,7 +532,8 @@ fn tool_piece_choices(s: &mut SseState, p: &Piece) -> Vec<Value> {
         .enumerate()
         .map(|(i, delta)| {
             let lp = if i == 0 { logprobs.clone() } else { None };
-            json!({"index": p.choice, "delta": delta, "logprobs": lp, "finish_reason": if i == last { finish_reason } else { None }})
+            let (finish_reason, stop_string) = if i == last { (finish_reason, p.stop_string.as_deref()) } else { (None, None) };
+            json!({"index": p.choice, "delta": delta, "logprobs": lp, "finish_reason": finish_reason, "stop_reason": stop_string})
         })
         .collect()
 }

@@ -5,6 +5,8 @@ Usage: python3 anthropic_messages.py BASE_URL API_KEY
 
 - A message: text content, `end_turn` or `max_tokens`, usage counted; the
   same text streamed (the client's own event accumulation) as whole, greedy.
+- `stop_sequences`: a word of that answer ends it just before, with
+  `stop_reason` `stop_sequence` naming it, whole and streamed.
 - `system` as a string and as text blocks give the same answer.
 - `tool_choice` `any` and a named tool: a `tool_use` block whose `input` is
   an object with the tool's required keys, `stop_reason` `tool_use`, whole and
@@ -53,6 +55,18 @@ check(streamed.stop_reason == m.stop_reason and streamed.usage.output_tokens == 
 
 short = client.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=ask)
 check(short.stop_reason == "max_tokens" and short.usage.output_tokens == 2, f"cut at max_tokens: {short}")
+
+# A stop sequence taken from the greedy answer ends it there, named.
+words = [w.strip(".,!?") for w in m.content[0].text.split()]
+word = next((w for w in reversed(words) if len(w) >= 3), None)
+check(word is not None, f"a word to stop on in {m.content[0].text!r}")
+cut = client.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ask, stop_sequences=[word, "never-appears"])
+check(cut.stop_reason == "stop_sequence" and cut.stop_sequence == word, f"stopped on {word!r}: {cut}")
+check(cut.content[0].text == m.content[0].text[:m.content[0].text.index(word)] if m.content[0].text.index(word) > 0 else not cut.content,
+      f"cut before {word!r}: {cut.content} vs {m.content}")
+with client.messages.stream(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ask, stop_sequences=[word]) as s:
+    cut_streamed = s.get_final_message()
+check(cut_streamed.stop_reason == "stop_sequence" and cut_streamed.stop_sequence == word, f"streamed stop: {cut_streamed}")
 
 a = client.messages.create(model=MODEL, max_tokens=16, extra_body=GREEDY, system="You are terse.", messages=ask)
 b = client.messages.create(model=MODEL, max_tokens=16, extra_body=GREEDY, system=[{"type": "text", "text": "You are terse."}], messages=ask)
