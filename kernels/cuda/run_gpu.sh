@@ -12,35 +12,28 @@ for f in "$here"/bin/*.xz; do
     [ -x "$b" ] || { xz -dc "$f" >"$b" 2>/dev/null || python3 -c 'import lzma,sys; open(sys.argv[2],"wb").write(lzma.open(sys.argv[1]).read())' "$f" "$b"; chmod +x "$b"; }
 done
 
-# NVRTC: cudarc dlopens libnvrtc.so first; point it at the toolkit's.
-nv=""
-for d in "${NVRTC_DIR:-}" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in os.listdir(p)))' 2>/dev/null); do
-    [ -n "$d" ] || continue
-    for f in "$d"/libnvrtc.so "$d"/libnvrtc.so.1[0-9]*; do
-        if [ -e "$f" ]; then nv=$f; break 2; fi
+# CUDA libraries cudarc dlopens by their unversioned name: a toolkit's, or
+# the ones torch's wheels bring. `use_lib NAME [DIR]` finds libNAME.so (DIR
+# first), links it as /tmp/vellum-libs/libNAME.so and puts both directories
+# on LD_LIBRARY_PATH.
+wheel_dirs=$(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in os.listdir(p)))' 2>/dev/null)
+use_lib() {
+    local name=$1 first=${2:-} d f found=""
+    for d in "$first" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $wheel_dirs; do
+        [ -n "$d" ] || continue
+        for f in "$d/lib$name.so" "$d/lib$name.so".1[0-9]*; do
+            if [ -e "$f" ]; then found=$f; break 2; fi
+        done
     done
-done
-if [ -n "$nv" ]; then
-    mkdir -p /tmp/vellum-nvrtc && ln -sf "$(readlink -f "$nv")" /tmp/vellum-nvrtc/libnvrtc.so
-    export LD_LIBRARY_PATH="/tmp/vellum-nvrtc:$(dirname "$(readlink -f "$nv")")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-echo "NVRTC: ${nv:-not found}"
-# cuBLAS (f16/bf16 weights on tensor cores): the toolkit's, or the one torch's
-# wheels bring; cudarc dlopens libcublas.so first.
-cb=""
-for d in "${CUBLAS_DIR:-}" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in os.listdir(p)))' 2>/dev/null); do
-    [ -n "$d" ] || continue
-    for f in "$d"/libcublas.so "$d"/libcublas.so.1[0-9]*; do
-        if [ -e "$f" ]; then cb=$f; break 2; fi
-    done
-done
-if [ -n "$cb" ]; then
-    mkdir -p /tmp/vellum-nvrtc && ln -sf "$(readlink -f "$cb")" /tmp/vellum-nvrtc/libcublas.so
-    export LD_LIBRARY_PATH="/tmp/vellum-nvrtc:$(dirname "$(readlink -f "$cb")")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-echo "cuBLAS: ${cb:-not found}"
+    if [ -n "$found" ]; then
+        mkdir -p /tmp/vellum-libs && ln -sf "$(readlink -f "$found")" "/tmp/vellum-libs/lib$name.so"
+        export LD_LIBRARY_PATH="/tmp/vellum-libs:$(dirname "$(readlink -f "$found")")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+    echo "lib$name: ${found:-not found}"
+}
+use_lib nvrtc "${NVRTC_DIR:-}"
+# cuBLAS: bf16 weights on tensor cores (without it they are widened to f32).
+use_lib cublas "${CUBLAS_DIR:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
 export VELLUM_REQUIRE_GPU=1 VELLUM_GOLDEN_DIR="$here/golden" RUST_BACKTRACE=1
 export VELLUM_CACHE=${VELLUM_CACHE:-$here/models}

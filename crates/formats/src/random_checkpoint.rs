@@ -159,11 +159,12 @@ impl CheckpointDtype {
         }
     }
 
-    fn encode(self, v: f32, out: &mut Vec<u8>) {
+    /// Writes `v` into `slot` (`self.bytes()` long), little-endian.
+    fn encode(self, v: f32, slot: &mut [u8]) {
         match self {
-            Self::F32 => out.extend_from_slice(&v.to_le_bytes()),
-            Self::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
-            Self::Bf16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+            Self::F32 => slot.copy_from_slice(&v.to_le_bytes()),
+            Self::F16 => slot.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            Self::Bf16 => slot.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
         }
     }
 }
@@ -260,22 +261,23 @@ pub fn write_random_checkpoint(
     Ok(WriteReport { tensors: tensors.len(), shards: n_shards, weight_bytes: total })
 }
 
-/// `n` values encoded in `dtype`, chunk by chunk on every core.
+/// `n` values encoded in `dtype`, chunk by chunk on every core, written in
+/// place into one buffer.
 fn random_values(n: usize, fan_in: usize, norm: bool, dtype: CheckpointDtype, seed: u64) -> Vec<u8> {
     let scale = if norm { 0.05 } else { 1.0 / (fan_in as f32).sqrt() };
-    let chunks = n.div_ceil(CHUNK);
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(chunks.max(1));
-    let mut parts: Vec<Vec<u8>> = vec![Vec::new(); chunks];
+    let width = dtype.bytes();
+    let mut out = vec![0u8; n * width];
+    let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(CHUNK * width).enumerate().collect();
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(chunks.len()).max(1);
+    let per_thread = chunks.len().div_ceil(threads).max(1);
+    let mut chunks = chunks.into_iter();
     std::thread::scope(|scope| {
-        for (t, slots) in parts.chunks_mut(chunks.div_ceil(threads).max(1)).enumerate() {
-            let first = t * chunks.div_ceil(threads).max(1);
+        for _ in 0..threads {
+            let mine: Vec<(usize, &mut [u8])> = chunks.by_ref().take(per_thread).collect();
             scope.spawn(move || {
-                for (j, slot) in slots.iter_mut().enumerate() {
-                    let c = first + j;
-                    let len = CHUNK.min(n - c * CHUNK);
+                for (c, bytes) in mine {
                     let mut rng = SeededRng::new(seed ^ (c as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-                    let mut out = Vec::with_capacity(len * dtype.bytes());
-                    for _ in 0..len {
+                    for slot in bytes.chunks_exact_mut(width) {
                         let u = rng.signed_f32() * scale;
                         // Never exactly zero: a zero weight hides a kernel that skips work.
                         let v = if norm {
@@ -285,14 +287,13 @@ fn random_values(n: usize, fan_in: usize, norm: bool, dtype: CheckpointDtype, se
                         } else {
                             u
                         };
-                        dtype.encode(v, &mut out);
+                        dtype.encode(v, slot);
                     }
-                    *slot = out;
                 }
             });
         }
     });
-    parts.concat()
+    out
 }
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {

@@ -229,6 +229,11 @@ fn message_id(chat_id: &str) -> String {
     format!("msg_{}", chat_id.strip_prefix("chatcmpl-").unwrap_or(chat_id))
 }
 
+/// `toolu_…` from the chat path's tool-call id.
+fn tool_use_id(call_id: &str) -> String {
+    format!("toolu_{}", call_id.strip_prefix("call-").unwrap_or(call_id))
+}
+
 /// A tool call's `arguments` (a JSON text) as a `tool_use` block's `input`.
 fn tool_input(arguments: &str) -> Value {
     serde_json::from_str::<Value>(arguments).ok().filter(Value::is_object).unwrap_or_else(|| json!({}))
@@ -292,7 +297,7 @@ async fn translate_message(response: Response, model: Value) -> Response {
     for call in message["tool_calls"].as_array().into_iter().flatten() {
         content.push(json!({
             "type": "tool_use",
-            "id": call["id"].as_str().map(|id| format!("toolu_{}", id.strip_prefix("call-").unwrap_or(id))),
+            "id": call["id"].as_str().map(tool_use_id),
             "name": call["function"]["name"],
             "input": tool_input(call["function"]["arguments"].as_str().unwrap_or("{}")),
         }));
@@ -333,6 +338,21 @@ struct Translator {
 }
 
 impl Translator {
+    /// A translator for a stream answering with `model`.
+    fn new(model: Value) -> Self {
+        Self {
+            model,
+            started: false,
+            open: Open::None,
+            index: 0,
+            finish_reason: None,
+            stop_sequence: None,
+            called_a_tool: false,
+            usage: (0, 0),
+            done: false,
+        }
+    }
+
     fn event(out: &mut String, name: &str, data: Value) {
         out.push_str("event: ");
         out.push_str(name);
@@ -396,7 +416,7 @@ impl Translator {
         for call in delta["tool_calls"].as_array().into_iter().flatten() {
             if let Some(name) = call.pointer("/function/name").and_then(Value::as_str) {
                 self.close(out);
-                let id = call["id"].as_str().map(|id| format!("toolu_{}", id.strip_prefix("call-").unwrap_or(id)));
+                let id = call["id"].as_str().map(tool_use_id);
                 Self::event(
                     out,
                     "content_block_start",
@@ -442,17 +462,7 @@ impl Translator {
 }
 
 fn translate_stream(response: Response, model: Value) -> Response {
-    let mut translator = Translator {
-        model,
-        started: false,
-        open: Open::None,
-        index: 0,
-        finish_reason: None,
-        stop_sequence: None,
-        called_a_tool: false,
-        usage: (0, 0),
-        done: false,
-    };
+    let mut translator = Translator::new(model);
     let mut pending = String::new();
     let body = response.into_body().into_data_stream().map(move |chunk| {
         let mut out = String::new();
@@ -554,17 +564,7 @@ mod tests {
 
     #[test]
     fn a_streamed_completion_becomes_anthropic_events_in_order() {
-        let mut t = Translator {
-            model: json!("m"),
-            started: false,
-            open: Open::None,
-            index: 0,
-            finish_reason: None,
-            stop_sequence: None,
-            called_a_tool: false,
-            usage: (0, 0),
-            done: false,
-        };
+        let mut t = Translator::new(json!("m"));
         let mut out = String::new();
         for data in [
             r#"{"id":"chatcmpl-7","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,

@@ -199,11 +199,7 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
     let req: ChatRequest = protocol::parse_body(&body)?;
     log_unknown(&req.unknown);
     let model = state.check_model(&req.common.model)?;
-    let tool_request = ToolRequest::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
-    let text = render_chat(&state, &req.messages, tool_request.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
-    // The template writes the special tokens (vLLM's default
-    // `add_special_tokens: false` for chat).
-    let prompt = encode(&state, &text, false)?;
+    let (tool_request, prompt) = chat_prompt(&state, &req)?;
     let logprobs = if req.logprobs.unwrap_or(false) {
         match req.top_logprobs.unwrap_or(0) {
             k if (0..=MAX_LOGPROBS as i64).contains(&k) => Some(k as usize),
@@ -247,15 +243,21 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
     generate(state, request, &req.common, format).await
 }
 
-/// The prompt tokens of a chat request (a chat-completion body) as the
-/// model's template renders it with its tools: Anthropic's
-/// `/v1/messages/count_tokens`.
+/// A chat request's tools (checked) and its prompt: the messages rendered
+/// by the template with those tools, then tokenized. The template writes
+/// the special tokens (vLLM's default `add_special_tokens: false` for chat).
+fn chat_prompt(state: &AppState, req: &ChatRequest) -> Result<(Option<ToolRequest>, Vec<TokenId>), ApiError> {
+    let tool_request = ToolRequest::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
+    let text = render_chat(state, &req.messages, tool_request.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
+    Ok((tool_request, encode(state, &text, false)?))
+}
+
+/// The prompt tokens of a chat request (a chat-completion body), as
+/// [`chat_completions`] would run it: Anthropic's `/v1/messages/count_tokens`.
 pub async fn count_chat_tokens(state: &AppState, body: Value) -> Result<usize, ApiError> {
     let req: ChatRequest = serde_json::from_value(body).map_err(|e| ApiError::bad_request(e.to_string(), None))?;
     state.check_model(&req.common.model)?;
-    let tool_request = ToolRequest::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
-    let text = render_chat(state, &req.messages, tool_request.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
-    Ok(encode(state, &text, false)?.len())
+    Ok(chat_prompt(state, &req)?.1.len())
 }
 
 /// A request ready to run.
