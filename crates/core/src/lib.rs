@@ -41,6 +41,7 @@ mod request;
 mod sampling_params;
 mod scheduler_config;
 mod seeded_rng;
+mod speculative_config;
 
 pub use architecture::{
     find_architecture, find_gguf_architecture, find_model_type, supported_architectures, Architecture, ModelFamily, ARCHITECTURES,
@@ -58,6 +59,7 @@ pub use ids::{BlockId, HostBlockId, RequestId, SeqId, TokenId};
 pub use kv_cache_groups::{KvCacheGroup, KvCacheGroups, KvLayerSlot};
 pub use model_config::{LayerType, ModelConfig, RopeScaling};
 pub use model_executor::{ModelExecutor, StepOutput};
+pub use speculative_config::{SpeculativeConfig, SpeculativeMethod, MAX_SPECULATIVE_TOKENS};
 pub use request::RequestState;
 pub use sampling_params::{BeamSearchParams, SamplingParams, StructuredOutput};
 pub use scheduler_config::{PreemptionMode, SchedulerConfig, SchedulingPolicy};

@@ -187,6 +187,18 @@ impl RequestState {
         Ok(())
     }
 
+    /// Speculative decoding: the drafts are withdrawn unverified (the step
+    /// had no budget for them): `num_total_tokens -= L_draft`.
+    pub fn drop_draft_tokens(&mut self) {
+        self.token_ids.truncate(self.token_ids.len() - self.num_draft_tokens);
+        self.num_draft_tokens = 0;
+    }
+
+    /// The tokens that are known for sure: prompt and output, drafts left out.
+    pub fn verified_token_ids(&self) -> &[TokenId] {
+        &self.token_ids[..self.token_ids.len() - self.num_draft_tokens]
+    }
+
     /// Speculative decoding, part 2: the verification step computed Δ tokens
     /// and rejected the last `L_rejected` drafts; the target model's own next
     /// token `bonus` is appended:
@@ -311,6 +323,19 @@ mod tests {
         assert_eq!((r.num_computed_tokens(), r.num_total_tokens()), (8, 9));
         assert_eq!(r.output_token_ids(), &[1, 2, 3, 9]);
         assert_eq!(r.num_remaining_tokens(), 1);
+    }
+
+    #[test]
+    fn dropped_drafts_leave_a_plain_decode() {
+        let mut r = req(3);
+        r.advance(3).unwrap();
+        r.append_output_token(1).unwrap();
+        r.add_draft_tokens(&[5, 6]).unwrap();
+        assert_eq!(r.verified_token_ids(), &[0, 1, 2, 1]);
+        r.drop_draft_tokens();
+        assert_eq!((r.num_computed_tokens(), r.num_total_tokens(), r.num_draft_tokens()), (3, 4, 0));
+        r.advance(1).unwrap();
+        r.append_output_token(2).unwrap();
     }
 
     #[test]

@@ -64,6 +64,8 @@ pub struct EngineStats {
     pub num_aborted_slow_reader: u64,
     /// Finished requests by reason, indexed by `FinishReason::index`.
     pub finished_by_reason: [u64; 3],
+    /// Speculative decoding's counters (zero without a proposer).
+    pub spec_decode: crate::speculative::SpecDecodeCounters,
 }
 
 enum Command {
@@ -452,6 +454,7 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
         stats.kv = engine.kv_stats();
         stats.num_preemptions = queues.num_preemptions;
         stats.counters = engine.counters();
+        stats.spec_decode = engine.spec_decode_counters();
         shared.num_waiting.store(stats.num_waiting as u64, Ordering::Relaxed);
         if let Ok(mut s) = shared.stats.lock() {
             *s = stats.clone();

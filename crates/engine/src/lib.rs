@@ -46,6 +46,7 @@ pub mod output_processor;
 mod outputs;
 pub mod sampler;
 mod sequences;
+pub mod speculative;
 pub mod structured;
 
 #[cfg(feature = "cpu")]
@@ -61,6 +62,7 @@ pub use engine_core::{EngineCore, EngineCounters, QueueStats};
 pub use error::Error;
 pub use llm::{auto_kv_cache_dtype, EngineArgs, KvSharing, Llm};
 pub use output_processor::{OutputPiece, OutputProcessor, Processed, TokenOutput};
+pub use speculative::{DraftRequest, NgramProposer, Proposer, SpecDecodeCounters};
 pub use outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};
 
 /// The offline API under the name thesis Listing 4.1 gives it.

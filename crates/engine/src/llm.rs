@@ -11,6 +11,8 @@ use vellum_base::{
     AutoKvLimit, KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId, AUTO_KV_CACHE_CAP_BYTES,
 };
 use vellum_models::{resolve_model, ChatMessage, ChatTemplate, RunnerOptions, Tokenizer};
+use crate::speculative::{DraftModelProposer, NgramProposer, Proposer};
+use vellum_base::{SpeculativeConfig, SpeculativeMethod};
 use vellum_scheduler::FinishReason;
 
 /// The KV-cache element type `auto` means: float16 on the CPU's default
@@ -62,6 +64,8 @@ pub struct EngineArgs {
     /// How the CPU backend multiplies integer-block weights
     /// (`--cpu-precision`; other devices ignore it).
     pub cpu_precision: CpuPrecision,
+    /// Speculative decoding (vLLM's `--speculative-config`); `None`: off.
+    pub speculative_config: Option<SpeculativeConfig>,
 }
 
 impl Default for EngineArgs {
@@ -77,8 +81,28 @@ impl Default for EngineArgs {
             disable_hybrid_kv_cache_manager: false,
             swap_space_bytes: 0,
             cpu_precision: CpuPrecision::default(),
+            speculative_config: None,
         }
     }
+}
+
+/// A draft model must map text to the same token ids as the target: the
+/// same vocabulary size and the same id for every piece of a sample.
+fn check_same_vocabulary(target: &Tokenizer, draft: &Tokenizer, model: &str) -> Result<(), Error> {
+    let sample = "The quick brown fox, 123 — naïve café! <|im_start|>\n\tdef f(x): return x**2";
+    let (a, b) = (target.encode(sample, false)?, draft.encode(sample, false)?);
+    if target.vocab_size() != draft.vocab_size() || a != b {
+        return Err(Error::Backend(vellum_base::Error::InvalidConfig {
+            field: "speculative_config",
+            message: format!(
+                "the draft model {model} does not share the target's tokenizer ({} and {} tokens; a sample encodes {})",
+                draft.vocab_size(),
+                target.vocab_size(),
+                if a == b { "alike" } else { "differently" }
+            ),
+        }));
+    }
+    Ok(())
 }
 
 /// An engine with its tokenizer.
@@ -231,6 +255,21 @@ impl Llm {
             max_concurrency = format!("{:.2}", num_blocks as f64 / per_request as f64),
             "KV cache capacity"
         );
+        if let Some(spec) = &args.speculative_config {
+            let proposer: Box<dyn Proposer> = match &spec.method {
+                SpeculativeMethod::Ngram { prompt_lookup_min, prompt_lookup_max } => {
+                    Box::new(NgramProposer { min: *prompt_lookup_min, max: *prompt_lookup_max })
+                }
+                SpeculativeMethod::DraftModel { model } => {
+                    // The draft runs on an engine of its own (same device and
+                    // settings, its own paged KV cache and prefix cache).
+                    let draft = Llm::new(EngineArgs { model: Some(model.clone()), speculative_config: None, ..args.clone() })?;
+                    check_same_vocabulary(&loaded.tokenizer, &draft.tokenizer, model)?;
+                    Box::new(DraftModelProposer::new(draft.engine, model.clone()))
+                }
+            };
+            engine.set_proposer(proposer, spec.num_speculative_tokens);
+        }
         Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template, kv_sharing: KvSharing::default() })
     }
 

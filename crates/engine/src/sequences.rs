@@ -32,6 +32,9 @@ pub(crate) struct SeqView {
     pub finish_reason: Option<FinishReason>,
     /// Its structured-output constraint, advanced with every token.
     pub constraint: Option<Constraint>,
+    /// Speculative decoding: drafts added for the next step to verify (not
+    /// in `tokens` until accepted).
+    pub drafts: Vec<TokenId>,
 }
 
 impl SeqView {
@@ -141,6 +144,7 @@ impl Sequences {
             reported: 0,
             finish_reason: None,
             constraint,
+            drafts: Vec::new(),
         };
         self.seqs.insert(seq, view);
         self.reqs.insert(
@@ -167,12 +171,22 @@ impl Sequences {
             update.forks.iter().filter_map(|f| Some((f.request_id, f.entry, f.child, self.seqs.get(&f.parent)?.clone()))).collect();
         for rs in &samples.requests {
             let Some(ds) = draws.get(&rs.request_id) else { continue };
+            // A verified speculation: its one entry takes every draw (the
+            // accepted drafts, then the target's own token).
+            if let ([(parent, _)], true) = (&rs.next[..], ds.len() > 1) {
+                if let Some(v) = self.seqs.get_mut(parent).filter(|_| !update.skipped.contains(&(rs.request_id, 0))) {
+                    v.drafts.clear();
+                    ds.iter().for_each(|d| v.push(d));
+                }
+                continue;
+            }
             for (e, (&(parent, _), d)) in rs.next.iter().zip(ds).enumerate() {
                 let forked = children.iter().any(|c| c.0 == rs.request_id && c.1 == e);
                 if forked || update.skipped.contains(&(rs.request_id, e)) {
                     continue;
                 }
                 if let Some(v) = self.seqs.get_mut(&parent) {
+                    v.drafts.clear(); // verified (all rejected) in this step
                     v.push(d);
                     if let Some(i) = d.index {
                         v.index = i;

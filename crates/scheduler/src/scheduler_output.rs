@@ -17,6 +17,11 @@ pub struct ScheduledSeq {
     /// Whether the step ends at the sequence's last token, so its logits
     /// are sampled.
     pub samples: bool,
+    /// Speculative decoding: the draft tokens this step verifies (the last
+    /// of its tokens). Each of the `1 + num_draft_tokens` last positions is
+    /// sampled: position `i` checks draft `i`, the last one gives the token
+    /// after every draft. 0 for a step without drafts.
+    pub num_draft_tokens: usize,
 }
 
 /// Block-table entries from `start` on that changed since the last step

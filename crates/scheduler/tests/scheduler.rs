@@ -193,6 +193,50 @@ fn row_speculative_decoding_accepts_and_rejects() {
     assert_eq!((out.scheduled[0].num_computed_tokens, out.scheduled[0].num_scheduled_tokens), (13, 1));
 }
 
+#[test]
+fn drafts_are_offered_only_to_a_running_decode_within_its_length_limit() {
+    let mut s = sched(64, 4, cfg(512));
+    add(&mut s, 0, prompt(6, 0), 5);
+    assert_eq!(s.max_draft_tokens(RequestId(0)), 0, "waiting: no drafts");
+    assert!(s.add_draft_tokens(RequestId(0), &[1]).is_err());
+    step(&mut s); // (6, 7): one output of at most 5
+    // Total may reach 11: drafts d with 7 + d + 1 <= 11.
+    assert_eq!(s.max_draft_tokens(RequestId(0)), 3);
+    assert!(s.add_draft_tokens(RequestId(0), &[1, 2, 3, 4]).is_err(), "past the length limit");
+    s.add_draft_tokens(RequestId(0), &[1, 2, 3]).unwrap();
+    assert_eq!(s.max_draft_tokens(RequestId(0)), 0, "drafts pending");
+    let out = s.schedule();
+    assert_eq!((out.scheduled[0].num_scheduled_tokens, out.scheduled[0].num_draft_tokens), (4, 3));
+    assert!(out.scheduled[0].samples);
+    // Every draft rejected: the blocks reserved for them go back, and the
+    // block the drafts filled (positions 8..12 hold tokens 1, 2, 3) was never
+    // registered in the prefix cache.
+    let used_before = s.allocator().stats().num_used_blocks;
+    let seq = out.scheduled[0].seq_id;
+    s.update_from_output(&StepSamples {
+        requests: vec![RequestSamples { request_id: RequestId(0), next: vec![(seq, 77)], num_rejected_drafts: 3 }],
+    });
+    assert_eq!(counters(&s, 0), (7, 8));
+    assert!(s.allocator().stats().num_used_blocks < used_before, "the rejected drafts' block is released");
+    s.assert_invariants();
+    s.allocator().assert_invariants();
+}
+
+#[test]
+fn drafts_without_the_budget_for_all_of_them_are_dropped_for_a_plain_decode() {
+    // A budget of 3 tokens: the 1 + 4 a verification needs do not fit.
+    let mut s = sched(64, 16, SchedulerConfig { max_num_batched_tokens: 3, max_model_len: 4096, ..SchedulerConfig::default() });
+    add(&mut s, 0, prompt(3, 0), 20);
+    step(&mut s);
+    s.add_draft_tokens(RequestId(0), &[5, 6, 7, 8]).unwrap();
+    let out = s.schedule();
+    assert_eq!((out.scheduled[0].num_scheduled_tokens, out.scheduled[0].num_draft_tokens), (1, 0));
+    finish_step(&mut s, &out);
+    assert_eq!(counters(&s, 0), (4, 5));
+    assert_eq!(s.request(RequestId(0)).unwrap().seqs[0].state.output_token_ids(), &[10_003, 10_004]);
+    s.assert_invariants();
+}
+
 // ---- Behaviour -------------------------------------------------------------
 
 #[test]

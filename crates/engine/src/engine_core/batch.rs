@@ -12,8 +12,11 @@ use vellum_scheduler::SchedulerOutput;
 /// What a row of the executor's logits is for.
 #[derive(Clone, Copy)]
 pub(super) enum Row {
-    /// Sample the sequence's next token.
+    /// Sample the sequence's next token (after every draft the step verifies).
     Sample(RequestId, SeqId),
+    /// Speculative decoding: sample the token at draft `i`'s position, which
+    /// accepts or rejects that draft.
+    Verify(RequestId, SeqId, usize),
     /// The logprob of prompt token `pos` (the row is position `pos - 1`).
     PromptLogprob(RequestId, usize),
 }
@@ -49,15 +52,21 @@ impl<E: ModelExecutor> EngineCore<E> {
         let mut rows = Vec::new();
         let now = Instant::now();
         for (row, s) in out.scheduled.iter().enumerate() {
-            let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&s.request_id), self.views.seqs.get(&s.seq_id)) else {
+            let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&s.request_id), self.views.seqs.get_mut(&s.seq_id)) else {
                 debug_assert!(false, "a scheduled sequence has a view");
                 continue;
             };
             req.first_scheduled.get_or_insert(now);
+            // Drafts the scheduler withdrew (or dropped on a preemption).
+            if s.num_draft_tokens == 0 {
+                seq.drafts.clear();
+            }
             let table = self.block_tables.get(&s.seq_id).map_or(&[][..], Vec::as_slice);
             let (start, end) = (s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens);
             let first_row = b.token_ids.len();
-            b.token_ids.extend_from_slice(&seq.tokens[start..end]);
+            let known = end.min(seq.tokens.len());
+            b.token_ids.extend_from_slice(&seq.tokens[start.min(known)..known]);
+            b.token_ids.extend_from_slice(&seq.drafts[..end - known]);
             for p in start..end {
                 b.positions.push(p as u32);
                 for g in 0..groups {
@@ -85,7 +94,13 @@ impl<E: ModelExecutor> EngineCore<E> {
                 b.block_tables[((j % groups) * num_seqs + row) * stride + j / groups] = x.0;
             }
             if s.samples {
-                b.logits_indices.push(b.token_ids.len() as u32 - 1);
+                // Under speculation the positions before each draft are sampled too.
+                let last = b.token_ids.len() as u32 - 1;
+                for i in 0..s.num_draft_tokens {
+                    b.logits_indices.push(last - (s.num_draft_tokens - i) as u32);
+                    rows.push(Row::Verify(s.request_id, s.seq_id, i));
+                }
+                b.logits_indices.push(last);
                 rows.push(Row::Sample(s.request_id, s.seq_id));
                 b.argmax_only &= req.params.argmax_suffices() && seq.constraint.is_none();
             }

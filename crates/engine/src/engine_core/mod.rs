@@ -14,6 +14,7 @@ mod sampling;
 use crate::error::Error;
 use crate::outputs::{RequestOutput, SequenceDelta, StepOutputs};
 use crate::sequences::Sequences;
+use crate::speculative::{DraftRequest, Proposer, SpecDecodeCounters, Speculator};
 use crate::structured::StructuredOutputs;
 use std::sync::Arc;
 use std::time::Instant;
@@ -82,6 +83,8 @@ pub struct EngineCore<E: ModelExecutor> {
     /// A test hook: the next forward pass fails as a backend fault would
     /// ([`EngineCore::fail_next_forward_pass`]).
     fail_next_forward: bool,
+    /// Speculative decoding, when configured ([`EngineCore::set_proposer`]).
+    speculator: Option<Speculator>,
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
@@ -131,6 +134,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             structured: None,
             overlap_masks: std::env::var("VELLUM_OVERLAP_MASKS").as_deref() != Ok("0"),
             fail_next_forward: false,
+            speculator: None,
             executor,
         })
     }
@@ -156,6 +160,62 @@ impl<E: ModelExecutor> EngineCore<E> {
     /// Running totals (steps, tokens, time per phase).
     pub fn counters(&self) -> EngineCounters {
         self.counters
+    }
+
+    /// Turns speculative decoding on: before each step `proposer` drafts up
+    /// to `num_speculative_tokens` tokens for every request that can take
+    /// them (one sequence, no beam search, no structured output), and the
+    /// step verifies them ([`crate::speculative`]).
+    pub fn set_proposer(&mut self, proposer: Box<dyn Proposer>, num_speculative_tokens: usize) {
+        let spec = Speculator::new(proposer, num_speculative_tokens);
+        tracing::info!(method = %spec.describe(), "speculative decoding");
+        self.speculator = Some(spec);
+    }
+
+    /// vLLM's speculative-decoding counters (all zero without a proposer).
+    pub fn spec_decode_counters(&self) -> SpecDecodeCounters {
+        self.speculator.as_ref().map(|s| s.counters).unwrap_or_default()
+    }
+
+    /// Drafts for every request that can take them now (see
+    /// [`EngineCore::set_proposer`]).
+    fn propose_drafts(&mut self) -> Result<(), Error> {
+        let Some(spec) = self.speculator.as_mut() else { return Ok(()) };
+        let k = spec.num_speculative_tokens();
+        let mut wanted: Vec<(RequestId, SeqId, usize)> = Vec::new();
+        for (&rid, req) in self.views.reqs.iter() {
+            let [sid] = req.seqs[..] else { continue };
+            let eligible = req.finished.is_none()
+                && req.params.beam_search.is_none()
+                && req.params.num_sequences() == 1
+                && self.views.seqs.get(&sid).is_some_and(|v| v.constraint.is_none());
+            let most = if eligible { self.scheduler.max_draft_tokens(rid).min(k) } else { 0 };
+            if most > 0 && !spec.waits(rid) {
+                wanted.push((rid, sid, most));
+            }
+        }
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        wanted.sort_unstable_by_key(|w| w.0);
+        let requests: Vec<DraftRequest<'_>> = wanted
+            .iter()
+            .filter_map(|&(request_id, sid, max_drafts)| {
+                Some(DraftRequest { request_id, tokens: &self.views.seqs.get(&sid)?.tokens, max_drafts })
+            })
+            .collect();
+        let mut drafts = vec![Vec::new(); requests.len()];
+        spec.propose(&requests, &mut drafts)?;
+        for (&(rid, sid, most), mut d) in wanted.iter().zip(drafts) {
+            d.truncate(most);
+            if d.is_empty() || self.scheduler.add_draft_tokens(rid, &d).is_err() {
+                continue;
+            }
+            if let Some(v) = self.views.seqs.get_mut(&sid) {
+                v.drafts = d;
+            }
+        }
+        Ok(())
     }
 
     /// The scheduler (read-only; for tests and invariant checks — callers
@@ -237,6 +297,7 @@ impl<E: ModelExecutor> EngineCore<E> {
     /// the requests that finished.
     pub fn step_streaming(&mut self) -> Result<StepOutputs, Error> {
         let t0 = Instant::now();
+        self.propose_drafts()?;
         let out = self.scheduler.schedule();
         if out.is_empty() {
             let update = self.scheduler.update_from_output(&StepSamples::default());
@@ -383,6 +444,9 @@ impl<E: ModelExecutor> EngineCore<E> {
                 for sid in &req.seqs {
                     self.block_tables.remove(sid);
                 }
+            }
+            if let Some(spec) = &mut self.speculator {
+                spec.finish(id);
             }
             finished.extend(self.views.take_output(id, &mut deltas));
         }

@@ -46,9 +46,17 @@ impl<E: ModelExecutor> EngineCore<E> {
     pub(super) fn sample_argmax(&mut self, argmax: &[u32], rows: &[Row]) -> (StepSamples, IdMap<RequestId, Vec<Draw>>) {
         let mut per_req: Vec<RequestSamples> = Vec::new();
         let mut draws: IdMap<RequestId, Vec<Draw>> = IdMap::default();
+        let mut settled = IdSet::default();
         for (&token, &use_) in argmax.iter().zip(rows) {
-            let Row::Sample(rid, sid) = use_ else { continue };
-            if !self.views.reqs.contains_key(&rid) || !self.views.seqs.contains_key(&sid) {
+            let (rid, sid, draft) = match use_ {
+                Row::Sample(rid, sid) => (rid, sid, None),
+                Row::Verify(rid, sid, i) => (rid, sid, Some(i)),
+                Row::PromptLogprob(..) => continue,
+            };
+            let Some(seq) = self.views.seqs.get(&sid).filter(|_| self.views.reqs.contains_key(&rid)) else { continue };
+            if !seq.drafts.is_empty() {
+                let draw = Draw { token, logprob: f32::NAN, top: None, index: None };
+                self.verify_row(rid, sid, draft, draw, &mut settled, &mut per_req, &mut draws);
                 continue;
             }
             draws.entry(rid).or_default().push(Draw { token, logprob: f32::NAN, top: None, index: None });
@@ -86,7 +94,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             let wanted: Vec<Option<(&SamplingParams, bool)>> = rows
                 .iter()
                 .map(|r| match *r {
-                    Row::Sample(rid, sid) => {
+                    Row::Sample(rid, sid) | Row::Verify(rid, sid, _) => {
                         let req = self.views.reqs.get(&rid).filter(|q| q.params.beam_search.is_none())?;
                         let constrained = self.views.seqs.get(&sid).is_some_and(|v| v.constraint.is_some());
                         Some((&req.params, constrained))
@@ -116,14 +124,16 @@ impl<E: ModelExecutor> EngineCore<E> {
                 m
             }
         };
+        let mut settled = IdSet::default();
         for (row, &use_) in rows.iter().enumerate() {
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
-            let (rid, sid) = match use_ {
+            let (rid, sid, draft) = match use_ {
                 Row::PromptLogprob(rid, pos) => {
                     self.record_prompt_logprob(rid, pos, row_logits);
                     continue;
                 }
-                Row::Sample(rid, sid) => (rid, sid),
+                Row::Sample(rid, sid) => (rid, sid, None),
+                Row::Verify(rid, sid, i) => (rid, sid, Some(i)),
             };
             let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&rid), self.views.seqs.get(&sid)) else { continue };
             if req.params.beam_search.is_some() {
@@ -131,6 +141,21 @@ impl<E: ModelExecutor> EngineCore<E> {
                 continue;
             }
             let Some(row_stats) = stats[row].as_ref() else { continue };
+            if !seq.drafts.is_empty() {
+                if settled.contains(&sid) {
+                    continue; // an earlier draft was rejected: the rest are moot
+                }
+                // Draw as the non-speculative sampler would after the drafts
+                // before this position (the history its penalties read).
+                let i = draft.unwrap_or(seq.drafts.len());
+                let history: Vec<_> = seq.output().iter().chain(&seq.drafts[..i]).copied().collect();
+                let k = req.params.logprobs.unwrap_or(0);
+                let Sample { token, logprob, top_logprobs } =
+                    sample_masked(row_logits, row_stats, &req.params, &mut req.rng, k, (seq.prompt(), &history), None);
+                let draw = Draw { token, logprob, top: req.params.logprobs.is_some().then_some(top_logprobs), index: None };
+                self.verify_row(rid, sid, draft, draw, &mut settled, &mut per_req, &mut draws);
+                continue;
+            }
             // The first sample of a parallel-sampling request draws n tokens.
             let n = req.params.num_sequences();
             let first = !req.forked && n > 1;
@@ -183,6 +208,40 @@ impl<E: ModelExecutor> EngineCore<E> {
             i = j;
         }
         (StepSamples { requests: per_req }, draws)
+    }
+
+    /// One row of a speculating sequence's verification: `draw` is the
+    /// target's token at draft `draft`'s position (`None`: after the last
+    /// draft). A draw equal to its draft (and no stop token) accepts it;
+    /// any other ends the verification and is the sequence's next token.
+    #[allow(clippy::too_many_arguments)] // The sampling loop's state, passed through.
+    fn verify_row(
+        &mut self,
+        rid: RequestId,
+        sid: SeqId,
+        draft: Option<usize>,
+        draw: Draw,
+        settled: &mut IdSet<SeqId>,
+        per_req: &mut Vec<RequestSamples>,
+        draws: &mut IdMap<RequestId, Vec<Draw>>,
+    ) {
+        let (Some(req), Some(seq)) = (self.views.reqs.get(&rid), self.views.seqs.get(&sid)) else { return };
+        if settled.contains(&sid) {
+            return;
+        }
+        let num_drafts = seq.drafts.len();
+        let i = draft.unwrap_or(num_drafts).min(num_drafts);
+        let token = draw.token;
+        draws.entry(rid).or_default().push(draw);
+        self.counters.generation_tokens += 1;
+        if i < num_drafts && token == seq.drafts[i] && !req.stop_token_ids.contains(&token) {
+            return; // accepted: the next row checks the next draft
+        }
+        settled.insert(sid);
+        per_req.push(RequestSamples { request_id: rid, next: vec![(sid, token)], num_rejected_drafts: num_drafts - i });
+        if let Some(spec) = &mut self.speculator {
+            spec.verified(rid, num_drafts, i);
+        }
     }
 
     fn record_prompt_logprob(&mut self, rid: RequestId, pos: usize, row_logits: &[f32]) {

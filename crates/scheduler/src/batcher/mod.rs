@@ -285,16 +285,40 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// single-sequence request in decode; the next step verifies them with
     /// Δ = 1 + L_draft. Report rejections in
     /// [`crate::RequestSamples::num_rejected_drafts`].
+    ///
+    /// At most [`Scheduler::max_draft_tokens`] drafts are accepted.
     pub fn add_draft_tokens(&mut self, id: RequestId, drafts: &[TokenId]) -> Result<(), Error> {
+        let most = self.max_draft_tokens(id);
         let req = self.requests.get_mut(&id).ok_or(Error::UnknownRequest(id))?;
-        if req.seqs.len() != 1 || req.has_in_flight() {
-            return Err(Error::InvalidParams(vellum_base::Error::InvalidTransition(
-                "drafts need a single sequence with no step in flight".into(),
-            )));
+        if most == 0 || drafts.len() > most {
+            return Err(Error::InvalidParams(vellum_base::Error::InvalidTransition(format!(
+                "{} drafts for a request that takes {most} now (a running single sequence in decode, no step in flight, \
+                 drafts within its length limit)",
+                drafts.len()
+            ))));
         }
-        let seq = &mut req.seqs[0];
-        seq.state.add_draft_tokens(drafts)?;
+        req.seqs[0].state.add_draft_tokens(drafts)?;
         Ok(())
+    }
+
+    /// How many drafts request `id` can take now: 0 unless it runs a single
+    /// sequence in decode (nothing in flight, one token to compute, none
+    /// pending); else as many as keep the accepted drafts and the token
+    /// after them within its length limit.
+    pub fn max_draft_tokens(&self, id: RequestId) -> usize {
+        let Some(req) = self.requests.get(&id) else { return 0 };
+        let [seq] = &req.seqs[..] else { return 0 };
+        let s = &seq.state;
+        if req.status != RequestStatus::Running
+            || !seq.is_running()
+            || req.has_in_flight()
+            || s.num_draft_tokens() > 0
+            || s.num_computed_tokens() == 0
+            || s.num_remaining_tokens() != 1
+        {
+            return 0;
+        }
+        req.max_total_tokens.saturating_sub(s.num_total_tokens() + 1)
     }
 
     /// Prefill disaggregation (Table 4.1): another instance computed the

@@ -320,7 +320,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             // This step's new tokens start after what is computed, in flight
             // or found in the prefix cache.
             let start = seq.num_scheduled_tokens() + hit;
-            let remaining = seq.num_schedulable_tokens() - hit;
+            let mut remaining = seq.num_schedulable_tokens() - hit;
             if remaining == 0 {
                 continue;
             }
@@ -328,6 +328,13 @@ impl<A: BlockAllocator> Scheduler<A> {
             let mut delta = remaining.min(budget - seqs_left);
             if threshold > 0 {
                 delta = delta.min(threshold);
+            }
+            // Drafts are verified in one step or not at all: without the
+            // budget for all of them the sequence decodes one token.
+            if delta < remaining && seq.state.num_draft_tokens() > 0 {
+                seq.state.drop_draft_tokens();
+                remaining = seq.num_schedulable_tokens();
+                delta = delta.min(remaining);
             }
             if delta == 0 || (delta < remaining && !chunked) {
                 out.scheduled.truncate(mark);
@@ -337,9 +344,11 @@ impl<A: BlockAllocator> Scheduler<A> {
             // A sequence holding nothing gets slots from its prefix hit on; one
             // computed elsewhere (remote prefill) also for the KV it loads.
             let alloc_from = if holds_nothing { hit } else { start };
+            // Drafts get slots but no prefix-cache registration: a block
+            // joins the cache once every token in it is verified.
             let st = SeqTokens {
                 seq_id: seq.seq_id,
-                token_ids: seq.state.token_ids(),
+                token_ids: seq.state.verified_token_ids(),
                 num_prompt_tokens: seq.state.num_prompt_tokens(),
                 num_computed_tokens: alloc_from,
                 hint,
@@ -368,6 +377,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                 num_scheduled_tokens: delta,
                 num_computed_tokens: start,
                 samples: delta == remaining,
+                num_draft_tokens: seq.state.num_draft_tokens(),
             });
             self.step_slots.push(slot);
             budget -= delta;

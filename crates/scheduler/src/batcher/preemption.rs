@@ -15,9 +15,15 @@ impl<A: BlockAllocator> Scheduler<A> {
         self.trim_to_scheduled(id);
         let req = self.requests.get_mut(&id).expect("preempted request is live");
         let seq_ids: Vec<SeqId> = req.running_seqs().map(|s| s.seq_id).collect();
+        // A group resumed by this very step is not swapped out again in it:
+        // a step's swap-outs run before its swap-ins, so its blocks would be
+        // copied out before they were copied back in (and a host block its
+        // swap-in freed could be overwritten before it is read). It is
+        // recomputed instead.
+        let resumed_now = out.resumed_requests.contains(&id);
         let swaps = match self.config.preemption_mode {
-            PreemptionMode::Swap => self.allocator.swap_out(&seq_ids),
-            PreemptionMode::Recompute => None,
+            PreemptionMode::Swap if !resumed_now => self.allocator.swap_out(&seq_ids),
+            _ => None,
         };
         let key = (if self.config.policy == SchedulingPolicy::Priority { req.priority } else { 0 }, req.arrival_order);
         self.running.remove(&key);

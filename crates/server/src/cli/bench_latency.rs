@@ -126,6 +126,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         "decode_tokens_per_s": b * (args.output_len - 1) as f64 / mean(&decode),
         "time_share": { "schedule": sched / (sched + exec + samp), "execute": exec / (sched + exec + samp), "sample": samp / (sched + exec + samp) },
         "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "spec_decode": spec_report(&llm.engine().spec_decode_counters()),
     });
     if args.json {
         println!("{report}");
@@ -146,6 +147,31 @@ pub fn run(args: LatencyArgs) -> Result<()> {
             100.0 * exec / (sched + exec + samp),
             100.0 * samp / (sched + exec + samp),
         );
+        let sd = llm.engine().spec_decode_counters();
+        if sd.num_drafts > 0 {
+            println!(
+                "speculative decoding: {} drafts, {} draft tokens, acceptance rate {:.1}%, mean acceptance length {:.2}",
+                sd.num_drafts,
+                sd.num_draft_tokens,
+                100.0 * sd.acceptance_rate(),
+                sd.mean_acceptance_length()
+            );
+        }
     }
     Ok(())
+}
+
+/// The speculative-decoding counters as the benches report them (`null`
+/// when nothing was drafted).
+pub(crate) fn spec_report(sd: &vellum_engine::SpecDecodeCounters) -> serde_json::Value {
+    if sd.num_drafts == 0 {
+        return serde_json::Value::Null;
+    }
+    json!({
+        "num_drafts": sd.num_drafts,
+        "num_draft_tokens": sd.num_draft_tokens,
+        "num_accepted_tokens": sd.num_accepted_tokens,
+        "acceptance_rate": sd.acceptance_rate(),
+        "mean_acceptance_length": sd.mean_acceptance_length(),
+    })
 }

@@ -4,7 +4,7 @@
 
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
-use vellum_base::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy};
+use vellum_base::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy, SpeculativeConfig};
 use vellum_engine::{CpuPrecision, Device, EngineArgs};
 
 /// Engine options shared by every subcommand that loads a model.
@@ -72,6 +72,13 @@ pub struct EngineFlags {
     /// reference).
     #[arg(long, default_value = "int8")]
     pub cpu_precision: String,
+    /// Speculative decoding, as vLLM's JSON: `{"method": "ngram",
+    /// "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    /// "prompt_lookup_min": 2}` (prompt lookup, no extra model) or
+    /// `{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}`
+    /// (a smaller model with the same tokenizer). Same tokens as without it.
+    #[arg(long)]
+    pub speculative_config: Option<String>,
 }
 
 /// What a subcommand would pick for the flags a user left out.
@@ -150,6 +157,10 @@ impl EngineFlags {
             disable_hybrid_kv_cache_manager: self.disable_hybrid_kv_cache_manager,
             swap_space_bytes: if swap { (self.swap_space * (1u64 << 30) as f64) as u64 } else { 0 },
             scheduler,
+            speculative_config: match &self.speculative_config {
+                Some(json) => Some(SpeculativeConfig::from_json(json).map_err(|e| anyhow!("--speculative-config: {e}"))?),
+                None => None,
+            },
         })
     }
 }

@@ -224,5 +224,16 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         structured_mask_s = format!("{:.3}", c.structured_mask_s),
         "done"
     );
+    let sd = llm.engine().spec_decode_counters();
+    if sd.num_drafts > 0 {
+        tracing::info!(
+            drafts = sd.num_drafts,
+            draft_tokens = sd.num_draft_tokens,
+            accepted_tokens = sd.num_accepted_tokens,
+            acceptance_rate = format!("{:.1}%", 100.0 * sd.acceptance_rate()),
+            mean_acceptance_length = format!("{:.2}", sd.mean_acceptance_length()),
+            "speculative decoding"
+        );
+    }
     Ok(())
 }

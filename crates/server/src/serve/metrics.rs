@@ -198,6 +198,18 @@ impl Metrics {
             "Prefix cache hits, in terms of number of cached tokens.",
             kv.prefix_cache_hits as f64,
         );
+        // Speculative decoding, as vLLM names it (zero without a proposer).
+        let sd = &s.spec_decode;
+        metric("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", sd.num_drafts as f64);
+        metric("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", sd.num_draft_tokens as f64);
+        metric("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.", sd.num_accepted_tokens as f64);
+        let mut per_pos = String::from(
+            "# HELP vllm:spec_decode_num_accepted_tokens_per_pos Accepted tokens per draft position.\n\
+             # TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter\n",
+        );
+        for (pos, n) in sd.num_accepted_tokens_per_pos.iter().enumerate().take_while(|(pos, n)| **n > 0 || *pos == 0) {
+            let _ = writeln!(per_pos, "vllm:spec_decode_num_accepted_tokens_per_pos{{{labels},position=\"{pos}\"}} {n}");
+        }
         // Vellum's extras: where the KV memory goes (paper §3, Fig. 2).
         let used_slots = (kv.num_used_blocks * kv.block_size) as f64;
         let waste = if used_slots == 0.0 { 0.0 } else { (kv.num_reserved_slots + kv.num_internal_frag_slots) as f64 / used_slots };
@@ -292,6 +304,7 @@ impl Metrics {
             let _ = writeln!(out, "{name}_sum{{{labels}}} {}", fmt(h.sum));
             let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
         }
+        out.push_str(&per_pos);
         out
     }
 }
