@@ -59,11 +59,11 @@ pub use ids::{BlockId, HostBlockId, RequestId, SeqId, TokenId};
 pub use kv_cache_groups::{KvCacheGroup, KvCacheGroups, KvLayerSlot};
 pub use model_config::{LayerType, ModelConfig, RopeScaling};
 pub use model_executor::{ModelExecutor, StepOutput};
-pub use speculative_config::{SpeculativeConfig, SpeculativeMethod, MAX_SPECULATIVE_TOKENS};
 pub use request::RequestState;
 pub use sampling_params::{BeamSearchParams, SamplingParams, StructuredOutput};
 pub use scheduler_config::{PreemptionMode, SchedulerConfig, SchedulingPolicy};
 pub use seeded_rng::SeededRng;
+pub use speculative_config::{SpeculativeConfig, SpeculativeMethod, MAX_SPECULATIVE_TOKENS};
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

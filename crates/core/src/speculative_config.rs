@@ -61,7 +61,9 @@ impl SpeculativeConfig {
         let count = |key: &str| -> Result<Option<usize>> {
             match obj.get(key) {
                 None | Some(serde_json::Value::Null) => Ok(None),
-                Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| bad(format!("{key} must be a non-negative integer, got {v}"))),
+                Some(v) => {
+                    v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| bad(format!("{key} must be a non-negative integer, got {v}")))
+                }
             }
         };
         let model = match obj.get("model") {
@@ -75,8 +77,7 @@ impl SpeculativeConfig {
             None if model.is_some() => "draft_model".into(),
             None => return Err(bad("give a method (ngram or draft_model) or a draft model".into())),
         };
-        let num_speculative_tokens =
-            count("num_speculative_tokens")?.ok_or_else(|| bad("num_speculative_tokens is required".into()))?;
+        let num_speculative_tokens = count("num_speculative_tokens")?.ok_or_else(|| bad("num_speculative_tokens is required".into()))?;
         let (min, max) = (count("prompt_lookup_min")?, count("prompt_lookup_max")?);
         let method = match method.as_str() {
             "ngram" => {
@@ -128,8 +129,10 @@ mod tests {
 
     #[test]
     fn reads_vllms_json() {
-        let c = SpeculativeConfig::from_json(r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}"#)
-            .unwrap();
+        let c = SpeculativeConfig::from_json(
+            r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}"#,
+        )
+        .unwrap();
         assert_eq!(c.method, SpeculativeMethod::Ngram { prompt_lookup_min: 2, prompt_lookup_max: 4 });
         assert_eq!(c.num_speculative_tokens, 4);
         let c = SpeculativeConfig::from_json(r#"{"method": "ngram", "num_speculative_tokens": 3}"#).unwrap();

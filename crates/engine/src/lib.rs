@@ -62,8 +62,8 @@ pub use engine_core::{EngineCore, EngineCounters, QueueStats};
 pub use error::Error;
 pub use llm::{auto_kv_cache_dtype, EngineArgs, KvSharing, Llm};
 pub use output_processor::{OutputPiece, OutputProcessor, Processed, TokenOutput};
-pub use speculative::{DraftRequest, NgramProposer, Proposer, SpecDecodeCounters};
 pub use outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};
+pub use speculative::{DraftRequest, NgramProposer, Proposer, SpecDecodeCounters};
 
 /// The offline API under the name thesis Listing 4.1 gives it.
 pub use llm::Llm as LLM;

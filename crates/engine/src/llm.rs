@@ -7,12 +7,12 @@ use crate::engine_core::EngineCore;
 use crate::error::Error;
 use crate::output_processor::{OutputPiece, OutputProcessor};
 use crate::outputs::{RequestOutput, StepOutputs};
+use crate::speculative::{DraftModelProposer, NgramProposer, Proposer};
 use vellum_base::{
     AutoKvLimit, KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId, AUTO_KV_CACHE_CAP_BYTES,
 };
-use vellum_models::{resolve_model, ChatMessage, ChatTemplate, RunnerOptions, Tokenizer};
-use crate::speculative::{DraftModelProposer, NgramProposer, Proposer};
 use vellum_base::{SpeculativeConfig, SpeculativeMethod};
+use vellum_models::{resolve_model, ChatMessage, ChatTemplate, RunnerOptions, Tokenizer};
 use vellum_scheduler::FinishReason;
 
 /// The KV-cache element type `auto` means: float16 on the CPU's default

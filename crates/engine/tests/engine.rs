@@ -822,7 +822,12 @@ fn speculation_gives_the_tokens_and_logprobs_of_plain_decoding() {
 /// `num_blocks` blocks of 4 tokens and a step budget of `budget`, speculating
 /// with the oracle or not; checks every block comes back. Returns the
 /// outputs in request order, the speculation counters and the preemptions.
-fn run_mixed(mode: PreemptionMode, num_blocks: usize, budget: usize, spec: bool) -> (Vec<RequestOutput>, vellum_engine::SpecDecodeCounters, u64) {
+fn run_mixed(
+    mode: PreemptionMode,
+    num_blocks: usize,
+    budget: usize,
+    spec: bool,
+) -> (Vec<RequestOutput>, vellum_engine::SpecDecodeCounters, u64) {
     let config = SchedulerConfig { preemption_mode: mode, max_num_batched_tokens: budget, ..config() };
     let mut e = EngineCore::new(FakeModel::new(21, 32), config, num_blocks, 2 * num_blocks, 4, vec![EOS]).expect("engine");
     if spec {

@@ -200,7 +200,7 @@ fn drafts_are_offered_only_to_a_running_decode_within_its_length_limit() {
     assert_eq!(s.max_draft_tokens(RequestId(0)), 0, "waiting: no drafts");
     assert!(s.add_draft_tokens(RequestId(0), &[1]).is_err());
     step(&mut s); // (6, 7): one output of at most 5
-    // Total may reach 11: drafts d with 7 + d + 1 <= 11.
+                  // Total may reach 11: drafts d with 7 + d + 1 <= 11.
     assert_eq!(s.max_draft_tokens(RequestId(0)), 3);
     assert!(s.add_draft_tokens(RequestId(0), &[1, 2, 3, 4]).is_err(), "past the length limit");
     s.add_draft_tokens(RequestId(0), &[1, 2, 3]).unwrap();
