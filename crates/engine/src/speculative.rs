@@ -203,6 +203,8 @@ struct Backoff {
     misses: u32,
     /// Steps left before it is offered drafts again.
     wait: u32,
+    /// Most drafts its next proposal may hold (0: `num_speculative_tokens`).
+    next_len: usize,
 }
 
 /// The engine's speculative decoding: the proposer, `num_speculative_tokens`
@@ -232,14 +234,21 @@ impl Speculator {
         format!("{}, {} tokens", self.proposer.describe(), self.num_speculative_tokens)
     }
 
-    /// Whether `id` sits this step out (and counts the step).
-    pub(crate) fn waits(&mut self, id: RequestId) -> bool {
+    /// Most drafts request `id` is offered this step: 0 while it sits out
+    /// a backoff (the step counts), else `num_speculative_tokens` after a
+    /// verification that accepted every draft and one more than it accepted
+    /// after one that did not. A verified position costs compute whether or
+    /// not it is accepted: on the CPU a step of 5 positions costs about two
+    /// of one, so a run of rejections must not keep paying for the longest
+    /// drafts (docs/benchmarks.md).
+    pub(crate) fn draft_len(&mut self, id: RequestId) -> usize {
         match self.backoff.get_mut(&id) {
             Some(b) if b.wait > 0 => {
                 b.wait -= 1;
-                true
+                0
             }
-            _ => false,
+            Some(b) if b.next_len > 0 => b.next_len.min(self.num_speculative_tokens),
+            _ => self.num_speculative_tokens,
         }
     }
 
@@ -251,11 +260,14 @@ impl Speculator {
     pub(crate) fn verified(&mut self, id: RequestId, proposed: usize, accepted: usize) {
         self.counters.record(proposed, accepted);
         let b = self.backoff.entry(id).or_default();
+        b.next_len = if accepted == proposed { self.num_speculative_tokens } else { accepted + 1 };
         if accepted == 0 {
             b.misses += 1;
             b.wait = backoff_steps(b.misses);
         } else {
-            *b = Backoff::default();
+            // A hit halves the misses rather than forgetting them: text that
+            // matches now and then (open-ended chat) keeps backing off.
+            b.misses /= 2;
         }
     }
 
@@ -313,14 +325,19 @@ mod tests {
         assert_eq!((s.counters.num_drafts, s.counters.num_draft_tokens, s.counters.num_accepted_tokens), (2, 8, 6));
         assert_eq!(s.counters.acceptance_rate(), 0.75);
         assert_eq!(s.counters.mean_acceptance_length(), 4.0);
-        assert!(!s.waits(id));
-        // Misses in a row: it sits out 1, then 2 steps.
+        assert_eq!(s.draft_len(id), 4, "all accepted: the longest drafts");
+        // Misses in a row: it sits out 1, then 2 steps, then drafts 1 token.
         s.verified(id, 4, 0);
-        assert!(s.waits(id) && !s.waits(id));
+        assert_eq!((s.draft_len(id), s.draft_len(id)), (0, 1));
+        s.verified(id, 1, 0);
+        assert_eq!((s.draft_len(id), s.draft_len(id), s.draft_len(id)), (0, 0, 1));
+        s.verified(id, 1, 1);
+        assert_eq!(s.draft_len(id), 4, "all accepted: no wait, the longest drafts");
         s.verified(id, 4, 0);
-        assert!(s.waits(id) && s.waits(id) && !s.waits(id));
-        s.verified(id, 4, 1);
-        assert!(!s.waits(id), "an accepted draft resets the backoff");
+        assert_eq!((s.draft_len(id), s.draft_len(id), s.draft_len(id)), (0, 0, 1), "the misses were halved, not forgotten");
+        s.verified(id, 1, 1);
+        s.verified(id, 4, 2);
+        assert_eq!(s.draft_len(id), 3, "one more than it accepted");
         assert_eq!((1..=8).map(backoff_steps).collect::<Vec<_>>(), [1, 2, 4, 8, 16, 32, 32, 32]);
     }
 }

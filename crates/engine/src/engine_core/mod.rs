@@ -190,7 +190,8 @@ impl<E: ModelExecutor> EngineCore<E> {
                 && req.params.num_sequences() == 1
                 && self.views.seqs.get(&sid).is_some_and(|v| v.constraint.is_none());
             let most = if eligible { self.scheduler.max_draft_tokens(rid).min(k) } else { 0 };
-            if most > 0 && !spec.waits(rid) {
+            let most = if most > 0 { most.min(spec.draft_len(rid)) } else { 0 };
+            if most > 0 {
                 wanted.push((rid, sid, most));
             }
         }

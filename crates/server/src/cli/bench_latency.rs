@@ -41,6 +41,15 @@ pub struct LatencyArgs {
     /// Seed of the random prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Every request's prompt, instead of random tokens (`--input-len` is
+    /// then ignored; after the warm-up the prompt is a prefix-cache hit, so
+    /// only the decode figures mean much): a workload whose text matters,
+    /// such as speculative decoding's.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Wrap `--prompt` as a user message in the model's chat template.
+    #[arg(long, requires = "prompt")]
+    pub chat: bool,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -67,6 +76,18 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     let engine_args = args.engine.engine_args(args.model.clone(), defaults)?;
     let mut llm = super::load_with_progress(engine_args)?;
     let vocab = llm.tokenizer().vocab_size();
+    let fixed_prompt = match &args.prompt {
+        Some(text) => {
+            let text = if args.chat {
+                llm.render_chat(&[vellum_models::ChatMessage::new("user", text.as_str())]).map_err(|e| anyhow!("{e}"))?
+            } else {
+                text.clone()
+            };
+            Some(llm.tokenizer().encode(&text, true).map_err(|e| anyhow!("{e}"))?)
+        }
+        None => None,
+    };
+    let input_len = fixed_prompt.as_ref().map_or(args.input_len, Vec::len);
     let mut rng = SeededRng::new(args.seed);
     let total = args.num_iters_warmup + args.num_iters;
     let bar = ProgressBar::new(total as u64);
@@ -79,7 +100,10 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         let started = Instant::now();
         for _ in 0..args.batch_size {
             // Fresh random prompts every iteration: no prefix-cache hits.
-            let prompt = super::random_prompt(&mut rng, vocab, args.input_len);
+            let prompt = match &fixed_prompt {
+                Some(p) => p.clone(),
+                None => super::random_prompt(&mut rng, vocab, args.input_len),
+            };
             let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len) };
             engine.add_request(prompt, params).map_err(|e| anyhow!("{e}"))?;
         }
@@ -115,14 +139,14 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     let b = args.batch_size as f64;
     let report = json!({
         "batch_size": args.batch_size,
-        "input_len": args.input_len,
+        "input_len": input_len,
         "output_len": args.output_len,
         "num_iters": args.num_iters,
         "avg_latency_s": mean(&lat),
         "p50_latency_s": super::percentile(&lat, 50.0),
         "p90_latency_s": super::percentile(&lat, 90.0),
         "p99_latency_s": super::percentile(&lat, 99.0),
-        "prefill_tokens_per_s": b * args.input_len as f64 / mean(&first),
+        "prefill_tokens_per_s": b * input_len as f64 / mean(&first),
         "decode_tokens_per_s": b * (args.output_len - 1) as f64 / mean(&decode),
         "time_share": { "schedule": sched / (sched + exec + samp), "execute": exec / (sched + exec + samp), "sample": samp / (sched + exec + samp) },
         "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -135,7 +159,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
             "batch {} × ({} in, {} out): latency avg {:.3} s, p50 {:.3}, p90 {:.3}, p99 {:.3}; prefill {:.1} tok/s, decode {:.1} tok/s; \
              time in schedule {:.2}%, execute {:.2}%, sample {:.2}%",
             args.batch_size,
-            args.input_len,
+            input_len,
             args.output_len,
             mean(&lat),
             super::percentile(&lat, 50.0),

@@ -348,6 +348,27 @@ mod tests {
     }
 
     #[test]
+    fn speculative_decoding_counters_carry_vllms_names() {
+        let mut s = EngineStats::default();
+        let text = Metrics::new("m", 64).render(&s);
+        assert!(text.contains("vllm:spec_decode_num_drafts{model_name=\"m\",engine=\"0\"} 0.0\n"), "{text}");
+        s.spec_decode.num_drafts = 3;
+        s.spec_decode.num_draft_tokens = 12;
+        s.spec_decode.num_accepted_tokens = 5;
+        s.spec_decode.num_accepted_tokens_per_pos[..3].copy_from_slice(&[3, 1, 1]);
+        let text = Metrics::new("m", 64).render(&s);
+        for line in [
+            "vllm:spec_decode_num_draft_tokens{model_name=\"m\",engine=\"0\"} 12.0",
+            "vllm:spec_decode_num_accepted_tokens{model_name=\"m\",engine=\"0\"} 5.0",
+            "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
+            "vllm:spec_decode_num_accepted_tokens_per_pos{model_name=\"m\",engine=\"0\",position=\"2\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        assert!(!text.contains("position=\"3\""), "positions past the last accepted one are left out");
+    }
+
+    #[test]
     fn kv_usage_counts_only_held_blocks() {
         let mut s = EngineStats::default();
         s.kv.num_blocks = 10;
