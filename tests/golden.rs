@@ -583,7 +583,8 @@ fn speculative_decoding_keeps_the_greedy_tokens_of_the_golden_prompts() {
             .expect("the model loads")
         };
         let params = SamplingParams { logprobs: Some(5), ..SamplingParams::greedy(96) };
-        let plain = engine(None).generate_ids(&prompts, &params).expect("generation runs");
+        let mut plain_llm = engine(None);
+        let plain = plain_llm.generate_ids(&prompts, &params).expect("generation runs");
         let mut llm = engine(Some(spec));
         let spec_outs = llm.generate_ids(&prompts, &params).expect("generation runs");
         let c = llm.engine().spec_decode_counters();
@@ -599,6 +600,16 @@ fn speculative_decoding_keeps_the_greedy_tokens_of_the_golden_prompts() {
         }
         // A multi-position step rounds differently from one-position decodes.
         assert!(worst < 2e-3, "{}: logprobs differ by up to {worst}", model.golden);
+        // Stop strings: a step that emits several tokens ends the output at
+        // the one completing the string, as plain decoding does.
+        let stop = SamplingParams { stop: vec![",".into(), ".".into()], ..params.clone() };
+        let (a, b) = (plain_llm.generate_ids(&prompts, &stop).expect("runs"), llm.generate_ids(&prompts, &stop).expect("runs"));
+        for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+            let (a, b) = (&a.outputs[0], &b.outputs[0]);
+            assert_eq!((&a.token_ids, &a.text, a.finish_reason), (&b.token_ids, &b.text, b.finish_reason), "stop strings: prompt {i}");
+            assert_eq!((a.logprobs.len(), a.token_logprobs.len()), (a.token_ids.len(), a.token_ids.len()));
+            assert_eq!((b.logprobs.len(), b.token_logprobs.len()), (b.token_ids.len(), b.token_ids.len()));
+        }
         assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0, "every block returned");
     }
 }

@@ -148,6 +148,30 @@ impl Llm {
         args.device.ensure_compiled()?;
         let source = resolve_model(args.model.as_deref())?;
         let loaded = vellum_models::LoadedModel::open(&source)?;
+        let proposer = match &args.speculative_config {
+            None => None,
+            Some(spec) => Some(match &spec.method {
+                SpeculativeMethod::Ngram { prompt_lookup_min, prompt_lookup_max } => {
+                    Box::new(NgramProposer { min: *prompt_lookup_min, max: *prompt_lookup_max }) as Box<dyn Proposer>
+                }
+                SpeculativeMethod::DraftModel { model } => {
+                    // The draft runs on an engine of its own (same device and
+                    // scheduler settings, its own paged KV cache and prefix
+                    // cache), loaded first: a GPU share given to the target
+                    // then counts the draft's memory as used. Its cache is
+                    // sized as `--kv-cache-memory`'s default sizes one.
+                    let draft = Llm::new(EngineArgs {
+                        model: Some(model.clone()),
+                        speculative_config: None,
+                        kv_cache: KvCacheSize::Auto,
+                        swap_space_bytes: 0,
+                        ..args.clone()
+                    })?;
+                    check_same_vocabulary(&loaded.tokenizer, &draft.tokenizer, model)?;
+                    Box::new(DraftModelProposer::new(draft.engine, model.clone()))
+                }
+            }),
+        };
         let config = loaded.config.clone();
         // The config's EOS, then the tokenizer's (generation_config.json's
         // list; Gemma's <end_of_turn>).
@@ -255,19 +279,7 @@ impl Llm {
             max_concurrency = format!("{:.2}", num_blocks as f64 / per_request as f64),
             "KV cache capacity"
         );
-        if let Some(spec) = &args.speculative_config {
-            let proposer: Box<dyn Proposer> = match &spec.method {
-                SpeculativeMethod::Ngram { prompt_lookup_min, prompt_lookup_max } => {
-                    Box::new(NgramProposer { min: *prompt_lookup_min, max: *prompt_lookup_max })
-                }
-                SpeculativeMethod::DraftModel { model } => {
-                    // The draft runs on an engine of its own (same device and
-                    // settings, its own paged KV cache and prefix cache).
-                    let draft = Llm::new(EngineArgs { model: Some(model.clone()), speculative_config: None, ..args.clone() })?;
-                    check_same_vocabulary(&loaded.tokenizer, &draft.tokenizer, model)?;
-                    Box::new(DraftModelProposer::new(draft.engine, model.clone()))
-                }
-            };
+        if let (Some(spec), Some(proposer)) = (&args.speculative_config, proposer) {
             engine.set_proposer(proposer, spec.num_speculative_tokens);
         }
         Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template, kv_sharing: KvSharing::default() })

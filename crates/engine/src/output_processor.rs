@@ -212,6 +212,16 @@ impl OutputProcessor {
             }
             if seq.text.stopped() {
                 o.finish_reason = Some(FinishReason::Stop);
+                // Tokens after the one that completed the stop string (a
+                // speculative step emits several at once; an output that was
+                // not streamed is cut here) are not part of the output.
+                let n = seq.num_tokens.min(o.token_ids.len());
+                o.token_ids.truncate(n);
+                o.logprobs.truncate(n);
+                if o.token_logprobs.len() > n {
+                    o.token_logprobs.truncate(n);
+                    o.cumulative_logprob = o.cumulative_logprob.map(|_| o.token_logprobs.iter().map(|&x| x as f64).sum());
+                }
             }
             o.text = seq.text.text().to_string();
         }

@@ -29,7 +29,7 @@
 
 use crate::engine_core::EngineCore;
 use crate::error::Error;
-use vellum_base::{IdMap, ModelExecutor, RequestId, SamplingParams, SpeculativeConfig, SpeculativeMethod, TokenId, MAX_SPECULATIVE_TOKENS};
+use vellum_base::{IdMap, ModelExecutor, RequestId, SamplingParams, TokenId, MAX_SPECULATIVE_TOKENS};
 
 /// One sequence that may take drafts this step.
 #[derive(Clone, Copy, Debug)]
@@ -126,7 +126,18 @@ impl<E: ModelExecutor + Send> Proposer for DraftModelProposer<E> {
                 asked.push((id, i));
             }
         }
-        for out in self.engine.run_to_completion()? {
+        let outputs = match self.engine.run_to_completion() {
+            Ok(outputs) => outputs,
+            Err(e) => {
+                // Leave nothing queued in the draft engine for the next proposal.
+                for &(id, _) in &asked {
+                    self.engine.finish_request(id, vellum_scheduler::FinishReason::Abort);
+                }
+                let _ = self.engine.take_finished();
+                return Err(e);
+            }
+        };
+        for out in outputs {
             if let Some(&(_, i)) = asked.iter().find(|a| a.0 == out.request_id) {
                 if let Some(seq) = out.outputs.first() {
                     drafts[i].extend_from_slice(&seq.token_ids);
@@ -205,7 +216,17 @@ struct Backoff {
     wait: u32,
     /// Most drafts its next proposal may hold (0: `num_speculative_tokens`).
     next_len: usize,
+    /// Moving average of the share of its drafts rejected (0 until a
+    /// verification says otherwise).
+    rejected: f32,
 }
+
+/// Below this moving acceptance a request's verifications count as misses
+/// even when they accept something. A verified position costs compute
+/// whether or not it is accepted: on the CPU a step of 2 positions costs
+/// 1.27 of one (docs/benchmarks.md), so a one-token draft pays for itself
+/// from about 27% acceptance; this leaves a margin.
+const MIN_ACCEPTANCE: f32 = 0.35;
 
 /// The engine's speculative decoding: the proposer, `num_speculative_tokens`
 /// and the adaptive per-request backoff.
@@ -261,7 +282,8 @@ impl Speculator {
         self.counters.record(proposed, accepted);
         let b = self.backoff.entry(id).or_default();
         b.next_len = if accepted == proposed { self.num_speculative_tokens } else { accepted + 1 };
-        if accepted == 0 {
+        b.rejected = 0.7 * b.rejected + 0.3 * (1.0 - accepted as f32 / proposed.max(1) as f32);
+        if accepted == 0 || 1.0 - b.rejected < MIN_ACCEPTANCE {
             b.misses += 1;
             b.wait = backoff_steps(b.misses);
         } else {
@@ -274,18 +296,6 @@ impl Speculator {
     pub(crate) fn finish(&mut self, id: RequestId) {
         self.backoff.remove(&id);
         self.proposer.finish(id);
-    }
-}
-
-/// The proposer `config` names. A draft model needs an engine of its own,
-/// which the caller builds ([`crate::Llm`] does); here only the methods
-/// that need no model.
-pub fn ngram_proposer(config: &SpeculativeConfig) -> Option<NgramProposer> {
-    match config.method {
-        SpeculativeMethod::Ngram { prompt_lookup_min, prompt_lookup_max } => {
-            Some(NgramProposer { min: prompt_lookup_min, max: prompt_lookup_max })
-        }
-        SpeculativeMethod::DraftModel { .. } => None,
     }
 }
 
@@ -339,5 +349,14 @@ mod tests {
         s.verified(id, 4, 2);
         assert_eq!(s.draft_len(id), 3, "one more than it accepted");
         assert_eq!((1..=8).map(backoff_steps).collect::<Vec<_>>(), [1, 2, 4, 8, 16, 32, 32, 32]);
+        // A quarter of every draft accepted: below MIN_ACCEPTANCE once the
+        // moving average has come down to it, and then it backs off.
+        let other = RequestId(4);
+        for _ in 0..5 {
+            s.verified(other, 4, 1);
+            assert_eq!(s.draft_len(other), 2);
+        }
+        s.verified(other, 4, 1);
+        assert_eq!(s.draft_len(other), 0, "a quarter accepted is a miss");
     }
 }

@@ -10,7 +10,8 @@
 
 use std::collections::HashMap;
 use vellum_base::{
-    BeamSearchParams, BlockAllocator, ForwardBatch, ModelExecutor, PreemptionMode, SamplingParams, SchedulerConfig, StepOutput, TokenId,
+    BeamSearchParams, BlockAllocator, ForwardBatch, ModelExecutor, PreemptionMode, SamplingParams, SchedulerConfig, SchedulingPolicy,
+    StepOutput, TokenId,
 };
 use vellum_engine::sampler::log_softmax;
 use vellum_engine::{EngineCore, RequestOutput};
@@ -824,11 +825,12 @@ fn speculation_gives_the_tokens_and_logprobs_of_plain_decoding() {
 /// outputs in request order, the speculation counters and the preemptions.
 fn run_mixed(
     mode: PreemptionMode,
+    policy: SchedulingPolicy,
     num_blocks: usize,
     budget: usize,
     spec: bool,
 ) -> (Vec<RequestOutput>, vellum_engine::SpecDecodeCounters, u64) {
-    let config = SchedulerConfig { preemption_mode: mode, max_num_batched_tokens: budget, ..config() };
+    let config = SchedulerConfig { preemption_mode: mode, policy, max_num_batched_tokens: budget, ..config() };
     let mut e = EngineCore::new(FakeModel::new(21, 32), config, num_blocks, 2 * num_blocks, 4, vec![EOS]).expect("engine");
     if spec {
         e.set_proposer(Box::new(OracleProposer { seed: 21, vocab: 32, wrong_every: 4, calls: 0 }), 5);
@@ -872,13 +874,14 @@ fn preemption_by_swap_or_recompute_leaves_every_sequences_tokens_unchanged() {
     // Ample memory against 60 blocks: the same tokens. (Swapping a group
     // back in and out again in one step used to copy out blocks before
     // their swap-in had filled them.)
-    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let (roomy, _, none) = run_mixed(mode, 2048, 40, false);
+    let policies = [SchedulingPolicy::Fcfs, SchedulingPolicy::TwoLevel { staging_queue_size: 8 }];
+    for (mode, policy) in [PreemptionMode::Recompute, PreemptionMode::Swap].into_iter().flat_map(|m| policies.map(|p| (m, p))) {
+        let (roomy, _, none) = run_mixed(mode, policy, 2048, 40, false);
         assert_eq!(none, 0);
         for budget in [37, 40] {
-            let (tight, _, preemptions) = run_mixed(mode, 60, budget, false);
+            let (tight, _, preemptions) = run_mixed(mode, policy, 60, budget, false);
             assert!(preemptions > 0, "{mode:?}: the load did preempt");
-            assert_same_single_sequence_tokens(&roomy, &tight, &format!("{mode:?}, budget {budget}"));
+            assert_same_single_sequence_tokens(&roomy, &tight, &format!("{mode:?}, {policy:?}, budget {budget}"));
         }
     }
 }
@@ -886,8 +889,8 @@ fn preemption_by_swap_or_recompute_leaves_every_sequences_tokens_unchanged() {
 #[test]
 fn speculation_mixed_with_other_requests_under_preemption_returns_every_block() {
     for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let (plain, _, _) = run_mixed(mode, 60, 40, false);
-        let (spec, c, preemptions) = run_mixed(mode, 60, 40, true);
+        let (plain, _, _) = run_mixed(mode, SchedulingPolicy::Fcfs, 60, 40, false);
+        let (spec, c, preemptions) = run_mixed(mode, SchedulingPolicy::Fcfs, 60, 40, true);
         assert!(preemptions > 0, "{mode:?}: the load did preempt");
         assert_same_single_sequence_tokens(&plain, &spec, &format!("{mode:?}"));
         assert!(c.num_accepted_tokens > 0 && c.num_accepted_tokens < c.num_draft_tokens, "{mode:?}: {c:?}");

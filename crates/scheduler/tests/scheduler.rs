@@ -224,17 +224,38 @@ fn drafts_are_offered_only_to_a_running_decode_within_its_length_limit() {
 
 #[test]
 fn drafts_without_the_budget_for_all_of_them_are_dropped_for_a_plain_decode() {
-    // A budget of 3 tokens: the 1 + 4 a verification needs do not fit.
+    // A budget of 3 tokens: a request is offered at most 2 drafts, and when
+    // an earlier request's decode takes 1 of the 3 they do not fit.
     let mut s = sched(64, 16, SchedulerConfig { max_num_batched_tokens: 3, max_model_len: 4096, ..SchedulerConfig::default() });
-    add(&mut s, 0, prompt(3, 0), 20);
+    add(&mut s, 0, prompt(2, 0), 20);
+    add(&mut s, 1, prompt(1, 1), 20);
     step(&mut s);
-    s.add_draft_tokens(RequestId(0), &[5, 6, 7, 8]).unwrap();
+    assert_eq!(s.max_draft_tokens(RequestId(1)), 2, "within the step's budget");
+    s.add_draft_tokens(RequestId(1), &[5, 6]).unwrap();
     let out = s.schedule();
-    assert_eq!((out.scheduled[0].num_scheduled_tokens, out.scheduled[0].num_draft_tokens), (1, 0));
+    let b = out.scheduled.iter().find(|x| x.request_id == RequestId(1)).unwrap();
+    assert_eq!((b.num_scheduled_tokens, b.num_draft_tokens), (1, 0));
     finish_step(&mut s, &out);
-    assert_eq!(counters(&s, 0), (4, 5));
-    assert_eq!(s.request(RequestId(0)).unwrap().seqs[0].state.output_token_ids(), &[10_003, 10_004]);
+    assert_eq!(counters(&s, 1), (2, 3));
+    assert_eq!(s.request(RequestId(1)).unwrap().seqs[0].state.output_token_ids(), &[10_001, 10_002]);
     s.assert_invariants();
+}
+
+#[test]
+fn drafts_without_room_are_dropped_rather_than_preempting_anyone() {
+    // 2 blocks of 4, one each for A and B (3 tokens each, room for one
+    // more): A's 3 drafts would need another block, which only preempting
+    // B could give.
+    let mut s = sched(2, 4, cfg(512));
+    add(&mut s, 0, prompt(3, 0), 5);
+    add(&mut s, 1, prompt(3, 1), 5);
+    step(&mut s);
+    s.add_draft_tokens(RequestId(0), &[5, 6, 7]).unwrap();
+    let out = step(&mut s);
+    assert_eq!(s.num_preemptions(), 0, "nobody was preempted for drafts");
+    let a = out.scheduled.iter().find(|x| x.request_id == RequestId(0)).unwrap();
+    assert_eq!((a.num_scheduled_tokens, a.num_draft_tokens), (1, 0));
+    assert_eq!((counters(&s, 0), counters(&s, 1)), ((4, 5), (4, 5)));
 }
 
 // ---- Behaviour -------------------------------------------------------------

@@ -206,7 +206,12 @@ impl<E: ModelExecutor> EngineCore<E> {
             })
             .collect();
         let mut drafts = vec![Vec::new(); requests.len()];
-        spec.propose(&requests, &mut drafts)?;
+        // A proposer that fails (a draft model's backend fault) costs this
+        // step its drafts, never the target's requests.
+        if let Err(e) = spec.propose(&requests, &mut drafts) {
+            tracing::warn!(error = %e, "the speculative proposer failed; this step decodes without drafts");
+            return Ok(());
+        }
         for (&(rid, sid, most), mut d) in wanted.iter().zip(drafts) {
             d.truncate(most);
             if d.is_empty() || self.scheduler.add_draft_tokens(rid, &d).is_err() {

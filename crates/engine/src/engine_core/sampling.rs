@@ -6,7 +6,7 @@ use super::batch::Row;
 use super::EngineCore;
 use crate::beam::beam_step;
 use crate::outputs::PromptLogprob;
-use crate::sampler::{log_softmax, sample_masked, top_k, AllowedTokens, RowStats, Sample};
+use crate::sampler::{has_penalties, log_softmax, sample_masked, top_k, AllowedTokens, RowStats, Sample};
 use crate::sequences::{Draw, SeqView};
 use crate::structured::Constraint;
 use llguidance::toktrie::SimpleVob;
@@ -148,7 +148,11 @@ impl<E: ModelExecutor> EngineCore<E> {
                 // Draw as the non-speculative sampler would after the drafts
                 // before this position (the history its penalties read).
                 let i = draft.unwrap_or(seq.drafts.len());
-                let history: Vec<_> = seq.output().iter().chain(&seq.drafts[..i]).copied().collect();
+                let history: Vec<_> = if has_penalties(&req.params) {
+                    seq.output().iter().chain(&seq.drafts[..i]).copied().collect()
+                } else {
+                    Vec::new() // read by the penalties alone
+                };
                 let k = req.params.logprobs.unwrap_or(0);
                 let Sample { token, logprob, top_logprobs } =
                     sample_masked(row_logits, row_stats, &req.params, &mut req.rng, k, (seq.prompt(), &history), None);

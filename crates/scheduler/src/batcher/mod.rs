@@ -318,7 +318,13 @@ impl<A: BlockAllocator> Scheduler<A> {
         {
             return 0;
         }
-        req.max_total_tokens.saturating_sub(s.num_total_tokens() + 1)
+        // A verification runs whole in one step: within the step's budget
+        // and the per-request chunk limit.
+        let mut most = req.max_total_tokens.saturating_sub(s.num_total_tokens() + 1).min(self.config.max_num_batched_tokens - 1);
+        if self.config.long_prefill_token_threshold > 0 {
+            most = most.min(self.config.long_prefill_token_threshold - 1);
+        }
+        most
     }
 
     /// Prefill disaggregation (Table 4.1): another instance computed the

@@ -353,7 +353,24 @@ impl<A: BlockAllocator> Scheduler<A> {
                 num_computed_tokens: alloc_from,
                 hint,
             };
-            let Some(slots) = self.allocator.allocate_slots(&st, start + delta - alloc_from, computed) else {
+            let mut slots = self.allocator.allocate_slots(&st, start + delta - alloc_from, computed);
+            // Drafts never cost a preemption: without room for them the
+            // sequence decodes one token. (A sequence with drafts holds its
+            // blocks already: no prefix hit to hand over again.)
+            if slots.is_none() && seq.state.num_draft_tokens() > 0 {
+                seq.state.drop_draft_tokens();
+                remaining = seq.num_schedulable_tokens();
+                delta = delta.min(remaining);
+                let st = SeqTokens {
+                    seq_id: seq.seq_id,
+                    token_ids: seq.state.verified_token_ids(),
+                    num_prompt_tokens: seq.state.num_prompt_tokens(),
+                    num_computed_tokens: alloc_from,
+                    hint,
+                };
+                slots = self.allocator.allocate_slots(&st, start + delta - alloc_from, ComputedBlocks::default());
+            }
+            let Some(slots) = slots else {
                 out.scheduled.truncate(mark);
                 self.step_slots.truncate(mark);
                 return Attempt::NoRoom;

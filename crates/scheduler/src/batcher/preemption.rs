@@ -15,14 +15,14 @@ impl<A: BlockAllocator> Scheduler<A> {
         self.trim_to_scheduled(id);
         let req = self.requests.get_mut(&id).expect("preempted request is live");
         let seq_ids: Vec<SeqId> = req.running_seqs().map(|s| s.seq_id).collect();
-        // A group resumed by this very step is not swapped out again in it:
-        // a step's swap-outs run before its swap-ins, so its blocks would be
-        // copied out before they were copied back in (and a host block its
-        // swap-in freed could be overwritten before it is read). It is
-        // recomputed instead.
-        let resumed_now = out.resumed_requests.contains(&id);
+        // No swap-out in a step that swaps in: a step's swap-outs run before
+        // its swap-ins, so a host block a swap-in freed (and may hand to
+        // this swap-out) would be overwritten before it is read, and a group
+        // swapped in by this very step would be copied out before it was
+        // copied back. Such a preemption recomputes instead.
+        let swapped_in_now = !out.block_ops.swap_in.is_empty();
         let swaps = match self.config.preemption_mode {
-            PreemptionMode::Swap if !resumed_now => self.allocator.swap_out(&seq_ids),
+            PreemptionMode::Swap if !swapped_in_now => self.allocator.swap_out(&seq_ids),
             _ => None,
         };
         let key = (if self.config.policy == SchedulingPolicy::Priority { req.priority } else { 0 }, req.arrival_order);

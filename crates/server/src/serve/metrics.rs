@@ -200,15 +200,15 @@ impl Metrics {
         );
         // Speculative decoding, as vLLM names it (zero without a proposer).
         let sd = &s.spec_decode;
-        metric("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", sd.num_drafts as f64);
-        metric("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", sd.num_draft_tokens as f64);
-        metric("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.", sd.num_accepted_tokens as f64);
+        metric("vllm:spec_decode_num_drafts_total", "counter", "Number of spec decoding drafts.", sd.num_drafts as f64);
+        metric("vllm:spec_decode_num_draft_tokens_total", "counter", "Number of draft tokens.", sd.num_draft_tokens as f64);
+        metric("vllm:spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.", sd.num_accepted_tokens as f64);
         let mut per_pos = String::from(
-            "# HELP vllm:spec_decode_num_accepted_tokens_per_pos Accepted tokens per draft position.\n\
-             # TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter\n",
+            "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.\n\
+             # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter\n",
         );
         for (pos, n) in sd.num_accepted_tokens_per_pos.iter().enumerate().take_while(|(pos, n)| **n > 0 || *pos == 0) {
-            let _ = writeln!(per_pos, "vllm:spec_decode_num_accepted_tokens_per_pos{{{labels},position=\"{pos}\"}} {n}");
+            let _ = writeln!(per_pos, "vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position=\"{pos}\"}} {n}");
         }
         // Vellum's extras: where the KV memory goes (paper §3, Fig. 2).
         let used_slots = (kv.num_used_blocks * kv.block_size) as f64;
@@ -351,17 +351,17 @@ mod tests {
     fn speculative_decoding_counters_carry_vllms_names() {
         let mut s = EngineStats::default();
         let text = Metrics::new("m", 64).render(&s);
-        assert!(text.contains("vllm:spec_decode_num_drafts{model_name=\"m\",engine=\"0\"} 0.0\n"), "{text}");
+        assert!(text.contains("vllm:spec_decode_num_drafts_total{model_name=\"m\",engine=\"0\"} 0.0\n"), "{text}");
         s.spec_decode.num_drafts = 3;
         s.spec_decode.num_draft_tokens = 12;
         s.spec_decode.num_accepted_tokens = 5;
         s.spec_decode.num_accepted_tokens_per_pos[..3].copy_from_slice(&[3, 1, 1]);
         let text = Metrics::new("m", 64).render(&s);
         for line in [
-            "vllm:spec_decode_num_draft_tokens{model_name=\"m\",engine=\"0\"} 12.0",
-            "vllm:spec_decode_num_accepted_tokens{model_name=\"m\",engine=\"0\"} 5.0",
-            "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
-            "vllm:spec_decode_num_accepted_tokens_per_pos{model_name=\"m\",engine=\"0\",position=\"2\"} 1",
+            "vllm:spec_decode_num_draft_tokens_total{model_name=\"m\",engine=\"0\"} 12.0",
+            "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\",engine=\"0\"} 5.0",
+            "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter",
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=\"m\",engine=\"0\",position=\"2\"} 1",
         ] {
             assert!(text.contains(line), "{line} in {text}");
         }
