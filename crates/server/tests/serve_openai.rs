@@ -153,3 +153,60 @@ fn queue_full_is_503_and_sigterm_exits_cleanly() {
     let status = server.wait_for_exit("SIGTERM");
     assert!(status.success(), "exit status {status:?}");
 }
+
+/// `vellum serve --speculative-config` (n-gram prompt lookup): greedy
+/// completions, whole and streamed, are those of a server without it; the
+/// stream's chunks carry several tokens when drafts are accepted; the
+/// `vllm:spec_decode_*` counters count them; a bad config is refused at
+/// start with the flag named.
+#[test]
+fn speculative_decoding_serves_the_text_of_plain_decoding() {
+    let common = ["--kv-cache-memory", "64MiB", "--max-model-len", "512"];
+    let spec = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}"#;
+    let plain = Server::start(&common);
+    let fast = Server::start(&[&common[..], &["--speculative-config", spec]].concat());
+    let json = [("Content-Type", "application/json")];
+    let text_of = |server: &Server, prompt: &str, stream: bool| {
+        let body = serde_json::json!({"prompt": prompt, "max_tokens": 48, "temperature": 0, "stream": stream}).to_string();
+        let (status, body) = server.request("POST", "/v1/completions", &json, &body);
+        assert_eq!(status, 200, "{body}");
+        if !stream {
+            let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+            return (v["choices"][0]["text"].as_str().expect("text").to_string(), 1);
+        }
+        let chunks: Vec<String> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok()?["choices"][0]["text"].as_str().map(str::to_string))
+            .filter(|t| !t.is_empty())
+            .collect();
+        (chunks.concat(), chunks.len())
+    };
+    let prompts = [
+        "Repeat after me three times: the quick brown fox jumps over the lazy dog. The quick brown fox",
+        "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+        "Once upon a time",
+    ];
+    let mut total_chunks = 0;
+    for prompt in prompts {
+        let (want, _) = text_of(&plain, prompt, false);
+        assert_eq!(text_of(&fast, prompt, false).0, want, "{prompt:?}");
+        let (streamed, chunks) = text_of(&fast, prompt, true);
+        assert_eq!(streamed, want, "{prompt:?} streamed");
+        total_chunks += chunks;
+    }
+    assert!(total_chunks < 3 * 48, "some chunks carry several tokens: {total_chunks} chunks for 144 tokens");
+    let (_, metrics) = fast.get("/metrics");
+    let accepted = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("vllm:spec_decode_num_accepted_tokens_total{")?.split("} ").nth(1)?.parse::<f64>().ok())
+        .expect("the accepted-tokens counter");
+    assert!(accepted > 0.0, "drafts were accepted: {metrics}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vellum"))
+        .args(["serve", "--speculative-config", r#"{"method": "eagle", "num_speculative_tokens": 2, "model": "x"}"#])
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--speculative-config") && err.contains("eagle"), "{err}");
+}
