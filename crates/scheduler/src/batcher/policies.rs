@@ -288,8 +288,16 @@ impl<A: BlockAllocator> Scheduler<A> {
         // A sequence recomputing from scratch (after preemption) waits while
         // a sibling is still computing the prompt, so that it then finds the
         // whole prompt in the prefix cache instead of computing a copy.
+        //
+        // Not so for a beam search's candidates: a beam step ranks all of
+        // them at once, so they recompute together and, when the budget
+        // allows, in full in one step (a candidate sampled alone would see
+        // the others dropped as unextended).
+        let beam_gang = req.hot.is_beam && req.forked;
+        let whole_only = beam_gang && step.budget < self.config.max_num_batched_tokens;
         let num_prompt = req.num_prompt_tokens();
-        let prompt_leader = req.running_seqs().find(|s| s.num_scheduled_tokens() < num_prompt).map(|s| s.seq_id);
+        let prompt_leader =
+            if beam_gang { None } else { req.running_seqs().find(|s| s.num_scheduled_tokens() < num_prompt).map(|s| s.seq_id) };
         let waits_for_leader =
             |s: &Sequence| prompt_leader.is_some_and(|l| l != s.seq_id) && s.num_scheduled_tokens() == 0 && s.num_in_flight_tokens == 0;
         // Gang scheduling: every sequence of the group with work runs in the
@@ -336,7 +344,7 @@ impl<A: BlockAllocator> Scheduler<A> {
                 remaining = seq.num_schedulable_tokens();
                 delta = delta.min(remaining);
             }
-            if delta == 0 || (delta < remaining && !chunked) {
+            if delta == 0 || (delta < remaining && (!chunked || whole_only)) {
                 out.scheduled.truncate(mark);
                 self.step_slots.truncate(mark);
                 return Attempt::NoBudget;
