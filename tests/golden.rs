@@ -557,6 +557,8 @@ fn two_hundred_mixed_requests_on_the_real_model_return_every_block() {
     llm.engine().scheduler().assert_invariants();
 }
 
+const NGRAM: &str = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}"#;
+
 /// Speculative decoding verifies drafts in one forward pass of several
 /// positions; greedy tokens must be those of plain decoding, golden prompts
 /// and a long generation alike, for both proposers (the draft model here is
@@ -564,52 +566,63 @@ fn two_hundred_mixed_requests_on_the_real_model_return_every_block() {
 /// rejected drafts as the global ones do.
 #[test]
 fn speculative_decoding_keeps_the_greedy_tokens_of_the_golden_prompts() {
-    let ngram = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}"#;
     let draft = r#"{"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3}"#;
-    for (model, spec) in [(&SMOLLM2, ngram), (&SMOLLM2, draft), (&GEMMA3, ngram)] {
-        let cases = load_golden(model.golden);
-        let mut prompts: Vec<Vec<u32>> = cases.iter().map(|c| c.prompt_ids.clone()).collect();
-        // A long generation that repeats itself: most drafts are accepted.
-        let first = prompts[0].clone();
-        prompts.push(first.iter().chain(&first).chain(&first).copied().collect());
-        let engine = |speculative: Option<&str>| {
-            Llm::new(EngineArgs {
-                model: model.spec.map(str::to_string),
-                kv_cache: vellum::core::KvCacheSize::MemoryBytes(256 << 20),
-                scheduler: SchedulerConfig { max_num_batched_tokens: 512, max_model_len: 2048, ..SchedulerConfig::default() },
-                speculative_config: speculative.map(|s| vellum::core::SpeculativeConfig::from_json(s).expect("valid config")),
-                ..EngineArgs::default()
-            })
-            .expect("the model loads")
-        };
-        let params = SamplingParams { logprobs: Some(5), ..SamplingParams::greedy(96) };
-        let mut plain_llm = engine(None);
-        let plain = plain_llm.generate_ids(&prompts, &params).expect("generation runs");
-        let mut llm = engine(Some(spec));
-        let spec_outs = llm.generate_ids(&prompts, &params).expect("generation runs");
-        let c = llm.engine().spec_decode_counters();
-        eprintln!("{} {spec}: {c:?}, steps {}", model.golden, llm.engine().counters().num_steps);
-        assert!(c.num_accepted_tokens > 0, "drafts were accepted: {c:?}");
-        let mut worst = 0.0f32;
-        for (i, (a, b)) in plain.iter().zip(&spec_outs).enumerate() {
-            let (a, b) = (&a.outputs[0], &b.outputs[0]);
-            assert_eq!(a.token_ids, b.token_ids, "{}: prompt {i}", model.golden);
-            for (x, y) in a.token_logprobs.iter().zip(&b.token_logprobs) {
-                worst = worst.max((x - y).abs());
-            }
-        }
-        // A multi-position step rounds differently from one-position decodes.
-        assert!(worst < 2e-3, "{}: logprobs differ by up to {worst}", model.golden);
-        // Stop strings: a step that emits several tokens ends the output at
-        // the one completing the string, as plain decoding does.
-        let stop = SamplingParams { stop: vec![",".into(), ".".into()], ..params.clone() };
-        let (a, b) = (plain_llm.generate_ids(&prompts, &stop).expect("runs"), llm.generate_ids(&prompts, &stop).expect("runs"));
-        for (i, (a, b)) in a.iter().zip(&b).enumerate() {
-            let (a, b) = (&a.outputs[0], &b.outputs[0]);
-            assert_eq!((&a.token_ids, &a.text, a.finish_reason), (&b.token_ids, &b.text, b.finish_reason), "stop strings: prompt {i}");
-            assert_eq!((a.logprobs.len(), a.token_logprobs.len()), (a.token_ids.len(), a.token_ids.len()));
-            assert_eq!((b.logprobs.len(), b.token_logprobs.len()), (b.token_ids.len(), b.token_ids.len()));
-        }
-        assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0, "every block returned");
+    for (model, spec) in [(&SMOLLM2, NGRAM), (&SMOLLM2, draft), (&GEMMA3, NGRAM)] {
+        speculation_keeps_the_greedy_tokens(model, spec, Device::Cpu, usize::MAX, 96);
     }
+}
+
+/// The same on the WGSL backend (fewer prompts and tokens: lavapipe is slow).
+#[cfg(feature = "wgpu")]
+#[test]
+fn speculative_decoding_keeps_the_greedy_tokens_on_wgpu() {
+    speculation_keeps_the_greedy_tokens(&SMOLLM2, NGRAM, Device::Wgpu, 3, 48);
+}
+
+fn speculation_keeps_the_greedy_tokens(model: &Model, spec: &str, device: Device, num_prompts: usize, max_tokens: usize) {
+    let cases = load_golden(model.golden);
+    let mut prompts: Vec<Vec<u32>> = cases.iter().take(num_prompts).map(|c| c.prompt_ids.clone()).collect();
+    // A long generation that repeats itself: most drafts are accepted.
+    let first = prompts[0].clone();
+    prompts.push(first.iter().chain(&first).chain(&first).copied().collect());
+    let engine = |speculative: Option<&str>| {
+        Llm::new(EngineArgs {
+            model: model.spec.map(str::to_string),
+            device,
+            kv_cache: vellum::core::KvCacheSize::MemoryBytes(256 << 20),
+            scheduler: SchedulerConfig { max_num_batched_tokens: 512, max_model_len: 2048, ..SchedulerConfig::default() },
+            speculative_config: speculative.map(|s| vellum::core::SpeculativeConfig::from_json(s).expect("valid config")),
+            ..EngineArgs::default()
+        })
+        .expect("the model loads")
+    };
+    let params = SamplingParams { logprobs: Some(5), ..SamplingParams::greedy(max_tokens) };
+    let mut plain_llm = engine(None);
+    let plain = plain_llm.generate_ids(&prompts, &params).expect("generation runs");
+    let mut llm = engine(Some(spec));
+    let spec_outs = llm.generate_ids(&prompts, &params).expect("generation runs");
+    let c = llm.engine().spec_decode_counters();
+    eprintln!("{} on {device}, {spec}: {c:?}, steps {}", model.golden, llm.engine().counters().num_steps);
+    assert!(c.num_accepted_tokens > 0, "drafts were accepted: {c:?}");
+    let mut worst = 0.0f32;
+    for (i, (a, b)) in plain.iter().zip(&spec_outs).enumerate() {
+        let (a, b) = (&a.outputs[0], &b.outputs[0]);
+        assert_eq!(a.token_ids, b.token_ids, "{}: prompt {i}", model.golden);
+        for (x, y) in a.token_logprobs.iter().zip(&b.token_logprobs) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    // A multi-position step rounds differently from one-position decodes.
+    assert!(worst < 2e-3, "{}: logprobs differ by up to {worst}", model.golden);
+    // Stop strings: a step that emits several tokens ends the output at
+    // the one completing the string, as plain decoding does.
+    let stop = SamplingParams { stop: vec![",".into(), ".".into()], ..params.clone() };
+    let (a, b) = (plain_llm.generate_ids(&prompts, &stop).expect("runs"), llm.generate_ids(&prompts, &stop).expect("runs"));
+    for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+        let (a, b) = (&a.outputs[0], &b.outputs[0]);
+        assert_eq!((&a.token_ids, &a.text, a.finish_reason), (&b.token_ids, &b.text, b.finish_reason), "stop strings: prompt {i}");
+        assert_eq!((a.logprobs.len(), a.token_logprobs.len()), (a.token_ids.len(), a.token_ids.len()));
+        assert_eq!((b.logprobs.len(), b.token_logprobs.len()), (b.token_ids.len(), b.token_ids.len()));
+    }
+    assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0, "every block returned");
 }
