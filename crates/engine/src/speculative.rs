@@ -138,7 +138,9 @@ impl<E: ModelExecutor + Send> Proposer for DraftModelProposer<E> {
             }
         };
         for out in outputs {
-            if let Some(&(_, i)) = asked.iter().find(|a| a.0 == out.request_id) {
+            // Request ids grow, so `asked` is sorted by them.
+            if let Ok(j) = asked.binary_search_by_key(&out.request_id, |a| a.0) {
+                let i = asked[j].1;
                 if let Some(seq) = out.outputs.first() {
                     drafts[i].extend_from_slice(&seq.token_ids);
                 }
@@ -245,10 +247,6 @@ impl Speculator {
             backoff: IdMap::default(),
             counters: SpecDecodeCounters::default(),
         }
-    }
-
-    pub(crate) fn num_speculative_tokens(&self) -> usize {
-        self.num_speculative_tokens
     }
 
     pub(crate) fn describe(&self) -> String {

@@ -6,7 +6,7 @@
 //! The group is scheduled and preempted as one unit.
 
 use smallvec::SmallVec;
-use vellum_base::{LengthHint, RequestId, RequestState, SamplingParams, SeqId, TokenId};
+use vellum_base::{LengthHint, RequestId, RequestState, SamplingParams, SeqId, SeqTokens, TokenId};
 
 /// Why a sequence or request ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -87,6 +87,27 @@ impl Sequence {
     /// Tokens the next step may compute.
     pub fn num_schedulable_tokens(&self) -> usize {
         self.num_expected_tokens() - self.num_scheduled_tokens()
+    }
+
+    /// What the allocator reads of it for slots after `num_computed_tokens`:
+    /// its verified tokens (drafts get slots but no prefix-cache
+    /// registration: a block joins the cache once every token in it is
+    /// verified).
+    pub(crate) fn tokens_for_allocator(&self, num_computed_tokens: usize, hint: LengthHint) -> SeqTokens<'_> {
+        SeqTokens {
+            seq_id: self.seq_id,
+            token_ids: self.state.verified_token_ids(),
+            num_prompt_tokens: self.state.num_prompt_tokens(),
+            num_computed_tokens,
+            hint,
+        }
+    }
+
+    /// Withdraws its drafts unverified (a step without the budget or the
+    /// room for them); returns the tokens the next step may compute now.
+    pub(crate) fn drop_draft_tokens(&mut self) -> usize {
+        self.state.drop_draft_tokens();
+        self.num_schedulable_tokens()
     }
 
     /// Still generating.

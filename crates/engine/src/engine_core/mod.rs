@@ -181,7 +181,6 @@ impl<E: ModelExecutor> EngineCore<E> {
     /// [`EngineCore::set_proposer`]).
     fn propose_drafts(&mut self) -> Result<(), Error> {
         let Some(spec) = self.speculator.as_mut() else { return Ok(()) };
-        let k = spec.num_speculative_tokens();
         let mut wanted: Vec<(RequestId, SeqId, usize)> = Vec::new();
         for (&rid, req) in self.views.reqs.iter() {
             let [sid] = req.seqs[..] else { continue };
@@ -189,8 +188,9 @@ impl<E: ModelExecutor> EngineCore<E> {
                 && req.params.beam_search.is_none()
                 && req.params.num_sequences() == 1
                 && self.views.seqs.get(&sid).is_some_and(|v| v.constraint.is_none());
-            let most = if eligible { self.scheduler.max_draft_tokens(rid).min(k) } else { 0 };
-            let most = if most > 0 { most.min(spec.draft_len(rid)) } else { 0 };
+            let room = if eligible { self.scheduler.max_draft_tokens(rid) } else { 0 };
+            // `draft_len` counts a backoff step: asked only of a request that could draft.
+            let most = if room > 0 { room.min(spec.draft_len(rid)) } else { 0 };
             if most > 0 {
                 wanted.push((rid, sid, most));
             }

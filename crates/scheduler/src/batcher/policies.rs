@@ -6,7 +6,7 @@
 use super::Scheduler;
 use crate::scheduler_output::{BlockTableUpdate, ScheduledSeq, SchedulerOutput};
 use crate::sequence_group::{RequestStatus, Sequence};
-use vellum_base::{BlockAllocator, ComputedBlocks, RequestId, SchedulingPolicy, SeqId, SeqTokens};
+use vellum_base::{BlockAllocator, ComputedBlocks, RequestId, SchedulingPolicy, SeqId};
 
 /// What happened when a request was offered a share of the step.
 enum Attempt {
@@ -156,13 +156,7 @@ impl<A: BlockAllocator> Scheduler<A> {
     fn staged_delta(&mut self, id: RequestId) -> usize {
         let req = &self.requests[&id];
         let seq = &req.seqs[0];
-        let st = SeqTokens {
-            seq_id: seq.seq_id,
-            token_ids: seq.state.token_ids(),
-            num_prompt_tokens: seq.state.num_prompt_tokens(),
-            num_computed_tokens: 0,
-            hint: req.length_hint(),
-        };
+        let st = seq.tokens_for_allocator(0, req.length_hint());
         let hit = if req.hot.prompt_logprobs { 0 } else { self.allocator.get_computed_blocks(&st).num_computed_tokens };
         req.num_schedulable_tokens().saturating_sub(hit)
     }
@@ -314,13 +308,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             let holds_nothing = seq.num_synced_blocks == 0 && self.allocator.block_table(seq.seq_id).is_none();
             let fresh = holds_nothing && seq.num_in_flight_tokens == 0 && seq.state.num_computed_tokens() == 0;
             let computed = if fresh && use_prefix_cache {
-                self.allocator.get_computed_blocks(&SeqTokens {
-                    seq_id: seq.seq_id,
-                    token_ids: seq.state.token_ids(),
-                    num_prompt_tokens: seq.state.num_prompt_tokens(),
-                    num_computed_tokens: 0,
-                    hint,
-                })
+                self.allocator.get_computed_blocks(&seq.tokens_for_allocator(0, hint))
             } else {
                 ComputedBlocks::default()
             };
@@ -340,8 +328,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             // Drafts are verified in one step or not at all: without the
             // budget for all of them the sequence decodes one token.
             if delta < remaining && seq.state.num_draft_tokens() > 0 {
-                seq.state.drop_draft_tokens();
-                remaining = seq.num_schedulable_tokens();
+                remaining = seq.drop_draft_tokens();
                 delta = delta.min(remaining);
             }
             if delta == 0 || (delta < remaining && (!chunked || whole_only)) {
@@ -352,30 +339,15 @@ impl<A: BlockAllocator> Scheduler<A> {
             // A sequence holding nothing gets slots from its prefix hit on; one
             // computed elsewhere (remote prefill) also for the KV it loads.
             let alloc_from = if holds_nothing { hit } else { start };
-            // Drafts get slots but no prefix-cache registration: a block
-            // joins the cache once every token in it is verified.
-            let st = SeqTokens {
-                seq_id: seq.seq_id,
-                token_ids: seq.state.verified_token_ids(),
-                num_prompt_tokens: seq.state.num_prompt_tokens(),
-                num_computed_tokens: alloc_from,
-                hint,
-            };
-            let mut slots = self.allocator.allocate_slots(&st, start + delta - alloc_from, computed);
+            let mut slots =
+                self.allocator.allocate_slots(&seq.tokens_for_allocator(alloc_from, hint), start + delta - alloc_from, computed);
             // Drafts never cost a preemption: without room for them the
             // sequence decodes one token. (A sequence with drafts holds its
             // blocks already: no prefix hit to hand over again.)
             if slots.is_none() && seq.state.num_draft_tokens() > 0 {
-                seq.state.drop_draft_tokens();
-                remaining = seq.num_schedulable_tokens();
+                remaining = seq.drop_draft_tokens();
                 delta = delta.min(remaining);
-                let st = SeqTokens {
-                    seq_id: seq.seq_id,
-                    token_ids: seq.state.verified_token_ids(),
-                    num_prompt_tokens: seq.state.num_prompt_tokens(),
-                    num_computed_tokens: alloc_from,
-                    hint,
-                };
+                let st = seq.tokens_for_allocator(alloc_from, hint);
                 slots = self.allocator.allocate_slots(&st, start + delta - alloc_from, ComputedBlocks::default());
             }
             let Some(slots) = slots else {
