@@ -23,7 +23,7 @@
 
 use serde::Deserialize;
 use vellum::core::{BlockAllocator, SamplingParams, SchedulerConfig};
-use vellum::engine::{CpuPrecision, Device, EngineArgs, Llm};
+use vellum::engine::{ComputeDtype, CpuPrecision, Device, EngineArgs, Llm};
 
 #[derive(Deserialize)]
 struct Golden {
@@ -95,39 +95,39 @@ fn golden() -> Vec<Golden> {
 /// The default CPU path: the file's Q4_1 blocks × int8 activations.
 #[test]
 fn smollm2_matches_the_float64_reference() {
-    matches_the_float64_reference(&SMOLLM2, Device::Cpu, CpuPrecision::Int8);
+    matches_the_float64_reference(&SMOLLM2, Device::Cpu, CpuPrecision::Int8, ComputeDtype::Auto);
 }
 
 /// int16 activations: the float32 rule.
 #[test]
 fn smollm2_matches_the_float64_reference_int16() {
-    matches_the_float64_reference(&SMOLLM2, Device::Cpu, CpuPrecision::Int16);
+    matches_the_float64_reference(&SMOLLM2, Device::Cpu, CpuPrecision::Int16, ComputeDtype::Auto);
 }
 
 /// The float32 reference path.
 #[test]
 fn smollm2_matches_the_float64_reference_float32() {
-    matches_the_float64_reference(&SMOLLM2, Device::Cpu, CpuPrecision::Float32);
+    matches_the_float64_reference(&SMOLLM2, Device::Cpu, CpuPrecision::Float32, ComputeDtype::Auto);
 }
 
 /// The same golden prompts, batched, through the WGSL backend (lavapipe in CI).
 #[cfg(feature = "wgpu")]
 #[test]
 fn smollm2_matches_the_float64_reference_on_wgpu() {
-    matches_the_float64_reference(&SMOLLM2, Device::Wgpu, CpuPrecision::Float32);
+    matches_the_float64_reference(&SMOLLM2, Device::Wgpu, CpuPrecision::Float32, ComputeDtype::Float32);
 }
 
 /// Gemma 3 270M: Q5_0/Q8_0/Q4_K/Q6_K weights, 15 sliding-window layers of 18,
 /// an 828-token prompt that crosses the 512-token window.
 #[test]
 fn gemma3_matches_the_float64_reference() {
-    matches_the_float64_reference(&GEMMA3, Device::Cpu, CpuPrecision::Int8);
+    matches_the_float64_reference(&GEMMA3, Device::Cpu, CpuPrecision::Int8, ComputeDtype::Auto);
 }
 
 /// Gemma 3 on the float32 reference path.
 #[test]
 fn gemma3_matches_the_float64_reference_float32() {
-    matches_the_float64_reference(&GEMMA3, Device::Cpu, CpuPrecision::Float32);
+    matches_the_float64_reference(&GEMMA3, Device::Cpu, CpuPrecision::Float32, ComputeDtype::Auto);
 }
 
 /// Gemma 3 through the WGSL backend: K-quants and Q5_0 widened to f32 at
@@ -135,7 +135,7 @@ fn gemma3_matches_the_float64_reference_float32() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn gemma3_matches_the_float64_reference_on_wgpu() {
-    matches_the_float64_reference(&GEMMA3, Device::Wgpu, CpuPrecision::Float32);
+    matches_the_float64_reference(&GEMMA3, Device::Wgpu, CpuPrecision::Float32, ComputeDtype::Float32);
 }
 
 /// Whether a CUDA GPU is here; without one the CUDA tests say SKIPPED by
@@ -153,23 +153,36 @@ fn cuda_or_skip(test: &str) -> bool {
     }
 }
 
-/// The golden prompts, batched, through the CUDA backend (float32
-/// activations and KV cache, the float32 rule); on a GPU machine
-/// (`kernels/cuda/gpu_suite.sh`).
+/// The golden prompts, batched, through the CUDA backend's float32 path
+/// (`--dtype float32`: f32 activations and KV cache, the float32 rule); on
+/// a GPU machine (`kernels/cuda/gpu_suite.sh`).
 #[cfg(feature = "cuda")]
 #[test]
 fn smollm2_matches_the_float64_reference_on_cuda_or_skips_without_a_gpu() {
     if cuda_or_skip("smollm2_matches_the_float64_reference_on_cuda") {
-        matches_the_float64_reference(&SMOLLM2, Device::Cuda, CpuPrecision::Float32);
+        matches_the_float64_reference(&SMOLLM2, Device::Cuda, CpuPrecision::Float32, ComputeDtype::Float32);
     }
 }
 
-/// Chunked prefill, prefix hits and batching on the CUDA backend.
+/// The golden prompts through the CUDA backend's default path (`--dtype
+/// auto`: bf16 activations on tensor cores, bf16 KV cache), judged by the
+/// quantized-path rule against llama.cpp's own gaps on the same file.
+#[cfg(feature = "cuda")]
+#[test]
+fn smollm2_matches_the_float64_reference_on_cuda_bf16_or_skips_without_a_gpu() {
+    if cuda_or_skip("smollm2_matches_the_float64_reference_on_cuda_bf16") {
+        matches_the_float64_reference(&SMOLLM2, Device::Cuda, CpuPrecision::Float32, ComputeDtype::Auto);
+    }
+}
+
+/// Chunked prefill, prefix hits and batching on the CUDA backend's float32
+/// path. (With bf16 products a batch's size picks the GEMM, whose f32 sums
+/// round differently, so the bf16 path is not batch-invariant to 10⁻⁴.)
 #[cfg(feature = "cuda")]
 #[test]
 fn chunking_prefix_hits_and_batching_do_not_change_results_on_cuda_or_skips_without_a_gpu() {
     if cuda_or_skip("chunking_prefix_hits_and_batching_do_not_change_results_on_cuda") {
-        chunking_prefix_hits_and_batching_leave_results(Device::Cuda);
+        chunking_prefix_hits_and_batching_leave_results(Device::Cuda, ComputeDtype::Float32);
     }
 }
 
@@ -179,15 +192,18 @@ fn wgpu_golden_and_equivalence_tests_skipped_build_has_no_wgpu_feature() {
     eprintln!("skipped: build with `--features wgpu` to run the golden and equivalence tests on the WGSL backend");
 }
 
-/// `precision` matters on the CPU only (the WGSL backend computes in
-/// float32 and is judged by the float32 rule).
-fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPrecision) {
+/// `precision` matters on the CPU only, `dtype` on a GPU (the WGSL backend
+/// computes in float32 and is judged by the float32 rule). Activations
+/// quantized to int8 (the CPU's default) or rounded to bf16 (CUDA's
+/// default) are judged by the quantized-path rule.
+fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPrecision, dtype: ComputeDtype) {
     let cases = load_golden(model.golden);
-    let quantized_activations = device == Device::Cpu && precision == CpuPrecision::Int8;
+    let quantized_activations = (device == Device::Cpu && precision == CpuPrecision::Int8) || dtype.is_bf16_on(device);
     let args = EngineArgs {
         model: model.spec.map(str::to_string),
         device,
         cpu_precision: precision,
+        dtype,
         // In bytes: a Gemma block holds 3 of its 18 layers (KV-cache groups).
         kv_cache: vellum::core::KvCacheSize::MemoryBytes(256 << 20),
         scheduler: SchedulerConfig { max_num_batched_tokens: 512, max_model_len: 2048, ..SchedulerConfig::default() },
@@ -249,8 +265,9 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
     let total: usize = cases.iter().map(|c| c.greedy_ids.len()).sum();
     let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
     eprintln!(
-        "{device} ({}): {total_agreed}/{total} tokens agree; largest logprob difference on agreeing tokens: {worst:.5} nats, mean {mean:.5}",
-        precision.name()
+        "{device} ({}, --dtype {}): {total_agreed}/{total} tokens agree; largest logprob difference on agreeing tokens: {worst:.5} nats, mean {mean:.5}",
+        precision.name(),
+        dtype.name()
     );
     if quantized_activations {
         let l = &model.llama_cpp;
@@ -288,22 +305,23 @@ fn assert_close(a: &[Greedy], b: &[Greedy], what: &str) {
 /// what a sequence computes.
 #[test]
 fn chunking_prefix_hits_and_batching_do_not_change_results() {
-    chunking_prefix_hits_and_batching_leave_results(Device::Cpu);
+    chunking_prefix_hits_and_batching_leave_results(Device::Cpu, ComputeDtype::Auto);
 }
 
 /// The same on the WGSL backend.
 #[cfg(feature = "wgpu")]
 #[test]
 fn chunking_prefix_hits_and_batching_do_not_change_results_on_wgpu() {
-    chunking_prefix_hits_and_batching_leave_results(Device::Wgpu);
+    chunking_prefix_hits_and_batching_leave_results(Device::Wgpu, ComputeDtype::Auto);
 }
 
-fn chunking_prefix_hits_and_batching_leave_results(device: Device) {
+fn chunking_prefix_hits_and_batching_leave_results(device: Device, dtype: ComputeDtype) {
     let cases = golden();
     let long: Vec<u32> = cases.iter().flat_map(|c| c.prompt_ids.iter().copied()).take(150).collect();
     let engine = |budget: usize| {
         Llm::new(EngineArgs {
             device,
+            dtype,
             kv_cache: vellum::core::KvCacheSize::NumBlocks(256),
             scheduler: SchedulerConfig { max_num_batched_tokens: budget, max_model_len: 2048, ..SchedulerConfig::default() },
             ..EngineArgs::default()

@@ -124,3 +124,90 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
         typedef bf16 T;                                                                                            \
         NAME<T> ARGS;                                                                                              \
     }
+
+// ---------------------------------------------------------------------------
+// Weight layouts (crates/backend-cuda/src/layout.rs writes them): a [n, k]
+// weight as a plane of codes and a plane of f16 scales, row-major.
+//   Q8:  codes int8 [n][k];                      scales d [n][k/32]:      w = d·q
+//   Q4:  codes [n][k/2], code 2i in the low nibble of byte i, 2i+1 in the
+//        high;                                   scales (d, m) [n][k/32]: w = fma(d, q, m)
+//   F32: codes f32 [n][k];                       no scales
+// `fetch` loads 16 consecutive weights of column n from k0 (a multiple of
+// 16) as raw bits, with aligned 8- or 16-byte loads; `decode` turns them
+// into f32. Splitting the two lets a kernel put every load of an iteration
+// in flight before the first use.
+
+__device__ __forceinline__ float half_bits_to_float(unsigned short b) {
+    f16 h;
+    h.bits = b;
+    return to_float(h);
+}
+
+struct LayoutQ8 {
+    struct Raw {
+        uint4 codes;
+        unsigned short d;
+    };
+    __device__ static __forceinline__ Raw fetch(const unsigned char *__restrict__ codes, const unsigned short *__restrict__ scales,
+                                                int n, int k, int k0) {
+        Raw r;
+        r.codes = *reinterpret_cast<const uint4 *>(codes + (long long)n * k + k0);
+        r.d = scales[(long long)n * (k / 32) + k0 / 32];
+        return r;
+    }
+    __device__ static __forceinline__ void decode(const Raw &r, float w[16]) {
+        const float d = half_bits_to_float(r.d);
+        const unsigned words[4] = {r.codes.x, r.codes.y, r.codes.z, r.codes.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) w[4 * i + j] = d * (float)(signed char)((words[i] >> (8 * j)) & 0xffu);
+        }
+    }
+};
+
+struct LayoutQ4 {
+    struct Raw {
+        uint2 codes;
+        unsigned dm;
+    };
+    __device__ static __forceinline__ Raw fetch(const unsigned char *__restrict__ codes, const unsigned short *__restrict__ scales,
+                                                int n, int k, int k0) {
+        Raw r;
+        r.codes = *reinterpret_cast<const uint2 *>(codes + (long long)n * (k / 2) + k0 / 2);
+        r.dm = *reinterpret_cast<const unsigned *>(scales + 2 * ((long long)n * (k / 32) + k0 / 32));
+        return r;
+    }
+    __device__ static __forceinline__ void decode(const Raw &r, float w[16]) {
+        const float d = half_bits_to_float((unsigned short)(r.dm & 0xffffu)), m = half_bits_to_float((unsigned short)(r.dm >> 16));
+        const unsigned words[2] = {r.codes.x, r.codes.y};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) w[8 * i + j] = fmaf(d, (float)((words[i] >> (4 * j)) & 0xfu), m);
+        }
+    }
+};
+
+struct LayoutF32 {
+    struct Raw {
+        float4 v[4];
+    };
+    __device__ static __forceinline__ Raw fetch(const unsigned char *__restrict__ codes, const unsigned short *__restrict__ scales,
+                                                int n, int k, int k0) {
+        Raw r;
+        const float4 *p = reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(codes) + (long long)n * k + k0);
+#pragma unroll
+        for (int i = 0; i < 4; i++) r.v[i] = p[i];
+        return r;
+    }
+    __device__ static __forceinline__ void decode(const Raw &r, float w[16]) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w[4 * i] = r.v[i].x;
+            w[4 * i + 1] = r.v[i].y;
+            w[4 * i + 2] = r.v[i].z;
+            w[4 * i + 3] = r.v[i].w;
+        }
+    }
+};

@@ -12,6 +12,8 @@
 #   attention   the paged-attention decode bandwidth benchmark
 #               (examples/attention_bench.rs) -> $OUT/attention.jsonl
 #   overheads   what a launch, an allocation and a copy cost on the host
+#   gemm        the linear layer's paths by batch rows at Llama 3 8B's
+#               shapes (examples/gemm_bench.rs) -> $OUT/gemm.jsonl
 #   golden      tests/golden.rs's CUDA tests (the golden prompts through
 #               --device cuda); needs the default model in $VELLUM_CACHE
 #   throughput  `vellum bench throughput --device cuda` on $VELLUM_MODEL (or
@@ -46,6 +48,7 @@ stage)
         [gpu_suite]="$(artifact gpu test -p vellum-backend-cuda --release --locked --test gpu --no-run)"
         [golden]="$(artifact golden test --release --locked --features cuda --test golden --no-run)"
         [attention_bench]="$(artifact attention_bench build -p vellum-backend-cuda --release --locked --example attention_bench)"
+        [gemm_bench]="$(artifact gemm_bench build -p vellum-backend-cuda --release --locked --example gemm_bench)"
         [vellum]="$(artifact vellum build -p vellum-server --release --locked --features cuda --bin vellum)"
         [write_random_checkpoint]="$(artifact write_random_checkpoint build -p vellum-formats --release --locked --example write_random_checkpoint)"
     )

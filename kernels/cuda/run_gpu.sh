@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from .gpu/ (kernels/cuda/gpu_suite.sh stage puts it
-# there): `bash .gpu/run.sh [suite] [attention] [overheads] [golden] [throughput]`.
+# there): `bash .gpu/run.sh [suite] [attention] [overheads] [gemm] [golden] [throughput] [bf16]`.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$here/out}
@@ -54,6 +54,7 @@ for s in $steps; do
     suite) step suite "${SUITE_LIMIT:-300}" "$here/x/gpu_suite" --test-threads 1 --nocapture ;;
     attention) step attention "${ATTENTION_LIMIT:-240}" bash -c "'$here/x/attention_bench' ${ATTENTION_ARGS:-} > '$out/attention.jsonl'" ;;
     overheads) step overheads 120 "$here/x/attention_bench" --overheads ;;
+    gemm) step gemm "${GEMM_LIMIT:-240}" bash -c "'$here/x/gemm_bench' ${GEMM_ARGS:-} > '$out/gemm.jsonl'; rc=\$?; sed -n '/^| weight/,\$p' '$out/gemm.jsonl'; exit \$rc" ;;
     golden) step golden "${GOLDEN_LIMIT:-300}" "$here/x/golden" --test-threads 1 --nocapture cuda ;;
     throughput)
         step throughput "${THROUGHPUT_LIMIT:-240}" "$here/x/vellum" bench throughput --device cuda ${VELLUM_MODEL:+--model "$VELLUM_MODEL"} \

@@ -72,17 +72,26 @@ pub const LAYERS: KernelSource = KernelSource {
     ],
 };
 
-/// `gemv_q.cu`: dequantizing GEMV (up to 8 rows) and tiled GEMM (more) on
-/// the GGUF's Q8_0 and Q4_1 blocks, and on f32 weights (every other type,
-/// dequantized when it loads).
+/// `gemv_q.cu`: linear layers in f32 arithmetic on the weight layouts
+/// (`layout.rs`): the GEMV for decode batches of up to 8 rows, a tiled
+/// CUDA-core GEMM beyond (the float32 path), and the split-K sum.
 pub const GEMV_Q: KernelSource = KernelSource {
     file: "gemv_q.cu",
     text: vellum_kernels::cuda::GEMV_Q,
-    entry_points: &["gemv_q8_0", "gemv_q4_1", "gemv_f32", "gemm_q8_0", "gemm_q4_1", "gemm_f32", "gemm_sum_splits"],
+    entry_points: &["gemv_q8", "gemv_q4", "gemv_f32", "gemm_q8", "gemm_q4", "gemm_f32", "gemm_sum_splits"],
+};
+
+/// `gemm_mma.cu`: linear layers on tensor cores (bf16 activations, weights
+/// dequantized to bf16 as they are staged, f32 accumulation), and the
+/// dequantization of a whole weight to bf16 for cuBLAS.
+pub const GEMM_MMA: KernelSource = KernelSource {
+    file: "gemm_mma.cu",
+    text: vellum_kernels::cuda::GEMM_MMA,
+    entry_points: &["gemm_mma_q8", "gemm_mma_q4", "gemm_mma_f32", "dequantize_bf16_q8", "dequantize_bf16_q4", "dequantize_bf16_f32"],
 };
 
 /// Every source.
-pub const SOURCES: [KernelSource; 4] = [CACHE, PAGED_ATTENTION, LAYERS, GEMV_Q];
+pub const SOURCES: [KernelSource; 5] = [CACHE, PAGED_ATTENTION, LAYERS, GEMV_Q, GEMM_MMA];
 
 /// A source with its compile-time constants.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -141,7 +150,8 @@ impl Variant {
 /// 3: SmolLM2; 128 with 4: Llama 3 8B; 256 with 4: Gemma 3) at the default
 /// block size 16, one head a thread block (multi-head attention) at 128,
 /// block sizes 8 and 32 at 128, the bandwidth benchmark's contiguous
-/// baseline, and the GEMV for 1, 4 and 8 rows.
+/// baseline, the GEMV for 1, 4 and 8 rows, and the tensor-core GEMM at
+/// each of its tile heights.
 pub fn ci_variants() -> Vec<Variant> {
     let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[])];
     for (head_dim, queries) in [(64, 3), (128, 4), (256, 4), (128, 1)] {
@@ -153,6 +163,9 @@ pub fn ci_variants() -> Vec<Variant> {
     v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("QUERIES", 4), ("CONTIGUOUS_KV", 1)]));
     for rows in [1, 4, 8] {
         v.push(Variant::new(GEMV_Q, &[("ROWS", rows)]));
+    }
+    for bm in [32, 64, 128] {
+        v.push(Variant::new(GEMM_MMA, &[("MMA_BM", bm)]));
     }
     v
 }

@@ -5,9 +5,10 @@
 //! Device buffers are `cudarc` slices; a KV pool is a pair of byte buffers
 //! whose element type is [`PoolDtype`] (the kernels take `void *`).
 
-use crate::kernels::{Variant, CACHE, GEMV_Q, LAYERS, PAGED_ATTENTION};
+use crate::kernels::{Variant, CACHE, GEMM_MMA, GEMV_Q, LAYERS, PAGED_ATTENTION};
+use crate::layout::QuantFormat;
 use crate::{nvrtc, CudaError};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -140,41 +141,41 @@ pub struct AttentionParams {
     pub window: usize,
 }
 
-/// A GGUF block format the GEMV reads directly.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BlockFormat {
-    /// f16 scale + 32 int8 codes (34 bytes).
-    Q8_0,
-    /// f16 scale + f16 min + 16 bytes of nibbles (20 bytes).
-    Q4_1,
-    /// 32 plain f32 weights (128 bytes): every type without a decoder,
-    /// dequantized when it loads.
-    F32,
-}
-
-impl BlockFormat {
-    /// 16-bit words a block of 32 weights.
-    pub fn words_per_block(self) -> usize {
-        match self {
-            BlockFormat::Q8_0 => 17,
-            BlockFormat::Q4_1 => 10,
-            BlockFormat::F32 => 64,
-        }
-    }
-}
-
-/// A weight `[n, k]` on the device in its file's blocks, row-major (the
-/// blocks of row 0, then row 1, ...), as 16-bit words.
+/// A weight `[n, k]` on the device in one of the layouts of
+/// [`crate::layout`]: a plane of codes and a plane of f16 scales.
 pub struct QuantMatrix {
-    /// The blocks.
-    pub blocks: CudaSlice<u16>,
-    /// Their format.
-    pub format: BlockFormat,
+    /// The codes (int8, nibbles or f32 bytes), row-major.
+    pub codes: CudaSlice<u8>,
+    /// The scales (f16 bits; one element for [`QuantFormat::F32`]).
+    pub scales: CudaSlice<u16>,
+    /// Their layout.
+    pub format: QuantFormat,
     /// Output features (rows of W).
     pub n: usize,
     /// Input features (a multiple of 32).
     pub k: usize,
 }
+
+impl QuantMatrix {
+    /// `Ok` when k is whole blocks of 32 and both planes hold the layout's
+    /// bytes for `[n, k]`: what every kernel reading it relies on.
+    pub fn check(&self) -> Result<(), CudaError> {
+        let (n, k, f) = (self.n, self.k, self.format);
+        if n == 0 || !k.is_multiple_of(32) || self.codes.len() < f.code_bytes(n, k) || self.scales.len() < f.scale_words(n, k) {
+            return Err(shape_error(format!(
+                "a {f:?} weight [{n}, {k}] over {} code bytes and {} scales (k must be a nonzero multiple of 32)",
+                self.codes.len(),
+                self.scales.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The tile heights of `gemm_mma.cu` (`MMA_BM`).
+pub const MMA_TILE_ROWS: [usize; 3] = [32, 64, 128];
+/// The tile width of `gemm_mma.cu`.
+pub const MMA_TILE_COLS: usize = 128;
 
 /// The operands of [`Kernels::elementwise`].
 #[derive(Clone, Copy)]
@@ -312,7 +313,7 @@ impl Kernels {
         let compiled = match modules.get_mut(variant) {
             Some(c) => c,
             None => {
-                let ptx = nvrtc::compile(variant, &self.arch)?;
+                let ptx = nvrtc::compile_cached(variant, &self.arch)?;
                 let module = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
                 modules.entry(variant.clone()).or_insert(Compiled { module, functions: HashMap::new() })
             }
@@ -544,107 +545,172 @@ impl Kernels {
         Ok(())
     }
 
-    /// `y [rows, n] = x [rows, k] · Wᵀ` on the weight's own blocks; rows ≤ 8
-    /// a launch.
-    pub fn gemv_q(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
-        let (n, k) = (w.n, w.k);
-        if !k.is_multiple_of(32) || w.blocks.len() < n * k / 32 * w.format.words_per_block() || x.len() < rows * k || y.len() < rows * n {
-            return Err(shape_error(format!("gemv [{rows}x{k}]·[{n}x{k}]ᵀ: buffers too small or k not a multiple of 32")));
+    /// Checks `y [rows, n] = x [rows, k] · Wᵀ`'s buffers against the weight.
+    fn check_linear(w: &QuantMatrix, x_len: usize, y_len: usize, rows: usize) -> Result<(), CudaError> {
+        w.check()?;
+        if x_len < rows * w.k || y_len < rows * w.n {
+            return Err(shape_error(format!("linear [{rows}x{}]·[{}x{}]ᵀ: x or y too small", w.k, w.n, w.k)));
         }
+        Ok(())
+    }
+
+    /// `y [rows, n] = x [rows, k] · Wᵀ` in f32 by the GEMV (1..8 rows, one
+    /// launch reading the weight once).
+    pub fn gemv_q(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
+        Self::check_linear(w, x.len(), y.len(), rows)?;
         if rows == 0 || rows > 8 {
             return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
         }
-        self.gemv_launch(&mut y.slice_mut(..), w, &x.slice(..), rows)
+        let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", rows)]), &format!("gemv_{}", w.format.suffix()))?;
+        let (n_i, k_i) = (to_i32(w.n, "n")?, to_i32(w.k, "k")?);
+        // A warp owns ceil(rows / 2) columns, 4 warps a block (gemv_q.cu).
+        let per_block = 4 * rows.div_ceil(2);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(y).arg(&w.codes).arg(&w.scales).arg(x).arg(&n_i).arg(&k_i);
+        // SAFETY: matches gemv_*(float*, const unsigned char*, const
+        // unsigned short*, const float*, int, int); check_linear verified
+        // the planes hold the layout's bytes for [n, k] (k a multiple of
+        // 32), x rows·k and y rows·n floats; a warp's columns past n read
+        // column n − 1 and write nothing.
+        unsafe { b.launch(cfg((to_u32(w.n.div_ceil(per_block), "columns")?, 1, 1), 128, 0)) }?;
+        Ok(())
     }
 
-    /// `y [rows, n] = x [rows, k] · Wᵀ` for any number of rows: one GEMV
-    /// launch up to 8 rows, the tiled GEMM beyond.
+    /// `y [rows, n] = x [rows, k] · Wᵀ` in f32 arithmetic for any number of
+    /// rows: the GEMV up to 8 rows, the tiled CUDA-core GEMM beyond.
     pub fn gemv_rows(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
-        let (n, k) = (w.n, w.k);
-        if !k.is_multiple_of(32) || w.blocks.len() < n * k / 32 * w.format.words_per_block() || x.len() < rows * k || y.len() < rows * n {
-            return Err(shape_error(format!("gemv [{rows}x{k}]·[{n}x{k}]ᵀ: buffers too small or k not a multiple of 32")));
-        }
+        Self::check_linear(w, x.len(), y.len(), rows)?;
         match rows {
             0 => Ok(()),
-            1..=8 => self.gemv_launch(&mut y.slice_mut(..), w, &x.slice(..), rows),
-            _ => self.gemm_launch(y, w, x, rows),
+            1..=8 => self.gemv_q(y, w, x, rows),
+            _ => self.gemm_f32_cores(y, w, x, rows),
         }
     }
 
-    /// How many parts the tiled GEMM splits k into: one when its 64 × 64
-    /// tiles fill the GPU twice over, else enough to (at most 16, and at
-    /// least two blocks of 32 along k a part).
-    pub fn gemm_splits(&self, rows: usize, n: usize, k: usize) -> usize {
-        let tiles = rows.div_ceil(64) * n.div_ceil(64);
-        let blocks = k / 32;
+    /// How many parts a GEMM of `tiles` output tiles splits k (`blocks`
+    /// blocks of 32) into: one when the tiles fill the GPU twice over,
+    /// else enough to (at most 16, at least two blocks a part), rounded to
+    /// parts of equal size.
+    fn splits_for(&self, tiles: usize, blocks: usize) -> usize {
         let wanted = (2 * self.num_sms).div_ceil(tiles.max(1));
         let splits = wanted.min(16).min(blocks / 2).max(1);
-        // Even parts: as many as `splits` parts of the rounded-up size need.
         blocks.div_ceil(blocks.div_ceil(splits).max(1)).max(1)
     }
 
-    /// The tiled GEMM: 64 × 64 outputs a 256-thread block, k split in parts
-    /// (then summed in order) when the tiles are too few for the GPU.
-    fn gemm_launch(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
-        let name = match w.format {
-            BlockFormat::Q8_0 => "gemm_q8_0",
-            BlockFormat::Q4_1 => "gemm_q4_1",
-            BlockFormat::F32 => "gemm_f32",
-        };
-        let variant = Variant::new(GEMV_Q, &[("ROWS", 1)]);
-        let f = self.function(&variant, name)?;
-        let blocks = w.k / 32;
-        let splits = self.gemm_splits(rows, w.n, w.k);
-        let per_split = blocks.div_ceil(splits);
-        let (rows_i, n_i, k_i, per_i) = (to_i32(rows, "rows")?, to_i32(w.n, "n")?, to_i32(w.k, "k")?, to_i32(per_split, "blocks")?);
-        let grid = (to_u32(w.n.div_ceil(64), "column tiles")?, to_u32(rows.div_ceil(64), "row tiles")?, to_u32(splits, "splits")?);
+    /// How many parts the CUDA-core GEMM (64 × 64 tiles) splits k into.
+    pub fn gemm_splits(&self, rows: usize, n: usize, k: usize) -> usize {
+        self.splits_for(rows.div_ceil(64) * n.div_ceil(64), k / 32)
+    }
+
+    /// The tensor-core GEMM's tile height for `rows` rows, and how many
+    /// parts it splits k into.
+    pub fn mma_plan(&self, rows: usize, n: usize, k: usize) -> (usize, usize) {
+        let bm = MMA_TILE_ROWS.into_iter().find(|&bm| rows <= bm).unwrap_or(128);
+        (bm, self.splits_for(rows.div_ceil(bm) * n.div_ceil(MMA_TILE_COLS), k / 32))
+    }
+
+    /// Launches a GEMM kernel `f(float *y, codes, scales, x, int rows, int
+    /// n, int k, int kb_per_split)` over `grid` (z: the parts of k), with k
+    /// split in `splits` parts: straight into `y` for one part, else into a
+    /// workspace of `splits · rows · n` floats that `gemm_sum_splits` adds
+    /// into `y` in order.
+    ///
+    /// # Safety
+    /// `f` has that signature, with `x`'s element type, and writes, for
+    /// each z < `splits`, every one of the `rows · n` floats at `y + z ·
+    /// rows · n` and nothing else, reading only within `w`'s checked planes
+    /// and `rows · k` elements of `x`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_split<X: cudarc::driver::DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        y: &mut CudaSlice<f32>,
+        w: &QuantMatrix,
+        x: &CudaSlice<X>,
+        rows: usize,
+        splits: usize,
+        grid: (u32, u32, u32),
+    ) -> Result<(), CudaError> {
+        let per_split = to_i32((w.k / 32).div_ceil(splits), "blocks")?;
+        let (rows_i, n_i, k_i) = (to_i32(rows, "rows")?, to_i32(w.n, "n")?, to_i32(w.k, "k")?);
         if splits == 1 {
-            let mut b = self.stream.launch_builder(&f);
-            b.arg(&mut *y).arg(&w.blocks).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i).arg(&per_i);
-            // SAFETY: matches gemm_*(float*, unsigned short*, float*, int,
-            // int, int, int); the caller checked y (rows·n), x (rows·k) and
-            // w (n·k/32 blocks); the kernel guards rows and columns past the
-            // edges; one split covers every block of k.
+            let mut b = self.stream.launch_builder(f);
+            b.arg(&mut *y).arg(&w.codes).arg(&w.scales).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i).arg(&per_split);
+            // SAFETY: the caller's contract: f writes the rows·n floats of y.
             unsafe { b.launch(cfg(grid, 256, 0)) }?;
             return Ok(());
         }
         let len = rows * w.n;
-        // SAFETY: uninitialized device memory; split z's blocks write every
-        // in-range output of their tiles at parts[z · len ..], the sum reads
-        // only those.
+        // SAFETY: uninitialized device memory; split z writes every
+        // element of parts[z · len ..][..len] (the caller's contract), and
+        // the sum reads only those.
         let mut parts: CudaSlice<f32> = unsafe { self.stream.alloc(splits * len) }?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut parts).arg(&w.blocks).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i).arg(&per_i);
-        // SAFETY: as above, writing split z's partial sums to parts[z · len
-        // ..], which holds splits · len floats; the splits cover the blocks
-        // of k, each at least one.
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&mut parts).arg(&w.codes).arg(&w.scales).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i).arg(&per_split);
+        // SAFETY: as above, into parts, which holds splits · len floats.
         unsafe { b.launch(cfg(grid, 256, 0)) }?;
-        let sum = self.function(&variant, "gemm_sum_splits")?;
+        let sum = self.function(&Variant::new(GEMV_Q, &[("ROWS", 1)]), "gemm_sum_splits")?;
         let (len_i, splits_i) = (len as i64, to_i32(splits, "splits")?);
         let mut b = self.stream.launch_builder(&sum);
         b.arg(&mut *y).arg(&parts).arg(&len_i).arg(&splits_i);
-        // SAFETY: matches gemm_sum_splits(float*, float*, long long, int);
-        // y holds len floats (checked by the caller), parts splits · len.
+        // SAFETY: matches gemm_sum_splits(float*, const float*, long long,
+        // int); y holds len floats (checked by the callers), parts splits · len.
         unsafe { b.launch(cfg((to_u32(len.div_ceil(256).min(4096), "sum blocks")?, 1, 1), 256, 0)) }?;
         Ok(())
     }
 
-    /// One GEMV launch; the caller checked that `y` holds `rows · n` and
-    /// `x` `rows · k` floats, `w` `n · k / 32` blocks, and `rows` is 1..8.
-    fn gemv_launch(&self, y: &mut CudaViewMut<'_, f32>, w: &QuantMatrix, x: &CudaView<'_, f32>, rows: usize) -> Result<(), CudaError> {
-        let name = match w.format {
-            BlockFormat::Q8_0 => "gemv_q8_0",
-            BlockFormat::Q4_1 => "gemv_q4_1",
-            BlockFormat::F32 => "gemv_f32",
-        };
-        let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", rows)]), name)?;
+    /// The CUDA-core GEMM: 64 × 64 outputs a 256-thread block, k split in
+    /// parts (then summed in order) when the tiles are too few for the GPU.
+    fn gemm_f32_cores(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
+        let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", 1)]), &format!("gemm_{}", w.format.suffix()))?;
+        let splits = self.gemm_splits(rows, w.n, w.k);
+        let grid = (to_u32(w.n.div_ceil(64), "column tiles")?, to_u32(rows.div_ceil(64), "row tiles")?, to_u32(splits, "splits")?);
+        // SAFETY: gemm_*(float*, const unsigned char*, const unsigned
+        // short*, const float*, int, int, int, int); the callers checked
+        // the planes (layout bytes for [n, k]), x (rows·k) and y (rows·n);
+        // the kernel guards rows and columns past the edges and writes every
+        // in-range output of split z at y + z·rows·n; the splits cover k.
+        unsafe { self.launch_split(&f, y, w, x, rows, splits, grid) }
+    }
+
+    /// `y [rows, n] = x16 [rows, k] · Wᵀ` on tensor cores: `x16` bf16
+    /// (`cast_to_16`), the weight dequantized to bf16 as it is staged, f32
+    /// accumulation and output. Any number of rows (tiles of 32, 64 or 128
+    /// by [`Kernels::mma_plan`], k split when the tiles are too few).
+    pub fn gemm_mma(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x16: &CudaSlice<u16>, rows: usize) -> Result<(), CudaError> {
+        Self::check_linear(w, x16.len(), y.len(), rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (bm, splits) = self.mma_plan(rows, w.n, w.k);
+        let f = self.function(&Variant::new(GEMM_MMA, &[("MMA_BM", bm)]), &format!("gemm_mma_{}", w.format.suffix()))?;
+        let grid =
+            (to_u32(w.n.div_ceil(MMA_TILE_COLS), "column tiles")?, to_u32(rows.div_ceil(bm), "row tiles")?, to_u32(splits, "splits")?);
+        // SAFETY: gemm_mma_*(float*, const unsigned char*, const unsigned
+        // short*, const unsigned short*, int, int, int, int); check_linear
+        // verified the planes for [n, k] (k a multiple of 32), x16 (rows·k)
+        // and y (rows·n); the kernel clamps its loads to row rows − 1 and
+        // column n − 1 and writes every in-range output of split z at
+        // y + z·rows·n; the splits cover k.
+        unsafe { self.launch_split(&f, y, w, x16, rows, splits, grid) }
+    }
+
+    /// `out [n, k]` = the weight's values as bf16 (round to nearest even):
+    /// a scratch copy for cuBLAS.
+    pub fn dequantize_bf16(&self, out: &mut CudaSlice<u16>, w: &QuantMatrix) -> Result<(), CudaError> {
+        w.check()?;
+        if out.len() < w.n * w.k {
+            return Err(shape_error(format!("dequantize [{}, {}] into {} elements", w.n, w.k, out.len())));
+        }
+        let f = self.function(&Variant::new(GEMM_MMA, &[("MMA_BM", 128)]), &format!("dequantize_bf16_{}", w.format.suffix()))?;
         let (n_i, k_i) = (to_i32(w.n, "n")?, to_i32(w.k, "k")?);
+        let chunks = w.n * w.k / 16;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(y).arg(&w.blocks).arg(x).arg(&n_i).arg(&k_i);
-        // SAFETY: matches gemv_*(float*, unsigned short*, float*, int, int);
-        // buffer sizes checked by the callers; 4 columns (warps) per
-        // 128-thread block, a column index past n returns at once.
-        unsafe { b.launch(cfg((to_u32(w.n.div_ceil(4), "columns")?, 1, 1), 128, 0)) }?;
+        b.arg(out).arg(&w.codes).arg(&w.scales).arg(&n_i).arg(&k_i);
+        // SAFETY: dequantize_bf16_*(unsigned short*, const unsigned char*,
+        // const unsigned short*, int, int); the planes hold [n, k] (checked),
+        // out n·k elements; a grid-stride loop over n·k/16 chunks.
+        unsafe { b.launch(cfg((to_u32(chunks.div_ceil(256).min(8 * self.num_sms), "chunks")?, 1, 1), 256, 0)) }?;
         Ok(())
     }
 
@@ -851,17 +917,17 @@ impl Kernels {
     }
 
     /// `out[t, :] = table[ids[t], :]` from an f32 table `[vocab, cols]`
-    /// (stored as 16-bit words, as [`QuantMatrix`] holds f32 weights).
+    /// (as bytes, as a [`QuantFormat::F32`] weight holds its values).
     pub fn embedding(
         &self,
         out: &mut CudaSlice<f32>,
-        table: &CudaSlice<u16>,
+        table: &CudaSlice<u8>,
         ids: &CudaSlice<i32>,
         vocab: usize,
         cols: usize,
     ) -> Result<(), CudaError> {
         let n = ids.len();
-        if out.len() < n * cols || table.len() < vocab * cols * 2 {
+        if out.len() < n * cols || table.len() < vocab * cols * 4 {
             return Err(shape_error(format!("embedding of {n} ids from [{vocab}, {cols}]: buffer too small")));
         }
         if n == 0 {

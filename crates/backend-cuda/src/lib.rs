@@ -10,6 +10,7 @@
 //! | [`blas`] | cuBLAS, loaded at run time: 16-bit weights' GEMMs on tensor cores |
 //! | [`device`] | finding a GPU: a typed error, never a panic, when there is no driver |
 //! | [`launch`] | [`launch::Kernels`]: modules compiled on first use per configuration, one shape-checked call per kernel |
+//! | [`layout`] | how a quantized weight sits on the device: the file's blocks as planes of codes and scales |
 //!
 //! | [`ops`] | [`CudaOps`]: the model operations and the paged-attention contract, so that `ModelRunner<CudaOps>` is the CUDA `ModelExecutor` (`--device cuda`) |
 //!
@@ -38,8 +39,9 @@ pub mod device;
 mod error;
 pub mod kernels;
 pub mod launch;
+pub mod layout;
 pub mod nvrtc;
 pub mod ops;
 
 pub use error::CudaError;
-pub use ops::CudaOps;
+pub use ops::{CudaOps, CudaPrecision};

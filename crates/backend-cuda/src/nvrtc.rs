@@ -59,6 +59,72 @@ pub fn compile(variant: &Variant, arch: &str) -> Result<String, CudaError> {
     }
 }
 
+/// [`compile`], through a cache on disk: a configuration compiled once (by
+/// any process) is read back instead of compiled again, so a second start
+/// skips NVRTC. The entry is keyed by the full source with its defines,
+/// the architecture and NVRTC's version; it lives in `$VELLUM_CACHE/kernels`
+/// (else `$XDG_CACHE_HOME/vellum/kernels`, else `~/.cache/vellum/kernels`;
+/// `VELLUM_KERNEL_CACHE=0` turns it off). A cache that cannot be read or
+/// written only costs the compile.
+pub fn compile_cached(variant: &Variant, arch: &str) -> Result<String, CudaError> {
+    match kernel_cache_dir() {
+        Some(dir) => compile_cached_in(&dir, variant, arch),
+        None => compile(variant, arch),
+    }
+}
+
+/// [`compile_cached`] with the cache in `dir`.
+pub fn compile_cached_in(dir: &std::path::Path, variant: &Variant, arch: &str) -> Result<String, CudaError> {
+    let source = variant.full_source();
+    let key = format!("{arch} nvrtc {:?}\n{source}", version()?);
+    let (name, digest) = cache_key(&key);
+    let path = dir.join(format!("{name}.ptx"));
+    let header = format!("// vellum kernel cache {digest}\n");
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        if let Some(ptx) = text.strip_prefix(&header) {
+            tracing::debug!(kernel = %variant.label(), path = %path.display(), "PTX from the kernel cache");
+            return Ok(ptx.to_string());
+        }
+    }
+    let ptx = compile(variant, arch)?;
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&tmp, format!("{header}{ptx}")))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    if let Err(e) = written {
+        tracing::debug!(path = %path.display(), "kernel cache not written: {e}");
+        let _ = std::fs::remove_file(&tmp);
+    }
+    Ok(ptx)
+}
+
+/// Where [`compile_cached`] keeps its entries; `None` when turned off or
+/// no directory is named by the environment.
+fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+    if std::env::var("VELLUM_KERNEL_CACHE").is_ok_and(|v| v == "0") {
+        return None;
+    }
+    let base = var("VELLUM_CACHE")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("vellum")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("vellum")))?;
+    Some(base.join("kernels"))
+}
+
+/// A file name and a longer digest of `key` (two 64-bit SipHashes with
+/// distinct prefixes; the digest, stored in the entry, guards the name).
+fn cache_key(key: &str) -> (String, String) {
+    use std::hash::{Hash, Hasher};
+    let h = |salt: u64| {
+        let mut s = std::collections::hash_map::DefaultHasher::new();
+        salt.hash(&mut s);
+        key.hash(&mut s);
+        s.finish()
+    };
+    let (a, b, c) = (h(1), h(2), h(3));
+    (format!("{a:016x}"), format!("{a:016x}{b:016x}{c:016x}-{}", key.len()))
+}
+
 /// The `.entry` names a PTX module defines.
 pub fn entry_points(ptx: &str) -> Vec<String> {
     ptx.lines()

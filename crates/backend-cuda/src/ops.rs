@@ -33,7 +33,8 @@
 //! the golden prompts through `--device cuda` in `tests/golden.rs`).
 
 use crate::blas::{Blas, Half};
-use crate::launch::{AttentionParams, BlockFormat, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix};
+use crate::launch::{AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix};
+use crate::layout::{f32_layout, repack, QuantFormat, Repacked};
 use crate::CudaError;
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use std::sync::Mutex;
@@ -78,7 +79,8 @@ pub struct CudaWeight {
 
 /// How a weight sits on the device.
 enum Stored {
-    /// Blocks the GEMV/GEMM kernels of `gemv_q.cu` read (Q8_0, Q4_1, f32).
+    /// A layout of [`crate::layout`] (Q8, Q4, F32), read by the kernels of
+    /// `gemv_q.cu` and `gemm_mma.cu`.
     Blocks(QuantMatrix),
     /// f16/bf16 values as the file stores them, row-major `[n, k]`, for
     /// cuBLAS on tensor cores.
@@ -144,9 +146,43 @@ pub struct CudaKvCache {
     num_host_blocks: usize,
 }
 
+/// What the CUDA backend multiplies in (`--dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CudaPrecision {
+    /// Tensor cores: activations rounded to bf16 before a product, weights
+    /// dequantized to bf16 as they are staged (bf16 files multiplied as
+    /// stored), f32 accumulation; decode batches of up to
+    /// [`GEMV_MAX_ROWS`] rows stay in f32 arithmetic (the GEMV, bound by
+    /// memory). The default.
+    #[default]
+    Bf16,
+    /// f32 arithmetic throughout on CUDA cores: the reference path (the
+    /// golden prompts within 0.02 nats of float64).
+    Float32,
+}
+
+/// The largest batch a quantized weight's product takes through the f32
+/// GEMV with bf16 products; larger ones go to the tensor cores.
+///
+/// Measured on an H100 (`examples/gemm_bench.rs`, Llama 3 8B's Q8_0
+/// shapes, docs/benchmarks.md): at 1–2 rows the GEMV is ahead, from 4 rows
+/// on the tensor-core GEMM reads the weight as fast or faster.
+pub const GEMV_MAX_ROWS: usize = 2;
+
+/// Batches of at least this many rows multiply quantized weights through
+/// cuBLAS on a bf16 copy of the weight (dequantized into a scratch each
+/// call), fewer through `gemm_mma.cu` (which dequantizes as it stages).
+///
+/// Measured as [`GEMV_MAX_ROWS`]: below 128 rows the step is bound by the
+/// weight's bytes and reading them once (1.06 bytes a Q8_0 weight) wins;
+/// at 128 rows the two tie, and past them cuBLAS's GEMM (650 TFLOP/s at
+/// 8,192 rows against 160 for ours) more than pays for the copy.
+pub const CUBLAS_MIN_ROWS: usize = 128;
+
 /// The model operations on one NVIDIA GPU.
 pub struct CudaOps {
     k: Kernels,
+    precision: CudaPrecision,
     /// cuBLAS, when it loads: f16/bf16 weights then stay 16-bit and their
     /// products run on tensor cores; without it they are widened to f32.
     blas: Option<Blas>,
@@ -166,9 +202,15 @@ impl std::fmt::Debug for CudaOps {
 }
 
 impl CudaOps {
-    /// Operations on GPU `ordinal`: a typed error (never a panic) without
-    /// a driver, a GPU or NVRTC.
+    /// Operations on GPU `ordinal` with the default precision
+    /// ([`CudaPrecision::Bf16`]): a typed error (never a panic) without a
+    /// driver, a GPU or NVRTC.
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        Self::with_precision(ordinal, CudaPrecision::default())
+    }
+
+    /// Operations on GPU `ordinal` multiplying in `precision`.
+    pub fn with_precision(ordinal: usize, precision: CudaPrecision) -> Result<Self, CudaError> {
         let k = Kernels::open(ordinal)?;
         if !crate::nvrtc::is_available() {
             return Err(CudaError::NoNvrtc);
@@ -180,7 +222,7 @@ impl CudaOps {
                 None
             }
         };
-        Ok(Self { k, blas, staging: Mutex::new(None), spare: Mutex::new(Vec::new()) })
+        Ok(Self { k, precision, blas, staging: Mutex::new(None), spare: Mutex::new(Vec::new()) })
     }
 
     /// The kernels (for tests and benchmarks).
@@ -220,52 +262,94 @@ impl CudaOps {
         Ok(CudaTensor { rows, cols, buf })
     }
 
-    /// A weight in a layout the GEMV reads: Q8_0 and Q4_1 as stored, f16
-    /// and bf16 as stored when cuBLAS is there to multiply them, every other
-    /// type dequantized to f32 (`always_f32`: embeddings).
-    fn weight(&self, w: &WeightView<'_>, always_f32: bool) -> vellum_ops::Result<CudaWeight> {
-        let (n, k) = w.matrix_dims()?;
-        if let (Some(dtype), false) = (self.tensor_core_dtype(w.dtype), always_f32) {
-            let words: Vec<u16> = w.data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
-            check(words.len() == n * k, || format!("{}: {} values for [{n}, {k}]", w.name, words.len()))?;
-            return Ok(CudaWeight { m: Stored::Half { data: self.htod(&words)?, dtype, n, k } });
-        }
-        check(k.is_multiple_of(32), || format!("{}: rows of {k} values; the CUDA GEMV needs a multiple of 32", w.name))?;
-        let raw = match w.dtype {
-            GgmlType::Q8_0 if !always_f32 => Some(BlockFormat::Q8_0),
-            GgmlType::Q4_1 if !always_f32 => Some(BlockFormat::Q4_1),
-            _ => None,
-        };
-        let (format, words): (BlockFormat, Vec<u16>) = match raw {
-            Some(format) => (format, w.data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()),
-            None => (
-                BlockFormat::F32,
-                w.to_f32()?
-                    .iter()
-                    .flat_map(|v| {
-                        let b = v.to_bits();
-                        [b as u16, (b >> 16) as u16]
-                    })
-                    .collect(),
-            ),
-        };
-        check(words.len() == n * k / 32 * format.words_per_block(), || {
-            format!("{}: {} words for [{n}, {k}] in {format:?}", w.name, words.len())
-        })?;
-        Ok(CudaWeight { m: Stored::Blocks(QuantMatrix { blocks: self.htod(&words)?, format, n, k }) })
+    /// What it multiplies in.
+    pub fn precision(&self) -> CudaPrecision {
+        self.precision
     }
 
-    /// The 16-bit type a weight stored as `ty` keeps on the device, when
-    /// cuBLAS is there to multiply it on tensor cores: bf16 alone, whose
-    /// activations keep f32's range. f16 weights are widened to f32, since
-    /// casting activations to f16 turns any beyond ±65504 into infinities
-    /// (Gemma's are known to reach that) until the cast is scaled.
+    /// A weight in the layout its products read:
+    /// - Q8_0, Q4_0, Q4_1 as their own blocks, repacked into planes
+    ///   ([`crate::layout`]);
+    /// - with bf16 products and cuBLAS: every other type as bf16 (bf16
+    ///   files as stored, others rounded once), for cuBLAS;
+    /// - otherwise dequantized to f32.
+    ///
+    /// Embeddings (`always_f32`) are an f32 table (the gather reads it; a
+    /// tied LM head multiplies it as an F32 weight).
+    fn weight(&self, w: &WeightView<'_>, always_f32: bool) -> vellum_ops::Result<CudaWeight> {
+        let (n, k) = w.matrix_dims()?;
+        let shape = |e: String| vellum_ops::Error::Backend(Error::Backend(format!("{}: {e}", w.name)));
+        if !always_f32 {
+            if QuantFormat::native(w.dtype).is_some() {
+                let r = repack(w.dtype, &w.data, n, k).map_err(|e| shape(e.to_string()))?;
+                return Ok(CudaWeight { m: Stored::Blocks(self.upload_layout(r, n, k)?) });
+            }
+            if let Some(dtype) = self.tensor_core_dtype(w.dtype) {
+                let words: Vec<u16> = if w.dtype == GgmlType::BF16 {
+                    w.data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()
+                } else {
+                    w.to_f32()?.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()
+                };
+                check(words.len() == n * k, || format!("{}: {} values for [{n}, {k}]", w.name, words.len()))?;
+                return Ok(CudaWeight { m: Stored::Half { data: self.htod(&words)?, dtype, n, k } });
+            }
+        }
+        check(k.is_multiple_of(32), || format!("{}: rows of {k} values; the CUDA kernels need a multiple of 32", w.name))?;
+        let values = w.to_f32()?;
+        check(values.len() == n * k, || format!("{}: {} values for [{n}, {k}]", w.name, values.len()))?;
+        Ok(CudaWeight { m: Stored::Blocks(self.upload_layout(f32_layout(&values), n, k)?) })
+    }
+
+    /// Copies a repacked weight's planes to the device.
+    fn upload_layout(&self, r: Repacked, n: usize, k: usize) -> OpResult<QuantMatrix> {
+        let m = QuantMatrix { codes: self.htod(&r.codes)?, scales: self.htod(&r.scales)?, format: r.format, n, k };
+        m.check().map_err(backend)?;
+        Ok(m)
+    }
+
+    /// The 16-bit type a weight stored as `ty` keeps on the device for
+    /// cuBLAS, when cuBLAS is there: with bf16 products every type without
+    /// a native layout becomes bf16 (f16 too: its activations would be cast
+    /// to f16, whose range ends at ±65504, which Gemma's activations are
+    /// known to reach); with f32 products none.
     fn tensor_core_dtype(&self, ty: GgmlType) -> Option<Half> {
         self.blas.as_ref()?;
-        match ty {
-            GgmlType::BF16 => Some(Half::Bf16),
+        match (self.precision, QuantFormat::native(ty)) {
+            (CudaPrecision::Bf16, None) => Some(Half::Bf16),
             _ => None,
         }
+    }
+
+    /// `y = x · Wᵀ` for a weight in a layout of [`crate::layout`], by the
+    /// batch's size. With bf16 products: up to [`GEMV_MAX_ROWS`] the f32
+    /// GEMV, then the tensor-core GEMM on bf16 activations, from
+    /// [`CUBLAS_MIN_ROWS`] cuBLAS over a bf16 copy of the weight. With f32
+    /// products: the GEMV up to 8 rows, the CUDA-core GEMM beyond.
+    fn linear_blocks(&self, y: &mut CudaSlice<f32>, m: &QuantMatrix, x: &CudaTensor) -> OpResult<()> {
+        let rows = x.rows;
+        if rows <= GEMV_MAX_ROWS || self.precision == CudaPrecision::Float32 {
+            return self.k.gemv_rows(y, m, &x.buf, rows).map_err(backend);
+        }
+        let x16 = self.cast_bf16(x)?;
+        match &self.blas {
+            Some(blas) if rows >= CUBLAS_MIN_ROWS => {
+                // SAFETY: uninitialized; dequantize_bf16 writes all n·k elements.
+                let mut w16 = unsafe { self.k.stream().alloc::<u16>(m.n * m.k) }.map_err(|e| backend(e.into()))?;
+                self.k.dequantize_bf16(&mut w16, m).map_err(backend)?;
+                blas.linear_16(y, &w16, &x16, Half::Bf16, rows, m.n, m.k).map_err(backend)
+            }
+            _ => self.k.gemm_mma(y, m, &x16, rows).map_err(backend),
+        }
+    }
+
+    /// `x` rounded to bf16 (nearest even), on the device.
+    fn cast_bf16(&self, x: &CudaTensor) -> OpResult<CudaSlice<u16>> {
+        let n = x.rows * x.cols;
+        // SAFETY: uninitialized device memory of n elements (one when
+        // empty), which cast_to_16 writes in full before anything reads it.
+        let mut x16 = unsafe { self.k.stream().alloc::<u16>(n.max(1)) }.map_err(|e| backend(e.into()))?;
+        self.k.cast_to_16(&mut x16, &x.buf, n, Half::Bf16).map_err(backend)?;
+        Ok(x16)
     }
 }
 
@@ -301,10 +385,10 @@ impl Ops for CudaOps {
     }
 
     fn linear_input_dtype(&self, weight: GgmlType) -> ActivationDtype {
-        match self.tensor_core_dtype(weight) {
-            Some(Half::F16) => ActivationDtype::F16,
-            Some(Half::Bf16) => ActivationDtype::Bf16,
-            None => ActivationDtype::F32,
+        let _ = weight;
+        match self.precision {
+            CudaPrecision::Bf16 => ActivationDtype::Bf16,
+            CudaPrecision::Float32 => ActivationDtype::F32,
         }
     }
 
@@ -331,9 +415,9 @@ impl Ops for CudaOps {
         let Stored::Blocks(m) = &table.m else {
             return Err(Error::Backend("embed: the table is not stored as f32".into()));
         };
-        check(m.format == BlockFormat::F32, || "embed: the table is not stored as f32".into())?;
+        check(m.format == QuantFormat::F32, || "embed: the table is not stored as f32".into())?;
         let mut out = self.tensor(step.tokens, m.k)?;
-        self.k.embedding(&mut out.buf, &m.blocks, &step.ids, m.n, m.k).map_err(backend)?;
+        self.k.embedding(&mut out.buf, &m.codes, &step.ids, m.n, m.k).map_err(backend)?;
         Ok(out)
     }
 
@@ -347,7 +431,7 @@ impl Ops for CudaOps {
             return Ok(out);
         }
         match &w.m {
-            Stored::Blocks(m) => self.k.gemv_rows(&mut out.buf, m, &x.buf, x.rows).map_err(backend)?,
+            Stored::Blocks(m) => self.linear_blocks(&mut out.buf, m, x)?,
             Stored::Half { data, dtype, n, k } => {
                 let blas = self.blas.as_ref().ok_or_else(|| backend(CudaError::NoCublas))?;
                 // SAFETY: uninitialized device memory of x's length, which

@@ -11,9 +11,10 @@
 //! `LD_LIBRARY_PATH=<nvrtc lib> VELLUM_REQUIRE_GPU=1 ./gpu-* --test-threads 1`.
 
 use cudarc::driver::CudaSlice;
-use vellum_backend_cuda::launch::{
-    AttentionParams, AttentionVersion, BlockFormat, DeviceAttentionMetadata, Kernels, KvPool, PoolDtype, QuantMatrix,
-};
+use vellum_backend_cuda::blas::{Blas, Half};
+use vellum_backend_cuda::launch::{AttentionParams, AttentionVersion, DeviceAttentionMetadata, Kernels, KvPool, PoolDtype, QuantMatrix};
+use vellum_backend_cuda::layout;
+use vellum_ops::quant::GgmlType;
 
 fn gpu_or_skip(test: &str) -> Option<Kernels> {
     match Kernels::open(0) {
@@ -273,57 +274,70 @@ fn copy_blocks_copies_whole_blocks_in_both_pools_or_skips_without_a_gpu() {
     }
 }
 
-/// GGUF blocks of a random [n, k] weight, and its values.
-fn quantized(rng: &mut Rng, n: usize, k: usize, q4_1: bool) -> (Vec<u16>, Vec<f32>) {
+/// GGUF blocks of a random `[n, k]` weight of `dtype` (Q8_0, Q4_0 or
+/// Q4_1: random codes, nonzero scales and mins), or f32 values.
+fn gguf_blocks(rng: &mut Rng, dtype: GgmlType, n: usize, k: usize) -> Vec<u8> {
     let mut bytes = Vec::new();
-    let mut values = Vec::new();
+    if dtype == GgmlType::F32 {
+        return rng.vec(n * k).iter().flat_map(|v| v.to_le_bytes()).collect();
+    }
     for _ in 0..n * k / 32 {
-        let dh = half::f16::from_f32(0.01 + 0.02 * rng.f().abs());
-        let d = dh.to_f32();
-        bytes.extend_from_slice(&dh.to_le_bytes());
-        if q4_1 {
-            let mh = half::f16::from_f32(-0.1 * rng.f().abs());
-            let m = mh.to_f32();
-            bytes.extend_from_slice(&mh.to_le_bytes());
-            let codes: Vec<u8> = (0..32).map(|_| (rng.next() % 16) as u8).collect();
-            for j in 0..16 {
-                bytes.push(codes[j] | (codes[j + 16] << 4));
+        bytes.extend_from_slice(&half::f16::from_f32(0.01 + 0.02 * rng.f().abs()).to_le_bytes());
+        match dtype {
+            GgmlType::Q8_0 => bytes.extend((0..32).map(|_| (rng.next() % 256) as u8)),
+            GgmlType::Q4_0 => bytes.extend((0..16).map(|_| (rng.next() % 256) as u8)),
+            GgmlType::Q4_1 => {
+                bytes.extend_from_slice(&half::f16::from_f32(-0.1 * rng.f().abs()).to_le_bytes());
+                bytes.extend((0..16).map(|_| (rng.next() % 256) as u8));
             }
-            values.extend(codes.iter().map(|&c| d * c as f32 + m));
-        } else {
-            for _ in 0..32 {
-                let c = (rng.next() % 256) as u8 as i8;
-                bytes.push(c as u8);
-                values.push(d * c as f32);
-            }
+            other => unreachable!("{other}"),
         }
     }
-    (bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect(), values)
+    bytes
 }
 
+/// A random weight in its device layout (on the device) and the values its
+/// kernels decode, f32 row-major.
+fn random_weight(k: &Kernels, rng: &mut Rng, dtype: GgmlType, n: usize, kk: usize) -> (QuantMatrix, Vec<f32>) {
+    let bytes = gguf_blocks(rng, dtype, n, kk);
+    let r = if dtype == GgmlType::F32 {
+        layout::f32_layout(&bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect::<Vec<_>>())
+    } else {
+        layout::repack(dtype, &bytes, n, kk).expect("repacks")
+    };
+    let values = layout::dequantize_repacked(&r, n, kk);
+    // The scale plane is one element when empty (the driver refuses zero bytes).
+    let scales = if r.scales.is_empty() { vec![0u16] } else { r.scales.clone() };
+    (QuantMatrix { codes: up(k, &r.codes), scales: up(k, &scales), format: r.format, n, k: kk }, values)
+}
+
+/// A time-seeded generator: fresh inputs every run (the seed is printed
+/// with any failure).
+fn fresh_rng() -> (Rng, u64) {
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64) | 1;
+    (Rng(seed), seed)
+}
+
+const LAYOUT_TYPES: [GgmlType; 4] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F32];
+
 #[test]
-fn gemv_and_gemm_on_q8_0_q4_1_and_f32_blocks_match_the_dequantized_product_or_skips_without_a_gpu() {
-    let Some(k) = gpu_or_skip("gemv_and_gemm_on_q8_0_q4_1_and_f32_blocks_match_the_dequantized_product") else { return };
-    let mut rng = Rng(11);
+fn gemv_and_cuda_core_gemm_on_the_weight_layouts_match_the_float64_product_or_skips_without_a_gpu() {
+    let Some(k) = gpu_or_skip("gemv_and_cuda_core_gemm_on_the_weight_layouts_match_the_float64_product") else { return };
+    let (mut rng, seed) = fresh_rng();
+    // n not a multiple of a warp's columns nor of a tile; k of 10 blocks
+    // (not a multiple of the GEMV's 512-weight stride).
     let (n, kk) = (101, 320);
-    for format in [BlockFormat::Q8_0, BlockFormat::Q4_1, BlockFormat::F32] {
-        let (blocks, w) = match format {
-            BlockFormat::F32 => {
-                let w = rng.vec(n * kk);
-                (w.iter().flat_map(|v| [v.to_bits() as u16, (v.to_bits() >> 16) as u16]).collect(), w)
-            }
-            _ => quantized(&mut rng, n, kk, format == BlockFormat::Q4_1),
-        };
-        let w_dev = QuantMatrix { blocks: up(&k, &blocks), format, n, k: kk };
+    for dtype in LAYOUT_TYPES {
+        let (w_dev, w) = random_weight(&k, &mut rng, dtype, n, kk);
         // Up to 8 rows: the GEMV (gemv_q takes no more); beyond: the tiled
         // GEMM through gemv_rows, with partial tiles of rows and columns,
         // k split in parts at these sizes (too few tiles for the GPU).
-        for rows in [1, 3, 8, 9, 37, 130] {
+        for rows in [1, 2, 3, 5, 8, 9, 37, 130] {
             if rows > 8 {
                 assert!(k.gemm_splits(rows, n, kk) > 1, "{rows} rows: the tiles alone would fill the GPU");
             }
             let x = rng.vec(rows * kk);
-            let mut y: CudaSlice<f32> = k.stream().alloc_zeros(rows * n).expect("alloc");
+            let mut y = up(&k, &vec![f32::NAN; rows * n]);
             if rows <= 8 {
                 k.gemv_q(&mut y, &w_dev, &up(&k, &x), rows).expect("gemv");
             } else {
@@ -334,7 +348,7 @@ fn gemv_and_gemm_on_q8_0_q4_1_and_f32_blocks_match_the_dequantized_product_or_sk
                 for c in 0..n {
                     let e: f64 = (0..kk).map(|i| x[r * kk + i] as f64 * w[c * kk + i] as f64).sum();
                     let g = got[r * n + c] as f64;
-                    assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "{format:?} rows={rows} [{r},{c}]: {g} vs {e}");
+                    assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "{dtype} rows={rows} [{r},{c}]: {g} vs {e} (seed {seed})");
                 }
             }
         }
@@ -342,19 +356,90 @@ fn gemv_and_gemm_on_q8_0_q4_1_and_f32_blocks_match_the_dequantized_product_or_sk
     // Enough tiles to fill the GPU: one pass over k, no split.
     let (n, kk, rows) = (2200, 320, 520);
     assert_eq!(k.gemm_splits(rows, n, kk), 1);
-    let (blocks, w) = quantized(&mut rng, n, kk, true);
-    let w_dev = QuantMatrix { blocks: up(&k, &blocks), format: BlockFormat::Q4_1, n, k: kk };
+    let (w_dev, w) = random_weight(&k, &mut rng, GgmlType::Q4_1, n, kk);
     let x = rng.vec(rows * kk);
-    let mut y: CudaSlice<f32> = k.stream().alloc_zeros(rows * n).expect("alloc");
+    let mut y = up(&k, &vec![f32::NAN; rows * n]);
     k.gemv_rows(&mut y, &w_dev, &up(&k, &x), rows).expect("gemm");
     let got = down(&k, &y);
     for r in (0..rows).step_by(7) {
         for c in 0..n {
             let e: f64 = (0..kk).map(|i| x[r * kk + i] as f64 * w[c * kk + i] as f64).sum();
             let g = got[r * n + c] as f64;
-            assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "unsplit rows={rows} [{r},{c}]: {g} vs {e}");
+            assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "unsplit rows={rows} [{r},{c}]: {g} vs {e} (seed {seed})");
         }
     }
+}
+
+/// bf16 bits of `v`, rounded to nearest even (the kernels' `cvt.rn.bf16`).
+fn bf16_bits(v: f32) -> u16 {
+    half::bf16::from_f32(v).to_bits()
+}
+
+/// `y ?= x16 · w16ᵀ` against the float64 product of the same bf16 inputs:
+/// f32 accumulation of exact products, in any order (split-K included).
+#[allow(clippy::too_many_arguments)]
+fn check_bf16_product(got: &[f32], x16: &[u16], w16: &[u16], rows: usize, n: usize, kk: usize, what: &str, seed: u64) {
+    let f = |b: u16| half::bf16::from_bits(b).to_f32() as f64;
+    // Large cases: every 7th row (the host's float64 sums are the cost).
+    let step = if rows * n * kk > 100_000_000 { 7 } else { 1 };
+    for r in (0..rows).step_by(step) {
+        for c in 0..n {
+            let (mut want, mut mag) = (0f64, 0f64);
+            for i in 0..kk {
+                let p = f(x16[r * kk + i]) * f(w16[c * kk + i]);
+                want += p;
+                mag += p.abs();
+            }
+            let g = got[r * n + c] as f64;
+            let tol = 1e-6 * mag * (kk as f64).sqrt() + 1e-6;
+            assert!((g - want).abs() <= tol, "{what} [{r},{c}]: {g} vs {want} (tolerance {tol}, seed {seed})");
+        }
+    }
+}
+
+/// The tensor-core GEMM (`gemm_mma.cu`) on every layout: activations cast
+/// to bf16 on the device, weights decoded and rounded to bf16 as they are
+/// staged; against the float64 product of the same bf16 values. Tile
+/// heights 32/64/128, partial tiles of rows and columns, split and unsplit
+/// k; also `dequantize_bf16`, bit for bit, and the cuBLAS product over it.
+#[test]
+fn tensor_core_gemm_on_the_weight_layouts_matches_the_float64_product_of_its_bf16_inputs_or_skips_without_a_gpu() {
+    let test = "tensor_core_gemm_on_the_weight_layouts_matches_the_float64_product_of_its_bf16_inputs";
+    let Some(k) = gpu_or_skip(test) else { return };
+    let (mut rng, seed) = fresh_rng();
+    for dtype in LAYOUT_TYPES {
+        for (rows, n, kk) in
+            [(9, 101, 320), (16, 200, 64), (33, 128, 320), (64, 515, 1024), (100, 77, 96), (300, 260, 256), (129, 2048, 4096)]
+        {
+            let (w_dev, w) = random_weight(&k, &mut rng, dtype, n, kk);
+            let w16: Vec<u16> = w.iter().map(|&v| bf16_bits(v)).collect();
+            let x = rng.vec(rows * kk);
+            let mut x16 = up(&k, &vec![0u16; rows * kk]);
+            k.cast_to_16(&mut x16, &up(&k, &x), rows * kk, Half::Bf16).expect("cast");
+            let x16_host = down(&k, &x16);
+            assert!(x16_host.iter().zip(&x).all(|(&g, &v)| g == bf16_bits(v)), "{dtype}: the cast rounds to nearest even");
+            let mut y = up(&k, &vec![f32::NAN; rows * n]);
+            k.gemm_mma(&mut y, &w_dev, &x16, rows).expect("gemm_mma");
+            let (bm, splits) = k.mma_plan(rows, n, kk);
+            let what = format!("{dtype} gemm_mma [{rows}x{kk}]·[{n}x{kk}]ᵀ (tile {bm}, {splits} splits)");
+            check_bf16_product(&down(&k, &y), &x16_host, &w16, rows, n, kk, &what, seed);
+            // The whole weight as bf16: the host's rounding of the same values.
+            let mut d16 = up(&k, &vec![0xffffu16; n * kk]);
+            k.dequantize_bf16(&mut d16, &w_dev).expect("dequantize");
+            assert!(down(&k, &d16) == w16, "{dtype} [{n}x{kk}]: dequantize_bf16 differs from the host's rounding (seed {seed})");
+            if let Ok(blas) = Blas::new(k.stream().clone()) {
+                let mut y = up(&k, &vec![f32::NAN; rows * n]);
+                blas.linear_16(&mut y, &d16, &x16, Half::Bf16, rows, n, kk).expect("cublas");
+                check_bf16_product(&down(&k, &y), &x16_host, &w16, rows, n, kk, &format!("{dtype} cuBLAS over dequantize_bf16"), seed);
+            }
+        }
+    }
+    // The plans the cases above were chosen to cover.
+    assert_eq!(k.mma_plan(9, 101, 320).0, 32);
+    assert_eq!(k.mma_plan(64, 515, 1024).0, 64);
+    assert_eq!(k.mma_plan(300, 260, 256).0, 128);
+    assert!(k.mma_plan(64, 515, 1024).1 > 1 && k.mma_plan(300, 260, 256).1 > 1, "split-K is exercised");
+    assert_eq!(k.mma_plan(16, 200, 64).1, 1, "two blocks of 32 along k: one part");
 }
 
 #[test]
@@ -436,8 +521,17 @@ fn run_steps(exec: &mut dyn vellum_base::ModelExecutor) -> Vec<Vec<f32>> {
     ]
 }
 
+/// The CUDA executor against the CPU's float32 path on the tiny Llama: its
+/// float32 path within 2·10⁻³ of the largest logit; its bf16 path (tensor
+/// cores on the 30-row prefill, the f32 GEMV on the 2-row decodes) within
+/// 10% in relative L2 norm — the random model amplifies rounding about
+/// fifty-fold (its float32 path is 6·10⁻⁶ off, 50 ulps), so bf16's 2⁻⁹
+/// shows as a few percent, while a row or column out of place is O(1) —
+/// and both with the same greedy tokens wherever the reference's top two
+/// are further apart than the largest error.
 #[test]
 fn the_cuda_executor_matches_the_cpu_f32_path_on_a_tiny_llama_or_skips_without_a_gpu() {
+    use vellum_backend_cuda::{CudaOps, CudaPrecision};
     use vellum_models::{GgufWeights, ModelRunner, WeightSource};
     let test = "the_cuda_executor_matches_the_cpu_f32_path_on_a_tiny_llama";
     // The reference half runs everywhere, so the harness is exercised in CI.
@@ -451,28 +545,43 @@ fn the_cuda_executor_matches_the_cpu_f32_path_on_a_tiny_llama_or_skips_without_a
         assert_eq!(w.len(), 2 * 96, "step {i}: two rows of logits");
         assert!(w.iter().any(|x| x.abs() > 1e-2), "step {i}: reference logits are not trivially zero");
     }
-    let ops = match vellum_backend_cuda::CudaOps::new(0) {
-        Ok(ops) => ops,
-        Err(e) => {
-            assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
-            eprintln!("SKIPPED {test}: {e}");
-            let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
-            return;
-        }
-    };
-    let mut gpu = ModelRunner::load(ops, &weights, config, |_, _| {}).expect("cuda loads");
-    let got = run_steps(&mut gpu);
-    let argmax = |v: &[f32]| v.iter().enumerate().fold((0, f32::MIN), |m, (j, &x)| if x > m.1 { (j, x) } else { m }).0;
-    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-        assert_eq!(w.len(), g.len(), "step {i}: logits length");
-        let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        eprintln!("step {i}: max |cuda - cpu| = {worst:.2e}");
-        assert!(worst < 2e-3, "step {i}: logits differ by up to {worst}");
-        for (rw, rg) in w.chunks(96).zip(g.chunks(96)) {
-            assert_eq!(argmax(rw), argmax(rg), "step {i}: greedy token");
+    for precision in [CudaPrecision::Float32, CudaPrecision::Bf16] {
+        let ops = match CudaOps::with_precision(0, precision) {
+            Ok(ops) => ops,
+            Err(e) => {
+                assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
+                eprintln!("SKIPPED {test}: {e}");
+                let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
+                return;
+            }
+        };
+        let mut gpu = ModelRunner::load(ops, &weights, config.clone(), |_, _| {}).expect("cuda loads");
+        let got = run_steps(&mut gpu);
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.len(), g.len(), "step {i}: logits length");
+            let scale = w.iter().fold(1f32, |m, x| m.max(x.abs()));
+            let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| (x as f64).powi(2)).sum::<f64>().sqrt();
+            let rel_l2 = norm(&mut w.iter().zip(g).map(|(a, b)| a - b)) / norm(&mut w.iter().copied());
+            eprintln!("{precision:?} step {i}: max |cuda - cpu| = {worst:.2e} (logits up to {scale:.2}), relative L2 {rel_l2:.2e}");
+            match precision {
+                CudaPrecision::Float32 => assert!(worst < 2e-3 * scale, "{precision:?} step {i}: logits differ by up to {worst}"),
+                _ => assert!(rel_l2 < 0.1, "{precision:?} step {i}: relative L2 error {rel_l2}"),
+            }
+            for (rw, rg) in w.chunks(96).zip(g.chunks(96)) {
+                let mut sorted = rw.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                if sorted[0] - sorted[1] > 2.0 * worst {
+                    assert_eq!(argmax(rw), argmax(rg), "{precision:?} step {i}: greedy token");
+                }
+            }
         }
     }
     let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter().enumerate().fold((0, f32::MIN), |m, (j, &x)| if x > m.1 { (j, x) } else { m }).0
 }
 
 /// The shared conformance suite (`vellum-conformance`): every op and the
@@ -495,7 +604,6 @@ fn the_conformance_suite_passes_or_skips_without_a_gpu() {
 /// (fresh random values, output poisoned first), decode- and prefill-sized.
 #[test]
 fn sixteen_bit_linear_on_tensor_cores_matches_the_float64_product_or_skips_without_a_gpu() {
-    use vellum_backend_cuda::blas::{Blas, Half};
     let test = "sixteen_bit_linear_on_tensor_cores_matches_the_float64_product";
     let Some(k) = gpu_or_skip(test) else { return };
     let blas = match Blas::new(k.stream().clone()) {

@@ -51,3 +51,30 @@ fn a_kernel_that_does_not_compile_is_a_typed_error_with_the_log_or_skips_without
     let msg = err.to_string();
     assert!(msg.contains("HEAD_DIM must be a multiple of 64") && msg.contains("paged_attention.cu"), "{msg}");
 }
+
+#[test]
+fn a_compiled_kernel_is_read_back_from_the_disk_cache_and_a_damaged_entry_recompiled_or_skips_without_nvrtc() {
+    if !nvrtc_or_skip("a_compiled_kernel_is_read_back_from_the_disk_cache_and_a_damaged_entry_recompiled") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("vellum-kernel-cache-{}", std::process::id()));
+    let v = vellum_backend_cuda::kernels::Variant::new(vellum_backend_cuda::kernels::CACHE, &[]);
+    let fresh = nvrtc::compile(&v, "compute_80").expect("compiles");
+    let first = nvrtc::compile_cached_in(&dir, &v, "compute_80").expect("compiles and stores");
+    assert_eq!(first, fresh);
+    let entries: Vec<_> = std::fs::read_dir(&dir).expect("the cache exists").filter_map(|e| e.ok()).collect();
+    assert_eq!(entries.len(), 1, "one entry per configuration");
+    let entry = entries[0].path();
+    // Read back: change the stored PTX after its header, and the cache returns it.
+    let text = std::fs::read_to_string(&entry).expect("reads");
+    std::fs::write(&entry, format!("{text}// marker\n")).expect("writes");
+    assert!(nvrtc::compile_cached_in(&dir, &v, "compute_80").expect("from the cache").ends_with("// marker\n"));
+    // Another architecture or define is another entry.
+    nvrtc::compile_cached_in(&dir, &v, "compute_90").expect("compiles");
+    assert_eq!(std::fs::read_dir(&dir).expect("dir").count(), 2);
+    // A damaged header is a miss: compiled again and rewritten.
+    std::fs::write(&entry, "garbage").expect("writes");
+    assert_eq!(nvrtc::compile_cached_in(&dir, &v, "compute_80").expect("recompiles"), fresh);
+    assert!(std::fs::read_to_string(&entry).expect("rewritten").ends_with(&fresh));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -122,10 +122,11 @@ fn main() {
     let block_size = 16;
     let num_blocks = ctx.div_ceil(block_size) + 1;
     let load = |precision: CpuPrecision, kv: Option<KvCacheDtype>, calibrate: bool| -> Box<dyn ModelExecutor + Send> {
-        let dtype = kv.unwrap_or_else(|| auto_kv_cache_dtype(Device::Cpu, precision));
+        let dtype = kv.unwrap_or_else(|| auto_kv_cache_dtype(Device::Cpu, precision, vellum_engine::ComputeDtype::Auto));
         let options = ExecutorOptions {
             runner: RunnerOptions { kv_cache_dtype: dtype, hybrid_kv_cache: false, block_size },
             cpu: CpuOptions { precision },
+            dtype: vellum_engine::ComputeDtype::Auto,
         };
         let mut ex = make_executor(Device::Cpu, &*loaded.weights, loaded.config.clone(), options, |_, _| {}).expect("loads");
         // As the engine does before serving (the int8 path's outlier channels).

@@ -83,6 +83,69 @@ pub struct ExecutorOptions {
     pub runner: RunnerOptions,
     /// The CPU backend's own (`--device cpu`; other backends ignore them).
     pub cpu: CpuOptions,
+    /// What a GPU backend multiplies in (`--dtype`).
+    pub dtype: ComputeDtype,
+}
+
+/// The element type a GPU backend's products take (vLLM's `--dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ComputeDtype {
+    /// The device's own: bfloat16 on `--device cuda` (tensor cores), float32
+    /// on wgpu; the CPU's arithmetic is `--cpu-precision`.
+    #[default]
+    Auto,
+    /// Activations rounded to bfloat16 before each product, f32
+    /// accumulation (`--device cuda`).
+    Bfloat16,
+    /// float32 arithmetic throughout: the reference path (`--device cuda`,
+    /// `--device wgpu`).
+    Float32,
+}
+
+impl ComputeDtype {
+    /// The name `--dtype` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            ComputeDtype::Auto => "auto",
+            ComputeDtype::Bfloat16 => "bfloat16",
+            ComputeDtype::Float32 => "float32",
+        }
+    }
+
+    /// Whether `device` multiplies in bfloat16 under this setting.
+    pub fn is_bf16_on(self, device: Device) -> bool {
+        device == Device::Cuda && self != ComputeDtype::Float32
+    }
+
+    /// `Ok` when `device` computes in this type, else the typed error that
+    /// says what the device takes instead.
+    pub fn check_for(self, device: Device) -> Result<(), Error> {
+        let refuse = |what: &str| {
+            Err(Error::InvalidConfig { field: "dtype", message: format!("--dtype {} on --device {device}: {what}", self.name()) })
+        };
+        match (device, self) {
+            (_, ComputeDtype::Auto) | (Device::Cuda, _) | (Device::Wgpu, ComputeDtype::Float32) => Ok(()),
+            (Device::Cpu, _) => refuse("the CPU's arithmetic is chosen with --cpu-precision int8|int16|float32"),
+            (Device::Wgpu, _) => refuse("the wgpu backend computes in float32 (auto or float32)"),
+        }
+    }
+}
+
+impl FromStr for ComputeDtype {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(ComputeDtype::Auto),
+            "bfloat16" | "bf16" => Ok(ComputeDtype::Bfloat16),
+            "float32" | "float" | "f32" => Ok(ComputeDtype::Float32),
+            "half" | "float16" | "f16" => Err(Error::InvalidConfig {
+                field: "dtype",
+                message: format!("--dtype {s}: float16 activations are not supported (their range ends at ±65504); use bfloat16"),
+            }),
+            _ => Err(Error::InvalidConfig { field: "dtype", message: format!("unknown dtype {s:?}; one of auto, bfloat16, float32") }),
+        }
+    }
 }
 
 /// The CPU backend's options.
@@ -175,6 +238,7 @@ pub fn make_executor(
 ) -> Result<Box<dyn ModelExecutor + Send>, crate::Error> {
     // Each arm is compiled only with its feature; the others are typed errors.
     let _ = (&weights, &config, &options);
+    options.dtype.check_for(device)?;
     match device {
         #[cfg(feature = "cpu")]
         Device::Cpu => {
@@ -193,7 +257,9 @@ pub fn make_executor(
         }
         #[cfg(feature = "cuda")]
         Device::Cuda => {
-            let ops = vellum_backend_cuda::CudaOps::new(0).map_err(cuda_unavailable)?;
+            use vellum_backend_cuda::{CudaOps, CudaPrecision};
+            let precision = if options.dtype.is_bf16_on(device) { CudaPrecision::Bf16 } else { CudaPrecision::Float32 };
+            let ops = CudaOps::with_precision(0, precision).map_err(cuda_unavailable)?;
             Ok(Box::new(CudaExecutor::load_with(ops, weights, config, options.runner, progress)?))
         }
         #[allow(unreachable_patterns)]
@@ -214,6 +280,31 @@ fn cuda_unavailable(e: vellum_backend_cuda::CudaError) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dtypes_parse_as_vllm_names_them_and_each_device_refuses_what_it_cannot_compute() {
+        for (s, d) in [
+            ("auto", ComputeDtype::Auto),
+            ("bfloat16", ComputeDtype::Bfloat16),
+            ("BF16", ComputeDtype::Bfloat16),
+            ("float", ComputeDtype::Float32),
+        ] {
+            assert_eq!(s.parse::<ComputeDtype>().ok(), Some(d), "{s}");
+        }
+        let half = "float16".parse::<ComputeDtype>().expect_err("f16 activations are refused");
+        assert!(half.to_string().contains("use bfloat16"), "{half}");
+        assert!(matches!("int4".parse::<ComputeDtype>(), Err(Error::InvalidConfig { field: "dtype", .. })));
+        assert!(ComputeDtype::Auto.is_bf16_on(Device::Cuda) && !ComputeDtype::Float32.is_bf16_on(Device::Cuda));
+        assert!(!ComputeDtype::Bfloat16.is_bf16_on(Device::Wgpu));
+        for d in [ComputeDtype::Auto, ComputeDtype::Bfloat16, ComputeDtype::Float32] {
+            assert!(d.check_for(Device::Cuda).is_ok());
+        }
+        assert!(ComputeDtype::Float32.check_for(Device::Wgpu).is_ok());
+        let e = ComputeDtype::Bfloat16.check_for(Device::Wgpu).expect_err("wgpu computes in f32");
+        assert!(e.to_string().contains("--dtype bfloat16 on --device wgpu"), "{e}");
+        let e = ComputeDtype::Float32.check_for(Device::Cpu).expect_err("the CPU has --cpu-precision");
+        assert!(e.to_string().contains("--cpu-precision"), "{e}");
+    }
 
     #[test]
     fn devices_parse_by_name() {

@@ -1,6 +1,6 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
-use crate::backend::{make_executor, CpuOptions, CpuPrecision, Device, ExecutorOptions};
+use crate::backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, Device, ExecutorOptions};
 use crate::calibration::calibration_token_ids;
 use crate::client::EngineClient;
 use crate::engine_core::EngineCore;
@@ -15,8 +15,10 @@ use vellum_base::{SpeculativeConfig, SpeculativeMethod};
 use vellum_models::{resolve_model, ChatMessage, ChatTemplate, RunnerOptions, Tokenizer};
 use vellum_scheduler::FinishReason;
 
-/// The KV-cache element type `auto` means: float16 on the CPU's default
-/// int8 path, float32 elsewhere.
+/// The KV-cache element type `auto` means: bfloat16 where a GPU multiplies
+/// in bfloat16 (`--device cuda`'s default: the model's 16-bit type, as
+/// vLLM's `auto`; half the bytes a decode step reads), float16 on the CPU's
+/// default int8 path, float32 elsewhere.
 ///
 /// The int8 path already quantizes activations as llama.cpp does, and
 /// stores keys and values in float16 as llama.cpp does by default (vLLM's
@@ -25,9 +27,10 @@ use vellum_scheduler::FinishReason;
 /// (docs/benchmarks.md) for 0.005 nats on the float64 references
 /// (`kv_dtype_golden`), while the golden tests keep the int8 path within
 /// llama.cpp's own gaps. The exact paths (`--cpu-precision int16|float32`)
-/// and the GPU backends keep float32.
-pub fn auto_kv_cache_dtype(device: Device, precision: CpuPrecision) -> KvCacheDtype {
+/// and the float32 GPU paths keep float32.
+pub fn auto_kv_cache_dtype(device: Device, precision: CpuPrecision, dtype: ComputeDtype) -> KvCacheDtype {
     match (device, precision) {
+        _ if dtype.is_bf16_on(device) => KvCacheDtype::Bf16,
         (Device::Cpu, CpuPrecision::Int8) => KvCacheDtype::F16,
         _ => KvCacheDtype::F32,
     }
@@ -64,6 +67,9 @@ pub struct EngineArgs {
     /// How the CPU backend multiplies integer-block weights
     /// (`--cpu-precision`; other devices ignore it).
     pub cpu_precision: CpuPrecision,
+    /// What a GPU backend multiplies in (vLLM's `--dtype`; `auto`: bfloat16
+    /// on `--device cuda`).
+    pub dtype: ComputeDtype,
     /// Speculative decoding (vLLM's `--speculative-config`); `None`: off.
     pub speculative_config: Option<SpeculativeConfig>,
 }
@@ -81,6 +87,7 @@ impl Default for EngineArgs {
             disable_hybrid_kv_cache_manager: false,
             swap_space_bytes: 0,
             cpu_precision: CpuPrecision::default(),
+            dtype: ComputeDtype::default(),
             speculative_config: None,
         }
     }
@@ -184,7 +191,7 @@ impl Llm {
         let max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
         let max_batched = scheduler.max_num_batched_tokens;
-        let kv_dtype = args.kv_cache_dtype.unwrap_or_else(|| auto_kv_cache_dtype(args.device, args.cpu_precision));
+        let kv_dtype = args.kv_cache_dtype.unwrap_or_else(|| auto_kv_cache_dtype(args.device, args.cpu_precision, args.dtype));
         let options = ExecutorOptions {
             runner: RunnerOptions {
                 kv_cache_dtype: kv_dtype,
@@ -192,6 +199,7 @@ impl Llm {
                 block_size: args.block_size,
             },
             cpu: CpuOptions { precision: args.cpu_precision },
+            dtype: args.dtype,
         };
         let load_started = std::time::Instant::now();
         let mut executor = make_executor(args.device, &*loaded.weights, config, options, progress)?;

@@ -49,7 +49,7 @@ pub use default_model::{
 pub use error::{Error, Result};
 pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights};
 pub use model_source::{resolve_model, ModelSource};
-pub use random_checkpoint::{write_random_checkpoint, CheckpointDtype, CheckpointShape, WriteReport};
+pub use random_checkpoint::{write_random_checkpoint, write_random_gguf, CheckpointDtype, CheckpointShape, GgufWeightType, WriteReport};
 pub use safetensors_weights::SafetensorsWeights;
 pub use vellum_ops::{Tensor, WeightView};
 pub use weight_source::WeightSource;

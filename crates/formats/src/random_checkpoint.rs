@@ -381,3 +381,314 @@ fn byte_level_tokenizer() -> serde_json::Value {
         },
     })
 }
+
+/// The type a random GGUF file stores its matrices in (norms are F32, as
+/// llama.cpp's converter writes them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgufWeightType {
+    /// Q8_0 blocks: an f16 scale and 32 int8 codes (the tensor-core issue's
+    /// 8B benchmark model, 8.5 GB at Llama 3 8B's shape).
+    Q8_0,
+    /// bf16 values.
+    Bf16,
+}
+
+impl GgufWeightType {
+    /// Parses `q8_0`, `bf16`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "q8_0" => Some(Self::Q8_0),
+            "bf16" | "bfloat16" => Some(Self::Bf16),
+            _ => None,
+        }
+    }
+
+    /// ggml's id of the type.
+    fn ggml_id(self) -> u32 {
+        match self {
+            Self::Q8_0 => 8,
+            Self::Bf16 => 30,
+        }
+    }
+
+    /// Bytes of `n` values (a multiple of 32 for Q8_0).
+    fn bytes(self, n: usize) -> usize {
+        match self {
+            Self::Q8_0 => n / 32 * 34,
+            Self::Bf16 => 2 * n,
+        }
+    }
+}
+
+/// The GGUF names of a Llama tensor (`blk.N.attn_q.weight`, ...) for its
+/// Hugging Face name.
+fn gguf_name(hf: &str) -> String {
+    let map = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+        ("input_layernorm.weight", "attn_norm.weight"),
+        ("self_attn.q_proj.weight", "attn_q.weight"),
+        ("self_attn.k_proj.weight", "attn_k.weight"),
+        ("self_attn.v_proj.weight", "attn_v.weight"),
+        ("self_attn.o_proj.weight", "attn_output.weight"),
+        ("post_attention_layernorm.weight", "ffn_norm.weight"),
+        ("mlp.gate_proj.weight", "ffn_gate.weight"),
+        ("mlp.up_proj.weight", "ffn_up.weight"),
+        ("mlp.down_proj.weight", "ffn_down.weight"),
+    ];
+    if let Some(rest) = hf.strip_prefix("model.layers.") {
+        let (layer, tail) = rest.split_once('.').unwrap_or((rest, ""));
+        let short = map.iter().find(|(h, _)| *h == tail).map_or(tail, |(_, g)| g);
+        return format!("blk.{layer}.{short}");
+    }
+    map.iter().find(|(h, _)| *h == hf).map_or(hf.to_string(), |(_, g)| g.to_string())
+}
+
+/// One GGUF metadata value.
+enum Meta {
+    Bool(bool),
+    U32(u32),
+    F32(f32),
+    Str(String),
+    Strs(Vec<String>),
+    I32s(Vec<i32>),
+}
+
+impl Meta {
+    fn write(&self, out: &mut Vec<u8>) {
+        let string = |out: &mut Vec<u8>, s: &str| {
+            out.extend((s.len() as u64).to_le_bytes());
+            out.extend(s.as_bytes());
+        };
+        match self {
+            Meta::Bool(v) => {
+                out.extend(7u32.to_le_bytes());
+                out.push(u8::from(*v));
+            }
+            Meta::U32(v) => {
+                out.extend(4u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            Meta::F32(v) => {
+                out.extend(6u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            Meta::Str(s) => {
+                out.extend(8u32.to_le_bytes());
+                string(out, s);
+            }
+            Meta::Strs(items) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(8u32.to_le_bytes());
+                out.extend((items.len() as u64).to_le_bytes());
+                for s in items {
+                    string(out, s);
+                }
+            }
+            Meta::I32s(items) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(5u32.to_le_bytes());
+                out.extend((items.len() as u64).to_le_bytes());
+                for v in items {
+                    out.extend(v.to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// GGUF's data alignment.
+const GGUF_ALIGNMENT: usize = 32;
+
+/// Writes a random-weight Llama GGUF of `shape` to `path`, matrices in `ty`
+/// (norms F32), as llama.cpp's converter lays one out (the metadata its
+/// loader needs; Q and K rows in the converter's permuted order, which for
+/// random values changes nothing but keeps the file's contract), with a
+/// byte-level BPE tokenizer of the 256 bytes, `<|begin_of_text|>` and
+/// `<|end_of_text|>`, padded with reserved control tokens to the model's
+/// vocabulary so that every id below it names a token. Streamed tensor by
+/// tensor; values as [`write_random_checkpoint`]'s (Q8_0: codes uniform in
+/// ±127 with the scale that gives `±1/√fan_in`).
+pub fn write_random_gguf(
+    path: &Path,
+    shape: &CheckpointShape,
+    ty: GgufWeightType,
+    seed: u64,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<WriteReport> {
+    shape.check()?;
+    let tensors = shape.tensors();
+    if let Some((name, s, _)) = tensors.iter().find(|(_, s, norm)| !norm && !s[s.len() - 1].is_multiple_of(32)) {
+        return Err(Error::CheckpointShape(format!("{name}: rows of {} values are not whole blocks of 32", s[s.len() - 1])));
+    }
+    let stored = |s: &[usize], norm: bool| -> (u32, usize) {
+        let n: usize = s.iter().product();
+        if norm {
+            (0, 4 * n)
+        } else {
+            (ty.ggml_id(), ty.bytes(n))
+        }
+    };
+    let head_dim = shape.hidden / shape.heads;
+    let mut tokens: Vec<String> = byte_chars().into_iter().map(|c| c.to_string()).collect();
+    tokens.push("<|begin_of_text|>".into());
+    tokens.push("<|end_of_text|>".into());
+    let mut types = vec![1i32; 256];
+    types.extend([3, 3]);
+    for i in tokens.len()..shape.vocab {
+        tokens.push(format!("<|reserved_special_token_{i}|>"));
+        types.push(3);
+    }
+    if tokens.len() != shape.vocab {
+        return Err(Error::CheckpointShape(format!("a vocabulary of {} cannot hold the 258 byte-level tokens", shape.vocab)));
+    }
+    let meta: Vec<(&str, Meta)> = vec![
+        ("general.architecture", Meta::Str("llama".into())),
+        ("general.name", Meta::Str("random".into())),
+        ("general.alignment", Meta::U32(GGUF_ALIGNMENT as u32)),
+        ("llama.block_count", Meta::U32(shape.layers as u32)),
+        ("llama.context_length", Meta::U32(shape.max_positions as u32)),
+        ("llama.embedding_length", Meta::U32(shape.hidden as u32)),
+        ("llama.feed_forward_length", Meta::U32(shape.intermediate as u32)),
+        ("llama.attention.head_count", Meta::U32(shape.heads as u32)),
+        ("llama.attention.head_count_kv", Meta::U32(shape.kv_heads as u32)),
+        ("llama.rope.dimension_count", Meta::U32(head_dim as u32)),
+        ("llama.rope.freq_base", Meta::F32(shape.rope_theta as f32)),
+        ("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5)),
+        ("llama.vocab_size", Meta::U32(shape.vocab as u32)),
+        ("tokenizer.ggml.model", Meta::Str("gpt2".into())),
+        ("tokenizer.ggml.pre", Meta::Str("llama-bpe".into())),
+        ("tokenizer.ggml.tokens", Meta::Strs(tokens)),
+        ("tokenizer.ggml.token_type", Meta::I32s(types)),
+        ("tokenizer.ggml.merges", Meta::Strs(Vec::new())),
+        ("tokenizer.ggml.bos_token_id", Meta::U32(256)),
+        ("tokenizer.ggml.eos_token_id", Meta::U32(257)),
+        ("tokenizer.ggml.add_bos_token", Meta::Bool(true)),
+    ];
+    let mut head = Vec::new();
+    head.extend(b"GGUF");
+    head.extend(3u32.to_le_bytes());
+    head.extend((tensors.len() as u64).to_le_bytes());
+    head.extend((meta.len() as u64).to_le_bytes());
+    for (key, value) in &meta {
+        head.extend((key.len() as u64).to_le_bytes());
+        head.extend(key.as_bytes());
+        value.write(&mut head);
+    }
+    let mut offset = 0usize;
+    let mut total = 0u64;
+    for (name, s, norm) in &tensors {
+        let g = gguf_name(name);
+        head.extend((g.len() as u64).to_le_bytes());
+        head.extend(g.as_bytes());
+        head.extend((s.len() as u32).to_le_bytes());
+        for d in s.iter().rev() {
+            head.extend((*d as u64).to_le_bytes());
+        }
+        let (id, bytes) = stored(s, *norm);
+        head.extend(id.to_le_bytes());
+        head.extend((offset as u64).to_le_bytes());
+        offset = (offset + bytes).next_multiple_of(GGUF_ALIGNMENT);
+        total += bytes as u64;
+    }
+    head.resize(head.len().next_multiple_of(GGUF_ALIGNMENT), 0);
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+    let mut w = BufWriter::with_capacity(8 << 20, file);
+    let io = |e| Error::io(path, e);
+    w.write_all(&head).map_err(io)?;
+    let mut done = 0u64;
+    for (i, (_, s, norm)) in tensors.iter().enumerate() {
+        let n: usize = s.iter().product();
+        let fan_in = *s.last().expect("a dimension");
+        let tensor_seed = seed ^ ((i as u64 + 1) << 32);
+        let bytes = match (norm, ty) {
+            (true, _) => random_values(n, fan_in, true, CheckpointDtype::F32, tensor_seed),
+            (false, GgufWeightType::Bf16) => random_values(n, fan_in, false, CheckpointDtype::Bf16, tensor_seed),
+            (false, GgufWeightType::Q8_0) => random_q8_0(n, fan_in, tensor_seed),
+        };
+        w.write_all(&bytes).map_err(io)?;
+        let pad = bytes.len().next_multiple_of(GGUF_ALIGNMENT) - bytes.len();
+        w.write_all(&[0u8; GGUF_ALIGNMENT][..pad]).map_err(io)?;
+        done += bytes.len() as u64;
+        progress(done, total);
+    }
+    w.flush().map_err(io)?;
+    Ok(WriteReport { tensors: tensors.len(), shards: 1, weight_bytes: total })
+}
+
+/// `n` values (a multiple of 32) as Q8_0 blocks: codes uniform in ±127,
+/// never all zero, scale `1/(127·√fan_in)`; chunk by chunk on every core.
+fn random_q8_0(n: usize, fan_in: usize, seed: u64) -> Vec<u8> {
+    let d = half::f16::from_f32(1.0 / (127.0 * (fan_in as f32).sqrt())).to_le_bytes();
+    let mut out = vec![0u8; n / 32 * 34];
+    const BLOCKS: usize = CHUNK / 32;
+    let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(BLOCKS * 34).enumerate().collect();
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(chunks.len()).max(1);
+    let per_thread = chunks.len().div_ceil(threads).max(1);
+    let mut chunks = chunks.into_iter();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let mine: Vec<(usize, &mut [u8])> = chunks.by_ref().take(per_thread).collect();
+            scope.spawn(move || {
+                for (c, bytes) in mine {
+                    let mut rng = SeededRng::new(seed ^ (c as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                    for block in bytes.chunks_exact_mut(34) {
+                        block[..2].copy_from_slice(&d);
+                        for four in block[2..].chunks_exact_mut(8) {
+                            let r = rng.next_u64();
+                            for (j, b) in four.iter_mut().enumerate() {
+                                // 255 codes, -127..=127; a zero code becomes 1.
+                                let code = ((r >> (8 * j)) & 0xff) as i32 % 255 - 127;
+                                *b = (if code == 0 { 1 } else { code }) as i8 as u8;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    out
+}
+
+#[cfg(test)]
+mod gguf_tests {
+    use super::*;
+
+    #[test]
+    fn a_random_gguf_opens_with_its_shape_tokenizer_and_q8_0_blocks() {
+        let shape = CheckpointShape {
+            hidden: 64,
+            intermediate: 96,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            vocab: 300,
+            max_positions: 128,
+            rope_theta: 10_000.0,
+        };
+        let dir = std::env::temp_dir().join(format!("vellum-random-gguf-{}", std::process::id()));
+        let path = dir.join("m.gguf");
+        let report = write_random_gguf(&path, &shape, GgufWeightType::Q8_0, 3, |_, _| {}).expect("writes");
+        assert_eq!(report.tensors, 3 + 9 * 2);
+        let weights = crate::GgufWeights::open(&path).expect("opens");
+        use crate::WeightSource;
+        let config = weights.model_config().expect("config");
+        assert_eq!((config.hidden_size, config.num_hidden_layers, config.vocab_size), (64, 2, 300));
+        let q = weights.tensor("model.layers.1.self_attn.q_proj.weight").expect("q");
+        assert_eq!(q.shape, vec![64, 64]);
+        let values = q.to_f32().expect("dequantizes");
+        let bound = 1.0 / 8.0 + 1e-3;
+        assert!(values.iter().all(|v| *v != 0.0 && v.abs() <= bound), "Q8_0 values within ±1/√64, never zero");
+        let down = weights.tensor("model.layers.0.mlp.down_proj.weight").expect("down");
+        assert_eq!(down.shape, vec![64, 96]);
+        let norm = weights.tensor("model.norm.weight").expect("norm").to_f32().expect("f32");
+        assert!(norm.iter().all(|v| (0.95..=1.05).contains(v)));
+        let file = crate::gguf::GgufFile::open(&path).expect("reopens");
+        assert_eq!(file.get_str("tokenizer.ggml.model").expect("model"), "gpt2");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

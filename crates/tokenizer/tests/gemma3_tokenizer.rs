@@ -92,3 +92,30 @@ fn long_whitespace_runs_are_cut_into_the_longest_pieces() {
     assert!(ids[..ids.len() - 1].iter().all(|&id| id == 137));
     assert_eq!(ids.last(), Some(&(107 + (1_000_000 % 31) - 1)));
 }
+
+/// The byte-level tokenizer `write_random_gguf` gives a benchmark model:
+/// every text encodes, ids stay below the vocabulary, decoding gives it back.
+#[test]
+fn a_random_gguf_has_a_byte_level_tokenizer_over_its_whole_vocabulary() {
+    use vellum_formats::{write_random_gguf, CheckpointShape, GgufWeightType};
+    let shape = CheckpointShape {
+        hidden: 64,
+        intermediate: 96,
+        layers: 1,
+        heads: 4,
+        kv_heads: 2,
+        vocab: 300,
+        max_positions: 128,
+        rope_theta: 10_000.0,
+    };
+    let dir = std::env::temp_dir().join(format!("vellum-random-gguf-tok-{}", std::process::id()));
+    let path = dir.join("m.gguf");
+    write_random_gguf(&path, &shape, GgufWeightType::Q8_0, 1, |_, _| {}).expect("writes");
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&path).expect("opens")).expect("tokenizer");
+    assert_eq!(tok.vocab_size(), 300);
+    let ids = tok.encode("héllo, wörld", true).expect("encodes");
+    assert_eq!(ids[0], 256, "<|begin_of_text|> first");
+    assert!(ids.iter().all(|&i| i < 300));
+    assert_eq!(tok.decode(&ids[1..], false).expect("decodes"), "héllo, wörld");
+    let _ = std::fs::remove_dir_all(&dir);
+}

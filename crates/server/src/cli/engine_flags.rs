@@ -5,7 +5,7 @@
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use vellum_base::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy, SpeculativeConfig};
-use vellum_engine::{CpuPrecision, Device, EngineArgs};
+use vellum_engine::{ComputeDtype, CpuPrecision, Device, EngineArgs};
 
 /// Engine options shared by every subcommand that loads a model.
 #[derive(Args, Clone, Debug)]
@@ -40,8 +40,9 @@ pub struct EngineFlags {
     /// (vLLM's flag; `--device cuda` only; default 0.9 there).
     #[arg(long)]
     pub gpu_memory_utilization: Option<f32>,
-    /// Element type of the KV cache: auto (float16 on the CPU's default int8
-    /// path, float32 otherwise), float32, float16, bfloat16.
+    /// Element type of the KV cache: auto (bfloat16 where --dtype is bfloat16
+    /// on --device cuda, float16 on the CPU's default int8 path, float32
+    /// otherwise), float32, float16, bfloat16.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
     /// GiB of host memory for KV blocks swapped out by `--preemption-mode
@@ -72,6 +73,12 @@ pub struct EngineFlags {
     /// reference).
     #[arg(long, default_value = "int8")]
     pub cpu_precision: String,
+    /// What a GPU multiplies in (vLLM's flag): auto (bfloat16 on --device
+    /// cuda: tensor cores, activations rounded to bfloat16, f32
+    /// accumulation; float32 on wgpu), bfloat16, or float32 (f32 arithmetic
+    /// throughout, the reference path).
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
     /// Speculative decoding, as vLLM's JSON: `{"method": "ngram",
     /// "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     /// "prompt_lookup_min": 2}` (prompt lookup, no extra model) or
@@ -146,6 +153,7 @@ impl EngineFlags {
             model,
             device: self.device.parse::<Device>().map_err(|e| anyhow!("{e}"))?,
             cpu_precision: self.cpu_precision.parse::<CpuPrecision>().map_err(|e| anyhow!("{e}"))?,
+            dtype: self.dtype.parse::<ComputeDtype>().map_err(|e| anyhow!("{e}"))?,
             block_size: self.block_size,
             kv_cache: kv_cache_size(
                 self.kv_cache_memory.as_deref(),

@@ -1,0 +1,216 @@
+// Linear layers on tensor cores: y[r, n] = Σ_k x[r, k] · W[n, k] with x in
+// bf16 (`cast_f32_to_bf16` rounds the activations first), W in one of the
+// weight layouts of common.cuh (Q8, Q4, F32) dequantized to bf16 as it is
+// staged, f32 accumulation (`mma.sync.m16n8k16` bf16 → f32, sm_80 and
+// later), y in f32. Also `dequantize_bf16_*`: a whole weight to bf16 (a
+// scratch for cuBLAS on large batches, where its GEMM outruns this one).
+//
+// Tiling: a thread block of 8 warps computes an MMA_BM × 128 tile of y
+// (MMA_BM = 32, 64 or 128: a compile-time define chosen by the batch's rows),
+// the warps as 2 (rows) × 4 (columns), each an (MMA_BM / 2) × 32 tile: MT × 4
+// fragments of 16 × 8. k advances 32 at a time (one scale block) through two
+// shared-memory stages:
+// - x: MMA_BM rows × 32 bf16, copied by `cp.async` (16 bytes a copy, rows
+//   past the batch filled with zeros by the copy itself);
+// - W: 128 columns × 32 weights, thread t fetching 16 weights of column
+//   t / 2 into registers one step ahead, decoding them to bf16 and storing
+//   them after the current step's products. (A ring of four steps in
+//   registers was measured slower on an H100: twice the registers, half
+//   the thread blocks a multiprocessor holds.)
+// Rows of both stages are 40 bf16 (80 bytes) apart, so the eight 16-byte
+// rows an `ldmatrix` reads fall in distinct banks. Fragments come from
+// shared memory by `ldmatrix.x4`: four 8 × 8 matrices a call, giving a
+// 16 × 16 A fragment or the B fragments of two 8-column tiles.
+//
+// Split-K as in gemv_q.cu: blockIdx.z takes the blocks of 32 from
+// z · kb_per_split on and writes its partial tile at y + z · rows · n;
+// `gemm_sum_splits` (gemv_q.cu) adds them in order.
+
+#ifndef MMA_BM
+#define MMA_BM 128
+#endif
+#define MMA_BN 128
+#define MMA_THREADS 256
+#define MMA_LDS 40
+#define MMA_WM (MMA_BM / 2)
+#define MMA_MT (MMA_WM / 16)
+#define MMA_NT 4
+
+static_assert(MMA_BM == 32 || MMA_BM == 64 || MMA_BM == 128, "MMA_BM must be 32, 64 or 128");
+
+__device__ __forceinline__ unsigned smem_addr(const void *p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory; `src_bytes` = 0 writes zeros.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most one committed group of this thread is in flight.
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 as bf16 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 16 decoded weights as bf16, 32 bytes at `dst` (16-byte aligned).
+__device__ __forceinline__ void store16_bf16(unsigned short *dst, const float w[16]) {
+    uint4 a, b;
+    a.x = pack_bf16(w[0], w[1]), a.y = pack_bf16(w[2], w[3]), a.z = pack_bf16(w[4], w[5]), a.w = pack_bf16(w[6], w[7]);
+    b.x = pack_bf16(w[8], w[9]), b.y = pack_bf16(w[10], w[11]), b.z = pack_bf16(w[12], w[13]), b.w = pack_bf16(w[14], w[15]);
+    reinterpret_cast<uint4 *>(dst)[0] = a;
+    reinterpret_cast<uint4 *>(dst)[1] = b;
+}
+
+template <typename L>
+__device__ __forceinline__ void gemm_mma(float *__restrict__ y, const unsigned char *__restrict__ codes,
+                                         const unsigned short *__restrict__ scales, const unsigned short *__restrict__ x, int rows,
+                                         int n_cols, int k, int kb_per_split) {
+    __shared__ __align__(16) unsigned short as[2][MMA_BM * MMA_LDS];
+    __shared__ __align__(16) unsigned short bs[2][MMA_BN * MMA_LDS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 2, wn = warp & 3;
+    const int r0 = blockIdx.y * MMA_BM, n0 = blockIdx.x * MMA_BN;
+    const int kb_begin = blockIdx.z * kb_per_split, kb_end = min(k / 32, kb_begin + kb_per_split);
+    y += (long long)blockIdx.z * rows * n_cols;
+
+    // This thread's weight loads: column bc of the tile, weights 16·bh .. + 15 of a block.
+    const int bc = tid >> 1, bh = tid & 1;
+    const bool b_valid = n0 + bc < n_cols;
+    const int b_col = min(n0 + bc, n_cols - 1);
+
+    float acc[MMA_MT][MMA_NT][4];
+#pragma unroll
+    for (int i = 0; i < MMA_MT; i++)
+#pragma unroll
+        for (int j = 0; j < MMA_NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+
+    auto load_x = [&](int stage, int kb) {
+        // MMA_BM rows × 4 copies of 8 bf16.
+#pragma unroll
+        for (int c = tid; c < MMA_BM * 4; c += MMA_THREADS) {
+            const int row = c >> 2, part = c & 3, gr = r0 + row;
+            const unsigned short *src = x + (long long)min(gr, rows - 1) * k + 32 * kb + 8 * part;
+            cp_async16(&as[stage][row * MMA_LDS + 8 * part], src, gr < rows ? 16 : 0);
+        }
+    };
+    auto store_w = [&](int stage, const typename L::Raw &raw) {
+        float w[16];
+        L::decode(raw, w);
+        if (!b_valid) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) w[i] = 0.f;
+        }
+        store16_bf16(&bs[stage][bc * MMA_LDS + 16 * bh], w);
+    };
+
+    typename L::Raw raw;
+    if (kb_begin < kb_end) {
+        load_x(0, kb_begin);
+        raw = L::fetch(codes, scales, b_col, k, 32 * kb_begin + 16 * bh);
+        store_w(0, raw);
+    }
+    cp_async_commit();
+    for (int kb = kb_begin; kb < kb_end; kb++) {
+        const int s = (kb - kb_begin) & 1;
+        const bool more = kb + 1 < kb_end;
+        if (more) {
+            load_x(s ^ 1, kb + 1);
+            raw = L::fetch(codes, scales, b_col, k, 32 * (kb + 1) + 16 * bh);
+        }
+        cp_async_commit();
+        cp_async_wait_one();
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < 32; ks += 16) {
+            unsigned a[MMA_MT][4], b[MMA_NT][2];
+#pragma unroll
+            for (int i = 0; i < MMA_MT; i++) {
+                // Lanes 0-15: rows 0-15 at k ks; lanes 16-31: rows 0-15 at ks + 8.
+                const int row = wm * MMA_WM + 16 * i + (lane & 15);
+                ldmatrix_x4(a[i], &as[s][row * MMA_LDS + ks + 8 * (lane >> 4)]);
+            }
+#pragma unroll
+            for (int p = 0; p < MMA_NT / 2; p++) {
+                // Matrix j = lane / 8: column tile 2p + j / 2, k half j % 2.
+                const int j = lane >> 3;
+                const int col = wn * 32 + 8 * (2 * p + (j >> 1)) + (lane & 7);
+                unsigned r[4];
+                ldmatrix_x4(r, &bs[s][col * MMA_LDS + ks + 8 * (j & 1)]);
+                b[2 * p][0] = r[0], b[2 * p][1] = r[1], b[2 * p + 1][0] = r[2], b[2 * p + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < MMA_MT; i++)
+#pragma unroll
+                for (int j = 0; j < MMA_NT; j++) mma_bf16(acc[i][j], a[i], b[j][0], b[j][1]);
+        }
+        if (more) store_w(s ^ 1, raw);
+        __syncthreads();
+    }
+
+    // Fragment element e of tile (i, j): row 16i + lane/4 (+8 for e ≥ 2),
+    // column 8j + 2·(lane % 4) (+1 for odd e).
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MMA_MT; i++)
+#pragma unroll
+        for (int j = 0; j < MMA_NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = r0 + wm * MMA_WM + 16 * i + g + 8 * (e >> 1);
+                const int n = n0 + wn * 32 + 8 * j + 2 * t4 + (e & 1);
+                if (r < rows && n < n_cols) y[(long long)r * n_cols + n] = acc[i][j][e];
+            }
+}
+
+#define MMA_ENTRY(SUFFIX, LAYOUT)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                             \
+        gemm_mma_##SUFFIX(float *y, const unsigned char *codes, const unsigned short *scales, const unsigned short *x,     \
+                          int rows, int n_cols, int k, int kb_per_split) {                                                \
+        gemm_mma<LAYOUT>(y, codes, scales, x, rows, n_cols, k, kb_per_split);                                             \
+    }
+MMA_ENTRY(q8, LayoutQ8)
+MMA_ENTRY(q4, LayoutQ4)
+MMA_ENTRY(f32, LayoutF32)
+
+// out[n, k] = W[n, k] as bf16, 16 weights a thread (grid-stride).
+template <typename L>
+__device__ __forceinline__ void dequantize_bf16(unsigned short *__restrict__ out, const unsigned char *__restrict__ codes,
+                                                const unsigned short *__restrict__ scales, int n_cols, int k) {
+    const long long chunks = (long long)n_cols * (k / 16);
+    for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < chunks; c += (long long)gridDim.x * blockDim.x) {
+        const int n = (int)(c / (k / 16)), k0 = 16 * (int)(c % (k / 16));
+        float w[16];
+        L::decode(L::fetch(codes, scales, n, k, k0), w);
+        store16_bf16(out + (long long)n * k + k0, w);
+    }
+}
+
+#define DEQUANTIZE_ENTRY(SUFFIX, LAYOUT)                                                                                  \
+    extern "C" __global__ void dequantize_bf16_##SUFFIX(unsigned short *out, const unsigned char *codes,                \
+                                                         const unsigned short *scales, int n_cols, int k) {              \
+        dequantize_bf16<LAYOUT>(out, codes, scales, n_cols, k);                                                          \
+    }
+DEQUANTIZE_ENTRY(q8, LayoutQ8)
+DEQUANTIZE_ENTRY(q4, LayoutQ4)
+DEQUANTIZE_ENTRY(f32, LayoutF32)
