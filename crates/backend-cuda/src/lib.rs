@@ -11,13 +11,13 @@
 //! | [`device`] | finding a GPU: a typed error, never a panic, when there is no driver |
 //! | [`launch`] | [`launch::Kernels`]: modules compiled on first use per configuration, one shape-checked call per kernel |
 //! | [`layout`] | how a quantized weight sits on the device: the file's blocks as planes of codes and scales |
-//!
 //! | [`ops`] | [`CudaOps`]: the model operations and the paged-attention contract, so that `ModelRunner<CudaOps>` is the CUDA `ModelExecutor` (`--device cuda`) |
 //!
 //! The kernels — `reshape_and_cache`, paged attention v1/v2 for mixed
 //! prefill/decode batches, `copy_blocks`, RMSNorm (fused with the residual
 //! add), RoPE, SwiGLU/GeGLU, embedding gather, greedy argmax, the
-//! Q8_0/Q4_1/f32 GEMV and the executor's glue — compile for `compute_80`
+//! f32 GEMV, the bf16 tensor-core GEMM on Q8_0/Q4_0/Q4_1 weights kept as
+//! their blocks, and the executor's glue — compile for `compute_80`
 //! and `compute_90` in CI, with registers and spills recorded per kernel
 //! (`docs/cuda_kernels.md`). [`launch::Kernels`] launches them; a launch
 //! that reads device memory at indices it is given is an `unsafe fn`, and

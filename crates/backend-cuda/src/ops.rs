@@ -4,17 +4,19 @@
 //! backends, on the kernels of `kernels/cuda/`.
 //!
 //! What runs where:
-//! - **Linears**: the GEMV of `gemv_q.cu` on the file's own Q8_0 and Q4_1
-//!   blocks (4 or 8 bits a weight read per decode step) up to 8 rows, its
-//!   tiled GEMM beyond (prefill, large decode batches); bf16 weights stay
-//!   as the file stores them and go through cuBLAS on tensor cores
-//!   (`cublasGemmEx`, f32 accumulation), their input rows cast to bf16
-//!   first (`Ops::linear_input_dtype` says so), when cuBLAS loads; every
-//!   other weight type (f16 too, and bf16 without cuBLAS) is
-//!   dequantized to f32 once, when it loads, and read by the GEMV/GEMM as
-//!   f32 "blocks" (docs/cuda_kernels.md).
+//! - **Linears** (`--dtype`, [`CudaPrecision`]): Q8_0, Q4_0 and Q4_1 kept
+//!   as their own bytes in planes of codes and scales ([`crate::layout`]);
+//!   with bf16 products (the default) the f32 GEMV up to
+//!   [`GEMV_MAX_ROWS`] rows, the tensor-core GEMM of `gemm_mma.cu` (bf16
+//!   activations, the weight dequantized as it is staged) to
+//!   [`CUBLAS_MIN_ROWS`], cuBLAS over a bf16 copy of the weight beyond;
+//!   bf16 weights as stored, and every type without a native layout
+//!   rounded to bf16 once, through cuBLAS at every size. With f32 products
+//!   (`--dtype float32`) the GEMV up to 8 rows and the CUDA-core GEMM
+//!   beyond, every other type widened to f32 (docs/cuda_kernels.md).
 //! - **Embeddings** are dequantized to an f32 table; a tied LM head reads it
-//!   with the f32 GEMV.
+//!   as an F32 weight (the GEMV, or `gemm_mma` rounding it to bf16 as it
+//!   stages it).
 //! - **Attention**: `reshape_and_cache` through each KV-cache group's slot
 //!   mapping, then paged attention v1/v2 over the group's block tables.
 //! - **KV memory** (thesis §4.2.1): with `--gpu-memory-utilization f`
