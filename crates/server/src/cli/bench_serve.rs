@@ -155,6 +155,84 @@ struct Outcome {
     e2e: f64,
 }
 
+/// What a request's event stream said so far: counted by the response's
+/// completion (a `finish_reason`, or `[DONE]`), not by whether it carried
+/// text — a model emitting only special tokens streams choices with empty
+/// text and still completes.
+#[derive(Default)]
+struct StreamTally {
+    /// The first choice with text, and the first choice of any kind.
+    first_text: Option<Instant>,
+    first_choice: Option<Instant>,
+    last: Option<Instant>,
+    itl: Vec<f64>,
+    chunks: usize,
+    usage_tokens: Option<usize>,
+    finished: bool,
+    error: String,
+}
+
+impl StreamTally {
+    /// One SSE `data:` payload, arrived at `at`.
+    fn event(&mut self, payload: &str, at: Instant) {
+        if payload == "[DONE]" {
+            self.finished = true;
+            return;
+        }
+        if payload.is_empty() {
+            return;
+        }
+        let Ok(v) = serde_json::from_str::<Value>(payload) else { return };
+        if let Some(e) = v.get("error") {
+            self.error = e.to_string();
+        }
+        if let Some(n) = v.get("usage").and_then(|u| u.get("completion_tokens")).and_then(Value::as_u64) {
+            self.usage_tokens = Some(n as usize);
+        }
+        let Some(choices) = v.get("choices").and_then(Value::as_array) else { return };
+        if choices.is_empty() {
+            return;
+        }
+        self.first_choice.get_or_insert(at);
+        if choices.iter().any(|c| c.get("finish_reason").is_some_and(|f| !f.is_null())) {
+            self.finished = true;
+        }
+        if choices.iter().any(|c| c.get("text").and_then(Value::as_str).is_some_and(|t| !t.is_empty())) {
+            self.chunks += 1;
+            match self.last {
+                None => self.first_text = Some(at),
+                Some(l) => self.itl.push(at.duration_since(l).as_secs_f64()),
+            }
+            self.last = Some(at);
+        }
+    }
+
+    /// The request's outcome once its response (HTTP `status`) ended.
+    fn outcome(self, status: u16, start: Instant, end: Instant, prompt_len: usize) -> Outcome {
+        let error = if !self.error.is_empty() {
+            self.error
+        } else if status != 200 {
+            format!("HTTP {status}")
+        } else if !self.finished {
+            "the stream ended before the completion did (no finish_reason, no [DONE])".to_string()
+        } else {
+            String::new()
+        };
+        // Time to the first token: its text, or for a completion that
+        // streamed none, its first choice.
+        let first = self.first_text.or(self.first_choice);
+        Outcome {
+            ok: error.is_empty(),
+            error,
+            prompt_len,
+            output_tokens: self.usage_tokens.unwrap_or(self.chunks),
+            ttft: first.map_or(0.0, |f| f.duration_since(start).as_secs_f64()),
+            itl: self.itl,
+            e2e: end.duration_since(start).as_secs_f64(),
+        }
+    }
+}
+
 async fn send_one(target: Arc<Target>, prompt: Vec<u32>, output_len: usize, timeout: Duration) -> Outcome {
     let body = json!({
         "model": target.model,
@@ -167,40 +245,15 @@ async fn send_one(target: Arc<Target>, prompt: Vec<u32>, output_len: usize, time
     });
     let start = Instant::now();
     let mut buf = Vec::new();
-    let mut first: Option<Instant> = None;
-    let mut last: Option<Instant> = None;
-    let mut itl = Vec::new();
-    let mut chunks = 0usize;
-    let mut usage_tokens = None;
-    let mut error = String::new();
+    let mut tally = StreamTally::default();
     let fut = http(&target.host, target.port, "POST", &target.path, Some(body), target.api_key.as_deref(), |data, at| {
         buf.extend_from_slice(data);
         // Complete SSE events end with a blank line.
         while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
             let event: Vec<u8> = buf.drain(..pos + 2).collect();
             for line in String::from_utf8_lossy(&event).lines() {
-                let Some(payload) = line.strip_prefix("data:").map(str::trim) else { continue };
-                if payload == "[DONE]" || payload.is_empty() {
-                    continue;
-                }
-                let Ok(v) = serde_json::from_str::<Value>(payload) else { continue };
-                if let Some(e) = v.get("error") {
-                    error = e.to_string();
-                }
-                if let Some(n) = v.get("usage").and_then(|u| u.get("completion_tokens")).and_then(Value::as_u64) {
-                    usage_tokens = Some(n as usize);
-                }
-                let has_text = v
-                    .get("choices")
-                    .and_then(Value::as_array)
-                    .is_some_and(|cs| cs.iter().any(|c| c.get("text").and_then(Value::as_str).is_some_and(|t| !t.is_empty())));
-                if has_text {
-                    chunks += 1;
-                    match last {
-                        None => first = Some(at),
-                        Some(l) => itl.push(at.duration_since(l).as_secs_f64()),
-                    }
-                    last = Some(at);
+                if let Some(payload) = line.strip_prefix("data:") {
+                    tally.event(payload.trim(), at);
                 }
             }
         }
@@ -210,20 +263,7 @@ async fn send_one(target: Arc<Target>, prompt: Vec<u32>, output_len: usize, time
         Ok(Err(e)) => return Outcome { error: e.to_string(), prompt_len: prompt.len(), ..Default::default() },
         Err(_) => return Outcome { error: "timed out".into(), prompt_len: prompt.len(), ..Default::default() },
     };
-    let end = Instant::now();
-    let ok = status == 200 && error.is_empty() && first.is_some();
-    if status != 200 && error.is_empty() {
-        error = format!("HTTP {status}");
-    }
-    Outcome {
-        ok,
-        error,
-        prompt_len: prompt.len(),
-        output_tokens: usage_tokens.unwrap_or(chunks),
-        ttft: first.map_or(0.0, |f| f.duration_since(start).as_secs_f64()),
-        itl,
-        e2e: end.duration_since(start).as_secs_f64(),
-    }
+    tally.outcome(status, start, Instant::now(), prompt.len())
 }
 
 fn stats(v: &mut [f64]) -> Value {
@@ -368,6 +408,11 @@ async fn run_rate(args: &ServeBenchArgs, target: Arc<Target>, lengths: &[(usize,
     let mut itl: Vec<f64> = ok.iter().flat_map(|o| o.itl.iter().copied()).collect();
     let mut e2e: Vec<f64> = ok.iter().map(|o| o.e2e).collect();
     let mut norm: Vec<f64> = ok.iter().filter(|o| o.output_tokens > 0).map(|o| o.e2e / o.output_tokens as f64).collect();
+    // Why requests failed: each distinct reason with its count.
+    let mut reasons = std::collections::BTreeMap::<&str, usize>::new();
+    for f in &failed {
+        *reasons.entry(f.error.as_str()).or_default() += 1;
+    }
     Ok(json!({
         "label": args.label,
         "base_url": args.base_url,
@@ -378,6 +423,7 @@ async fn run_rate(args: &ServeBenchArgs, target: Arc<Target>, lengths: &[(usize,
         "num_prompts": lengths.len(),
         "completed": ok.len(),
         "failed": failed.len(),
+        "failure_reasons": reasons,
         "duration_s": duration,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
@@ -399,6 +445,11 @@ fn print_table(r: &Value) {
     println!("{:<40}{}", "Max concurrency:", r["max_concurrency"]);
     println!("{:<40}{}", "Successful requests:", r["completed"]);
     println!("{:<40}{}", "Failed requests:", r["failed"]);
+    if let Some(reasons) = r["failure_reasons"].as_object() {
+        for (why, n) in reasons {
+            println!("  {n} × {why}");
+        }
+    }
     println!("{:<40}{}", "Benchmark duration (s):", f(&r["duration_s"]));
     println!("{:<40}{}", "Total input tokens:", r["total_input_tokens"]);
     println!("{:<40}{}", "Total generated tokens:", r["total_output_tokens"]);
@@ -511,6 +562,57 @@ mod tests {
         assert_eq!(trace(&fixed).unwrap(), vec![(7, 5); 3]);
         let bad = ServeBenchArgs::parse_from(["x", "--dataset", "alpaca"]);
         assert!(trace(&bad).is_err());
+    }
+
+    /// A request counts by its completion: a stream of special tokens only
+    /// (empty text) that finishes is a success with its usage's tokens; a
+    /// stream cut before any finish, an HTTP error or an error event fails
+    /// with a reason that says which.
+    #[test]
+    fn requests_count_by_their_completion_and_failures_give_a_reason() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let chunk = |text: &str, finish: Value| json!({"choices": [{"index": 0, "text": text, "finish_reason": finish}]}).to_string();
+        // Text, then the finish and the usage.
+        let mut t = StreamTally::default();
+        t.event(&chunk("Hello", Value::Null), at(30));
+        t.event(&chunk(" world", Value::Null), at(40));
+        t.event(&chunk("", json!("length")), at(41));
+        t.event(&json!({"choices": [], "usage": {"completion_tokens": 3}}).to_string(), at(42));
+        t.event("[DONE]", at(43));
+        let o = t.outcome(200, t0, at(50), 7);
+        assert!(o.ok, "{}", o.error);
+        assert_eq!((o.output_tokens, o.itl.len()), (3, 1));
+        assert!((o.ttft - 0.030).abs() < 1e-9);
+        // Special tokens only: every choice's text is empty, and it completes.
+        let mut t = StreamTally::default();
+        for ms in [20, 25, 30] {
+            t.event(&chunk("", Value::Null), at(ms));
+        }
+        t.event(&chunk("", json!("length")), at(35));
+        t.event(&json!({"choices": [], "usage": {"completion_tokens": 4}}).to_string(), at(36));
+        let o = t.outcome(200, t0, at(40), 7);
+        assert!(o.ok, "a completion with no text is not a failure: {}", o.error);
+        assert_eq!(o.output_tokens, 4);
+        assert!((o.ttft - 0.020).abs() < 1e-9, "time to its first choice");
+        // Cut off mid-stream: no finish_reason, no [DONE].
+        let mut t = StreamTally::default();
+        t.event(&chunk("Hel", Value::Null), at(10));
+        let o = t.outcome(200, t0, at(20), 7);
+        assert!(!o.ok && o.error.contains("no finish_reason"), "{}", o.error);
+        // [DONE] alone completes a stream whose last chunk had no finish_reason.
+        let mut t = StreamTally::default();
+        t.event(&chunk("x", Value::Null), at(10));
+        t.event("[DONE]", at(11));
+        assert!(t.outcome(200, t0, at(12), 7).ok);
+        // The server's errors keep their words.
+        let o = StreamTally::default().outcome(503, t0, at(1), 7);
+        assert_eq!(o.error, "HTTP 503");
+        let mut t = StreamTally::default();
+        t.event(&json!({"error": {"message": "model overloaded"}}).to_string(), at(5));
+        t.event("[DONE]", at(6));
+        let o = t.outcome(200, t0, at(7), 7);
+        assert!(!o.ok && o.error.contains("model overloaded"), "{}", o.error);
     }
 
     #[test]
