@@ -211,3 +211,99 @@ struct LayoutF32 {
         }
     }
 };
+
+// The K-quants: a row's scale words are its sub-block scales (k/32 words),
+// then its super-block scales; `row` is the row's first word.
+//   Q4K: sub word = sc | m << 8 per 32; super = (d, dmin) f16 pair per 256:
+//        w = fma(d·sc, q, −dmin·m), q the nibble (as Q4).
+//   Q5K: as Q4K with q a byte 0..31 (as Q8's planes).
+//   Q6K: sub words = two int8 scales, one per 16; super = d f16 per 256:
+//        w = (d·sc)·q, q an int8 (−32..31).
+// d·sc and dmin·m are exact in f32, so each weight is rounded once, as
+// ggml rounds it.
+
+__device__ __forceinline__ void decode_k4(const unsigned short sm, const unsigned dd, const unsigned char q[16], float w[16]) {
+    const float d = half_bits_to_float((unsigned short)(dd & 0xffffu)), dmin = half_bits_to_float((unsigned short)(dd >> 16));
+    const float d0 = d * (float)(sm & 0xffu), min0 = dmin * (float)(sm >> 8);
+#pragma unroll
+    for (int i = 0; i < 16; i++) w[i] = fmaf(d0, (float)q[i], -min0);
+}
+
+struct LayoutQ4K {
+    struct Raw {
+        uint2 codes;
+        unsigned short sm;
+        unsigned dd;
+    };
+    __device__ static __forceinline__ Raw fetch(const unsigned char *__restrict__ codes, const unsigned short *__restrict__ scales,
+                                                int n, int k, int k0) {
+        Raw r;
+        r.codes = *reinterpret_cast<const uint2 *>(codes + (long long)n * (k / 2) + k0 / 2);
+        const unsigned short *row = scales + (long long)n * (k / 32 + k / 128);
+        r.sm = row[k0 / 32];
+        r.dd = *reinterpret_cast<const unsigned *>(row + k / 32 + 2 * (k0 / 256));
+        return r;
+    }
+    __device__ static __forceinline__ void decode(const Raw &r, float w[16]) {
+        unsigned char q[16];
+        const unsigned words[2] = {r.codes.x, r.codes.y};
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) q[8 * i + j] = (unsigned char)((words[i] >> (4 * j)) & 0xfu);
+        decode_k4(r.sm, r.dd, q, w);
+    }
+};
+
+struct LayoutQ5K {
+    struct Raw {
+        uint4 codes;
+        unsigned short sm;
+        unsigned dd;
+    };
+    __device__ static __forceinline__ Raw fetch(const unsigned char *__restrict__ codes, const unsigned short *__restrict__ scales,
+                                                int n, int k, int k0) {
+        Raw r;
+        r.codes = *reinterpret_cast<const uint4 *>(codes + (long long)n * k + k0);
+        const unsigned short *row = scales + (long long)n * (k / 32 + k / 128);
+        r.sm = row[k0 / 32];
+        r.dd = *reinterpret_cast<const unsigned *>(row + k / 32 + 2 * (k0 / 256));
+        return r;
+    }
+    __device__ static __forceinline__ void decode(const Raw &r, float w[16]) {
+        unsigned char q[16];
+        const unsigned words[4] = {r.codes.x, r.codes.y, r.codes.z, r.codes.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) q[4 * i + j] = (unsigned char)((words[i] >> (8 * j)) & 0xffu);
+        decode_k4(r.sm, r.dd, q, w);
+    }
+};
+
+struct LayoutQ6K {
+    struct Raw {
+        uint4 codes;
+        unsigned short sc2;
+        unsigned short d;
+        int half;
+    };
+    __device__ static __forceinline__ Raw fetch(const unsigned char *__restrict__ codes, const unsigned short *__restrict__ scales,
+                                                int n, int k, int k0) {
+        Raw r;
+        r.codes = *reinterpret_cast<const uint4 *>(codes + (long long)n * k + k0);
+        const unsigned short *row = scales + (long long)n * (k / 32 + k / 256);
+        r.sc2 = row[k0 / 32];
+        r.d = row[k / 32 + k0 / 256];
+        r.half = (k0 / 16) & 1;
+        return r;
+    }
+    __device__ static __forceinline__ void decode(const Raw &r, float w[16]) {
+        const float ds = half_bits_to_float(r.d) * (float)(signed char)((r.sc2 >> (8 * r.half)) & 0xffu);
+        const unsigned words[4] = {r.codes.x, r.codes.y, r.codes.z, r.codes.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) w[4 * i + j] = ds * (float)(signed char)((words[i] >> (8 * j)) & 0xffu);
+    }
+};

@@ -191,6 +191,9 @@ __device__ __forceinline__ void gemm_mma(float *__restrict__ y, const unsigned c
     }
 MMA_ENTRY(q8, LayoutQ8)
 MMA_ENTRY(q4, LayoutQ4)
+MMA_ENTRY(q4k, LayoutQ4K)
+MMA_ENTRY(q5k, LayoutQ5K)
+MMA_ENTRY(q6k, LayoutQ6K)
 MMA_ENTRY(f32, LayoutF32)
 
 // out[n, k] = W[n, k] as bf16, 16 weights a thread (grid-stride).
@@ -213,4 +216,7 @@ __device__ __forceinline__ void dequantize_bf16(unsigned short *__restrict__ out
     }
 DEQUANTIZE_ENTRY(q8, LayoutQ8)
 DEQUANTIZE_ENTRY(q4, LayoutQ4)
+DEQUANTIZE_ENTRY(q4k, LayoutQ4K)
+DEQUANTIZE_ENTRY(q5k, LayoutQ5K)
+DEQUANTIZE_ENTRY(q6k, LayoutQ6K)
 DEQUANTIZE_ENTRY(f32, LayoutF32)

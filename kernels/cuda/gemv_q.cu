@@ -84,6 +84,9 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
     }
 GEMV_ENTRY(q8, LayoutQ8)
 GEMV_ENTRY(q4, LayoutQ4)
+GEMV_ENTRY(q4k, LayoutQ4K)
+GEMV_ENTRY(q5k, LayoutQ5K)
+GEMV_ENTRY(q6k, LayoutQ6K)
 GEMV_ENTRY(f32, LayoutF32)
 
 #define GEMM_BM 64
@@ -165,6 +168,9 @@ __device__ void gemm(float *y, const unsigned char *__restrict__ codes, const un
     }
 GEMM_ENTRY(q8, LayoutQ8)
 GEMM_ENTRY(q4, LayoutQ4)
+GEMM_ENTRY(q4k, LayoutQ4K)
+GEMM_ENTRY(q5k, LayoutQ5K)
+GEMM_ENTRY(q6k, LayoutQ6K)
 GEMM_ENTRY(f32, LayoutF32)
 
 // y[i] = Σ_z parts[z · n + i] for z = 0 .. splits - 1, in that order.

@@ -78,7 +78,21 @@ pub const LAYERS: KernelSource = KernelSource {
 pub const GEMV_Q: KernelSource = KernelSource {
     file: "gemv_q.cu",
     text: vellum_kernels::cuda::GEMV_Q,
-    entry_points: &["gemv_q8", "gemv_q4", "gemv_f32", "gemm_q8", "gemm_q4", "gemm_f32", "gemm_sum_splits"],
+    entry_points: &[
+        "gemv_q8",
+        "gemv_q4",
+        "gemv_q4k",
+        "gemv_q5k",
+        "gemv_q6k",
+        "gemv_f32",
+        "gemm_q8",
+        "gemm_q4",
+        "gemm_q4k",
+        "gemm_q5k",
+        "gemm_q6k",
+        "gemm_f32",
+        "gemm_sum_splits",
+    ],
 };
 
 /// `gemm_mma.cu`: linear layers on tensor cores (bf16 activations, weights
@@ -87,7 +101,20 @@ pub const GEMV_Q: KernelSource = KernelSource {
 pub const GEMM_MMA: KernelSource = KernelSource {
     file: "gemm_mma.cu",
     text: vellum_kernels::cuda::GEMM_MMA,
-    entry_points: &["gemm_mma_q8", "gemm_mma_q4", "gemm_mma_f32", "dequantize_bf16_q8", "dequantize_bf16_q4", "dequantize_bf16_f32"],
+    entry_points: &[
+        "gemm_mma_q8",
+        "gemm_mma_q4",
+        "gemm_mma_q4k",
+        "gemm_mma_q5k",
+        "gemm_mma_q6k",
+        "gemm_mma_f32",
+        "dequantize_bf16_q8",
+        "dequantize_bf16_q4",
+        "dequantize_bf16_q4k",
+        "dequantize_bf16_q5k",
+        "dequantize_bf16_q6k",
+        "dequantize_bf16_f32",
+    ],
 };
 
 /// Every source.

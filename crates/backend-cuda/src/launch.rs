@@ -157,15 +157,22 @@ pub struct QuantMatrix {
 }
 
 impl QuantMatrix {
-    /// `Ok` when k is whole blocks of 32 and both planes hold the layout's
-    /// bytes for `[n, k]`: what every kernel reading it relies on.
+    /// `Ok` when k is whole blocks of the layout (32 values, 256 for the
+    /// K-quants) and both planes hold the layout's bytes for `[n, k]`: what
+    /// every kernel reading it relies on.
     pub fn check(&self) -> Result<(), CudaError> {
         let (n, k, f) = (self.n, self.k, self.format);
-        if n == 0 || !k.is_multiple_of(32) || self.codes.len() < f.code_bytes(n, k) || self.scales.len() < f.scale_words(n, k) {
+        if n == 0
+            || k == 0
+            || !k.is_multiple_of(f.block())
+            || self.codes.len() < f.code_bytes(n, k)
+            || self.scales.len() < f.scale_words(n, k)
+        {
             return Err(shape_error(format!(
-                "a {f:?} weight [{n}, {k}] over {} code bytes and {} scales (k must be a nonzero multiple of 32)",
+                "a {f:?} weight [{n}, {k}] over {} code bytes and {} scales (k must be a nonzero multiple of {})",
                 self.codes.len(),
-                self.scales.len()
+                self.scales.len(),
+                f.block()
             )));
         }
         Ok(())

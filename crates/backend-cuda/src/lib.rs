@@ -16,7 +16,7 @@
 //! The kernels — `reshape_and_cache`, paged attention v1/v2 for mixed
 //! prefill/decode batches, `copy_blocks`, RMSNorm (fused with the residual
 //! add), RoPE, SwiGLU/GeGLU, embedding gather, greedy argmax, the
-//! f32 GEMV, the bf16 tensor-core GEMM on Q8_0/Q4_0/Q4_1 weights kept as
+//! f32 GEMV, the bf16 tensor-core GEMM on Q8_0/Q4_0/Q4_1/K-quant weights kept as
 //! their blocks, and the executor's glue — compile for `compute_80`
 //! and `compute_90` in CI, with registers and spills recorded per kernel
 //! (`docs/cuda_kernels.md`). [`launch::Kernels`] launches them; a launch

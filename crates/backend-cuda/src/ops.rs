@@ -4,8 +4,9 @@
 //! backends, on the kernels of `kernels/cuda/`.
 //!
 //! What runs where:
-//! - **Linears** (`--dtype`, [`CudaPrecision`]): Q8_0, Q4_0 and Q4_1 kept
-//!   as their own bytes in planes of codes and scales ([`crate::layout`]);
+//! - **Linears** (`--dtype`, [`CudaPrecision`]): Q8_0, Q4_0, Q4_1, Q4_K,
+//!   Q5_K and Q6_K kept as their own values in planes of codes and scales
+//!   ([`crate::layout`]);
 //!   with bf16 products (the default) the f32 GEMV up to
 //!   [`GEMV_MAX_ROWS`] rows, the tensor-core GEMM of `gemm_mma.cu` (bf16
 //!   activations, the weight dequantized as it is staged) to
@@ -270,8 +271,8 @@ impl CudaOps {
     }
 
     /// A weight in the layout its products read:
-    /// - Q8_0, Q4_0, Q4_1 as their own blocks, repacked into planes
-    ///   ([`crate::layout`]);
+    /// - Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K as their own values, repacked
+    ///   into planes ([`crate::layout`]);
     /// - with bf16 products and cuBLAS: every other type as bf16 (bf16
     ///   files as stored, others rounded once), for cuBLAS;
     /// - otherwise dequantized to f32.

@@ -274,23 +274,26 @@ fn copy_blocks_copies_whole_blocks_in_both_pools_or_skips_without_a_gpu() {
     }
 }
 
-/// GGUF blocks of a random `[n, k]` weight of `dtype` (Q8_0, Q4_0 or
-/// Q4_1: random codes, nonzero scales and mins), or f32 values.
+/// GGUF blocks of a random `[n, k]` weight of `dtype` (random codes and
+/// packed scales, finite nonzero f16 scales and mins), or f32 values.
 fn gguf_blocks(rng: &mut Rng, dtype: GgmlType, n: usize, k: usize) -> Vec<u8> {
-    let mut bytes = Vec::new();
     if dtype == GgmlType::F32 {
         return rng.vec(n * k).iter().flat_map(|v| v.to_le_bytes()).collect();
     }
-    for _ in 0..n * k / 32 {
-        bytes.extend_from_slice(&half::f16::from_f32(0.01 + 0.02 * rng.f().abs()).to_le_bytes());
-        match dtype {
-            GgmlType::Q8_0 => bytes.extend((0..32).map(|_| (rng.next() % 256) as u8)),
-            GgmlType::Q4_0 => bytes.extend((0..16).map(|_| (rng.next() % 256) as u8)),
-            GgmlType::Q4_1 => {
-                bytes.extend_from_slice(&half::f16::from_f32(-0.1 * rng.f().abs()).to_le_bytes());
-                bytes.extend((0..16).map(|_| (rng.next() % 256) as u8));
-            }
-            other => unreachable!("{other}"),
+    let (block, bb) = dtype.block_layout();
+    let mut bytes: Vec<u8> = (0..n * k / block * bb).map(|_| (rng.next() >> 56) as u8).collect();
+    // Where the block's f16 fields are: a scale (d), then a min where it has one.
+    let halves: &[usize] = match dtype {
+        GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => &[0],
+    };
+    for b in bytes.chunks_exact_mut(bb) {
+        for (h, &at) in halves.iter().enumerate() {
+            let v = if h == 0 { 0.01 + 0.02 * rng.f().abs() } else { -0.1 * rng.f().abs() };
+            // K-quant scales multiply 6-bit sub-scales: keep weights of order 0.1.
+            let v = if block == 256 { v / 32.0 } else { v };
+            b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
         }
     }
     bytes
@@ -318,16 +321,23 @@ fn fresh_rng() -> (Rng, u64) {
     (Rng(seed), seed)
 }
 
-const LAYOUT_TYPES: [GgmlType; 4] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F32];
+const LAYOUT_TYPES: [GgmlType; 7] =
+    [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::F32];
+
+/// `k` rounded up to whole blocks of `dtype` (256 values for the K-quants).
+fn whole_blocks(dtype: GgmlType, k: usize) -> usize {
+    k.next_multiple_of(dtype.block_layout().0)
+}
 
 #[test]
 fn gemv_and_cuda_core_gemm_on_the_weight_layouts_match_the_float64_product_or_skips_without_a_gpu() {
     let Some(k) = gpu_or_skip("gemv_and_cuda_core_gemm_on_the_weight_layouts_match_the_float64_product") else { return };
     let (mut rng, seed) = fresh_rng();
     // n not a multiple of a warp's columns nor of a tile; k of 10 blocks
-    // (not a multiple of the GEMV's 512-weight stride).
-    let (n, kk) = (101, 320);
+    // (not a multiple of the GEMV's 512-weight stride; 768 for the K-quants).
+    let n = 101;
     for dtype in LAYOUT_TYPES {
+        let kk = whole_blocks(dtype, 320);
         let (w_dev, w) = random_weight(&k, &mut rng, dtype, n, kk);
         // Up to 8 rows: the GEMV (gemv_q takes no more); beyond: the tiled
         // GEMM through gemv_rows, with partial tiles of rows and columns,
