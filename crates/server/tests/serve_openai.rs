@@ -106,6 +106,18 @@ fn the_messages_api_answers_the_anthropic_client() {
     run_python(&python, "anthropic_messages.py", &[server.base_url(), "anthropic-key".to_string()]);
 }
 
+/// OpenAI's Responses API through the official `openai` client
+/// (`python/openai_responses.py`): whole, streamed through the client's
+/// helper and raw, cut by `max_output_tokens`, tool calls and their outputs
+/// through `previous_response_id`, a two-turn conversation, JSON schema, the
+/// store (`retrieve`, `delete`, `store=False`) and 400/404s naming the field.
+#[test]
+fn the_responses_api_answers_the_openai_client() {
+    let python = python_with_openai();
+    let server = Server::start(&["--kv-cache-memory", "96MiB", "--max-model-len", "1024", "--api-key", KEY, "--served-model-name", MODEL]);
+    run_python(&python, "openai_responses.py", &[server.base_url(), KEY.into(), MODEL.into()]);
+}
+
 #[cfg(not(feature = "wgpu"))]
 #[test]
 fn serve_on_wgpu_skipped_build_has_no_wgpu_feature() {

@@ -16,6 +16,7 @@ mod generation;
 mod metrics;
 mod openai;
 mod protocol;
+mod responses;
 mod tools;
 
 use crate::cli::engine_flags::{EngineDefaults, EngineFlags};
@@ -117,6 +118,8 @@ pub struct AppState {
     /// Compiles structured-output constraints (checked here, off the engine
     /// loop, before a request is queued); `None` if the tokenizer allows none.
     structured: Option<Arc<vellum_engine::structured::StructuredOutputs>>,
+    /// The Responses API's stored responses (`previous_response_id`, `GET`).
+    responses: Arc<std::sync::Mutex<responses::ResponseStore>>,
 }
 
 fn load_chat_template(spec: &str, tokenizer: &Tokenizer) -> Result<ChatTemplate> {
@@ -183,6 +186,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
         .route("/v1/models", get(openai::models))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
     Router::new()
@@ -259,6 +264,7 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         shutting_down: AtomicBool::new(false),
         structured,
+        responses: Default::default(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(serve(state, &args));
