@@ -27,13 +27,12 @@
 //! the string (the chat path's `stop_reason`).
 
 use super::error::ApiError;
-use super::openai;
+use super::openai::{self, ChatStreamTranslator};
 use super::AppState;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
@@ -260,7 +259,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
         return translate_error(response).await;
     }
     if stream {
-        translate_stream(response, model)
+        openai::translate_chat_stream(response, Translator::new(model))
     } else {
         translate_message(response, model).await
     }
@@ -369,6 +368,25 @@ impl Translator {
         }
     }
 
+    fn finish(&mut self, out: &mut String) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        self.close(out);
+        Self::event(
+            out,
+            "message_delta",
+            json!({"type": "message_delta", "delta": {
+                "stop_reason": stop_reason(self.finish_reason.as_deref(), self.called_a_tool, self.stop_sequence.as_deref()),
+                "stop_sequence": self.stop_sequence},
+                   "usage": {"input_tokens": self.usage.0, "output_tokens": self.usage.1}}),
+        );
+        Self::event(out, "message_stop", json!({"type": "message_stop"}));
+    }
+}
+
+impl ChatStreamTranslator for Translator {
     /// The events for one `data:` payload of the chat stream.
     fn chunk(&mut self, data: &str, out: &mut String) {
         if data == "[DONE]" {
@@ -377,8 +395,7 @@ impl Translator {
         }
         let Ok(v) = serde_json::from_str::<Value>(data) else { return };
         if let Some(message) = v.pointer("/error/message").and_then(Value::as_str) {
-            Self::event(out, "error", json!({"type": "error", "error": {"type": "api_error", "message": message}}));
-            self.done = true;
+            self.fail(message, out);
             return;
         }
         if !self.started {
@@ -443,54 +460,10 @@ impl Translator {
         }
     }
 
-    fn finish(&mut self, out: &mut String) {
-        if self.done {
-            return;
-        }
+    fn fail(&mut self, message: &str, out: &mut String) {
+        Self::event(out, "error", json!({"type": "error", "error": {"type": "api_error", "message": message}}));
         self.done = true;
-        self.close(out);
-        Self::event(
-            out,
-            "message_delta",
-            json!({"type": "message_delta", "delta": {
-                "stop_reason": stop_reason(self.finish_reason.as_deref(), self.called_a_tool, self.stop_sequence.as_deref()),
-                "stop_sequence": self.stop_sequence},
-                   "usage": {"input_tokens": self.usage.0, "output_tokens": self.usage.1}}),
-        );
-        Self::event(out, "message_stop", json!({"type": "message_stop"}));
     }
-}
-
-fn translate_stream(response: Response, model: Value) -> Response {
-    let mut translator = Translator::new(model);
-    let mut pending = String::new();
-    let body = response.into_body().into_data_stream().map(move |chunk| {
-        let mut out = String::new();
-        match chunk {
-            Ok(bytes) => {
-                pending.push_str(&String::from_utf8_lossy(&bytes));
-                // Whole events only: a chunk may end inside one.
-                while let Some(end) = pending.find("\n\n") {
-                    let event: String = pending.drain(..end + 2).collect();
-                    for line in event.lines() {
-                        if let Some(data) = line.strip_prefix("data: ") {
-                            translator.chunk(data.trim(), &mut out);
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                Translator::event(&mut out, "error", json!({"type": "error", "error": {"type": "api_error", "message": e.to_string()}}))
-            }
-        }
-        Ok::<_, std::convert::Infallible>(Bytes::from(out))
-    });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(body))
-        .unwrap_or_else(|e| error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's tokens as the model's chat

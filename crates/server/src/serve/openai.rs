@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream;
+use futures_util::{stream, StreamExt};
 use serde_json::{json, Map, Value};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -191,6 +191,44 @@ fn render_chat(
     template
         .render_with_tools(&msgs, tools_var.as_ref(), add_generation_prompt)
         .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}"), Some("messages")))
+}
+
+/// What turns the chat path's SSE stream into another API's events (the
+/// Messages and Responses adapters): each `data:` payload in order, or the
+/// error that broke the stream.
+pub trait ChatStreamTranslator: Send + 'static {
+    /// The events for one `data:` payload (`[DONE]` included), appended to `out`.
+    fn chunk(&mut self, data: &str, out: &mut String);
+    /// The events for a stream broken by `message`.
+    fn fail(&mut self, message: &str, out: &mut String);
+}
+
+/// A chat-completion stream re-sent as `translator`'s events, payload by
+/// payload (an event split across chunks waits for its end).
+pub fn translate_chat_stream(response: Response, mut translator: impl ChatStreamTranslator) -> Response {
+    let mut pending = String::new();
+    let body = response.into_body().into_data_stream().map(move |chunk| {
+        let mut out = String::new();
+        match chunk {
+            Ok(bytes) => {
+                pending.push_str(&String::from_utf8_lossy(&bytes));
+                while let Some(end) = pending.find("\n\n") {
+                    let event: String = pending.drain(..end + 2).collect();
+                    for data in event.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                        translator.chunk(data.trim(), &mut out);
+                    }
+                }
+            }
+            Err(e) => translator.fail(&e.to_string(), &mut out),
+        }
+        Ok::<_, Infallible>(Bytes::from(out))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|e| ApiError::internal(e.to_string()).into_response())
 }
 
 /// `POST /v1/chat/completions`.

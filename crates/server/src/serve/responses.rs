@@ -32,13 +32,12 @@
 //! images, reasoning effort, background mode, …) is a 400 naming it.
 
 use super::error::ApiError;
-use super::openai;
+use super::openai::{self, ChatStreamTranslator};
 use super::AppState;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -295,10 +294,11 @@ impl Ids {
         let suffix = chat_id.strip_prefix("chatcmpl-").unwrap_or(chat_id);
         Self { response: format!("resp_{suffix}"), message: format!("msg_{suffix}") }
     }
+}
 
-    fn function_call(&self, call_id: &str) -> String {
-        format!("fc_{}", call_id.strip_prefix("call-").unwrap_or(call_id))
-    }
+/// `fc_…`, a function-call item's id, from the chat path's tool-call id.
+fn function_call_id(call_id: &str) -> String {
+    format!("fc_{}", call_id.strip_prefix("call-").unwrap_or(call_id))
 }
 
 /// The parts of a request echoed in its response object.
@@ -425,7 +425,7 @@ pub async fn create(State(state): State<Arc<AppState>>, body: Bytes) -> Response
     }
     let finish = Finish { store: state.responses.clone(), chat, had_instructions, echo };
     if stream {
-        translate_stream(response, finish)
+        openai::translate_chat_stream(response, Translator::new(finish))
     } else {
         translate_whole(response, finish).await
     }
@@ -478,7 +478,7 @@ async fn translate_whole(response: Response, finish: Finish) -> Response {
     for call in message["tool_calls"].as_array().into_iter().flatten() {
         let (id, name) = (call["id"].as_str().unwrap_or_default(), call["function"]["name"].as_str().unwrap_or_default());
         let args = call["function"]["arguments"].as_str().unwrap_or("{}");
-        output.push(function_call_item(&ids.function_call(id), id, name, args, "completed"));
+        output.push(function_call_item(&function_call_id(id), id, name, args, "completed"));
         calls.push((id.to_string(), name.to_string(), args.to_string()));
     }
     let body = finish.echo.response(&ids.response, status, output, usage_of(&v["usage"]), Value::Null);
@@ -547,14 +547,9 @@ impl Translator {
             Open::Text { index, text } => {
                 let id = self.ids.as_ref().map_or(String::new(), |i| i.message.clone());
                 let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
-                let at = json!({"item_id": id, "output_index": index, "content_index": 0});
-                self.event(
-                    out,
-                    "response.output_text.done",
-                    json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
-                );
-                let mut done = at.clone();
-                done["part"] = part;
+                let done = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []});
+                self.event(out, "response.output_text.done", done);
+                let done = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
                 self.event(out, "response.content_part.done", done);
                 // A message the output budget cut is incomplete, as its response.
                 let status = if self.finish_reason.as_deref() == Some("length") { "incomplete" } else { "completed" };
@@ -577,6 +572,21 @@ impl Translator {
         }
     }
 
+    /// The terminal event: `response.completed`, or `response.incomplete`
+    /// when the output budget cut the answer.
+    fn complete(&mut self, out: &mut String) {
+        self.close(out);
+        self.done = true;
+        let status = if self.finish_reason.as_deref() == Some("length") { "incomplete" } else { "completed" };
+        let response = self.response(status, Value::Null);
+        if let Some(id) = self.ids.as_ref().map(|i| i.response.clone()) {
+            self.finish.store(&id, &response, &self.text, &self.calls);
+        }
+        self.event(out, &format!("response.{status}"), json!({"response": response}));
+    }
+}
+
+impl ChatStreamTranslator for Translator {
     /// The events for one `data:` payload of the chat stream.
     fn chunk(&mut self, data: &str, out: &mut String) {
         if self.done {
@@ -588,7 +598,7 @@ impl Translator {
         }
         let Ok(v) = serde_json::from_str::<Value>(data) else { return };
         if let Some(message) = v.pointer("/error/message").and_then(Value::as_str) {
-            self.fail(out, message);
+            self.fail(message, out);
             return;
         }
         if self.ids.is_none() {
@@ -640,7 +650,7 @@ impl Translator {
                 self.close(out);
                 let index = self.output.len();
                 let call_id = call["id"].as_str().unwrap_or_default().to_string();
-                let id = self.ids.as_ref().map_or(String::new(), |i| i.function_call(&call_id));
+                let id = function_call_id(&call_id);
                 let item = function_call_item(&id, &call_id, name, "", "in_progress");
                 self.event(out, "response.output_item.added", json!({"output_index": index, "item": item}));
                 self.open = Open::Call { index, id, call_id, name: name.to_string(), arguments: String::new() };
@@ -658,21 +668,8 @@ impl Translator {
         }
     }
 
-    /// The terminal event: `response.completed`, or `response.incomplete`
-    /// when the output budget cut the answer.
-    fn complete(&mut self, out: &mut String) {
-        self.close(out);
-        self.done = true;
-        let status = if self.finish_reason.as_deref() == Some("length") { "incomplete" } else { "completed" };
-        let response = self.response(status, Value::Null);
-        if let Some(id) = self.ids.as_ref().map(|i| i.response.clone()) {
-            self.finish.store(&id, &response, &self.text, &self.calls);
-        }
-        self.event(out, &format!("response.{status}"), json!({"response": response}));
-    }
-
     /// The engine failed mid-stream: `response.failed` with the error.
-    fn fail(&mut self, out: &mut String, message: &str) {
+    fn fail(&mut self, message: &str, out: &mut String) {
         self.close(out);
         self.done = true;
         if self.ids.is_none() {
@@ -681,36 +678,6 @@ impl Translator {
         let response = self.response("failed", json!({"code": "server_error", "message": message}));
         self.event(out, "response.failed", json!({"response": response}));
     }
-}
-
-fn translate_stream(response: Response, finish: Finish) -> Response {
-    let mut translator = Translator::new(finish);
-    let mut pending = String::new();
-    let body = response.into_body().into_data_stream().map(move |chunk| {
-        let mut out = String::new();
-        match chunk {
-            Ok(bytes) => {
-                pending.push_str(&String::from_utf8_lossy(&bytes));
-                // Whole events only: a chunk may end inside one.
-                while let Some(end) = pending.find("\n\n") {
-                    let event: String = pending.drain(..end + 2).collect();
-                    for line in event.lines() {
-                        if let Some(data) = line.strip_prefix("data: ") {
-                            translator.chunk(data.trim(), &mut out);
-                        }
-                    }
-                }
-            }
-            Err(e) => translator.fail(&mut out, &e.to_string()),
-        }
-        Ok::<_, std::convert::Infallible>(Bytes::from(out))
-    });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(body))
-        .unwrap_or_else(|e| ApiError::internal(e.to_string()).into_response())
 }
 
 /// `GET /v1/responses/{id}`: a stored response.
