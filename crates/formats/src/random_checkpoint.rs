@@ -261,36 +261,44 @@ pub fn write_random_checkpoint(
     Ok(WriteReport { tensors: tensors.len(), shards: n_shards, weight_bytes: total })
 }
 
-/// `n` values encoded in `dtype`, chunk by chunk on every core, written in
-/// place into one buffer.
-fn random_values(n: usize, fan_in: usize, norm: bool, dtype: CheckpointDtype, seed: u64) -> Vec<u8> {
-    let scale = if norm { 0.05 } else { 1.0 / (fan_in as f32).sqrt() };
-    let width = dtype.bytes();
-    let mut out = vec![0u8; n * width];
-    let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(CHUNK * width).enumerate().collect();
+/// Fills `out` chunk by chunk (`chunk_bytes` each) on every core, chunk
+/// `c` from a generator seeded by `seed` and `c`: the same bytes on any
+/// number of threads.
+fn fill_seeded_chunks(out: &mut [u8], chunk_bytes: usize, seed: u64, fill: impl Fn(&mut SeededRng, &mut [u8]) + Sync) {
+    let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(chunk_bytes).enumerate().collect();
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(chunks.len()).max(1);
     let per_thread = chunks.len().div_ceil(threads).max(1);
     let mut chunks = chunks.into_iter();
+    let fill = &fill;
     std::thread::scope(|scope| {
         for _ in 0..threads {
             let mine: Vec<(usize, &mut [u8])> = chunks.by_ref().take(per_thread).collect();
             scope.spawn(move || {
                 for (c, bytes) in mine {
-                    let mut rng = SeededRng::new(seed ^ (c as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-                    for slot in bytes.chunks_exact_mut(width) {
-                        let u = rng.signed_f32() * scale;
-                        // Never exactly zero: a zero weight hides a kernel that skips work.
-                        let v = if norm {
-                            1.0 + u
-                        } else if u == 0.0 {
-                            scale * 0.5
-                        } else {
-                            u
-                        };
-                        dtype.encode(v, slot);
-                    }
+                    fill(&mut SeededRng::new(seed ^ (c as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)), bytes);
                 }
             });
+        }
+    });
+}
+
+/// `n` values encoded in `dtype`, written in place into one buffer.
+fn random_values(n: usize, fan_in: usize, norm: bool, dtype: CheckpointDtype, seed: u64) -> Vec<u8> {
+    let scale = if norm { 0.05 } else { 1.0 / (fan_in as f32).sqrt() };
+    let width = dtype.bytes();
+    let mut out = vec![0u8; n * width];
+    fill_seeded_chunks(&mut out, CHUNK * width, seed, |rng, bytes| {
+        for slot in bytes.chunks_exact_mut(width) {
+            let u = rng.signed_f32() * scale;
+            // Never exactly zero: a zero weight hides a kernel that skips work.
+            let v = if norm {
+                1.0 + u
+            } else if u == 0.0 {
+                scale * 0.5
+            } else {
+                u
+            };
+            dtype.encode(v, slot);
         }
     });
     out
@@ -625,30 +633,17 @@ pub fn write_random_gguf(
 fn random_q8_0(n: usize, fan_in: usize, seed: u64) -> Vec<u8> {
     let d = half::f16::from_f32(1.0 / (127.0 * (fan_in as f32).sqrt())).to_le_bytes();
     let mut out = vec![0u8; n / 32 * 34];
-    const BLOCKS: usize = CHUNK / 32;
-    let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(BLOCKS * 34).enumerate().collect();
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(chunks.len()).max(1);
-    let per_thread = chunks.len().div_ceil(threads).max(1);
-    let mut chunks = chunks.into_iter();
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            let mine: Vec<(usize, &mut [u8])> = chunks.by_ref().take(per_thread).collect();
-            scope.spawn(move || {
-                for (c, bytes) in mine {
-                    let mut rng = SeededRng::new(seed ^ (c as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-                    for block in bytes.chunks_exact_mut(34) {
-                        block[..2].copy_from_slice(&d);
-                        for four in block[2..].chunks_exact_mut(8) {
-                            let r = rng.next_u64();
-                            for (j, b) in four.iter_mut().enumerate() {
-                                // 255 codes, -127..=127; a zero code becomes 1.
-                                let code = ((r >> (8 * j)) & 0xff) as i32 % 255 - 127;
-                                *b = (if code == 0 { 1 } else { code }) as i8 as u8;
-                            }
-                        }
-                    }
+    fill_seeded_chunks(&mut out, CHUNK / 32 * 34, seed, |rng, bytes| {
+        for block in bytes.chunks_exact_mut(34) {
+            block[..2].copy_from_slice(&d);
+            for eight in block[2..].chunks_exact_mut(8) {
+                let r = rng.next_u64();
+                for (j, b) in eight.iter_mut().enumerate() {
+                    // 255 codes, -127..=127; a zero code becomes 1.
+                    let code = ((r >> (8 * j)) & 0xff) as i32 % 255 - 127;
+                    *b = (if code == 0 { 1 } else { code }) as i8 as u8;
                 }
-            });
+            }
         }
     });
     out
