@@ -222,9 +222,24 @@ struct LayoutF32 {
 // d·sc and dmin·m are exact in f32, so each weight is rounded once, as
 // ggml rounds it.
 
-__device__ __forceinline__ void decode_k4(const unsigned short sm, const unsigned dd, const unsigned char q[16], float w[16]) {
-    const float d = half_bits_to_float((unsigned short)(dd & 0xffffu)), dmin = half_bits_to_float((unsigned short)(dd >> 16));
-    const float d0 = d * (float)(sm & 0xffu), min0 = dmin * (float)(sm >> 8);
+// The scales of 16 Q4K/Q5K weights: their sub-block's (sc, m) word and
+// their super-block's (d, dmin) pair.
+struct K4Scales {
+    unsigned short sm;
+    unsigned dd;
+};
+
+__device__ __forceinline__ K4Scales fetch_k4_scales(const unsigned short *__restrict__ scales, int n, int k, int k0) {
+    const unsigned short *row = scales + (long long)n * (k / 32 + k / 128);
+    K4Scales s;
+    s.sm = row[k0 / 32];
+    s.dd = *reinterpret_cast<const unsigned *>(row + k / 32 + 2 * (k0 / 256));
+    return s;
+}
+
+__device__ __forceinline__ void decode_k4(const K4Scales &s, const unsigned char q[16], float w[16]) {
+    const float d = half_bits_to_float((unsigned short)(s.dd & 0xffffu)), dmin = half_bits_to_float((unsigned short)(s.dd >> 16));
+    const float d0 = d * (float)(s.sm & 0xffu), min0 = dmin * (float)(s.sm >> 8);
 #pragma unroll
     for (int i = 0; i < 16; i++) w[i] = fmaf(d0, (float)q[i], -min0);
 }
@@ -232,16 +247,13 @@ __device__ __forceinline__ void decode_k4(const unsigned short sm, const unsigne
 struct LayoutQ4K {
     struct Raw {
         uint2 codes;
-        unsigned short sm;
-        unsigned dd;
+        K4Scales s;
     };
     __device__ static __forceinline__ Raw fetch(const unsigned char *__restrict__ codes, const unsigned short *__restrict__ scales,
                                                 int n, int k, int k0) {
         Raw r;
         r.codes = *reinterpret_cast<const uint2 *>(codes + (long long)n * (k / 2) + k0 / 2);
-        const unsigned short *row = scales + (long long)n * (k / 32 + k / 128);
-        r.sm = row[k0 / 32];
-        r.dd = *reinterpret_cast<const unsigned *>(row + k / 32 + 2 * (k0 / 256));
+        r.s = fetch_k4_scales(scales, n, k, k0);
         return r;
     }
     __device__ static __forceinline__ void decode(const Raw &r, float w[16]) {
@@ -251,23 +263,20 @@ struct LayoutQ4K {
         for (int i = 0; i < 2; i++)
 #pragma unroll
             for (int j = 0; j < 8; j++) q[8 * i + j] = (unsigned char)((words[i] >> (4 * j)) & 0xfu);
-        decode_k4(r.sm, r.dd, q, w);
+        decode_k4(r.s, q, w);
     }
 };
 
 struct LayoutQ5K {
     struct Raw {
         uint4 codes;
-        unsigned short sm;
-        unsigned dd;
+        K4Scales s;
     };
     __device__ static __forceinline__ Raw fetch(const unsigned char *__restrict__ codes, const unsigned short *__restrict__ scales,
                                                 int n, int k, int k0) {
         Raw r;
         r.codes = *reinterpret_cast<const uint4 *>(codes + (long long)n * k + k0);
-        const unsigned short *row = scales + (long long)n * (k / 32 + k / 128);
-        r.sm = row[k0 / 32];
-        r.dd = *reinterpret_cast<const unsigned *>(row + k / 32 + 2 * (k0 / 256));
+        r.s = fetch_k4_scales(scales, n, k, k0);
         return r;
     }
     __device__ static __forceinline__ void decode(const Raw &r, float w[16]) {
@@ -277,7 +286,7 @@ struct LayoutQ5K {
         for (int i = 0; i < 4; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++) q[4 * i + j] = (unsigned char)((words[i] >> (8 * j)) & 0xffu);
-        decode_k4(r.sm, r.dd, q, w);
+        decode_k4(r.s, q, w);
     }
 };
 

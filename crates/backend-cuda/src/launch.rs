@@ -568,6 +568,11 @@ impl Kernels {
         if rows == 0 || rows > 8 {
             return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
         }
+        self.gemv_launch(y, w, x, rows)
+    }
+
+    /// The GEMV launch; the caller checked the buffers and that `rows` is 1..8.
+    fn gemv_launch(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
         let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", rows)]), &format!("gemv_{}", w.format.suffix()))?;
         let (n_i, k_i) = (to_i32(w.n, "n")?, to_i32(w.k, "k")?);
         // A warp owns ceil(rows / 2) columns, 4 warps a block (gemv_q.cu).
@@ -575,10 +580,10 @@ impl Kernels {
         let mut b = self.stream.launch_builder(&f);
         b.arg(y).arg(&w.codes).arg(&w.scales).arg(x).arg(&n_i).arg(&k_i);
         // SAFETY: matches gemv_*(float*, const unsigned char*, const
-        // unsigned short*, const float*, int, int); check_linear verified
-        // the planes hold the layout's bytes for [n, k] (k a multiple of
-        // 32), x rows·k and y rows·n floats; a warp's columns past n read
-        // column n − 1 and write nothing.
+        // unsigned short*, const float*, int, int); the caller checked (by
+        // check_linear) that the planes hold the layout's bytes for [n, k]
+        // (k whole blocks), x rows·k and y rows·n floats; a warp's columns
+        // past n read column n − 1 and write nothing.
         unsafe { b.launch(cfg((to_u32(w.n.div_ceil(per_block), "columns")?, 1, 1), 128, 0)) }?;
         Ok(())
     }
@@ -589,7 +594,7 @@ impl Kernels {
         Self::check_linear(w, x.len(), y.len(), rows)?;
         match rows {
             0 => Ok(()),
-            1..=8 => self.gemv_q(y, w, x, rows),
+            1..=8 => self.gemv_launch(y, w, x, rows),
             _ => self.gemm_f32_cores(y, w, x, rows),
         }
     }

@@ -281,10 +281,10 @@ impl CudaOps {
     /// tied LM head multiplies it as an F32 weight).
     fn weight(&self, w: &WeightView<'_>, always_f32: bool) -> vellum_ops::Result<CudaWeight> {
         let (n, k) = w.matrix_dims()?;
-        let shape = |e: String| vellum_ops::Error::Backend(Error::Backend(format!("{}: {e}", w.name)));
+        let refused = |e: String| vellum_ops::Error::Backend(Error::Backend(format!("{}: {e}", w.name)));
         if !always_f32 {
             if QuantFormat::native(w.dtype).is_some() {
-                let r = repack(w.dtype, &w.data, n, k).map_err(|e| shape(e.to_string()))?;
+                let r = repack(w.dtype, &w.data, n, k).map_err(|e| refused(e.to_string()))?;
                 return Ok(CudaWeight { m: Stored::Blocks(self.upload_layout(r, n, k)?) });
             }
             if let Some(dtype) = self.tensor_core_dtype(w.dtype) {
@@ -333,7 +333,7 @@ impl CudaOps {
         if rows <= GEMV_MAX_ROWS || self.precision == CudaPrecision::Float32 {
             return self.k.gemv_rows(y, m, &x.buf, rows).map_err(backend);
         }
-        let x16 = self.cast_bf16(x)?;
+        let x16 = self.cast_16(x, Half::Bf16)?;
         match &self.blas {
             Some(blas) if rows >= CUBLAS_MIN_ROWS => {
                 // SAFETY: uninitialized; dequantize_bf16 writes all n·k elements.
@@ -345,13 +345,13 @@ impl CudaOps {
         }
     }
 
-    /// `x` rounded to bf16 (nearest even), on the device.
-    fn cast_bf16(&self, x: &CudaTensor) -> OpResult<CudaSlice<u16>> {
+    /// `x` rounded to `dtype` (nearest even), on the device.
+    fn cast_16(&self, x: &CudaTensor, dtype: Half) -> OpResult<CudaSlice<u16>> {
         let n = x.rows * x.cols;
         // SAFETY: uninitialized device memory of n elements (one when
         // empty), which cast_to_16 writes in full before anything reads it.
         let mut x16 = unsafe { self.k.stream().alloc::<u16>(n.max(1)) }.map_err(|e| backend(e.into()))?;
-        self.k.cast_to_16(&mut x16, &x.buf, n, Half::Bf16).map_err(backend)?;
+        self.k.cast_to_16(&mut x16, &x.buf, n, dtype).map_err(backend)?;
         Ok(x16)
     }
 }
@@ -437,10 +437,7 @@ impl Ops for CudaOps {
             Stored::Blocks(m) => self.linear_blocks(&mut out.buf, m, x)?,
             Stored::Half { data, dtype, n, k } => {
                 let blas = self.blas.as_ref().ok_or_else(|| backend(CudaError::NoCublas))?;
-                // SAFETY: uninitialized device memory of x's length, which
-                // cast_to_16 writes in full before the GEMM reads it.
-                let mut x16 = unsafe { self.k.stream().alloc::<u16>(x.buf.len().max(1)) }.map_err(|e| backend(e.into()))?;
-                self.k.cast_to_16(&mut x16, &x.buf, x.rows * k, *dtype).map_err(backend)?;
+                let x16 = self.cast_16(x, *dtype)?;
                 blas.linear_16(&mut out.buf, data, &x16, *dtype, x.rows, *n, *k).map_err(backend)?;
             }
         }
