@@ -88,6 +88,7 @@ fn batch(tokens: &[u32], start: usize) -> ForwardBatch {
         logits_indices: vec![n as u32 - 1],
         block_ops: Default::default(),
         argmax_only: false,
+        hidden_states: false,
     }
 }
 

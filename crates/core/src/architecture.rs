@@ -73,9 +73,21 @@ pub const ARCHITECTURES: &[Architecture] = &[
     },
 ];
 
-/// The architecture named `name` (`config.json`'s `architectures[0]`).
+/// The architecture named `name` (`config.json`'s `architectures[0]`). A
+/// base model without its LM head (`LlamaModel`, `MistralModel`,
+/// `Qwen3Model`: how sentence-transformers embedding checkpoints such as
+/// e5-mistral name theirs) is its `…ForCausalLM`'s body.
 pub fn find_architecture(name: &str) -> Option<&'static Architecture> {
-    ARCHITECTURES.iter().find(|a| a.name == name)
+    ARCHITECTURES.iter().find(|a| a.name == name).or_else(|| {
+        let body = name.strip_suffix("Model")?;
+        ARCHITECTURES.iter().find(|a| a.name.strip_suffix("ForCausalLM") == Some(body))
+    })
+}
+
+/// Whether `name` is a base model's architecture (no LM head: an
+/// embedding checkpoint), as [`find_architecture`] reads it.
+pub fn is_base_model_architecture(name: &str) -> bool {
+    !ARCHITECTURES.iter().any(|a| a.name == name) && find_architecture(name).is_some()
 }
 
 /// The architecture of `model_type` (`config.json`).
@@ -110,5 +122,10 @@ mod tests {
             assert_eq!(find_gguf_architecture(a.gguf_architecture), Some(a));
         }
         assert!(supported_architectures().contains("Qwen3ForCausalLM (qwen3)"));
+        // Base models (embedding checkpoints) are their causal LM's body.
+        assert_eq!(find_architecture("MistralModel").map(|a| a.name), Some("MistralForCausalLM"));
+        assert_eq!(find_architecture("Qwen3Model").map(|a| a.name), Some("Qwen3ForCausalLM"));
+        assert!(is_base_model_architecture("LlamaModel") && !is_base_model_architecture("LlamaForCausalLM"));
+        assert!(find_architecture("BertModel").is_none() && !is_base_model_architecture("BertModel"));
     }
 }

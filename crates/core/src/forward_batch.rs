@@ -86,6 +86,12 @@ pub struct ForwardBatch {
     /// instead of the logits (a GPU then copies a token a row, not a row of
     /// the vocabulary).
     pub argmax_only: bool,
+    /// The rows of `logits_indices` are pooling rows: the executor returns
+    /// their final hidden states (after the model's last norm, before the
+    /// LM head) in [`StepOutput::hidden_states`](crate::StepOutput::hidden_states)
+    /// instead of logits. An engine serves either pooling or generation
+    /// requests, so a batch holds one kind of row.
+    pub hidden_states: bool,
 }
 
 impl ForwardBatch {
@@ -220,6 +226,7 @@ mod tests {
             logits_indices: vec![1, 2],
             block_ops: BlockOps::default(),
             argmax_only: false,
+            hidden_states: false,
         }
     }
 

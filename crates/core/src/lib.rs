@@ -37,6 +37,7 @@ mod ids;
 mod kv_cache_groups;
 mod model_config;
 mod model_executor;
+mod pooling;
 mod request;
 mod sampling_params;
 mod scheduler_config;
@@ -44,7 +45,8 @@ mod seeded_rng;
 mod speculative_config;
 
 pub use architecture::{
-    find_architecture, find_gguf_architecture, find_model_type, supported_architectures, Architecture, ModelFamily, ARCHITECTURES,
+    find_architecture, find_gguf_architecture, find_model_type, is_base_model_architecture, supported_architectures, Architecture,
+    ModelFamily, ARCHITECTURES,
 };
 pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape, DeviceMemory, KvCacheSpec, KvMemory};
 pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
@@ -59,6 +61,7 @@ pub use ids::{BlockId, HostBlockId, RequestId, SeqId, TokenId};
 pub use kv_cache_groups::{KvCacheGroup, KvCacheGroups, KvLayerSlot};
 pub use model_config::{LayerType, ModelConfig, RopeScaling};
 pub use model_executor::{ModelExecutor, StepOutput};
+pub use pooling::{Pooler, PoolingParams, PoolingType};
 pub use request::RequestState;
 pub use sampling_params::{BeamSearchParams, SamplingParams, StructuredOutput};
 pub use scheduler_config::{PreemptionMode, SchedulerConfig, SchedulingPolicy};

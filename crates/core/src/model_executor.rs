@@ -16,6 +16,12 @@ pub struct StepOutput {
     /// [`ForwardBatch::argmax_only`], and only by a backend that does it;
     /// empty otherwise.
     pub argmax: Vec<u32>,
+    /// Row-major `[logits_indices.len(), hidden_size]` final hidden states,
+    /// for a batch that asked for [`ForwardBatch::hidden_states`]; the
+    /// logits are empty then.
+    pub hidden_states: Vec<f32>,
+    /// Width of a hidden-state row (0 without them).
+    pub hidden_size: usize,
 }
 
 /// Runs a model's forward pass over a paged KV cache that it owns.

@@ -1,6 +1,6 @@
 //! Sampling parameters, as the OpenAI API and vLLM name them.
 
-use crate::{Error, Result, TokenId};
+use crate::{Error, PoolingParams, Result, TokenId};
 use serde::{Deserialize, Serialize};
 
 /// Most top log-probabilities a caller may ask for per position (vLLM's
@@ -94,6 +94,9 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(TokenId, f32)>,
     /// Constrains the output's form (JSON schema, regex, choice, grammar).
     pub structured_output: Option<StructuredOutput>,
+    /// An embedding request: the prompt's hidden states are pooled into
+    /// one vector ([`crate::PoolingParams`]) and nothing is sampled.
+    pub pooling: Option<PoolingParams>,
 }
 
 impl Default for SamplingParams {
@@ -119,6 +122,7 @@ impl Default for SamplingParams {
             beam_search: None,
             logit_bias: Vec::new(),
             structured_output: None,
+            pooling: None,
         }
     }
 }
@@ -252,6 +256,19 @@ impl SamplingParams {
                 if k > MAX_LOGPROBS {
                     return Err(invalid(name, format!("must be at most {MAX_LOGPROBS}, got {k}")));
                 }
+            }
+        }
+        if self.pooling.is_some() {
+            let sampling_only = [
+                ("n", self.n > 1),
+                ("best_of", self.best_of.is_some_and(|b| b > 1)),
+                ("logprobs", self.logprobs.is_some()),
+                ("prompt_logprobs", self.prompt_logprobs.is_some()),
+                ("use_beam_search", self.beam_search.is_some()),
+                ("structured_outputs", self.structured_output.is_some()),
+            ];
+            if let Some((name, _)) = sampling_only.iter().find(|(_, set)| *set) {
+                return Err(invalid(*name, "applies to generation, not to a pooling (embedding) request"));
             }
         }
         if let Some(beam) = &self.beam_search {

@@ -26,6 +26,10 @@ pub enum Error {
         /// What the backend reported.
         source: vellum_base::Error,
     },
+    /// A request of the other task: a pooling (embedding) request to an
+    /// engine that generates, or a generation request to one that pools.
+    #[error("{0}")]
+    Task(String),
     /// A feature this engine does not run yet.
     #[error("not supported yet: {0}")]
     Unsupported(&'static str),

@@ -44,6 +44,7 @@ mod error;
 mod llm;
 pub mod output_processor;
 mod outputs;
+pub mod pooling;
 pub mod sampler;
 mod sequences;
 pub mod speculative;
@@ -63,6 +64,7 @@ pub use error::Error;
 pub use llm::{auto_kv_cache_dtype, EngineArgs, KvSharing, Llm};
 pub use output_processor::{OutputPiece, OutputProcessor, Processed, TokenOutput};
 pub use outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput, StepOutputs};
+pub use pooling::{EmbeddingSpec, PoolerConfig, Task};
 pub use speculative::{DraftRequest, NgramProposer, Proposer, SpecDecodeCounters};
 
 /// The offline API under the name thesis Listing 4.1 gives it.

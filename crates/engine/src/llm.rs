@@ -7,6 +7,7 @@ use crate::engine_core::EngineCore;
 use crate::error::Error;
 use crate::output_processor::{OutputPiece, OutputProcessor};
 use crate::outputs::{RequestOutput, StepOutputs};
+use crate::pooling::{DeclaredPooling, EmbeddingSpec, PoolerConfig, Task};
 use crate::speculative::{DraftModelProposer, NgramProposer, Proposer};
 use vellum_base::{
     AutoKvLimit, KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId, AUTO_KV_CACHE_CAP_BYTES,
@@ -72,6 +73,11 @@ pub struct EngineArgs {
     pub dtype: ComputeDtype,
     /// Speculative decoding (vLLM's `--speculative-config`); `None`: off.
     pub speculative_config: Option<SpeculativeConfig>,
+    /// Generation or embeddings (vLLM's `--task`).
+    pub task: Task,
+    /// An embedding model's pooling, over what its checkpoint declares
+    /// (vLLM's `--pooler-config`).
+    pub pooler_config: PoolerConfig,
 }
 
 impl Default for EngineArgs {
@@ -89,6 +95,8 @@ impl Default for EngineArgs {
             cpu_precision: CpuPrecision::default(),
             dtype: ComputeDtype::default(),
             speculative_config: None,
+            task: Task::Auto,
+            pooler_config: PoolerConfig::default(),
         }
     }
 }
@@ -118,6 +126,8 @@ pub struct Llm {
     tokenizer: Tokenizer,
     chat_template: Option<ChatTemplate>,
     kv_sharing: KvSharing,
+    /// An embedding engine's pooling (`None`: it generates).
+    embedding: Option<EmbeddingSpec>,
 }
 
 /// KV blocks of the last `generate` call at its peak: physical blocks held
@@ -155,6 +165,19 @@ impl Llm {
         args.device.ensure_compiled()?;
         let source = resolve_model(args.model.as_deref())?;
         let loaded = vellum_models::LoadedModel::open(&source)?;
+        let declared = match &source {
+            vellum_formats::ModelSource::HfDir(dir) => DeclaredPooling::read(dir)?,
+            vellum_formats::ModelSource::Gguf(_) => DeclaredPooling::default(),
+        };
+        let embed = match args.task {
+            Task::Embed => true,
+            Task::Generate => false,
+            Task::Auto => declared.is_embedding_model(),
+        };
+        let embedding = embed.then(|| declared.spec(args.pooler_config, loaded.config.hidden_size));
+        if embed && args.speculative_config.is_some() {
+            return Err(Error::Task("--speculative-config applies to generation, not to an embedding model (--task embed)".into()));
+        }
         let proposer = match &args.speculative_config {
             None => None,
             Some(spec) => Some(match &spec.method {
@@ -290,13 +313,52 @@ impl Llm {
         if let (Some(spec), Some(proposer)) = (&args.speculative_config, proposer) {
             engine.set_proposer(proposer, spec.num_speculative_tokens);
         }
-        Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template, kv_sharing: KvSharing::default() })
+        if let Some(spec) = &embedding {
+            engine.set_pooling(true);
+            tracing::info!(
+                pooling_type = ?spec.defaults.pooling_type,
+                normalize = spec.defaults.normalize,
+                dimensions = spec.hidden_size,
+                matryoshka = spec.matryoshka,
+                "serving embeddings (--task embed; --pooler-config overrides the pooling)"
+            );
+        }
+        Ok(Self { engine, tokenizer: loaded.tokenizer, chat_template: loaded.chat_template, kv_sharing: KvSharing::default(), embedding })
     }
 
     /// The structured-output compiler (the server checks a request's
     /// constraint with it before queueing it), if the tokenizer allows one.
     pub fn structured_outputs(&self) -> Option<std::sync::Arc<crate::structured::StructuredOutputs>> {
         self.engine.structured_outputs().cloned()
+    }
+
+    /// An embedding engine's pooling; `None` when it generates.
+    pub fn embedding(&self) -> Option<EmbeddingSpec> {
+        self.embedding
+    }
+
+    /// Embeds token-id prompts, all batched together (each a prefill-only
+    /// request that frees its blocks in the step that completes it): one
+    /// vector per prompt, in prompt order, of `dimensions` entries if given
+    /// (a Matryoshka model) else the hidden size.
+    pub fn embed_ids(&mut self, prompts: &[Vec<TokenId>], dimensions: Option<usize>) -> Result<Vec<Vec<f32>>, Error> {
+        let spec =
+            self.embedding.ok_or_else(|| Error::Task("this engine generates text; load the model with Task::Embed to embed".into()))?;
+        let pooling = spec.request(dimensions).map_err(Error::Task)?;
+        // Prefill only: the one "token" a request must allow is never sampled.
+        let params = SamplingParams { pooling: Some(pooling), max_tokens: Some(1), ..SamplingParams::default() };
+        let outputs = self.generate_ids(prompts, &params)?;
+        outputs
+            .into_iter()
+            .map(|o| o.embedding.ok_or(Error::Task(format!("request {} ended before its prompt was computed", o.request_id))))
+            .collect()
+    }
+
+    /// Embeds text prompts (special tokens added as the tokenizer's
+    /// configuration says).
+    pub fn embed(&mut self, prompts: &[&str], dimensions: Option<usize>) -> Result<Vec<Vec<f32>>, Error> {
+        let ids = prompts.iter().map(|p| self.tokenizer.encode(p, true)).collect::<Result<Vec<_>, _>>()?;
+        self.embed_ids(&ids, dimensions)
     }
 
     /// Moves the engine onto its own thread: the client, the tokenizer and

@@ -42,6 +42,11 @@ pub struct RequestOutput {
     /// Seconds from `add_request` to the first step that computed any of
     /// its tokens (vLLM's queue time); `None` if it never ran.
     pub queue_time_s: Option<f64>,
+    /// A pooling request's vector (pooled, truncated and normalized as its
+    /// [`PoolingParams`](vellum_base::PoolingParams) say); `None` for
+    /// generation, and for a pooling request that ended before its prompt
+    /// was computed (aborted).
+    pub embedding: Option<Vec<f32>>,
 }
 
 /// The log-probability of one prompt token given the tokens before it.

@@ -13,7 +13,7 @@
 use crate::outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput};
 use crate::structured::Constraint;
 use std::time::Instant;
-use vellum_base::{IdMap, RequestId, SamplingParams, SeededRng, SeqId, TokenId};
+use vellum_base::{IdMap, Pooler, RequestId, SamplingParams, SeededRng, SeqId, TokenId};
 use vellum_scheduler::{FinishReason, StepSamples, StepUpdate};
 
 /// One sequence as the engine sees it.
@@ -91,6 +91,10 @@ pub(crate) struct ReqView {
     pub first_scheduled: Option<Instant>,
     /// Set once it ended.
     pub finished: Option<FinishReason>,
+    /// A pooling request: its pooled hidden state so far.
+    pub pooler: Option<Pooler>,
+    /// A pooling request: its vector, once its prompt is computed.
+    pub embedding: Option<Vec<f32>>,
 }
 
 impl ReqView {
@@ -147,6 +151,7 @@ impl Sequences {
             drafts: Vec::new(),
         };
         self.seqs.insert(seq, view);
+        let pooler = params.pooling.map(|p| Pooler::new(p.pooling_type));
         self.reqs.insert(
             id,
             ReqView {
@@ -159,6 +164,8 @@ impl Sequences {
                 arrival: Instant::now(),
                 first_scheduled: None,
                 finished: None,
+                pooler,
+                embedding: None,
             },
         );
     }
@@ -300,6 +307,7 @@ impl Sequences {
             queue_time_s: r.first_scheduled.map(|t| (t - r.arrival).as_secs_f64()),
             prompt_logprobs: r.prompt_logprobs,
             outputs: outputs.into_iter().map(|o| o.1).collect(),
+            embedding: r.embedding,
         })
     }
 }

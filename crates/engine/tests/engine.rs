@@ -131,9 +131,9 @@ impl ModelExecutor for FakeModel {
         if let (Some(count), true) = (&self.device_argmax, b.argmax_only) {
             count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let argmax = logits.chunks(self.vocab).map(argmax).collect();
-            return Ok(StepOutput { logits: Vec::new(), vocab_size: self.vocab, argmax });
+            return Ok(StepOutput { vocab_size: self.vocab, argmax, ..StepOutput::default() });
         }
-        Ok(StepOutput { logits, vocab_size: self.vocab, argmax: Vec::new() })
+        Ok(StepOutput { logits, vocab_size: self.vocab, ..StepOutput::default() })
     }
 }
 
@@ -931,4 +931,94 @@ fn speculative_sampling_keeps_the_target_distribution() {
     }
     // 35 degrees of freedom: the 0.999 quantile is 66.6.
     assert!(chi2 < 66.6, "chi-square {chi2:.1} over 35 degrees of freedom");
+}
+
+// ---- Embeddings (pooling) ----------------------------------------------------
+
+/// Pooling reads the hidden states a causal model computes: the state at
+/// position `p` depends on the tokens up to `p` alone, so the mean over a
+/// prompt is the mean of the last-token states of its prefixes, and the
+/// first token's state is the last-token state of the one-token prefix.
+/// Those identities hold whatever the batch, the chunking of the prefill
+/// and the prefix-cache hits, which the engine must not disturb.
+#[cfg(feature = "cpu")]
+#[test]
+fn pooled_embeddings_agree_with_the_prefixes_last_states_whatever_the_batching() {
+    use vellum_base::{PoolingParams, PoolingType};
+    use vellum_engine::{CpuPrecision, EngineArgs, Llm, PoolerConfig, Task};
+    use vellum_formats::{write_random_checkpoint, CheckpointDtype, CheckpointShape};
+    let dir = std::env::temp_dir().join(format!("vellum-embed-checkpoint-{}", std::process::id()));
+    let shape = CheckpointShape {
+        hidden: 64,
+        intermediate: 128,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        vocab: 300,
+        max_positions: 256,
+        rope_theta: 10_000.0,
+    };
+    write_random_checkpoint(&dir, &shape, CheckpointDtype::F32, 11, 1 << 30, |_, _| {}).expect("writes");
+    let engine = |pooling_type: PoolingType, normalize: bool, max_batched: usize| {
+        let mut scheduler = SchedulerConfig::default();
+        scheduler.max_num_batched_tokens = max_batched;
+        scheduler.max_model_len = 256;
+        Llm::new(EngineArgs {
+            model: Some(dir.to_string_lossy().into_owned()),
+            task: Task::Embed,
+            pooler_config: PoolerConfig { pooling_type: Some(pooling_type), normalize: Some(normalize) },
+            cpu_precision: CpuPrecision::Float32,
+            scheduler,
+            ..Default::default()
+        })
+        .expect("loads for embeddings")
+    };
+    let prompt: Vec<TokenId> = (0..40).map(|i| (i * 37 % 256) as TokenId).collect();
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0f32, f32::max);
+        assert!(worst < 2e-4, "{what}: worst relative difference {worst}");
+    };
+
+    let mut last = engine(PoolingType::Last, false, 2048);
+    assert_eq!(
+        last.embedding().map(|s| s.defaults),
+        Some(PoolingParams { pooling_type: PoolingType::Last, normalize: false, dimensions: None })
+    );
+    let prefixes: Vec<Vec<TokenId>> = (1..=prompt.len()).map(|n| prompt[..n].to_vec()).collect();
+    // Every prefix in one batch, and each alone (the prefix cache then hits).
+    let batched = last.embed_ids(&prefixes, None).expect("embeds");
+    assert_eq!(batched.len(), prompt.len());
+    assert!(batched.iter().all(|v| v.len() == shape.hidden && v.iter().all(|x| x.is_finite())));
+    for (n, p) in prefixes.iter().enumerate().step_by(7) {
+        close(&last.embed_ids(std::slice::from_ref(p), None).expect("embeds")[0], &batched[n], "one by one = batched");
+    }
+    assert_eq!(last.engine().kv_stats().num_used_blocks, 0, "pooling requests free their blocks");
+    let mean_of_prefixes: Vec<f32> =
+        (0..shape.hidden).map(|d| batched.iter().map(|v| f64::from(v[d])).sum::<f64>() as f32 / prompt.len() as f32).collect();
+
+    // Mean pooling, with the prompt in chunks of 16 tokens and in one piece.
+    for max_batched in [16, 2048] {
+        let mut mean = engine(PoolingType::Mean, false, max_batched);
+        let got = mean.embed_ids(std::slice::from_ref(&prompt), None).expect("embeds");
+        close(&got[0], &mean_of_prefixes, &format!("mean = mean of the prefixes' last states (chunks of {max_batched})"));
+    }
+    let mut cls = engine(PoolingType::Cls, false, 16);
+    close(&cls.embed_ids(std::slice::from_ref(&prompt), None).expect("embeds")[0], &batched[0], "CLS = the first token's state");
+
+    // Normalized: unit length, the same direction.
+    let mut unit = engine(PoolingType::Last, true, 2048);
+    let v = &unit.embed_ids(std::slice::from_ref(&prompt), None).expect("embeds")[0];
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+    let raw = &batched[prompt.len() - 1];
+    let raw_norm = raw.iter().map(|x| x * x).sum::<f32>().sqrt();
+    close(v, &raw.iter().map(|x| x / raw_norm).collect::<Vec<_>>(), "normalized = the state over its norm");
+
+    // Not a Matryoshka model: `dimensions` is refused; so is generation.
+    let e = unit.embed_ids(std::slice::from_ref(&prompt), Some(8)).unwrap_err().to_string();
+    assert!(e.contains("Matryoshka"), "{e}");
+    let e = unit.generate_ids(std::slice::from_ref(&prompt), &SamplingParams::default()).unwrap_err().to_string();
+    assert!(e.contains("embeddings"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -23,6 +23,11 @@ pub struct SafetensorsWeights {
     shards: Vec<Shard>,
     /// Tensor name → index into `shards`.
     index: BTreeMap<String, usize>,
+    /// The file names its tensors without the `model.` prefix (a base
+    /// model saved on its own, as sentence-transformers embedding
+    /// checkpoints are): they are indexed under `model.` names, which
+    /// [`WeightSource::tensor`] strips again to read them.
+    unprefixed: bool,
 }
 
 /// One memory-mapped `.safetensors` file with its parsed header.
@@ -64,7 +69,11 @@ impl SafetensorsWeights {
             }
             shards.push(shard);
         }
-        Ok(Self { dir: dir.to_path_buf(), config, shards, index })
+        let unprefixed = !index.keys().any(|k| k.starts_with("model.")) && index.contains_key("embed_tokens.weight");
+        if unprefixed {
+            index = index.into_iter().map(|(k, v)| (format!("model.{k}"), v)).collect();
+        }
+        Ok(Self { dir: dir.to_path_buf(), config, shards, index, unprefixed })
     }
 
     /// The directory.
@@ -80,7 +89,8 @@ impl WeightSource for SafetensorsWeights {
             .get(name)
             .map(|&i| &self.shards[i])
             .ok_or_else(|| Error::MissingTensor { path: self.dir.clone(), tensor: name.to_string() })?;
-        shard.tensor(name)
+        let stored = if self.unprefixed { name.strip_prefix("model.").unwrap_or(name) } else { name };
+        shard.tensor(stored)
     }
 
     fn contains(&self, name: &str) -> bool {

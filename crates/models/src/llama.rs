@@ -100,7 +100,7 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
         &self.config
     }
 
-    fn forward(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {
+    fn forward_hidden(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         let mut h = ops.embed(&self.embed_tokens, step)?;
@@ -126,7 +126,10 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
             ops.add_assign(&mut h, &ops.linear(&act, &layer.down_proj, None)?)?;
         }
         let last = ops.logits_rows(&h, step)?;
-        let last = ops.rms_norm(&last, &self.norm, eps, c.hidden_size)?;
-        ops.linear(&last, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
+        ops.rms_norm(&last, &self.norm, eps, c.hidden_size)
+    }
+
+    fn lm_head(&self, ops: &O, hidden: &O::Tensor) -> OpResult<O::Tensor> {
+        ops.linear(hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
     }
 }

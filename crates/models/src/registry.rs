@@ -39,9 +39,20 @@ pub trait CausalLm<O: Ops>: Send + Sync {
         }
     }
 
+    /// One forward pass over the step's mixed batch; returns the final
+    /// hidden states of the step's logits rows after the model's last norm,
+    /// `[rows, hidden_size]` (what pooling reads).
+    fn forward_hidden(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor>;
+
+    /// The LM head over rows of [`CausalLm::forward_hidden`]: logits,
+    /// `[rows, vocab]`.
+    fn lm_head(&self, ops: &O, hidden: &O::Tensor) -> OpResult<O::Tensor>;
+
     /// One forward pass over the step's mixed batch; returns the logits of
     /// the step's logits rows, `[rows, vocab]`.
-    fn forward(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor>;
+    fn forward(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {
+        self.lm_head(ops, &self.forward_hidden(ops, cache, step)?)
+    }
 }
 
 /// Loads the model definition of `config.architecture` on `ops`.

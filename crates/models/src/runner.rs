@@ -215,14 +215,19 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         ops.copy_blocks(cache, &batch.block_ops.copies)?;
         let step = ops.prepare_step(batch, *block_size)?;
         let model = &*self.model;
-        let logits = ops.run_forward(|| model.forward(ops, cache, &step))?;
         let vocab_size = model.config().vocab_size;
+        if batch.hidden_states {
+            let hidden = ops.run_forward(|| model.forward_hidden(ops, cache, &step))?;
+            let hidden_size = model.config().hidden_size;
+            return Ok(StepOutput { vocab_size, hidden_states: ops.take_host(hidden)?, hidden_size, ..StepOutput::default() });
+        }
+        let logits = ops.run_forward(|| model.forward(ops, cache, &step))?;
         if batch.argmax_only {
             if let Some(argmax) = ops.argmax_rows(&logits)? {
-                return Ok(StepOutput { logits: Vec::new(), vocab_size, argmax });
+                return Ok(StepOutput { vocab_size, argmax, ..StepOutput::default() });
             }
         }
-        Ok(StepOutput { logits: ops.take_host(logits)?, vocab_size, argmax: Vec::new() })
+        Ok(StepOutput { logits: ops.take_host(logits)?, vocab_size, ..StepOutput::default() })
     }
 
     fn recycle_logits(&mut self, logits: Vec<f32>) {

@@ -19,6 +19,9 @@ pub(super) enum Row {
     Verify(RequestId, SeqId, usize),
     /// The logprob of prompt token `pos` (the row is position `pos - 1`).
     PromptLogprob(RequestId, usize),
+    /// A pooling request's hidden state at prompt position `pos`; `None`:
+    /// a row computed only so that the step has one, and dropped.
+    Pool(RequestId, Option<usize>),
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
@@ -93,7 +96,23 @@ impl<E: ModelExecutor> EngineCore<E> {
             for (j, x) in table.iter().enumerate().filter(|(_, x)| !x.is_null()) {
                 b.block_tables[((j % groups) * num_seqs + row) * stride + j / groups] = x.0;
             }
-            if s.samples {
+            if let Some(pooling) = req.params.pooling {
+                // A pooling request reads hidden states and samples nothing.
+                let before = rows.len();
+                for p in start..end.min(num_prompt) {
+                    if vellum_base::Pooler::wants(pooling.pooling_type, p, num_prompt) {
+                        b.logits_indices.push((first_row + p - start) as u32);
+                        rows.push(Row::Pool(s.request_id, Some(p)));
+                    }
+                }
+                if rows.len() == before {
+                    // A chunk that reads nothing (CLS past position 0)
+                    // still returns a row, so that every pooling step has one.
+                    b.logits_indices.push(b.token_ids.len() as u32 - 1);
+                    rows.push(Row::Pool(s.request_id, None));
+                }
+                b.hidden_states = true;
+            } else if s.samples {
                 // Under speculation the positions before each draft are sampled too.
                 let last = b.token_ids.len() as u32 - 1;
                 for i in 0..s.num_draft_tokens {
@@ -105,7 +124,7 @@ impl<E: ModelExecutor> EngineCore<E> {
                 b.argmax_only &= req.params.argmax_suffices() && seq.constraint.is_none();
             }
         }
-        b.argmax_only &= !rows.is_empty();
+        b.argmax_only &= !rows.is_empty() && !b.hidden_states;
         (b, rows)
     }
 }

@@ -11,6 +11,8 @@
 mod batch;
 mod sampling;
 
+use batch::Row;
+
 use crate::error::Error;
 use crate::outputs::{RequestOutput, SequenceDelta, StepOutputs};
 use crate::sequences::Sequences;
@@ -85,6 +87,9 @@ pub struct EngineCore<E: ModelExecutor> {
     fail_next_forward: bool,
     /// Speculative decoding, when configured ([`EngineCore::set_proposer`]).
     speculator: Option<Speculator>,
+    /// Serves pooling (embedding) requests instead of generation
+    /// ([`EngineCore::set_pooling`]).
+    pooling: bool,
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
@@ -135,8 +140,21 @@ impl<E: ModelExecutor> EngineCore<E> {
             overlap_masks: std::env::var("VELLUM_OVERLAP_MASKS").as_deref() != Ok("0"),
             fail_next_forward: false,
             speculator: None,
+            pooling: false,
             executor,
         })
+    }
+
+    /// Makes this engine serve pooling (embedding) requests, and only them
+    /// (vLLM's `--task embed`): a step then returns hidden states, not
+    /// logits, so a batch cannot mix the two kinds.
+    pub fn set_pooling(&mut self, pooling: bool) {
+        self.pooling = pooling;
+    }
+
+    /// Whether this engine serves pooling requests ([`EngineCore::set_pooling`]).
+    pub fn is_pooling(&self) -> bool {
+        self.pooling
     }
 
     /// Computes structured-output masks beside the forward pass (`true`, the
@@ -264,6 +282,11 @@ impl<E: ModelExecutor> EngineCore<E> {
         params: SamplingParams,
         priority: i64,
     ) -> Result<RequestId, Error> {
+        match (params.pooling.is_some(), self.pooling) {
+            (true, false) => return Err(Error::Task("this engine generates text; start it for embeddings (--task embed) to pool".into())),
+            (false, true) => return Err(Error::Task("this engine serves embeddings (--task embed); it does not generate text".into())),
+            _ => {}
+        }
         let constraint = match &params.structured_output {
             None => None,
             Some(spec) => {
@@ -341,6 +364,13 @@ impl<E: ModelExecutor> EngineCore<E> {
             Err(e) => return Err(self.fail_step(&out, e)),
         };
         let t2 = Instant::now();
+        if batch.hidden_states {
+            let outputs = self.pool(&out, &result, &rows);
+            self.counters.num_steps += 1;
+            self.counters.schedule_s += (t1 - t0).as_secs_f64();
+            self.counters.execute_s += (t2 - t1).as_secs_f64();
+            return Ok(outputs);
+        }
         let (samples, draws) = if result.argmax.len() == rows.len() && batch.argmax_only {
             self.sample_argmax(&result.argmax, &rows)
         } else {
@@ -364,6 +394,34 @@ impl<E: ModelExecutor> EngineCore<E> {
         c.execute_s += (t2 - t1).as_secs_f64();
         c.sample_s += (t3 - t2).as_secs_f64();
         Ok(outputs)
+    }
+
+    /// A pooling step: adds each row's hidden state to its request's
+    /// pooler, retires the step (nothing sampled: the scheduler advances
+    /// the computed tokens), and ends every request whose prompt is now
+    /// computed, with its vector.
+    fn pool(&mut self, out: &vellum_scheduler::SchedulerOutput, result: &vellum_base::StepOutput, rows: &[Row]) -> StepOutputs {
+        let width = result.hidden_size;
+        for (i, row) in rows.iter().enumerate() {
+            let (Row::Pool(rid, Some(pos)), Some(hidden)) = (*row, result.hidden_states.get(i * width..(i + 1) * width)) else { continue };
+            if let Some(pooler) = self.views.reqs.get_mut(&rid).and_then(|r| r.pooler.as_mut()) {
+                pooler.add(pos, hidden);
+            }
+        }
+        let update = self.scheduler.update_from_output(&StepSamples::default());
+        self.finished.extend(self.views.apply(&StepSamples::default(), &IdMap::default(), &update));
+        for s in &out.scheduled {
+            let Some(req) = self.views.reqs.get_mut(&s.request_id) else { continue };
+            let num_prompt = req.seqs.first().and_then(|sid| self.views.seqs.get(sid)).map_or(usize::MAX, |v| v.num_prompt);
+            if s.num_computed_tokens + s.num_scheduled_tokens < num_prompt {
+                continue;
+            }
+            if let (Some(pooler), Some(params)) = (&req.pooler, req.params.pooling) {
+                req.embedding = Some(params.finish(pooler.pooled()));
+            }
+            self.finish_request(s.request_id, FinishReason::Stop);
+        }
+        self.collect(Vec::new())
     }
 
     /// A test hook (`VELLUM_FAULT_INJECTION=error-at-step:N` in the

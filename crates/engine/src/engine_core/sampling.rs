@@ -51,7 +51,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             let (rid, sid, draft) = match use_ {
                 Row::Sample(rid, sid) => (rid, sid, None),
                 Row::Verify(rid, sid, i) => (rid, sid, Some(i)),
-                Row::PromptLogprob(..) => continue,
+                Row::PromptLogprob(..) | Row::Pool(..) => continue,
             };
             let Some(seq) = self.views.seqs.get(&sid).filter(|_| self.views.reqs.contains_key(&rid)) else { continue };
             if !seq.drafts.is_empty() {
@@ -99,7 +99,7 @@ impl<E: ModelExecutor> EngineCore<E> {
                         let constrained = self.views.seqs.get(&sid).is_some_and(|v| v.constraint.is_some());
                         Some((&req.params, constrained))
                     }
-                    Row::PromptLogprob(..) => None,
+                    Row::PromptLogprob(..) | Row::Pool(..) => None,
                 })
                 .collect();
             let stats_of = |row: usize| {
@@ -132,6 +132,7 @@ impl<E: ModelExecutor> EngineCore<E> {
                     self.record_prompt_logprob(rid, pos, row_logits);
                     continue;
                 }
+                Row::Pool(..) => continue, // pooling steps take `pool`
                 Row::Sample(rid, sid) => (rid, sid, None),
                 Row::Verify(rid, sid, i) => (rid, sid, Some(i)),
             };

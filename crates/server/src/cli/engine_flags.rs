@@ -5,7 +5,7 @@
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use vellum_base::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy, SpeculativeConfig};
-use vellum_engine::{ComputeDtype, CpuPrecision, Device, EngineArgs};
+use vellum_engine::{ComputeDtype, CpuPrecision, Device, EngineArgs, PoolerConfig, Task};
 
 /// Engine options shared by every subcommand that loads a model.
 #[derive(Args, Clone, Debug)]
@@ -86,6 +86,19 @@ pub struct EngineFlags {
     /// (a smaller model with the same tokenizer). Same tokens as without it.
     #[arg(long)]
     pub speculative_config: Option<String>,
+    /// What the engine serves (vLLM's flag): generate (completions, chat),
+    /// embed (`/v1/embeddings`: prompts pooled into vectors), or auto (embed
+    /// for a checkpoint that declares itself an embedding model — a base
+    /// model without LM head, or a sentence-transformers pooling
+    /// configuration — else generate).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "generate", "embed"])]
+    pub task: String,
+    /// An embedding model's pooling over what its checkpoint declares, as
+    /// vLLM's JSON: `{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize":
+    /// true|false}` (default: the checkpoint's sentence-transformers
+    /// configuration, else LAST and normalized).
+    #[arg(long)]
+    pub pooler_config: Option<String>,
 }
 
 /// What a subcommand would pick for the flags a user left out.
@@ -168,6 +181,15 @@ impl EngineFlags {
             speculative_config: match &self.speculative_config {
                 Some(json) => Some(SpeculativeConfig::from_json(json).map_err(|e| anyhow!("--speculative-config: {e}"))?),
                 None => None,
+            },
+            task: match self.task.as_str() {
+                "generate" => Task::Generate,
+                "embed" => Task::Embed,
+                _ => Task::Auto,
+            },
+            pooler_config: match &self.pooler_config {
+                Some(json) => PoolerConfig::from_json(json).map_err(|e| anyhow!("--pooler-config: {e}"))?,
+                None => PoolerConfig::default(),
             },
         })
     }

@@ -407,6 +407,7 @@ pub fn sampling_params(
         beam_search,
         logit_bias,
         structured_output: structured_output(c)?,
+        pooling: None,
     };
     params.validate().map_err(|e| match e {
         vellum_base::Error::InvalidSamplingParam { param, message } => ApiError::bad_request(format!("{param}: {message}"), Some(param)),
