@@ -817,3 +817,50 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resu
 pub async fn version() -> Response {
     json_response(json!({"version": env!("CARGO_PKG_VERSION")}))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::reasoning::ReasoningParserKind;
+    use crate::serve::tools::{ParseMode, ToolFormat};
+
+    fn chat_format(tools: Option<ToolParsing>, reasoning: Option<ReasoningParser>) -> Format {
+        let (model, created, logprobs, tokens_as_ids, include_usage, echo) = (String::new(), 0, None, false, false, None);
+        Format { kind: Kind::Chat, model, created, logprobs, tokens_as_ids, include_usage, echo, tools, reasoning }
+    }
+
+    /// The events of `text` in two deltas cut at `at`, merged by kind.
+    fn parse_in_two(f: &Format, text: &str, at: usize) -> (String, Assembled) {
+        let mut p = ChoiceParser::new(f);
+        let mut events = p.push(&text[..at]);
+        events.extend(p.push(&text[at..]));
+        events.extend(p.finish());
+        let (mut reasoning, mut rest) = (String::new(), Assembled::default());
+        for e in events {
+            match e {
+                ChatEvent::Reasoning(t) => reasoning.push_str(&t),
+                ChatEvent::Tool(e) => rest.apply(vec![e]),
+            }
+        }
+        (reasoning, rest)
+    }
+
+    /// A Qwen3 reply: reasoning, then a call, the same at every split.
+    #[test]
+    fn reasoning_then_a_call_agree_at_every_split() {
+        let tools = ToolParsing { mode: ParseMode::Auto(ToolFormat::Hermes), parallel: true, functions: Arc::from(Vec::new()) };
+        let f = chat_format(Some(tools), Some(ReasoningParserKind::Qwen3.parser("<|im_start|>assistant\n")));
+        let text = "<think>\nThe user wants Paris weather. I'll call get_weather.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let whole = parse_in_two(&f, text, text.len());
+        assert_eq!(whole.0, "\nThe user wants Paris weather. I'll call get_weather.\n");
+        assert_eq!(whole.1.calls, vec![("get_weather".to_string(), r#"{"city":"Paris"}"#.to_string())]);
+        assert_eq!(whole.1.content, None);
+        for at in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+            assert_eq!(parse_in_two(&f, text, at), whole, "cut at {at}");
+        }
+        // Reasoning alone (no tools): the answer is content.
+        let f = chat_format(None, Some(ReasoningParserKind::DeepseekR1.parser("")));
+        let (reasoning, rest) = parse_in_two(&f, "Simple.</think>\n\n4", 3);
+        assert_eq!((reasoning.as_str(), rest.content.as_deref()), ("Simple.", Some("4")));
+    }
+}
