@@ -322,10 +322,10 @@ fn balance(text: &str, python: bool) -> Balance {
             b'[' => stack.push(b']'),
             b'{' => stack.push(b'}'),
             b'(' => stack.push(b')'),
+            // A closer that does not match ends the value (it will not parse).
+            b']' | b'}' | b')' if stack.last() != Some(&b) => return Balance::Closed(i + 1),
             b']' | b'}' | b')' => {
-                if stack.pop() != Some(b) || stack.is_empty() {
-                    return Balance::Closed(i + 1);
-                }
+                stack.pop();
             }
             _ => {}
         }
