@@ -147,6 +147,8 @@ pub struct EngineClient {
     thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
     /// Capacity of each request's event stream.
     buffer: usize,
+    /// The engine's EOS tokens.
+    eos_token_ids: Arc<[TokenId]>,
 }
 
 impl EngineClient {
@@ -163,6 +165,7 @@ impl EngineClient {
     pub fn spawn_with_stream_buffer<E: ModelExecutor + Send + 'static>(engine: EngineCore<E>, events: usize) -> Self {
         let (tx, rx) = mpsc::channel();
         let buffer = events.max(2);
+        let eos_token_ids: Arc<[TokenId]> = engine.eos_token_ids().into();
         let shared =
             Arc::new(Shared { stats: Mutex::new(EngineStats::default()), num_waiting: AtomicU64::new(0), alive: AtomicBool::new(true) });
         let s = shared.clone();
@@ -170,7 +173,13 @@ impl EngineClient {
             .name("vellum-engine".into())
             .spawn(move || engine_loop(engine, rx, s))
             .expect("spawning the engine thread");
-        Self { commands: tx, shared, thread: Arc::new(Mutex::new(Some(thread))), buffer }
+        Self { commands: tx, shared, thread: Arc::new(Mutex::new(Some(thread))), buffer, eos_token_ids }
+    }
+
+    /// The tokens that end a sequence unless `ignore_eos` (for an
+    /// [`crate::OutputProcessor`]).
+    pub fn eos_token_ids(&self) -> &[TokenId] {
+        &self.eos_token_ids
     }
 
     /// Queues a request; its tokens arrive on the returned stream. Errors

@@ -405,7 +405,7 @@ impl Llm {
         params: &SamplingParams,
         mut on_piece: impl FnMut(&OutputPiece),
     ) -> Result<Vec<RequestOutput>, Error> {
-        let mut outputs = OutputProcessor::new();
+        let mut outputs = OutputProcessor::with_eos_token_ids(self.engine.eos_token_ids());
         let mut ids = Vec::with_capacity(prompts.len());
         for p in prompts {
             match self.engine.add_request(p.clone(), params.clone()) {

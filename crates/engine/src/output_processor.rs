@@ -17,6 +17,11 @@
 //! blocks are freed while its siblings go on. Requests whose outputs are
 //! only known at the end (beam search, `best_of > n`) stream nothing and are
 //! detokenized when they finish.
+//!
+//! The token that ends a sequence (an EOS unless `ignore_eos`, or one of
+//! `stop_token_ids`, once `min_tokens` are out) counts as output but is not
+//! detokenized, as in vLLM: with `skip_special_tokens: false` the text never
+//! ends in `</s>` or `<|im_end|>`.
 
 use crate::detokenizer::TextStream;
 use crate::outputs::{RequestOutput, SequenceDelta, StepOutputs};
@@ -83,9 +88,33 @@ struct SeqText {
     done: bool,
 }
 
+/// The tokens that end a sequence of one request.
+#[derive(Clone, Debug, Default)]
+struct StopTokens {
+    /// EOS (unless `ignore_eos`) and `stop_token_ids`.
+    ids: Vec<TokenId>,
+    /// Output tokens before one of `ids` may end the sequence.
+    min_tokens: usize,
+}
+
+impl StopTokens {
+    fn new(eos: &[TokenId], params: &SamplingParams) -> Self {
+        let mut ids: Vec<TokenId> = if params.ignore_eos { Vec::new() } else { eos.to_vec() };
+        ids.extend(params.stop_token_ids.iter().copied());
+        Self { ids, min_tokens: params.min_tokens }
+    }
+
+    /// Whether `token`, the sequence's output token number `n_out` (from
+    /// 1), is the one that ends it.
+    fn ends_sequence(&self, token: TokenId, n_out: usize) -> bool {
+        n_out >= self.min_tokens && self.ids.contains(&token)
+    }
+}
+
 struct Tracked {
     prompt: Vec<TokenId>,
     stop: Vec<String>,
+    stop_tokens: StopTokens,
     skip_special_tokens: bool,
     /// Deltas are streamed (no beam search, no `best_of > n`).
     streams: bool,
@@ -102,18 +131,34 @@ impl Tracked {
 #[derive(Default)]
 pub struct OutputProcessor {
     requests: IdMap<RequestId, Tracked>,
+    /// The engine's EOS tokens (their text is never part of the output).
+    eos_token_ids: Vec<TokenId>,
 }
 
 impl OutputProcessor {
-    /// An empty processor.
+    /// An empty processor that knows no EOS token (only `stop_token_ids`
+    /// are left out of the text).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty processor for an engine that ends sequences on
+    /// `eos_token_ids` ([`crate::EngineClient::eos_token_ids`]).
+    pub fn with_eos_token_ids(eos_token_ids: &[TokenId]) -> Self {
+        Self { requests: IdMap::default(), eos_token_ids: eos_token_ids.to_vec() }
     }
 
     /// Starts tracking request `id` (prompt, stop strings, how many outputs).
     pub fn add_request(&mut self, id: RequestId, prompt: &[TokenId], params: &SamplingParams, skip_special_tokens: bool) {
         let streams = params.beam_search.is_none() && params.num_sequences() == params.n;
-        let mut t = Tracked { prompt: prompt.to_vec(), stop: params.stop.clone(), skip_special_tokens, streams, seqs: Vec::new() };
+        let mut t = Tracked {
+            prompt: prompt.to_vec(),
+            stop: params.stop.clone(),
+            stop_tokens: StopTokens::new(&self.eos_token_ids, params),
+            skip_special_tokens,
+            streams,
+            seqs: Vec::new(),
+        };
         if streams {
             t.seqs = (0..params.n).map(|_| t.new_text()).collect();
         }
@@ -157,8 +202,10 @@ impl OutputProcessor {
     /// New tokens of one sequence; returns its piece (if any) and whether a
     /// stop string ended it just now.
     pub fn process_delta(&mut self, tokenizer: &Tokenizer, d: &SequenceDelta) -> vellum_models::Result<(Option<OutputPiece>, bool)> {
-        let Some(seq) = self.requests.get_mut(&d.request_id).and_then(|t| t.seqs.get_mut(d.index)) else { return Ok((None, false)) };
-        let piece = push(seq, d.request_id, d.index, tokenizer, &d.token_ids, &d.token_logprobs, &d.logprobs)?;
+        let Some(t) = self.requests.get_mut(&d.request_id) else { return Ok((None, false)) };
+        let Some(seq) = t.seqs.get_mut(d.index) else { return Ok((None, false)) };
+        let new = NewTokens { ids: &d.token_ids, token_logprobs: &d.token_logprobs, tops: &d.logprobs };
+        let piece = push(seq, &t.stop_tokens, d.request_id, d.index, tokenizer, new)?;
         let stopped = piece.as_ref().is_some_and(|p| p.finish_reason.is_some());
         Ok((piece, stopped))
     }
@@ -176,6 +223,7 @@ impl OutputProcessor {
             None => Tracked {
                 prompt: r.prompt_token_ids.clone(),
                 stop: Vec::new(),
+                stop_tokens: StopTokens::default(),
                 skip_special_tokens: true,
                 streams: false,
                 seqs: Vec::new(),
@@ -193,12 +241,15 @@ impl OutputProcessor {
                 let seen = seq.num_tokens.min(o.token_ids.len());
                 let mut piece = push(
                     seq,
+                    &tracked.stop_tokens,
                     r.request_id,
                     o.index,
                     tokenizer,
-                    &o.token_ids[seen..],
-                    o.token_logprobs.get(seen..).unwrap_or(&[]),
-                    o.logprobs.get(seen..).unwrap_or(&[]),
+                    NewTokens {
+                        ids: &o.token_ids[seen..],
+                        token_logprobs: o.token_logprobs.get(seen..).unwrap_or(&[]),
+                        tops: o.logprobs.get(seen..).unwrap_or(&[]),
+                    },
                 )?
                 .unwrap_or_else(|| OutputPiece::empty(r.request_id, o.index));
                 if piece.finish_reason.is_none() {
@@ -235,23 +286,33 @@ impl OutputProcessor {
     }
 }
 
-/// Feeds tokens of one sequence through its text stream.
+/// A sequence's new tokens with their log-probabilities.
+struct NewTokens<'a> {
+    ids: &'a [TokenId],
+    token_logprobs: &'a [f32],
+    tops: &'a [Vec<(TokenId, f32)>],
+}
+
+/// Feeds tokens of one sequence through its text stream (all but the token
+/// that ends it).
 fn push(
     seq: &mut SeqText,
+    stop_tokens: &StopTokens,
     request_id: RequestId,
     index: usize,
     tokenizer: &Tokenizer,
-    tokens: &[TokenId],
-    token_logprobs: &[f32],
-    tops: &[Vec<(TokenId, f32)>],
+    new: NewTokens<'_>,
 ) -> vellum_models::Result<Option<OutputPiece>> {
+    let NewTokens { ids: tokens, token_logprobs, tops } = new;
     if seq.done {
         return Ok(None);
     }
     let mut piece = OutputPiece::empty(request_id, index);
     for (i, &t) in tokens.iter().enumerate() {
-        piece.text.push_str(&seq.text.push(tokenizer, &[t])?);
         seq.num_tokens += 1;
+        if !stop_tokens.ends_sequence(t, seq.num_tokens) {
+            piece.text.push_str(&seq.text.push(tokenizer, &[t])?);
+        }
         piece.tokens.push(TokenOutput {
             id: t,
             logprob: token_logprobs.get(i).copied().unwrap_or(f32::NAN),
@@ -265,4 +326,20 @@ fn push(
         }
     }
     Ok((!piece.is_empty()).then_some(piece))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ending_token_is_eos_unless_ignored_or_a_stop_token_after_min_tokens() {
+        let params = SamplingParams { stop_token_ids: vec![7], min_tokens: 2, ..SamplingParams::greedy(8) };
+        let stops = StopTokens::new(&[2], &params);
+        assert!(!stops.ends_sequence(2, 1), "before min_tokens an EOS is text like any token");
+        assert!(stops.ends_sequence(2, 2) && stops.ends_sequence(7, 3));
+        assert!(!stops.ends_sequence(5, 3));
+        let ignoring = StopTokens::new(&[2], &SamplingParams { ignore_eos: true, ..params });
+        assert!(!ignoring.ends_sequence(2, 5) && ignoring.ends_sequence(7, 5));
+    }
 }

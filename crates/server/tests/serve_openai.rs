@@ -222,3 +222,33 @@ fn speculative_decoding_serves_the_text_of_plain_decoding() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--speculative-config") && err.contains("eagle"), "{err}");
 }
+
+/// A ChatML template whose generation prompt opens `<think>`, as
+/// DeepSeek-R1's does (it does not read `tools`: the default tool prompt of
+/// the parser is used).
+const THINKING_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+                                 {% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}";
+
+/// `--reasoning-parser deepseek_r1 --tool-call-parser pythonic` through the
+/// official clients (`python/openai_parsers.py`): text forced by
+/// `guided_regex` splits into `reasoning_content` and a pythonic call (or
+/// content), whole and streamed alike; the EOS is never text; unconstrained
+/// output is all reasoning, a `reasoning` item in the Responses API and a
+/// `thinking` block in the Messages API.
+#[test]
+fn reasoning_and_pythonic_tool_calls_split_through_the_clients() {
+    let python = python_with_openai();
+    let server = Server::start(&[
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "512",
+        "--chat-template",
+        THINKING_TEMPLATE,
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--tool-call-parser",
+        "pythonic",
+    ]);
+    run_python(&python, "openai_parsers.py", &[server.base_url()]);
+}

@@ -269,6 +269,11 @@ impl<E: ModelExecutor> EngineCore<E> {
         self.scheduler.config().max_model_len
     }
 
+    /// The tokens that end a sequence unless `ignore_eos`.
+    pub fn eos_token_ids(&self) -> &[TokenId] {
+        &self.eos_token_ids
+    }
+
     /// Queues a request; returns its id.
     pub fn add_request(&mut self, prompt_token_ids: Vec<TokenId>, params: SamplingParams) -> Result<RequestId, Error> {
         self.add_request_with_priority(prompt_token_ids, params, 0)

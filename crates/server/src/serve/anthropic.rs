@@ -16,9 +16,13 @@
 //! | `stop_sequences`, `max_tokens` (required), `temperature`, `top_p`, `top_k` | `stop`, `max_tokens`, … |
 //! | `stop_reason` `end_turn` / `max_tokens` / `tool_use` | `finish_reason` `stop` / `length` / `tool_calls` |
 //!
+//! With `--reasoning-parser`, the reasoning (`reasoning_content`) is a first
+//! `thinking` block (its `signature` empty).
+//!
 //! Streaming turns the chat chunks into Anthropic's events: `message_start`,
-//! per block `content_block_start`, `content_block_delta` (`text_delta` or
-//! `input_json_delta`) and `content_block_stop`, then `message_delta` (stop
+//! per block `content_block_start`, `content_block_delta` (`thinking_delta`
+//! then an empty `signature_delta`, `text_delta` or `input_json_delta`) and
+//! `content_block_stop`, then `message_delta` (stop
 //! reason, output tokens) and `message_stop`. Errors keep their status with
 //! Anthropic's body, `{"type": "error", "error": {"type", "message"}}`. A
 //! field this server does not implement (images, documents, extended
@@ -290,6 +294,9 @@ async fn translate_message(response: Response, model: Value) -> Response {
     let choice = &v["choices"][0];
     let message = &choice["message"];
     let mut content = Vec::new();
+    if let Some(thinking) = message["reasoning_content"].as_str().filter(|t| !t.is_empty()) {
+        content.push(json!({"type": "thinking", "thinking": thinking, "signature": ""}));
+    }
     if let Some(text) = message["content"].as_str().filter(|t| !t.is_empty()) {
         content.push(json!({"type": "text", "text": text}));
     }
@@ -319,6 +326,7 @@ async fn translate_message(response: Response, model: Value) -> Response {
 #[derive(Clone, Copy, PartialEq)]
 enum Open {
     None,
+    Thinking,
     Text,
     Tool,
 }
@@ -361,6 +369,15 @@ impl Translator {
     }
 
     fn close(&mut self, out: &mut String) {
+        if self.open == Open::Thinking {
+            // The API signs thinking just before the block ends; there is
+            // no signature to give here.
+            Self::event(
+                out,
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": self.index, "delta": {"type": "signature_delta", "signature": ""}}),
+            );
+        }
         if self.open != Open::None {
             Self::event(out, "content_block_stop", json!({"type": "content_block_stop", "index": self.index}));
             self.index += 1;
@@ -414,6 +431,23 @@ impl ChatStreamTranslator for Translator {
         }
         let Some(choice) = v["choices"].as_array().and_then(|c| c.first()) else { return };
         let delta = &choice["delta"];
+        if let Some(thinking) = delta["reasoning_content"].as_str().filter(|t| !t.is_empty()) {
+            if self.open != Open::Thinking {
+                self.close(out);
+                Self::event(
+                    out,
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": self.index,
+                           "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+                );
+                self.open = Open::Thinking;
+            }
+            Self::event(
+                out,
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": self.index, "delta": {"type": "thinking_delta", "thinking": thinking}}),
+            );
+        }
         if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
             if self.open != Open::Text {
                 self.close(out);
@@ -566,5 +600,38 @@ mod tests {
         );
         assert!(out.contains(r#""stop_reason":"tool_use""#) && out.contains(r#""output_tokens":4"#), "{out}");
         assert!(out.contains(r#""partial_json":"{\"a\":1}""#) && out.contains(r#""id":"msg_7""#), "{out}");
+    }
+
+    #[test]
+    fn streamed_reasoning_is_a_thinking_block_before_the_text() {
+        let mut t = Translator::new(json!("m"));
+        let mut out = String::new();
+        for data in [
+            r#"{"id":"chatcmpl-9","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+            r#"{"id":"chatcmpl-9","choices":[{"index":0,"delta":{"reasoning_content":"Hmm."},"finish_reason":null}]}"#,
+            r#"{"id":"chatcmpl-9","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}]}"#,
+            "[DONE]",
+        ] {
+            t.chunk(data, &mut out);
+        }
+        let names: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+        assert_eq!(
+            names,
+            [
+                "message_start",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop"
+            ]
+        );
+        assert!(out.contains(r#""content_block":{"type":"thinking","thinking":"","signature":""}"#), "{out}");
+        assert!(out.contains(r#""delta":{"type":"thinking_delta","thinking":"Hmm."}"#), "{out}");
+        assert!(out.contains(r#""type":"signature_delta""#) && out.contains(r#""stop_reason":"end_turn""#), "{out}");
     }
 }

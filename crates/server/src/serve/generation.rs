@@ -81,7 +81,7 @@ impl Generation {
         let started = Instant::now();
         let mut streams: Vec<RequestStream> = Vec::with_capacity(prompts.len());
         let mut states = Vec::with_capacity(prompts.len());
-        let mut outputs = OutputProcessor::new();
+        let mut outputs = OutputProcessor::with_eos_token_ids(state.engine.eos_token_ids());
         let mut prompt_tokens = 0;
         for p in &prompts {
             prompt_tokens += p.len();

@@ -16,7 +16,10 @@ mod generation;
 mod metrics;
 mod openai;
 mod protocol;
+mod python_literal;
+mod reasoning;
 mod responses;
+mod tool_format;
 mod tools;
 
 use crate::cli::engine_flags::{EngineDefaults, EngineFlags};
@@ -69,11 +72,25 @@ pub struct ServeArgs {
     /// available (calls are parsed only from requests that give `tools`).
     #[arg(long)]
     pub enable_auto_tool_choice: bool,
-    /// How `auto` tool calls are read from the output: `hermes`
-    /// (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, the
-    /// convention of the default tool prompt and most tool-tuned open models).
+    /// How `auto` tool calls are read from the output (and asked for by
+    /// the default tool prompt, used when the chat template does not read
+    /// `tools`): `hermes` and `qwen3` (`<tool_call>{"name": ..., "arguments":
+    /// ...}</tool_call>` blocks), `qwen3_coder` (`<tool_call><function=f>
+    /// <parameter=x>...`), `llama3_json` (`{"name": ..., "parameters": ...}`
+    /// objects opening the output), `mistral` (`[TOOL_CALLS]` then a JSON
+    /// list, or `name[ARGS]{...}`; special tokens are kept for requests with
+    /// tools), `pythonic` (`[f(x=1), g()]` opening the output) or `gemma3`
+    /// (pythonic, or calls in a ```tool_code fence).
     #[arg(long, value_enum, default_value = "hermes")]
     pub tool_call_parser: ToolCallParserKind,
+    /// Splits the model's reasoning from its answer (`reasoning_content` in
+    /// chat completions, a `reasoning` item in the Responses API, a
+    /// `thinking` block in the Messages API): `deepseek_r1` (the output
+    /// starts inside `<think>`; reasoning ends at `</think>`) or `qwen3`
+    /// (reasoning when the output opens with `<think>`, or the prompt ends
+    /// inside one). Unset: the output is all content.
+    #[arg(long, value_enum)]
+    pub reasoning_parser: Option<ReasoningParserKind>,
     /// Requests allowed to wait before new ones get 503.
     #[arg(long, default_value_t = 4096)]
     pub max_waiting_requests: usize,
@@ -94,18 +111,54 @@ pub struct ServeArgs {
     pub engine: EngineFlags,
 }
 
-/// `--tool-call-parser` values.
+/// `--tool-call-parser` values (vLLM's names).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ToolCallParserKind {
     /// `<tool_call>` blocks holding a JSON call or a list of calls.
     Hermes,
+    /// Qwen3's calls: Hermes blocks.
+    Qwen3,
+    /// Qwen3-Coder's `<tool_call><function=name><parameter=x>` blocks.
+    #[value(name = "qwen3_coder", alias = "qwen3_xml")]
+    Qwen3Coder,
+    /// Llama 3.1/3.2's JSON calls, `;`-separated, opening the output.
+    #[value(name = "llama3_json")]
+    Llama3Json,
+    /// `[TOOL_CALLS]` then a JSON list of calls, or `name[ARGS]{...}`.
+    Mistral,
+    /// A Python list of calls opening the output.
+    Pythonic,
+    /// Pythonic, or calls in a ```tool_code fence.
+    Gemma3,
 }
+
+impl ToolCallParserKind {
+    /// The format the parser reads.
+    pub fn format(self) -> tool_format::ToolFormat {
+        use tool_format::ToolFormat;
+        match self {
+            ToolCallParserKind::Hermes | ToolCallParserKind::Qwen3 => ToolFormat::Hermes,
+            ToolCallParserKind::Qwen3Coder => ToolFormat::Qwen3Coder,
+            ToolCallParserKind::Llama3Json => ToolFormat::Llama3Json,
+            ToolCallParserKind::Mistral => ToolFormat::Mistral,
+            ToolCallParserKind::Pythonic => ToolFormat::Pythonic,
+            ToolCallParserKind::Gemma3 => ToolFormat::Gemma3,
+        }
+    }
+}
+
+/// `--reasoning-parser` values (vLLM's names).
+pub use reasoning::ReasoningParserKind;
 
 /// What every handler shares.
 pub struct AppState {
     engine: EngineClient,
     tokenizer: Tokenizer,
     chat_template: Option<ChatTemplate>,
+    /// How `auto` tool calls are written (`--tool-call-parser`).
+    tool_format: tool_format::ToolFormat,
+    /// How reasoning is split from the answer (`--reasoning-parser`).
+    reasoning: Option<ReasoningParserKind>,
     served_names: Vec<String>,
     model_path: String,
     max_model_len: usize,
@@ -254,6 +307,8 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
         engine: engine.clone(),
         tokenizer,
         chat_template,
+        tool_format: args.tool_call_parser.format(),
+        reasoning: args.reasoning_parser,
         metrics: Metrics::new(&served_names[0], max_model_len),
         served_names,
         model_path,

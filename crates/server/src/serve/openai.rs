@@ -5,7 +5,8 @@
 use super::error::{too_long, ApiError};
 use super::generation::{Generation, Piece, TokenInfo};
 use super::protocol::{self, ChatRequest, Common, CompletionRequest, Prompt};
-use super::tools::{self, Assembled, ParseMode, ToolCallParser, ToolEvent, ToolRequest};
+use super::reasoning::{ReasoningEvent, ReasoningParser};
+use super::tools::{self, Assembled, ToolCallParser, ToolChoice, ToolEvent, ToolParsing, ToolRequest};
 use super::AppState;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -38,9 +39,11 @@ struct Format {
     include_usage: bool,
     /// Completions with `echo`: the prompt text per prompt.
     echo: Option<Vec<String>>,
-    /// Chat with tools: how calls are read from the output, and whether
-    /// several are allowed.
-    tools: Option<(ParseMode, bool)>,
+    /// Chat with tools: how calls are read from the output.
+    tools: Option<ToolParsing>,
+    /// Chat with `--reasoning-parser`: a fresh splitter for the prompt,
+    /// cloned for each choice.
+    reasoning: Option<ReasoningParser>,
 }
 
 /// Most top logprobs per token (vLLM's default `max_logprobs`; the engine checks it too).
@@ -158,8 +161,10 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
         include_usage: req.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
         echo,
         tools: None,
+        reasoning: None,
     };
-    let request = Request { id: request_id("cmpl"), prompts, params, constraint_field: None };
+    let skip_special_tokens = req.common.skip_special_tokens.unwrap_or(true);
+    let request = Request { id: request_id("cmpl"), prompts, params, constraint_field: None, skip_special_tokens };
     generate(state, request, &req.common, format).await
 }
 
@@ -187,7 +192,7 @@ fn render_chat(
         .chat_template
         .as_ref()
         .ok_or_else(|| ApiError::bad_request("The model has no chat template; pass one with --chat-template.", Some("messages")))?;
-    let (msgs, tools_var) = tools::prompt_messages(messages, tools, template.supports_tools())?;
+    let (msgs, tools_var) = tools::prompt_messages(messages, tools, template.supports_tools(), state.tool_format)?;
     template
         .render_with_tools(&msgs, tools_var.as_ref(), add_generation_prompt)
         .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}"), Some("messages")))
@@ -237,7 +242,7 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
     let req: ChatRequest = protocol::parse_body(&body)?;
     log_unknown(&req.unknown);
     let model = state.check_model(&req.common.model)?;
-    let (tool_request, prompt) = chat_prompt(&state, &req)?;
+    let ChatPrompt { tools: tool_request, text: prompt_text, tokens: prompt } = chat_prompt(&state, &req)?;
     let logprobs = if req.logprobs.unwrap_or(false) {
         match req.top_logprobs.unwrap_or(0) {
             k if (0..=MAX_LOGPROBS as i64).contains(&k) => Some(k as usize),
@@ -275,19 +280,33 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -
         tokens_as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
         include_usage: req.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
         echo: None,
-        tools: tool_request.as_ref().and_then(|t| Some((t.parse_mode()?, t.parallel))),
+        tools: tool_request.as_ref().and_then(|t| t.parsing(state.tool_format)),
+        reasoning: state.reasoning.map(|kind| kind.parser(&prompt_text)),
     };
-    let request = Request { id: request_id("chatcmpl"), prompts: vec![prompt], params, constraint_field };
+    // A format whose markers are special tokens keeps them while calls may
+    // be written (as vLLM's Mistral parser does); the token that ends the
+    // output is never text.
+    let keeps_markers = state.tool_format.keeps_special_tokens() && tool_request.as_ref().is_some_and(|t| t.choice == ToolChoice::Auto);
+    let skip_special_tokens = !keeps_markers && req.common.skip_special_tokens.unwrap_or(true);
+    let request = Request { id: request_id("chatcmpl"), prompts: vec![prompt], params, constraint_field, skip_special_tokens };
     generate(state, request, &req.common, format).await
 }
 
-/// A chat request's tools (checked) and its prompt: the messages rendered
-/// by the template with those tools, then tokenized. The template writes
-/// the special tokens (vLLM's default `add_special_tokens: false` for chat).
-fn chat_prompt(state: &AppState, req: &ChatRequest) -> Result<(Option<ToolRequest>, Vec<TokenId>), ApiError> {
-    let tool_request = ToolRequest::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
-    let text = render_chat(state, &req.messages, tool_request.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
-    Ok((tool_request, encode(state, &text, false)?))
+/// A chat request's tools (checked) and its prompt.
+struct ChatPrompt {
+    tools: Option<ToolRequest>,
+    /// The messages rendered by the template with those tools.
+    text: String,
+    /// `text` tokenized. The template writes the special tokens (vLLM's
+    /// default `add_special_tokens: false` for chat).
+    tokens: Vec<TokenId>,
+}
+
+fn chat_prompt(state: &AppState, req: &ChatRequest) -> Result<ChatPrompt, ApiError> {
+    let tools = ToolRequest::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
+    let text = render_chat(state, &req.messages, tools.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
+    let tokens = encode(state, &text, false)?;
+    Ok(ChatPrompt { tools, text, tokens })
 }
 
 /// The prompt tokens of a chat request (a chat-completion body), as
@@ -295,7 +314,7 @@ fn chat_prompt(state: &AppState, req: &ChatRequest) -> Result<(Option<ToolReques
 pub async fn count_chat_tokens(state: &AppState, body: Value) -> Result<usize, ApiError> {
     let req: ChatRequest = serde_json::from_value(body).map_err(|e| ApiError::bad_request(e.to_string(), None))?;
     state.check_model(&req.common.model)?;
-    Ok(chat_prompt(state, &req)?.1.len())
+    Ok(chat_prompt(state, &req)?.tokens.len())
 }
 
 /// A request ready to run.
@@ -306,18 +325,18 @@ struct Request {
     /// The request field a structured-output constraint came from, where
     /// not one of the structured-output fields (tool calling: `tools`).
     constraint_field: Option<&'static str>,
+    /// Whether special tokens are left out of the text.
+    skip_special_tokens: bool,
 }
 
 async fn generate(state: Arc<AppState>, request: Request, common: &Common, format: Format) -> Result<Response, ApiError> {
-    let Request { id, prompts, params, constraint_field } = request;
+    let Request { id, prompts, params, constraint_field, skip_special_tokens } = request;
     state.check_length(&prompts, params.max_tokens)?;
     check_structured_output(&state, &params, common, constraint_field).await?;
     state.admit()?;
     let span = tracing::info_span!("request", request_id = %id, user = common.user.as_deref().unwrap_or(""));
     let gen =
-        Generation::start(state.clone(), id, prompts, &params, common.priority.unwrap_or(0), common.skip_special_tokens.unwrap_or(true))
-            .instrument(span)
-            .await?;
+        Generation::start(state.clone(), id, prompts, &params, common.priority.unwrap_or(0), skip_special_tokens).instrument(span).await?;
     if common.stream.unwrap_or(false) {
         Ok(sse_response(state, gen, format))
     } else {
@@ -408,7 +427,7 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
                 .enumerate()
                 .map(|(i, c)| {
                     let logprobs = f.logprobs.map(|_| json!({"content": chat_logprobs(&state, &c.tokens, &f)}));
-                    let (message, finish_reason) = chat_message(&c, f.tools.as_ref());
+                    let (message, finish_reason) = chat_message(&c, &f);
                     json!({
                         "index": i,
                         "message": message,
@@ -424,17 +443,100 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
     Ok(json_response(body))
 }
 
-/// A whole chat choice: the message (content and parsed tool calls) and its
-/// finish reason.
-fn chat_message(c: &Choice, tools: Option<&(ParseMode, bool)>) -> (Value, Option<&'static str>) {
-    let Some((mode, parallel)) = tools else {
+/// What a chat choice's text holds, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum ChatEvent {
+    /// Reasoning (`--reasoning-parser`).
+    Reasoning(String),
+    /// Content or a call.
+    Tool(ToolEvent),
+}
+
+/// Splits one chat choice's text: reasoning first (with a reasoning
+/// parser), then the rest through the tool-call parser (with tools), one
+/// delta at a time.
+struct ChoiceParser {
+    reasoning: Option<ReasoningParser>,
+    tools: Option<ToolCallParser>,
+}
+
+impl ChoiceParser {
+    fn new(f: &Format) -> Self {
+        Self { reasoning: f.reasoning.clone(), tools: f.tools.as_ref().map(ToolParsing::parser) }
+    }
+
+    fn push(&mut self, text: &str) -> Vec<ChatEvent> {
+        let mut out = Vec::new();
+        match self.reasoning.as_mut().map(|r| r.push(text)) {
+            Some(events) => self.route(events, &mut out),
+            None => self.content(text, &mut out),
+        }
+        out
+    }
+
+    fn finish(&mut self) -> Vec<ChatEvent> {
+        let mut out = Vec::new();
+        if let Some(events) = self.reasoning.as_mut().map(ReasoningParser::finish) {
+            self.route(events, &mut out);
+        }
+        if let Some(t) = self.tools.as_mut() {
+            out.extend(t.finish().into_iter().map(ChatEvent::Tool));
+        }
+        out
+    }
+
+    /// Calls reported so far.
+    fn num_calls(&self) -> usize {
+        self.tools.as_ref().map_or(0, ToolCallParser::num_calls)
+    }
+
+    fn route(&mut self, events: Vec<ReasoningEvent>, out: &mut Vec<ChatEvent>) {
+        for e in events {
+            match e {
+                ReasoningEvent::Reasoning(t) => out.push(ChatEvent::Reasoning(t)),
+                ReasoningEvent::Content(t) => self.content(&t, out),
+            }
+        }
+    }
+
+    fn content(&mut self, text: &str, out: &mut Vec<ChatEvent>) {
+        match self.tools.as_mut() {
+            Some(t) => out.extend(t.push(text).into_iter().map(ChatEvent::Tool)),
+            None if text.is_empty() => {}
+            None => out.push(ChatEvent::Tool(ToolEvent::Content(text.to_string()))),
+        }
+    }
+}
+
+/// A chat choice's finish reason, once its parser has seen all its text.
+fn chat_finish_reason(f: &Format, parser: &ChoiceParser, engine_reason: &'static str) -> &'static str {
+    match &f.tools {
+        Some(t) => tools::finish_reason(&t.mode, parser.num_calls(), engine_reason),
+        None => engine_reason,
+    }
+}
+
+/// A whole chat choice: the message (reasoning, content and parsed tool
+/// calls) and its finish reason.
+fn chat_message(c: &Choice, f: &Format) -> (Value, Option<&'static str>) {
+    if f.tools.is_none() && f.reasoning.is_none() {
         return (json!({"role": "assistant", "content": c.text}), c.finish_reason);
-    };
-    let mut parser = ToolCallParser::new(mode.clone(), *parallel);
+    }
+    let mut parser = ChoiceParser::new(f);
+    let mut events = parser.push(&c.text);
+    events.extend(parser.finish());
     let mut whole = Assembled::default();
-    whole.apply(parser.push(&c.text));
-    whole.apply(parser.finish());
+    let mut reasoning: Option<String> = None;
+    for e in events {
+        match e {
+            ChatEvent::Reasoning(t) => reasoning.get_or_insert_with(String::new).push_str(&t),
+            ChatEvent::Tool(e) => whole.apply(vec![e]),
+        }
+    }
     let mut message = json!({"role": "assistant", "content": whole.content});
+    if f.reasoning.is_some() {
+        message["reasoning_content"] = json!(reasoning);
+    }
     if whole.calls.is_empty() {
         message["content"] = json!(whole.content.unwrap_or_default());
     } else {
@@ -445,7 +547,7 @@ fn chat_message(c: &Choice, tools: Option<&(ParseMode, bool)>) -> (Value, Option
             .collect();
         message["tool_calls"] = Value::Array(calls);
     }
-    let finish_reason = c.finish_reason.map(|r| tools::finish_reason(mode, parser.num_calls(), r));
+    let finish_reason = c.finish_reason.map(|r| chat_finish_reason(f, &parser, r));
     (message, finish_reason)
 }
 
@@ -513,8 +615,8 @@ struct SseState {
     f: Format,
     queued: std::collections::VecDeque<Bytes>,
     done: bool,
-    /// Chat with tools: one parser per choice.
-    tool_parsers: Vec<ToolCallParser>,
+    /// Chat with tools or a reasoning parser: one parser per choice.
+    parsers: Vec<ChoiceParser>,
 }
 
 fn chunk(s: &SseState, choices: Vec<Value>) -> Value {
@@ -540,26 +642,29 @@ fn piece_choice(s: &SseState, p: &Piece) -> Value {
     }
 }
 
-/// The chunks' choices for one piece of a chat with tools: its text goes
-/// through the choice's parser; content, each call's opening (id, name) and
-/// each piece of arguments become `delta`s of their own; the finish reason
-/// comes last, after everything the parser held back.
-fn tool_piece_choices(s: &mut SseState, p: &Piece) -> Vec<Value> {
-    let Some((mode, _)) = s.f.tools.clone() else { return Vec::new() };
-    let Some(parser) = s.tool_parsers.get_mut(p.choice) else { return Vec::new() };
+/// The chunks' choices for one piece of a chat with tools or a reasoning
+/// parser: its text goes through the choice's parser; reasoning, content,
+/// each call's opening (id, name) and each piece of arguments become
+/// `delta`s of their own; the finish reason comes last, after everything
+/// the parser held back.
+fn parsed_piece_choices(s: &mut SseState, p: &Piece) -> Vec<Value> {
+    let Some(parser) = s.parsers.get_mut(p.choice) else { return Vec::new() };
     let mut events = parser.push(&p.text);
     let finish_reason = p.finish_reason.map(|r| {
         events.extend(parser.finish());
-        tools::finish_reason(&mode, parser.num_calls(), r)
+        chat_finish_reason(&s.f, parser, r)
     });
     let mut deltas: Vec<Value> = Vec::with_capacity(events.len() + 1);
     for e in events {
         deltas.push(match e {
-            ToolEvent::Content(text) => json!({"content": text}),
-            ToolEvent::CallStart { index, name } => {
+            ChatEvent::Reasoning(text) => json!({"reasoning_content": text}),
+            ChatEvent::Tool(ToolEvent::Content(text)) => json!({"content": text}),
+            ChatEvent::Tool(ToolEvent::CallStart { index, name }) => {
                 json!({"tool_calls": [{"index": index, "id": request_id("call"), "type": "function", "function": {"name": name, "arguments": ""}}]})
             }
-            ToolEvent::Arguments { index, fragment } => json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}),
+            ChatEvent::Tool(ToolEvent::Arguments { index, fragment }) => {
+                json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+            }
         });
     }
     let logprobs = s.f.logprobs.map(|_| json!({"content": chat_logprobs(&s.state, &p.tokens, &s.f)}));
@@ -580,11 +685,8 @@ fn tool_piece_choices(s: &mut SseState, p: &Piece) -> Vec<Value> {
 
 fn sse_response(state: Arc<AppState>, gen: Generation, f: Format) -> Response {
     let n = gen.num_choices();
-    let tool_parsers = match &f.tools {
-        Some((mode, parallel)) => (0..n).map(|_| ToolCallParser::new(mode.clone(), *parallel)).collect(),
-        None => Vec::new(),
-    };
-    let mut s = SseState { state, gen, f, queued: Default::default(), done: false, tool_parsers };
+    let parsers = if f.tools.is_some() || f.reasoning.is_some() { (0..n).map(|_| ChoiceParser::new(&f)).collect() } else { Vec::new() };
+    let mut s = SseState { state, gen, f, queued: Default::default(), done: false, parsers };
     // Opening chunks: the assistant role (chat) or the echoed prompt.
     match s.f.kind {
         Kind::Chat => {
@@ -613,9 +715,9 @@ fn sse_response(state: Arc<AppState>, gen: Generation, f: Format) -> Response {
                 return None;
             }
             match s.gen.next().await {
-                Some(Ok(pieces)) if !s.tool_parsers.is_empty() => {
+                Some(Ok(pieces)) if !s.parsers.is_empty() => {
                     for p in &pieces {
-                        for choice in tool_piece_choices(&mut s, p) {
+                        for choice in parsed_piece_choices(&mut s, p) {
                             let c = chunk(&s, vec![choice]);
                             s.queued.push_back(sse(&c));
                         }
@@ -714,4 +816,51 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resu
 /// `GET /version`.
 pub async fn version() -> Response {
     json_response(json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::reasoning::ReasoningParserKind;
+    use crate::serve::tools::{ParseMode, ToolFormat};
+
+    fn chat_format(tools: Option<ToolParsing>, reasoning: Option<ReasoningParser>) -> Format {
+        let (model, created, logprobs, tokens_as_ids, include_usage, echo) = (String::new(), 0, None, false, false, None);
+        Format { kind: Kind::Chat, model, created, logprobs, tokens_as_ids, include_usage, echo, tools, reasoning }
+    }
+
+    /// The events of `text` in two deltas cut at `at`, merged by kind.
+    fn parse_in_two(f: &Format, text: &str, at: usize) -> (String, Assembled) {
+        let mut p = ChoiceParser::new(f);
+        let mut events = p.push(&text[..at]);
+        events.extend(p.push(&text[at..]));
+        events.extend(p.finish());
+        let (mut reasoning, mut rest) = (String::new(), Assembled::default());
+        for e in events {
+            match e {
+                ChatEvent::Reasoning(t) => reasoning.push_str(&t),
+                ChatEvent::Tool(e) => rest.apply(vec![e]),
+            }
+        }
+        (reasoning, rest)
+    }
+
+    /// A Qwen3 reply: reasoning, then a call, the same at every split.
+    #[test]
+    fn reasoning_then_a_call_agree_at_every_split() {
+        let tools = ToolParsing { mode: ParseMode::Auto(ToolFormat::Hermes), parallel: true, functions: Arc::from(Vec::new()) };
+        let f = chat_format(Some(tools), Some(ReasoningParserKind::Qwen3.parser("<|im_start|>assistant\n")));
+        let text = "<think>\nThe user wants Paris weather. I'll call get_weather.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let whole = parse_in_two(&f, text, text.len());
+        assert_eq!(whole.0, "\nThe user wants Paris weather. I'll call get_weather.\n");
+        assert_eq!(whole.1.calls, vec![("get_weather".to_string(), r#"{"city":"Paris"}"#.to_string())]);
+        assert_eq!(whole.1.content, None);
+        for at in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+            assert_eq!(parse_in_two(&f, text, at), whole, "cut at {at}");
+        }
+        // Reasoning alone (no tools): the answer is content.
+        let f = chat_format(None, Some(ReasoningParserKind::DeepseekR1.parser("")));
+        let (reasoning, rest) = parse_in_two(&f, "Simple.</think>\n\n4", 3);
+        assert_eq!((reasoning.as_str(), rest.content.as_deref()), ("Simple.", Some("4")));
+    }
 }

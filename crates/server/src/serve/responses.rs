@@ -16,7 +16,8 @@
 //! | `text.format` `json_schema` / `json_object` | `response_format` (structured outputs) |
 //! | `max_output_tokens`, `temperature`, `top_p` | `max_tokens`, … |
 //! | `previous_response_id` | the stored conversation, before this input |
-//! | `output`: a `message` item with `output_text`, then `function_call` items | `content`, `tool_calls` |
+//! | `output`: a `reasoning` item (one `reasoning_text` part), a `message` item with `output_text`, then `function_call` items | `reasoning_content` (`--reasoning-parser`), `content`, `tool_calls` |
+//! | `usage.output_tokens_details.reasoning_tokens` | always 0: the chat path does not count reasoning tokens apart |
 //! | `status` `incomplete`, `incomplete_details.reason` `max_output_tokens` | `finish_reason` `length` |
 //!
 //! Responses are stored (unless `store: false`) in a bounded, in-memory
@@ -25,7 +26,8 @@
 //! events, each with its `sequence_number`: `response.created`,
 //! `response.in_progress`, `response.output_item.added`,
 //! `response.content_part.added`, `response.output_text.delta` …
-//! `.done`, `response.function_call_arguments.delta` … `.done`,
+//! `.done` (`response.reasoning_text.delta` … `.done` for a `reasoning`
+//! item, with `--reasoning-parser`), `response.function_call_arguments.delta` … `.done`,
 //! `response.output_item.done`, and last `response.completed` (or
 //! `response.incomplete`, or `response.failed` when the engine fails
 //! mid-stream). A field this server does not implement (hosted tools,
@@ -287,12 +289,13 @@ fn to_chat_request(req: &Map<String, Value>, previous: &[Value]) -> Result<Value
 struct Ids {
     response: String,
     message: String,
+    reasoning: String,
 }
 
 impl Ids {
     fn of(chat_id: &str) -> Self {
         let suffix = chat_id.strip_prefix("chatcmpl-").unwrap_or(chat_id);
-        Self { response: format!("resp_{suffix}"), message: format!("msg_{suffix}") }
+        Self { response: format!("resp_{suffix}"), message: format!("msg_{suffix}"), reasoning: format!("rs_{suffix}") }
     }
 }
 
@@ -367,6 +370,11 @@ fn usage_of(u: &Value) -> Value {
 fn message_item(id: &str, text: &str, status: &str) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant",
            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+}
+
+/// A `reasoning` item: the text as one `reasoning_text` part (no summary).
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": status})
 }
 
 fn function_call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
@@ -471,6 +479,9 @@ async fn translate_whole(response: Response, finish: Finish) -> Response {
     let text = message["content"].as_str().unwrap_or_default().to_string();
     let status = if choice["finish_reason"] == "length" { "incomplete" } else { "completed" };
     let mut output = Vec::new();
+    if let Some(reasoning) = message["reasoning_content"].as_str().filter(|r| !r.is_empty()) {
+        output.push(reasoning_item(&ids.reasoning, reasoning, "completed"));
+    }
     if !text.is_empty() {
         output.push(message_item(&ids.message, &text, status));
     }
@@ -489,6 +500,7 @@ async fn translate_whole(response: Response, finish: Finish) -> Response {
 /// The output item a stream is writing.
 enum Open {
     None,
+    Reasoning { index: usize, text: String },
     Text { index: usize, text: String },
     Call { index: usize, id: String, call_id: String, name: String, arguments: String },
 }
@@ -544,6 +556,20 @@ impl Translator {
     fn close(&mut self, out: &mut String) {
         match std::mem::replace(&mut self.open, Open::None) {
             Open::None => {}
+            Open::Reasoning { index, text } => {
+                let id = self.ids.as_ref().map_or(String::new(), |i| i.reasoning.clone());
+                let done = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text});
+                self.event(out, "response.reasoning_text.done", done);
+                let part = json!({"type": "reasoning_text", "text": text});
+                self.event(
+                    out,
+                    "response.content_part.done",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+                );
+                let item = reasoning_item(&id, &text, "completed");
+                self.event(out, "response.output_item.done", json!({"output_index": index, "item": item}));
+                self.output.push(item);
+            }
             Open::Text { index, text } => {
                 let id = self.ids.as_ref().map_or(String::new(), |i| i.message.clone());
                 let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
@@ -615,6 +641,27 @@ impl ChatStreamTranslator for Translator {
         }
         let Some(choice) = v["choices"].as_array().and_then(|c| c.first()) else { return };
         let delta = &choice["delta"];
+        if let Some(text) = delta["reasoning_content"].as_str().filter(|t| !t.is_empty()) {
+            let id = self.ids.as_ref().map_or(String::new(), |i| i.reasoning.clone());
+            if !matches!(self.open, Open::Reasoning { .. }) {
+                self.close(out);
+                let index = self.output.len();
+                let mut item = reasoning_item(&id, "", "in_progress");
+                item["content"] = json!([]);
+                self.event(out, "response.output_item.added", json!({"output_index": index, "item": item}));
+                self.event(
+                    out,
+                    "response.content_part.added",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "part": {"type": "reasoning_text", "text": ""}}),
+                );
+                self.open = Open::Reasoning { index, text: String::new() };
+            }
+            if let Open::Reasoning { index, text: t } = &mut self.open {
+                t.push_str(text);
+                let data = json!({"item_id": id, "output_index": *index, "content_index": 0, "delta": text});
+                self.event(out, "response.reasoning_text.delta", data);
+            }
+        }
         if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
             if !matches!(self.open, Open::Text { .. }) {
                 self.close(out);
@@ -816,6 +863,47 @@ mod tests {
         assert_eq!(stored.conversation[0], json!({"role": "user", "content": "Weather?"}));
         assert_eq!(stored.conversation[1]["content"], json!("Let me check."));
         assert_eq!(stored.conversation[1]["tool_calls"][0]["id"], json!("call-1"));
+    }
+
+    /// `--reasoning-parser`: the reasoning streams as a `reasoning` item
+    /// before the message, with the events the official client types.
+    #[test]
+    fn streamed_reasoning_is_a_reasoning_item_before_the_message() {
+        let store = Arc::new(Mutex::new(ResponseStore::default()));
+        let req = object(json!({"input": "2+2?", "stream": true}));
+        let chat = to_chat_request(&req, &[]).unwrap_or_else(|e| panic!("{}", e.message));
+        let mut t = Translator::new(Finish { store, chat, had_instructions: false, echo: Echo::of(&req) });
+        let mut out = String::new();
+        for data in [
+            r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+            r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"reasoning_content":"Two and"},"finish_reason":null}]}"#,
+            r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"reasoning_content":" two."},"finish_reason":null}]}"#,
+            r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"content":"4"},"finish_reason":"stop"}]}"#,
+            "[DONE]",
+        ] {
+            t.chunk(data, &mut out);
+        }
+        let events: Vec<Value> =
+            out.lines().filter_map(|l| l.strip_prefix("data: ")).map(|d| serde_json::from_str(d).expect("JSON")).collect();
+        let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap_or("")).collect();
+        assert_eq!(
+            kinds[2..10],
+            [
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+            ]
+        );
+        assert_eq!(events[2]["item"]["id"], json!("rs_8"));
+        assert_eq!(events[6]["text"], json!("Two and two."));
+        let done = &events.last().expect("events")["response"];
+        assert_eq!(done["output"][0], reasoning_item("rs_8", "Two and two.", "completed"));
+        assert_eq!(done["output"][1]["content"][0]["text"], json!("4"));
     }
 
     #[test]

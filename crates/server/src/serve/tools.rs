@@ -8,9 +8,10 @@
 //!    a template that reads `tools` gets the tools and the messages as
 //!    Hugging Face templates expect them (tool-call arguments as objects,
 //!    `role: "tool"` results); any other template gets the documented default
-//!    ([`DEFAULT_TOOL_PROMPT`]): the tools in a system message, earlier calls
-//!    as `<tool_call>` blocks, results as `<tool_response>` blocks in a user
-//!    turn.
+//!    ([`ToolFormat::default_prompt`], [`super::tool_format::DEFAULT_TOOL_PROMPT`] for Hermes):
+//!    the tools in a system message asking for the server's format, earlier
+//!    calls written in that format, results as `<tool_response>` blocks in a
+//!    user turn.
 //! 3. [`ToolCallParser`] turns the generated text into content and calls,
 //!    one delta at a time, so that a stream and a whole response are parsed
 //!    by the same code and always agree.
@@ -19,32 +20,18 @@
 //! constrained ([`ToolRequest::constraint`]): a named function's output *is*
 //! its arguments (a JSON value of its parameter schema); `required` produces
 //! a JSON array of `{"name", "parameters"}` objects, as vLLM does. Under
-//! `auto` the model writes `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
-//! blocks (the Hermes convention, which most open tool-tuned models and
-//! our default prompt use) between ordinary text.
+//! `auto` the model writes calls in the format `--tool-call-parser` names
+//! ([`ToolFormat`]: Hermes `<tool_call>` blocks by default, Llama 3 JSON,
+//! Mistral `[TOOL_CALLS]`, pythonic lists, Gemma 3 `tool_code` fences,
+//! Qwen3-Coder XML) between ordinary text.
 
 use super::error::ApiError;
 use super::protocol::{self, Message};
+pub use super::tool_format::ToolFormat;
+use super::tool_format::{parse_json_calls, Scanned, Start};
 use serde_json::{json, Map, Value};
+use std::sync::Arc;
 use vellum_base::StructuredOutput;
-
-/// The system prompt that describes tools to a model whose chat template
-/// does not read `tools`; `{tools}` becomes one JSON object per line.
-pub const DEFAULT_TOOL_PROMPT: &str =
-    "You can call functions to answer. The functions are listed, one JSON object each, between <tools> and </tools>:
-<tools>
-{tools}
-</tools>
-To call a function, answer with a JSON object naming it and giving its arguments between <tool_call> and </tool_call>, one block per call:
-<tool_call>
-{\"name\": \"<function name>\", \"arguments\": {<arguments as the function's parameters describe them>}}
-</tool_call>
-A function's result comes back between <tool_response> and </tool_response>. If no function fits, answer in plain text.";
-
-/// Opens a call in the output (and in the default prompt).
-const CALL_OPEN: &str = "<tool_call>";
-/// Closes a call.
-const CALL_CLOSE: &str = "</tool_call>";
 
 /// One function the model may call.
 #[derive(Clone, Debug)]
@@ -85,7 +72,8 @@ fn bad(message: impl Into<String>, field: &'static str) -> ApiError {
     ApiError::bad_request(message, Some(field))
 }
 
-fn valid_name(name: &str) -> bool {
+/// Whether `name` is a valid function name (`^[A-Za-z0-9_-]{1,64}$`).
+pub fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
@@ -193,24 +181,26 @@ impl ToolRequest {
         }
     }
 
-    /// How the output is read.
-    pub fn parse_mode(&self) -> Option<ParseMode> {
-        match &self.choice {
-            ToolChoice::None => None,
-            ToolChoice::Auto => Some(ParseMode::Tagged),
-            ToolChoice::Required => Some(ParseMode::Array),
-            ToolChoice::Named(name) => Some(ParseMode::Arguments(name.clone())),
-        }
+    /// How the output is read, calls under `auto` being written in `format`.
+    pub fn parsing(&self, format: ToolFormat) -> Option<ToolParsing> {
+        let mode = match &self.choice {
+            ToolChoice::None => return None,
+            ToolChoice::Auto => ParseMode::Auto(format),
+            ToolChoice::Required => ParseMode::Array,
+            ToolChoice::Named(name) => ParseMode::Arguments(name.clone()),
+        };
+        Some(ToolParsing { mode, parallel: self.parallel, functions: self.functions.clone().into() })
     }
 }
 
 /// The conversation as the chat template gets it, and the `tools` variable
 /// (`None`: leave it unset). `template_reads_tools` picks between the
-/// template's own tool support and the default prompt.
+/// template's own tool support and the default prompt of `format`.
 pub fn prompt_messages(
     messages: &[Message],
     tools: Option<&ToolRequest>,
     template_reads_tools: bool,
+    format: ToolFormat,
 ) -> Result<(Vec<Value>, Option<Vec<Value>>), ApiError> {
     if template_reads_tools {
         let msgs = messages.iter().map(template_message).collect::<Result<_, _>>()?;
@@ -232,18 +222,18 @@ pub fn prompt_messages(
             continue;
         }
         let mut content = text;
-        for call in calls_of(m)? {
+        let calls = calls_of(m)?;
+        if !calls.is_empty() {
             if !content.is_empty() {
                 content.push('\n');
             }
-            let arguments = call.1;
-            content.push_str(&format!("{CALL_OPEN}\n{}\n{CALL_CLOSE}", json!({"name": call.0, "arguments": arguments})));
+            content.push_str(&format.render_calls(&calls));
         }
         out.push(json!({"role": m.role, "content": content}));
     }
     if let Some(t) = tools {
         let listed: Vec<String> = t.raw_tools.iter().map(|tool| tool.get("function").map_or_else(String::new, |f| f.to_string())).collect();
-        let prompt = DEFAULT_TOOL_PROMPT.replace("{tools}", &listed.join("\n"));
+        let prompt = format.default_prompt().replace("{tools}", &listed.join("\n"));
         match out.first_mut() {
             Some(first) if first["role"] == "system" => {
                 let merged = format!("{}\n\n{prompt}", first["content"].as_str().unwrap_or_default());
@@ -311,12 +301,31 @@ fn template_message(m: &Message) -> Result<Value, ApiError> {
 /// How generated text carries calls.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ParseMode {
-    /// Text with `<tool_call>` blocks (`tool_choice: "auto"`).
-    Tagged,
+    /// Text with calls in the server's format (`tool_choice: "auto"`).
+    Auto(ToolFormat),
     /// A JSON array of `{"name", "parameters"}` (`"required"`).
     Array,
     /// The whole output is this function's arguments (a named function).
     Arguments(String),
+}
+
+/// How one request's output is read: the mode, whether several calls are
+/// allowed, and the functions (whose parameter types some formats need).
+#[derive(Clone, Debug)]
+pub struct ToolParsing {
+    /// How calls are written.
+    pub mode: ParseMode,
+    /// `parallel_tool_calls`.
+    pub parallel: bool,
+    /// The request's functions.
+    pub functions: Arc<[FunctionTool]>,
+}
+
+impl ToolParsing {
+    /// A parser for one choice.
+    pub fn parser(&self) -> ToolCallParser {
+        ToolCallParser::new(self.mode.clone(), self.parallel).with_functions(self.functions.clone())
+    }
 }
 
 /// What the parser found in the text so far.
@@ -341,24 +350,41 @@ pub enum ToolEvent {
     },
 }
 
+/// Where the auto-mode scanner stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Boundary {
+    /// Nothing but whitespace so far: start-of-output openers count.
+    Start,
+    /// Right after a call: start-of-output openers count again.
+    AfterCall,
+    /// In content: only the openers that count anywhere.
+    Content,
+}
+
 /// Turns generated text into [`ToolEvent`]s one delta at a time.
 ///
-/// Text that may still turn out to open a call (a trailing `<tool_` say) and
-/// whitespace before a call are held back until the next delta decides;
-/// a call is reported once its block is complete and parses, so a stream
-/// never shows a call that the whole response would not contain. An
-/// unterminated last block that parses is a call too (small models often
-/// stop before `</tool_call>`); one that does not parse is content.
+/// In auto mode the text is cut into content and call regions
+/// ([`ToolFormat::scan_region`]). Text that may still turn out to open a
+/// call (a trailing `<tool_` say) and whitespace before a call are held
+/// back until the next delta decides; a region is reported once it is
+/// complete and parses, so a stream never shows a call that the whole
+/// response would not contain. An unterminated last region that parses is
+/// a call too (small models often stop before `</tool_call>`); one that
+/// does not parse is content.
 #[derive(Debug)]
 pub struct ToolCallParser {
     mode: ParseMode,
     parallel: bool,
+    /// The request's functions (Qwen3-Coder's parameter types).
+    functions: Arc<[FunctionTool]>,
     /// Unconsumed text.
     buf: String,
-    /// Inside a `<tool_call>` block (tagged mode).
-    in_call: bool,
-    /// Content whitespace not yet shown (dropped before a call and at the end).
-    pending_ws: String,
+    /// `buf` opens a call region (auto mode).
+    in_region: bool,
+    boundary: Boundary,
+    /// Whitespace (and separators between calls) not yet shown: dropped
+    /// before a call and at the end, shown before more content.
+    held: String,
     num_calls: usize,
     /// Array mode: the scanner's position in `buf`, nesting depth, string
     /// state, and where the current item began.
@@ -377,7 +403,23 @@ struct JsonScan {
 impl ToolCallParser {
     /// A parser for one choice.
     pub fn new(mode: ParseMode, parallel: bool) -> Self {
-        Self { mode, parallel, buf: String::new(), in_call: false, pending_ws: String::new(), num_calls: 0, scan: JsonScan::default() }
+        Self {
+            mode,
+            parallel,
+            functions: Arc::from(Vec::new()),
+            buf: String::new(),
+            in_region: false,
+            boundary: Boundary::Start,
+            held: String::new(),
+            num_calls: 0,
+            scan: JsonScan::default(),
+        }
+    }
+
+    /// The parser, knowing the request's functions.
+    pub fn with_functions(mut self, functions: Arc<[FunctionTool]>) -> Self {
+        self.functions = functions;
+        self
     }
 
     /// Calls reported so far.
@@ -399,9 +441,9 @@ impl ToolCallParser {
                 self.buf.push_str(delta);
                 self.scan_array(&mut events);
             }
-            ParseMode::Tagged => {
+            ParseMode::Auto(format) => {
                 self.buf.push_str(delta);
-                self.scan_tagged(&mut events, false);
+                self.scan_auto(format, &mut events, false);
             }
         }
         events
@@ -417,7 +459,7 @@ impl ToolCallParser {
             // a whole reply as in a stream, where a call is sent only once
             // its array item is complete; the JSON is never content.
             ParseMode::Array => self.buf.clear(),
-            ParseMode::Tagged => self.scan_tagged(&mut events, true),
+            ParseMode::Auto(format) => self.scan_auto(format, &mut events, true),
         }
         events
     }
@@ -431,10 +473,10 @@ impl ToolCallParser {
     }
 
     fn content(&mut self, events: &mut Vec<ToolEvent>, text: &str) {
-        let mut t = std::mem::take(&mut self.pending_ws);
+        let mut t = std::mem::take(&mut self.held);
         t.push_str(text);
         let end = t.trim_end().len();
-        self.pending_ws = t.split_off(end);
+        self.held = t.split_off(end);
         if !t.is_empty() {
             match events.last_mut() {
                 Some(ToolEvent::Content(prev)) => prev.push_str(&t),
@@ -453,52 +495,68 @@ impl ToolCallParser {
         events.push(ToolEvent::Arguments { index, fragment: arguments });
     }
 
-    /// Tagged mode: content up to a `<tool_call>`, then the block up to
-    /// `</tool_call>`.
-    fn scan_tagged(&mut self, events: &mut Vec<ToolEvent>, at_end: bool) {
+    /// Auto mode: content up to an opener, then the region it opens, as
+    /// [`ToolFormat::scan_region`] decides it.
+    fn scan_auto(&mut self, format: ToolFormat, events: &mut Vec<ToolEvent>, at_end: bool) {
         loop {
-            if !self.in_call {
-                if let Some(i) = self.buf.find(CALL_OPEN) {
-                    let before: String = self.buf.drain(..i + CALL_OPEN.len()).collect();
-                    // Whitespace before the block stays pending: dropped if
-                    // the block is a call, shown if it turns out to be text.
-                    self.content(events, &before[..i]);
-                    self.in_call = true;
-                    continue;
-                }
-                // Hold back a tail that may be the start of `<tool_call>`.
-                let keep = if at_end { 0 } else { partial_suffix(&self.buf, CALL_OPEN) };
-                let shown: String = self.buf.drain(..self.buf.len() - keep).collect();
-                self.content(events, &shown);
-                if at_end {
-                    self.pending_ws.clear();
-                }
-                return;
-            }
-            let (block, closed) = match self.buf.find(CALL_CLOSE) {
-                Some(i) => (self.buf[..i].to_string(), Some(i)),
-                None if at_end => (self.buf.clone(), None),
-                None => return,
-            };
-            let consumed = closed.map_or(self.buf.len(), |i| i + CALL_CLOSE.len());
-            self.buf.drain(..consumed);
-            self.in_call = false;
-            match parse_calls(&block) {
-                Some(calls) => {
-                    self.pending_ws.clear();
-                    for (name, arguments) in calls {
-                        self.call(events, name, arguments);
+            if self.in_region {
+                match format.scan_region(&self.buf, at_end, &self.functions) {
+                    Scanned::Wait => return,
+                    Scanned::Calls { len, calls } => {
+                        self.buf.drain(..len);
+                        self.held.clear();
+                        for (name, arguments) in calls {
+                            self.call(events, name, arguments);
+                        }
+                        self.boundary = Boundary::AfterCall;
+                    }
+                    Scanned::Text { len } => {
+                        // Never nothing, so that the scan moves on.
+                        let len = if len == 0 { self.buf.chars().next().map_or(0, char::len_utf8) } else { len };
+                        let raw: String = self.buf.drain(..len).collect();
+                        self.content(events, &raw);
+                        self.boundary = Boundary::Content;
                     }
                 }
-                None => {
-                    let raw = format!("{CALL_OPEN}{block}{}", if closed.is_some() { CALL_CLOSE } else { "" });
-                    self.content(events, &raw);
+                self.in_region = false;
+                continue;
+            }
+            if self.boundary != Boundary::Content {
+                let separators = format.separates_with_semicolons() && self.boundary == Boundary::AfterCall;
+                let skip = self.buf.len() - self.buf.trim_start_matches(|c: char| c.is_whitespace() || (separators && c == ';')).len();
+                let lead: String = self.buf.drain(..skip).collect();
+                self.held.push_str(&lead);
+                if self.buf.is_empty() {
+                    if at_end {
+                        self.held.clear();
+                    }
+                    return;
+                }
+                match format.starts_region(&self.buf, at_end) {
+                    Start::Region => {
+                        self.in_region = true;
+                        continue;
+                    }
+                    Start::Wait => return,
+                    Start::No => self.boundary = Boundary::Content,
                 }
             }
-            if at_end && self.buf.is_empty() {
-                self.pending_ws.clear();
-                return;
+            if let Some(i) = format.find_opener(&self.buf) {
+                let before: String = self.buf.drain(..i).collect();
+                // Whitespace before the region stays held: dropped if the
+                // region is calls, shown if it turns out to be text.
+                self.content(events, &before);
+                self.in_region = true;
+                continue;
             }
+            // Hold back a tail that may be the start of an opener.
+            let keep = if at_end { 0 } else { format.partial_opener(&self.buf) };
+            let shown: String = self.buf.drain(..self.buf.len() - keep).collect();
+            self.content(events, &shown);
+            if at_end {
+                self.held.clear();
+            }
+            return;
         }
     }
 
@@ -540,41 +598,13 @@ impl ToolCallParser {
         }
         for (start, end) in done {
             let item = self.buf[start..end].to_string();
-            if let Some(mut calls) = parse_calls(&item) {
+            if let Some(mut calls) = parse_json_calls(&item) {
                 if let Some((name, arguments)) = calls.pop() {
                     self.call(events, name, arguments);
                 }
             }
         }
     }
-}
-
-/// Length of the longest proper prefix of `tag` that `text` ends with.
-fn partial_suffix(text: &str, tag: &str) -> usize {
-    (1..tag.len()).rev().find(|&n| text.ends_with(&tag[..n])).unwrap_or(0)
-}
-
-/// The calls in a block: `{"name": ..., "arguments"|"parameters": ...}` or
-/// a list of those. Arguments given as JSON text are taken as that text.
-fn parse_calls(block: &str) -> Option<Vec<(String, String)>> {
-    let v: Value = serde_json::from_str(block.trim()).ok()?;
-    let items = match v {
-        Value::Array(items) => items,
-        one @ Value::Object(_) => vec![one],
-        _ => return None,
-    };
-    items
-        .iter()
-        .map(|item| {
-            let name = item.get("name")?.as_str()?.to_string();
-            let arguments = match item.get("arguments").or_else(|| item.get("parameters")) {
-                None | Some(Value::Null) => "{}".to_string(),
-                Some(Value::String(s)) if serde_json::from_str::<Value>(s).is_ok() => s.clone(),
-                Some(v) => v.to_string(),
-            };
-            Some((name, arguments))
-        })
-        .collect()
 }
 
 /// A whole response's content and calls, from the events of one choice.
@@ -608,7 +638,7 @@ impl Assembled {
 /// it (a named function keeps `stop`, as OpenAI does).
 pub fn finish_reason(mode: &ParseMode, num_calls: usize, engine_reason: &'static str) -> &'static str {
     match mode {
-        ParseMode::Tagged | ParseMode::Array if engine_reason == "stop" && num_calls > 0 => "tool_calls",
+        ParseMode::Auto(_) | ParseMode::Array if engine_reason == "stop" && num_calls > 0 => "tool_calls",
         _ => engine_reason,
     }
 }
@@ -649,35 +679,39 @@ mod tests {
     #[test]
     fn tagged_text_before_and_between_calls_and_every_split_agrees() {
         let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris <3\"}}\n</tool_call>\n<tool_call>{\"name\": \"time\", \"arguments\": {}}</tool_call>\n";
-        let a = assert_split_invariant(ParseMode::Tagged, true, text);
+        let a = assert_split_invariant(ParseMode::Auto(ToolFormat::Hermes), true, text);
         assert_eq!(a.content.as_deref(), Some("Let me check."));
         assert_eq!(a.calls, vec![("get_weather".into(), r#"{"city":"Paris <3"}"#.into()), ("time".into(), "{}".into())]);
     }
 
     #[test]
     fn tagged_unterminated_last_call_still_counts_and_garbage_stays_content() {
-        let a = assert_split_invariant(ParseMode::Tagged, true, "<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": [1, 2]}}");
+        let a = assert_split_invariant(
+            ParseMode::Auto(ToolFormat::Hermes),
+            true,
+            "<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": [1, 2]}}",
+        );
         assert_eq!((a.content, a.calls), (None, vec![("f".into(), r#"{"x":[1,2]}"#.into())]));
-        let a = assert_split_invariant(ParseMode::Tagged, true, "A <tool_call>{\"name\": oops</tool_call> B");
+        let a = assert_split_invariant(ParseMode::Auto(ToolFormat::Hermes), true, "A <tool_call>{\"name\": oops</tool_call> B");
         assert_eq!(a.content.as_deref(), Some("A <tool_call>{\"name\": oops</tool_call> B"));
         assert!(a.calls.is_empty());
         // A lone `<tool_` at the very end is text.
-        let a = assert_split_invariant(ParseMode::Tagged, true, "x <tool_");
+        let a = assert_split_invariant(ParseMode::Auto(ToolFormat::Hermes), true, "x <tool_");
         assert_eq!(a.content.as_deref(), Some("x <tool_"));
     }
 
     #[test]
     fn tagged_list_blocks_string_arguments_and_the_parallel_switch() {
         let text = "<tool_call>[{\"name\": \"a\", \"arguments\": \"{\\\"k\\\": 1}\"}, {\"name\": \"b\", \"parameters\": {\"q\": \"é\"}}]</tool_call>";
-        let a = assert_split_invariant(ParseMode::Tagged, true, text);
+        let a = assert_split_invariant(ParseMode::Auto(ToolFormat::Hermes), true, text);
         assert_eq!(a.calls, vec![("a".into(), r#"{"k": 1}"#.into()), ("b".into(), r#"{"q":"é"}"#.into())]);
-        let a = assert_split_invariant(ParseMode::Tagged, false, text);
+        let a = assert_split_invariant(ParseMode::Auto(ToolFormat::Hermes), false, text);
         assert_eq!(a.calls.len(), 1);
     }
 
     #[test]
     fn plain_text_passes_through_unchanged() {
-        let a = assert_split_invariant(ParseMode::Tagged, true, "Hello <b>world</b> < tool_call >");
+        let a = assert_split_invariant(ParseMode::Auto(ToolFormat::Hermes), true, "Hello <b>world</b> < tool_call >");
         assert_eq!(a.content.as_deref(), Some("Hello <b>world</b> < tool_call >"));
         assert!(a.calls.is_empty());
     }
@@ -701,6 +735,245 @@ mod tests {
         let a = assert_split_invariant(ParseMode::Arguments("f".into()), true, r#"{"city": "Oslo"}"#);
         assert_eq!(a.calls, vec![("f".into(), r#"{"city": "Oslo"}"#.into())]);
         assert_eq!(a.content, None);
+    }
+
+    fn auto(format: ToolFormat, text: &str) -> Assembled {
+        assert_split_invariant(ParseMode::Auto(format), true, text)
+    }
+
+    fn calls(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter().map(|(n, a)| (n.to_string(), a.to_string())).collect()
+    }
+
+    #[test]
+    fn llama3_json_calls_open_the_output() {
+        // Llama 3.1 with `<|python_tag|>` kept, two calls.
+        let text = "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"San Francisco, CA\", \"unit\": \"celsius\"}}; {\"name\": \"get_time\", \"parameters\": {\"tz\": \"PST\"}}";
+        let a = auto(ToolFormat::Llama3Json, text);
+        assert_eq!(a.calls, calls(&[("get_weather", r#"{"city":"San Francisco, CA","unit":"celsius"}"#), ("get_time", r#"{"tz":"PST"}"#)]));
+        assert_eq!(a.content, None);
+        // Llama 3.2 (special tokens skipped): bare JSON, "arguments" too.
+        let a = auto(ToolFormat::Llama3Json, "\n\n{\"name\": \"f\", \"arguments\": {\"x\": [1, {\"y\": \"}\"}]}}\n");
+        assert_eq!((a.content, a.calls), (None, calls(&[("f", r#"{"x":[1,{"y":"}"}]}"#)])));
+        // Text that does not open with a call is content, braces and all.
+        let a = auto(ToolFormat::Llama3Json, "The set {1, 2} has {\"name\": \"f\"} in it.");
+        assert_eq!((a.content.as_deref(), a.calls.len()), (Some("The set {1, 2} has {\"name\": \"f\"} in it."), 0));
+        // JSON that is not a call, or is cut off, stays content.
+        let a = auto(ToolFormat::Llama3Json, "{\"answer\": 42}");
+        assert_eq!((a.content.as_deref(), a.calls.len()), (Some("{\"answer\": 42}"), 0));
+        let a = auto(ToolFormat::Llama3Json, "{\"name\": \"f\", \"parameters\": {\"a\": 1}");
+        assert_eq!((a.content.as_deref(), a.calls.len()), (Some("{\"name\": \"f\", \"parameters\": {\"a\": 1}"), 0));
+        // Code after the tag (Llama's built-in code interpreter): content.
+        let a = auto(ToolFormat::Llama3Json, "<|python_tag|>print(1)");
+        assert_eq!((a.content.as_deref(), a.calls.len()), (Some("<|python_tag|>print(1)"), 0));
+    }
+
+    #[test]
+    fn mistral_calls_follow_the_tool_calls_marker_in_both_forms() {
+        // v3 tokenizers: a JSON list.
+        let text = "Let me look that up.[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}, {\"name\": \"get_time\", \"arguments\": {}}]";
+        let a = auto(ToolFormat::Mistral, text);
+        assert_eq!(a.content.as_deref(), Some("Let me look that up."));
+        assert_eq!(a.calls, calls(&[("get_weather", r#"{"city":"Paris","days":3}"#), ("get_time", "{}")]));
+        // v11+: `name[ARGS]{json}` per call (and `[CALL_ID]` in some versions).
+        let text = "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris [FR]\"}[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{}";
+        let a = auto(ToolFormat::Mistral, text);
+        assert_eq!((a.content, a.calls), (None, calls(&[("get_weather", r#"{"city":"Paris [FR]"}"#), ("get_time", "{}")])));
+        // The list's `]` missing at the end: the complete calls count.
+        let a = auto(ToolFormat::Mistral, "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": \"]\"}}");
+        assert_eq!(a.calls, calls(&[("f", r#"{"a":"]"}"#)]));
+        // Garbage after the marker stays content.
+        for text in ["[TOOL_CALLS] I cannot call tools.", "[TOOL_CALLS]not a name[ARGS]{}", "[TOOL_CALLS][{\"name\": 1}]", "A [TOOL_CALLS"]
+        {
+            let a = auto(ToolFormat::Mistral, text);
+            assert_eq!((a.content.as_deref(), a.calls.len()), (Some(text), 0), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn qwen3_coder_parameters_take_their_schema_types() {
+        let functions: Arc<[FunctionTool]> = vec![FunctionTool {
+            name: "get_weather".into(),
+            parameters: json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                               "code": {"type": ["string", "null"]}, "opts": {"type": "object"}, "metric": {"type": "boolean"}}}),
+        }]
+        .into();
+        let text = "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=code>\n007\n</parameter>\n<parameter=opts>\n{\"hourly\": true}\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=note>\n42\n</parameter>\n</function>\n</tool_call>";
+        let parse = |text: &str| {
+            let mut p = ToolCallParser::new(ParseMode::Auto(ToolFormat::Qwen3Coder), true).with_functions(functions.clone());
+            let mut a = Assembled::default();
+            a.apply(p.push(text));
+            a.apply(p.finish());
+            a
+        };
+        let a = parse(text);
+        assert_eq!(a.content.as_deref(), Some("I'll check."));
+        assert_eq!(
+            a.calls,
+            calls(&[("get_weather", r#"{"city":"New York","days":3,"code":"007","opts":{"hourly":true},"metric":true,"note":"42"}"#)])
+        );
+        // Every split agrees (without the schema: all strings).
+        let a = auto(ToolFormat::Qwen3Coder, "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>");
+        assert_eq!(a.calls, calls(&[("f", r#"{"a":"1"}"#)]));
+        // Hermes JSON in the block is read too; malformed XML is content.
+        let a = auto(ToolFormat::Qwen3Coder, "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>");
+        assert_eq!(a.calls, calls(&[("f", "{}")]));
+        let a = auto(ToolFormat::Qwen3Coder, "<tool_call><function=bad name><parameter=a>1</tool_call>");
+        assert_eq!(a.calls.len(), 0);
+        assert_eq!(a.content.as_deref(), Some("<tool_call><function=bad name><parameter=a>1</tool_call>"));
+    }
+
+    #[test]
+    fn qwen3_is_hermes_after_its_reasoning() {
+        // What follows `</think>` (the reasoning parser's content).
+        let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris, France\", \"unit\": \"celsius\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"location\": \"Paris, France\"}}\n</tool_call>";
+        let a = auto(ToolFormat::Hermes, text);
+        assert_eq!(a.calls.len(), 2);
+        assert_eq!(a.content, None);
+    }
+
+    #[test]
+    fn pythonic_lists_open_the_output() {
+        let text = " [get_weather(city=\"Paris\", days=3), search(query='l\\'été \"chaud\"', filters={\"lang\": [\"fr\", 'en'], 'safe': True, \"max\": 1.5e3}, limit=None, tags=(\"a\",))]";
+        let a = auto(ToolFormat::Pythonic, text);
+        assert_eq!(a.content, None);
+        assert_eq!(
+            a.calls,
+            calls(&[
+                ("get_weather", r#"{"city":"Paris","days":3}"#),
+                (
+                    "search",
+                    r#"{"query":"l'été \"chaud\"","filters":{"lang":["fr","en"],"safe":true,"max":1500.0},"limit":null,"tags":["a"]}"#
+                ),
+            ])
+        );
+        // The closing `]` missing at the end: the calls count.
+        let a = auto(ToolFormat::Pythonic, "[f(a=[1, 2])");
+        assert_eq!(a.calls, calls(&[("f", r#"{"a":[1,2]}"#)]));
+        // Not calls: content, as written.
+        for text in ["[1] Paris is the capital.", "Call [f(a=1)] later.", "[f(a=1) + 2]", "[f(a=\"x)]", "[f(", "["] {
+            let a = auto(ToolFormat::Pythonic, text);
+            assert_eq!((a.content.as_deref(), a.calls.len()), (Some(text), 0), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn gemma3_reads_tool_code_fences_and_pythonic_lists() {
+        let text = "I'll check the weather for you.\n```tool_code\nprint(get_weather(city=\"Paris\", unit=\"celsius\"))\nget_time(tz='Europe/Paris')\n```\n";
+        let a = auto(ToolFormat::Gemma3, text);
+        assert_eq!(a.content.as_deref(), Some("I'll check the weather for you."));
+        assert_eq!(a.calls, calls(&[("get_weather", r#"{"city":"Paris","unit":"celsius"}"#), ("get_time", r#"{"tz":"Europe/Paris"}"#)]));
+        let a = auto(ToolFormat::Gemma3, "```tool_code\n[f(x=1), g()]\n```");
+        assert_eq!(a.calls, calls(&[("f", r#"{"x":1}"#), ("g", "{}")]));
+        let a = auto(ToolFormat::Gemma3, "[get_weather(city=\"Oslo\")]");
+        assert_eq!(a.calls, calls(&[("get_weather", r#"{"city":"Oslo"}"#)]));
+        // Code that is not calls stays content, fence and all.
+        let text = "Try:\n```tool_code\nx = 1 + 2\n```\nand ```python\nprint(1)\n```";
+        let a = auto(ToolFormat::Gemma3, text);
+        assert_eq!((a.content.as_deref(), a.calls.len()), (Some(text), 0));
+    }
+
+    /// Random mixes of every format's markers, brackets, quotes and text:
+    /// no panic, and a few splits agree with the whole, in every format.
+    #[test]
+    fn garbage_never_panics_and_splits_agree_in_every_format() {
+        const PIECES: &[&str] = &[
+            "[",
+            "]",
+            "{",
+            "}",
+            "(",
+            ")",
+            "\"",
+            "'",
+            "\\",
+            ",",
+            ";",
+            ":",
+            "=",
+            " ",
+            "\n",
+            "é",
+            "f",
+            "name",
+            "1",
+            "True",
+            "<tool_call>",
+            "</tool_call>",
+            "[TOOL_CALLS]",
+            "[ARGS]",
+            "```tool_code",
+            "```",
+            "<|python_tag|>",
+            "<function=",
+            "<parameter=",
+            "</parameter>",
+            "</function>",
+            ">",
+            "\"name\"",
+            "\"arguments\"",
+            "f(a=1)",
+        ];
+        let formats = [
+            ToolFormat::Hermes,
+            ToolFormat::Qwen3Coder,
+            ToolFormat::Llama3Json,
+            ToolFormat::Mistral,
+            ToolFormat::Pythonic,
+            ToolFormat::Gemma3,
+        ];
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: usize| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            ((seed >> 33) as usize) % n
+        };
+        for _ in 0..400 {
+            let len = 1 + next(24);
+            let text: String = (0..len).map(|_| PIECES[next(PIECES.len())]).collect();
+            for format in formats {
+                let whole = parse_whole(ParseMode::Auto(format), true, &text);
+                let cuts: Vec<usize> = (0..=text.len()).filter(|&i| text.is_char_boundary(i)).collect();
+                for _ in 0..6 {
+                    let (mut i, mut j) = (cuts[next(cuts.len())], cuts[next(cuts.len())]);
+                    if i > j {
+                        std::mem::swap(&mut i, &mut j);
+                    }
+                    let mut p = ToolCallParser::new(ParseMode::Auto(format), true);
+                    let mut a = Assembled::default();
+                    for part in [&text[..i], &text[i..j], &text[j..]] {
+                        a.apply(p.push(part));
+                    }
+                    a.apply(p.finish());
+                    assert_eq!(a, whole, "{format:?}: cut at {i} and {j} of {text:?}");
+                }
+                // Nothing is lost: without calls, the content is the text
+                // (less the whitespace at its end).
+                if whole.calls.is_empty() {
+                    assert_eq!(whole.content.as_deref().unwrap_or(""), text.trim_end(), "{format:?}: {text:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn each_format_prompts_for_and_renders_its_own_calls() {
+        let history = vec![("get_weather".to_string(), json!({"city": "Paris", "days": 3}))];
+        for format in [
+            ToolFormat::Hermes,
+            ToolFormat::Qwen3Coder,
+            ToolFormat::Llama3Json,
+            ToolFormat::Mistral,
+            ToolFormat::Pythonic,
+            ToolFormat::Gemma3,
+        ] {
+            assert!(format.default_prompt().contains("{tools}"), "{format:?}");
+            // What the default prompt shows as an earlier call parses back.
+            let rendered = format.render_calls(&history);
+            let a = parse_whole(ParseMode::Auto(format), true, &rendered);
+            let expected = if format == ToolFormat::Qwen3Coder { r#"{"city":"Paris","days":"3"}"# } else { r#"{"city":"Paris","days":3}"# };
+            assert_eq!(a.calls, calls(&[("get_weather", expected)]), "{format:?}: {rendered}");
+        }
+        assert!(ToolFormat::Mistral.keeps_special_tokens() && !ToolFormat::Hermes.keeps_special_tokens());
     }
 
     #[test]
@@ -732,7 +1005,7 @@ mod tests {
             {"role": "tool", "tool_call_id": "c2", "content": "43"}
         ]))
         .unwrap();
-        let (out, tools_var) = prompt_messages(&msgs, Some(&t), false).unwrap();
+        let (out, tools_var) = prompt_messages(&msgs, Some(&t), false, ToolFormat::Hermes).unwrap();
         assert!(tools_var.is_none());
         assert_eq!(out.len(), 4);
         assert!(out[0]["content"].as_str().unwrap().contains(r#"{"name":"f","description":"d"}"#));
@@ -740,7 +1013,7 @@ mod tests {
         assert_eq!(out[3]["role"], "user");
         assert_eq!(out[3]["content"], "<tool_response>\n42\n</tool_response>\n<tool_response>\n43\n</tool_response>");
         // A template that reads tools gets them, and arguments as objects.
-        let (out, tools_var) = prompt_messages(&msgs, Some(&t), true).unwrap();
+        let (out, tools_var) = prompt_messages(&msgs, Some(&t), true, ToolFormat::Hermes).unwrap();
         assert_eq!(tools_var.unwrap().len(), 1);
         assert_eq!(out[1]["tool_calls"][0]["function"]["arguments"]["a"], 1);
         assert_eq!(out[2]["tool_call_id"], "c1");
