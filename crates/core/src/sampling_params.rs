@@ -268,7 +268,7 @@ impl SamplingParams {
                 ("structured_outputs", self.structured_output.is_some()),
             ];
             if let Some((name, _)) = sampling_only.iter().find(|(_, set)| *set) {
-                return Err(invalid(*name, "applies to generation, not to a pooling (embedding) request"));
+                return Err(invalid(name, "applies to generation, not to a pooling (embedding) request"));
             }
         }
         if let Some(beam) = &self.beam_search {

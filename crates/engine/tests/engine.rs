@@ -960,9 +960,7 @@ fn pooled_embeddings_agree_with_the_prefixes_last_states_whatever_the_batching()
     };
     write_random_checkpoint(&dir, &shape, CheckpointDtype::F32, 11, 1 << 30, |_, _| {}).expect("writes");
     let engine = |pooling_type: PoolingType, normalize: bool, max_batched: usize| {
-        let mut scheduler = SchedulerConfig::default();
-        scheduler.max_num_batched_tokens = max_batched;
-        scheduler.max_model_len = 256;
+        let scheduler = SchedulerConfig { max_num_batched_tokens: max_batched, max_model_len: 256, ..SchedulerConfig::default() };
         Llm::new(EngineArgs {
             model: Some(dir.to_string_lossy().into_owned()),
             task: Task::Embed,

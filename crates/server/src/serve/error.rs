@@ -80,6 +80,7 @@ impl ApiError {
             EngineError::Unsupported(what) if what.contains("shut") => Self::unavailable(format!("The server is {what}.")),
             EngineError::Unsupported(what) => Self::bad_request(format!("Not supported: {what}"), None),
             EngineError::StructuredOutput { field, message } => Self::bad_request(format!("{field}: {message}"), Some(field)),
+            EngineError::Task(message) => Self::bad_request(message, Some("model")),
             other => Self::internal(other.to_string()),
         }
     }

@@ -11,6 +11,7 @@
 //! frees their KV blocks before the next engine step.
 
 mod anthropic;
+mod embeddings;
 mod error;
 mod generation;
 mod metrics;
@@ -173,6 +174,8 @@ pub struct AppState {
     structured: Option<Arc<vellum_engine::structured::StructuredOutputs>>,
     /// The Responses API's stored responses (`previous_response_id`, `GET`).
     responses: Arc<std::sync::Mutex<responses::ResponseStore>>,
+    /// An embedding engine's pooling (`--task embed`); `None`: it generates.
+    embedding: Option<vellum_engine::EmbeddingSpec>,
 }
 
 fn load_chat_template(spec: &str, tokenizer: &Tokenizer) -> Result<ChatTemplate> {
@@ -241,6 +244,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::create))
         .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
+        .route("/v1/embeddings", post(embeddings::create))
         .route("/v1/models", get(openai::models))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
     Router::new()
@@ -296,6 +300,7 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
         }
     }
     let structured = llm.structured_outputs();
+    let embedding = llm.embedding();
     let (engine, tokenizer, model_template) = llm.into_client_with_stream_buffer(args.max_stream_buffer_events);
     let chat_template = match &args.chat_template {
         Some(spec) => Some(load_chat_template(spec, &tokenizer)?),
@@ -320,6 +325,7 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
         shutting_down: AtomicBool::new(false),
         structured,
         responses: Default::default(),
+        embedding,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(serve(state, &args));

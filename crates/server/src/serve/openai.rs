@@ -62,7 +62,7 @@ fn unix_now() -> u64 {
 }
 
 impl AppState {
-    fn check_model(&self, model: &Option<String>) -> Result<String, ApiError> {
+    pub(super) fn check_model(&self, model: &Option<String>) -> Result<String, ApiError> {
         match model {
             None => Ok(self.served_names[0].clone()),
             Some(m) if self.served_names.iter().any(|n| n == m) => Ok(m.clone()),
@@ -70,7 +70,7 @@ impl AppState {
         }
     }
 
-    fn admit(&self) -> Result<(), ApiError> {
+    pub(super) fn admit(&self) -> Result<(), ApiError> {
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(ApiError::unavailable("The server is shutting down."));
         }
