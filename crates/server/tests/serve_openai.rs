@@ -227,14 +227,18 @@ fn speculative_decoding_serves_the_text_of_plain_decoding() {
 /// DeepSeek-R1's does (it does not read `tools`: the default tool prompt of
 /// the parser is used).
 const THINKING_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
-                                 {% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}";
+                                 {% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\
+                                 {% if enable_thinking is defined and enable_thinking is false %}\n</think>\n\n{% endif %}{% endif %}";
 
 /// `--reasoning-parser deepseek_r1 --tool-call-parser pythonic` through the
 /// official clients (`python/openai_parsers.py`): text forced by
 /// `guided_regex` splits into `reasoning_content` and a pythonic call (or
 /// content), whole and streamed alike; the EOS is never text; unconstrained
 /// output is all reasoning, a `reasoning` item in the Responses API and a
-/// `thinking` block in the Messages API.
+/// `thinking` block in the Messages API. The template closes `<think>` when
+/// `enable_thinking` is false, as Qwen3's does: `chat_template_kwargs`,
+/// Responses' `reasoning.effort: "none"` and Messages' `thinking: disabled`
+/// reach it.
 #[test]
 fn reasoning_and_pythonic_tool_calls_split_through_the_clients() {
     let python = python_with_openai();

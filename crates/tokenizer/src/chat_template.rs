@@ -177,15 +177,31 @@ impl ChatTemplate {
         tools: Option<&T>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_with_kwargs::<M, T, ()>(messages, tools, add_generation_prompt, None)
+    }
+
+    /// [`render_with_tools`](Self::render_with_tools) with extra template
+    /// variables (vLLM's `chat_template_kwargs`, such as Qwen3's
+    /// `enable_thinking`): `kwargs` must serialize to a map; the variables
+    /// above (`messages`, `tools`, ...) take precedence over its keys.
+    pub fn render_with_kwargs<M: Serialize, T: Serialize, K: Serialize>(
+        &self,
+        messages: &[M],
+        tools: Option<&T>,
+        add_generation_prompt: bool,
+        kwargs: Option<&K>,
+    ) -> Result<String> {
         // Compiled again for each rendering (tens of microseconds): the
         // instructions borrow the source, and this keeps the struct plain.
         let (instructions, blocks) = compile(&self.source)?;
+        let extra = kwargs.map(Value::from_serialize).unwrap_or_else(|| Value::from(()));
         let root = minijinja::context! {
             messages => Value::from_serialize(messages),
             tools => tools.map(Value::from_serialize),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
+            ..extra
         };
         let mut text = String::new();
         let (_, state) = machinery::Vm::new(&self.env)
@@ -501,6 +517,24 @@ mod tests {
         let err = t.render::<ChatMessage>(&[], false).unwrap_err();
         assert!(err.to_string().contains("roles must alternate"), "{err}");
         assert!(ChatTemplate::new("{% if %}", None, None).is_err());
+    }
+
+    #[test]
+    fn chat_template_kwargs_are_variables_that_cannot_replace_the_messages() {
+        // Qwen3's switch, in the shape of its template.
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.content }}{% endfor %}|{% if add_generation_prompt %}<a>\
+             {% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let msgs = [ChatMessage::new("user", "hi")];
+        assert_eq!(t.render(&msgs, true).unwrap(), "hi|<a>");
+        let off = serde_json::json!({"enable_thinking": false, "messages": []});
+        assert_eq!(t.render_with_kwargs::<_, (), _>(&msgs, None, true, Some(&off)).unwrap(), "hi|<a><think></think>");
+        let on = serde_json::json!({"enable_thinking": true});
+        assert_eq!(t.render_with_kwargs::<_, (), _>(&msgs, None, true, Some(&on)).unwrap(), "hi|<a>");
     }
 
     #[test]

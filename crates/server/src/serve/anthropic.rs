@@ -25,8 +25,9 @@
 //! `content_block_stop`, then `message_delta` (stop
 //! reason, output tokens) and `message_stop`. Errors keep their status with
 //! Anthropic's body, `{"type": "error", "error": {"type", "message"}}`. A
-//! field this server does not implement (images, documents, extended
-//! thinking, …) is a 400 naming it.
+//! field this server does not implement (images, documents, …) is a 400
+//! naming it. `thinking` switches the chat template's thinking
+//! (`enable_thinking`) on or off; its `budget_tokens` is not enforced.
 //! A stop on one of `stop_sequences` is `stop_reason: "stop_sequence"` with
 //! the string (the chat path's `stop_reason`).
 
@@ -54,6 +55,7 @@ const KNOWN: &[&str] = &[
     "tools",
     "tool_choice",
     "metadata",
+    "thinking",
 ];
 
 /// An error in Anthropic's shape.
@@ -165,6 +167,20 @@ fn to_chat_request(req: &Map<String, Value>) -> Result<Value, Invalid> {
         }
     }
     let mut out = json!({"messages": chat, "max_tokens": max_tokens});
+    // Extended thinking turns the template's thinking on or off (Qwen3's
+    // `enable_thinking`); `budget_tokens` is not enforced: `max_tokens`
+    // bounds thinking and answer together.
+    if let Some(thinking) = req.get("thinking").filter(|v| !v.is_null()) {
+        let enabled = match thinking.get("type").and_then(Value::as_str) {
+            Some("enabled" | "adaptive") => true,
+            Some("disabled") => false,
+            _ => return Err(bad("thinking.type: expected \"enabled\", \"adaptive\" or \"disabled\"")),
+        };
+        if let Some(b) = thinking.get("budget_tokens").filter(|v| !v.is_null()) {
+            b.as_i64().filter(|&b| b >= 1).ok_or_else(|| bad("thinking.budget_tokens: expected a positive integer"))?;
+        }
+        out["chat_template_kwargs"] = json!({"enable_thinking": enabled});
+    }
     if let Some(model) = req.get("model") {
         out["model"] = model.clone();
     }
@@ -558,10 +574,24 @@ mod tests {
     }
 
     #[test]
+    fn extended_thinking_switches_the_templates_thinking() {
+        let with = |thinking: Value| {
+            let req = object(json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "thinking": thinking}));
+            let Ok(chat) = to_chat_request(&req) else { panic!("refused") };
+            chat["chat_template_kwargs"].clone()
+        };
+        assert_eq!(with(json!({"type": "enabled", "budget_tokens": 1024})), json!({"enable_thinking": true}));
+        assert_eq!(with(json!({"type": "disabled"})), json!({"enable_thinking": false}));
+        assert_eq!(with(Value::Null), Value::Null);
+    }
+
+    #[test]
     fn missing_max_tokens_and_unsupported_fields_are_named() {
         for (req, field) in [
             (json!({"model": "m", "messages": []}), "max_tokens"),
-            (json!({"model": "m", "max_tokens": 8, "messages": [], "thinking": {"type": "enabled"}}), "thinking"),
+            (json!({"model": "m", "max_tokens": 8, "messages": [], "thinking": {"type": "maybe"}}), "thinking.type"),
+            (json!({"model": "m", "max_tokens": 8, "messages": [], "thinking": {"type": "enabled", "budget_tokens": 0}}), "budget_tokens"),
+            (json!({"model": "m", "max_tokens": 8, "messages": [], "container": "c"}), "container"),
             (json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}), "image"),
         ] {
             let Err(Invalid(message)) = to_chat_request(&object(req)) else { panic!("{field}: accepted") };

@@ -184,6 +184,7 @@ fn render_chat(
     messages: &[protocol::Message],
     tools: Option<&ToolRequest>,
     add_generation_prompt: bool,
+    kwargs: Option<&Map<String, Value>>,
 ) -> Result<String, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty", Some("messages")));
@@ -194,7 +195,7 @@ fn render_chat(
         .ok_or_else(|| ApiError::bad_request("The model has no chat template; pass one with --chat-template.", Some("messages")))?;
     let (msgs, tools_var) = tools::prompt_messages(messages, tools, template.supports_tools(), state.tool_format)?;
     template
-        .render_with_tools(&msgs, tools_var.as_ref(), add_generation_prompt)
+        .render_with_kwargs(&msgs, tools_var.as_ref(), add_generation_prompt, kwargs)
         .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}"), Some("messages")))
 }
 
@@ -304,7 +305,8 @@ struct ChatPrompt {
 
 fn chat_prompt(state: &AppState, req: &ChatRequest) -> Result<ChatPrompt, ApiError> {
     let tools = ToolRequest::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
-    let text = render_chat(state, &req.messages, tools.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
+    let text =
+        render_chat(state, &req.messages, tools.as_ref(), req.add_generation_prompt.unwrap_or(true), req.chat_template_kwargs.as_ref())?;
     let tokens = encode(state, &text, false)?;
     Ok(ChatPrompt { tools, text, tokens })
 }
@@ -778,6 +780,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result
         tools: Option<Value>,
         add_special_tokens: Option<bool>,
         add_generation_prompt: Option<bool>,
+        chat_template_kwargs: Option<Map<String, Value>>,
     }
     let req: Req = protocol::parse_body(&body)?;
     state.check_model(&req.model)?;
@@ -785,7 +788,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result
         (Some(p), None) => p.clone(),
         (None, Some(m)) => {
             let tools = ToolRequest::parse(req.tools.as_ref(), None, None)?;
-            render_chat(&state, m, tools.as_ref(), req.add_generation_prompt.unwrap_or(true))?
+            render_chat(&state, m, tools.as_ref(), req.add_generation_prompt.unwrap_or(true), req.chat_template_kwargs.as_ref())?
         }
         _ => return Err(ApiError::bad_request("give exactly one of prompt or messages", Some("prompt"))),
     };

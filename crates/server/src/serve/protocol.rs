@@ -122,6 +122,9 @@ pub struct ChatRequest {
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// Extra chat-template variables (vLLM's; e.g. Qwen3's
+    /// `{"enable_thinking": false}`).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(flatten)]
     pub common: Common,
     #[serde(flatten)]
@@ -173,6 +176,7 @@ const KNOWN: &[&str] = &[
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "chat_template_kwargs",
 ];
 
 /// A JSON schema given as an object or as JSON text: its text.

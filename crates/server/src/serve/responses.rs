@@ -30,8 +30,10 @@
 //! item, with `--reasoning-parser`), `response.function_call_arguments.delta` … `.done`,
 //! `response.output_item.done`, and last `response.completed` (or
 //! `response.incomplete`, or `response.failed` when the engine fails
-//! mid-stream). A field this server does not implement (hosted tools,
-//! images, reasoning effort, background mode, …) is a 400 naming it.
+//! mid-stream). `reasoning.effort` reaches the chat template as
+//! `reasoning_effort` (and `none` as `enable_thinking: false`); a field this
+//! server does not implement (hosted tools, images, background mode, …) is
+//! a 400 naming it.
 
 use super::error::ApiError;
 use super::openai::{self, ChatStreamTranslator};
@@ -190,6 +192,28 @@ fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
     Ok(out)
 }
 
+/// `reasoning`'s effort, checked (`summary` is accepted and has no
+/// effect: reasoning items carry the reasoning text itself).
+fn reasoning_effort(reasoning: Option<&Value>) -> Result<Option<&str>, ApiError> {
+    const EFFORTS: &[&str] = &["none", "minimal", "low", "medium", "high", "xhigh"];
+    const SUMMARIES: &[&str] = &["auto", "concise", "detailed"];
+    let Some(r) = reasoning.filter(|v| !v.is_null()) else { return Ok(None) };
+    let r = r.as_object().ok_or_else(|| bad("reasoning: expected an object", "reasoning"))?;
+    for (key, value) in r {
+        match (key.as_str(), value) {
+            (_, Value::Null) => {}
+            ("effort", Value::String(e)) if EFFORTS.contains(&e.as_str()) => {}
+            ("summary" | "generate_summary", Value::String(s)) if SUMMARIES.contains(&s.as_str()) => {}
+            ("effort", _) => return Err(bad(format!("reasoning.effort: one of {}", EFFORTS.join(", ")), "reasoning")),
+            ("summary" | "generate_summary", _) => {
+                return Err(bad(format!("reasoning.{key}: one of {}", SUMMARIES.join(", ")), "reasoning"))
+            }
+            (other, _) => return Err(bad(format!("reasoning.{other} is not supported"), "reasoning")),
+        }
+    }
+    Ok(r.get("effort").and_then(Value::as_str))
+}
+
 /// The Responses request as a chat-completion request body, after the
 /// stored conversation of `previous` (its messages).
 fn to_chat_request(req: &Map<String, Value>, previous: &[Value]) -> Result<Value, ApiError> {
@@ -202,12 +226,12 @@ fn to_chat_request(req: &Map<String, Value>, previous: &[Value]) -> Result<Value
         _ => Ok(()),
     };
     refuse_unless("truncation", &|v| v == "disabled", "only \"disabled\" is supported (a prompt past the context is an error)")?;
+    let effort = reasoning_effort(req.get("reasoning"))?;
     refuse_unless(
-        "reasoning",
-        &|v| v.as_object().is_some_and(|o| o.values().all(Value::is_null)),
-        "reasoning effort and summaries are not supported",
+        "include",
+        &|v| v.as_array().is_some_and(|a| a.iter().all(|x| x == "reasoning.encrypted_content")),
+        "only \"reasoning.encrypted_content\" can be included (reasoning items carry their text; there is nothing to encrypt)",
     )?;
-    refuse_unless("include", &|v| v.as_array().is_some_and(Vec::is_empty), "no extra output can be included")?;
     refuse_unless("service_tier", &|v| v == "auto" || v == "default", "only \"auto\" and \"default\" are served")?;
     let mut chat = Vec::new();
     if let Some(instructions) = req.get("instructions").filter(|v| !v.is_null()) {
@@ -223,6 +247,15 @@ fn to_chat_request(req: &Map<String, Value>, previous: &[Value]) -> Result<Value
         if let Some(v) = req.get(ours).filter(|v| !v.is_null()) {
             out[theirs] = v.clone();
         }
+    }
+    if let Some(effort) = effort {
+        // The template decides what effort means: gpt-oss reads
+        // `reasoning_effort`, Qwen3 turns thinking off with `enable_thinking`.
+        let mut kwargs = json!({"reasoning_effort": effort});
+        if effort == "none" {
+            kwargs["enable_thinking"] = json!(false);
+        }
+        out["chat_template_kwargs"] = kwargs;
     }
     if let Some(n) = req.get("max_output_tokens").filter(|v| !v.is_null()) {
         let n = n.as_i64().filter(|&n| n >= 1).ok_or_else(|| bad("max_output_tokens: expected a positive integer", "max_output_tokens"))?;
@@ -320,6 +353,7 @@ struct Echo {
     metadata: Value,
     parallel_tool_calls: Value,
     user: Value,
+    reasoning: Value,
     created_at: u64,
 }
 
@@ -340,6 +374,10 @@ impl Echo {
             metadata: get("metadata", json!({})),
             parallel_tool_calls: get("parallel_tool_calls", json!(true)),
             user: get("user", Value::Null),
+            reasoning: json!({
+                "effort": req.get("reasoning").map_or(Value::Null, |r| r["effort"].clone()),
+                "summary": req.get("reasoning").map_or(Value::Null, |r| r["summary"].clone()),
+            }),
             created_at: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         }
     }
@@ -351,7 +389,7 @@ impl Echo {
             "id": id, "object": "response", "created_at": self.created_at, "status": status, "error": error,
             "incomplete_details": incomplete, "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "model": self.model, "output": output, "parallel_tool_calls": self.parallel_tool_calls,
-            "previous_response_id": self.previous_response_id, "reasoning": {"effort": null, "summary": null},
+            "previous_response_id": self.previous_response_id, "reasoning": self.reasoning,
             "store": self.store, "temperature": self.temperature, "text": self.text, "tool_choice": self.tool_choice,
             "tools": self.tools, "top_p": self.top_p, "truncation": "disabled", "usage": usage, "user": self.user,
             "metadata": self.metadata,
@@ -790,7 +828,10 @@ mod tests {
         for (req, name) in [
             (json!({"input": "x", "frobnicate": 1}), "frobnicate"),
             (json!({"input": "x", "tools": [{"type": "web_search"}]}), "web_search"),
-            (json!({"input": "x", "reasoning": {"effort": "high"}}), "reasoning"),
+            (json!({"input": "x", "reasoning": {"effort": "extreme"}}), "reasoning.effort"),
+            (json!({"input": "x", "reasoning": {"summary": "long"}}), "reasoning.summary"),
+            (json!({"input": "x", "reasoning": {"budget": 9}}), "reasoning.budget"),
+            (json!({"input": "x", "include": ["file_search_call.results"]}), "include"),
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
             (json!({"input": "x", "max_output_tokens": 0}), "max_output_tokens"),
             (
@@ -806,6 +847,14 @@ mod tests {
         // Accepted as the defaults they name.
         let ok = json!({"input": "x", "reasoning": {"effort": null}, "truncation": "disabled", "include": [], "store": false, "metadata": {"a": "b"}});
         assert!(to_chat_request(&object(ok), &[]).is_ok());
+        // What Codex CLI sends: an effort (the chat template reads it), a
+        // summary (no effect), encrypted reasoning to include (none exists).
+        let codex = json!({"input": "x", "reasoning": {"effort": "high", "summary": "auto"}, "include": ["reasoning.encrypted_content"]});
+        let chat = to_chat_request(&object(codex), &[]).expect("accepted");
+        assert_eq!(chat["chat_template_kwargs"], json!({"reasoning_effort": "high"}));
+        let off = to_chat_request(&object(json!({"input": "x", "reasoning": {"effort": "none"}})), &[]).expect("accepted");
+        assert_eq!(off["chat_template_kwargs"], json!({"reasoning_effort": "none", "enable_thinking": false}));
+        assert!(to_chat_request(&object(json!({"input": "x"})), &[]).expect("accepted").get("chat_template_kwargs").is_none());
     }
 
     /// A streamed answer of text, then a tool call, then the usage: the

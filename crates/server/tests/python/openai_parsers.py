@@ -17,10 +17,17 @@ starts inside reasoning). The small model writes neither format by itself:
 - Unconstrained output (no `</think>`): all reasoning; in the Responses API
   a `reasoning` item (whole, through the stream helper and as raw events), in
   the Messages API a `thinking` block (whole and streamed).
+- Thinking switched off reaches the template (which then closes `<think>` in
+  the prompt, so it has more tokens): chat's `chat_template_kwargs`, `/tokenize`'s,
+  Responses' `reasoning.effort: "none"` (other efforts leave it on, and Codex
+  CLI's `include: ["reasoning.encrypted_content"]` is accepted), Messages'
+  `thinking: {"type": "disabled"}`.
 """
 import json
 import sys
+import urllib.request
 
+import anthropic
 import openai
 
 BASE = sys.argv[1]
@@ -100,16 +107,34 @@ check("".join(deltas) == text, f"the reasoning_text deltas add up: {deltas!r} vs
 check(final.output[0].type == "reasoning" and final.output[0].content[0].text == text, f"the helper's response: {final.output}")
 
 # The Messages API: a thinking block, whole and streamed.
-try:
-    import anthropic
-except ImportError:
-    anthropic = None
-if anthropic is not None:
-    a = anthropic.Anthropic(base_url=BASE, api_key="none", max_retries=0)
-    m = a.messages.create(model=model, max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "What is 2+2?"}])
-    check(m.content and m.content[0].type == "thinking" and m.content[0].thinking == text, f"a thinking block: {m.content}")
-    with a.messages.stream(model=model, max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "What is 2+2?"}]) as s:
-        streamed = s.get_final_message()
-    check(streamed.content[0].type == "thinking" and streamed.content[0].thinking == text, f"streamed thinking: {streamed.content}")
+a = anthropic.Anthropic(base_url=BASE, api_key="none", max_retries=0)
+m = a.messages.create(model=model, max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "What is 2+2?"}])
+check(m.content and m.content[0].type == "thinking" and m.content[0].thinking == text, f"a thinking block: {m.content}")
+with a.messages.stream(model=model, max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "What is 2+2?"}]) as s:
+    streamed = s.get_final_message()
+check(streamed.content[0].type == "thinking" and streamed.content[0].thinking == text, f"streamed thinking: {streamed.content}")
+
+# Thinking switched off: the template closes <think> in the prompt.
+OFF = {"enable_thinking": False}
+on = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1).usage.prompt_tokens
+off = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1, extra_body={"chat_template_kwargs": OFF}).usage.prompt_tokens
+check(off > on, f"chat_template_kwargs reach the template: {on} vs {off} prompt tokens")
+
+
+def tokenize(body):
+    req = urllib.request.Request(BASE + "/tokenize", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req))["count"]
+
+
+check(tokenize({"messages": MESSAGES, "chat_template_kwargs": OFF}) == off, "/tokenize renders with them too")
+check(tokenize({"messages": MESSAGES}) == on, "/tokenize without them")
+r_on = client.responses.create(model=model, input=MESSAGES[0]["content"], max_output_tokens=1,
+                               reasoning={"effort": "high", "summary": "auto"}, include=["reasoning.encrypted_content"])
+r_off = client.responses.create(model=model, input=MESSAGES[0]["content"], max_output_tokens=1, reasoning={"effort": "none"})
+check(r_on.usage.input_tokens == on and r_off.usage.input_tokens == off, f"reasoning.effort: {r_on.usage} / {r_off.usage}")
+check(r_on.reasoning.effort == "high" and r_off.reasoning.effort == "none", f"the effort is echoed: {r_on.reasoning}")
+m_on = a.messages.create(model=model, max_tokens=16, messages=MESSAGES, thinking={"type": "enabled", "budget_tokens": 1024})
+m_off = a.messages.create(model=model, max_tokens=1, messages=MESSAGES, thinking={"type": "disabled"})
+check(m_on.usage.input_tokens == on and m_off.usage.input_tokens == off, f"thinking: {m_on.usage} / {m_off.usage}")
 
 print(f"parsers: {passed} checks passed")
