@@ -141,6 +141,22 @@ pub struct SimReport {
     pub mean_output_len: f64,
     /// Steps run.
     pub num_steps: u64,
+    /// Output tokens per simulated second.
+    pub output_tokens_per_s: f64,
+    /// Time to first token (arrival to the step that sampled it), median.
+    pub ttft_median_s: f64,
+    /// Time to first token, 99th percentile.
+    pub ttft_p99_s: f64,
+    /// Gaps between a request's successive tokens, median over every gap.
+    pub itl_median_s: f64,
+    /// Gaps between a request's successive tokens, 99th percentile: what a
+    /// long prefill in the same step does to the decodes beside it.
+    pub itl_p99_s: f64,
+}
+
+/// The `p`-quantile of sorted values (0 for none).
+fn quantile(sorted: &[f64], p: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
 }
 
 /// Runs one simulation.
@@ -187,6 +203,9 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
     let mut acc = Accumulator::default();
     let mut arrival: HashMap<RequestId, (f64, usize)> = HashMap::new();
     let mut normalized = Vec::new();
+    // Per request, when its latest token was sampled; every gap; every TTFT.
+    let mut last_token: HashMap<RequestId, f64> = HashMap::new();
+    let (mut itl, mut ttft, mut output_tokens) = (Vec::new(), Vec::new(), 0u64);
     // Requests whose first sample was drawn (parallel samples, beams).
     let mut forked: std::collections::HashSet<RequestId> = std::collections::HashSet::new();
     let (mut t, mut next, mut num_steps) = (0.0f64, 0usize, 0u64);
@@ -239,6 +258,13 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
             per_req.entry(s.request_id).or_default().push(s.seq_id);
         }
         let mut requests = Vec::with_capacity(per_req.len());
+        for &id in per_req.keys() {
+            output_tokens += 1;
+            match last_token.insert(id, t) {
+                Some(prev) => itl.push(t - prev),
+                None => ttft.push(t - arrival.get(&id).map_or(t, |a| a.0)),
+            }
+        }
         for (id, seqs) in per_req {
             let width = if config.beam_width > 0 { config.beam_width } else { config.n };
             let first = width > 1 && forked.insert(id);
@@ -251,12 +277,15 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
         }
         let update = sched.update_from_output(&StepSamples { requests });
         for (id, _) in &update.finished_requests {
+            last_token.remove(id);
             if let Some((at, out_len)) = arrival.get(id) {
                 normalized.push((t - at) / (*out_len).max(1) as f64);
             }
         }
     }
     acc.samples.sort_by(f64::total_cmp);
+    itl.sort_by(f64::total_cmp);
+    ttft.sort_by(f64::total_cmp);
     let pct = |p: f64| acc.samples.get(((acc.samples.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(1.0);
     let w = acc.weight.max(f64::MIN_POSITIVE);
     let n = trace.len().max(1) as f64;
@@ -278,6 +307,11 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
         mean_prompt_len: trace.iter().map(|r| r.prompt_len).sum::<usize>() as f64 / n,
         mean_output_len: trace.iter().map(|r| r.output_len).sum::<usize>() as f64 / n,
         num_steps,
+        output_tokens_per_s: output_tokens as f64 / t.max(f64::MIN_POSITIVE),
+        ttft_median_s: quantile(&ttft, 0.5),
+        ttft_p99_s: quantile(&ttft, 0.99),
+        itl_median_s: quantile(&itl, 0.5),
+        itl_p99_s: quantile(&itl, 0.99),
     }
 }
 
@@ -287,6 +321,37 @@ mod tests {
 
     fn small(kind: AllocatorKind) -> SimReport {
         simulate(&SimConfig { allocator: kind, duration_s: 60.0, request_rate: 1.0, ..SimConfig::default() })
+    }
+
+    /// A cap on the tokens one prompt takes per step keeps the decode steps
+    /// beside a long prefill short (lower p99 inter-token latency) and
+    /// makes that prompt wait longer for its first token; the work done is
+    /// the same.
+    #[test]
+    fn a_prefill_chunk_cap_trades_time_to_first_token_for_steadier_decodes() {
+        let run = |threshold| {
+            simulate(&SimConfig {
+                request_rate: 20.0,
+                duration_s: 30.0,
+                kv_slots: 400_000,
+                cost_model: CostModel::llama3_8b_h100(),
+                scheduler: SchedulerConfig {
+                    max_num_seqs: 256,
+                    max_num_batched_tokens: 2048,
+                    enable_chunked_prefill: true,
+                    long_prefill_token_threshold: threshold,
+                    ..SchedulerConfig::default()
+                },
+                ..SimConfig::default()
+            })
+        };
+        let (free, capped) = (run(0), run(128));
+        assert_eq!(free.num_finished, free.num_requests);
+        assert!(free.itl_median_s > 0.0 && free.itl_p99_s > free.itl_median_s, "{free:?}");
+        assert!(capped.itl_p99_s < 0.8 * free.itl_p99_s, "p99 ITL {} → {}", free.itl_p99_s, capped.itl_p99_s);
+        assert!(capped.ttft_p99_s > free.ttft_p99_s, "p99 TTFT {} → {}", free.ttft_p99_s, capped.ttft_p99_s);
+        let work = |r: &SimReport| r.output_tokens_per_s * r.simulated_s;
+        assert!((work(&free) - work(&capped)).abs() < 1.0, "the same tokens: {} vs {}", work(&free), work(&capped));
     }
 
     #[test]

@@ -60,6 +60,19 @@ pub struct EngineFlags {
     /// per layer group that frees the local layers' blocks as they slide out.
     #[arg(long)]
     pub disable_hybrid_kv_cache_manager: bool,
+    /// Split long prompts across steps and mix them with decodes (on by
+    /// default; vLLM's flag).
+    #[arg(long, default_value_t = true, overrides_with = "no_enable_chunked_prefill")]
+    pub enable_chunked_prefill: bool,
+    /// Compute each prompt in one step (needs --max-num-batched-tokens of at
+    /// least --max-model-len).
+    #[arg(long, overrides_with = "enable_chunked_prefill")]
+    pub no_enable_chunked_prefill: bool,
+    /// Most tokens one prompt takes in a step (vLLM's flag; 0: only the
+    /// step budget). Lower values keep a long prompt from stretching the
+    /// decode steps beside it, at the cost of its time to first token.
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
     /// fcfs, two-level (thesis §4.5.3) or priority (lower `priority` first).
     #[arg(long, default_value = "fcfs")]
     pub scheduling_policy: String,
@@ -158,9 +171,14 @@ impl EngineFlags {
             max_model_len: self.max_model_len.unwrap_or(defaults.max_model_len),
             policy: parse_policy(&self.scheduling_policy)?,
             preemption_mode: parse_preemption(&self.preemption_mode)?,
-            ..SchedulerConfig::default()
+            enable_chunked_prefill: !self.no_enable_chunked_prefill,
+            long_prefill_token_threshold: self.long_prefill_token_threshold,
         };
-        scheduler.validate().map_err(|e| anyhow!("{e}"))?;
+        // The model's context caps --max-model-len once it is loaded (and the
+        // scheduler checks the budgets against it again then): an unset
+        // length is not yet a reason to refuse --no-enable-chunked-prefill.
+        let known_len = if self.max_model_len.is_some() { scheduler.max_model_len } else { scheduler.max_num_batched_tokens };
+        SchedulerConfig { max_model_len: known_len, ..scheduler.clone() }.validate().map_err(|e| anyhow!("{e}"))?;
         let swap = scheduler.preemption_mode == PreemptionMode::Swap;
         Ok(EngineArgs {
             model,

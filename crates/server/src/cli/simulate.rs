@@ -42,6 +42,23 @@ pub struct SimulateArgs {
     /// Scheduling policy: fcfs | two-level | priority.
     #[arg(long, default_value = "fcfs")]
     pub policy: String,
+    /// Step cost: opt13b-a100 (the paper's setup, fitted to its Fig. 13a)
+    /// or llama3-8b-h100 (bf16 on one H100, from bandwidth and FLOPs).
+    #[arg(long, default_value = "opt13b-a100")]
+    pub cost_model: String,
+    /// Most sequences in one step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one step (the paper's vLLM: 2560).
+    #[arg(long, default_value_t = 2560)]
+    pub max_num_batched_tokens: usize,
+    /// Split long prompts across steps and mix them with decodes (off in
+    /// the paper's vLLM).
+    #[arg(long)]
+    pub enable_chunked_prefill: bool,
+    /// Most tokens one prompt may take in a step (0: only the budget).
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -82,7 +99,18 @@ pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
     if args.n == 0 {
         return Err(anyhow!("--n must be at least 1"));
     }
+    let cost_model = vellum_simulator::CostModel::named(&args.cost_model)
+        .ok_or_else(|| anyhow!("--cost-model must be opt13b-a100 or llama3-8b-h100, got {:?}", args.cost_model))?;
     let base = SimConfig::default();
+    let scheduler = vellum_base::SchedulerConfig {
+        policy,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        enable_chunked_prefill: args.enable_chunked_prefill,
+        long_prefill_token_threshold: args.long_prefill_token_threshold,
+        ..base.scheduler.clone()
+    };
+    scheduler.validate().map_err(|e| anyhow!("{e}"))?;
     Ok(SimConfig {
         workload,
         request_rate: args.request_rate,
@@ -93,7 +121,8 @@ pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
         n: args.n,
         beam_width: args.beam_width,
         seed: args.seed,
-        scheduler: vellum_base::SchedulerConfig { policy, ..base.scheduler.clone() },
+        scheduler,
+        cost_model,
         ..base
     })
 }
@@ -169,4 +198,12 @@ fn print_table(r: &SimReport) {
     println!("  normalized latency  {:.3} s/token", r.normalized_latency_mean_s);
     println!("  sharing savings     {:.1}%", 100.0 * r.sharing_savings);
     println!("  preemptions         {}", r.num_preemptions);
+    println!("  output tokens/s     {:.0}", r.output_tokens_per_s);
+    println!("  time to 1st token   median {:.1} ms  p99 {:.1} ms", 1e3 * r.ttft_median_s, 1e3 * r.ttft_p99_s);
+    println!(
+        "  inter-token         median {:.1} ms  p99 {:.1} ms ({:.1}× the median)",
+        1e3 * r.itl_median_s,
+        1e3 * r.itl_p99_s,
+        r.itl_p99_s / r.itl_median_s.max(f64::MIN_POSITIVE)
+    );
 }
