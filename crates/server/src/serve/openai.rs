@@ -821,6 +821,27 @@ pub async fn version() -> Response {
     json_response(json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
+/// `GET /server_info` (and SGLang's older `/get_server_info`): what a router
+/// such as `sglang-router` labels a worker with when it registers it.
+pub async fn server_info(State(state): State<Arc<AppState>>) -> Response {
+    json_response(json!({
+        "model_path": state.model_path,
+        "served_model_name": state.served_names[0],
+        "version": env!("CARGO_PKG_VERSION"),
+        "dp_size": 1,
+        "max_model_len": state.max_model_len,
+    }))
+}
+
+/// `GET /model_info` (and `/get_model_info`): the model a router routes to.
+pub async fn model_info(State(state): State<Arc<AppState>>) -> Response {
+    json_response(json!({
+        "model_path": state.model_path,
+        "tokenizer_path": state.model_path,
+        "is_generation": state.embedding.is_none(),
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
