@@ -73,15 +73,21 @@ pub const ARCHITECTURES: &[Architecture] = &[
     },
 ];
 
-/// The architecture named `name` (`config.json`'s `architectures[0]`). A
-/// base model without its LM head (`LlamaModel`, `MistralModel`,
-/// `Qwen3Model`: how sentence-transformers embedding checkpoints such as
-/// e5-mistral name theirs) is its `…ForCausalLM`'s body.
+/// Base models without their LM head, as sentence-transformers embedding
+/// checkpoints (e5-mistral, gte-Qwen) name themselves, and the causal LM
+/// whose body each is.
+const BASE_MODELS: &[(&str, &str)] = &[
+    ("LlamaModel", "LlamaForCausalLM"),
+    ("MistralModel", "MistralForCausalLM"),
+    ("Qwen2Model", "Qwen2ForCausalLM"),
+    ("Qwen3Model", "Qwen3ForCausalLM"),
+];
+
+/// The architecture named `name` (`config.json`'s `architectures[0]`); a
+/// base model of [`BASE_MODELS`] is its causal LM's body.
 pub fn find_architecture(name: &str) -> Option<&'static Architecture> {
-    ARCHITECTURES.iter().find(|a| a.name == name).or_else(|| {
-        let body = name.strip_suffix("Model")?;
-        ARCHITECTURES.iter().find(|a| a.name.strip_suffix("ForCausalLM") == Some(body))
-    })
+    let name = BASE_MODELS.iter().find(|(base, _)| *base == name).map_or(name, |(_, causal)| causal);
+    ARCHITECTURES.iter().find(|a| a.name == name)
 }
 
 /// Whether `name` is a base model's architecture (no LM head: an
@@ -127,5 +133,10 @@ mod tests {
         assert_eq!(find_architecture("Qwen3Model").map(|a| a.name), Some("Qwen3ForCausalLM"));
         assert!(is_base_model_architecture("LlamaModel") && !is_base_model_architecture("LlamaForCausalLM"));
         assert!(find_architecture("BertModel").is_none() && !is_base_model_architecture("BertModel"));
+        // Gemma3Model is the multimodal wrapper, not Gemma3ForCausalLM's body.
+        assert!(find_architecture("Gemma3Model").is_none());
+        for (base, _) in BASE_MODELS {
+            assert!(is_base_model_architecture(base), "{base}");
+        }
     }
 }

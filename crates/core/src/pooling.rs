@@ -36,8 +36,10 @@ impl PoolingType {
     }
 
     /// Whether the pooled vector reads hidden states a prefix-cache hit
-    /// would skip (every position, or the first): such requests must
-    /// compute their whole prompt.
+    /// would skip (a hit always covers position 0: `MEAN` reads it with
+    /// every other, `CLS` reads only it), so that such requests must
+    /// compute their whole prompt; `LAST` reads the last position, which a
+    /// hit never covers.
     pub fn reads_every_position(self) -> bool {
         !matches!(self, Self::Last)
     }

@@ -178,6 +178,14 @@ impl Llm {
         if embed && args.speculative_config.is_some() {
             return Err(Error::Task("--speculative-config applies to generation, not to an embedding model (--task embed)".into()));
         }
+        if !embed && declared.base_model {
+            return Err(Error::Task(
+                "this checkpoint is a base model without an LM head (an embedding model): serve it with --task embed".into(),
+            ));
+        }
+        if !embed && args.pooler_config != PoolerConfig::default() {
+            tracing::warn!("--pooler-config applies to embeddings (--task embed); this engine generates, so it is ignored");
+        }
         let proposer = match &args.speculative_config {
             None => None,
             Some(spec) => Some(match &spec.method {
@@ -213,6 +221,8 @@ impl Llm {
         }
         let max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
         let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
+        // The budgets against the model's context, before any weight is read.
+        scheduler.validate()?;
         let max_batched = scheduler.max_num_batched_tokens;
         let kv_dtype = args.kv_cache_dtype.unwrap_or_else(|| auto_kv_cache_dtype(args.device, args.cpu_precision, args.dtype));
         let options = ExecutorOptions {

@@ -86,6 +86,9 @@ struct StPooling {
     pooling_mode_cls_token: bool,
     pooling_mode_mean_tokens: bool,
     pooling_mode_lasttoken: bool,
+    pooling_mode_max_tokens: bool,
+    pooling_mode_mean_sqrt_len_tokens: bool,
+    pooling_mode_weightedmean_tokens: bool,
 }
 
 #[derive(Deserialize)]
@@ -102,8 +105,8 @@ struct RawConfig {
     is_matryoshka: Option<bool>,
 }
 
-/// What a checkpoint directory declares about pooling (`None` for a GGUF
-/// file or a directory that declares nothing).
+/// What a checkpoint directory declares about pooling (the default, nothing
+/// declared, for a GGUF file or a directory without these files).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeclaredPooling {
     /// From `1_Pooling/config.json`.
@@ -117,33 +120,41 @@ pub struct DeclaredPooling {
 }
 
 impl DeclaredPooling {
-    /// Reads a Hugging Face directory's declarations; unreadable or absent
-    /// files declare nothing (a malformed one is an error naming it).
+    /// Reads a Hugging Face directory's declarations; absent files declare
+    /// nothing. A malformed file, or a pooling this engine does not do
+    /// (sentence-transformers' max, weighted-mean or mean/√len pooling, or
+    /// several at once), is an error naming it.
     pub fn read(dir: &Path) -> Result<Self, Error> {
-        let read_json = |name: &str| -> Result<Option<serde_json::Value>, Error> {
+        fn parse<T: serde::de::DeserializeOwned>(dir: &Path, name: &str) -> Result<Option<T>, Error> {
             let path = dir.join(name);
             let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
             serde_json::from_str(&text).map(Some).map_err(|e| Error::Task(format!("{}: {e}", path.display())))
-        };
-        let mut d = DeclaredPooling::default();
-        if let Some(v) = read_json("1_Pooling/config.json")? {
-            let p: StPooling = serde_json::from_value(v).unwrap_or_default();
-            d.pooling_type = if p.pooling_mode_lasttoken {
-                Some(PoolingType::Last)
-            } else if p.pooling_mode_mean_tokens {
-                Some(PoolingType::Mean)
-            } else if p.pooling_mode_cls_token {
-                Some(PoolingType::Cls)
-            } else {
-                None
-            };
         }
-        if let Some(v) = read_json("modules.json")? {
-            let modules: Vec<StModule> = serde_json::from_value(v).unwrap_or_default();
+        let mut d = DeclaredPooling::default();
+        if let Some(p) = parse::<StPooling>(dir, "1_Pooling/config.json")? {
+            let unsupported = [
+                ("max", p.pooling_mode_max_tokens),
+                ("mean_sqrt_len", p.pooling_mode_mean_sqrt_len_tokens),
+                ("weightedmean", p.pooling_mode_weightedmean_tokens),
+            ];
+            if let Some((mode, _)) = unsupported.iter().find(|(_, on)| *on) {
+                return Err(Error::Task(format!("1_Pooling/config.json asks for {mode} pooling; LAST, MEAN and CLS are served")));
+            }
+            let modes = [
+                (PoolingType::Last, p.pooling_mode_lasttoken),
+                (PoolingType::Mean, p.pooling_mode_mean_tokens),
+                (PoolingType::Cls, p.pooling_mode_cls_token),
+            ];
+            let on: Vec<PoolingType> = modes.iter().filter(|(_, on)| *on).map(|(t, _)| *t).collect();
+            if on.len() > 1 {
+                return Err(Error::Task(format!("1_Pooling/config.json asks for several poolings at once ({on:?}); one is served")));
+            }
+            d.pooling_type = on.first().copied();
+        }
+        if let Some(modules) = parse::<Vec<StModule>>(dir, "modules.json")? {
             d.normalize = Some(modules.iter().any(|m| m.kind.ends_with(".Normalize")));
         }
-        if let Some(v) = read_json("config.json")? {
-            let c: RawConfig = serde_json::from_value(v).unwrap_or_default();
+        if let Some(c) = parse::<RawConfig>(dir, "config.json")? {
             d.base_model = c.architectures.first().is_some_and(|a| vellum_base::is_base_model_architecture(a));
             d.matryoshka = c.is_matryoshka == Some(true) || c.matryoshka_dimensions.is_some_and(|v| !v.is_null());
         }
@@ -222,6 +233,19 @@ mod tests {
         assert_eq!(spec.defaults, PoolingParams { pooling_type: PoolingType::Last, normalize: true, dimensions: None });
         assert!(spec.request(Some(4)).unwrap_err().contains("Matryoshka"));
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn poolings_not_served_and_malformed_files_are_errors() {
+        let max = dir_with(&[("1_Pooling/config.json", r#"{"pooling_mode_max_tokens": true}"#)]);
+        assert!(DeclaredPooling::read(&max).unwrap_err().to_string().contains("max pooling"));
+        let two = dir_with(&[("1_Pooling/config.json", r#"{"pooling_mode_cls_token": true, "pooling_mode_mean_tokens": true}"#)]);
+        assert!(DeclaredPooling::read(&two).unwrap_err().to_string().contains("several"));
+        let bad = dir_with(&[("modules.json", r#"{"not": "a list"}"#)]);
+        assert!(DeclaredPooling::read(&bad).unwrap_err().to_string().contains("modules.json"));
+        for d in [max, two, bad] {
+            let _ = std::fs::remove_dir_all(d);
+        }
     }
 
     #[test]

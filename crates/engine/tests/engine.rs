@@ -995,13 +995,20 @@ fn pooled_embeddings_agree_with_the_prefixes_last_states_whatever_the_batching()
     let mean_of_prefixes: Vec<f32> =
         (0..shape.hidden).map(|d| batched.iter().map(|v| f64::from(v[d])).sum::<f64>() as f32 / prompt.len() as f32).collect();
 
-    // Mean pooling, with the prompt in chunks of 16 tokens and in one piece.
+    // Mean pooling, with the prompt in chunks of 16 tokens and in one piece;
+    // the second time after a request that put the prompt's first blocks in
+    // the prefix cache (which a MEAN request must not use: a hit would skip
+    // the positions it averages).
     for max_batched in [16, 2048] {
         let mut mean = engine(PoolingType::Mean, false, max_batched);
+        if max_batched == 2048 {
+            mean.embed_ids(&[prompt[..33].to_vec()], None).expect("embeds");
+        }
         let got = mean.embed_ids(std::slice::from_ref(&prompt), None).expect("embeds");
         close(&got[0], &mean_of_prefixes, &format!("mean = mean of the prefixes' last states (chunks of {max_batched})"));
     }
     let mut cls = engine(PoolingType::Cls, false, 16);
+    cls.embed_ids(&[prompt[..17].to_vec()], None).expect("embeds");
     close(&cls.embed_ids(std::slice::from_ref(&prompt), None).expect("embeds")[0], &batched[0], "CLS = the first token's state");
 
     // Normalized: unit length, the same direction.
@@ -1012,6 +1019,41 @@ fn pooled_embeddings_agree_with_the_prefixes_last_states_whatever_the_batching()
     let raw = &batched[prompt.len() - 1];
     let raw_norm = raw.iter().map(|x| x * x).sum::<f32>().sqrt();
     close(v, &raw.iter().map(|x| x / raw_norm).collect::<Vec<_>>(), "normalized = the state over its norm");
+
+    // Under memory pressure: prompts preempted mid-prefill (recompute, or
+    // swapped to the host and back) pool the same vectors as alone.
+    let prompts: Vec<Vec<TokenId>> = (0..6).map(|k| (0..40).map(|i| ((i * 29 + k * 7) % 256) as TokenId).collect()).collect();
+    let alone: Vec<Vec<f32>> = prompts
+        .iter()
+        .map(|p| engine(PoolingType::Mean, false, 2048).embed_ids(std::slice::from_ref(p), None).expect("embeds")[0].clone())
+        .collect();
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        // Three prompts take 16 tokens each a step: they outgrow 5 blocks together.
+        let scheduler = SchedulerConfig {
+            max_num_batched_tokens: 48,
+            long_prefill_token_threshold: 16,
+            max_model_len: 256,
+            preemption_mode: mode,
+            ..SchedulerConfig::default()
+        };
+        let mut tight = Llm::new(EngineArgs {
+            model: Some(dir.to_string_lossy().into_owned()),
+            task: Task::Embed,
+            pooler_config: PoolerConfig { pooling_type: Some(PoolingType::Mean), normalize: Some(false) },
+            cpu_precision: CpuPrecision::Float32,
+            kv_cache: vellum_base::KvCacheSize::NumBlocks(5),
+            swap_space_bytes: 1 << 20,
+            scheduler,
+            ..Default::default()
+        })
+        .expect("loads for embeddings");
+        let got = tight.embed_ids(&prompts, None).expect("embeds");
+        for (g, a) in got.iter().zip(&alone) {
+            close(g, a, &format!("{mode:?}: preempted = alone"));
+        }
+        assert!(tight.engine().queue_stats().num_preemptions > 0, "{mode:?}: the cache is small enough to preempt");
+        assert_eq!(tight.engine().kv_stats().num_used_blocks, 0, "{mode:?}: every block comes back");
+    }
 
     // Not a Matryoshka model: `dimensions` is refused; so is generation.
     let e = unit.embed_ids(std::slice::from_ref(&prompt), Some(8)).unwrap_err().to_string();

@@ -71,7 +71,8 @@ impl SafetensorsWeights {
         }
         let unprefixed = !index.keys().any(|k| k.starts_with("model.")) && index.contains_key("embed_tokens.weight");
         if unprefixed {
-            index = index.into_iter().map(|(k, v)| (format!("model.{k}"), v)).collect();
+            // The body's tensors; an LM head saved beside them keeps its name.
+            index = index.into_iter().map(|(k, v)| if k.starts_with("lm_head.") { (k, v) } else { (format!("model.{k}"), v) }).collect();
         }
         Ok(Self { dir: dir.to_path_buf(), config, shards, index, unprefixed })
     }
@@ -89,7 +90,7 @@ impl WeightSource for SafetensorsWeights {
             .get(name)
             .map(|&i| &self.shards[i])
             .ok_or_else(|| Error::MissingTensor { path: self.dir.clone(), tensor: name.to_string() })?;
-        let stored = if self.unprefixed { name.strip_prefix("model.").unwrap_or(name) } else { name };
+        let stored = if self.unprefixed && !name.starts_with("lm_head.") { name.strip_prefix("model.").unwrap_or(name) } else { name };
         shard.tensor(stored)
     }
 

@@ -168,7 +168,7 @@ pub(crate) struct HotParams {
     pub(crate) num_sequences: usize,
     /// Every prompt position is computed (no prefix-cache hit): prompt
     /// logprobs asked for, or a pooling that reads every position.
-    pub(crate) prompt_logprobs: bool,
+    pub(crate) computes_whole_prompt: bool,
     /// Tokens that end a sequence: EOS unless `ignore_eos`, and the stop
     /// token ids.
     pub(crate) stop_token_ids: SmallVec<[TokenId; 2]>,
@@ -182,7 +182,8 @@ impl HotParams {
         Self {
             is_beam: params.beam_search.is_some(),
             num_sequences: params.num_sequences(),
-            prompt_logprobs: params.prompt_logprobs.is_some() || params.pooling.is_some_and(|p| p.pooling_type.reads_every_position()),
+            computes_whole_prompt: params.prompt_logprobs.is_some()
+                || params.pooling.is_some_and(|p| p.pooling_type.reads_every_position()),
             stop_token_ids: eos.iter().chain(&params.stop_token_ids).copied().collect(),
             min_tokens: params.min_tokens,
         }

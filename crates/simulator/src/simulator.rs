@@ -143,7 +143,9 @@ pub struct SimReport {
     pub num_steps: u64,
     /// Output tokens per simulated second.
     pub output_tokens_per_s: f64,
-    /// Time to first token (arrival to the step that sampled it), median.
+    /// Time to first token (arrival to the step that sampled it), median
+    /// over the requests that got one before the time cap (an overloaded
+    /// run's unserved requests are not in it).
     pub ttft_median_s: f64,
     /// Time to first token, 99th percentile.
     pub ttft_p99_s: f64,
@@ -259,7 +261,6 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
         }
         let mut requests = Vec::with_capacity(per_req.len());
         for &id in per_req.keys() {
-            output_tokens += 1;
             match last_token.insert(id, t) {
                 Some(prev) => itl.push(t - prev),
                 None => ttft.push(t - arrival.get(&id).map_or(t, |a| a.0)),
@@ -273,6 +274,7 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
             } else {
                 seqs.iter().map(|&s| (s, 3 + rng.below(49_000) as TokenId)).collect()
             };
+            output_tokens += next_tokens.len() as u64;
             requests.push(RequestSamples::tokens(id, next_tokens));
         }
         let update = sched.update_from_output(&StepSamples { requests });
@@ -286,7 +288,7 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
     acc.samples.sort_by(f64::total_cmp);
     itl.sort_by(f64::total_cmp);
     ttft.sort_by(f64::total_cmp);
-    let pct = |p: f64| acc.samples.get(((acc.samples.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(1.0);
+    let pct = |p: f64| if acc.samples.is_empty() { 1.0 } else { quantile(&acc.samples, p) };
     let w = acc.weight.max(f64::MIN_POSITIVE);
     let n = trace.len().max(1) as f64;
     SimReport {

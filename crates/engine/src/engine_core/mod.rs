@@ -370,6 +370,15 @@ impl<E: ModelExecutor> EngineCore<E> {
         };
         let t2 = Instant::now();
         if batch.hidden_states {
+            if result.hidden_size == 0 || result.hidden_states.len() != rows.len() * result.hidden_size {
+                let e = vellum_base::Error::Backend(format!(
+                    "a pooling step returned {} hidden-state values of width {} for {} rows",
+                    result.hidden_states.len(),
+                    result.hidden_size,
+                    rows.len()
+                ));
+                return Err(self.fail_step(&out, e));
+            }
             let outputs = self.pool(&out, &result, &rows);
             self.counters.num_steps += 1;
             self.counters.schedule_s += (t1 - t0).as_secs_f64();

@@ -157,7 +157,7 @@ impl<A: BlockAllocator> Scheduler<A> {
         let req = &self.requests[&id];
         let seq = &req.seqs[0];
         let st = seq.tokens_for_allocator(0, req.length_hint());
-        let hit = if req.hot.prompt_logprobs { 0 } else { self.allocator.get_computed_blocks(&st).num_computed_tokens };
+        let hit = if req.hot.computes_whole_prompt { 0 } else { self.allocator.get_computed_blocks(&st).num_computed_tokens };
         req.num_schedulable_tokens().saturating_sub(hit)
     }
 
@@ -273,8 +273,8 @@ impl<A: BlockAllocator> Scheduler<A> {
             return Attempt::Idle;
         }
         let hint = req.length_hint();
-        // Prompt logprobs need every prompt position computed: no prefix hit.
-        let use_prefix_cache = !req.hot.prompt_logprobs;
+        // Prompt logprobs and MEAN/CLS pooling need every prompt position computed: no prefix hit.
+        let use_prefix_cache = !req.hot.computes_whole_prompt;
         // Scheduled sequences go straight to the output; a failed attempt
         // truncates them away again.
         let mark = out.scheduled.len();

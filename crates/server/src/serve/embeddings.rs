@@ -110,6 +110,7 @@ fn base64_f32(v: &[f32]) -> String {
 /// `POST /v1/embeddings`.
 pub async fn create(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let started = Instant::now();
+    state.metrics.http_request();
     let req: Map<String, Value> = protocol::parse_body(&body)?;
     if let Some(field) = req.keys().find(|k| !FIELDS.contains(&k.as_str())) {
         return Err(bad(format!("`{field}` is not supported by /v1/embeddings"), field));
@@ -156,20 +157,20 @@ pub async fn create(State(state): State<Arc<AppState>>, body: Bytes) -> Result<R
             }
         }
     }
-    // A pooling request computes its prompt and nothing more; the one
-    // output slot every request holds is never used.
+    // Every engine request holds one output slot, which a pooling request
+    // never fills: an input may take the context less that slot.
     let limit = state.max_model_len.saturating_sub(1);
     if let Some(p) = prompts.iter().find(|p| p.len() > limit) {
         return Err(bad(
             format!(
-                "This model's maximum context length is {} tokens. However, you requested {} tokens in the input for embedding generation. Please reduce the length of the input.",
+                "This model's maximum context length is {} tokens, of which an input to embed may take {limit}. However, you requested {} tokens in the input for embedding generation. Please reduce the length of the input.",
                 state.max_model_len,
                 p.len()
             ),
             "input",
         ));
     }
-    state.admit()?;
+    state.admit_many(prompts.len())?;
     let params = SamplingParams { pooling: Some(pooling), max_tokens: Some(1), ..SamplingParams::default() };
     // Queue every input before awaiting any: they share the engine's steps.
     let mut streams = Vec::with_capacity(prompts.len());
@@ -182,7 +183,8 @@ pub async fn create(State(state): State<Arc<AppState>>, body: Bytes) -> Result<R
             match stream.next().await {
                 Some(RequestEvent::Finished(out)) => match out.embedding {
                     Some(v) => break v,
-                    None => return Err(ApiError::internal(format!("input {index} ended before its prompt was computed"))),
+                    // Aborted (the server shutting down) before its prompt was computed.
+                    None => return Err(ApiError::unavailable(format!("input {index} was aborted before its embedding was computed"))),
                 },
                 Some(RequestEvent::Delta(_)) => continue,
                 Some(RequestEvent::Error(e)) => return Err(ApiError::internal(e)),

@@ -159,7 +159,7 @@ impl Metrics {
         }
     }
 
-    /// Counts an HTTP request to a generation endpoint.
+    /// Counts an HTTP request to a generation or embeddings endpoint.
     pub fn http_request(&self) {
         if let Ok(mut m) = self.inner.lock() {
             m.http_requests += 1;

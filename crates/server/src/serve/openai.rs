@@ -71,11 +71,18 @@ impl AppState {
     }
 
     pub(super) fn admit(&self) -> Result<(), ApiError> {
+        self.admit_many(1)
+    }
+
+    /// Admission of a request that queues `n` engine requests (one per
+    /// input of an embeddings call): 503 when they would take the waiting
+    /// queue past `--max-waiting-requests`.
+    pub(super) fn admit_many(&self, n: usize) -> Result<(), ApiError> {
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(ApiError::unavailable("The server is shutting down."));
         }
         let waiting = self.engine.num_waiting();
-        if waiting >= self.max_waiting_requests as u64 {
+        if waiting + n as u64 > self.max_waiting_requests as u64 {
             self.metrics.rejected_busy();
             return Err(ApiError::unavailable(format!(
                 "The server is overloaded: {waiting} requests are waiting (--max-waiting-requests {}). Retry later.",
