@@ -14,8 +14,8 @@ Usage: python3 anthropic_messages.py BASE_URL API_KEY
   conversation with the `tool_result` renders and answers.
 - `count_tokens` counts the rendered prompt: the message's `input_tokens`.
 - Errors in Anthropic's shape: a wrong key is 401 `authentication_error`; a
-  missing `max_tokens`, an image block and an unknown field are 400
-  `invalid_request_error` naming what is wrong.
+  missing `max_tokens`, a `thinking` of no known type, an image block and an
+  unknown field are 400 `invalid_request_error` naming what is wrong.
 """
 import json
 import sys
@@ -122,7 +122,7 @@ def post(body):
 
 for body, needle in [
     ({"model": MODEL, "messages": ask}, "max_tokens"),
-    ({"model": MODEL, "max_tokens": 8, "messages": ask, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"model": MODEL, "max_tokens": 8, "messages": ask, "thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
 ]:
     status, err = post(body)

@@ -141,7 +141,7 @@ for kwargs, name in [
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"tools": [{"type": "web_search"}]}, "web_search"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
 ]:
     try:
         client.responses.create(model=MODEL, input="hi", **kwargs)
