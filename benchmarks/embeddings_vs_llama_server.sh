@@ -26,14 +26,7 @@ cargo build --release -p vellum-server
 [ -f "$MODEL" ] || "$VELLUM" generate --prompt hi --max-tokens 1 >/dev/null  # fetches the default model
 LLAMA_BIN=$(benchmarks/llama_cpp.sh)
 
-wait_up() {  # url
-    for _ in $(seq 1 300); do
-        curl -sf "$1/health" >/dev/null 2>&1 && return 0
-        sleep 1
-    done
-    echo "server at $1 did not come up" >&2
-    return 1
-}
+. benchmarks/lib.sh  # wait_up
 
 run_vellum() {  # label precision
     RAYON_NUM_THREADS=$THREADS "$VELLUM" serve "$MODEL" --port 8110 --served-model-name smol --task embed \

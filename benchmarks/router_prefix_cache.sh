@@ -27,14 +27,7 @@ mkdir -p "$OUT"
 cargo build --release -p vellum-server
 "$PYTHON" -c "import sglang_router" || { echo "sglang-router is needed: $PYTHON -m pip install sglang-router==0.3.2" >&2; exit 1; }
 
-wait_up() {  # url
-    for _ in $(seq 1 120); do
-        curl -sf "$1/health" >/dev/null 2>&1 && return 0
-        sleep 1
-    done
-    echo "$1 did not come up" >&2
-    return 1
-}
+. benchmarks/lib.sh  # wait_up
 
 run() {  # policy
     local pids=() urls=()

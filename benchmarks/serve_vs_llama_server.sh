@@ -29,14 +29,7 @@ rm -f "$OUT"/rates.jsonl "$OUT"/concurrency.jsonl
 cargo build --release -p vellum-server
 [ -f "$MODEL" ] || "$VELLUM" generate --prompt hi --max-tokens 1 >/dev/null  # fetches the default model
 
-wait_up() {  # url
-    for _ in $(seq 1 300); do
-        curl -sf "$1/health" >/dev/null 2>&1 && return 0
-        sleep 1
-    done
-    echo "server at $1 did not come up" >&2
-    return 1
-}
+. benchmarks/lib.sh  # wait_up
 
 bench() {  # label url
     "$VELLUM" bench serve --base-url "$2" --label "$1" --dataset random \

@@ -40,7 +40,7 @@ impl PoolingType {
     /// every other, `CLS` reads only it), so that such requests must
     /// compute their whole prompt; `LAST` reads the last position, which a
     /// hit never covers.
-    pub fn reads_every_position(self) -> bool {
+    pub fn needs_whole_prompt(self) -> bool {
         !matches!(self, Self::Last)
     }
 }
@@ -185,6 +185,6 @@ mod tests {
         assert_eq!(PoolingType::parse("LAST"), Some(PoolingType::Last));
         assert_eq!(PoolingType::parse("Cls"), Some(PoolingType::Cls));
         assert_eq!(PoolingType::parse("max"), None);
-        assert!(PoolingType::Mean.reads_every_position() && !PoolingType::Last.reads_every_position());
+        assert!(PoolingType::Mean.needs_whole_prompt() && !PoolingType::Last.needs_whole_prompt());
     }
 }

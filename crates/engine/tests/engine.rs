@@ -698,24 +698,29 @@ fn finishing_one_parallel_sample_frees_its_blocks_and_the_rest_go_on() {
     assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0);
 }
 
+/// The shape of the random checkpoints the CPU tests write: two layers of
+/// 64, 4 query and 2 KV heads, the byte-level vocabulary and a little more.
+#[cfg(feature = "cpu")]
+const TINY_LLAMA: vellum_formats::CheckpointShape = vellum_formats::CheckpointShape {
+    hidden: 64,
+    intermediate: 160,
+    layers: 2,
+    heads: 4,
+    kv_heads: 2,
+    vocab: 300,
+    max_positions: 256,
+    rope_theta: 10_000.0,
+};
+
 /// A random-weight Llama checkpoint written by `vellum-formats` (bf16,
 /// sharded, with its index, config and byte-level tokenizer) is what the
 /// loaders read and the engine runs: the GPU benchmarks write 8B ones of it.
 #[cfg(feature = "cpu")]
 #[test]
 fn a_written_random_checkpoint_loads_and_generates_on_the_cpu() {
-    use vellum_formats::{write_random_checkpoint, CheckpointDtype, CheckpointShape};
+    use vellum_formats::{write_random_checkpoint, CheckpointDtype};
     let root = std::env::temp_dir().join(format!("vellum-random-checkpoint-{}", std::process::id()));
-    let shape = CheckpointShape {
-        hidden: 64,
-        intermediate: 160,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        vocab: 300,
-        max_positions: 256,
-        rope_theta: 10_000.0,
-    };
+    let shape = TINY_LLAMA;
     let (a, b) = (root.join("a"), root.join("b"));
     let mut calls = 0;
     let report = write_random_checkpoint(&a, &shape, CheckpointDtype::Bf16, 7, 40_000, |done, total| {
@@ -946,18 +951,9 @@ fn speculative_sampling_keeps_the_target_distribution() {
 fn pooled_embeddings_agree_with_the_prefixes_last_states_whatever_the_batching() {
     use vellum_base::{PoolingParams, PoolingType};
     use vellum_engine::{CpuPrecision, EngineArgs, Llm, PoolerConfig, Task};
-    use vellum_formats::{write_random_checkpoint, CheckpointDtype, CheckpointShape};
+    use vellum_formats::{write_random_checkpoint, CheckpointDtype};
     let dir = std::env::temp_dir().join(format!("vellum-embed-checkpoint-{}", std::process::id()));
-    let shape = CheckpointShape {
-        hidden: 64,
-        intermediate: 128,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        vocab: 300,
-        max_positions: 256,
-        rope_theta: 10_000.0,
-    };
+    let shape = TINY_LLAMA;
     write_random_checkpoint(&dir, &shape, CheckpointDtype::F32, 11, 1 << 30, |_, _| {}).expect("writes");
     let engine = |pooling_type: PoolingType, normalize: bool, max_batched: usize| {
         let scheduler = SchedulerConfig { max_num_batched_tokens: max_batched, max_model_len: 256, ..SchedulerConfig::default() };

@@ -182,8 +182,7 @@ impl HotParams {
         Self {
             is_beam: params.beam_search.is_some(),
             num_sequences: params.num_sequences(),
-            computes_whole_prompt: params.prompt_logprobs.is_some()
-                || params.pooling.is_some_and(|p| p.pooling_type.reads_every_position()),
+            computes_whole_prompt: params.prompt_logprobs.is_some() || params.pooling.is_some_and(|p| p.pooling_type.needs_whole_prompt()),
             stop_token_ids: eos.iter().chain(&params.stop_token_ids).copied().collect(),
             min_tokens: params.min_tokens,
         }

@@ -602,17 +602,17 @@ mod tests {
     #[test]
     fn a_streamed_completion_becomes_anthropic_events_in_order() {
         let mut t = Translator::new(json!("m"));
-        let mut out = String::new();
-        for data in [
-            r#"{"id":"chatcmpl-7","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-7","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-7","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call-1","type":"function","function":{"name":"f","arguments":""}}]},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-7","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"a\":1}"}}]},"finish_reason":"tool_calls"}]}"#,
-            r#"{"id":"chatcmpl-7","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4}}"#,
-            "[DONE]",
-        ] {
-            t.chunk(data, &mut out);
-        }
+        let out = openai::translate_payloads(
+            &mut t,
+            &[
+                r#"{"id":"chatcmpl-7","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-7","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-7","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call-1","type":"function","function":{"name":"f","arguments":""}}]},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-7","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"a\":1}"}}]},"finish_reason":"tool_calls"}]}"#,
+                r#"{"id":"chatcmpl-7","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4}}"#,
+                "[DONE]",
+            ],
+        );
         let names: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
         assert_eq!(
             names,
@@ -635,15 +635,15 @@ mod tests {
     #[test]
     fn streamed_reasoning_is_a_thinking_block_before_the_text() {
         let mut t = Translator::new(json!("m"));
-        let mut out = String::new();
-        for data in [
-            r#"{"id":"chatcmpl-9","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-9","choices":[{"index":0,"delta":{"reasoning_content":"Hmm."},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-9","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}]}"#,
-            "[DONE]",
-        ] {
-            t.chunk(data, &mut out);
-        }
+        let out = openai::translate_payloads(
+            &mut t,
+            &[
+                r#"{"id":"chatcmpl-9","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-9","choices":[{"index":0,"delta":{"reasoning_content":"Hmm."},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-9","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}]}"#,
+                "[DONE]",
+            ],
+        );
         let names: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
         assert_eq!(
             names,

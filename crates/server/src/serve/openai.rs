@@ -216,6 +216,17 @@ pub trait ChatStreamTranslator: Send + 'static {
     fn fail(&mut self, message: &str, out: &mut String);
 }
 
+/// `translator`'s events for the `data:` payloads of a chat stream, in
+/// order (the adapters' unit tests).
+#[cfg(test)]
+pub fn translate_payloads(translator: &mut impl ChatStreamTranslator, payloads: &[&str]) -> String {
+    let mut out = String::new();
+    for data in payloads {
+        translator.chunk(data, &mut out);
+    }
+    out
+}
+
 /// A chat-completion stream re-sent as `translator`'s events, payload by
 /// payload (an event split across chunks waits for its end).
 pub fn translate_chat_stream(response: Response, mut translator: impl ChatStreamTranslator) -> Response {

@@ -790,6 +790,11 @@ mod tests {
         v.as_object().cloned().expect("an object")
     }
 
+    /// The `data:` payloads of a stream of server-sent events, parsed.
+    fn data_events(out: &str) -> Vec<Value> {
+        out.lines().filter_map(|l| l.strip_prefix("data: ")).map(|d| serde_json::from_str(d).expect("JSON")).collect()
+    }
+
     #[test]
     fn items_tools_and_formats_become_the_chat_request() {
         let previous = vec![json!({"role": "user", "content": "Hi"}), json!({"role": "assistant", "content": "Hello"})];
@@ -867,19 +872,18 @@ mod tests {
         let chat = to_chat_request(&req, &[]).unwrap_or_else(|e| panic!("{}", e.message));
         let finish = Finish { store: store.clone(), chat, had_instructions: true, echo: Echo::of(&req) };
         let mut t = Translator::new(finish);
-        let mut out = String::new();
-        for data in [
-            r#"{"id":"chatcmpl-7","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-7","model":"m","choices":[{"index":0,"delta":{"content":"Let me check."},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-7","model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call-1","type":"function","function":{"name":"f","arguments":""}}]},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-7","model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"a\":1}"}}]},"finish_reason":"tool_calls"}]}"#,
-            r#"{"id":"chatcmpl-7","model":"m","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4}}"#,
-            "[DONE]",
-        ] {
-            t.chunk(data, &mut out);
-        }
-        let events: Vec<Value> =
-            out.lines().filter_map(|l| l.strip_prefix("data: ")).map(|d| serde_json::from_str(d).expect("JSON")).collect();
+        let out = openai::translate_payloads(
+            &mut t,
+            &[
+                r#"{"id":"chatcmpl-7","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-7","model":"m","choices":[{"index":0,"delta":{"content":"Let me check."},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-7","model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call-1","type":"function","function":{"name":"f","arguments":""}}]},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-7","model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"a\":1}"}}]},"finish_reason":"tool_calls"}]}"#,
+                r#"{"id":"chatcmpl-7","model":"m","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4}}"#,
+                "[DONE]",
+            ],
+        );
+        let events = data_events(&out);
         let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap_or("")).collect();
         assert_eq!(
             kinds,
@@ -922,18 +926,17 @@ mod tests {
         let req = object(json!({"input": "2+2?", "stream": true}));
         let chat = to_chat_request(&req, &[]).unwrap_or_else(|e| panic!("{}", e.message));
         let mut t = Translator::new(Finish { store, chat, had_instructions: false, echo: Echo::of(&req) });
-        let mut out = String::new();
-        for data in [
-            r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"reasoning_content":"Two and"},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"reasoning_content":" two."},"finish_reason":null}]}"#,
-            r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"content":"4"},"finish_reason":"stop"}]}"#,
-            "[DONE]",
-        ] {
-            t.chunk(data, &mut out);
-        }
-        let events: Vec<Value> =
-            out.lines().filter_map(|l| l.strip_prefix("data: ")).map(|d| serde_json::from_str(d).expect("JSON")).collect();
+        let out = openai::translate_payloads(
+            &mut t,
+            &[
+                r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"reasoning_content":"Two and"},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"reasoning_content":" two."},"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-8","model":"m","choices":[{"index":0,"delta":{"content":"4"},"finish_reason":"stop"}]}"#,
+                "[DONE]",
+            ],
+        );
+        let events = data_events(&out);
         let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap_or("")).collect();
         assert_eq!(
             kinds[2..10],
