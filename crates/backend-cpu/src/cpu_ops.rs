@@ -9,6 +9,7 @@ use crate::kv_cache::{KvCache, KvCacheLayout};
 use crate::linear::HostWeight;
 use crate::paged_attention::{paged_attention, write_kv};
 use crate::quant::{self, ActBits, WeightFormat};
+use crate::tensor_parallel::HostGroup;
 use vellum_base::{
     AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype,
     KvCacheSpec, KvMemory, Sizes, StepBounds,
@@ -112,6 +113,9 @@ pub struct CpuOps {
     /// Set during a calibration pass: int8 linears record their inputs'
     /// statistics ([`crate::outliers`]).
     calibrating: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The tensor-parallel group this instance is a rank of, and its rank
+    /// (`None`: a group of one).
+    group: Option<(std::sync::Arc<HostGroup>, usize)>,
 }
 
 impl CpuOps {
@@ -119,7 +123,18 @@ impl CpuOps {
     /// quantized weights by int8 activations ([`ActBits::I8`]).
     pub fn new(weight_format: WeightFormat) -> Self {
         keep_freed_memory();
-        Self { weight_format, activations: ActBits::I8, calibrating: Default::default() }
+        Self { weight_format, activations: ActBits::I8, calibrating: Default::default(), group: None }
+    }
+
+    /// `size` instances of these operations, rank 0 first, whose
+    /// [`Ops::all_reduce`] sums over one in-process group
+    /// ([`HostGroup`]): the ranks of a tensor-parallel model
+    /// (`vellum-models`' `ModelRunner::load_tensor_parallel`), each run on
+    /// a thread of its own. Their linears and attention share the
+    /// process's threads.
+    pub fn tensor_parallel_group(&self, size: usize) -> Vec<CpuOps> {
+        let group = std::sync::Arc::new(HostGroup::new(size));
+        (0..size.max(1)).map(|rank| CpuOps { group: Some((group.clone(), rank)), ..self.clone() }).collect()
     }
 
     /// The same operations with integer-kernel activations quantized to
@@ -479,6 +494,31 @@ impl Ops for CpuOps {
 
     fn reuse_host_buffer(&self, buffer: Vec<f32>) {
         recycle(buffer);
+    }
+
+    fn all_reduce(&self, x: &mut HostTensor) -> OpResult<()> {
+        match &self.group {
+            Some((group, rank)) => group.all_reduce(*rank, &mut x.data),
+            None => Ok(()),
+        }
+    }
+
+    fn fail_group(&self) {
+        if let Some((group, _)) = &self.group {
+            group.fail();
+        }
+    }
+
+    fn embed_vocab_shard(&self, table: &HostWeight, step: &HostStep, vocab_start: usize) -> OpResult<HostTensor> {
+        let ids = &step.batch.token_ids;
+        let mut out = HostTensor::zeros(ids.len(), table.inp);
+        for (row, &id) in out.data.chunks_exact_mut(table.inp).zip(ids) {
+            // Rows of other ranks' shards stay zero.
+            if let Some(local) = (id as usize).checked_sub(vocab_start).filter(|&i| i < table.out) {
+                table.row(local, row);
+            }
+        }
+        Ok(out)
     }
 
     fn run_forward<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {

@@ -21,6 +21,11 @@
 //! the engine's `auto` takes f16 on the int8 path, as llama.cpp does, f32 on
 //! the exact ones; measured cost on the golden prompts of the f32-weight
 //! path: 0.0048 nats for f16, 0.036 for bf16, no greedy token changed).
+//!
+//! Tensor parallelism runs here too, for the same proof as on GPUs:
+//! [`CpuOps::tensor_parallel_group`] gives the ranks of one in-process
+//! group ([`HostGroup`]), whose all-reduce adds the ranks' partial sums in
+//! rank order.
 
 #![deny(missing_docs)]
 
@@ -31,9 +36,11 @@ pub mod outliers;
 pub mod paged_attention;
 pub mod quant;
 mod spin_team;
+pub mod tensor_parallel;
 
 pub use cpu_ops::{available_memory_bytes, CpuOps, HostStep, HostTensor};
 pub use quant::{ActBits, WeightFormat};
+pub use tensor_parallel::HostGroup;
 
 /// How a kernel test that needs a CPU feature skips: by saying so, or, when
 /// CI requires the feature (`VELLUM_REQUIRE_AVX2=1`, `VELLUM_REQUIRE_AVX512=1`,

@@ -126,7 +126,7 @@ fn main() {
         let options = ExecutorOptions {
             runner: RunnerOptions { kv_cache_dtype: dtype, hybrid_kv_cache: false, block_size },
             cpu: CpuOptions { precision },
-            dtype: vellum_engine::ComputeDtype::Auto,
+            ..ExecutorOptions::default()
         };
         let mut ex = make_executor(Device::Cpu, &*loaded.weights, loaded.config.clone(), options, |_, _| {}).expect("loads");
         // As the engine does before serving (the int8 path's outlier channels).

@@ -77,7 +77,7 @@ impl FromStr for Device {
 /// takes (the KV cache's element type, groups and block size, checked
 /// against the backend's capabilities before a weight is read), and each
 /// backend's own options, typed per backend.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExecutorOptions {
     /// The KV cache, for every backend.
     pub runner: RunnerOptions,
@@ -85,6 +85,14 @@ pub struct ExecutorOptions {
     pub cpu: CpuOptions,
     /// What a GPU backend multiplies in (`--dtype`).
     pub dtype: ComputeDtype,
+    /// Ranks the model is split over (`--tensor-parallel-size`; 1: whole).
+    pub tensor_parallel_size: usize,
+}
+
+impl Default for ExecutorOptions {
+    fn default() -> Self {
+        Self { runner: RunnerOptions::default(), cpu: CpuOptions::default(), dtype: ComputeDtype::default(), tensor_parallel_size: 1 }
+    }
 }
 
 /// The element type a GPU backend's products take (vLLM's `--dtype`).
@@ -239,6 +247,9 @@ pub fn make_executor(
     // Each arm is compiled only with its feature; the others are typed errors.
     let _ = (&weights, &config, &options);
     options.dtype.check_for(device)?;
+    let tp = options.tensor_parallel_size;
+    // The split is checked before a backend starts or a weight is read.
+    vellum_models::TensorParallel::check(tp, &config)?;
     match device {
         #[cfg(feature = "cpu")]
         Device::Cpu => {
@@ -248,8 +259,18 @@ pub fn make_executor(
                 CpuPrecision::Int16 => CpuOps::new(WeightFormat::from_env()).with_activations(ActBits::I16),
                 CpuPrecision::Int8 => CpuOps::new(WeightFormat::from_env()).with_activations(ActBits::I8),
             };
+            if tp > 1 {
+                let group = ops.tensor_parallel_group(tp);
+                return Ok(Box::new(CpuExecutor::load_tensor_parallel(group, weights, config, options.runner, progress)?));
+            }
             Ok(Box::new(CpuExecutor::load_with(ops, weights, config, options.runner, progress)?))
         }
+        #[cfg(feature = "wgpu")]
+        Device::Wgpu if tp > 1 => Err(Error::InvalidConfig {
+            field: "tensor-parallel-size",
+            message: format!("--tensor-parallel-size {tp} on --device wgpu: tensor parallelism runs on --device cpu and --device cuda"),
+        }
+        .into()),
         #[cfg(feature = "wgpu")]
         Device::Wgpu => {
             let ops = vellum_backend_wgpu::WgpuOps::new()?;

@@ -78,6 +78,11 @@ pub struct EngineArgs {
     /// An embedding model's pooling, over what its checkpoint declares
     /// (vLLM's `--pooler-config`).
     pub pooler_config: PoolerConfig,
+    /// Ranks the model is split over (vLLM's `--tensor-parallel-size`):
+    /// each holds its share of every layer's heads and MLP and of the
+    /// vocabulary, with an all-reduce after each row-parallel linear; one
+    /// scheduler and KV-cache manager for all. 1: the whole model on one.
+    pub tensor_parallel_size: usize,
 }
 
 impl Default for EngineArgs {
@@ -97,6 +102,7 @@ impl Default for EngineArgs {
             speculative_config: None,
             task: Task::Auto,
             pooler_config: PoolerConfig::default(),
+            tensor_parallel_size: 1,
         }
     }
 }
@@ -233,6 +239,7 @@ impl Llm {
             },
             cpu: CpuOptions { precision: args.cpu_precision },
             dtype: args.dtype,
+            tensor_parallel_size: args.tensor_parallel_size,
         };
         let load_started = std::time::Instant::now();
         let mut executor = make_executor(args.device, &*loaded.weights, config, options, progress)?;

@@ -29,6 +29,7 @@
 use crate::ops::{OpResult, Ops};
 use crate::registry::CausalLm;
 use crate::rope::RopeTable;
+use crate::tensor_parallel::{embed, ShardLoader, TensorParallel};
 use crate::{Result, WeightSource};
 use vellum_base::{AttentionShape, ModelConfig};
 
@@ -50,9 +51,13 @@ struct Layer<O: Ops> {
     local: bool,
 }
 
-/// A loaded Gemma 3 model on backend `O`.
+/// A loaded Gemma 3 model on backend `O`: the whole model, or one rank's
+/// part of it under tensor parallelism.
 pub struct Gemma3Model<O: Ops> {
     config: ModelConfig,
+    tp: TensorParallel,
+    /// The first vocabulary row of this rank's embedding and LM head.
+    vocab_start: usize,
     embed_tokens: O::Weight,
     /// A separate LM head when the checkpoint has one (Gemma ties them).
     lm_head: Option<O::Weight>,
@@ -67,7 +72,20 @@ pub struct Gemma3Model<O: Ops> {
 impl<O: Ops> Gemma3Model<O> {
     /// Loads every weight through `ops`, checking shapes against `config`.
     /// `progress(done, total)` is called after each layer.
-    pub fn load(ops: &O, weights: &dyn WeightSource, config: ModelConfig, mut progress: impl FnMut(usize, usize)) -> Result<Self> {
+    pub fn load(ops: &O, weights: &dyn WeightSource, config: ModelConfig, progress: impl FnMut(usize, usize)) -> Result<Self> {
+        Self::load_shard(ops, weights, config, TensorParallel::SINGLE, progress)
+    }
+
+    /// Loads rank `tp`'s part of every weight ([`TensorParallel`]), shapes
+    /// checked against `config`, which stays the whole model's.
+    pub fn load_shard(
+        ops: &O,
+        weights: &dyn WeightSource,
+        config: ModelConfig,
+        tp: TensorParallel,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        TensorParallel::check(tp.size, &config)?;
         if let Some(cap) = config.final_logit_softcapping {
             return Err(crate::Error::Backend(vellum_base::Error::Backend(format!(
                 "final_logit_softcapping = {cap} is not supported (Gemma 3 checkpoints do not set it)"
@@ -76,7 +94,10 @@ impl<O: Ops> Gemma3Model<O> {
         let (h, hd) = (config.hidden_size, config.head_dim);
         let (nq, nkv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
         let im = config.intermediate_size;
-        let mat = |name: &str, shape: [usize; 2]| -> Result<O::Weight> { Ok(ops.linear_weight(weights.tensor_shaped(name, &shape)?)?) };
+        let (q_heads, kv_heads) = (tp.q_heads(&config), tp.kv_heads(&config));
+        let (q_cols, kv_cols) = (q_heads.start * hd..q_heads.end * hd, kv_heads.start * hd..kv_heads.end * hd);
+        let (mlp, vocab) = (tp.intermediate(&config), tp.vocab(&config));
+        let load = ShardLoader { ops, weights };
         // Gemma's RMSNorm multiplies by (1 + w).
         let offset = if weights.norms_hold_one_plus_w() { 0.0 } else { 1.0 };
         let norm = |name: &str, len: usize| -> Result<O::Vector> {
@@ -84,11 +105,11 @@ impl<O: Ops> Gemma3Model<O> {
             w.iter_mut().for_each(|v| *v += offset);
             Ok(ops.vector(name, &w)?)
         };
-        let embed_tokens = ops.embedding_weight(weights.tensor_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?)?;
+        let embed_tokens = load.embedding("model.embed_tokens.weight", [config.vocab_size, h], vocab.clone())?;
         let lm_head = if config.tie_word_embeddings || !weights.contains("lm_head.weight") {
             None
         } else {
-            Some(mat("lm_head.weight", [config.vocab_size, h])?)
+            Some(load.column("lm_head.weight", [config.vocab_size, h], vocab.clone())?)
         };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
@@ -100,13 +121,13 @@ impl<O: Ops> Gemma3Model<O> {
                 post_feedforward_norm: norm(&p("post_feedforward_layernorm.weight"), h)?,
                 q_norm: norm(&p("self_attn.q_norm.weight"), hd)?,
                 k_norm: norm(&p("self_attn.k_norm.weight"), hd)?,
-                q_proj: mat(&p("self_attn.q_proj.weight"), [nq, h])?,
-                k_proj: mat(&p("self_attn.k_proj.weight"), [nkv, h])?,
-                v_proj: mat(&p("self_attn.v_proj.weight"), [nkv, h])?,
-                o_proj: mat(&p("self_attn.o_proj.weight"), [h, nq])?,
-                gate_proj: mat(&p("mlp.gate_proj.weight"), [im, h])?,
-                up_proj: mat(&p("mlp.up_proj.weight"), [im, h])?,
-                down_proj: mat(&p("mlp.down_proj.weight"), [h, im])?,
+                q_proj: load.column(&p("self_attn.q_proj.weight"), [nq, h], q_cols.clone())?,
+                k_proj: load.column(&p("self_attn.k_proj.weight"), [nkv, h], kv_cols.clone())?,
+                v_proj: load.column(&p("self_attn.v_proj.weight"), [nkv, h], kv_cols.clone())?,
+                o_proj: load.row(&p("self_attn.o_proj.weight"), [h, nq], q_cols.clone())?,
+                gate_proj: load.column(&p("mlp.gate_proj.weight"), [im, h], mlp.clone())?,
+                up_proj: load.column(&p("mlp.up_proj.weight"), [im, h], mlp.clone())?,
+                down_proj: load.row(&p("mlp.down_proj.weight"), [h, im], mlp.clone())?,
                 local: config.layer_window(i).is_some(),
             });
             progress(i + 1, config.num_hidden_layers);
@@ -118,10 +139,22 @@ impl<O: Ops> Gemma3Model<O> {
         let global_attention = AttentionShape {
             scale: config.query_pre_attn_scalar.unwrap_or(hd as f32).powf(-0.5),
             logit_softcap: config.attn_logit_softcapping,
-            ..AttentionShape::new(config.num_attention_heads, config.num_key_value_heads, hd)
+            ..AttentionShape::new(q_heads.len(), kv_heads.len(), hd)
         };
         let local_attention = AttentionShape { sliding_window: config.sliding_window, ..global_attention };
-        Ok(Self { config, embed_tokens, lm_head, norm, layers, rope_global, rope_local, global_attention, local_attention })
+        Ok(Self {
+            config,
+            tp,
+            vocab_start: vocab.start,
+            embed_tokens,
+            lm_head,
+            norm,
+            layers,
+            rope_global,
+            rope_local,
+            global_attention,
+            local_attention,
+        })
     }
 }
 
@@ -130,10 +163,14 @@ impl<O: Ops> CausalLm<O> for Gemma3Model<O> {
         &self.config
     }
 
+    fn tensor_parallel(&self) -> TensorParallel {
+        self.tp
+    }
+
     fn forward_hidden(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
-        let mut h = ops.embed(&self.embed_tokens, step)?;
+        let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start)?;
         ops.scale(&mut h, (c.hidden_size as f32).sqrt())?;
         for (l, layer) in self.layers.iter().enumerate() {
             let (rope, shape) =
@@ -145,11 +182,15 @@ impl<O: Ops> CausalLm<O> for Gemma3Model<O> {
             ops.rope(&mut q, rope, step)?;
             ops.rope(&mut k, rope, step)?;
             let attn = ops.attention(cache, l, &q, &k, &v, step, shape)?;
-            let out = ops.rms_norm(&ops.linear(&attn, &layer.o_proj, None)?, &layer.post_attention_norm, eps, c.hidden_size)?;
+            let mut out = ops.linear(&attn, &layer.o_proj, None)?;
+            ops.all_reduce(&mut out)?;
+            let out = ops.rms_norm(&out, &layer.post_attention_norm, eps, c.hidden_size)?;
             ops.add_assign(&mut h, &out)?;
             let x = ops.rms_norm(&h, &layer.pre_feedforward_norm, eps, c.hidden_size)?;
             let act = ops.gelu_tanh_mul(&ops.linear(&x, &layer.gate_proj, None)?, &ops.linear(&x, &layer.up_proj, None)?)?;
-            let out = ops.rms_norm(&ops.linear(&act, &layer.down_proj, None)?, &layer.post_feedforward_norm, eps, c.hidden_size)?;
+            let mut out = ops.linear(&act, &layer.down_proj, None)?;
+            ops.all_reduce(&mut out)?;
+            let out = ops.rms_norm(&out, &layer.post_feedforward_norm, eps, c.hidden_size)?;
             ops.add_assign(&mut h, &out)?;
         }
         let last = ops.logits_rows(&h, step)?;

@@ -22,13 +22,15 @@ mod llama;
 mod loaded_model;
 mod registry;
 mod runner;
+mod tensor_parallel;
 
 pub use error::{Error, Result};
 pub use gemma3::Gemma3Model;
 pub use llama::LlamaModel;
 pub use loaded_model::LoadedModel;
-pub use registry::{load_model, CausalLm};
+pub use registry::{load_model, load_model_shard, CausalLm};
 pub use runner::{check_supported, ModelRunner, RunnerOptions};
+pub use tensor_parallel::TensorParallel;
 
 /// The seam to the backends, re-exported: model code here is written against
 /// [`ops::Ops`], and backends implement it from `vellum-ops` alone.

@@ -9,10 +9,15 @@
 //!                     └───────────────────────────────────────────┘
 //!  rows of logits_indices ─ RMSNorm ─ lm_head (tied: embed) ─ logits
 //! ```
+//!
+//! Under tensor parallelism a rank holds its heads, its MLP columns and its
+//! vocabulary rows ([`TensorParallel`]); the outputs of `o` and `down` (and
+//! the embedding) are summed over the ranks, the logits gathered.
 
 use crate::ops::{OpResult, Ops};
 use crate::registry::CausalLm;
 use crate::rope::RopeTable;
+use crate::tensor_parallel::{embed, ShardLoader, TensorParallel};
 use crate::{Result, WeightSource};
 use vellum_base::{AttentionShape, ModelConfig};
 
@@ -30,40 +35,62 @@ struct Layer<O: Ops> {
     down_proj: O::Weight,
 }
 
-/// A loaded Llama-family model on backend `O`.
+/// A loaded Llama-family model on backend `O`: the whole model, or one
+/// rank's part of it under tensor parallelism.
 pub struct LlamaModel<O: Ops> {
     config: ModelConfig,
+    tp: TensorParallel,
+    /// The first vocabulary row of this rank's embedding and LM head.
+    vocab_start: usize,
     embed_tokens: O::Weight,
     lm_head: Option<O::Weight>,
     norm: O::Vector,
     layers: Vec<Layer<O>>,
     rope: O::Rope,
+    /// This rank's heads.
     attention: AttentionShape,
 }
 
 impl<O: Ops> LlamaModel<O> {
     /// Loads every weight through `ops`, checking shapes against `config`.
     /// `progress(done, total)` is called after each layer.
-    pub fn load(ops: &O, weights: &dyn WeightSource, config: ModelConfig, mut progress: impl FnMut(usize, usize)) -> Result<Self> {
+    pub fn load(ops: &O, weights: &dyn WeightSource, config: ModelConfig, progress: impl FnMut(usize, usize)) -> Result<Self> {
+        Self::load_shard(ops, weights, config, TensorParallel::SINGLE, progress)
+    }
+
+    /// Loads rank `tp`'s part of every weight ([`TensorParallel`]: its
+    /// heads, its MLP columns, its vocabulary rows), shapes checked against
+    /// `config`, which stays the whole model's.
+    pub fn load_shard(
+        ops: &O,
+        weights: &dyn WeightSource,
+        config: ModelConfig,
+        tp: TensorParallel,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        TensorParallel::check(tp.size, &config)?;
         let (h, hd) = (config.hidden_size, config.head_dim);
         let (nq, nkv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
         let im = config.intermediate_size;
-        let mat = |name: &str, shape: [usize; 2]| -> Result<O::Weight> { Ok(ops.linear_weight(weights.tensor_shaped(name, &shape)?)?) };
+        let (q_heads, kv_heads) = (tp.q_heads(&config), tp.kv_heads(&config));
+        let (q_cols, kv_cols) = (q_heads.start * hd..q_heads.end * hd, kv_heads.start * hd..kv_heads.end * hd);
+        let (mlp, vocab) = (tp.intermediate(&config), tp.vocab(&config));
+        let load = ShardLoader { ops, weights };
         let vec = |name: &str, len: usize| -> Result<O::Vector> { Ok(ops.vector(name, &weights.tensor_f32_shaped(name, &[len])?.data)?) };
-        let embed_tokens = ops.embedding_weight(weights.tensor_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?)?;
+        let embed_tokens = load.embedding("model.embed_tokens.weight", [config.vocab_size, h], vocab.clone())?;
         let lm_head = if config.tie_word_embeddings || !weights.contains("lm_head.weight") {
             None
         } else {
-            Some(mat("lm_head.weight", [config.vocab_size, h])?)
+            Some(load.column("lm_head.weight", [config.vocab_size, h], vocab.clone())?)
         };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let qkv_bias = if config.attention_bias {
                 Some([
-                    vec(&p("self_attn.q_proj.bias"), nq)?,
-                    vec(&p("self_attn.k_proj.bias"), nkv)?,
-                    vec(&p("self_attn.v_proj.bias"), nkv)?,
+                    load.vector(&p("self_attn.q_proj.bias"), nq, q_cols.clone())?,
+                    load.vector(&p("self_attn.k_proj.bias"), nkv, kv_cols.clone())?,
+                    load.vector(&p("self_attn.v_proj.bias"), nkv, kv_cols.clone())?,
                 ])
             } else {
                 None
@@ -76,22 +103,22 @@ impl<O: Ops> LlamaModel<O> {
             layers.push(Layer {
                 input_norm: vec(&p("input_layernorm.weight"), h)?,
                 post_attention_norm: vec(&p("post_attention_layernorm.weight"), h)?,
-                q_proj: mat(&p("self_attn.q_proj.weight"), [nq, h])?,
-                k_proj: mat(&p("self_attn.k_proj.weight"), [nkv, h])?,
-                v_proj: mat(&p("self_attn.v_proj.weight"), [nkv, h])?,
-                o_proj: mat(&p("self_attn.o_proj.weight"), [h, nq])?,
+                q_proj: load.column(&p("self_attn.q_proj.weight"), [nq, h], q_cols.clone())?,
+                k_proj: load.column(&p("self_attn.k_proj.weight"), [nkv, h], kv_cols.clone())?,
+                v_proj: load.column(&p("self_attn.v_proj.weight"), [nkv, h], kv_cols.clone())?,
+                o_proj: load.row(&p("self_attn.o_proj.weight"), [h, nq], q_cols.clone())?,
                 qkv_bias,
                 qk_norm,
-                gate_proj: mat(&p("mlp.gate_proj.weight"), [im, h])?,
-                up_proj: mat(&p("mlp.up_proj.weight"), [im, h])?,
-                down_proj: mat(&p("mlp.down_proj.weight"), [h, im])?,
+                gate_proj: load.column(&p("mlp.gate_proj.weight"), [im, h], mlp.clone())?,
+                up_proj: load.column(&p("mlp.up_proj.weight"), [im, h], mlp.clone())?,
+                down_proj: load.row(&p("mlp.down_proj.weight"), [h, im], mlp.clone())?,
             });
             progress(i + 1, config.num_hidden_layers);
         }
         let norm = vec("model.norm.weight", h)?;
         let rope = ops.rope_table(&RopeTable::new(&config))?;
-        let attention = AttentionShape::new(config.num_attention_heads, config.num_key_value_heads, hd);
-        Ok(Self { config, embed_tokens, lm_head, norm, layers, rope, attention })
+        let attention = AttentionShape::new(q_heads.len(), kv_heads.len(), hd);
+        Ok(Self { config, tp, vocab_start: vocab.start, embed_tokens, lm_head, norm, layers, rope, attention })
     }
 }
 
@@ -100,10 +127,14 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
         &self.config
     }
 
+    fn tensor_parallel(&self) -> TensorParallel {
+        self.tp
+    }
+
     fn forward_hidden(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
-        let mut h = ops.embed(&self.embed_tokens, step)?;
+        let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let x = ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?;
             let bias = layer.qkv_bias.as_ref();
@@ -120,10 +151,14 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
             // sliding layers; Mistral slides everywhere).
             let shape = AttentionShape { sliding_window: c.layer_window(l), ..self.attention };
             let attn = ops.attention(cache, l, &q, &k, &v, step, &shape)?;
-            ops.add_assign(&mut h, &ops.linear(&attn, &layer.o_proj, None)?)?;
+            let mut out = ops.linear(&attn, &layer.o_proj, None)?;
+            ops.all_reduce(&mut out)?;
+            ops.add_assign(&mut h, &out)?;
             let x = ops.rms_norm(&h, &layer.post_attention_norm, eps, c.hidden_size)?;
             let act = ops.silu_mul(&ops.linear(&x, &layer.gate_proj, None)?, &ops.linear(&x, &layer.up_proj, None)?)?;
-            ops.add_assign(&mut h, &ops.linear(&act, &layer.down_proj, None)?)?;
+            let mut out = ops.linear(&act, &layer.down_proj, None)?;
+            ops.all_reduce(&mut out)?;
+            ops.add_assign(&mut h, &out)?;
         }
         let last = ops.logits_rows(&h, step)?;
         ops.rms_norm(&last, &self.norm, eps, c.hidden_size)

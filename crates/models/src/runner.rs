@@ -7,25 +7,51 @@
 //!                ─ take_host(logits), or argmax_rows(logits) when the
 //!                  batch is argmax_only and the backend computes it
 //! ```
+//!
+//! Under tensor parallelism (`--tensor-parallel-size N`) the runner holds N
+//! ranks, each a backend instance of one group with its part of the model
+//! and its own paged KV cache of its heads (the same blocks on every rank:
+//! one scheduler, one KV-cache manager). A step is SPMD, as the thesis's
+//! workers are: every rank runs the same batch on a thread of its own (rank
+//! 0 on the caller's), meeting in the all-reduces the model code calls; the
+//! logits of each rank's vocabulary rows are then gathered into one row per
+//! sequence on the host.
 
 use crate::ops::Ops;
-use crate::registry::{load_model, CausalLm};
+use crate::registry::{load_model, load_model_shard, CausalLm};
+use crate::tensor_parallel::TensorParallel;
 use crate::{Result, WeightSource};
 use vellum_base::{
     AttentionRequirements, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, ModelConfig, ModelExecutor, StepOutput,
 };
 
-/// A model loaded on backend `O`, with the paged KV cache `O` allocates.
+/// A model loaded on backend `O`, with the paged KV cache `O` allocates:
+/// whole on one backend instance, or split over a tensor-parallel group.
 pub struct ModelRunner<O: Ops> {
-    ops: O,
-    model: Box<dyn CausalLm<O>>,
+    /// One per tensor-parallel rank, rank 0 first (one for a whole model).
+    ranks: Vec<Rank<O>>,
     kv_cache_dtype: KvCacheDtype,
     /// KV-cache groups for models that mix local and global layers.
     hybrid_kv_cache: bool,
-    /// The cache and its block size, once allocated.
-    cache: Option<(O::KvCache, usize)>,
-    /// What the profile run measured (bytes of activations at the peak).
+    /// Tokens per block of the caches, once allocated.
+    block_size: Option<usize>,
+    /// What the profile run measured (bytes of activations at the peak, the
+    /// largest rank's).
     activation_peak: u64,
+}
+
+/// One rank: a backend instance, its part of the model, its KV cache.
+struct Rank<O: Ops> {
+    ops: O,
+    model: Box<dyn CausalLm<O>>,
+    cache: Option<O::KvCache>,
+}
+
+/// What one rank's step returns before the ranks' outputs are combined.
+enum RankOutput {
+    Hidden(Vec<f32>),
+    Logits(Vec<f32>),
+    Argmax(Vec<u32>),
 }
 
 /// How a [`ModelRunner`] keeps its KV cache, fixed at load so that the
@@ -54,7 +80,7 @@ impl<O: Ops + 'static> ModelRunner<O> {
     /// default [`RunnerOptions`] (f32 KV cache, KV-cache groups).
     pub fn load(ops: O, weights: &dyn WeightSource, config: ModelConfig, progress: impl FnMut(usize, usize)) -> Result<Self> {
         let model = load_model(&ops, weights, config, progress)?;
-        Ok(Self { ops, model, kv_cache_dtype: KvCacheDtype::F32, hybrid_kv_cache: true, cache: None, activation_peak: 0 })
+        Ok(Self::from_ranks(vec![Rank { ops, model, cache: None }]))
     }
 
     /// [`load`](Self::load) with `options`, after checking that the
@@ -73,6 +99,37 @@ impl<O: Ops + 'static> ModelRunner<O> {
             .with_kv_cache_dtype(options.kv_cache_dtype)
             .with_hybrid_kv_cache(options.hybrid_kv_cache))
     }
+
+    /// Loads the model split over a tensor-parallel group: `group[r]` is the
+    /// backend instance of rank `r` (instances whose
+    /// [`all_reduce`](Ops::all_reduce) sums over exactly these ranks, e.g.
+    /// the CPU backend's `CpuOps::tensor_parallel_group`), and takes rank
+    /// `r`'s part of every weight ([`TensorParallel`]). A group of one is
+    /// [`load_with`](Self::load_with). A size that does not divide the
+    /// model's heads or MLP is [`vellum_base::Error::InvalidConfig`] before
+    /// any weight is read. `progress(done, total)` counts the layers of
+    /// every rank.
+    pub fn load_tensor_parallel(
+        group: Vec<O>,
+        weights: &dyn WeightSource,
+        config: ModelConfig,
+        options: RunnerOptions,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        let size = group.len();
+        TensorParallel::check(size, &config)?;
+        for ops in &group {
+            check_supported(ops, &config, &options)?;
+        }
+        let layers = config.num_hidden_layers;
+        let mut ranks = Vec::with_capacity(size);
+        for (ops, tp) in group.into_iter().zip(TensorParallel::ranks(size)) {
+            let done = tp.rank * layers;
+            let model = load_model_shard(&ops, weights, config.clone(), tp, |i, _| progress(done + i, layers * size))?;
+            ranks.push(Rank { ops, model, cache: None });
+        }
+        Ok(Self::from_ranks(ranks).with_kv_cache_dtype(options.kv_cache_dtype).with_hybrid_kv_cache(options.hybrid_kv_cache))
+    }
 }
 
 /// Whether `ops` runs `config` with `options` ([`ModelRunner::load_with`]).
@@ -82,6 +139,10 @@ pub fn check_supported<O: Ops>(ops: &O, config: &ModelConfig, options: &RunnerOp
 }
 
 impl<O: Ops> ModelRunner<O> {
+    fn from_ranks(ranks: Vec<Rank<O>>) -> Self {
+        Self { ranks, kv_cache_dtype: KvCacheDtype::F32, hybrid_kv_cache: true, block_size: None, activation_peak: 0 }
+    }
+
     /// Stores the KV cache as `dtype` (default `F32`): `f16`/`bf16` halve its
     /// memory (twice the blocks for the same budget) at some accuracy cost;
     /// attention still computes in `f32`. Applies to the next
@@ -106,42 +167,116 @@ impl<O: Ops> ModelRunner<O> {
         self.kv_cache_dtype
     }
 
-    /// The backend's operations.
+    /// The backend's operations (rank 0's under tensor parallelism).
     pub fn ops(&self) -> &O {
-        &self.ops
+        &self.ranks[0].ops
     }
 
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
-        self.model.config()
+        self.ranks[0].model.config()
+    }
+
+    /// Ranks of the tensor-parallel group (1: the model is whole).
+    pub fn tensor_parallel_size(&self) -> usize {
+        self.ranks.len()
     }
 
     /// Whether this runner gives local and global layers KV-cache groups.
     fn kv_groups(&self) -> bool {
-        self.hybrid_kv_cache && self.ops.capabilities().kv_groups
+        self.hybrid_kv_cache && self.ops().capabilities().kv_groups
     }
 
-    /// The cache's geometry, KV-cache groups included.
+    /// The cache's geometry, KV-cache groups included (one rank's: its KV
+    /// heads).
     pub fn kv_cache_spec(&self, block_size: usize) -> KvCacheSpec {
-        self.model.kv_cache_spec(block_size, self.kv_cache_dtype, self.kv_groups())
+        self.rank_spec(&self.ranks[0], block_size)
+    }
+
+    fn rank_spec(&self, rank: &Rank<O>, block_size: usize) -> KvCacheSpec {
+        rank.model.kv_cache_spec(block_size, self.kv_cache_dtype, self.kv_groups())
+    }
+}
+
+impl<O: Ops> Rank<O> {
+    /// One step of the whole model ([`run_step`]).
+    fn step(&mut self, batch: &ForwardBatch, block_size: usize, whole: bool) -> vellum_base::Result<RankOutput> {
+        run_step(&self.ops, &*self.model, self.cache.as_mut(), batch, block_size, whole)
+    }
+
+    /// [`step`](Self::step) as one rank of a group: a rank that fails or
+    /// panics fails the group ([`Ops::fail_group`]), so that the others
+    /// leave their all-reduces with an error instead of waiting for it.
+    fn step_in_group(&mut self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<RankOutput> {
+        /// Fails the group if the rank's thread unwinds.
+        struct FailOnPanic<'a, O: Ops>(&'a O);
+        impl<O: Ops> Drop for FailOnPanic<'_, O> {
+            fn drop(&mut self) {
+                if std::thread::panicking() {
+                    self.0.fail_group();
+                }
+            }
+        }
+        let Rank { ops, model, cache } = self;
+        let _guard = FailOnPanic(&*ops);
+        let out = run_step(&*ops, &**model, cache.as_mut(), batch, block_size, false);
+        if out.is_err() {
+            ops.fail_group();
+        }
+        out
     }
 }
 
 impl<O: Ops> ModelExecutor for ModelRunner<O> {
     fn describe(&self) -> String {
-        self.ops.describe()
-    }
-
-    fn kv_block_bytes(&self, block_size: usize) -> u64 {
-        self.kv_cache_spec(block_size).block_bytes()
-    }
-
-    fn kv_memory(&self, block_size: usize) -> KvMemory {
-        let mut memory = self.ops.kv_memory(&self.kv_cache_spec(block_size));
-        if let Some(device) = &mut memory.device {
-            device.activation_peak_bytes = self.activation_peak;
+        match self.ranks.len() {
+            1 => self.ops().describe(),
+            n => format!("{}, tensor parallel over {n} ranks", self.ops().describe()),
         }
-        memory
+    }
+
+    /// A block's bytes on every rank together (each holds its KV heads).
+    fn kv_block_bytes(&self, block_size: usize) -> u64 {
+        self.ranks.iter().map(|r| self.rank_spec(r, block_size).block_bytes()).sum()
+    }
+
+    /// The memory the cache can take, in bytes of the whole group's blocks
+    /// ([`kv_block_bytes`](ModelExecutor::kv_block_bytes)). A cache in host
+    /// memory is one budget the ranks share; on devices of their own, the
+    /// rank that fits the fewest of its blocks sets the count (its figures
+    /// are scaled from its block size to the group's).
+    fn kv_memory(&self, block_size: usize) -> KvMemory {
+        let group_bytes = self.kv_block_bytes(block_size).max(1);
+        let mut fewest: Option<KvMemory> = None;
+        for rank in &self.ranks {
+            let spec = self.rank_spec(rank, block_size);
+            let mut memory = rank.ops.kv_memory(&spec);
+            let scale = group_bytes as f64 / spec.block_bytes().max(1) as f64;
+            if let Some(device) = &mut memory.device {
+                device.activation_peak_bytes = self.activation_peak;
+                if self.ranks.len() > 1 {
+                    let by = |bytes: u64| (bytes as f64 * scale) as u64;
+                    memory.available_bytes = by(memory.available_bytes);
+                    *device = vellum_base::DeviceMemory {
+                        total_bytes: by(device.total_bytes),
+                        free_bytes: by(device.free_bytes),
+                        activation_peak_bytes: by(device.activation_peak_bytes),
+                    };
+                }
+            }
+            fewest = Some(match fewest {
+                None => memory,
+                Some(f) => {
+                    let max_blocks = match (f.max_blocks, memory.max_blocks) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                    let pick = if memory.available_bytes < f.available_bytes { memory } else { f };
+                    KvMemory { max_blocks, ..pick }
+                }
+            });
+        }
+        fewest.unwrap_or(KvMemory { available_bytes: 0, max_blocks: None, device: None })
     }
 
     fn profile_run(&mut self, num_tokens: usize, num_seqs: usize, max_model_len: usize, block_size: usize) -> vellum_base::Result<u64> {
@@ -152,8 +287,9 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         let blocks = batch.block_tables.iter().copied().max().map_or(1, |b| b as usize + 1);
         // A cache just big enough for the batch; the real one replaces it.
         self.initialize_kv_cache(blocks, 0, block_size)?;
-        let Some(before) = self.ops.begin_memory_profile() else {
-            self.cache = None;
+        let before: Option<Vec<u64>> = self.ranks.iter().map(|r| r.ops.begin_memory_profile()).collect();
+        let Some(before) = before else {
+            self.drop_caches();
             return Ok(0);
         };
         let out = self.execute(&batch);
@@ -161,78 +297,166 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         // the device and hands the pool's free memory back, this cache's
         // included, so that the free memory the KV cache is sized from does
         // not count it (the high-water mark keeps what the run took).
-        self.cache = None;
-        let peak = self.ops.memory_profile_peak();
+        self.drop_caches();
+        let mut peak = 0;
+        for (rank, before) in self.ranks.iter().zip(before) {
+            let c = rank.model.config();
+            let heads = rank.model.tensor_parallel().q_heads(c).len();
+            let workspace = rank.ops.attention_workspace_bytes(num_tokens, heads, c.head_dim, max_model_len);
+            let taken = rank.ops.memory_profile_peak().unwrap_or(before).saturating_sub(before);
+            peak = peak.max(taken + workspace);
+        }
         out?;
-        let c = self.config();
-        let workspace = self.ops.attention_workspace_bytes(num_tokens, c.num_attention_heads, c.head_dim, max_model_len);
-        self.activation_peak = peak.unwrap_or(before).saturating_sub(before) + workspace;
-        Ok(self.activation_peak)
+        self.activation_peak = peak;
+        Ok(peak)
     }
 
     fn calibrate(&mut self, token_ids: &[u32]) -> vellum_base::Result<()> {
         let n = token_ids.len().min(self.config().max_position_embeddings);
-        if !self.ops.wants_calibration() || n == 0 {
+        if !self.ops().wants_calibration() || n == 0 {
             return Ok(());
         }
-        let block_size = self.cache.as_ref().map_or(16, |c| c.1);
+        let block_size = self.block_size.unwrap_or(16);
         let mut batch = profile_batch(n, 1, block_size, self.kv_cache_spec(block_size).groups.num_groups());
         batch.token_ids.copy_from_slice(&token_ids[..n]);
         // Up to 64 rows, spread over the text, reach the LM head.
         let every = n.div_ceil(CALIBRATION_LOGIT_ROWS);
         batch.logits_indices = (0..n as u32).rev().step_by(every).collect::<Vec<_>>().into_iter().rev().collect();
-        // A cache of its own; the engine's, if any, is put back after.
-        let saved = self.cache.take();
+        // Caches of their own; the engine's, if any, are put back after.
+        let saved: Vec<_> = self.ranks.iter_mut().map(|r| r.cache.take()).collect();
+        let saved_block_size = self.block_size;
         self.initialize_kv_cache(n.div_ceil(block_size), 0, block_size)?;
-        self.ops.set_calibrating(true);
+        self.ranks.iter().for_each(|r| r.ops.set_calibrating(true));
         let recorded = self.execute(&batch);
-        self.ops.set_calibrating(false);
+        self.ranks.iter().for_each(|r| r.ops.set_calibrating(false));
         // The second pass fixes every weight's choice now, not in the first request.
         let fixed = recorded.and_then(|_| self.execute(&batch));
-        self.cache = saved;
+        for (rank, cache) in self.ranks.iter_mut().zip(saved) {
+            rank.cache = cache;
+        }
+        self.block_size = saved_block_size;
         fixed.map(|_| ())
     }
 
     fn kv_group_windows(&self) -> Vec<Option<usize>> {
-        self.model.kv_cache_groups(self.kv_groups()).windows()
+        self.ranks[0].model.kv_cache_groups(self.kv_groups()).windows()
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_base::Result<()> {
-        // Drop the old cache first so its memory is free for the new one.
-        self.cache = None;
-        let spec = self.kv_cache_spec(block_size);
-        self.ops.capabilities().check(self.ops.name(), &AttentionRequirements::of(&spec))?;
-        let cache = self.ops.allocate_kv_cache(&spec, num_blocks, num_host_blocks)?;
-        self.cache = Some((cache, block_size));
+        // Drop the old caches first so their memory is free for the new ones.
+        self.drop_caches();
+        let specs: Vec<KvCacheSpec> = self.ranks.iter().map(|r| self.rank_spec(r, block_size)).collect();
+        for (rank, spec) in self.ranks.iter_mut().zip(specs) {
+            rank.ops.capabilities().check(rank.ops.name(), &AttentionRequirements::of(&spec))?;
+            rank.cache = Some(rank.ops.allocate_kv_cache(&spec, num_blocks, num_host_blocks)?);
+        }
+        self.block_size = Some(block_size);
         Ok(())
     }
 
     fn execute(&mut self, batch: &ForwardBatch) -> vellum_base::Result<StepOutput> {
-        let (cache, block_size) = self.cache.as_mut().ok_or_else(|| Error::Backend("execute before initialize_kv_cache".into()))?;
-        let ops = &self.ops;
-        ops.swap_blocks(cache, &batch.block_ops.swap_out, true)?;
-        ops.swap_blocks(cache, &batch.block_ops.swap_in, false)?;
-        ops.copy_blocks(cache, &batch.block_ops.copies)?;
-        let step = ops.prepare_step(batch, *block_size)?;
-        let model = &*self.model;
-        let vocab_size = model.config().vocab_size;
-        if batch.hidden_states {
-            let hidden = ops.run_forward(|| model.forward_hidden(ops, cache, &step))?;
-            let hidden_size = model.config().hidden_size;
-            return Ok(StepOutput { vocab_size, hidden_states: ops.take_host(hidden)?, hidden_size, ..StepOutput::default() });
+        let block_size = self.block_size.ok_or_else(|| Error::Backend("execute before initialize_kv_cache".into()))?;
+        let config = self.ranks[0].model.config();
+        let (vocab_size, hidden_size) = (config.vocab_size, config.hidden_size);
+        if let [rank] = &mut self.ranks[..] {
+            return Ok(match rank.step(batch, block_size, true)? {
+                RankOutput::Hidden(hidden_states) => StepOutput { vocab_size, hidden_states, hidden_size, ..StepOutput::default() },
+                RankOutput::Argmax(argmax) => StepOutput { vocab_size, argmax, ..StepOutput::default() },
+                RankOutput::Logits(logits) => StepOutput { logits, vocab_size, ..StepOutput::default() },
+            });
         }
-        let logits = ops.run_forward(|| model.forward(ops, cache, &step))?;
-        if batch.argmax_only {
-            if let Some(argmax) = ops.argmax_rows(&logits)? {
-                return Ok(StepOutput { vocab_size, argmax, ..StepOutput::default() });
+        let outputs = run_group(&mut self.ranks, batch, block_size);
+        let mut shards = Vec::with_capacity(outputs.len());
+        for (rank, output) in self.ranks.iter().zip(outputs) {
+            match output? {
+                // Every rank ends the pass with the same hidden states.
+                RankOutput::Hidden(hidden_states) => {
+                    return Ok(StepOutput { vocab_size, hidden_states, hidden_size, ..StepOutput::default() });
+                }
+                RankOutput::Logits(logits) => shards.push((rank.model.tensor_parallel().vocab(rank.model.config()), logits)),
+                RankOutput::Argmax(_) => return Err(Error::Backend("a rank of a tensor-parallel group returned argmax ids".into())),
             }
         }
-        Ok(StepOutput { logits: ops.take_host(logits)?, vocab_size, ..StepOutput::default() })
+        let rows = batch.logits_indices.len();
+        let mut logits = vec![0f32; rows * vocab_size];
+        for (vocab, shard) in &shards {
+            if shard.len() != rows * vocab.len() {
+                return Err(Error::Backend(format!(
+                    "tensor parallel: a rank returned {} logits for {rows} rows of its {} vocabulary rows",
+                    shard.len(),
+                    vocab.len()
+                )));
+            }
+            for (row, part) in logits.chunks_exact_mut(vocab_size).zip(shard.chunks_exact(vocab.len().max(1))) {
+                row[vocab.clone()].copy_from_slice(part);
+            }
+        }
+        for ((_, shard), rank) in shards.into_iter().zip(&self.ranks) {
+            rank.ops.reuse_host_buffer(shard);
+        }
+        Ok(StepOutput { logits, vocab_size, ..StepOutput::default() })
     }
 
     fn recycle_logits(&mut self, logits: Vec<f32>) {
-        self.ops.reuse_host_buffer(logits);
+        self.ops().reuse_host_buffer(logits);
     }
+}
+
+impl<O: Ops> ModelRunner<O> {
+    fn drop_caches(&mut self) {
+        for rank in &mut self.ranks {
+            rank.cache = None;
+        }
+    }
+}
+
+/// One step of one rank: block copies and swaps, the step's inputs, the
+/// forward pass. `whole`: the model is not split, so the backend's own
+/// thread pool may take the pass and its argmax may stand for the logits.
+fn run_step<O: Ops>(
+    ops: &O,
+    model: &dyn CausalLm<O>,
+    cache: Option<&mut O::KvCache>,
+    batch: &ForwardBatch,
+    block_size: usize,
+    whole: bool,
+) -> vellum_base::Result<RankOutput> {
+    let cache = cache.ok_or_else(|| Error::Backend("execute before initialize_kv_cache".into()))?;
+    ops.swap_blocks(cache, &batch.block_ops.swap_out, true)?;
+    ops.swap_blocks(cache, &batch.block_ops.swap_in, false)?;
+    ops.copy_blocks(cache, &batch.block_ops.copies)?;
+    let step = ops.prepare_step(batch, block_size)?;
+    // A rank of a group runs on its own thread: handing the pass to a
+    // shared pool could park a rank waiting in an all-reduce on a worker
+    // another rank needs.
+    if batch.hidden_states {
+        let hidden =
+            if whole { ops.run_forward(|| model.forward_hidden(ops, cache, &step)) } else { model.forward_hidden(ops, cache, &step) }?;
+        return Ok(RankOutput::Hidden(ops.take_host(hidden)?));
+    }
+    let logits = if whole { ops.run_forward(|| model.forward(ops, cache, &step)) } else { model.forward(ops, cache, &step) }?;
+    if whole && batch.argmax_only {
+        if let Some(argmax) = ops.argmax_rows(&logits)? {
+            return Ok(RankOutput::Argmax(argmax));
+        }
+    }
+    Ok(RankOutput::Logits(ops.take_host(logits)?))
+}
+
+/// One step on every rank of a group, each on a thread of its own (rank 0
+/// on this one), returning each rank's output in rank order.
+fn run_group<O: Ops>(ranks: &mut [Rank<O>], batch: &ForwardBatch, block_size: usize) -> Vec<vellum_base::Result<RankOutput>> {
+    let Some((first, rest)) = ranks.split_first_mut() else {
+        return Vec::new();
+    };
+    std::thread::scope(|s| {
+        let others: Vec<_> = rest.iter_mut().map(|rank| s.spawn(move || rank.step_in_group(batch, block_size))).collect();
+        let mut outputs = vec![first.step_in_group(batch, block_size)];
+        for handle in others {
+            outputs.push(handle.join().unwrap_or_else(|_| Err(Error::Backend("a tensor-parallel rank panicked".into()))));
+        }
+        outputs
+    })
 }
 
 /// Rows of a calibration pass whose logits are computed (the LM head's

@@ -157,6 +157,42 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     fn run_forward<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         f()
     }
+
+    // --- Tensor parallelism (Megatron-style; `vellum-models`' `TensorParallel`) ---
+
+    /// Sums `x` element-wise over the tensor-parallel group this backend
+    /// instance is a rank of, in place: every rank ends with the same values,
+    /// bit for bit (the residual streams of the ranks never drift apart).
+    /// Model code calls it after each row-parallel linear (attention's
+    /// output projection, the MLP's down projection) and after a
+    /// vocabulary-parallel embedding. An instance that is not part of a
+    /// group is a group of one: the default does nothing.
+    fn all_reduce(&self, x: &mut Self::Tensor) -> OpResult<()> {
+        let _ = x;
+        Ok(())
+    }
+
+    /// Tells the other ranks of this instance's group that this rank's step
+    /// failed, so that their collectives return an error instead of waiting
+    /// for it forever. The group stays failed: later collectives fail too.
+    fn fail_group(&self) {}
+
+    /// [`embed`](Self::embed) from a shard of the embedding table that holds
+    /// the rows `vocab_start..vocab_start + rows` (a vocabulary-parallel
+    /// embedding): a token inside the shard gets its row, any other a row
+    /// of zeros, so that [`all_reduce`](Self::all_reduce) over the ranks
+    /// gives every token its row. The default serves only a whole table.
+    fn embed_vocab_shard(&self, table: &Self::Weight, step: &Self::Step, vocab_start: usize) -> OpResult<Self::Tensor> {
+        if vocab_start != 0 {
+            return Err(vellum_base::Error::Unsupported(Box::new(vellum_base::Unsupported {
+                backend: self.name().to_string(),
+                what: "a vocabulary-parallel embedding shard starting at row".into(),
+                value: vocab_start.to_string(),
+                supported: "0 (a whole table)".into(),
+            })));
+        }
+        self.embed(table, step)
+    }
 }
 
 /// Host data in, KV pools out: what a conformance suite needs beyond [`Ops`]

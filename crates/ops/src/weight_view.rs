@@ -93,11 +93,124 @@ impl<'a> WeightView<'a> {
         Ok(Tensor { shape: self.shape.clone(), data: self.to_f32()? })
     }
 
+    /// Rows `range` of a matrix (`[out, in]`: a column-parallel shard, the
+    /// output features `range`), in any stored type: each row is whole
+    /// blocks, so the rows' bytes are one contiguous run, borrowed where the
+    /// view borrows. The whole range returns the view unchanged.
+    pub fn rows(self, range: std::ops::Range<usize>) -> Result<WeightView<'a>> {
+        let (rows, _) = self.matrix_dims()?;
+        if range.start > range.end || range.end > rows {
+            return Err(self.shard_error(&[range.end - range.start.min(range.end), self.shape[1]]));
+        }
+        if range == (0..rows) {
+            return Ok(self);
+        }
+        let row_bytes = self.row_bytes();
+        let bytes = range.start * row_bytes..range.end * row_bytes;
+        let data = match self.data {
+            Cow::Borrowed(b) => Cow::Borrowed(&b[bytes]),
+            Cow::Owned(v) => Cow::Owned(v[bytes].to_vec()),
+        };
+        Ok(WeightView { name: self.name, shape: vec![range.len(), self.shape[1]], dtype: self.dtype, data })
+    }
+
+    /// Columns `range` of a matrix (`[out, in]`: a row-parallel shard, the
+    /// input features `range`). Kept in the stored type when both ends fall
+    /// on block boundaries (Q4_1's 32 values, a K-quant's 256); otherwise
+    /// the shard is converted to f32, since a block cannot be split. The
+    /// whole range returns the view unchanged.
+    pub fn cols(self, range: std::ops::Range<usize>) -> Result<WeightView<'static>> {
+        let (rows, cols) = self.matrix_dims()?;
+        if range.start > range.end || range.end > cols {
+            return Err(self.shard_error(&[rows, range.end - range.start.min(range.end)]));
+        }
+        let (block, block_bytes) = self.dtype.block_layout();
+        if range.start.is_multiple_of(block) && range.end.is_multiple_of(block) {
+            let row_bytes = self.row_bytes();
+            let (from, to) = (range.start / block * block_bytes, range.end / block * block_bytes);
+            let mut data = Vec::with_capacity(rows * (to - from));
+            for row in self.data.chunks_exact(row_bytes.max(1)) {
+                data.extend_from_slice(&row[from..to]);
+            }
+            return WeightView::new(&self.name, vec![rows, range.len()], self.dtype, Cow::Owned(data));
+        }
+        let values = self.to_f32()?;
+        let mut data = Vec::with_capacity(rows * range.len() * 4);
+        for row in values.chunks_exact(cols.max(1)) {
+            data.extend(row[range.clone()].iter().flat_map(|v| v.to_le_bytes()));
+        }
+        WeightView::new(&self.name, vec![rows, range.len()], GgmlType::F32, Cow::Owned(data))
+    }
+
+    /// Elements `range` of a vector (a bias's shard).
+    pub fn slice(self, range: std::ops::Range<usize>) -> Result<WeightView<'static>> {
+        let n = self.n_elements();
+        if self.shape.len() != 1 || range.start > range.end || range.end > n {
+            return Err(self.shard_error(&[range.end - range.start.min(range.end)]));
+        }
+        let values = self.to_f32()?;
+        let data: Vec<u8> = values[range.clone()].iter().flat_map(|v| v.to_le_bytes()).collect();
+        WeightView::new(&self.name, vec![range.len()], GgmlType::F32, Cow::Owned(data))
+    }
+
+    fn shard_error(&self, wanted: &[usize]) -> Error {
+        Error::ShapeMismatch {
+            tensor: format!("{} (a tensor-parallel shard)", self.name),
+            expected: wanted.to_vec(),
+            actual: self.shape.clone(),
+        }
+    }
+
     /// The same view, checked to have shape `expected`.
     pub fn expect_shape(self, expected: &[usize]) -> Result<Self> {
         if self.shape != expected {
             return Err(Error::ShapeMismatch { tensor: self.name, expected: expected.to_vec(), actual: self.shape });
         }
         Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `[3, 64]` Q8_0 matrix: two blocks a row, scale 0.5, values that
+    /// differ in every cell.
+    fn q8_matrix() -> WeightView<'static> {
+        let mut data = Vec::new();
+        for r in 0..3i32 {
+            for b in 0..2i32 {
+                data.extend_from_slice(&HALF_BITS_OF_0_5.to_le_bytes());
+                data.extend((0..32).map(|i| ((r * 40 + b * 32 + i) % 127 - 60) as i8 as u8));
+            }
+        }
+        WeightView::new("w", vec![3, 64], GgmlType::Q8_0, Cow::Owned(data)).expect("a valid view")
+    }
+
+    /// 0.5 in IEEE half precision (a Q8_0 block's scale).
+    const HALF_BITS_OF_0_5: u16 = 0x3800;
+
+    #[test]
+    fn shards_hold_the_values_of_their_rows_and_columns() {
+        let full = q8_matrix().to_f32().expect("dequantizes");
+        let row = |r: usize, cols: std::ops::Range<usize>| full[r * 64..(r + 1) * 64][cols].to_vec();
+        // Rows: any range, the stored type kept.
+        let rows = q8_matrix().rows(1..3).expect("rows");
+        assert_eq!((rows.shape.clone(), rows.dtype), (vec![2, 64], GgmlType::Q8_0));
+        assert_eq!(rows.to_f32().expect("dequantizes"), [row(1, 0..64), row(2, 0..64)].concat());
+        // Columns on a block boundary keep the blocks.
+        let cols = q8_matrix().cols(32..64).expect("cols");
+        assert_eq!((cols.shape.clone(), cols.dtype), (vec![3, 32], GgmlType::Q8_0));
+        assert_eq!(cols.to_f32().expect("dequantizes"), (0..3).flat_map(|r| row(r, 32..64)).collect::<Vec<_>>());
+        // Columns inside a block cannot keep it: f32, same values.
+        let cols = q8_matrix().cols(16..48).expect("cols");
+        assert_eq!((cols.shape.clone(), cols.dtype), (vec![3, 32], GgmlType::F32));
+        assert_eq!(cols.to_f32().expect("f32"), (0..3).flat_map(|r| row(r, 16..48)).collect::<Vec<_>>());
+        // The whole range is the view itself; out of range is a typed error.
+        assert_eq!(q8_matrix().rows(0..3).expect("all").data, q8_matrix().data);
+        assert!(matches!(q8_matrix().rows(2..4), Err(Error::ShapeMismatch { .. })));
+        assert!(matches!(q8_matrix().cols(0..65), Err(Error::ShapeMismatch { .. })));
+        let bias = WeightView::from_f32("b", vec![4], &[1.0, 2.0, 3.0, 4.0]).slice(1..3).expect("slice");
+        assert_eq!(bias.to_f32().expect("f32"), vec![2.0, 3.0]);
     }
 }

@@ -112,6 +112,14 @@ pub struct EngineFlags {
     /// configuration, else LAST and normalized).
     #[arg(long)]
     pub pooler_config: Option<String>,
+    /// Split the model over N ranks (vLLM's flag): each holds its
+    /// share of every layer's attention heads and MLP and of the
+    /// vocabulary, with an all-reduce after each row-parallel linear; one
+    /// scheduler and KV cache for all. On --device cpu the ranks are
+    /// threads of this process; N must divide the attention heads and the
+    /// MLP width (fewer KV heads than N are replicated).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
 }
 
 /// What a subcommand would pick for the flags a user left out.
@@ -208,6 +216,10 @@ impl EngineFlags {
             pooler_config: match &self.pooler_config {
                 Some(json) => PoolerConfig::from_json(json).map_err(|e| anyhow!("--pooler-config: {e}"))?,
                 None => PoolerConfig::default(),
+            },
+            tensor_parallel_size: match self.tensor_parallel_size {
+                0 => bail!("--tensor-parallel-size must be at least 1"),
+                n => n,
             },
         })
     }
