@@ -171,3 +171,14 @@ fn preemption_by_swap_and_recompute_at_tp3_matches_one_rank() {
         assert_same(&a, &b, &format!("{mode:?} preemption"), 1e-4);
     }
 }
+
+/// The WGSL backend has no collective: a group there is refused by name.
+#[cfg(feature = "wgpu")]
+#[test]
+fn tensor_parallelism_on_wgpu_is_refused_by_name() {
+    let e = Llm::new(EngineArgs { device: vellum::engine::Device::Wgpu, tensor_parallel_size: 3, ..EngineArgs::default() })
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("runs on --device cpu and --device cuda"), "{e}");
+}

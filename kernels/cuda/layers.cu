@@ -125,19 +125,23 @@ extern "C" __global__ void gather_rows(float *out, const float *__restrict__ x, 
     for (int i = threadIdx.x; i < cols; i += NUM_THREADS) o[i] = xr[i];
 }
 
-// out[t, :] = table[ids[t], :] · scale (Gemma scales by sqrt(hidden)), from
-// a table stored as f32, f16 or bf16. An id past the table gives zeros (the
-// host validates ids; this only keeps a bad one from reading out of bounds).
+// out[t, :] = table[ids[t] - first, :] · scale (Gemma scales by
+// sqrt(hidden)), from a table stored as f32, f16 or bf16 that holds the
+// vocabulary rows first..first + vocab (a whole table: first = 0; one rank's
+// shard under tensor parallelism otherwise). An id outside those rows gives
+// zeros: another rank's token, summed in by the all-reduce that follows (the
+// host validates ids against the whole vocabulary).
 template <typename T>
-__device__ void embedding(float *out, const T *__restrict__ table, const int *__restrict__ ids, int vocab, int cols, float scale) {
-    const int id = ids[blockIdx.x];
+__device__ void embedding(float *out, const T *__restrict__ table, const int *__restrict__ ids, int first, int vocab, int cols,
+                          float scale) {
+    const int id = ids[blockIdx.x] - first;
     float *o = out + (long long)blockIdx.x * cols;
     const bool ok = id >= 0 && id < vocab;
     const T *row = table + (long long)(ok ? id : 0) * cols;
     for (int i = threadIdx.x; i < cols; i += NUM_THREADS) o[i] = ok ? to_float(row[i]) * scale : 0.f;
 }
-VELLUM_FOR_EACH_DTYPE(embedding, (float *out, const void *table, const int *ids, int vocab, int cols, float scale),
-                      (out, (const T *)table, ids, vocab, cols, scale))
+VELLUM_FOR_EACH_DTYPE(embedding, (float *out, const void *table, const int *ids, int first, int vocab, int cols, float scale),
+                      (out, (const T *)table, ids, first, vocab, cols, scale))
 
 // The greedy token of each row of logits [rows, vocab]: the largest logit,
 // the lowest id among equals (as the CPU sampler breaks ties).

@@ -21,7 +21,7 @@ use_lib() {
     local name=$1 first=${2:-} d f found=""
     for d in "$first" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $wheel_dirs; do
         [ -n "$d" ] || continue
-        for f in "$d/lib$name.so" "$d/lib$name.so".1[0-9]*; do
+        for f in "$d/lib$name.so" "$d/lib$name.so".1[0-9]* "$d/lib$name.so".2; do
             if [ -e "$f" ]; then found=$f; break 2; fi
         done
     done
@@ -34,6 +34,8 @@ use_lib() {
 use_lib nvrtc "${NVRTC_DIR:-}"
 # cuBLAS: bf16 weights on tensor cores (without it they are widened to f32).
 use_lib cublas "${CUBLAS_DIR:-}"
+# NCCL: tensor-parallel groups (the suite's single-rank group on one GPU).
+use_lib nccl "${NCCL_DIR:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
 export VELLUM_REQUIRE_GPU=1 VELLUM_GOLDEN_DIR="$here/golden" RUST_BACKTRACE=1
 export VELLUM_CACHE=${VELLUM_CACHE:-$here/models}

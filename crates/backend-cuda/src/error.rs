@@ -16,6 +16,21 @@ pub enum CudaError {
     /// cuBLAS (`libcublas.so.12`) could not be loaded.
     #[error("cuBLAS is not loadable (libcublas.so.12): `pip install nvidia-cublas-cu12` and put its lib directory on LD_LIBRARY_PATH (16-bit weights then run on tensor cores; without it they are widened to f32)")]
     NoCublas,
+    /// NCCL (`libnccl.so.2`) could not be loaded: a tensor-parallel group
+    /// needs it.
+    #[error("NCCL is not loadable (libnccl.so): install NCCL (e.g. `pip install nvidia-nccl-cu12`), link its libnccl.so.2 as libnccl.so and put that directory on LD_LIBRARY_PATH (a tensor-parallel group on --device cuda needs it)")]
+    NoNccl,
+    /// An NCCL call failed, or a rank of the group did.
+    #[error("NCCL: {0}")]
+    Nccl(String),
+    /// Fewer GPUs than a tensor-parallel group asks for.
+    #[error("--tensor-parallel-size {wanted} needs {wanted} GPUs; the driver reports {present}")]
+    TooFewGpus {
+        /// Ranks asked for.
+        wanted: usize,
+        /// GPUs present.
+        present: usize,
+    },
     /// A cuBLAS call failed.
     #[error("cuBLAS: {0}")]
     Cublas(String),

@@ -928,13 +928,17 @@ impl Kernels {
         Ok(())
     }
 
-    /// `out[t, :] = table[ids[t], :]` from an f32 table `[vocab, cols]`
-    /// (as bytes, as a [`QuantFormat::F32`] weight holds its values).
+    /// `out[t, :] = table[ids[t] - first, :]` from an f32 table `[vocab,
+    /// cols]` holding the vocabulary rows `first..first + vocab` (as bytes,
+    /// as a [`QuantFormat::F32`] weight holds its values); an id outside
+    /// them gives a row of zeros (a vocabulary-parallel shard's other ranks'
+    /// tokens).
     pub fn embedding(
         &self,
         out: &mut CudaSlice<f32>,
         table: &CudaSlice<u8>,
         ids: &CudaSlice<i32>,
+        first: usize,
         vocab: usize,
         cols: usize,
     ) -> Result<(), CudaError> {
@@ -946,12 +950,13 @@ impl Kernels {
             return Ok(());
         }
         let f = self.function(&Variant::new(LAYERS, &[]), "embedding_f32")?;
-        let (vocab_i, cols_i, scale) = (to_i32(vocab, "vocab")?, to_i32(cols, "cols")?, 1f32);
+        let (first_i, vocab_i, cols_i, scale) = (to_i32(first, "first row")?, to_i32(vocab, "vocab")?, to_i32(cols, "cols")?, 1f32);
         let mut b = self.stream.launch_builder(&f);
-        b.arg(out).arg(table).arg(ids).arg(&vocab_i).arg(&cols_i).arg(&scale);
+        b.arg(out).arg(table).arg(ids).arg(&first_i).arg(&vocab_i).arg(&cols_i).arg(&scale);
         // SAFETY: embedding_f32(float*, const void*, const int*, int, int,
-        // float); the table holds vocab·cols floats (checked); an id outside
-        // the vocabulary reads row 0 and writes zeros.
+        // int, float); the table holds vocab·cols floats (checked); an id
+        // outside first..first + vocab reads row 0 and writes zeros; out
+        // holds n·cols floats (checked).
         unsafe { b.launch(cfg((to_u32(n, "ids")?, 1, 1), 256, 0)) }?;
         Ok(())
     }

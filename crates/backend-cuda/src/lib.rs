@@ -40,6 +40,7 @@ mod error;
 pub mod kernels;
 pub mod launch;
 pub mod layout;
+pub mod nccl;
 pub mod nvrtc;
 pub mod ops;
 

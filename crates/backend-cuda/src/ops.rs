@@ -38,9 +38,10 @@
 use crate::blas::{Blas, Half};
 use crate::launch::{AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix};
 use crate::layout::{f32_layout, repack, QuantFormat, Repacked};
+use crate::nccl::NcclGroup;
 use crate::CudaError;
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use vellum_base::{
     AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, DeviceMemory, Error, ForwardBatch,
     KvCacheDtype, KvCacheSpec, KvMemory, Sizes, StepBounds,
@@ -196,6 +197,9 @@ pub struct CudaOps {
     /// Host buffers handed back once sampled, reused so that a step's
     /// logits land in memory that is already mapped.
     spare: Mutex<Vec<Vec<f32>>>,
+    /// The tensor-parallel group this instance is rank `.1` of (`None`: a
+    /// group of one).
+    group: Option<(Arc<NcclGroup>, usize)>,
 }
 
 impl std::fmt::Debug for CudaOps {
@@ -225,7 +229,31 @@ impl CudaOps {
                 None
             }
         };
-        Ok(Self { k, precision, blas, staging: Mutex::new(None), spare: Mutex::new(Vec::new()) })
+        Ok(Self { k, precision, blas, staging: Mutex::new(None), spare: Mutex::new(Vec::new()), group: None })
+    }
+
+    /// The ranks of a tensor-parallel group of `size`, one per GPU (ordinals
+    /// `0..size`), multiplying in `precision`, whose [`Ops::all_reduce`]
+    /// sums over one NCCL communicator per GPU (`vellum-models`'
+    /// `ModelRunner::load_tensor_parallel` runs a rank per thread). Typed
+    /// errors for fewer GPUs than `size` and for a missing NCCL. A group of
+    /// one is an NCCL single-rank communicator (the collective path, run
+    /// on one GPU); without a group, [`CudaOps::with_precision`] needs no
+    /// NCCL.
+    pub fn tensor_parallel_group(size: usize, precision: CudaPrecision) -> Result<Vec<Self>, CudaError> {
+        if !crate::device::driver_is_present() {
+            return Err(CudaError::NoDriver);
+        }
+        let present = cudarc::driver::CudaContext::device_count()?.max(0) as usize;
+        if present < size {
+            return Err(CudaError::TooFewGpus { wanted: size, present });
+        }
+        let mut ranks = (0..size).map(|ordinal| Self::with_precision(ordinal, precision)).collect::<Result<Vec<_>, _>>()?;
+        let group = Arc::new(NcclGroup::new(ranks.iter().map(|r| r.k.stream().clone()).collect())?);
+        for (rank, ops) in ranks.iter_mut().enumerate() {
+            ops.group = Some((group.clone(), rank));
+        }
+        Ok(ranks)
     }
 
     /// The kernels (for tests and benchmarks).
@@ -420,7 +448,30 @@ impl Ops for CudaOps {
         };
         check(m.format == QuantFormat::F32, || "embed: the table is not stored as f32".into())?;
         let mut out = self.tensor(step.tokens, m.k)?;
-        self.k.embedding(&mut out.buf, &m.codes, &step.ids, m.n, m.k).map_err(backend)?;
+        self.k.embedding(&mut out.buf, &m.codes, &step.ids, 0, m.n, m.k).map_err(backend)?;
+        Ok(out)
+    }
+
+    fn all_reduce(&self, x: &mut CudaTensor) -> OpResult<()> {
+        match &self.group {
+            Some((group, rank)) => group.all_reduce(*rank, &mut x.buf, x.rows * x.cols).map_err(backend),
+            None => Ok(()),
+        }
+    }
+
+    fn fail_group(&self) {
+        if let Some((group, _)) = &self.group {
+            group.fail();
+        }
+    }
+
+    fn embed_vocab_shard(&self, table: &CudaWeight, step: &CudaStep, vocab_start: usize) -> OpResult<CudaTensor> {
+        let Stored::Blocks(m) = &table.m else {
+            return Err(Error::Backend("embed: the table is not stored as f32".into()));
+        };
+        check(m.format == QuantFormat::F32, || "embed: the table is not stored as f32".into())?;
+        let mut out = self.tensor(step.tokens, m.k)?;
+        self.k.embedding(&mut out.buf, &m.codes, &step.ids, vocab_start, m.n, m.k).map_err(backend)?;
         Ok(out)
     }
 

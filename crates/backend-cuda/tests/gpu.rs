@@ -590,6 +590,56 @@ fn the_cuda_executor_matches_the_cpu_f32_path_on_a_tiny_llama_or_skips_without_a
     let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
 }
 
+/// Tensor parallelism on the tiny Llama (4 query heads, 2 KV heads, MLP 384,
+/// vocabulary 96): split over 2 and 4 CPU ranks (4: each KV head on two
+/// ranks), and over NCCL groups of every size the GPUs allow — 1, NCCL's
+/// single-rank communicator, on any GPU; 2 and 4 where present — against
+/// the whole model on the CPU's float32 path, within 10⁻⁴ of the largest
+/// logit (only the order of the partial sums changes).
+#[test]
+fn tensor_parallel_groups_over_nccl_match_the_cpu_f32_path_or_skips_without_a_gpu() {
+    use vellum_backend_cuda::{CudaOps, CudaPrecision};
+    use vellum_models::{GgufWeights, ModelRunner, RunnerOptions, WeightSource};
+    let test = "tensor_parallel_groups_over_nccl_match_the_cpu_f32_path";
+    let path = tiny_gguf();
+    let weights = GgufWeights::open(&path).expect("opens");
+    let config = weights.model_config().expect("config");
+    let cpu_ops = vellum_backend_cpu::CpuOps::new(vellum_backend_cpu::WeightFormat::F32);
+    let want = run_steps(&mut ModelRunner::load(cpu_ops.clone(), &weights, config.clone(), |_, _| {}).expect("cpu loads"));
+    let close = |got: &[Vec<f32>], what: &str| {
+        for (i, (w, g)) in want.iter().zip(got).enumerate() {
+            assert_eq!(w.len(), g.len(), "{what} step {i}: logits length");
+            let scale = w.iter().fold(1f32, |m, x| m.max(x.abs()));
+            let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            eprintln!("{what} step {i}: max |split - whole| = {worst:.2e} (logits up to {scale:.2})");
+            assert!(worst <= 1e-4 * scale, "{what} step {i}: logits differ by up to {worst}");
+        }
+    };
+    let options = RunnerOptions::default();
+    for size in [2, 4] {
+        let group = cpu_ops.tensor_parallel_group(size);
+        let mut split = ModelRunner::load_tensor_parallel(group, &weights, config.clone(), options, |_, _| {}).expect("cpu group loads");
+        close(&run_steps(&mut split), &format!("cpu TP {size}"));
+    }
+    for size in [1, 2, 4] {
+        let group = match CudaOps::tensor_parallel_group(size, CudaPrecision::Float32) {
+            Ok(group) => group,
+            Err(vellum_backend_cuda::CudaError::TooFewGpus { present, .. }) if size > 1 && present >= 1 => {
+                eprintln!("SKIPPED {test} at TP {size}: {present} GPU(s)");
+                continue;
+            }
+            Err(e) => {
+                assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
+                eprintln!("SKIPPED {test} on CUDA: {e}");
+                break;
+            }
+        };
+        let mut split = ModelRunner::load_tensor_parallel(group, &weights, config.clone(), options, |_, _| {}).expect("cuda group loads");
+        close(&run_steps(&mut split), &format!("cuda NCCL TP {size}"));
+    }
+    let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
+}
+
 fn argmax(v: &[f32]) -> usize {
     v.iter().enumerate().fold((0, f32::MIN), |m, (j, &x)| if x > m.1 { (j, x) } else { m }).0
 }

@@ -280,6 +280,11 @@ pub fn make_executor(
         Device::Cuda => {
             use vellum_backend_cuda::{CudaOps, CudaPrecision};
             let precision = if options.dtype.is_bf16_on(device) { CudaPrecision::Bf16 } else { CudaPrecision::Float32 };
+            if tp > 1 {
+                // One rank per GPU (ordinals 0..tp), all-reduces over NCCL.
+                let group = CudaOps::tensor_parallel_group(tp, precision).map_err(cuda_unavailable)?;
+                return Ok(Box::new(CudaExecutor::load_tensor_parallel(group, weights, config, options.runner, progress)?));
+            }
             let ops = CudaOps::with_precision(0, precision).map_err(cuda_unavailable)?;
             Ok(Box::new(CudaExecutor::load_with(ops, weights, config, options.runner, progress)?))
         }
