@@ -197,6 +197,11 @@ fn wgpu_golden_and_equivalence_tests_skipped_build_has_no_wgpu_feature() {
 /// quantized to int8 (the CPU's default) or rounded to bf16 (CUDA's
 /// default) are judged by the quantized-path rule.
 fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPrecision, dtype: ComputeDtype) {
+    matches_the_float64_reference_at(model, device, precision, dtype, 1);
+}
+
+/// [`matches_the_float64_reference`] with the model split over `tp` ranks.
+fn matches_the_float64_reference_at(model: &Model, device: Device, precision: CpuPrecision, dtype: ComputeDtype, tp: usize) {
     let cases = load_golden(model.golden);
     let quantized_activations = (device == Device::Cpu && precision == CpuPrecision::Int8) || dtype.is_bf16_on(device);
     let args = EngineArgs {
@@ -207,6 +212,7 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
         // In bytes: a Gemma block holds 3 of its 18 layers (KV-cache groups).
         kv_cache: vellum::core::KvCacheSize::MemoryBytes(256 << 20),
         scheduler: SchedulerConfig { max_num_batched_tokens: 512, max_model_len: 2048, ..SchedulerConfig::default() },
+        tensor_parallel_size: tp,
         ..EngineArgs::default()
     };
     let mut llm = Llm::new(args).expect("the model loads");
@@ -265,7 +271,7 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
     let total: usize = cases.iter().map(|c| c.greedy_ids.len()).sum();
     let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
     eprintln!(
-        "{device} ({}, --dtype {}): {total_agreed}/{total} tokens agree; largest logprob difference on agreeing tokens: {worst:.5} nats, mean {mean:.5}",
+        "{device} ({}, --dtype {}): {total_agreed}/{total} tokens agree; largest logprob difference on agreeing tokens: {worst:.5} nats, mean {mean:.5} (TP {tp})",
         precision.name(),
         dtype.name()
     );
@@ -277,6 +283,22 @@ fn matches_the_float64_reference(model: &Model, device: Device, precision: CpuPr
     // Every block is returned once the requests are done.
     let st = llm.engine().scheduler().allocator().stats();
     assert_eq!(st.num_used_blocks, 0);
+}
+
+/// The default CPU path split over ranks (`--tensor-parallel-size`): each
+/// rank's int8 linears pick their own outlier channels from a calibration
+/// of their shard, so the split model is judged by the same quantized-path
+/// rule as the whole one (tests/tensor_parallel.rs holds the float32 path
+/// to 1e-4 of the whole model).
+#[test]
+fn smollm2_at_tp3_matches_the_float64_reference() {
+    matches_the_float64_reference_at(&SMOLLM2, Device::Cpu, CpuPrecision::Int8, ComputeDtype::Auto, 3);
+}
+
+/// Gemma 3 at TP 2 on the default int8 path, as above.
+#[test]
+fn gemma3_at_tp2_matches_the_float64_reference() {
+    matches_the_float64_reference_at(&GEMMA3, Device::Cpu, CpuPrecision::Int8, ComputeDtype::Auto, 2);
 }
 
 /// A sequence's greedy tokens and, per position, its top-5 (token, logprob).

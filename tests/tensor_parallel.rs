@@ -182,3 +182,27 @@ fn tensor_parallelism_on_wgpu_is_refused_by_name() {
         .to_string();
     assert!(e.contains("runs on --device cpu and --device cuda"), "{e}");
 }
+
+/// Embeddings (`--task embed`): the pooled final hidden states, which every
+/// rank holds alike after the last all-reduce, are the whole model's.
+#[test]
+fn embeddings_at_tp3_are_the_whole_models() {
+    let embedder = |tp: usize| {
+        Llm::new(EngineArgs {
+            cpu_precision: CpuPrecision::Float32,
+            task: vellum::engine::Task::Embed,
+            kv_cache: KvCacheSize::MemoryBytes(64 << 20),
+            tensor_parallel_size: tp,
+            ..EngineArgs::default()
+        })
+        .expect("loads for embeddings")
+    };
+    let texts = ["Paged attention stores the KV cache in blocks.", "A second, longer sentence about tensor parallelism and NCCL."];
+    let whole = embedder(1).embed(&texts, None).expect("embeds");
+    let split = embedder(3).embed(&texts, None).expect("embeds");
+    for (a, b) in whole.iter().zip(&split) {
+        assert_eq!(a.len(), b.len());
+        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-5, "normalized vectors differ by up to {worst}");
+    }
+}

@@ -6,8 +6,12 @@
 //! `vellum-formats`' [`WeightSource`], and are picked by architecture in
 //! [`load_model`]. [`ModelRunner`] is the one `ModelExecutor`: it owns a
 //! backend's ops, the model and its paged KV cache, and runs one scheduled
-//! batch per step. [`LoadedModel::open`] opens everything a model's files
-//! hold (weights, config, tokenizer, chat template) from a [`ModelSource`].
+//! batch per step; split over a tensor-parallel group
+//! ([`ModelRunner::load_tensor_parallel`]), it holds one rank per backend
+//! instance, each with its [`TensorParallel`] shard of the model and its own
+//! KV cache, and runs each step on every rank at once. [`LoadedModel::open`]
+//! opens everything a model's files hold (weights, config, tokenizer, chat
+//! template) from a [`ModelSource`].
 //!
 //! The file readers (`vellum-formats`) and the tokenizer and chat template
 //! (`vellum-tokenizer`) are crates of their own, re-exported here so that an
