@@ -30,6 +30,8 @@ pub struct Piece {
     pub text: String,
     /// The tokens behind it (for logprobs; empty unless asked).
     pub tokens: Vec<TokenInfo>,
+    /// How many output tokens it holds (asked for logprobs or not).
+    pub num_tokens: usize,
     /// Set on the choice's last piece.
     pub finish_reason: Option<&'static str>,
     /// The stop string that ended the choice, on its last piece (vLLM's
@@ -133,6 +135,7 @@ impl Generation {
         let finish_reason = piece.finish_reason.map(FinishReason::as_str);
         Piece {
             choice: p * self.n + piece.index,
+            num_tokens: piece.tokens.len(),
             text: piece.text,
             tokens: if self.want_logprobs { piece.tokens } else { Vec::new() },
             finish_reason,

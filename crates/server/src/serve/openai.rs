@@ -406,6 +406,9 @@ async fn check_structured_output(
 #[derive(Default)]
 struct Choice {
     text: String,
+    /// Where each piece's text ends in `text`, and its tokens (the parsers
+    /// count reasoning tokens piece by piece).
+    pieces: Vec<(usize, usize)>,
     tokens: Vec<TokenInfo>,
     finish_reason: Option<&'static str>,
     /// The stop string that ended it (`stop_reason`).
@@ -418,6 +421,7 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
         for p in pieces? {
             if let Some(c) = choices.get_mut(p.choice) {
                 c.text.push_str(&p.text);
+                c.pieces.push((c.text.len(), p.num_tokens));
                 c.tokens.extend(p.tokens);
                 if p.finish_reason.is_some() {
                     c.finish_reason = p.finish_reason;
@@ -427,7 +431,8 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
         }
     }
     let n_per_prompt = choices.len() / f.echo.as_ref().map_or(1, |e| e.len().max(1));
-    let usage = usage(gen.prompt_tokens, gen.completion_tokens());
+    let mut usage = usage(gen.prompt_tokens, gen.completion_tokens());
+    let mut reasoning_tokens = 0;
     let body = match f.kind {
         Kind::Completion => {
             let out: Vec<Value> = choices
@@ -447,7 +452,8 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
                 .enumerate()
                 .map(|(i, c)| {
                     let logprobs = f.logprobs.map(|_| json!({"content": chat_logprobs(&state, &c.tokens, &f)}));
-                    let (message, finish_reason) = chat_message(&c, &f);
+                    let (message, finish_reason, reasoning) = chat_message(&c, &f);
+                    reasoning_tokens += reasoning;
                     json!({
                         "index": i,
                         "message": message,
@@ -457,6 +463,9 @@ async fn collect(state: Arc<AppState>, mut gen: Generation, f: Format) -> Result
                     })
                 })
                 .collect();
+            if f.reasoning.is_some() {
+                usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning_tokens});
+            }
             json!({"id": gen.id, "object": "chat.completion", "created": f.created, "model": f.model, "choices": out, "usage": usage})
         }
     };
@@ -485,9 +494,10 @@ impl ChoiceParser {
         Self { reasoning: f.reasoning.clone(), tools: f.tools.as_ref().map(ToolParsing::parser) }
     }
 
-    fn push(&mut self, text: &str) -> Vec<ChatEvent> {
+    /// The next piece: its text and how many output tokens it holds.
+    fn push(&mut self, text: &str, tokens: usize) -> Vec<ChatEvent> {
         let mut out = Vec::new();
-        match self.reasoning.as_mut().map(|r| r.push(text)) {
+        match self.reasoning.as_mut().map(|r| r.push_tokens(text, tokens)) {
             Some(events) => self.route(events, &mut out),
             None => self.content(text, &mut out),
         }
@@ -503,6 +513,11 @@ impl ChoiceParser {
             out.extend(t.finish().into_iter().map(ChatEvent::Tool));
         }
         out
+    }
+
+    /// Output tokens spent reasoning so far.
+    fn reasoning_tokens(&self) -> usize {
+        self.reasoning.as_ref().map_or(0, ReasoningParser::reasoning_tokens)
     }
 
     /// Calls reported so far.
@@ -537,13 +552,20 @@ fn chat_finish_reason(f: &Format, parser: &ChoiceParser, engine_reason: &'static
 }
 
 /// A whole chat choice: the message (reasoning, content and parsed tool
-/// calls) and its finish reason.
-fn chat_message(c: &Choice, f: &Format) -> (Value, Option<&'static str>) {
+/// calls), its finish reason and its reasoning tokens.
+fn chat_message(c: &Choice, f: &Format) -> (Value, Option<&'static str>, usize) {
     if f.tools.is_none() && f.reasoning.is_none() {
-        return (json!({"role": "assistant", "content": c.text}), c.finish_reason);
+        return (json!({"role": "assistant", "content": c.text}), c.finish_reason, 0);
     }
     let mut parser = ChoiceParser::new(f);
-    let mut events = parser.push(&c.text);
+    // Piece by piece, as streamed: the same split, and the tokens of each.
+    let mut events = Vec::new();
+    let mut start = 0;
+    for &(end, tokens) in &c.pieces {
+        events.extend(parser.push(c.text.get(start..end).unwrap_or_default(), tokens));
+        start = end;
+    }
+    events.extend(parser.push(c.text.get(start..).unwrap_or_default(), 0));
     events.extend(parser.finish());
     let mut whole = Assembled::default();
     let mut reasoning: Option<String> = None;
@@ -568,7 +590,7 @@ fn chat_message(c: &Choice, f: &Format) -> (Value, Option<&'static str>) {
         message["tool_calls"] = Value::Array(calls);
     }
     let finish_reason = c.finish_reason.map(|r| chat_finish_reason(f, &parser, r));
-    (message, finish_reason)
+    (message, finish_reason, parser.reasoning_tokens())
 }
 
 fn usage(prompt: usize, completion: usize) -> Value {
@@ -669,7 +691,7 @@ fn piece_choice(s: &SseState, p: &Piece) -> Value {
 /// the parser held back.
 fn parsed_piece_choices(s: &mut SseState, p: &Piece) -> Vec<Value> {
     let Some(parser) = s.parsers.get_mut(p.choice) else { return Vec::new() };
-    let mut events = parser.push(&p.text);
+    let mut events = parser.push(&p.text, p.num_tokens);
     let finish_reason = p.finish_reason.map(|r| {
         events.extend(parser.finish());
         chat_finish_reason(&s.f, parser, r)
@@ -756,9 +778,14 @@ fn sse_response(state: Arc<AppState>, gen: Generation, f: Format) -> Response {
                 None => {
                     if s.f.include_usage {
                         let object = if s.f.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+                        let mut usage = usage(s.gen.prompt_tokens, s.gen.completion_tokens());
+                        if s.f.kind == Kind::Chat && s.f.reasoning.is_some() {
+                            let reasoning: usize = s.parsers.iter().map(ChoiceParser::reasoning_tokens).sum();
+                            usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning});
+                        }
                         let v = json!({
                             "id": s.gen.id, "object": object, "created": s.f.created, "model": s.f.model,
-                            "choices": [], "usage": usage(s.gen.prompt_tokens, s.gen.completion_tokens())
+                            "choices": [], "usage": usage
                         });
                         s.queued.push_back(sse(&v));
                     }
@@ -874,8 +901,8 @@ mod tests {
     /// The events of `text` in two deltas cut at `at`, merged by kind.
     fn parse_in_two(f: &Format, text: &str, at: usize) -> (String, Assembled) {
         let mut p = ChoiceParser::new(f);
-        let mut events = p.push(&text[..at]);
-        events.extend(p.push(&text[at..]));
+        let mut events = p.push(&text[..at], 0);
+        events.extend(p.push(&text[at..], 0));
         events.extend(p.finish());
         let (mut reasoning, mut rest) = (String::new(), Assembled::default());
         for e in events {

@@ -63,6 +63,10 @@ pub struct ReasoningParser {
     phase: Phase,
     /// Text not yet decided (a possible tag, leading whitespace).
     buf: String,
+    /// Output tokens spent reasoning so far ([`ReasoningParser::push_tokens`]).
+    reasoning_tokens: usize,
+    /// Whether the text has entered the reasoning.
+    entered_reasoning: bool,
 }
 
 impl ReasoningParserKind {
@@ -73,7 +77,12 @@ impl ReasoningParserKind {
             ReasoningParserKind::DeepseekR1 => true,
             ReasoningParserKind::Qwen3 => prompt_opens_reasoning(prompt),
         };
-        ReasoningParser { phase: if inside { Phase::ReasoningStart } else { Phase::Opening }, buf: String::new() }
+        ReasoningParser {
+            phase: if inside { Phase::ReasoningStart } else { Phase::Opening },
+            buf: String::new(),
+            reasoning_tokens: 0,
+            entered_reasoning: false,
+        }
     }
 }
 
@@ -92,6 +101,26 @@ impl ReasoningParser {
         events
     }
 
+    /// [`push`](Self::push) of the text of `tokens` output tokens, counted
+    /// as reasoning tokens (the usage's `reasoning_tokens`) when they fall
+    /// inside the reasoning: from its start (or the delta that opens it)
+    /// through the delta that closes it.
+    pub fn push_tokens(&mut self, delta: &str, tokens: usize) -> Vec<ReasoningEvent> {
+        let (before, entered) = (self.phase, self.entered_reasoning);
+        let events = self.push(delta);
+        // This delta opened the reasoning (`<think>` after nothing but whitespace).
+        let opened = !entered && self.entered_reasoning;
+        if matches!(before, Phase::ReasoningStart | Phase::Reasoning) || opened {
+            self.reasoning_tokens += tokens;
+        }
+        events
+    }
+
+    /// Output tokens counted as reasoning so far.
+    pub fn reasoning_tokens(&self) -> usize {
+        self.reasoning_tokens
+    }
+
     /// Ends the text: what was held back.
     pub fn finish(&mut self) -> Vec<ReasoningEvent> {
         let mut events = Vec::new();
@@ -108,11 +137,13 @@ impl ReasoningParser {
                         let drop = self.buf.len() - rest.len() + THINK_OPEN.len();
                         self.buf.drain(..drop);
                         self.phase = Phase::Reasoning;
+                        self.entered_reasoning = true;
                     } else if !at_end && THINK_OPEN.starts_with(rest) {
                         // Whitespace, or the start of `<think>`: wait.
                         return;
                     } else {
                         self.phase = if self.phase == Phase::Opening { Phase::Content } else { Phase::Reasoning };
+                        self.entered_reasoning |= self.phase == Phase::Reasoning;
                     }
                 }
                 Phase::Reasoning => {
@@ -238,6 +269,28 @@ mod tests {
         // The prompt opens it: the output starts inside.
         let open = ReasoningParserKind::Qwen3.parser("<|im_start|>assistant\n<think>\n");
         assert_eq!(split_agrees(&open, "Short.</think>Done."), (some("Short."), some("Done.")));
+    }
+
+    #[test]
+    fn reasoning_tokens_are_those_from_the_opening_through_the_closing_delta() {
+        // DeepSeek-R1 starts inside: "Hmm" "." "</think>" "\n\n" "Hi" — three reasoning tokens.
+        let mut p = ReasoningParserKind::DeepseekR1.parser("");
+        for (d, n) in [("Hmm", 1), (".", 1), ("</think>", 1), ("\n\n", 1), ("Hi", 1)] {
+            p.push_tokens(d, n);
+        }
+        assert_eq!(p.reasoning_tokens(), 3);
+        // Qwen3 opening `<think>` itself; a delta of two tokens counts two.
+        let mut p = ReasoningParserKind::Qwen3.parser("<|im_start|>assistant\n");
+        for (d, n) in [("<think>", 1), ("a b", 2), ("</think>Hi", 2), (" there", 1)] {
+            p.push_tokens(d, n);
+        }
+        assert_eq!(p.reasoning_tokens(), 5);
+        // No reasoning at all: none counted.
+        let mut p = ReasoningParserKind::Qwen3.parser("<|im_start|>assistant\n");
+        for (d, n) in [("Hello", 1), (" <think>", 1)] {
+            p.push_tokens(d, n);
+        }
+        assert_eq!(p.reasoning_tokens(), 0);
     }
 
     #[test]

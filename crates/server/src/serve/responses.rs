@@ -17,7 +17,7 @@
 //! | `max_output_tokens`, `temperature`, `top_p` | `max_tokens`, … |
 //! | `previous_response_id` | the stored conversation, before this input |
 //! | `output`: a `reasoning` item (one `reasoning_text` part), a `message` item with `output_text`, then `function_call` items | `reasoning_content` (`--reasoning-parser`), `content`, `tool_calls` |
-//! | `usage.output_tokens_details.reasoning_tokens` | always 0: the chat path does not count reasoning tokens apart |
+//! | `usage.output_tokens_details.reasoning_tokens` | `usage.completion_tokens_details.reasoning_tokens` (`--reasoning-parser`: the output tokens from the reasoning's start through the one closing it) |
 //! | `status` `incomplete`, `incomplete_details.reason` `max_output_tokens` | `finish_reason` `length` |
 //!
 //! Responses are stored (unless `store: false`) in a bounded, in-memory
@@ -401,8 +401,9 @@ impl Echo {
 fn usage_of(u: &Value) -> Value {
     let (input, output) = (u["prompt_tokens"].as_u64().unwrap_or(0), u["completion_tokens"].as_u64().unwrap_or(0));
     let cached = u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0);
+    let reasoning = u.pointer("/completion_tokens_details/reasoning_tokens").and_then(Value::as_u64).unwrap_or(0);
     json!({"input_tokens": input, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": output,
-           "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": input + output})
+           "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": input + output})
 }
 
 fn message_item(id: &str, text: &str, status: &str) -> Value {

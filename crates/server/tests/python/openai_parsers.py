@@ -14,6 +14,9 @@ starts inside reasoning). The small model writes neither format by itself:
 - Forced `…</think>Hello there.` without tools: reasoning and content split,
   whole and streamed alike.
 - `skip_special_tokens: false`: the EOS that ends the output is not text.
+- `usage.completion_tokens_details.reasoning_tokens` (whole and streamed)
+  counts the tokens through `</think>`; the Responses API's
+  `output_tokens_details.reasoning_tokens` likewise.
 - Unconstrained output (no `</think>`): all reasoning; in the Responses API
   a `reasoning` item (whole, through the stream helper and as raw events), in
   the Messages API a `thinking` block (whole and streamed).
@@ -87,6 +90,14 @@ whole = chat(REGEX, False)
 check(whole[:2] == ("Hmm.", "Hello there."), f"reasoning and content: {whole}")
 check(chat(REGEX, True)[:2] == whole[:2], "streamed == whole")
 
+# usage counts the reasoning's tokens apart ("Hmm." and "</think>"), whole and streamed.
+u = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=48, temperature=0, extra_body={"guided_regex": REGEX}).usage
+r_tokens = u.completion_tokens_details.reasoning_tokens
+check(0 < r_tokens < u.completion_tokens, f"reasoning tokens among the completion's: {u}")
+last = [c for c in client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=48, temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}, extra_body={"guided_regex": REGEX}) if c.usage]
+check(last and last[-1].usage.completion_tokens_details.reasoning_tokens == r_tokens, f"streamed usage: {last}")
+
 # The EOS after forced text is not text, even with special tokens kept.
 kept = chat(REGEX, False, extra={"skip_special_tokens": False})
 check(kept[:2] == ("Hmm.", "Hello there.") and kept[3] == "stop", f"no EOS text: {kept}")
@@ -100,6 +111,7 @@ r = client.responses.create(model=model, input="What is 2+2?", max_output_tokens
 check(r.output and r.output[0].type == "reasoning" and r.output[0].id.startswith("rs_"), f"a reasoning item: {r.output}")
 text = r.output[0].content[0].text
 check(r.output[0].content[0].type == "reasoning_text" and text, f"reasoning_text: {r.output[0]}")
+check(r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens, f"all 8 tokens reasoning: {r.usage}")
 with client.responses.stream(model=model, input="What is 2+2?", max_output_tokens=8, temperature=0) as s:
     deltas = [e.delta for e in s if e.type == "response.reasoning_text.delta"]
     final = s.get_final_response()

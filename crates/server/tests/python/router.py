@@ -2,17 +2,18 @@
 `openai` client. Run by `tests/router.rs` in three phases:
 
 Usage: python3 router.py route    ROUTER MODEL REPLICA_A REPLICA_B
-       python3 router.py failover ROUTER MODEL REPLICA_A REPLICA_B DEAD_URL
+       python3 router.py failover ROUTER MODEL REPLICA_A REPLICA_B PID_A PID_B
        python3 router.py rejoin   ROUTER MODEL REPLICA_A REPLICA_B NEW_URL
 
 - route: the router lists both replicas healthy under the served model name
   (from their /server_info); chat requests answer through it; eight requests
   sharing a long system prompt all land on one replica (cache-aware policy:
   that replica's completed requests grow by eight, and its prefix cache hits).
-- failover (one replica killed): the router reports the dead one unhealthy
-  within 15 s; until then a request routed to it fails with a 5xx naming the
-  connection, any other answers; after it, every request answers (on the
-  live replica, whatever its prefix).
+- failover: the replica holding the shared prefix is killed while six
+  clients have requests in flight to it; the router retries every
+  non-streamed one on the live replica (none is lost), a stream cut mid-answer
+  ends with a connection error, the router reports the dead replica unhealthy
+  within 15 s, and every later request answers.
 - rejoin: a restarted replica, added through the router's worker API, is
   listed healthy within 30 s, and requests answer.
 """
@@ -87,23 +88,65 @@ if phase == "route":
     check(metric(home, "vllm:prefix_cache_hits_total") > hits[home], "and hit its prefix cache")
     ask("Another system prompt, another question.", system="You are a terse assistant.")
 elif phase == "failover":
-    # Until the health checks mark the dead replica, a request the
-    # cache-aware policy sends there fails with the router's 5xx naming the
-    # connection (it is not retried: SGLang's router retries answers, not
-    # refused connections); every other request answers.
-    deadline, sent, failed = time.time() + 15, 0, 0
-    while workers()[extra]["is_healthy"] is not False:
-        check(time.time() < deadline, f"the dead replica reported unhealthy within 15 s: {workers()}")
-        sent += 1
+    # Mid-run: six clients keep the replica holding the shared prefix busy
+    # (non-streamed requests, and two streams), and this script kills it
+    # (SIGKILL) with requests in flight. The router retries a failed
+    # non-streamed request (here for ~5 s, longer than its health checks
+    # take to mark the replica), so every one answers, on the live replica;
+    # a stream already answering from the dead replica cannot be replayed:
+    # it ends with a connection error, never a hang.
+    import os
+    import signal
+    import threading
+
+    pids = {A: int(sys.argv[6]), B: int(sys.argv[7])}
+    home = max((A, B), key=lambda u: metric(u, "vllm:request_success_total"))
+    live = B if home == A else A
+    lock, stop = threading.Lock(), time.time() + 8
+    answered, failed, streams = [0], [], []
+
+    def load(k):
+        n = 0
+        while time.time() < stop:
+            n += 1
+            try:
+                ask(f"Client {k}, question {n}: where can I park?")
+                with lock:
+                    answered[0] += 1
+            except Exception as e:  # noqa: BLE001 (any failure is a lost request)
+                with lock:
+                    failed.append(f"{type(e).__name__}: {e}")
+
+    def stream(k):
+        short = openai.OpenAI(base_url=ROUTER + "/v1", api_key="none", max_retries=0, timeout=30)
         try:
-            ask(f"Question {sent} while a replica is dead: where can I park?")
-        except openai.InternalServerError as e:
-            failed += 1
-            check("error sending request" in str(e) and extra.split("//")[1] in str(e), f"a clear error: {e}")
-        time.sleep(0.2)
-    print(f"before the router marked the dead replica: {sent} requests, {failed} failed with a connection error")
-    check(workers()[A]["is_healthy"], "the live replica stays healthy")
-    for i in range(8):
+            chunks = short.chat.completions.create(
+                model=MODEL, max_tokens=400, temperature=0, stream=True,
+                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Stream {k}: describe the rooms."}],
+            )
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            outcome = f"finished ({finish})" if finish else "ended without a finish reason"
+        except openai.APIError as e:
+            outcome = f"cut: {type(e).__name__}: {e}"
+        with lock:
+            streams.append(outcome)
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(6)]
+    threads += [threading.Thread(target=stream, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    os.kill(pids[home], signal.SIGKILL)
+    killed_at = time.time()
+    for t in threads:
+        t.join(60)
+    check(not any(t.is_alive() for t in threads), "every client returned within 60 s (no hang)")
+    print(f"killed {home} with requests in flight; {answered[0]} non-streamed requests answered, {len(failed)} failed; streams: {streams}")
+    check(answered[0] > 0 and not failed, f"no non-streamed request lost (the router retried those it could): {failed[:3]}")
+    check(all(s.startswith("finished") or s.startswith("cut: APIConnectionError") for s in streams), f"each stream finished or was cut with a clear error: {streams}")
+    wait_for(lambda: workers()[home]["is_healthy"] is False, max(1, 15 - (time.time() - killed_at)), "the dead replica reported unhealthy")
+    check(workers()[live]["is_healthy"], "the live replica stays healthy")
+    for i in range(4):
         ask(f"Question {i} after a replica died: where can I park?")
 elif phase == "rejoin":
     req = urllib.request.Request(ROUTER + "/workers", data=json.dumps({"url": extra}).encode(),
