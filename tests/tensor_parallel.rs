@@ -54,8 +54,10 @@ fn run(llm: &mut Llm, prompts: &[Vec<u32>], tokens: usize) -> Vec<Greedy> {
 /// within `bound`; returns the largest difference.
 fn assert_same(whole: &[Greedy], split: &[Greedy], what: &str, bound: f32) -> f32 {
     let mut worst = 0f32;
+    assert_eq!(whole.len(), split.len(), "{what}: outputs");
     for (i, (a, b)) in whole.iter().zip(split).enumerate() {
         assert_eq!(a.0, b.0, "{what}: prompt {i}: greedy tokens differ");
+        assert_eq!(a.1.len(), b.1.len(), "{what}: prompt {i}: logprob positions");
         for (j, (p, q)) in a.1.iter().zip(&b.1).enumerate() {
             // Near-ties may swap places in the top-5; a token both list must agree.
             for (token, lp) in p {
@@ -205,4 +207,24 @@ fn embeddings_at_tp3_are_the_whole_models() {
         let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
         assert!(worst < 1e-5, "normalized vectors differ by up to {worst}");
     }
+}
+
+/// A step that fails on the ranks (here a token id outside the vocabulary,
+/// which every rank refuses before any all-reduce) fails its requests, and
+/// the group serves the next ones: the ranks' group is reset once they have
+/// all left the step.
+#[test]
+fn a_failed_step_fails_its_requests_and_the_group_serves_the_next() {
+    let mut split = engine(None, 3, 512);
+    let vocab = split.tokenizer().vocab_size() as u32;
+    let bad = split.generate_ids(&[vec![1, 2, vocab + 7]], &SamplingParams::greedy(4));
+    let failed = match &bad {
+        Err(e) => e.to_string(),
+        Ok(outs) => format!("{:?}", outs[0].outputs[0].finish_reason),
+    };
+    assert!(bad.is_err() || failed.contains("Abort"), "the bad request fails: {failed}");
+    let prompts = golden_prompts("smollm2-135m-instruct-q4_1.json");
+    let whole = run(&mut engine(None, 1, 512), &prompts[..2], 8);
+    let after = run(&mut split, &prompts[..2], 8);
+    assert_same(&whole, &after, "after a failed step", 1e-4);
 }

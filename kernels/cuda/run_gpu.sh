@@ -19,7 +19,7 @@ done
 wheel_dirs=$(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in os.listdir(p)))' 2>/dev/null)
 use_lib() {
     local name=$1 first=${2:-} d f found=""
-    for d in "$first" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $wheel_dirs; do
+    for d in "$first" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $wheel_dirs /usr/lib/x86_64-linux-gnu; do
         [ -n "$d" ] || continue
         for f in "$d/lib$name.so" "$d/lib$name.so".1[0-9]* "$d/lib$name.so".2; do
             if [ -e "$f" ]; then found=$f; break 2; fi

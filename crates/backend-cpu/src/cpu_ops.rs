@@ -509,8 +509,17 @@ impl Ops for CpuOps {
         }
     }
 
-    fn embed_vocab_shard(&self, table: &HostWeight, step: &HostStep, vocab_start: usize) -> OpResult<HostTensor> {
+    fn reset_group(&self) {
+        if let Some((group, _)) = &self.group {
+            group.reset();
+        }
+    }
+
+    fn embed_vocab_shard(&self, table: &HostWeight, step: &HostStep, vocab_start: usize, vocab_size: usize) -> OpResult<HostTensor> {
         let ids = &step.batch.token_ids;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(Error::Backend(format!("token id {id} outside the vocabulary of {vocab_size}")));
+        }
         let mut out = HostTensor::zeros(ids.len(), table.inp);
         for (row, &id) in out.data.chunks_exact_mut(table.inp).zip(ids) {
             // Rows of other ranks' shards stay zero.

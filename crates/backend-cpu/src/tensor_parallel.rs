@@ -10,10 +10,12 @@
 //!
 //! A rank whose step fails calls [`HostGroup::fail`]; ranks waiting in (or
 //! later entering) an all-reduce then get an error instead of waiting for a
-//! deposit that will never come. A failed group stays failed.
+//! deposit that will never come. The group stays failed until
+//! [`HostGroup::reset`], once every rank has left the step.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 use vellum_base::Error;
+use vellum_ops::GROUP_FAILED;
 
 /// The shared state of a group of `size` ranks.
 #[derive(Debug)]
@@ -62,7 +64,7 @@ impl HostGroup {
         if self.size == 1 {
             return Ok(());
         }
-        let failed = || Error::Backend("tensor parallel: another rank of the group failed its step".into());
+        let failed = || Error::Backend(format!("tensor parallel: {GROUP_FAILED}"));
         let mut state = self.lock();
         if state.failed {
             return Err(failed());
@@ -114,6 +116,16 @@ impl HostGroup {
         self.lock().failed = true;
         self.done.notify_all();
     }
+
+    /// Makes a failed group usable again: called when no rank is inside an
+    /// all-reduce (every rank's thread has left the failed step), it drops
+    /// the half-finished round.
+    pub fn reset(&self) {
+        let mut state = self.lock();
+        state.failed = false;
+        state.arrived = 0;
+        state.deposits.iter_mut().for_each(Vec::clear);
+    }
 }
 
 #[cfg(test)]
@@ -131,9 +143,10 @@ mod tests {
                         s.spawn(move || {
                             let mut out = Vec::new();
                             for round in 0..50 {
-                                // Values whose sum depends on the order of addition.
-                                let mut x =
-                                    vec![1e8f32 * if rank == 0 { 1.0 } else { -1.0 / (size - 1) as f32 }, 1.0 + rank as f32, round as f32];
+                                // Element 0's sum depends on the order of addition
+                                // (1e8 + 1 rounds back to 1e8 in f32).
+                                let first = [1e8f32, 1.0, -1e8, 1.0][rank];
+                                let mut x = vec![first, 1.0 + rank as f32, round as f32];
                                 group.all_reduce(rank, &mut x).expect("no rank fails");
                                 out.extend(x);
                             }
@@ -148,6 +161,9 @@ mod tests {
             }
             let expected_second: f32 = (0..size).map(|r| 1.0 + r as f32).sum();
             assert_eq!(results[0][1], expected_second);
+            // Element 0: the fold in rank order, bit for bit.
+            let in_rank_order = [1e8f32, 1.0, -1e8, 1.0][..size].iter().fold(0f32, |acc, v| acc + v);
+            assert_eq!(results[0][0].to_bits(), in_rank_order.to_bits(), "size {size}");
         }
     }
 
@@ -169,5 +185,20 @@ mod tests {
             }
         });
         assert!(group.all_reduce(2, &mut [1.0]).is_err(), "a failed group stays failed");
+        // Reset with no rank inside: usable again.
+        group.reset();
+        let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|rank| {
+                    let group = &group;
+                    s.spawn(move || {
+                        let mut x = vec![rank as f32];
+                        group.all_reduce(rank, &mut x).map(|_| x)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("no panic").expect("the reset group works")).collect()
+        });
+        assert!(sums.iter().all(|x| x == &[3.0]));
     }
 }

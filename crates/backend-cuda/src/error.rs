@@ -16,8 +16,8 @@ pub enum CudaError {
     /// cuBLAS (`libcublas.so.12`) could not be loaded.
     #[error("cuBLAS is not loadable (libcublas.so.12): `pip install nvidia-cublas-cu12` and put its lib directory on LD_LIBRARY_PATH (16-bit weights then run on tensor cores; without it they are widened to f32)")]
     NoCublas,
-    /// NCCL (`libnccl.so.2`) could not be loaded: a tensor-parallel group
-    /// needs it.
+    /// NCCL (`libnccl.so`, as cudarc looks for it) could not be loaded: a
+    /// tensor-parallel group needs it.
     #[error("NCCL is not loadable (libnccl.so): install NCCL (e.g. `pip install nvidia-nccl-cu12`), link its libnccl.so.2 as libnccl.so and put that directory on LD_LIBRARY_PATH (a tensor-parallel group on --device cuda needs it)")]
     NoNccl,
     /// An NCCL call failed, or a rank of the group did.

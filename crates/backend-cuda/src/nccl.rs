@@ -1,9 +1,12 @@
 //! Tensor parallelism over NCCL: one communicator per GPU of one process
 //! (`ncclCommInitAll`), one rank per GPU, each rank's all-reduce enqueued on
 //! its [`CudaOps`](crate::CudaOps)'s stream so that it is ordered with the
-//! rank's kernels. NCCL is loaded at run time like the driver: a machine
-//! without `libnccl.so.2` gets [`CudaError::NoNccl`] when a group is asked
-//! for, and a single GPU never needs it.
+//! rank's kernels. NCCL is loaded at run time like the driver (cudarc opens
+//! `libnccl.so`; link a `libnccl.so.2` under that name): a machine without
+//! it gets [`CudaError::NoNccl`] when a group is asked for, and a single GPU
+//! without a group never needs it. A failed step aborts the communicators
+//! ([`NcclGroup::fail`]): the group cannot be restarted, and every later
+//! step fails with [`vellum_ops::GROUP_FAILED`].
 
 use crate::error::CudaError;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -61,7 +64,7 @@ impl NcclGroup {
     /// its own, with the same `len`).
     pub fn all_reduce(&self, rank: usize, buf: &mut CudaSlice<f32>, len: usize) -> Result<(), CudaError> {
         if self.failed.load(Ordering::Acquire) {
-            return Err(CudaError::Nccl("another rank of the tensor-parallel group failed its step".into()));
+            return Err(CudaError::Nccl(vellum_ops::GROUP_FAILED.into()));
         }
         let slot = self.comms.get(rank).ok_or_else(|| CudaError::Nccl(format!("rank {rank} of a group of {}", self.size())))?;
         let guard = slot.lock().map_err(|_| CudaError::Nccl("a rank panicked inside an all-reduce".into()))?;

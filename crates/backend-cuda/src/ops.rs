@@ -465,7 +465,8 @@ impl Ops for CudaOps {
         }
     }
 
-    fn embed_vocab_shard(&self, table: &CudaWeight, step: &CudaStep, vocab_start: usize) -> OpResult<CudaTensor> {
+    fn embed_vocab_shard(&self, table: &CudaWeight, step: &CudaStep, vocab_start: usize, vocab_size: usize) -> OpResult<CudaTensor> {
+        StepBounds::check_below(step.bounds.max_id, vocab_size, "token id", "the vocabulary")?;
         let Stored::Blocks(m) = &table.m else {
             return Err(Error::Backend("embed: the table is not stored as f32".into()));
         };
@@ -712,6 +713,10 @@ impl AttentionBackend for CudaOps {
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<CudaStep> {
+        // The step may run on a thread new to this device (a rank of a
+        // tensor-parallel group): cuBLAS and raw launches need its context
+        // current there.
+        self.k.stream().context().bind_to_thread().map_err(|e| backend(e.into()))?;
         let (t, s, groups, stride) = (batch.num_tokens(), batch.num_seqs(), batch.kv_groups(), batch.block_table_stride);
         let bounds = batch.step_bounds(block_size)?;
         let to_i32 = |xs: &[u32], what: &str| xs.iter().map(|&x| i32_of(x, what)).collect::<OpResult<Vec<i32>>>();

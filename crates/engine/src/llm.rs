@@ -444,7 +444,18 @@ impl Llm {
         self.kv_sharing = KvSharing::default();
         while !outputs.is_empty() {
             let step = if self.engine.has_unfinished_requests() {
-                self.engine.step_streaming()?
+                match self.engine.step_streaming() {
+                    Ok(step) => step,
+                    Err(e) => {
+                        // The failed step aborted its requests; this call's
+                        // others go too, and none is left to a later call.
+                        for &id in &ids {
+                            self.engine.finish_request(id, FinishReason::Abort);
+                        }
+                        let _ = self.engine.take_finished();
+                        return Err(e);
+                    }
+                }
             } else {
                 StepOutputs { deltas: Vec::new(), finished: self.engine.take_finished() }
             };

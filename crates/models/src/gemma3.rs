@@ -170,7 +170,7 @@ impl<O: Ops> CausalLm<O> for Gemma3Model<O> {
     fn forward_hidden(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
-        let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start)?;
+        let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start, c.vocab_size)?;
         ops.scale(&mut h, (c.hidden_size as f32).sqrt())?;
         for (l, layer) in self.layers.iter().enumerate() {
             let (rope, shape) =

@@ -134,7 +134,7 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
     fn forward_hidden(&self, ops: &O, cache: &mut O::KvCache, step: &O::Step) -> OpResult<O::Tensor> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
-        let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start)?;
+        let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start, c.vocab_size)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let x = ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?;
             let bias = layer.qkv_bias.as_ref();

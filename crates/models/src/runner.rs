@@ -205,25 +205,26 @@ impl<O: Ops> Rank<O> {
     }
 
     /// [`step`](Self::step) as one rank of a group: a rank that fails or
-    /// panics fails the group ([`Ops::fail_group`]), so that the others
-    /// leave their all-reduces with an error instead of waiting for it.
+    /// panics fails the group ([`Ops::fail_group`]) before it returns or
+    /// unwinds, so that the others leave their collectives with an error
+    /// instead of waiting for it.
     fn step_in_group(&mut self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<RankOutput> {
-        /// Fails the group if the rank's thread unwinds.
-        struct FailOnPanic<'a, O: Ops>(&'a O);
-        impl<O: Ops> Drop for FailOnPanic<'_, O> {
-            fn drop(&mut self) {
-                if std::thread::panicking() {
-                    self.0.fail_group();
+        let Rank { ops, model, cache } = self;
+        let run = std::panic::AssertUnwindSafe(|| run_step(&*ops, &**model, cache.as_mut(), batch, block_size, false));
+        match std::panic::catch_unwind(run) {
+            Ok(out) => {
+                if out.is_err() {
+                    ops.fail_group();
                 }
+                out
+            }
+            Err(panic) => {
+                // Outside the unwind, where a backend may abort its
+                // communicators; then the panic goes on to the caller.
+                ops.fail_group();
+                std::panic::resume_unwind(panic)
             }
         }
-        let Rank { ops, model, cache } = self;
-        let _guard = FailOnPanic(&*ops);
-        let out = run_step(&*ops, &**model, cache.as_mut(), batch, block_size, false);
-        if out.is_err() {
-            ops.fail_group();
-        }
-        out
     }
 }
 
@@ -366,6 +367,15 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
             });
         }
         let outputs = run_group(&mut self.ranks, batch, block_size);
+        if outputs.iter().any(|o| o.is_err()) {
+            // Every rank has left the step: the group can start over (where
+            // the backend can), and the error is the failing rank's own,
+            // not another rank's report that the group failed.
+            self.ranks.iter().for_each(|r| r.ops.reset_group());
+            let errors: Vec<Error> = outputs.into_iter().filter_map(|o| o.err()).collect();
+            let own = errors.iter().position(|e| !e.to_string().contains(crate::ops::GROUP_FAILED)).unwrap_or(0);
+            return Err(errors.into_iter().nth(own).unwrap_or_else(|| Error::Backend("tensor parallel: a rank failed".into())));
+        }
         let mut shards = Vec::with_capacity(outputs.len());
         for (rank, output) in self.ranks.iter().zip(outputs) {
             match output? {

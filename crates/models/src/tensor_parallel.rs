@@ -102,11 +102,12 @@ impl TensorParallel {
     }
 
     /// The vocabulary rows of the embedding and the LM head this rank holds:
-    /// `ceil(vocab / size)` each, the last rank the remainder.
+    /// `vocab / size` each, the first `vocab % size` ranks one more (never
+    /// an empty shard).
     pub fn vocab(self, config: &ModelConfig) -> Range<usize> {
-        let per = config.vocab_size.div_ceil(self.size);
-        let start = (self.rank * per).min(config.vocab_size);
-        start..(start + per).min(config.vocab_size)
+        let (per, extra) = (config.vocab_size / self.size, config.vocab_size % self.size);
+        let start = self.rank * per + self.rank.min(extra);
+        start..start + per + usize::from(self.rank < extra)
     }
 }
 
@@ -145,11 +146,18 @@ impl<O: Ops> ShardLoader<'_, O> {
 /// The step's embeddings: a lookup on a single rank; on a rank of a group,
 /// its vocabulary shard's rows (zeros for the other tokens) summed over the
 /// group.
-pub(crate) fn embed<O: Ops>(ops: &O, table: &O::Weight, step: &O::Step, tp: TensorParallel, vocab_start: usize) -> OpResult<O::Tensor> {
+pub(crate) fn embed<O: Ops>(
+    ops: &O,
+    table: &O::Weight,
+    step: &O::Step,
+    tp: TensorParallel,
+    vocab_start: usize,
+    vocab_size: usize,
+) -> OpResult<O::Tensor> {
     if !tp.is_sharded() {
         return ops.embed(table, step);
     }
-    let mut h = ops.embed_vocab_shard(table, step, vocab_start)?;
+    let mut h = ops.embed_vocab_shard(table, step, vocab_start, vocab_size)?;
     ops.all_reduce(&mut h)?;
     Ok(h)
 }
@@ -195,6 +203,20 @@ mod tests {
                 vocab_end = v.end;
             }
             assert_eq!(vocab_end, c.vocab_size);
+        }
+    }
+
+    #[test]
+    fn a_vocabulary_that_does_not_divide_is_split_without_an_empty_shard() {
+        for (vocab, size) in [(6, 4), (49153, 3), (7, 2), (4, 4)] {
+            let c = config(4, 4, 64, vocab);
+            let shards: Vec<_> = TensorParallel::ranks(size).map(|tp| tp.vocab(&c)).collect();
+            assert_eq!(shards[0].start, 0);
+            assert_eq!(shards[size - 1].end, vocab);
+            for w in shards.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "{vocab} over {size}: {shards:?}");
+            }
+            assert!(shards.iter().all(|r| !r.is_empty() && r.len() <= vocab.div_ceil(size)), "{vocab} over {size}: {shards:?}");
         }
     }
 

@@ -51,6 +51,10 @@ impl ActivationDtype {
     }
 }
 
+/// The message a collective fails with when another rank of its group
+/// failed the step (so that a runner reports the rank's own error instead).
+pub const GROUP_FAILED: &str = "another rank of the tensor-parallel group failed its step";
+
 /// `Result` of an op at run time.
 pub type OpResult<T> = vellum_base::Result<T>;
 
@@ -173,16 +177,27 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     }
 
     /// Tells the other ranks of this instance's group that this rank's step
-    /// failed, so that their collectives return an error instead of waiting
-    /// for it forever. The group stays failed: later collectives fail too.
+    /// failed, so that their collectives return an error (one that says so:
+    /// [`GROUP_FAILED`]) instead of waiting for it forever. Later
+    /// collectives fail too until [`reset_group`](Self::reset_group).
     fn fail_group(&self) {}
 
+    /// Makes a failed group usable again, called once every rank has left
+    /// the failed step (none is inside a collective). A backend whose
+    /// collectives cannot be restarted (NCCL's aborted communicators) leaves
+    /// the group failed, and every later step fails with [`GROUP_FAILED`].
+    fn reset_group(&self) {}
+
     /// [`embed`](Self::embed) from a shard of the embedding table that holds
-    /// the rows `vocab_start..vocab_start + rows` (a vocabulary-parallel
-    /// embedding): a token inside the shard gets its row, any other a row
-    /// of zeros, so that [`all_reduce`](Self::all_reduce) over the ranks
-    /// gives every token its row. The default serves only a whole table.
-    fn embed_vocab_shard(&self, table: &Self::Weight, step: &Self::Step, vocab_start: usize) -> OpResult<Self::Tensor> {
+    /// the rows `vocab_start..vocab_start + rows` of a vocabulary of
+    /// `vocab_size` (a vocabulary-parallel embedding): a token inside the
+    /// shard gets its row, any other a row of zeros, so that
+    /// [`all_reduce`](Self::all_reduce) over the ranks gives every token its
+    /// row. A token id outside the whole vocabulary is an error on every
+    /// rank alike (before any collective). The default serves only a whole
+    /// table.
+    fn embed_vocab_shard(&self, table: &Self::Weight, step: &Self::Step, vocab_start: usize, vocab_size: usize) -> OpResult<Self::Tensor> {
+        let _ = vocab_size;
         if vocab_start != 0 {
             return Err(vellum_base::Error::Unsupported(Box::new(vellum_base::Unsupported {
                 backend: self.name().to_string(),

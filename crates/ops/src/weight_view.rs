@@ -142,17 +142,6 @@ impl<'a> WeightView<'a> {
         WeightView::new(&self.name, vec![rows, range.len()], GgmlType::F32, Cow::Owned(data))
     }
 
-    /// Elements `range` of a vector (a bias's shard).
-    pub fn slice(self, range: std::ops::Range<usize>) -> Result<WeightView<'static>> {
-        let n = self.n_elements();
-        if self.shape.len() != 1 || range.start > range.end || range.end > n {
-            return Err(self.shard_error(&[range.end - range.start.min(range.end)]));
-        }
-        let values = self.to_f32()?;
-        let data: Vec<u8> = values[range.clone()].iter().flat_map(|v| v.to_le_bytes()).collect();
-        WeightView::new(&self.name, vec![range.len()], GgmlType::F32, Cow::Owned(data))
-    }
-
     fn shard_error(&self, wanted: &[usize]) -> Error {
         Error::ShapeMismatch {
             tensor: format!("{} (a tensor-parallel shard)", self.name),
@@ -210,7 +199,5 @@ mod tests {
         assert_eq!(q8_matrix().rows(0..3).expect("all").data, q8_matrix().data);
         assert!(matches!(q8_matrix().rows(2..4), Err(Error::ShapeMismatch { .. })));
         assert!(matches!(q8_matrix().cols(0..65), Err(Error::ShapeMismatch { .. })));
-        let bias = WeightView::from_f32("b", vec![4], &[1.0, 2.0, 3.0, 4.0]).slice(1..3).expect("slice");
-        assert_eq!(bias.to_f32().expect("f32"), vec![2.0, 3.0]);
     }
 }

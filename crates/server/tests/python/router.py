@@ -9,7 +9,7 @@ Usage: python3 router.py route    ROUTER MODEL REPLICA_A REPLICA_B
   (from their /server_info); chat requests answer through it; eight requests
   sharing a long system prompt all land on one replica (cache-aware policy:
   that replica's completed requests grow by eight, and its prefix cache hits).
-- failover: the replica holding the shared prefix is killed while six
+- failover: the replica holding the shared prefix is killed while four
   clients have requests in flight to it; the router retries every
   non-streamed one on the live replica (none is lost), a stream cut mid-answer
   ends with a connection error, the router reports the dead replica unhealthy
@@ -88,7 +88,7 @@ if phase == "route":
     check(metric(home, "vllm:prefix_cache_hits_total") > hits[home], "and hit its prefix cache")
     ask("Another system prompt, another question.", system="You are a terse assistant.")
 elif phase == "failover":
-    # Mid-run: six clients keep the replica holding the shared prefix busy
+    # Mid-run: four clients keep the replica holding the shared prefix busy
     # (non-streamed requests, and two streams), and this script kills it
     # (SIGKILL) with requests in flight. The router retries a failed
     # non-streamed request (here for ~5 s, longer than its health checks
@@ -121,17 +121,17 @@ elif phase == "failover":
         short = openai.OpenAI(base_url=ROUTER + "/v1", api_key="none", max_retries=0, timeout=30)
         try:
             chunks = short.chat.completions.create(
-                model=MODEL, max_tokens=400, temperature=0, stream=True,
+                model=MODEL, max_tokens=200, temperature=0, stream=True,
                 messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Stream {k}: describe the rooms."}],
             )
             finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
             outcome = f"finished ({finish})" if finish else "ended without a finish reason"
-        except openai.APIError as e:
+        except Exception as e:  # noqa: BLE001 (whatever ends it is recorded and judged below)
             outcome = f"cut: {type(e).__name__}: {e}"
         with lock:
             streams.append(outcome)
 
-    threads = [threading.Thread(target=load, args=(k,)) for k in range(6)]
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(4)]
     threads += [threading.Thread(target=stream, args=(k,)) for k in range(2)]
     for t in threads:
         t.start()
@@ -143,7 +143,8 @@ elif phase == "failover":
     check(not any(t.is_alive() for t in threads), "every client returned within 60 s (no hang)")
     print(f"killed {home} with requests in flight; {answered[0]} non-streamed requests answered, {len(failed)} failed; streams: {streams}")
     check(answered[0] > 0 and not failed, f"no non-streamed request lost (the router retried those it could): {failed[:3]}")
-    check(all(s.startswith("finished") or s.startswith("cut: APIConnectionError") for s in streams), f"each stream finished or was cut with a clear error: {streams}")
+    check(len(streams) == 2 and all(s.startswith("finished") or s.startswith("cut: APIConnectionError") for s in streams),
+          f"each stream finished or was cut with a clear error: {streams}")
     wait_for(lambda: workers()[home]["is_healthy"] is False, max(1, 15 - (time.time() - killed_at)), "the dead replica reported unhealthy")
     check(workers()[live]["is_healthy"], "the live replica stays healthy")
     for i in range(4):
