@@ -463,6 +463,41 @@ impl Ops for CpuOps {
         Ok(())
     }
 
+    fn embed_positions(&self, table: &HostWeight, step: &HostStep) -> OpResult<HostTensor> {
+        let positions = &step.batch.positions;
+        let mut out = HostTensor::zeros(positions.len(), table.inp);
+        for (row, &p) in out.data.chunks_exact_mut(table.inp).zip(positions) {
+            let p = p as usize;
+            check(p < table.out, || format!("position {p} past the {} learned positions", table.out))?;
+            table.row(p, row);
+        }
+        Ok(out)
+    }
+
+    fn layer_norm(&self, x: &HostTensor, w: &Vec<f32>, b: &Vec<f32>, eps: f32) -> OpResult<HostTensor> {
+        check(w.len() == x.cols && b.len() == x.cols, || format!("layer_norm: width {} weight {} bias {}", x.cols, w.len(), b.len()))?;
+        let mut out = HostTensor::for_overwrite(x.rows, x.cols);
+        for (o, r) in out.data.chunks_exact_mut(x.cols.max(1)).zip(x.data.chunks_exact(x.cols.max(1))) {
+            // Two passes in f64: the mean, then the variance about it.
+            let n = r.len() as f64;
+            let mean = r.iter().map(|&v| v as f64).sum::<f64>() / n;
+            let var = r.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+            let inv = 1.0 / (var + eps as f64).sqrt();
+            for (((o, &v), &w), &b) in o.iter_mut().zip(r).zip(w).zip(b) {
+                *o = ((v as f64 - mean) * inv) as f32 * w + b;
+            }
+        }
+        Ok(out)
+    }
+
+    fn gelu(&self, x: &HostTensor) -> OpResult<HostTensor> {
+        let mut out = HostTensor::for_overwrite(x.rows, x.cols);
+        for (o, &v) in out.data.iter_mut().zip(&x.data) {
+            *o = gelu_erf(v);
+        }
+        Ok(out)
+    }
+
     fn add_assign(&self, x: &mut HostTensor, y: &HostTensor) -> OpResult<()> {
         check((x.rows, x.cols) == (y.rows, y.cols) && x.data.len() == y.data.len(), || {
             format!("add_assign: [{}, {}] += [{}, {}]", x.rows, x.cols, y.rows, y.cols)
@@ -534,6 +569,67 @@ impl Ops for CpuOps {
         // The pass runs on a rayon worker, so each op's parallel section
         // starts from the pool (one hand-off per step instead of one per op).
         rayon::scope(|_| f())
+    }
+}
+
+/// The exact GELU, `0.5·x·(1 + erf(x/√2))`, computed in f64 ([`erf`]).
+fn gelu_erf(x: f32) -> f32 {
+    let x = x as f64;
+    (0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))) as f32
+}
+
+/// The error function in f64: its Taylor series below 3.5 in magnitude
+/// (cancellation costs at most five of f64's digits there), the asymptotic
+/// series of erfc beyond (erfc(3.5) is 7e-7; the terms shrink for twelve
+/// steps, to 1e-9 of it).
+fn erf(x: f64) -> f64 {
+    let a = x.abs();
+    let r = if a < 3.5 {
+        // erf(a) = 2/√π · Σ (-1)^n a^(2n+1) / (n! (2n+1))
+        let (mut term, mut sum, a2) = (a, a, a * a);
+        for n in 1..80 {
+            term *= -a2 / n as f64;
+            let add = term / (2 * n + 1) as f64;
+            sum += add;
+            if add.abs() < 1e-17 * sum.abs() {
+                break;
+            }
+        }
+        sum * std::f64::consts::FRAC_2_SQRT_PI
+    } else {
+        // erfc(a) = e^{-a²}/(a√π) · (1 - 1/(2a²) + 3/(4a⁴) - 15/(8a⁶) + …)
+        let (a2, mut term, mut sum) = (a * a, 1.0f64, 1.0f64);
+        for n in 1..12 {
+            term *= -((2 * n - 1) as f64) / (2.0 * a2);
+            sum += term;
+        }
+        1.0 - (-a2).exp() / (a * std::f64::consts::PI.sqrt()) * sum
+    };
+    r.copysign(x)
+}
+
+#[cfg(test)]
+mod erf_tests {
+    #[test]
+    fn erf_and_gelu_match_tabulated_values() {
+        // erf from the tables (to 16 digits).
+        for (x, want) in [
+            (0.0, 0.0),
+            (0.5, 0.5204998778130465),
+            (1.0, 0.8427007929497149),
+            (2.0, 0.9953222650189527),
+            (3.0, 0.9999779095030014),
+            (3.4999, 0.9999992566),
+            (3.5, 0.9999992569016276),
+            (5.0, 0.9999999999984626),
+        ] {
+            let got = super::erf(x);
+            assert!((got - want).abs() < 1e-9, "erf({x}) = {got}, want {want}");
+            assert_eq!(super::erf(-x), -got);
+        }
+        // GELU(1) = 0.5·(1 + erf(1/√2)) = 0.8413447460685429.
+        assert!((super::gelu_erf(1.0) as f64 - 0.841_344_746_068_542_9).abs() < 1e-7);
+        assert_eq!(super::gelu_erf(0.0), 0.0);
     }
 }
 

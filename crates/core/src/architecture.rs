@@ -16,6 +16,19 @@ pub enum ModelFamily {
     /// (sliding-window) and global layers with their own RoPE bases
     /// (`vellum_models::Gemma3Model`).
     Gemma3,
+    /// BERT: a post-norm encoder (LayerNorm with bias after each sublayer,
+    /// learned absolute position and token-type embeddings, bidirectional
+    /// attention, exact GELU), no LM head: an embedding model
+    /// (`vellum_models::BertModel`).
+    Bert,
+}
+
+impl ModelFamily {
+    /// An encoder: every token attends to the whole prompt, so a prompt is
+    /// computed in one step and never from a cached prefix.
+    pub fn is_encoder(self) -> bool {
+        self == ModelFamily::Bert
+    }
 }
 
 /// One supported architecture and what sets it apart inside its family.
@@ -71,6 +84,7 @@ pub const ARCHITECTURES: &[Architecture] = &[
         sliding_window_pattern: Some(6),
         ..llama_like("Gemma3ForCausalLM", "gemma3_text")
     },
+    Architecture { family: ModelFamily::Bert, ..llama_like("BertModel", "bert") },
 ];
 
 /// Base models without their LM head, as sentence-transformers embedding
@@ -91,9 +105,13 @@ pub fn find_architecture(name: &str) -> Option<&'static Architecture> {
 }
 
 /// Whether `name` is a base model's architecture (no LM head: an
-/// embedding checkpoint), as [`find_architecture`] reads it.
+/// embedding checkpoint), as [`find_architecture`] reads it; an encoder has
+/// none either.
 pub fn is_base_model_architecture(name: &str) -> bool {
-    !ARCHITECTURES.iter().any(|a| a.name == name) && find_architecture(name).is_some()
+    match find_architecture(name) {
+        Some(a) => a.family.is_encoder() || !ARCHITECTURES.iter().any(|a| a.name == name),
+        None => false,
+    }
 }
 
 /// The architecture of `model_type` (`config.json`).
@@ -132,7 +150,8 @@ mod tests {
         assert_eq!(find_architecture("MistralModel").map(|a| a.name), Some("MistralForCausalLM"));
         assert_eq!(find_architecture("Qwen3Model").map(|a| a.name), Some("Qwen3ForCausalLM"));
         assert!(is_base_model_architecture("LlamaModel") && !is_base_model_architecture("LlamaForCausalLM"));
-        assert!(find_architecture("BertModel").is_none() && !is_base_model_architecture("BertModel"));
+        // BERT is an encoder without LM head: an embedding model.
+        assert!(find_architecture("BertModel").is_some_and(|a| a.family.is_encoder()) && is_base_model_architecture("BertModel"));
         // Gemma3Model is the multimodal wrapper, not Gemma3ForCausalLM's body.
         assert!(find_architecture("Gemma3Model").is_none());
         for (base, _) in BASE_MODELS {

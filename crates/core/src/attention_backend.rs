@@ -67,12 +67,24 @@ pub struct AttentionShape {
     pub sliding_window: Option<usize>,
     /// Soft-cap of the attention logits, if any.
     pub logit_softcap: Option<f32>,
+    /// A query sees the keys up to its own position (decoders); `false`:
+    /// every key of its sequence's context (encoders, whose prompt is
+    /// computed in one step).
+    pub causal: bool,
 }
 
 impl AttentionShape {
     /// Full causal attention with the default scale `1/√head_dim`.
     pub fn new(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Self {
-        Self { num_heads, num_kv_heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt(), sliding_window: None, logit_softcap: None }
+        Self {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            sliding_window: None,
+            logit_softcap: None,
+            causal: true,
+        }
     }
 
     /// Query heads per kv head.

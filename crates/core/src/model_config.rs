@@ -56,7 +56,8 @@ pub struct ModelConfig {
     pub head_dim: usize,
     /// Longest context the model supports.
     pub max_position_embeddings: usize,
-    /// RMSNorm epsilon.
+    /// The norms' epsilon (RMSNorm; an encoder's LayerNorm,
+    /// `layer_norm_eps`).
     pub rms_norm_eps: f32,
     /// RoPE base.
     pub rope_theta: f32,
@@ -87,6 +88,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens (some configs list several).
     pub eos_token_ids: Vec<u32>,
+    /// Token types an encoder embeds (BERT's segments; 0 for decoders).
+    pub type_vocab_size: usize,
 }
 
 #[derive(Deserialize)]
@@ -123,6 +126,10 @@ struct RawConfig {
     final_logit_softcapping: Option<f32>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<OneOrMany>,
+    layer_norm_eps: Option<f32>,
+    type_vocab_size: Option<usize>,
+    hidden_act: Option<String>,
+    position_embedding_type: Option<String>,
 }
 
 impl ModelConfig {
@@ -190,7 +197,20 @@ impl ModelConfig {
         }
         let rope_local_theta = match arch.family {
             crate::ModelFamily::Gemma3 => Some(raw.rope_local_base_freq.unwrap_or(10_000.0)),
-            crate::ModelFamily::Llama => raw.rope_local_base_freq,
+            crate::ModelFamily::Llama | crate::ModelFamily::Bert => raw.rope_local_base_freq,
+        };
+        if arch.family == crate::ModelFamily::Bert {
+            // What the encoder implements: exact GELU, learned absolute positions.
+            if let Some(act) = raw.hidden_act.as_deref().filter(|a| *a != "gelu") {
+                return Err(parse_err(format!("hidden_act {act:?} is not supported for BERT (gelu)")));
+            }
+            if let Some(kind) = raw.position_embedding_type.as_deref().filter(|k| *k != "absolute") {
+                return Err(parse_err(format!("position_embedding_type {kind:?} is not supported for BERT (absolute)")));
+            }
+        }
+        let norm_eps = match arch.family {
+            crate::ModelFamily::Bert => raw.layer_norm_eps.unwrap_or(1e-12),
+            _ => raw.rms_norm_eps.unwrap_or(1e-6),
         };
         Ok(Self {
             architecture: arch.name.to_string(),
@@ -202,7 +222,7 @@ impl ModelConfig {
             num_key_value_heads,
             head_dim,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rms_norm_eps: norm_eps,
             rope_theta: raw.rope_theta.unwrap_or(10_000.0),
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
@@ -220,6 +240,7 @@ impl ModelConfig {
                 Some(OneOrMany::One(t)) => vec![t],
                 Some(OneOrMany::Many(ts)) => ts,
             },
+            type_vocab_size: raw.type_vocab_size.unwrap_or(0),
         })
     }
 

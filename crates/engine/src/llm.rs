@@ -9,6 +9,7 @@ use crate::output_processor::{OutputPiece, OutputProcessor};
 use crate::outputs::{RequestOutput, StepOutputs};
 use crate::pooling::{DeclaredPooling, EmbeddingSpec, PoolerConfig, Task};
 use crate::speculative::{DraftModelProposer, NgramProposer, Proposer};
+use vellum_base::PoolingType;
 use vellum_base::{
     AutoKvLimit, KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId, AUTO_KV_CACHE_CAP_BYTES,
 };
@@ -180,7 +181,18 @@ impl Llm {
             Task::Generate => false,
             Task::Auto => declared.is_embedding_model(),
         };
-        let embedding = embed.then(|| declared.spec(args.pooler_config, loaded.config.hidden_size));
+        // An encoder (BERT) sees its whole prompt at once: it embeds on the
+        // CPU backend, a prompt in one step, never from a cached prefix,
+        // CLS-pooled unless its checkpoint says otherwise (vLLM's default).
+        let encoder = loaded.config.arch().is_some_and(|a| a.family.is_encoder());
+        if encoder && args.device != Device::Cpu {
+            return Err(Error::Backend(vellum_base::Error::InvalidConfig {
+                field: "device",
+                message: format!("encoder models ({}) run on --device cpu, not --device {}", loaded.config.architecture, args.device),
+            }));
+        }
+        let default_pooling = if encoder { PoolingType::Cls } else { PoolingType::Last };
+        let embedding = embed.then(|| declared.spec(args.pooler_config, loaded.config.hidden_size, default_pooling));
         if embed && args.speculative_config.is_some() {
             return Err(Error::Task("--speculative-config applies to generation, not to an embedding model (--task embed)".into()));
         }
@@ -226,7 +238,8 @@ impl Llm {
             }
         }
         let max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
-        let scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
+        let enable_chunked_prefill = args.scheduler.enable_chunked_prefill && !encoder;
+        let scheduler = SchedulerConfig { max_model_len, enable_chunked_prefill, ..args.scheduler };
         // The budgets against the model's context, before any weight is read.
         scheduler.validate()?;
         let max_batched = scheduler.max_num_batched_tokens;
@@ -305,7 +318,7 @@ impl Llm {
             num_host_blocks,
             args.block_size,
             eos,
-            args.enable_prefix_caching,
+            args.enable_prefix_caching && !encoder,
         )?;
         // Structured outputs need every token's bytes (the trie over them is
         // built by the first constraint).

@@ -167,11 +167,12 @@ impl DeclaredPooling {
     }
 
     /// The model's pooling: `--pooler-config`, else what the checkpoint
-    /// declares, else last-token pooling, normalized.
-    pub fn spec(&self, overrides: PoolerConfig, hidden_size: usize) -> EmbeddingSpec {
+    /// declares, else `default` (last-token for decoders, CLS for
+    /// encoders), normalized.
+    pub fn spec(&self, overrides: PoolerConfig, hidden_size: usize, default: PoolingType) -> EmbeddingSpec {
         EmbeddingSpec {
             defaults: PoolingParams {
-                pooling_type: overrides.pooling_type.or(self.pooling_type).unwrap_or(PoolingType::Last),
+                pooling_type: overrides.pooling_type.or(self.pooling_type).unwrap_or(default),
                 normalize: overrides.normalize.or(self.normalize).unwrap_or(true),
                 dimensions: None,
             },
@@ -213,14 +214,14 @@ mod tests {
             DeclaredPooling { pooling_type: Some(PoolingType::Mean), normalize: Some(false), base_model: true, matryoshka: true }
         );
         assert!(d.is_embedding_model());
-        let spec = d.spec(PoolerConfig::default(), 8);
+        let spec = d.spec(PoolerConfig::default(), 8, PoolingType::Last);
         assert_eq!(spec.defaults, PoolingParams { pooling_type: PoolingType::Mean, normalize: false, dimensions: None });
         assert_eq!(spec.request(Some(4)).expect("matryoshka").dimensions, Some(4));
         assert!(spec.request(Some(9)).unwrap_err().contains("dimensions"));
         // --pooler-config wins.
         let o = PoolerConfig::from_json(r#"{"pooling_type": "CLS", "normalize": true}"#).expect("parses");
-        assert_eq!(d.spec(o, 8).defaults.pooling_type, PoolingType::Cls);
-        assert!(d.spec(o, 8).defaults.normalize);
+        assert_eq!(d.spec(o, 8, PoolingType::Last).defaults.pooling_type, PoolingType::Cls);
+        assert!(d.spec(o, 8, PoolingType::Last).defaults.normalize);
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -229,7 +230,7 @@ mod tests {
         let dir = dir_with(&[("config.json", r#"{"architectures": ["LlamaForCausalLM"]}"#)]);
         let d = DeclaredPooling::read(&dir).expect("reads");
         assert!(!d.is_embedding_model());
-        let spec = d.spec(PoolerConfig::default(), 8);
+        let spec = d.spec(PoolerConfig::default(), 8, PoolingType::Last);
         assert_eq!(spec.defaults, PoolingParams { pooling_type: PoolingType::Last, normalize: true, dimensions: None });
         assert!(spec.request(Some(4)).unwrap_err().contains("Matryoshka"));
         let _ = std::fs::remove_dir_all(dir);

@@ -155,6 +155,14 @@ impl WeightSource for GgufWeights {
         let a = self.architecture.as_str();
         let path = f.path();
         let hf_arch = match find_gguf_architecture(a) {
+            // The GGUF reader maps decoder tensor names; an encoder's
+            // (llama.cpp's `bert`) loads from its Hugging Face directory.
+            Some(arch) if arch.family.is_encoder() => {
+                return Err(Error::UnsupportedArchitecture {
+                    path: path.to_path_buf(),
+                    architecture: format!("{a} (encoder models load from a Hugging Face directory, not GGUF)"),
+                })
+            }
             Some(arch) => arch.name,
             None => return Err(Error::UnsupportedArchitecture { path: path.to_path_buf(), architecture: a.to_string() }),
         };

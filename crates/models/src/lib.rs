@@ -1,7 +1,8 @@
 //! # vellum-models — the model graphs and the runner that executes them
 //!
 //! The transformer graphs ([`LlamaModel`] for Llama, Mistral, Qwen2/Qwen3
-//! and SmolLM; [`Gemma3Model`]) are written once against the backend seam
+//! and SmolLM; [`Gemma3Model`]; the [`BertModel`] encoder, for embeddings)
+//! are written once against the backend seam
 //! ([`ops::Ops`], from `vellum-ops`), read their weights through
 //! `vellum-formats`' [`WeightSource`], and are picked by architecture in
 //! [`load_model`]. [`ModelRunner`] is the one `ModelExecutor`: it owns a
@@ -20,6 +21,7 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+mod bert;
 mod error;
 mod gemma3;
 mod llama;
@@ -28,6 +30,7 @@ mod registry;
 mod runner;
 mod tensor_parallel;
 
+pub use bert::BertModel;
 pub use error::{Error, Result};
 pub use gemma3::Gemma3Model;
 pub use llama::LlamaModel;

@@ -12,6 +12,12 @@ pub trait CausalLm<O: Ops>: Send + Sync {
     /// The model's configuration (the whole model's, on a rank too).
     fn config(&self) -> &ModelConfig;
 
+    /// Whether the model has an LM head (an encoder such as BERT has none:
+    /// it only embeds, and a calibration pass stops at its hidden states).
+    fn has_lm_head(&self) -> bool {
+        true
+    }
+
     /// Which part of the model this is: the whole model, or one rank's
     /// heads, MLP columns and vocabulary rows.
     fn tensor_parallel(&self) -> TensorParallel {
@@ -88,5 +94,6 @@ pub fn load_model_shard<O: Ops + 'static>(
     match arch.family {
         ModelFamily::Llama => Ok(Box::new(LlamaModel::load_shard(ops, weights, config, tp, progress)?)),
         ModelFamily::Gemma3 => Ok(Box::new(Gemma3Model::load_shard(ops, weights, config, tp, progress)?)),
+        ModelFamily::Bert => Ok(Box::new(crate::BertModel::load(ops, weights, config, tp, progress)?)),
     }
 }

@@ -284,7 +284,8 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         // Within the model's positions; one sequence at least, a token each.
         let num_tokens = num_tokens.min(self.config().max_position_embeddings).max(1);
         let num_seqs = num_seqs.clamp(1, num_tokens);
-        let batch = profile_batch(num_tokens, num_seqs, block_size, self.kv_cache_spec(block_size).groups.num_groups());
+        let mut batch = profile_batch(num_tokens, num_seqs, block_size, self.kv_cache_spec(block_size).groups.num_groups());
+        batch.hidden_states = !self.ranks[0].model.has_lm_head();
         let blocks = batch.block_tables.iter().copied().max().map_or(1, |b| b as usize + 1);
         // A cache just big enough for the batch; the real one replaces it.
         self.initialize_kv_cache(blocks, 0, block_size)?;
@@ -323,6 +324,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         // Up to 64 rows, spread over the text, reach the LM head.
         let every = n.div_ceil(CALIBRATION_LOGIT_ROWS);
         batch.logits_indices = (0..n as u32).rev().step_by(every).collect::<Vec<_>>().into_iter().rev().collect();
+        batch.hidden_states = !self.ranks[0].model.has_lm_head();
         // Caches of their own; the engine's, if any, are put back after.
         let saved: Vec<_> = self.ranks.iter_mut().map(|r| r.cache.take()).collect();
         let saved_block_size = self.block_size;

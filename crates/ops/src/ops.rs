@@ -55,6 +55,16 @@ impl ActivationDtype {
 /// failed the step (so that a runner reports the rank's own error instead).
 pub const GROUP_FAILED: &str = "another rank of the tensor-parallel group failed its step";
 
+/// The error of an encoder op a backend does not have.
+fn encoder_op_unsupported(backend: &str, op: &str) -> vellum_base::Error {
+    vellum_base::Error::Unsupported(Box::new(vellum_base::Unsupported {
+        backend: backend.to_string(),
+        what: "encoder models' op".into(),
+        value: op.into(),
+        supported: "none on this backend (encoder models run on --device cpu)".into(),
+    }))
+}
+
 /// `Result` of an op at run time.
 pub type OpResult<T> = vellum_base::Result<T>;
 
@@ -116,6 +126,25 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     fn gelu_tanh_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> OpResult<Self::Tensor>;
     /// `x *= factor`.
     fn scale(&self, x: &mut Self::Tensor, factor: f32) -> OpResult<()>;
+
+    // --- Encoders (BERT); a backend without them refuses the model by name ---
+
+    /// Rows of `table` (`[positions, width]`, an encoder's learned absolute
+    /// position embeddings) at the step's positions.
+    fn embed_positions(&self, table: &Self::Weight, step: &Self::Step) -> OpResult<Self::Tensor> {
+        let _ = (table, step);
+        Err(encoder_op_unsupported(self.name(), "learned position embeddings"))
+    }
+    /// LayerNorm over each row: `(x - mean) / sqrt(var + eps) · w + b`.
+    fn layer_norm(&self, x: &Self::Tensor, w: &Self::Vector, b: &Self::Vector, eps: f32) -> OpResult<Self::Tensor> {
+        let _ = (x, w, b, eps);
+        Err(encoder_op_unsupported(self.name(), "LayerNorm"))
+    }
+    /// The exact GELU, `0.5·x·(1 + erf(x/√2))`.
+    fn gelu(&self, x: &Self::Tensor) -> OpResult<Self::Tensor> {
+        let _ = x;
+        Err(encoder_op_unsupported(self.name(), "exact GELU"))
+    }
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> OpResult<()>;
     /// The rows whose logits the step returns (its `logits_indices`).

@@ -111,7 +111,8 @@ pub fn write_kv(cache: &mut LayerKvCache, layout: &KvCacheLayout, k: &[f32], v: 
 /// has `context_lens[s]` tokens (including this step's new ones, already
 /// written by [`write_kv`]). Query row `i` of sequence `s` sits at position
 /// `context_lens[s] - q_len + i` and attends to cache positions `0..=` that
-/// position (the last `attn.sliding_window` of them with a window), read
+/// position (the last `attn.sliding_window` of them with a window; all
+/// `context_lens[s]` of them when `attn.causal` is false), read
 /// through block table row `s` (`block_tables[s * stride + pos / block_size]`).
 /// Grouped-query attention: query head `h` reads kv head
 /// `h / (num_heads / num_kv_heads)`. Softmax in `f32` with max subtraction;
@@ -178,7 +179,7 @@ pub fn paged_attention(
         // Σ over rows of (row position + 1) context entries.
         work += q_len * (2 * ctx - q_len + 1) / 2;
     }
-    let call = PagedCall { meta, shape, block_size: layout.block_size, work, window: attn.sliding_window };
+    let call = PagedCall { meta, shape, block_size: layout.block_size, work, window: attn.sliding_window, causal: attn.causal };
     match (&cache.k, &cache.v) {
         (KvPool::F32(k), KvPool::F32(v)) => call.run(out, q, k, v),
         (KvPool::F16(k), KvPool::F16(v)) => call.run(out, q, k, v),
@@ -194,6 +195,8 @@ struct PagedCall<'a, 'm> {
     block_size: usize,
     work: usize,
     window: Option<usize>,
+    /// `false`: every query of a sequence sees its whole context (an encoder).
+    causal: bool,
 }
 
 impl PagedCall<'_, '_> {
@@ -206,7 +209,7 @@ impl PagedCall<'_, '_> {
             let ctx = meta.context_lens[s] as usize;
             let i = t - meta.query_start_loc[s] as usize;
             let table = &meta.block_tables[s * stride..(s + 1) * stride];
-            let n_ctx = ctx - q_len + i + 1;
+            let n_ctx = if self.causal { ctx - q_len + i + 1 } else { ctx };
             let first = self.window.map_or(0, |w| n_ctx.saturating_sub(w));
             let rows = Rows { k, v, row_stride: shape.kv_row(), head_off: kv_head * shape.head_dim };
             attend(out, q, &rows, first..n_ctx, block_size, |b| table[b] as usize * block_size, shape, scratch);
