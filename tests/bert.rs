@@ -101,7 +101,11 @@ fn write_checkpoint(dir: &Path, tensors: &Tensors) {
         vocab().into_iter().enumerate().map(|(i, w)| (w, serde_json::json!(i))).collect();
     let special = |id: usize, content: &str| serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
     let tokenizer = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null,
+        // As sentence-transformers saves them (all-MiniLM-L6-v2's): a batch
+        // setting that must not pad or cut a single prompt.
+        "version": "1.0",
+        "truncation": {"direction": "Right", "max_length": 6, "strategy": "LongestFirst", "stride": 0},
+        "padding": {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"},
         "added_tokens": [special(0, "[PAD]"), special(1, "[UNK]"), special(2, "[CLS]"), special(3, "[SEP]")],
         "normalizer": {"type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true, "strip_accents": null, "lowercase": true},
         "pre_tokenizer": {"type": "BertPreTokenizer"},
@@ -222,7 +226,7 @@ fn a_bert_encoder_embeds_as_its_float64_reference_with_cls_and_mean_pooling() {
         })
         .expect("a BertModel loads for embeddings");
         let ids: Vec<Vec<u32>> = texts.iter().map(|t| llm.tokenizer().encode(t, true).expect("tokenizes")).collect();
-        assert_eq!(ids[0], vec![2, 4, 5, 6, 7, 4, 8, 18, 3], "WordPiece with [CLS] … [SEP]");
+        assert_eq!(ids[0], vec![2, 4, 5, 6, 7, 4, 8, 18, 3], "WordPiece with [CLS] … [SEP], neither padded nor cut");
         assert_eq!(&ids[2][1..5], &[5, 14, 6, 15], "cat ##s sat ##ing");
         let got = llm.embed(&texts, None).expect("embeds");
         for (i, (g, ids)) in got.iter().zip(&ids).enumerate() {

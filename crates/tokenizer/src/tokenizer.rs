@@ -146,7 +146,12 @@ impl Tokenizer {
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let context = path.display().to_string();
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| tokenizer_error(&context, e))?;
+        let mut inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| tokenizer_error(&context, e))?;
+        // Padding and truncation saved in tokenizer.json (sentence-transformers
+        // files pad to a fixed length) are settings of a batch call, which
+        // `transformers` resets per call: a prompt is its own tokens.
+        inner.with_padding(None);
+        inner.with_truncation(None).map_err(|e| tokenizer_error(&context, e))?;
         let mut bos_token_id = None;
         let mut eos_token_ids = Vec::new();
         for name in ["config.json", "generation_config.json"] {
