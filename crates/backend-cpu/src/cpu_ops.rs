@@ -707,6 +707,13 @@ impl AttentionBackend for CpuOps {
     ) -> vellum_base::Result<HostTensor> {
         let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("paged_attention: no layer {layer}")))?;
         check_group(at.group, step)?;
+        if !shape.causal {
+            // Bidirectional attention is defined over a whole prompt computed
+            // at once: a chunk, a cached prefix or a decode would see part of it.
+            let meta = &step.batch;
+            let whole = (0..meta.context_lens.len()).all(|s| meta.query_start_loc[s + 1] - meta.query_start_loc[s] == meta.context_lens[s]);
+            check(whole, || "paged_attention: bidirectional attention needs each prompt whole in one step".into())?;
+        }
         // Every row is written: each work item zeroes its run first.
         let mut out = HostTensor::for_overwrite(q.rows, shape.num_heads * shape.head_dim);
         paged_attention(&mut out.data, &q.data, &cache.layers[at.slot], &cache.layout, &step.meta(at.group), shape);

@@ -491,11 +491,12 @@ mod tiny_checkpoint;
 
 /// A tiny random-weight Llama (GQA, q/k/v biases, Q8_0 and F32 linears, F16
 /// and BF16 norms, Q/K stored permuted as llama.cpp's converter does) with
-/// head size 64, written as a GGUF file by the test.
-fn tiny_gguf() -> std::path::PathBuf {
+/// head size 64, written as a GGUF file by the test into a directory of its
+/// own (`tag`: tests run in parallel, and each removes its directory).
+fn tiny_gguf(tag: &str) -> std::path::PathBuf {
     use tiny_checkpoint::*;
     let shape = TinyShape { hidden: 256, n_head: 4, n_kv_head: 2, head_dim: 64, ffn: 384, n_layer: 2, vocab: 96 };
-    let dir = std::env::temp_dir().join(format!("vellum-cuda-tiny-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("vellum-cuda-tiny-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("tiny64.gguf");
     std::fs::write(&path, tiny_gguf_writer_of(shape, &tiny_tensors_of(shape)).build().0).expect("write gguf");
@@ -545,7 +546,7 @@ fn the_cuda_executor_matches_the_cpu_f32_path_on_a_tiny_llama_or_skips_without_a
     use vellum_models::{GgufWeights, ModelRunner, WeightSource};
     let test = "the_cuda_executor_matches_the_cpu_f32_path_on_a_tiny_llama";
     // The reference half runs everywhere, so the harness is exercised in CI.
-    let path = tiny_gguf();
+    let path = tiny_gguf("executor");
     let weights = GgufWeights::open(&path).expect("opens");
     let config = weights.model_config().expect("config");
     let cpu_ops = vellum_backend_cpu::CpuOps::new(vellum_backend_cpu::WeightFormat::F32);
@@ -601,7 +602,7 @@ fn tensor_parallel_groups_over_nccl_match_the_cpu_f32_path_or_skips_without_a_gp
     use vellum_backend_cuda::{CudaOps, CudaPrecision};
     use vellum_models::{GgufWeights, ModelRunner, RunnerOptions, WeightSource};
     let test = "tensor_parallel_groups_over_nccl_match_the_cpu_f32_path";
-    let path = tiny_gguf();
+    let path = tiny_gguf("tensor-parallel");
     let weights = GgufWeights::open(&path).expect("opens");
     let config = weights.model_config().expect("config");
     let cpu_ops = vellum_backend_cpu::CpuOps::new(vellum_backend_cpu::WeightFormat::F32);

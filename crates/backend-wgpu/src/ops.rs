@@ -589,6 +589,8 @@ impl AttentionBackend for WgpuOps {
         shape: &AttentionShape,
     ) -> vellum_base::Result<GpuTensor> {
         let spec = &cache.spec;
+        // This backend's kernels are causal; an encoder's attention is the CPU's.
+        check(shape.causal, || "paged_attention: bidirectional (encoder) attention runs on --device cpu".into())?;
         check(shape.num_kv_heads == spec.num_kv_heads && shape.head_dim == spec.head_dim, || {
             format!(
                 "paged_attention: {} kv heads of {} for a cache of {} of {}",

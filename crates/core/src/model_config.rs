@@ -221,7 +221,8 @@ impl ModelConfig {
             num_attention_heads: raw.num_attention_heads,
             num_key_value_heads,
             head_dim,
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
+            // BERT's defaults where its config leaves them out.
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(if arch.family.is_encoder() { 512 } else { 2048 }),
             rms_norm_eps: norm_eps,
             rope_theta: raw.rope_theta.unwrap_or(10_000.0),
             rope_scaling,
@@ -240,7 +241,7 @@ impl ModelConfig {
                 Some(OneOrMany::One(t)) => vec![t],
                 Some(OneOrMany::Many(ts)) => ts,
             },
-            type_vocab_size: raw.type_vocab_size.unwrap_or(0),
+            type_vocab_size: raw.type_vocab_size.unwrap_or(if arch.family.is_encoder() { 2 } else { 0 }),
         })
     }
 

@@ -81,6 +81,16 @@ impl SchedulerConfig {
                 ),
             );
         }
+        // Without chunks a prompt above the cap could never be scheduled.
+        if !self.enable_chunked_prefill && self.long_prefill_token_threshold > 0 && self.long_prefill_token_threshold < self.max_model_len {
+            return bad(
+                "long_prefill_token_threshold",
+                format!(
+                    "without chunked prefill it must be 0 or at least max_model_len ({}), got {}",
+                    self.max_model_len, self.long_prefill_token_threshold
+                ),
+            );
+        }
         if let SchedulingPolicy::TwoLevel { staging_queue_size: 0 } = self.policy {
             return bad("staging_queue_size", "must be at least 1".into());
         }
@@ -95,6 +105,9 @@ mod tests {
     #[test]
     fn validation() {
         SchedulerConfig::default().validate().unwrap();
+        let t =
+            SchedulerConfig { enable_chunked_prefill: false, long_prefill_token_threshold: 64, max_model_len: 512, ..Default::default() };
+        assert!(t.validate().is_err_and(|e| e.to_string().contains("long_prefill_token_threshold")), "a cap no prompt could pass");
         let c = SchedulerConfig { enable_chunked_prefill: false, max_num_batched_tokens: 512, ..Default::default() };
         assert!(matches!(c.validate(), Err(Error::InvalidConfig { field: "max_num_batched_tokens", .. })));
         let c = SchedulerConfig { policy: SchedulingPolicy::TwoLevel { staging_queue_size: 0 }, ..Default::default() };

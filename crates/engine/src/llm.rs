@@ -9,7 +9,6 @@ use crate::output_processor::{OutputPiece, OutputProcessor};
 use crate::outputs::{RequestOutput, StepOutputs};
 use crate::pooling::{DeclaredPooling, EmbeddingSpec, PoolerConfig, Task};
 use crate::speculative::{DraftModelProposer, NgramProposer, Proposer};
-use vellum_base::PoolingType;
 use vellum_base::{
     AutoKvLimit, KvCacheDtype, KvCacheSize, ModelExecutor, SamplingParams, SchedulerConfig, TokenId, AUTO_KV_CACHE_CAP_BYTES,
 };
@@ -176,27 +175,26 @@ impl Llm {
             vellum_formats::ModelSource::HfDir(dir) => DeclaredPooling::read(dir)?,
             vellum_formats::ModelSource::Gguf(_) => DeclaredPooling::default(),
         };
-        let embed = match args.task {
-            Task::Embed => true,
-            Task::Generate => false,
-            Task::Auto => declared.is_embedding_model(),
-        };
         // An encoder (BERT) sees its whole prompt at once: it embeds on the
         // CPU backend, a prompt in one step, never from a cached prefix,
         // CLS-pooled unless its checkpoint says otherwise (vLLM's default).
         let encoder = loaded.config.arch().is_some_and(|a| a.family.is_encoder());
+        let embed = match args.task {
+            Task::Embed => true,
+            Task::Generate => false,
+            Task::Auto => declared.is_embedding_model() || encoder,
+        };
         if encoder && args.device != Device::Cpu {
             return Err(Error::Backend(vellum_base::Error::InvalidConfig {
                 field: "device",
                 message: format!("encoder models ({}) run on --device cpu, not --device {}", loaded.config.architecture, args.device),
             }));
         }
-        let default_pooling = if encoder { PoolingType::Cls } else { PoolingType::Last };
-        let embedding = embed.then(|| declared.spec(args.pooler_config, loaded.config.hidden_size, default_pooling));
+        let embedding = embed.then(|| declared.spec(args.pooler_config, loaded.config.hidden_size, encoder));
         if embed && args.speculative_config.is_some() {
             return Err(Error::Task("--speculative-config applies to generation, not to an embedding model (--task embed)".into()));
         }
-        if !embed && declared.base_model {
+        if !embed && (declared.base_model || encoder) {
             return Err(Error::Task(
                 "this checkpoint is a base model without an LM head (an embedding model): serve it with --task embed".into(),
             ));
@@ -237,9 +235,20 @@ impl Llm {
                 eos.push(id);
             }
         }
-        let max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
-        let enable_chunked_prefill = args.scheduler.enable_chunked_prefill && !encoder;
-        let scheduler = SchedulerConfig { max_model_len, enable_chunked_prefill, ..args.scheduler };
+        let mut max_model_len = args.scheduler.max_model_len.min(config.max_position_embeddings);
+        if embed {
+            // The length the embedding model was trained for, as vLLM reads it.
+            max_model_len = max_model_len.min(declared.max_seq_length.unwrap_or(usize::MAX));
+        }
+        let mut scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
+        if encoder {
+            // A prompt in one step: no chunks, no cap per prompt. Every
+            // request holds one output slot past its prompt, which pooling
+            // never computes: with it, an input may take every position.
+            scheduler.enable_chunked_prefill = false;
+            scheduler.long_prefill_token_threshold = 0;
+            scheduler.max_model_len += 1;
+        }
         // The budgets against the model's context, before any weight is read.
         scheduler.validate()?;
         let max_batched = scheduler.max_num_batched_tokens;
@@ -322,9 +331,12 @@ impl Llm {
         )?;
         // Structured outputs need every token's bytes (the trie over them is
         // built by the first constraint).
-        match crate::structured::StructuredOutputs::from_tokenizer(&loaded.tokenizer) {
-            Ok(s) => engine.set_structured_outputs(std::sync::Arc::new(s)),
-            Err(e) => tracing::warn!(error = %e, "structured outputs are unavailable for this tokenizer"),
+        // (An embedding engine samples nothing: no trie, and no warning.)
+        if !embed {
+            match crate::structured::StructuredOutputs::from_tokenizer(&loaded.tokenizer) {
+                Ok(s) => engine.set_structured_outputs(std::sync::Arc::new(s)),
+                Err(e) => tracing::warn!(error = %e, "structured outputs are unavailable for this tokenizer"),
+            }
         }
         // vLLM's capacity line: how many requests of max_model_len fit at
         // once (a sliding-window group holds only its window). `tokens`: the

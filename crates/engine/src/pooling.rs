@@ -65,6 +65,9 @@ pub struct EmbeddingSpec {
     pub matryoshka: bool,
     /// Length of a pooled vector before truncation.
     pub hidden_size: usize,
+    /// The model is an encoder (BERT): its inputs keep `[CLS]` … `[SEP]`
+    /// when truncated, and may take every position.
+    pub encoder: bool,
 }
 
 impl EmbeddingSpec {
@@ -97,6 +100,13 @@ struct StModule {
     kind: String,
 }
 
+/// `sentence_bert_config.json`.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct StBertConfig {
+    max_seq_length: Option<usize>,
+}
+
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct RawConfig {
@@ -117,6 +127,9 @@ pub struct DeclaredPooling {
     pub base_model: bool,
     /// `config.json` declares Matryoshka training.
     pub matryoshka: bool,
+    /// `sentence_bert_config.json`'s `max_seq_length`: the input length the
+    /// model was trained for (caps the context, as in vLLM).
+    pub max_seq_length: Option<usize>,
 }
 
 impl DeclaredPooling {
@@ -154,6 +167,9 @@ impl DeclaredPooling {
         if let Some(modules) = parse::<Vec<StModule>>(dir, "modules.json")? {
             d.normalize = Some(modules.iter().any(|m| m.kind.ends_with(".Normalize")));
         }
+        if let Some(c) = parse::<StBertConfig>(dir, "sentence_bert_config.json")? {
+            d.max_seq_length = c.max_seq_length;
+        }
         if let Some(c) = parse::<RawConfig>(dir, "config.json")? {
             d.base_model = c.architectures.first().is_some_and(|a| vellum_base::is_base_model_architecture(a));
             d.matryoshka = c.is_matryoshka == Some(true) || c.matryoshka_dimensions.is_some_and(|v| !v.is_null());
@@ -167,10 +183,12 @@ impl DeclaredPooling {
     }
 
     /// The model's pooling: `--pooler-config`, else what the checkpoint
-    /// declares, else `default` (last-token for decoders, CLS for
-    /// encoders), normalized.
-    pub fn spec(&self, overrides: PoolerConfig, hidden_size: usize, default: PoolingType) -> EmbeddingSpec {
+    /// declares, else last-token pooling for a decoder and CLS for an
+    /// `encoder` (vLLM's defaults), normalized.
+    pub fn spec(&self, overrides: PoolerConfig, hidden_size: usize, encoder: bool) -> EmbeddingSpec {
+        let default = if encoder { PoolingType::Cls } else { PoolingType::Last };
         EmbeddingSpec {
+            encoder,
             defaults: PoolingParams {
                 pooling_type: overrides.pooling_type.or(self.pooling_type).unwrap_or(default),
                 normalize: overrides.normalize.or(self.normalize).unwrap_or(true),
@@ -211,17 +229,23 @@ mod tests {
         let d = DeclaredPooling::read(&dir).expect("reads");
         assert_eq!(
             d,
-            DeclaredPooling { pooling_type: Some(PoolingType::Mean), normalize: Some(false), base_model: true, matryoshka: true }
+            DeclaredPooling {
+                pooling_type: Some(PoolingType::Mean),
+                normalize: Some(false),
+                base_model: true,
+                matryoshka: true,
+                max_seq_length: None
+            }
         );
         assert!(d.is_embedding_model());
-        let spec = d.spec(PoolerConfig::default(), 8, PoolingType::Last);
+        let spec = d.spec(PoolerConfig::default(), 8, false);
         assert_eq!(spec.defaults, PoolingParams { pooling_type: PoolingType::Mean, normalize: false, dimensions: None });
         assert_eq!(spec.request(Some(4)).expect("matryoshka").dimensions, Some(4));
         assert!(spec.request(Some(9)).unwrap_err().contains("dimensions"));
         // --pooler-config wins.
         let o = PoolerConfig::from_json(r#"{"pooling_type": "CLS", "normalize": true}"#).expect("parses");
-        assert_eq!(d.spec(o, 8, PoolingType::Last).defaults.pooling_type, PoolingType::Cls);
-        assert!(d.spec(o, 8, PoolingType::Last).defaults.normalize);
+        assert_eq!(d.spec(o, 8, false).defaults.pooling_type, PoolingType::Cls);
+        assert!(d.spec(o, 8, false).defaults.normalize);
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -230,7 +254,7 @@ mod tests {
         let dir = dir_with(&[("config.json", r#"{"architectures": ["LlamaForCausalLM"]}"#)]);
         let d = DeclaredPooling::read(&dir).expect("reads");
         assert!(!d.is_embedding_model());
-        let spec = d.spec(PoolerConfig::default(), 8, PoolingType::Last);
+        let spec = d.spec(PoolerConfig::default(), 8, false);
         assert_eq!(spec.defaults, PoolingParams { pooling_type: PoolingType::Last, normalize: true, dimensions: None });
         assert!(spec.request(Some(4)).unwrap_err().contains("Matryoshka"));
         let _ = std::fs::remove_dir_all(dir);

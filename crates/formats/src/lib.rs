@@ -38,6 +38,7 @@ mod default_model;
 mod error;
 mod gguf_weights;
 mod model_source;
+mod random_bert;
 mod random_checkpoint;
 mod safetensors_weights;
 mod weight_source;
@@ -49,6 +50,7 @@ pub use default_model::{
 pub use error::{Error, Result};
 pub use gguf_weights::{hf_name, unpermute_rows, GgufWeights};
 pub use model_source::{resolve_model, ModelSource};
+pub use random_bert::{write_random_bert, BertOptions, BertShape, BERT_WORDS};
 pub use random_checkpoint::{write_random_checkpoint, write_random_gguf, CheckpointDtype, CheckpointShape, GgufWeightType, WriteReport};
 pub use safetensors_weights::SafetensorsWeights;
 pub use vellum_ops::{Tensor, WeightView};

@@ -45,8 +45,9 @@ pub use vellum_ops::{ops, rope, Tensor, WeightView};
 
 /// The file readers, re-exported from `vellum-formats`.
 pub use vellum_formats::{
-    cache_dir, default_model_path, fetch_default_model, gguf, hf_name, known_model, resolve_model, unpermute_rows, GgufWeights, KnownModel,
-    ModelSource, SafetensorsWeights, WeightSource, DEFAULT_MODEL, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, KNOWN_MODELS,
+    cache_dir, default_model_path, fetch_default_model, gguf, hf_name, known_model, resolve_model, unpermute_rows, write_random_bert,
+    BertOptions, BertShape, GgufWeights, KnownModel, ModelSource, SafetensorsWeights, WeightSource, BERT_WORDS, DEFAULT_MODEL,
+    DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, KNOWN_MODELS,
 };
 /// The tokenizer and chat template, re-exported from `vellum-tokenizer`.
 pub use vellum_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};

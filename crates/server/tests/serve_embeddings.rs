@@ -193,3 +193,55 @@ fn each_task_refuses_the_others_endpoints_with_a_400() {
     drop(embed);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An encoder (a tiny random BERT, `write_random_bert`) served for
+/// embeddings: `/v1/models` gives its positions as the context, an input
+/// may take every one of them (the pooling request's output slot is never
+/// computed), `truncate_prompt_tokens` keeps `[CLS]` … `[SEP]` as BERT's
+/// tokenizer truncates, and chat is refused with the task, not a template
+/// error.
+#[test]
+fn an_encoder_takes_inputs_of_every_position_and_truncates_keeping_cls_and_sep() {
+    use vellum_formats::{write_random_bert, BertOptions, BertShape};
+    let dir = std::env::temp_dir().join(format!("vellum-serve-embeddings-bert-{}", std::process::id()));
+    let shape = BertShape { hidden: 32, intermediate: 64, layers: 2, heads: 4, max_positions: 24 };
+    write_random_bert(&dir, &shape, &BertOptions { seed: 3, prefixed: false, minimal_config: false, pooling: Some("cls") })
+        .expect("writes");
+    let server = Server::start(&["--model", &dir.to_string_lossy()]);
+    let json = [("Content-Type", "application/json")];
+    let (status, body) = server.get("/v1/models");
+    assert_eq!(status, 200, "{body}");
+    let models: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(models["data"][0]["max_model_len"], 24, "the model's positions: {body}");
+    let embed = |input: serde_json::Value, extra: serde_json::Value| -> (u16, serde_json::Value) {
+        let mut req = serde_json::json!({"input": input});
+        req.as_object_mut().expect("object").extend(extra.as_object().cloned().unwrap_or_default());
+        let (status, body) = server.request("POST", "/v1/embeddings", &json, &req.to_string());
+        (status, serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body)))
+    };
+    // 24 ids: [CLS], 22 words, [SEP] — every position.
+    let full: Vec<u32> = std::iter::once(2).chain((0..22).map(|i| 4 + i % 16)).chain(std::iter::once(3)).collect();
+    let (status, body) = embed(serde_json::json!(full), serde_json::json!({}));
+    assert_eq!(status, 200, "24 tokens fit 24 positions: {body}");
+    let (status, body) = embed(
+        serde_json::json!([2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 4, 5, 6, 7, 8, 9, 10, 3]),
+        serde_json::json!({}),
+    );
+    assert_eq!(status, 400, "25 tokens: {body}");
+    // "the cat sat on the mat ." truncated to 5 keeps [CLS] the cat sat [SEP].
+    let (status, cut) = embed(serde_json::json!("the cat sat on the mat ."), serde_json::json!({"truncate_prompt_tokens": 5}));
+    assert_eq!(status, 200, "{cut}");
+    let (_, ids) = embed(serde_json::json!([[2, 4, 5, 6, 3]]), serde_json::json!({}));
+    assert_eq!(cut["data"][0]["embedding"], ids["data"][0]["embedding"], "the truncated text is [CLS] the cat sat [SEP]");
+    assert_eq!(cut["usage"]["prompt_tokens"], 5);
+    let (status, body) = server.request(
+        "POST",
+        "/v1/chat/completions",
+        &json,
+        &serde_json::json!({"model": models["data"][0]["id"], "messages": [{"role": "user", "content": "hi"}]}).to_string(),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("--task embed"), "{body}");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}

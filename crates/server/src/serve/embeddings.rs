@@ -142,7 +142,10 @@ pub async fn create(State(state): State<Arc<AppState>>, body: Bytes) -> Result<R
         Some(v) => v.as_i64().ok_or_else(|| bad("`priority` is an integer", "priority"))?,
     };
     let mut prompts = inputs(&state, req.get("input"), add_special_tokens)?;
-    // vLLM's truncate_prompt_tokens: keep the last k tokens of each input.
+    let encoder = state.embedding.as_ref().is_some_and(|e| e.encoder);
+    // vLLM's truncate_prompt_tokens: keep the last k tokens of each input;
+    // an encoder's input keeps its first k - 1 and its last (`[CLS]` … `[SEP]`,
+    // as its tokenizer truncates).
     match req.get("truncate_prompt_tokens") {
         None | Some(Value::Null) => {}
         Some(v) => {
@@ -151,15 +154,22 @@ pub async fn create(State(state): State<Arc<AppState>>, body: Bytes) -> Result<R
                 .filter(|&k| k > 0)
                 .ok_or_else(|| bad("`truncate_prompt_tokens` is a positive integer", "truncate_prompt_tokens"))?
                 as usize;
-            for p in &mut prompts {
-                let cut = p.len().saturating_sub(k);
-                p.drain(..cut);
+            for p in prompts.iter_mut().filter(|p| p.len() > k) {
+                if encoder && k >= 2 {
+                    let last = p[p.len() - 1];
+                    p.truncate(k - 1);
+                    p.push(last);
+                } else {
+                    let cut = p.len() - k;
+                    p.drain(..cut);
+                }
             }
         }
     }
     // Every engine request holds one output slot, which a pooling request
-    // never fills: an input may take the context less that slot.
-    let limit = state.max_model_len.saturating_sub(1);
+    // never fills: an input may take the context less that slot (an
+    // encoder's engine keeps that slot past its positions: all of them).
+    let limit = if encoder { state.max_model_len } else { state.max_model_len.saturating_sub(1) };
     if let Some(p) = prompts.iter().find(|p| p.len() > limit) {
         return Err(bad(
             format!(

@@ -196,10 +196,11 @@ fn render_chat(
     if messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty", Some("messages")));
     }
-    let template = state
-        .chat_template
-        .as_ref()
-        .ok_or_else(|| ApiError::bad_request("The model has no chat template; pass one with --chat-template.", Some("messages")))?;
+    let template = state.chat_template.as_ref().ok_or_else(|| match state.embedding {
+        // An encoder has no template: what the client needs to hear is the task.
+        Some(_) => ApiError::bad_request("this engine serves embeddings (--task embed); it does not generate text", Some("model")),
+        None => ApiError::bad_request("The model has no chat template; pass one with --chat-template.", Some("messages")),
+    })?;
     let (msgs, tools_var) = tools::prompt_messages(messages, tools, template.supports_tools(), state.tool_format)?;
     template
         .render_with_kwargs(&msgs, tools_var.as_ref(), add_generation_prompt, kwargs)
