@@ -8,10 +8,14 @@
 #
 #   benchmarks/embeddings_vs_llama_server.sh            # builds llama-server if needed (benchmarks/llama_cpp.sh)
 #   LLAMA_CPP_BIN=/dir benchmarks/embeddings_vs_llama_server.sh
+#   BERT=1 benchmarks/embeddings_vs_llama_server.sh     # an encoder instead: a bge-small-shaped random
+#       BERT written twice with the same weights (benchmarks/make_bert_pair.py: a Hugging Face
+#       directory for Vellum, a GGUF for llama.cpp), CLS pooling
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MODEL=${MODEL:-$HOME/.cache/vellum/SmolLM2-135M-Instruct.Q4_1.gguf}
+POOLING=${POOLING:-last}
 THREADS=${THREADS:-2}
 INPUTS=${INPUTS:-256}
 BATCH=${BATCH:-16}
@@ -23,14 +27,20 @@ mkdir -p "$OUT"
 : > "$OUT/results.jsonl"
 
 cargo build --release -p vellum-server
-[ -f "$MODEL" ] || "$VELLUM" generate --prompt hi --max-tokens 1 >/dev/null  # fetches the default model
 LLAMA_BIN=$(benchmarks/llama_cpp.sh)
+if [ -n "${BERT:-}" ]; then
+    python3 -m pip install --quiet numpy safetensors
+    python3 benchmarks/make_bert_pair.py "$OUT/bert"
+    MODEL=$OUT/bert/hf LLAMA_MODEL=$OUT/bert/bert.gguf POOLING=cls
+fi
+[ -e "$MODEL" ] || "$VELLUM" generate --prompt hi --max-tokens 1 >/dev/null  # fetches the default model
+LLAMA_MODEL=${LLAMA_MODEL:-$MODEL}
 
 . benchmarks/lib.sh  # wait_up
 
 run_vellum() {  # label precision
     RAYON_NUM_THREADS=$THREADS "$VELLUM" serve "$MODEL" --port 8110 --served-model-name smol --task embed \
-        --pooler-config '{"pooling_type": "LAST", "normalize": true}' --cpu-precision "$2" \
+        --pooler-config "{\"pooling_type\": \"${POOLING^^}\", \"normalize\": true}" --cpu-precision "$2" \
         --kv-cache-memory 1GiB --max-model-len 2048 > "$OUT/$1.log" 2>&1 &
     local pid=$!
     wait_up http://127.0.0.1:8110
@@ -42,8 +52,8 @@ run_vellum() {  # label precision
 run_llama() {  # label
     # Every input of a request in one micro-batch (llama.cpp embeds a
     # sequence whole); CONCURRENCY slots.
-    "$LLAMA_BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port 8111 -t "$THREADS" -tb "$THREADS" \
-        --embedding --pooling last -np "$CONCURRENCY" -c $((CONCURRENCY * 2048)) -b 4096 -ub 4096 \
+    "$LLAMA_BIN/llama-server" -m "$LLAMA_MODEL" --host 127.0.0.1 --port 8111 -t "$THREADS" -tb "$THREADS" \
+        --embedding --pooling "$POOLING" -np "$CONCURRENCY" -c $((CONCURRENCY * 2048)) -b 4096 -ub 4096 \
         > "$OUT/$1.log" 2>&1 &
     local pid=$!
     wait_up http://127.0.0.1:8111
