@@ -118,11 +118,14 @@ impl<'a> WeightView<'a> {
     /// input features `range`). Kept in the stored type when both ends fall
     /// on block boundaries (Q4_1's 32 values, a K-quant's 256); otherwise
     /// the shard is converted to f32, since a block cannot be split. The
-    /// whole range returns the view unchanged.
-    pub fn cols(self, range: std::ops::Range<usize>) -> Result<WeightView<'static>> {
+    /// whole range returns the view unchanged (still borrowed).
+    pub fn cols(self, range: std::ops::Range<usize>) -> Result<WeightView<'a>> {
         let (rows, cols) = self.matrix_dims()?;
         if range.start > range.end || range.end > cols {
             return Err(self.shard_error(&[rows, range.end - range.start.min(range.end)]));
+        }
+        if range == (0..cols) {
+            return Ok(self);
         }
         let (block, block_bytes) = self.dtype.block_layout();
         if range.start.is_multiple_of(block) && range.end.is_multiple_of(block) {
@@ -195,8 +198,12 @@ mod tests {
         let cols = q8_matrix().cols(16..48).expect("cols");
         assert_eq!((cols.shape.clone(), cols.dtype), (vec![3, 32], GgmlType::F32));
         assert_eq!(cols.to_f32().expect("f32"), (0..3).flat_map(|r| row(r, 16..48)).collect::<Vec<_>>());
-        // The whole range is the view itself; out of range is a typed error.
+        // The whole range is the view itself, still borrowed; out of range is a typed error.
         assert_eq!(q8_matrix().rows(0..3).expect("all").data, q8_matrix().data);
+        let stored = q8_matrix().data.into_owned();
+        let borrowed = WeightView::new("w", vec![3, 64], GgmlType::Q8_0, Cow::Borrowed(&stored[..])).expect("a valid view");
+        assert!(matches!(borrowed.clone().cols(0..64).expect("all").data, Cow::Borrowed(_)), "whole columns are not copied");
+        assert!(matches!(borrowed.rows(0..3).expect("all").data, Cow::Borrowed(_)), "whole rows are not copied");
         assert!(matches!(q8_matrix().rows(2..4), Err(Error::ShapeMismatch { .. })));
         assert!(matches!(q8_matrix().cols(0..65), Err(Error::ShapeMismatch { .. })));
     }
