@@ -370,14 +370,7 @@ impl Ops for CpuOps {
     }
 
     fn embed(&self, table: &HostWeight, step: &HostStep) -> OpResult<HostTensor> {
-        let ids = &step.batch.token_ids;
-        let mut out = HostTensor::zeros(ids.len(), table.inp);
-        for (row, &id) in out.data.chunks_exact_mut(table.inp).zip(ids) {
-            let id = id as usize;
-            check(id < table.out, || format!("token id {id} outside the vocabulary of {}", table.out))?;
-            table.row(id, row);
-        }
-        Ok(out)
+        gather_rows(table, &step.batch.token_ids, |id| format!("token id {id} outside the vocabulary of {}", table.out))
     }
 
     fn linear(&self, x: &HostTensor, w: &HostWeight, bias: Option<&Vec<f32>>) -> OpResult<HostTensor> {
@@ -464,14 +457,7 @@ impl Ops for CpuOps {
     }
 
     fn embed_positions(&self, table: &HostWeight, step: &HostStep) -> OpResult<HostTensor> {
-        let positions = &step.batch.positions;
-        let mut out = HostTensor::zeros(positions.len(), table.inp);
-        for (row, &p) in out.data.chunks_exact_mut(table.inp).zip(positions) {
-            let p = p as usize;
-            check(p < table.out, || format!("position {p} past the {} learned positions", table.out))?;
-            table.row(p, row);
-        }
-        Ok(out)
+        gather_rows(table, &step.batch.positions, |p| format!("position {p} past the {} learned positions", table.out))
     }
 
     fn layer_norm(&self, x: &HostTensor, w: &Vec<f32>, b: &Vec<f32>, eps: f32) -> OpResult<HostTensor> {
@@ -582,6 +568,18 @@ impl Ops for CpuOps {
         // starts from the pool (one hand-off per step instead of one per op).
         rayon::scope(|_| f())
     }
+}
+
+/// Rows `indices` of `table` (an embedding lookup), each index checked
+/// against the table's rows (`outside(index)` says what one past them is).
+fn gather_rows(table: &HostWeight, indices: &[u32], outside: impl Fn(usize) -> String) -> OpResult<HostTensor> {
+    let mut out = HostTensor::zeros(indices.len(), table.inp);
+    for (row, &i) in out.data.chunks_exact_mut(table.inp).zip(indices) {
+        let i = i as usize;
+        check(i < table.out, || outside(i))?;
+        table.row(i, row);
+    }
+    Ok(out)
 }
 
 /// The exact GELU, `0.5·x·(1 + erf(x/√2))` ([`erf`]).

@@ -94,9 +94,7 @@ impl<O: Ops> Gemma3Model<O> {
         let (h, hd) = (config.hidden_size, config.head_dim);
         let (nq, nkv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
         let im = config.intermediate_size;
-        let (q_heads, kv_heads) = (tp.q_heads(&config), tp.kv_heads(&config));
-        let (q_cols, kv_cols) = (q_heads.start * hd..q_heads.end * hd, kv_heads.start * hd..kv_heads.end * hd);
-        let (mlp, vocab) = (tp.intermediate(&config), tp.vocab(&config));
+        let shard = tp.shard(&config);
         let load = ShardLoader { ops, weights };
         // Gemma's RMSNorm multiplies by (1 + w).
         let offset = if weights.norms_hold_one_plus_w() { 0.0 } else { 1.0 };
@@ -105,11 +103,11 @@ impl<O: Ops> Gemma3Model<O> {
             w.iter_mut().for_each(|v| *v += offset);
             Ok(ops.vector(name, &w)?)
         };
-        let embed_tokens = load.embedding("model.embed_tokens.weight", [config.vocab_size, h], vocab.clone())?;
+        let embed_tokens = load.embedding("model.embed_tokens.weight", [config.vocab_size, h], shard.vocab.clone())?;
         let lm_head = if config.tie_word_embeddings || !weights.contains("lm_head.weight") {
             None
         } else {
-            Some(load.column("lm_head.weight", [config.vocab_size, h], vocab.clone())?)
+            Some(load.column("lm_head.weight", [config.vocab_size, h], shard.vocab.clone())?)
         };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
@@ -121,13 +119,13 @@ impl<O: Ops> Gemma3Model<O> {
                 post_feedforward_norm: norm(&p("post_feedforward_layernorm.weight"), h)?,
                 q_norm: norm(&p("self_attn.q_norm.weight"), hd)?,
                 k_norm: norm(&p("self_attn.k_norm.weight"), hd)?,
-                q_proj: load.column(&p("self_attn.q_proj.weight"), [nq, h], q_cols.clone())?,
-                k_proj: load.column(&p("self_attn.k_proj.weight"), [nkv, h], kv_cols.clone())?,
-                v_proj: load.column(&p("self_attn.v_proj.weight"), [nkv, h], kv_cols.clone())?,
-                o_proj: load.row(&p("self_attn.o_proj.weight"), [h, nq], q_cols.clone())?,
-                gate_proj: load.column(&p("mlp.gate_proj.weight"), [im, h], mlp.clone())?,
-                up_proj: load.column(&p("mlp.up_proj.weight"), [im, h], mlp.clone())?,
-                down_proj: load.row(&p("mlp.down_proj.weight"), [h, im], mlp.clone())?,
+                q_proj: load.column(&p("self_attn.q_proj.weight"), [nq, h], shard.q_cols.clone())?,
+                k_proj: load.column(&p("self_attn.k_proj.weight"), [nkv, h], shard.kv_cols.clone())?,
+                v_proj: load.column(&p("self_attn.v_proj.weight"), [nkv, h], shard.kv_cols.clone())?,
+                o_proj: load.row(&p("self_attn.o_proj.weight"), [h, nq], shard.q_cols.clone())?,
+                gate_proj: load.column(&p("mlp.gate_proj.weight"), [im, h], shard.mlp.clone())?,
+                up_proj: load.column(&p("mlp.up_proj.weight"), [im, h], shard.mlp.clone())?,
+                down_proj: load.row(&p("mlp.down_proj.weight"), [h, im], shard.mlp.clone())?,
                 local: config.layer_window(i).is_some(),
             });
             progress(i + 1, config.num_hidden_layers);
@@ -139,13 +137,13 @@ impl<O: Ops> Gemma3Model<O> {
         let global_attention = AttentionShape {
             scale: config.query_pre_attn_scalar.unwrap_or(hd as f32).powf(-0.5),
             logit_softcap: config.attn_logit_softcapping,
-            ..AttentionShape::new(q_heads.len(), kv_heads.len(), hd)
+            ..AttentionShape::new(shard.q_heads.len(), shard.kv_heads.len(), hd)
         };
         let local_attention = AttentionShape { sliding_window: config.sliding_window, ..global_attention };
         Ok(Self {
             config,
             tp,
-            vocab_start: vocab.start,
+            vocab_start: shard.vocab.start,
             embed_tokens,
             lm_head,
             norm,

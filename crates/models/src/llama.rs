@@ -72,25 +72,23 @@ impl<O: Ops> LlamaModel<O> {
         let (h, hd) = (config.hidden_size, config.head_dim);
         let (nq, nkv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
         let im = config.intermediate_size;
-        let (q_heads, kv_heads) = (tp.q_heads(&config), tp.kv_heads(&config));
-        let (q_cols, kv_cols) = (q_heads.start * hd..q_heads.end * hd, kv_heads.start * hd..kv_heads.end * hd);
-        let (mlp, vocab) = (tp.intermediate(&config), tp.vocab(&config));
+        let shard = tp.shard(&config);
         let load = ShardLoader { ops, weights };
         let vec = |name: &str, len: usize| -> Result<O::Vector> { Ok(ops.vector(name, &weights.tensor_f32_shaped(name, &[len])?.data)?) };
-        let embed_tokens = load.embedding("model.embed_tokens.weight", [config.vocab_size, h], vocab.clone())?;
+        let embed_tokens = load.embedding("model.embed_tokens.weight", [config.vocab_size, h], shard.vocab.clone())?;
         let lm_head = if config.tie_word_embeddings || !weights.contains("lm_head.weight") {
             None
         } else {
-            Some(load.column("lm_head.weight", [config.vocab_size, h], vocab.clone())?)
+            Some(load.column("lm_head.weight", [config.vocab_size, h], shard.vocab.clone())?)
         };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let qkv_bias = if config.attention_bias {
                 Some([
-                    load.vector(&p("self_attn.q_proj.bias"), nq, q_cols.clone())?,
-                    load.vector(&p("self_attn.k_proj.bias"), nkv, kv_cols.clone())?,
-                    load.vector(&p("self_attn.v_proj.bias"), nkv, kv_cols.clone())?,
+                    load.vector(&p("self_attn.q_proj.bias"), nq, shard.q_cols.clone())?,
+                    load.vector(&p("self_attn.k_proj.bias"), nkv, shard.kv_cols.clone())?,
+                    load.vector(&p("self_attn.v_proj.bias"), nkv, shard.kv_cols.clone())?,
                 ])
             } else {
                 None
@@ -103,22 +101,22 @@ impl<O: Ops> LlamaModel<O> {
             layers.push(Layer {
                 input_norm: vec(&p("input_layernorm.weight"), h)?,
                 post_attention_norm: vec(&p("post_attention_layernorm.weight"), h)?,
-                q_proj: load.column(&p("self_attn.q_proj.weight"), [nq, h], q_cols.clone())?,
-                k_proj: load.column(&p("self_attn.k_proj.weight"), [nkv, h], kv_cols.clone())?,
-                v_proj: load.column(&p("self_attn.v_proj.weight"), [nkv, h], kv_cols.clone())?,
-                o_proj: load.row(&p("self_attn.o_proj.weight"), [h, nq], q_cols.clone())?,
+                q_proj: load.column(&p("self_attn.q_proj.weight"), [nq, h], shard.q_cols.clone())?,
+                k_proj: load.column(&p("self_attn.k_proj.weight"), [nkv, h], shard.kv_cols.clone())?,
+                v_proj: load.column(&p("self_attn.v_proj.weight"), [nkv, h], shard.kv_cols.clone())?,
+                o_proj: load.row(&p("self_attn.o_proj.weight"), [h, nq], shard.q_cols.clone())?,
                 qkv_bias,
                 qk_norm,
-                gate_proj: load.column(&p("mlp.gate_proj.weight"), [im, h], mlp.clone())?,
-                up_proj: load.column(&p("mlp.up_proj.weight"), [im, h], mlp.clone())?,
-                down_proj: load.row(&p("mlp.down_proj.weight"), [h, im], mlp.clone())?,
+                gate_proj: load.column(&p("mlp.gate_proj.weight"), [im, h], shard.mlp.clone())?,
+                up_proj: load.column(&p("mlp.up_proj.weight"), [im, h], shard.mlp.clone())?,
+                down_proj: load.row(&p("mlp.down_proj.weight"), [h, im], shard.mlp.clone())?,
             });
             progress(i + 1, config.num_hidden_layers);
         }
         let norm = vec("model.norm.weight", h)?;
         let rope = ops.rope_table(&RopeTable::new(&config))?;
-        let attention = AttentionShape::new(q_heads.len(), kv_heads.len(), hd);
-        Ok(Self { config, tp, vocab_start: vocab.start, embed_tokens, lm_head, norm, layers, rope, attention })
+        let attention = AttentionShape::new(shard.q_heads.len(), shard.kv_heads.len(), hd);
+        Ok(Self { config, tp, vocab_start: shard.vocab.start, embed_tokens, lm_head, norm, layers, rope, attention })
     }
 }
 

@@ -111,6 +111,38 @@ impl TensorParallel {
     }
 }
 
+/// One rank's part of a model, in the units its weights are cut in.
+pub(crate) struct Shard {
+    /// Query heads ([`TensorParallel::q_heads`]).
+    pub(crate) q_heads: Range<usize>,
+    /// KV heads ([`TensorParallel::kv_heads`]).
+    pub(crate) kv_heads: Range<usize>,
+    /// The query heads' rows of q (and columns of o): `q_heads · head_dim`.
+    pub(crate) q_cols: Range<usize>,
+    /// The KV heads' rows of k and v: `kv_heads · head_dim`.
+    pub(crate) kv_cols: Range<usize>,
+    /// MLP columns ([`TensorParallel::intermediate`]).
+    pub(crate) mlp: Range<usize>,
+    /// Vocabulary rows ([`TensorParallel::vocab`]).
+    pub(crate) vocab: Range<usize>,
+}
+
+impl TensorParallel {
+    /// Every range of this rank's part of `config`'s model.
+    pub(crate) fn shard(self, config: &ModelConfig) -> Shard {
+        let hd = config.head_dim;
+        let (q_heads, kv_heads) = (self.q_heads(config), self.kv_heads(config));
+        Shard {
+            q_cols: q_heads.start * hd..q_heads.end * hd,
+            kv_cols: kv_heads.start * hd..kv_heads.end * hd,
+            q_heads,
+            kv_heads,
+            mlp: self.intermediate(config),
+            vocab: self.vocab(config),
+        }
+    }
+}
+
 /// Loads rank `tp`'s part of each weight through `ops`: the model
 /// definitions call these with the full shape the checkpoint stores and the
 /// range of that rank; on a single rank every range is whole and the
