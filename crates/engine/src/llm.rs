@@ -242,12 +242,9 @@ impl Llm {
         }
         let mut scheduler = SchedulerConfig { max_model_len, ..args.scheduler };
         if encoder {
-            // A prompt in one step: no chunks, no cap per prompt. Every
-            // request holds one output slot past its prompt, which pooling
-            // never computes: with it, an input may take every position.
+            // A prompt in one step: no chunks, no cap per prompt.
             scheduler.enable_chunked_prefill = false;
             scheduler.long_prefill_token_threshold = 0;
-            scheduler.max_model_len += 1;
         }
         // The budgets against the model's context, before any weight is read.
         scheduler.validate()?;

@@ -66,7 +66,7 @@ pub struct EmbeddingSpec {
     /// Length of a pooled vector before truncation.
     pub hidden_size: usize,
     /// The model is an encoder (BERT): its inputs keep `[CLS]` … `[SEP]`
-    /// when truncated, and may take every position.
+    /// when truncated.
     pub encoder: bool,
 }
 

@@ -461,6 +461,12 @@ fn bad_requests_get_typed_errors() {
     let e = s.add_request(NewRequest::new(RequestId(0), prompt(90, 0), SamplingParams::greedy(20))).unwrap_err();
     assert!(matches!(e, Error::TooLong { requested: 110, max_model_len: 100, .. }), "{e}");
     assert!(e.to_string().contains("maximum context length is 100 tokens"));
+    // A pooling request ends with its prompt: 100 prompt tokens fill the context; 101 do not fit.
+    let pool = SamplingParams { pooling: Some(vellum_base::PoolingParams::default()), max_tokens: Some(1), ..SamplingParams::default() };
+    s.add_request(NewRequest::new(RequestId(10), prompt(100, 0), pool.clone())).expect("a pooling prompt may fill the context");
+    assert!(matches!(s.add_request(NewRequest::new(RequestId(11), prompt(101, 0), pool)), Err(Error::TooLong { .. })));
+    assert!(matches!(s.add_request(NewRequest::new(RequestId(12), prompt(100, 0), SamplingParams::greedy(1))), Err(Error::TooLong { .. })));
+    assert!(s.abort(RequestId(10)));
     assert!(matches!(s.add_request(NewRequest::new(RequestId(1), vec![], SamplingParams::greedy(2))), Err(Error::EmptyPrompt(_))));
     let bad = SamplingParams { top_p: 0.0, ..SamplingParams::default() };
     assert!(matches!(s.add_request(NewRequest::new(RequestId(2), prompt(4, 0), bad)), Err(Error::InvalidParams(_))));

@@ -205,7 +205,8 @@ impl<A: BlockAllocator> Scheduler<A> {
     }
 
     /// Queues a request after checking it: valid parameters, a non-empty
-    /// prompt, prompt plus `max_tokens` within `max_model_len`, and one
+    /// prompt, prompt plus `max_tokens` (a pooling request: its prompt)
+    /// within `max_model_len`, and one
     /// sequence at its longest within the KV cache. Returns the id of the
     /// request's first sequence.
     pub fn add_request(&mut self, new: NewRequest) -> Result<SeqId, Error> {
@@ -220,7 +221,10 @@ impl<A: BlockAllocator> Scheduler<A> {
         }
         let max_len = self.config.max_model_len;
         let max_tokens = new.params.max_tokens.unwrap_or(max_len.saturating_sub(num_prompt).max(1));
-        if num_prompt + max_tokens > max_len {
+        // A pooling request ends with its prompt: its output slot is never
+        // computed, so the prompt alone may fill the context.
+        let counted = if new.params.pooling.is_some() { num_prompt } else { num_prompt + max_tokens };
+        if counted > max_len {
             return Err(Error::TooLong {
                 request_id: id,
                 requested: num_prompt + max_tokens,

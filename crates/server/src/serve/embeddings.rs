@@ -166,15 +166,12 @@ pub async fn create(State(state): State<Arc<AppState>>, body: Bytes) -> Result<R
             }
         }
     }
-    // Every engine request holds one output slot, which a pooling request
-    // never fills: an input may take the context less that slot (an
-    // encoder's engine keeps that slot past its positions: all of them).
-    let limit = if encoder { state.max_model_len } else { state.max_model_len.saturating_sub(1) };
+    // A pooling request ends with its prompt, which may fill the context.
+    let limit = state.max_model_len;
     if let Some(p) = prompts.iter().find(|p| p.len() > limit) {
         return Err(bad(
             format!(
-                "This model's maximum context length is {} tokens, of which an input to embed may take {limit}. However, you requested {} tokens in the input for embedding generation. Please reduce the length of the input.",
-                state.max_model_len,
+                "This model's maximum context length is {limit} tokens. However, you requested {} tokens in the input for embedding generation. Please reduce the length of the input.",
                 p.len()
             ),
             "input",

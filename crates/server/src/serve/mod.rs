@@ -297,10 +297,7 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
     let engine_args = args.engine.engine_args(args.model.clone(), EngineDefaults::serving(&args.engine.device))?;
     tracing::info!(model = args.model.as_deref().unwrap_or("default (SmolLM2-135M-Instruct Q4_1)"), "loading model");
     let mut llm = crate::cli::load_with_progress(engine_args)?;
-    // An encoder's engine keeps one slot past its positions (a pooling
-    // request's output slot, never computed); the model's context is its positions.
-    let encoder = llm.embedding().is_some_and(|e| e.encoder);
-    let max_model_len = llm.engine().max_model_len() - usize::from(encoder);
+    let max_model_len = llm.engine().max_model_len();
     if let Some(asked) = args.engine.max_model_len {
         if asked > max_model_len {
             tracing::warn!(asked, max_model_len, "--max-model-len is above the model's context; capped");
