@@ -16,6 +16,8 @@
 #   bash benchmarks/cuda_vs_llama_cpp.sh model llama3-8b-q8_0 /tmp/m.gguf
 #                                                 # a random-weight Llama 3 8B Q8_0 (8.5 GB)
 #   bash benchmarks/cuda_vs_llama_cpp.sh run /tmp/m.gguf LABEL
+#   VARIANTS="graphs:;eager:--enforce-eager" bash benchmarks/cuda_vs_llama_cpp.sh run /tmp/m.gguf LABEL
+#                                                 # several Vellum configurations a round
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -57,8 +59,11 @@ model)
     [ -f "$path" ] || .gpu/x/write_random_checkpoint --shape "$shape" --format gguf --dtype "$ty" --out "$path"
     ;;
 run)
+    # VARIANTS: Vellum's configurations, "NAME:FLAGS" separated by ";"
+    # (default: one, "vellum:$VELLUM_ARGS"), each run in every round.
     model=$2 label=${3:-$(basename "$2")}
     rounds=${ROUNDS:-2} in=${IN:-128} gen=${GEN:-128} batches=${BATCHES:-1 64 256}
+    variants=${VARIANTS:-"vellum:${VELLUM_ARGS:-}"}
     npl=$(echo "$batches" | tr ' ' ',')
     max_b=$(echo "$batches" | tr ' ' '\n' | sort -n | tail -1)
     ctx=$(((in + gen) * max_b + 256))
@@ -78,32 +83,40 @@ for line in open(log):
         print(json.dumps({"engine": "llama.cpp", "model": label, "gpu": gpu, "round": int(r), "batch": b,
                           "prefill_tok_s": float(cells[5]), "decode_tok_s": float(cells[7])}))
 EOF
-        for b in $batches; do
-            echo "== round $r: vellum ($label, batch $b)" >&2
-            .gpu/x/vellum bench latency --device cuda --model "$model" --batch-size "$b" --input-len "$in" --output-len "$gen" \
-                --num-iters-warmup 1 --num-iters 2 --max-model-len $((in + gen + 16)) ${VELLUM_ARGS:-} --json \
-                >"$out/logs/vellum_${label}_${b}_$r.json" 2>"$out/logs/vellum_${label}_${b}_$r.log" || { tail -5 "$out/logs/vellum_${label}_${b}_$r.log"; exit 1; }
-            python3 - "$out/logs/vellum_${label}_${b}_$r.json" "$label" "$r" "$gpu" >>"$rows" <<'EOF'
+        IFS=';' read -ra vs <<<"$variants"
+        for v in "${vs[@]}"; do
+            name=${v%%:*} flags=${v#*:}
+            for b in $batches; do
+                echo "== round $r: $name ($label, batch $b)" >&2
+                base="$out/logs/${name}_${label}_${b}_$r"
+                # shellcheck disable=SC2086 # the flags are words
+                .gpu/x/vellum bench latency --device cuda --model "$model" --batch-size "$b" --input-len "$in" --output-len "$gen" \
+                    --num-iters-warmup 1 --num-iters 2 --max-model-len $((in + gen + 16)) $flags --json \
+                    >"$base.json" 2>"$base.log" || { tail -5 "$base.log"; exit 1; }
+                python3 - "$base.json" "$label" "$r" "$gpu" "$name" >>"$rows" <<'EOF'
 import json, sys
-path, label, r, gpu = sys.argv[1:]
+path, label, r, gpu, name = sys.argv[1:]
 v = json.load(open(path))
-print(json.dumps({"engine": "vellum", "model": label, "gpu": gpu, "round": int(r), "batch": v["batch_size"],
+print(json.dumps({"engine": name, "model": label, "gpu": gpu, "round": int(r), "batch": v["batch_size"],
                   "prefill_tok_s": v["prefill_tokens_per_s"], "decode_tok_s": v["decode_tokens_per_s"],
                   "time_share": v["time_share"]}))
 EOF
+            done
         done
     done
     python3 - "$rows" "$label" <<'EOF'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 rows = [r for r in rows if r["model"] == sys.argv[2]]
-print(f"\n{sys.argv[2]} on {rows[0]['gpu']} (medians of {max(r['round'] for r in rows)} alternated rounds)")
-print("| batch | llama.cpp prefill | Vellum prefill | ratio | llama.cpp decode | Vellum decode | ratio |")
-print("|---:|---:|---:|---:|---:|---:|---:|")
-for b in sorted({r["batch"] for r in rows}):
-    med = lambda e, k: statistics.median([r[k] for r in rows if r["engine"] == e and r["batch"] == b] or [float("nan")])
-    lp, vp, ld, vd = med("llama.cpp", "prefill_tok_s"), med("vellum", "prefill_tok_s"), med("llama.cpp", "decode_tok_s"), med("vellum", "decode_tok_s")
-    print(f"| {b} | {lp:,.0f} | {vp:,.0f} | {vp / lp:.2f}x | {ld:,.0f} | {vd:,.0f} | {vd / ld:.2f}x |")
+engines = [e for e in dict.fromkeys(r["engine"] for r in rows) if e != "llama.cpp"]
+print(f"\n{sys.argv[2]} on {rows[0]['gpu']} (medians of {max(r['round'] for r in rows)} alternated rounds; tok/s; ratio to llama.cpp)")
+print("| engine | batch | llama.cpp prefill | prefill | ratio | llama.cpp decode | decode | ratio |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|")
+for e in engines:
+    for b in sorted({r["batch"] for r in rows}):
+        med = lambda e, k: statistics.median([r[k] for r in rows if r["engine"] == e and r["batch"] == b] or [float("nan")])
+        lp, vp, ld, vd = med("llama.cpp", "prefill_tok_s"), med(e, "prefill_tok_s"), med("llama.cpp", "decode_tok_s"), med(e, "decode_tok_s")
+        print(f"| {e} | {b} | {lp:,.0f} | {vp:,.0f} | {vp / lp:.2f}x | {ld:,.0f} | {vd:,.0f} | {vd / ld:.2f}x |")
 EOF
     ;;
 *)

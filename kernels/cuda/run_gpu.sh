@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from .gpu/ (kernels/cuda/gpu_suite.sh stage puts it
-# there): `bash .gpu/run.sh [suite] [attention] [overheads] [gemm] [golden] [throughput] [bf16]`.
+# there): `bash .gpu/run.sh [suite] [attention] [overheads] [gemm] [golden] [throughput] [bf16]`,
+# or `source .gpu/run.sh env` to set up the libraries for commands of one's own.
 set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out=${OUT:-$here/out}
 mkdir -p "$out" "$here/x"
 steps=${*:-suite attention golden throughput}
@@ -39,6 +40,11 @@ use_lib nccl "${NCCL_DIR:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
 export VELLUM_REQUIRE_GPU=1 VELLUM_GOLDEN_DIR="$here/golden" RUST_BACKTRACE=1
 export VELLUM_CACHE=${VELLUM_CACHE:-$here/models}
+# `source .gpu/run.sh env`: the binaries unpacked and the libraries found,
+# for a script that runs them itself.
+if [ "${1:-}" = env ]; then
+    return 0 2>/dev/null || exit 0
+fi
 
 status=0
 step() { # name timeout command...
@@ -53,7 +59,9 @@ step() { # name timeout command...
 }
 for s in $steps; do
     case $s in
-    suite) step suite "${SUITE_LIMIT:-300}" "$here/x/gpu_suite" --test-threads 1 --nocapture ;;
+    # SUITE_FILTER: test-name filters (all tests when empty).
+    # shellcheck disable=SC2086 # the filters are words
+    suite) step suite "${SUITE_LIMIT:-300}" "$here/x/gpu_suite" --test-threads 1 --nocapture ${SUITE_FILTER:-} ;;
     attention) step attention "${ATTENTION_LIMIT:-240}" bash -c "'$here/x/attention_bench' ${ATTENTION_ARGS:-} > '$out/attention.jsonl'" ;;
     overheads) step overheads 120 "$here/x/attention_bench" --overheads ;;
     gemm) step gemm "${GEMM_LIMIT:-240}" bash -c "'$here/x/gemm_bench' ${GEMM_ARGS:-} > '$out/gemm.jsonl'; rc=\$?; sed -n '/^| weight/,\$p' '$out/gemm.jsonl'; exit \$rc" ;;

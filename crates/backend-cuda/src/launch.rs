@@ -233,8 +233,8 @@ fn to_i32(n: usize, what: &str) -> Result<i32, CudaError> {
 }
 
 impl Kernels {
-    /// Kernels for device `ordinal` (compiled on first use), launched on its
-    /// default stream.
+    /// Kernels for device `ordinal` (compiled on first use), launched on a
+    /// stream of their own.
     pub fn open(ordinal: usize) -> Result<Self, CudaError> {
         let (ctx, info) = crate::device::open(ordinal)?;
         // cudarc gives every allocation two events by default, to order its
@@ -243,7 +243,10 @@ impl Kernels {
         // and kernel of this crate runs on the one stream below, in order,
         // so no use of a buffer needs ordering against another stream.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own, not the legacy default stream: a decode
+        // step's launches are recorded as a CUDA graph on it (crate::graphs),
+        // which the default stream cannot do.
+        let stream = ctx.new_stream()?;
         Ok(Self { arch: info.arch(), num_sms: info.num_sms.max(1) as usize, info, ctx, stream, modules: Mutex::new(HashMap::new()) })
     }
 

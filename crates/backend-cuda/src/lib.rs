@@ -9,6 +9,7 @@
 //! | [`nvrtc`] | compiling a source to PTX for a `compute_XY` architecture, with no GPU needed |
 //! | [`blas`] | cuBLAS, loaded at run time: 16-bit weights' GEMMs on tensor cores |
 //! | [`device`] | finding a GPU: a typed error, never a panic, when there is no driver |
+//! | [`graphs`] | CUDA graphs for decode steps: capture sizes, padding, context bounds, each shape's state (host logic) |
 //! | [`launch`] | [`launch::Kernels`]: modules compiled on first use per configuration, one shape-checked call per kernel |
 //! | [`layout`] | how a quantized weight sits on the device: the file's blocks as planes of codes and scales |
 //! | [`ops`] | [`CudaOps`]: the model operations and the paged-attention contract, so that `ModelRunner<CudaOps>` is the CUDA `ModelExecutor` (`--device cuda`) |
@@ -37,6 +38,7 @@
 pub mod blas;
 pub mod device;
 mod error;
+pub mod graphs;
 pub mod kernels;
 pub mod launch;
 pub mod layout;
@@ -45,4 +47,5 @@ pub mod nvrtc;
 pub mod ops;
 
 pub use error::CudaError;
-pub use ops::{CudaOps, CudaPrecision};
+pub use graphs::CaptureSizes;
+pub use ops::{CudaOps, CudaPrecision, GraphOptions};

@@ -36,12 +36,14 @@
 //! the golden prompts through `--device cuda` in `tests/golden.rs`).
 
 use crate::blas::{Blas, Half};
+use crate::graphs::{Action, Bound, CaptureSizes, GraphCache, GraphKey, Limits, PaddedDecode};
 use crate::launch::{AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix};
 use crate::layout::{f32_layout, repack, QuantFormat, Repacked};
 use crate::nccl::NcclGroup;
 use crate::CudaError;
-use cudarc::driver::{CudaSlice, PinnedHostSlice};
-use std::sync::{Arc, Mutex};
+use cudarc::driver::{CudaGraph, CudaSlice, PinnedHostSlice};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use vellum_base::{
     AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, DeviceMemory, Error, ForwardBatch,
     KvCacheDtype, KvCacheSpec, KvMemory, Sizes, StepBounds,
@@ -128,16 +130,73 @@ struct GroupStep {
     meta: DeviceAttentionMetadata,
 }
 
-/// One step's inputs on the device, uploaded once in `prepare_step`.
-pub struct CudaStep {
+/// A step's inputs on the device.
+struct StepInputs {
     ids: CudaSlice<i32>,
     positions: CudaSlice<i64>,
     logits: CudaSlice<i32>,
     groups: Vec<GroupStep>,
+}
+
+/// One step's inputs on the device, uploaded once in `prepare_step`: its
+/// own buffers, or, for a decode step of a [`GraphKey`], the key's
+/// persistent buffers with the step padded to the key's rows.
+pub struct CudaStep {
+    inputs: Arc<StepInputs>,
     tokens: usize,
     logits_rows: usize,
+    /// The logits rows the batch asked for (fewer than `logits_rows` when
+    /// padded).
+    rows_out: usize,
     block_size: usize,
     bounds: StepBounds,
+    graph: Option<GraphKey>,
+}
+
+/// How a backend instance uses CUDA graphs (`--enforce-eager`,
+/// `--cuda-graph-sizes`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GraphOptions {
+    /// Replay decode steps as graphs; `false` launches every op (vLLM's
+    /// `--enforce-eager`).
+    pub enabled: bool,
+    /// The batch sizes decode steps are padded to and recorded at.
+    pub capture_sizes: CaptureSizes,
+}
+
+impl Default for GraphOptions {
+    fn default() -> Self {
+        Self { enabled: true, capture_sizes: CaptureSizes::default() }
+    }
+}
+
+/// A recorded decode step: the graph, the buffer its logits land in, and
+/// the limits its ops checked.
+struct Recorded {
+    graph: SendGraph,
+    output: CudaSlice<f32>,
+    cols: usize,
+    limits: Limits,
+}
+
+/// [`CudaGraph`] moved between threads.
+struct SendGraph(CudaGraph);
+
+// SAFETY: a CUDA graph may be used from any thread as long as no two
+// threads use it at once; it lives in `CudaOps::graphs`, whose mutex is
+// held for every use (recording, replay, drop on clear).
+unsafe impl Send for SendGraph {}
+
+/// The graph state of one backend instance.
+struct Graphs {
+    options: GraphOptions,
+    cache: GraphCache<Recorded>,
+    /// Each key's persistent inputs (from its first step on).
+    inputs: HashMap<GraphKey, Arc<StepInputs>>,
+    /// Each key's logits shape, from its eager warm-up.
+    shapes: HashMap<GraphKey, (usize, usize)>,
+    /// Milliseconds spent recording, over every key.
+    record_ms: f64,
 }
 
 /// The paged KV cache: a K and a V pool per layer slot on the device and
@@ -200,6 +259,16 @@ pub struct CudaOps {
     /// The tensor-parallel group this instance is rank `.1` of (`None`: a
     /// group of one).
     group: Option<(Arc<NcclGroup>, usize)>,
+    /// Decode steps recorded as CUDA graphs ([`crate::graphs`]).
+    graphs: Mutex<Graphs>,
+    /// While a step is recorded: the limits its ops check indices against.
+    recording: Mutex<Option<Limits>>,
+}
+
+/// `m` locked, whether or not a thread panicked holding it (what it guards
+/// stays consistent: every update is a single assignment or insert).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl std::fmt::Debug for CudaOps {
@@ -229,7 +298,232 @@ impl CudaOps {
                 None
             }
         };
-        Ok(Self { k, precision, blas, staging: Mutex::new(None), spare: Mutex::new(Vec::new()), group: None })
+        let graphs = Graphs {
+            options: GraphOptions::default(),
+            cache: GraphCache::default(),
+            inputs: HashMap::new(),
+            shapes: HashMap::new(),
+            record_ms: 0.0,
+        };
+        Ok(Self {
+            k,
+            precision,
+            blas,
+            staging: Mutex::new(None),
+            spare: Mutex::new(Vec::new()),
+            group: None,
+            graphs: Mutex::new(graphs),
+            recording: Mutex::new(None),
+        })
+    }
+
+    /// Sets how decode steps use CUDA graphs (on, up to 256 rows, by
+    /// default). Graphs recorded so far are dropped.
+    pub fn with_graphs(self, options: GraphOptions) -> Self {
+        {
+            let mut g = lock(&self.graphs);
+            g.options = options;
+            g.cache.clear();
+            g.inputs.clear();
+            g.shapes.clear();
+        }
+        self
+    }
+
+    /// The decode steps recorded so far: `(rows, context bound)` of each
+    /// graph, and the milliseconds spent recording them.
+    pub fn recorded_graphs(&self) -> (Vec<(usize, usize)>, f64) {
+        let g = lock(&self.graphs);
+        let mut keys: Vec<(usize, usize)> = g.cache.recorded_graphs().map(|(k, _)| (k.rows, k.context_bucket)).collect();
+        keys.sort_unstable();
+        (keys, g.record_ms)
+    }
+
+    /// The device memory CUDA graphs hold (their recorded allocations), in
+    /// bytes: what the driver reports as in use now and at its peak.
+    pub fn graph_memory(&self) -> (u64, u64) {
+        use cudarc::driver::sys::{cuDeviceGetGraphMemAttribute, CUgraphMem_attribute};
+        let read = |attr| {
+            let mut v: u64 = 0;
+            // SAFETY: the attribute is a 64-bit value written into `v`; the
+            // device handle is this context's.
+            let r = unsafe { cuDeviceGetGraphMemAttribute(self.k.context().cu_device(), attr, (&mut v as *mut u64).cast()) };
+            if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                v
+            } else {
+                0
+            }
+        };
+        (read(CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT), read(CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH))
+    }
+
+    /// Drops every recorded graph and its inputs, and hands the memory the
+    /// graphs held back to the device (`cuDeviceGraphMemTrim`), so that the
+    /// free memory the KV cache is sized from does not count it.
+    fn drop_graphs(&self) {
+        let mut graphs = lock(&self.graphs);
+        graphs.cache.clear();
+        graphs.inputs.clear();
+        graphs.shapes.clear();
+        drop(graphs);
+        // The graphs were launched on this stream: none may still run when
+        // their memory goes.
+        if self.k.stream().synchronize().is_ok() {
+            // SAFETY: the device handle is this context's; the call frees
+            // only graph memory no live graph holds (all were dropped above).
+            let r = unsafe { cudarc::driver::sys::cuDeviceGraphMemTrim(self.k.context().cu_device()) };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                tracing::debug!("cuDeviceGraphMemTrim: {r:?}");
+            }
+        }
+    }
+
+    /// [`StepBounds::check_below`], noting the limit while a step is
+    /// recorded (a replay is then checked against it).
+    fn check_bound(&self, bound: Bound, max: Option<u32>, limit: usize, what: &str, table: &str) -> OpResult<()> {
+        if let Some(limits) = lock(&self.recording).as_mut() {
+            limits.note(bound, limit);
+        }
+        StepBounds::check_below(max, limit, what, table)
+    }
+
+    /// `out` with only its first `rows` rows (a padded step's real ones).
+    fn first_rows(&self, out: CudaTensor, rows: usize) -> OpResult<CudaTensor> {
+        if out.rows == rows {
+            return Ok(out);
+        }
+        self.copy_rows(&out.buf, rows, out.cols)
+    }
+
+    /// A new `[rows, cols]` tensor holding the first rows of `src`.
+    fn copy_rows(&self, src: &CudaSlice<f32>, rows: usize, cols: usize) -> OpResult<CudaTensor> {
+        let mut t = self.tensor(rows, cols)?;
+        if rows * cols > 0 {
+            self.k.stream().memcpy_dtod(&src.slice(..rows * cols), &mut t.buf).map_err(|e| backend(e.into()))?;
+        }
+        Ok(t)
+    }
+
+    /// A decode step of `key` padded into the key's persistent inputs;
+    /// `None` when those are in use (an earlier step still holds them), so
+    /// that the step runs on its own buffers.
+    fn prepare_graph_step(&self, batch: &ForwardBatch, key: GraphKey, bounds: &StepBounds) -> OpResult<Option<CudaStep>> {
+        let padded = PaddedDecode::new(batch, &key, bounds).map_err(Error::Backend)?;
+        let mut graphs = lock(&self.graphs);
+        match graphs.inputs.entry(key) {
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                let group = |g: usize| {
+                    Ok((
+                        padded.slots[g].clone(),
+                        padded.block_tables[g].clone(),
+                        padded.token_seq.clone(),
+                        padded.query_start_loc.clone(),
+                        padded.context_lens.clone(),
+                    ))
+                };
+                let (ids, positions, logits) = (&padded.ids, &padded.positions, &padded.logits);
+                let inputs =
+                    self.step_inputs(ids, positions, logits, group, key.groups, key.table_stride(), key.rows, key.context_bucket)?;
+                slot.insert(Arc::new(inputs));
+            }
+            std::collections::hash_map::Entry::Occupied(mut slot) => {
+                let Some(inputs) = Arc::get_mut(slot.get_mut()) else {
+                    return Ok(None);
+                };
+                // The token sequences and query starts never change.
+                let stream = self.k.stream();
+                let driver = |e: cudarc::driver::DriverError| backend(e.into());
+                stream.memcpy_htod(&padded.ids, &mut inputs.ids).map_err(driver)?;
+                stream.memcpy_htod(&padded.positions, &mut inputs.positions).map_err(driver)?;
+                for (g, group) in inputs.groups.iter_mut().enumerate() {
+                    stream.memcpy_htod(&padded.slots[g], &mut group.slots).map_err(driver)?;
+                    stream.memcpy_htod(&padded.block_tables[g], &mut group.meta.block_tables).map_err(driver)?;
+                    stream.memcpy_htod(&padded.context_lens, &mut group.meta.context_lens).map_err(driver)?;
+                }
+            }
+        }
+        Ok(Some(self.graph_step(&graphs, key, batch, padded.bounds)))
+    }
+
+    fn graph_step(&self, graphs: &Graphs, key: GraphKey, batch: &ForwardBatch, bounds: StepBounds) -> CudaStep {
+        CudaStep {
+            inputs: graphs.inputs[&key].clone(),
+            tokens: key.rows,
+            logits_rows: key.rows,
+            rows_out: batch.logits_indices.len(),
+            block_size: key.block_size,
+            bounds,
+            graph: Some(key),
+        }
+    }
+
+    /// A step's device inputs: `group(g)` gives group g's slots, block
+    /// tables, token sequences, query starts and context lengths.
+    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::type_complexity)]
+    fn step_inputs(
+        &self,
+        ids: &[i32],
+        positions: &[i64],
+        logits: &[i32],
+        group: impl Fn(usize) -> OpResult<(Vec<i64>, Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>)>,
+        groups: usize,
+        stride: usize,
+        num_tokens: usize,
+        max_context: usize,
+    ) -> OpResult<StepInputs> {
+        let mut group_steps = Vec::with_capacity(groups);
+        for g in 0..groups {
+            let (slots, tables, token_seq, qsl, ctx) = group(g)?;
+            group_steps.push(GroupStep {
+                slots: self.htod(&slots)?,
+                meta: DeviceAttentionMetadata {
+                    block_tables: self.htod(&tables)?,
+                    max_blocks_per_seq: stride.max(1),
+                    token_seq: self.htod(&token_seq)?,
+                    query_start_loc: self.htod(&qsl)?,
+                    context_lens: self.htod(&ctx)?,
+                    num_tokens,
+                    max_context,
+                },
+            });
+        }
+        Ok(StepInputs { ids: self.htod(ids)?, positions: self.htod(positions)?, logits: self.htod(logits)?, groups: group_steps })
+    }
+
+    /// Records `forward` for `key` as a graph and stores it; `Err` (with
+    /// the capture ended) when the step could not be recorded.
+    fn record(&self, graphs: &mut Graphs, key: GraphKey, forward: &mut dyn FnMut() -> OpResult<CudaTensor>) -> OpResult<()> {
+        let (rows, cols) = *graphs.shapes.get(&key).ok_or_else(|| Error::Backend("graph: no warm-up step of this shape".into()))?;
+        let driver = |e: cudarc::driver::DriverError| backend(e.into());
+        let started = std::time::Instant::now();
+        let mut output = self.zeros::<f32>(rows * cols)?;
+        let stream = self.k.stream().clone();
+        *lock(&self.recording) = Some(Limits::default());
+        stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(driver)?;
+        let copied = match forward() {
+            Ok(out) if (out.rows, out.cols) == (rows, cols) => stream.memcpy_dtod(&out.buf, &mut output).map_err(driver),
+            Ok(out) => Err(Error::Backend(format!("graph: [{}, {}] logits recorded for [{rows}, {cols}]", out.rows, out.cols))),
+            Err(e) => Err(e),
+        };
+        // Every intermediate, the step's logits included, is freed inside
+        // the capture: the graph allocates and frees its own memory.
+        let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        let limits = lock(&self.recording).take().unwrap_or_default();
+        copied?;
+        let graph = graph.map_err(driver)?.ok_or_else(|| Error::Backend("graph: the capture recorded nothing".into()))?;
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        graphs.record_ms += ms;
+        let (memory, _) = self.graph_memory();
+        tracing::info!(
+            rows = key.rows,
+            context_bound = key.context_bucket,
+            ms = format!("{ms:.1}"),
+            graph_memory_mib = memory >> 20,
+            "recorded a decode step as a CUDA graph"
+        );
+        graphs.cache.recorded(key, Recorded { graph: SendGraph(graph), output, cols, limits });
+        Ok(())
     }
 
     /// The ranks of a tensor-parallel group of `size`, one per GPU (ordinals
@@ -442,13 +736,13 @@ impl Ops for CudaOps {
     }
 
     fn embed(&self, table: &CudaWeight, step: &CudaStep) -> OpResult<CudaTensor> {
-        StepBounds::check_below(step.bounds.max_id, table.n(), "token id", "the vocabulary")?;
+        self.check_bound(Bound::Id, step.bounds.max_id, table.n(), "token id", "the vocabulary")?;
         let Stored::Blocks(m) = &table.m else {
             return Err(Error::Backend("embed: the table is not stored as f32".into()));
         };
         check(m.format == QuantFormat::F32, || "embed: the table is not stored as f32".into())?;
         let mut out = self.tensor(step.tokens, m.k)?;
-        self.k.embedding(&mut out.buf, &m.codes, &step.ids, 0, m.n, m.k).map_err(backend)?;
+        self.k.embedding(&mut out.buf, &m.codes, &step.inputs.ids, 0, m.n, m.k).map_err(backend)?;
         Ok(out)
     }
 
@@ -466,13 +760,13 @@ impl Ops for CudaOps {
     }
 
     fn embed_vocab_shard(&self, table: &CudaWeight, step: &CudaStep, vocab_start: usize, vocab_size: usize) -> OpResult<CudaTensor> {
-        StepBounds::check_below(step.bounds.max_id, vocab_size, "token id", "the vocabulary")?;
+        self.check_bound(Bound::Id, step.bounds.max_id, vocab_size, "token id", "the vocabulary")?;
         let Stored::Blocks(m) = &table.m else {
             return Err(Error::Backend("embed: the table is not stored as f32".into()));
         };
         check(m.format == QuantFormat::F32, || "embed: the table is not stored as f32".into())?;
         let mut out = self.tensor(step.tokens, m.k)?;
-        self.k.embedding(&mut out.buf, &m.codes, &step.ids, vocab_start, m.n, m.k).map_err(backend)?;
+        self.k.embedding(&mut out.buf, &m.codes, &step.inputs.ids, vocab_start, m.n, m.k).map_err(backend)?;
         Ok(out)
     }
 
@@ -512,10 +806,10 @@ impl Ops for CudaOps {
         check(x.rows == step.tokens && rope.head_dim > 0 && x.cols.is_multiple_of(rope.head_dim), || {
             format!("rope: {} rows of width {} for {} tokens, head_dim {}", x.rows, x.cols, step.tokens, rope.head_dim)
         })?;
-        StepBounds::check_below(step.bounds.max_position, rope.positions, "rope: position", "the table")?;
+        self.check_bound(Bound::Position, step.bounds.max_position, rope.positions, "rope: position", "the table")?;
         // SAFETY: every position of the step is below the table's length
         // (checked just above against the step's bounds).
-        unsafe { self.k.rope(&mut x.buf, &rope.table, &step.positions, x.cols / rope.head_dim, rope.head_dim) }.map_err(backend)
+        unsafe { self.k.rope(&mut x.buf, &rope.table, &step.inputs.positions, x.cols / rope.head_dim, rope.head_dim) }.map_err(backend)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> OpResult<CudaTensor> {
@@ -544,11 +838,11 @@ impl Ops for CudaOps {
     }
 
     fn logits_rows(&self, x: &CudaTensor, step: &CudaStep) -> OpResult<CudaTensor> {
-        StepBounds::check_below(step.bounds.max_logits_row, x.rows, "logits row", "the batch")?;
+        self.check_bound(Bound::LogitsRow, step.bounds.max_logits_row, x.rows, "logits row", "the batch")?;
         let mut out = self.tensor(step.logits_rows, x.cols)?;
         // SAFETY: every logits row of the step is below x's rows (checked
         // just above against the step's bounds).
-        unsafe { self.k.gather_rows(&mut out.buf, &x.buf, &step.logits, step.logits_rows, x.cols) }.map_err(backend)?;
+        unsafe { self.k.gather_rows(&mut out.buf, &x.buf, &step.inputs.logits, step.logits_rows, x.cols) }.map_err(backend)?;
         Ok(out)
     }
 
@@ -603,6 +897,57 @@ impl Ops for CudaOps {
             return Ok(None);
         }
         Ok(Some(ids.into_iter().map(|i| i as u32).collect()))
+    }
+
+    fn run_graph(&self, step: &CudaStep, forward: &mut dyn FnMut() -> OpResult<CudaTensor>) -> OpResult<CudaTensor> {
+        let Some(key) = step.graph else {
+            return forward();
+        };
+        let mut graphs = lock(&self.graphs);
+        match graphs.cache.next(key) {
+            Action::Eager => {
+                let out = forward()?;
+                graphs.shapes.insert(key, (out.rows, out.cols));
+                return self.first_rows(out, step.rows_out);
+            }
+            Action::Record => {
+                if let Err(e) = self.record(&mut graphs, key, forward) {
+                    tracing::warn!(rows = key.rows, context_bound = key.context_bucket, "decode steps of this shape run eagerly: {e}");
+                    graphs.cache.failed(key);
+                    drop(graphs);
+                    let out = forward()?;
+                    return self.first_rows(out, step.rows_out);
+                }
+            }
+            Action::Replay => {}
+        }
+        let recorded = graphs.cache.get(&key).ok_or_else(|| Error::Backend("graph: not recorded".into()))?;
+        if let Err(why) = recorded.limits.admit(&step.bounds) {
+            // The ops check the step and refuse it by name.
+            tracing::debug!("a decode step outside its graph's limits runs eagerly: {why}");
+            drop(graphs);
+            let out = forward()?;
+            return self.first_rows(out, step.rows_out);
+        }
+        recorded.graph.0.launch().map_err(|e| backend(e.into()))?;
+        self.copy_rows(&recorded.output, step.rows_out, recorded.cols)
+    }
+
+    fn graph_sizes(&self) -> Vec<usize> {
+        let g = lock(&self.graphs);
+        if g.options.enabled && self.group.is_none() {
+            g.options.capture_sizes.sizes().to_vec()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn graph_memory(&self) -> u64 {
+        CudaOps::graph_memory(self).0
+    }
+
+    fn release_graphs(&self) {
+        self.drop_graphs();
     }
 
     fn reuse_host_buffer(&self, buffer: Vec<f32>) {
@@ -678,7 +1023,7 @@ impl AttentionBackend for CudaOps {
         KvMemory {
             available_bytes: free.saturating_sub(reserve),
             max_blocks: None,
-            device: Some(DeviceMemory { total_bytes: total, free_bytes: free, activation_peak_bytes: 0 }),
+            device: Some(DeviceMemory { total_bytes: total, free_bytes: free, activation_peak_bytes: 0, graph_reserve_bytes: 0 }),
         }
     }
 
@@ -709,6 +1054,8 @@ impl AttentionBackend for CudaOps {
         }
         let host_bytes = num_host_blocks * spec.pool_block_bytes() as usize;
         let host = (0..spec.num_slots()).map(|_| [vec![0u8; host_bytes], vec![0u8; host_bytes]]).collect();
+        // The recorded graphs address the pools they were recorded with.
+        self.drop_graphs();
         Ok(CudaKvCache { spec: spec.clone(), num_blocks, pools, host, num_host_blocks })
     }
 
@@ -719,6 +1066,15 @@ impl AttentionBackend for CudaOps {
         self.k.stream().context().bind_to_thread().map_err(|e| backend(e.into()))?;
         let (t, s, groups, stride) = (batch.num_tokens(), batch.num_seqs(), batch.kv_groups(), batch.block_table_stride);
         let bounds = batch.step_bounds(block_size)?;
+        let key = {
+            let g = lock(&self.graphs);
+            (g.options.enabled && self.group.is_none()).then(|| GraphKey::of(batch, &g.options.capture_sizes, block_size)).flatten()
+        };
+        if let Some(key) = key {
+            if let Some(step) = self.prepare_graph_step(batch, key, &bounds)? {
+                return Ok(step);
+            }
+        }
         let to_i32 = |xs: &[u32], what: &str| xs.iter().map(|&x| i32_of(x, what)).collect::<OpResult<Vec<i32>>>();
         let token_seq = to_i32(&bounds.token_seq, "sequence index")?;
         let qsl = to_i32(&batch.query_start_loc, "query offset")?;
@@ -727,34 +1083,23 @@ impl AttentionBackend for CudaOps {
         // the layers with a window (v1 sizes its shared memory by it, v2 its
         // partitions; a partition past a token's window returns at once).
         let max_context = batch.context_lens.iter().copied().max().unwrap_or(0) as usize;
-        let mut group_steps = Vec::with_capacity(groups);
-        for g in 0..groups {
-            let slots: Vec<i64> = batch.slot_mapping[g * t..(g + 1) * t].iter().map(|&x| i64::from(x)).collect();
-            let tables = to_i32(&batch.block_tables[g * s * stride..(g + 1) * s * stride], "block id")?;
-            group_steps.push(GroupStep {
-                slots: self.htod(&slots)?,
-                meta: DeviceAttentionMetadata {
-                    block_tables: self.htod(&tables)?,
-                    max_blocks_per_seq: stride.max(1),
-                    token_seq: self.htod(&token_seq)?,
-                    query_start_loc: self.htod(&qsl)?,
-                    context_lens: self.htod(&ctx)?,
-                    num_tokens: t,
-                    max_context,
-                },
-            });
-        }
         let positions: Vec<i64> = batch.positions.iter().map(|&p| i64::from(p)).collect();
         let logits = to_i32(&batch.logits_indices, "logits row")?;
+        let group = |g: usize| {
+            let slots: Vec<i64> = batch.slot_mapping[g * t..(g + 1) * t].iter().map(|&x| i64::from(x)).collect();
+            let tables = to_i32(&batch.block_tables[g * s * stride..(g + 1) * s * stride], "block id")?;
+            Ok((slots, tables, token_seq.clone(), qsl.clone(), ctx.clone()))
+        };
+        let ids = to_i32(&batch.token_ids, "token id")?;
+        let inputs = self.step_inputs(&ids, &positions, &logits, group, groups, stride, t, max_context)?;
         Ok(CudaStep {
-            ids: self.htod(&to_i32(&batch.token_ids, "token id")?)?,
-            positions: self.htod(&positions)?,
-            logits: self.htod(&logits)?,
-            groups: group_steps,
+            inputs: Arc::new(inputs),
             tokens: t,
             logits_rows: logits.len(),
+            rows_out: logits.len(),
             block_size,
             bounds,
+            graph: None,
         })
     }
 
@@ -765,11 +1110,14 @@ impl AttentionBackend for CudaOps {
             format!("write_kv: k/v are [{}, {}]/[{}, {}], {} tokens of {row} expected", k.rows, k.cols, v.rows, v.cols, step.tokens)
         })?;
         check(step.block_size == spec.block_size, || "write_kv: the step's block size differs from the cache's".into())?;
-        StepBounds::check_below(step.bounds.max_slot, cache.num_blocks * spec.block_size, "write_kv: slot", "the pool's slots")?;
+        self.check_bound(Bound::Slot, step.bounds.max_slot, cache.num_blocks * spec.block_size, "write_kv: slot", "the pool's slots")?;
         check(layer < spec.groups.num_layers(), || format!("write_kv: no layer {layer}"))?;
         let at = spec.groups.slot(layer);
-        let g =
-            step.groups.get(at.group).ok_or_else(|| Error::Backend(format!("write_kv: the step has no KV-cache group {}", at.group)))?;
+        let g = step
+            .inputs
+            .groups
+            .get(at.group)
+            .ok_or_else(|| Error::Backend(format!("write_kv: the step has no KV-cache group {}", at.group)))?;
         if step.tokens == 0 {
             return Ok(());
         }
@@ -802,10 +1150,11 @@ impl AttentionBackend for CudaOps {
                 q.rows, q.cols, step.tokens, shape.num_heads, shape.head_dim
             )
         })?;
-        StepBounds::check_below(step.bounds.max_block, cache.num_blocks, "paged_attention: block", "the pool")?;
+        self.check_bound(Bound::Block, step.bounds.max_block, cache.num_blocks, "paged_attention: block", "the pool")?;
         check(layer < spec.groups.num_layers(), || format!("paged_attention: no layer {layer}"))?;
         let at = spec.groups.slot(layer);
         let g = step
+            .inputs
             .groups
             .get(at.group)
             .ok_or_else(|| Error::Backend(format!("paged_attention: the step has no KV-cache group {}", at.group)))?;

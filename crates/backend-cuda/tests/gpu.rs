@@ -494,12 +494,23 @@ mod tiny_checkpoint;
 /// head size 64, written as a GGUF file by the test into a directory of its
 /// own (`tag`: tests run in parallel, and each removes its directory).
 fn tiny_gguf(tag: &str) -> std::path::PathBuf {
+    tiny_gguf_with_context(tag, 256)
+}
+
+/// [`tiny_gguf`] with a context of `positions`.
+fn tiny_gguf_with_context(tag: &str, positions: u32) -> std::path::PathBuf {
     use tiny_checkpoint::*;
     let shape = TinyShape { hidden: 256, n_head: 4, n_kv_head: 2, head_dim: 64, ffn: 384, n_layer: 2, vocab: 96 };
     let dir = std::env::temp_dir().join(format!("vellum-cuda-tiny-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("tiny64.gguf");
-    std::fs::write(&path, tiny_gguf_writer_of(shape, &tiny_tensors_of(shape)).build().0).expect("write gguf");
+    let mut w = tiny_gguf_writer_of(shape, &tiny_tensors_of(shape));
+    for (key, value) in &mut w.kvs {
+        if key == "llama.context_length" {
+            *value = Kv::U32(positions);
+        }
+    }
+    std::fs::write(&path, w.build().0).expect("write gguf");
     path
 }
 
@@ -717,4 +728,107 @@ fn sixteen_bit_linear_on_tensor_cores_matches_the_float64_product_or_skips_witho
             }
         }
     }
+}
+
+/// CUDA graphs (`crate::graphs`): decode steps recorded and replayed give
+/// the logits the same steps give launched op by op (`--enforce-eager`),
+/// through padding (3 sequences on graphs of 4 rows, then 2), a context
+/// crossing a bound (512 → 1024: a second graph), and a batch that changes
+/// shape; a replayed shape refuses a token id outside the vocabulary by
+/// name, as the eager ops do.
+#[test]
+fn decode_steps_replayed_as_cuda_graphs_match_eager_launches_or_skips_without_a_gpu() {
+    use vellum_backend_cuda::{CudaOps, GraphOptions};
+    use vellum_base::{ForwardBatch, ModelExecutor};
+    use vellum_models::{GgufWeights, ModelRunner, WeightSource};
+    let test = "decode_steps_replayed_as_cuda_graphs_match_eager_launches";
+    // Contexts past 512: the tiny model with 1,024 positions.
+    let path = tiny_gguf_with_context("graphs", 1024);
+    let weights = GgufWeights::open(&path).expect("opens");
+    let config = weights.model_config().expect("config");
+    let load = |enabled: bool| -> Option<ModelRunner<CudaOps>> {
+        match CudaOps::new(0) {
+            Ok(ops) => {
+                let ops = ops.with_graphs(GraphOptions { enabled, ..GraphOptions::default() });
+                Some(ModelRunner::load(ops, &weights, config.clone(), |_, _| {}).expect("cuda loads"))
+            }
+            Err(e) => {
+                assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
+                eprintln!("SKIPPED {test}: {e}");
+                None
+            }
+        }
+    };
+    let (Some(mut eager), Some(mut graphs)) = (load(false), load(true)) else {
+        let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
+        return;
+    };
+    const BS: usize = 16;
+    const STRIDE: usize = 48;
+    for exec in [&mut eager, &mut graphs] {
+        exec.initialize_kv_cache(3 * STRIDE, 0, BS).expect("cache");
+    }
+    // Sequence s owns blocks s·48 .. s·48+48, in reverse order (not contiguous).
+    let block = |s: usize, i: usize| (s * STRIDE + STRIDE - 1 - i) as u32;
+    let batch = |seqs: &[(usize, usize, Vec<u32>)]| {
+        // (sequence, context after the step, new tokens)
+        let mut b = ForwardBatch { block_table_stride: STRIDE, num_kv_groups: 1, query_start_loc: vec![0], ..ForwardBatch::default() };
+        for (s, len, new) in seqs {
+            let start = len - new.len();
+            b.token_ids.extend_from_slice(new);
+            b.positions.extend((start..*len).map(|p| p as u32));
+            b.slot_mapping.extend((start..*len).map(|p| block(*s, p / BS) * BS as u32 + (p % BS) as u32));
+            b.query_start_loc.push(b.token_ids.len() as u32);
+            b.context_lens.push(*len as u32);
+            b.block_tables.extend((0..STRIDE).map(|i| block(*s, i)));
+            b.logits_indices.push(b.token_ids.len() as u32 - 1);
+        }
+        b
+    };
+    let mut lens = [500usize, 30, 7];
+    let prompt = |s: usize, n: usize| (0..n).map(|i| ((i * (7 + s) + 3 * s) % 96) as u32).collect::<Vec<u32>>();
+    let first = batch(&[(0, lens[0], prompt(0, lens[0])), (1, lens[1], prompt(1, lens[1])), (2, lens[2], prompt(2, lens[2]))]);
+    let mut next = Vec::new();
+    let mut compare = |b: &ForwardBatch, what: &str, next: &mut Vec<u32>| {
+        let want = eager.execute(b).expect("eager step").logits;
+        let got = graphs.execute(b).expect("graph step").logits;
+        assert_eq!(want.len(), got.len(), "{what}: logits length");
+        let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
+        let worst = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-5 * scale, "{what}: replayed logits differ from eager ones by {worst} (scale {scale})");
+        *next = want.chunks(96).map(|row| argmax(row) as u32).collect();
+        worst
+    };
+    compare(&first, "prefill", &mut next);
+    let mut worst = 0f32;
+    for step in 0..30 {
+        // Two sequences from step 20 on: the batch changes shape.
+        let live: Vec<usize> = if step < 20 { vec![0, 1, 2] } else { vec![0, 1] };
+        let seqs: Vec<(usize, usize, Vec<u32>)> = live
+            .iter()
+            .enumerate()
+            .map(|(row, &s)| {
+                lens[s] += 1;
+                (s, lens[s], vec![next[row.min(next.len() - 1)]])
+            })
+            .collect();
+        worst = worst.max(compare(&batch(&seqs), &format!("decode {step}"), &mut next));
+    }
+    let (recorded, ms) = graphs.ops().recorded_graphs();
+    let (memory, high) = graphs.ops().graph_memory();
+    eprintln!(
+        "{test}: recorded {recorded:?} in {ms:.1} ms, graph memory {} KiB (peak {} KiB), largest gap {worst:.2e}",
+        memory >> 10,
+        high >> 10
+    );
+    for key in [(4, 512), (4, 1024), (2, 1024)] {
+        assert!(recorded.contains(&key), "no graph of {key:?} in {recorded:?}");
+    }
+    // A token outside the vocabulary on a replayed shape: refused by name.
+    lens[0] += 1;
+    lens[1] += 1;
+    let bad = batch(&[(0, lens[0], vec![96]), (1, lens[1], vec![5])]);
+    let e = graphs.execute(&bad).expect_err("token 96 of 96").to_string();
+    assert!(e.contains("token id 96"), "{e}");
+    let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
 }

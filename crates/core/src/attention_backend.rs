@@ -172,6 +172,10 @@ pub struct DeviceMemory {
     /// The most activation memory a forward pass of the step budget took
     /// (the profile run); 0 before it runs.
     pub activation_peak_bytes: u64,
+    /// The memory recorded decode steps (CUDA graphs) hold beside it: what
+    /// an eager decode step of the most rows a graph records took in the
+    /// profile run (a graph allocates its own); 0 without graphs.
+    pub graph_reserve_bytes: u64,
 }
 
 /// Attention through a paged KV cache that the backend owns.

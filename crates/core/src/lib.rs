@@ -60,7 +60,7 @@ pub use id_slab::{prefetch, IdSlab};
 pub use ids::{BlockId, HostBlockId, RequestId, SeqId, TokenId};
 pub use kv_cache_groups::{KvCacheGroup, KvCacheGroups, KvLayerSlot};
 pub use model_config::{LayerType, ModelConfig, RopeScaling};
-pub use model_executor::{ModelExecutor, StepOutput};
+pub use model_executor::{GraphCapture, ModelExecutor, StepOutput};
 pub use pooling::{Pooler, PoolingParams, PoolingType};
 pub use request::RequestState;
 pub use sampling_params::{BeamSearchParams, SamplingParams, StructuredOutput};

@@ -92,6 +92,16 @@ pub trait ModelExecutor {
     /// Allocates the device pool and the host swap pool.
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> Result<()>;
 
+    /// Records, once the KV cache is allocated and before serving, the
+    /// decode steps the backend replays (CUDA graphs) for batches of up to
+    /// `max_num_seqs` sequences, so that no request waits for a recording;
+    /// `None` where the backend records none. The dummy steps write KV
+    /// slots of blocks no request holds yet.
+    fn capture_graphs(&mut self, max_num_seqs: usize) -> Result<Option<GraphCapture>> {
+        let _ = max_num_seqs;
+        Ok(None)
+    }
+
     /// Applies `batch.block_ops`, runs the forward pass, returns logits.
     fn execute(&mut self, batch: &ForwardBatch) -> Result<StepOutput>;
 
@@ -103,9 +113,23 @@ pub trait ModelExecutor {
     }
 }
 
+/// What [`ModelExecutor::capture_graphs`] recorded.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GraphCapture {
+    /// Decode shapes recorded (batch sizes).
+    pub graphs: usize,
+    /// Seconds it took, the eager warm-up of each shape included.
+    pub seconds: f64,
+    /// Device memory the recorded graphs hold.
+    pub memory_bytes: u64,
+    /// What the KV cache's sizing left for them (0 when it was not sized
+    /// from the device's memory).
+    pub reserved_bytes: u64,
+}
+
 /// The KV cache's share under `--gpu-memory-utilization f`: `f` of the
 /// device, less what is in use (weights, the runtime) and the profile run's
-/// activation peak.
+/// activation peak, and the memory recorded decode steps hold.
 fn device_fraction_bytes(f: f32, memory: KvMemory) -> Result<u64> {
     let d = memory.device.ok_or_else(|| Error::InvalidConfig {
         field: "gpu_memory_utilization",
@@ -113,15 +137,16 @@ fn device_fraction_bytes(f: f32, memory: KvMemory) -> Result<u64> {
     })?;
     let budget = (d.total_bytes as f64 * f as f64) as u64;
     let in_use = d.total_bytes.saturating_sub(d.free_bytes);
-    let taken = in_use + d.activation_peak_bytes;
+    let taken = in_use + d.activation_peak_bytes + d.graph_reserve_bytes;
     if taken >= budget {
         return Err(Error::InvalidConfig {
             field: "gpu_memory_utilization",
             message: format!(
-                "{f} of {} MiB leaves nothing for the KV cache: {} MiB are in use (weights, runtime) and a forward pass of the step budget takes {} MiB more; raise it or lower --max-num-batched-tokens",
+                "{f} of {} MiB leaves nothing for the KV cache: {} MiB are in use (weights, runtime), a forward pass of the step budget takes {} MiB more and recorded decode steps {} MiB; raise it or lower --max-num-batched-tokens",
                 d.total_bytes >> 20,
                 in_use >> 20,
-                d.activation_peak_bytes >> 20
+                d.activation_peak_bytes >> 20,
+                d.graph_reserve_bytes >> 20
             ),
         });
     }
@@ -161,6 +186,10 @@ impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
         (**self).initialize_kv_cache(num_blocks, num_host_blocks, block_size)
     }
 
+    fn capture_graphs(&mut self, max_num_seqs: usize) -> Result<Option<GraphCapture>> {
+        (**self).capture_graphs(max_num_seqs)
+    }
+
     fn execute(&mut self, batch: &ForwardBatch) -> Result<StepOutput> {
         (**self).execute(batch)
     }
@@ -179,7 +208,7 @@ mod tests {
         KvMemory {
             available_bytes: free,
             max_blocks: None,
-            device: Some(DeviceMemory { total_bytes: total, free_bytes: free, activation_peak_bytes: peak }),
+            device: Some(DeviceMemory { total_bytes: total, free_bytes: free, activation_peak_bytes: peak, graph_reserve_bytes: 0 }),
         }
     }
 
@@ -192,6 +221,11 @@ mod tests {
                                                         // Nothing left: a typed error that names the flag and the numbers.
         let e = device_fraction_bytes(0.1, gpu(100 * g, 90 * g, 5 * g)).expect_err("no room").to_string();
         assert!(e.contains("gpu_memory_utilization") && e.contains("10240 MiB are in use"), "{e}");
+        // Recorded decode steps' memory comes out of the cache's share too.
+        let mut with_graphs = gpu(100 * g, 90 * g, 5 * g);
+        with_graphs.device.as_mut().unwrap().graph_reserve_bytes = 2 * g;
+        let kv = device_fraction_bytes(0.9, with_graphs).expect("room");
+        assert!(kv.abs_diff(73 * g) < 1 << 20, "{kv}");
         // Host memory has no device totals.
         let host = KvMemory { available_bytes: g, max_blocks: None, device: None };
         assert!(device_fraction_bytes(0.9, host).is_err());

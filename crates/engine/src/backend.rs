@@ -77,7 +77,7 @@ impl FromStr for Device {
 /// takes (the KV cache's element type, groups and block size, checked
 /// against the backend's capabilities before a weight is read), and each
 /// backend's own options, typed per backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExecutorOptions {
     /// The KV cache, for every backend.
     pub runner: RunnerOptions,
@@ -87,11 +87,30 @@ pub struct ExecutorOptions {
     pub dtype: ComputeDtype,
     /// Ranks the model is split over (`--tensor-parallel-size`; 1: whole).
     pub tensor_parallel_size: usize,
+    /// Decode steps as CUDA graphs (`--device cuda`; others ignore it).
+    pub cuda_graphs: CudaGraphs,
+}
+
+/// How `--device cuda` records decode steps as CUDA graphs (thesis §4.6.3).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CudaGraphs {
+    /// Launch every op of every step (vLLM's `--enforce-eager`).
+    pub enforce_eager: bool,
+    /// The batch sizes decode steps are padded to and recorded at (vLLM's
+    /// `--cuda-graph-sizes`); `None`: 1, 2, 4, then every multiple of 8 up
+    /// to 512.
+    pub capture_sizes: Option<Vec<usize>>,
 }
 
 impl Default for ExecutorOptions {
     fn default() -> Self {
-        Self { runner: RunnerOptions::default(), cpu: CpuOptions::default(), dtype: ComputeDtype::default(), tensor_parallel_size: 1 }
+        Self {
+            runner: RunnerOptions::default(),
+            cpu: CpuOptions::default(),
+            dtype: ComputeDtype::default(),
+            tensor_parallel_size: 1,
+            cuda_graphs: CudaGraphs::default(),
+        }
     }
 }
 
@@ -285,7 +304,15 @@ pub fn make_executor(
                 let group = CudaOps::tensor_parallel_group(tp, precision).map_err(cuda_unavailable)?;
                 return Ok(Box::new(CudaExecutor::load_tensor_parallel(group, weights, config, options.runner, progress)?));
             }
-            let ops = CudaOps::with_precision(0, precision).map_err(cuda_unavailable)?;
+            let capture_sizes = match options.cuda_graphs.capture_sizes {
+                Some(sizes) => vellum_backend_cuda::CaptureSizes::new(sizes).ok_or_else(|| Error::InvalidConfig {
+                    field: "cuda-graph-sizes",
+                    message: "--cuda-graph-sizes takes batch sizes of at least 1".into(),
+                })?,
+                None => vellum_backend_cuda::CaptureSizes::default(),
+            };
+            let graphs = vellum_backend_cuda::GraphOptions { enabled: !options.cuda_graphs.enforce_eager, capture_sizes };
+            let ops = CudaOps::with_precision(0, precision).map_err(cuda_unavailable)?.with_graphs(graphs);
             Ok(Box::new(CudaExecutor::load_with(ops, weights, config, options.runner, progress)?))
         }
         #[allow(unreachable_patterns)]

@@ -1,6 +1,6 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
-use crate::backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, Device, ExecutorOptions};
+use crate::backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, CudaGraphs, Device, ExecutorOptions};
 use crate::calibration::calibration_token_ids;
 use crate::client::EngineClient;
 use crate::engine_core::EngineCore;
@@ -83,6 +83,10 @@ pub struct EngineArgs {
     /// vocabulary, with an all-reduce after each row-parallel linear; one
     /// scheduler and KV-cache manager for all. 1: the whole model on one.
     pub tensor_parallel_size: usize,
+    /// Decode steps recorded and replayed as CUDA graphs on `--device cuda`
+    /// (vLLM's `--enforce-eager` turns them off, `--cuda-graph-sizes` picks
+    /// the batch sizes).
+    pub cuda_graphs: CudaGraphs,
 }
 
 impl Default for EngineArgs {
@@ -103,6 +107,7 @@ impl Default for EngineArgs {
             task: Task::Auto,
             pooler_config: PoolerConfig::default(),
             tensor_parallel_size: 1,
+            cuda_graphs: CudaGraphs::default(),
         }
     }
 }
@@ -259,6 +264,7 @@ impl Llm {
             cpu: CpuOptions { precision: args.cpu_precision },
             dtype: args.dtype,
             tensor_parallel_size: args.tensor_parallel_size,
+            cuda_graphs: args.cuda_graphs.clone(),
         };
         let load_started = std::time::Instant::now();
         let mut executor = make_executor(args.device, &*loaded.weights, config, options, progress)?;
@@ -275,7 +281,14 @@ impl Llm {
             // Memory profiling (thesis §4.2.1): the largest step's activations
             // come out of the same budget as the weights and the KV cache.
             let peak = executor.profile_run(max_batched, scheduler.max_num_seqs, max_model_len, args.block_size)?;
-            tracing::info!(gpu_memory_utilization = f, tokens = max_batched, activation_peak_mib = peak >> 20, "profile run");
+            let graphs = executor.kv_memory(args.block_size).device.map_or(0, |d| d.graph_reserve_bytes);
+            tracing::info!(
+                gpu_memory_utilization = f,
+                tokens = max_batched,
+                activation_peak_mib = peak >> 20,
+                cuda_graph_reserve_mib = graphs >> 20,
+                "profile run"
+            );
         }
         let block_bytes = executor.kv_block_bytes(args.block_size).max(1);
         let (size, why) = match args.kv_cache {
@@ -326,6 +339,26 @@ impl Llm {
             eos,
             args.enable_prefix_caching && !encoder,
         )?;
+        // Decode steps recorded as CUDA graphs now rather than on a request's
+        // time (vLLM captures at start too); not for embeddings.
+        if !embed && !encoder {
+            if let Some(c) = engine.capture_graphs()? {
+                tracing::info!(
+                    graphs = c.graphs,
+                    seconds = format!("{:.2}", c.seconds),
+                    graph_memory_mib = c.memory_bytes >> 20,
+                    "decode steps recorded as CUDA graphs (--enforce-eager: none)"
+                );
+                if matches!(args.kv_cache, KvCacheSize::DeviceFraction(_)) && c.memory_bytes > c.reserved_bytes {
+                    tracing::warn!(
+                        graph_memory_mib = c.memory_bytes >> 20,
+                        reserved_mib = c.reserved_bytes >> 20,
+                        "the recorded CUDA graphs hold more memory than the KV cache's sizing left for them; \
+                         lower --gpu-memory-utilization if the GPU runs out of memory"
+                    );
+                }
+            }
+        }
         // Structured outputs need every token's bytes (the trie over them is
         // built by the first constraint).
         // (An embedding engine samples nothing: no trie, and no warning.)

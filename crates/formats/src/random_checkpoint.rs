@@ -64,11 +64,25 @@ impl CheckpointShape {
         rope_theta: 500_000.0,
     };
 
+    /// SmolLM2-135M's shape (the default model's: 9 query and 3 KV heads
+    /// of 64, a 49,152-token vocabulary), with an LM head of its own.
+    pub const SMOLLM2_135M: CheckpointShape = CheckpointShape {
+        hidden: 576,
+        intermediate: 1536,
+        layers: 30,
+        heads: 9,
+        kv_heads: 3,
+        vocab: 49_152,
+        max_positions: 8192,
+        rope_theta: 100_000.0,
+    };
+
     /// The shapes known by name: `llama3-8b`, `llama3-1b`.
     pub fn named(name: &str) -> Option<CheckpointShape> {
         match name {
             "llama3-8b" => Some(Self::LLAMA3_8B),
             "llama3-1b" => Some(Self::LLAMA3_1B),
+            "smollm2-135m" => Some(Self::SMOLLM2_135M),
             _ => None,
         }
     }
@@ -397,15 +411,19 @@ pub enum GgufWeightType {
     /// Q8_0 blocks: an f16 scale and 32 int8 codes (the tensor-core issue's
     /// 8B benchmark model, 8.5 GB at Llama 3 8B's shape).
     Q8_0,
+    /// Q4_1 blocks: an f16 scale, an f16 minimum and 32 4-bit codes (the
+    /// default model's type).
+    Q4_1,
     /// bf16 values.
     Bf16,
 }
 
 impl GgufWeightType {
-    /// Parses `q8_0`, `bf16`.
+    /// Parses `q8_0`, `q4_1`, `bf16`.
     pub fn parse(s: &str) -> Option<Self> {
         match s.to_ascii_lowercase().as_str() {
             "q8_0" => Some(Self::Q8_0),
+            "q4_1" => Some(Self::Q4_1),
             "bf16" | "bfloat16" => Some(Self::Bf16),
             _ => None,
         }
@@ -415,14 +433,16 @@ impl GgufWeightType {
     fn ggml_id(self) -> u32 {
         match self {
             Self::Q8_0 => 8,
+            Self::Q4_1 => 3,
             Self::Bf16 => 30,
         }
     }
 
-    /// Bytes of `n` values (a multiple of 32 for Q8_0).
+    /// Bytes of `n` values (a multiple of 32 for the blocks).
     fn bytes(self, n: usize) -> usize {
         match self {
             Self::Q8_0 => n / 32 * 34,
+            Self::Q4_1 => n / 32 * 20,
             Self::Bf16 => 2 * n,
         }
     }
@@ -617,6 +637,7 @@ pub fn write_random_gguf(
             (true, _) => random_values(n, fan_in, true, CheckpointDtype::F32, tensor_seed),
             (false, GgufWeightType::Bf16) => random_values(n, fan_in, false, CheckpointDtype::Bf16, tensor_seed),
             (false, GgufWeightType::Q8_0) => random_q8_0(n, fan_in, tensor_seed),
+            (false, GgufWeightType::Q4_1) => random_q4_1(n, fan_in, tensor_seed),
         };
         w.write_all(&bytes).map_err(io)?;
         let pad = bytes.len().next_multiple_of(GGUF_ALIGNMENT) - bytes.len();
@@ -643,6 +664,25 @@ fn random_q8_0(n: usize, fan_in: usize, seed: u64) -> Vec<u8> {
                     let code = ((r >> (8 * j)) & 0xff) as i32 % 255 - 127;
                     *b = (if code == 0 { 1 } else { code }) as i8 as u8;
                 }
+            }
+        }
+    });
+    out
+}
+
+/// `n` values as Q4_1 blocks: codes uniform in 0..=15 over `±1/√fan_in`
+/// (scale `2/(15·√fan_in)`, minimum `-1/√fan_in`).
+fn random_q4_1(n: usize, fan_in: usize, seed: u64) -> Vec<u8> {
+    let bound = 1.0 / (fan_in as f32).sqrt();
+    let d = half::f16::from_f32(2.0 * bound / 15.0).to_le_bytes();
+    let m = half::f16::from_f32(-bound).to_le_bytes();
+    let mut out = vec![0u8; n / 32 * 20];
+    fill_seeded_chunks(&mut out, CHUNK / 32 * 20, seed, |rng, bytes| {
+        for block in bytes.chunks_exact_mut(20) {
+            block[..2].copy_from_slice(&d);
+            block[2..4].copy_from_slice(&m);
+            for eight in block[4..].chunks_exact_mut(8) {
+                eight.copy_from_slice(&rng.next_u64().to_le_bytes());
             }
         }
     });
@@ -684,6 +724,19 @@ mod gguf_tests {
         assert!(norm.iter().all(|v| (0.95..=1.05).contains(v)));
         let file = crate::gguf::GgufFile::open(&path).expect("reopens");
         assert_eq!(file.get_str("tokenizer.ggml.model").expect("model"), "gpt2");
+        // Q4_1: 16 levels over ±1/√fan_in, both ends reached, as GGUF blocks.
+        let report = write_random_gguf(&path, &shape, GgufWeightType::Q4_1, 3, |_, _| {}).expect("writes q4_1");
+        assert_eq!(report.tensors, 3 + 9 * 2);
+        let weights = crate::GgufWeights::open(&path).expect("opens");
+        let q = weights.tensor("model.layers.1.self_attn.q_proj.weight").expect("q");
+        assert_eq!(q.dtype, vellum_ops::quant::GgmlType::Q4_1);
+        let values = q.to_f32().expect("dequantizes");
+        let bound = 1.0 / 8.0 + 1e-3;
+        assert!(values.iter().all(|v| v.abs() <= bound), "Q4_1 values within ±1/√64");
+        let mut levels: Vec<i32> = values.iter().map(|v| ((v + 0.125) / (0.25 / 15.0)).round() as i32).collect();
+        levels.sort_unstable();
+        levels.dedup();
+        assert_eq!(levels, (0..16).collect::<Vec<i32>>(), "every 4-bit code appears");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -191,6 +191,30 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
         f()
     }
 
+    /// The logits of `step`'s forward pass `forward`: `forward` itself, or
+    /// a replay of the launches it made for an earlier step of the same
+    /// shape (the CUDA backend's graphs for decode steps), which the
+    /// backend checks the step against first. The default runs `forward`.
+    fn run_graph(&self, step: &Self::Step, forward: &mut dyn FnMut() -> OpResult<Self::Tensor>) -> OpResult<Self::Tensor> {
+        let _ = step;
+        forward()
+    }
+
+    /// The batch sizes (rows) of the decode steps [`run_graph`](Self::run_graph)
+    /// records, ascending (the memory of recorded steps is reserved for a
+    /// decode step of the largest); empty for a backend that records none.
+    fn graph_sizes(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// Device memory the recorded steps hold, in bytes.
+    fn graph_memory(&self) -> u64 {
+        0
+    }
+
+    /// Drops every recorded step and gives their memory back to the device.
+    fn release_graphs(&self) {}
+
     // --- Tensor parallelism (Megatron-style; `vellum-models`' `TensorParallel`) ---
 
     /// Sums `x` element-wise over the tensor-parallel group this backend

@@ -242,6 +242,14 @@ impl<E: ModelExecutor> EngineCore<E> {
         Ok(())
     }
 
+    /// Records the executor's replayed decode steps (CUDA graphs) for
+    /// batches up to the scheduler's `max_num_seqs`, before any request
+    /// holds a block ([`ModelExecutor::capture_graphs`]).
+    pub fn capture_graphs(&mut self) -> Result<Option<vellum_base::GraphCapture>, Error> {
+        let max_num_seqs = self.scheduler.config().max_num_seqs;
+        Ok(self.executor.capture_graphs(max_num_seqs)?)
+    }
+
     /// The scheduler (read-only; for tests and invariant checks — callers
     /// use [`EngineCore::kv_stats`] and [`EngineCore::queue_stats`]).
     pub fn scheduler(&self) -> &Scheduler<KvCacheManager> {

@@ -5,7 +5,7 @@
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use vellum_base::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy, SpeculativeConfig};
-use vellum_engine::{ComputeDtype, CpuPrecision, Device, EngineArgs, PoolerConfig, Task};
+use vellum_engine::{ComputeDtype, CpuPrecision, CudaGraphs, Device, EngineArgs, PoolerConfig, Task};
 
 /// Engine options shared by every subcommand that loads a model.
 #[derive(Args, Clone, Debug)]
@@ -120,6 +120,17 @@ pub struct EngineFlags {
     /// MLP width (fewer KV heads than N are replicated).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// Launch every op of every step on --device cuda (vLLM's flag): no CUDA
+    /// graphs. By default a decode step (one new token per sequence) is
+    /// padded to a capture size, recorded as a graph the second time its
+    /// shape runs, and replayed from then on.
+    #[arg(long)]
+    pub enforce_eager: bool,
+    /// The batch sizes decode steps are padded to and recorded at on
+    /// --device cuda (vLLM's flag), comma-separated; default 1, 2, 4, then
+    /// every multiple of 8 up to 512. A larger batch runs eagerly.
+    #[arg(long, value_delimiter = ',')]
+    pub cuda_graph_sizes: Option<Vec<usize>>,
 }
 
 /// What a subcommand would pick for the flags a user left out.
@@ -221,6 +232,13 @@ impl EngineFlags {
                 0 => bail!("--tensor-parallel-size must be at least 1"),
                 n => n,
             },
+            cuda_graphs: CudaGraphs {
+                enforce_eager: self.enforce_eager,
+                capture_sizes: match &self.cuda_graph_sizes {
+                    Some(sizes) if sizes.is_empty() || sizes.contains(&0) => bail!("--cuda-graph-sizes takes batch sizes of at least 1"),
+                    other => other.clone(),
+                },
+            },
         })
     }
 }
@@ -314,6 +332,17 @@ mod tests {
         assert_eq!(args.scheduler.max_num_batched_tokens, 2048);
         let bad = Cli::parse_from(["x", "--device", "tpu"]).engine.engine_args(None, EngineDefaults::default());
         assert!(bad.is_err_and(|e| e.to_string().contains("unknown device")));
+    }
+
+    #[test]
+    fn cuda_graph_flags_are_vllms() {
+        let args = Cli::parse_from(["x"]).engine.engine_args(None, EngineDefaults::default()).expect("valid flags");
+        assert_eq!(args.cuda_graphs, CudaGraphs { enforce_eager: false, capture_sizes: None });
+        let cli = Cli::parse_from(["x", "--enforce-eager", "--cuda-graph-sizes", "1,2,8,64"]);
+        let args = cli.engine.engine_args(None, EngineDefaults::default()).expect("valid flags");
+        assert_eq!(args.cuda_graphs, CudaGraphs { enforce_eager: true, capture_sizes: Some(vec![1, 2, 8, 64]) });
+        let zero = Cli::parse_from(["x", "--cuda-graph-sizes", "0,8"]).engine.engine_args(None, EngineDefaults::default());
+        assert!(zero.is_err_and(|e| e.to_string().contains("--cuda-graph-sizes")));
     }
 
     #[test]

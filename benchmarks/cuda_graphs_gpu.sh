@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# CUDA graphs for decode steps, checked and measured in one call on a GPU
+# machine (no Rust, no network), with .gpu/ and .gpu-llama/ carried:
+#
+#   kernels/cuda/gpu_suite.sh stage && benchmarks/cuda_vs_llama_cpp.sh pack   # here
+#   bash benchmarks/cuda_graphs_gpu.sh                                         # there
+#
+# 1. llama.cpp's CUDA build starts in the background (~4 min on 16 cores);
+# 2. meanwhile, the GPU suite's graph, executor, conformance, cuBLAS,
+#    attention and NCCL tests, then greedy generation on a SmolLM2-shaped
+#    random Q4_1 model with graphs and with --enforce-eager (tokens and
+#    logprobs compared);
+# 3. once llama.cpp is built: SmolLM2-shaped Q4_1 at 1/64/256 sequences,
+#    graphs and eager against llama-batched-bench, alternated rounds; then,
+#    if the time allows (BUDGET_S), a Llama-3-8B-shaped Q8_0 with graphs.
+# Logs and rows under $OUT; the tables last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-.gpu/out}
+mkdir -p "$out/logs"
+t0=$SECONDS
+budget=${BUDGET_S:-560}
+stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+# Seconds left of the budget (at least 30).
+left() { local l=$((budget - (SECONDS - t0))); echo $((l < 30 ? 30 : l)); }
+
+(bash benchmarks/cuda_vs_llama_cpp.sh build >"$out/logs/llama_build.txt" 2>&1; echo "build exit $?" >>"$out/logs/llama_build.txt") &
+build=$!
+
+export SUITE_FILTER=${SUITE_FILTER:-"decode_steps the_cuda_executor tensor_parallel_groups the_conformance_suite sixteen_bit paged_attention_matches"}
+SUITE_LIMIT=${SUITE_LIMIT:-200} bash .gpu/run.sh suite >"$out/logs/suite.txt" 2>&1
+stamp "suite exit $?"
+grep -E "^test |test result|recorded|SKIPPED|panicked" "$out/logs/suite.txt" | cut -c1-220
+
+# shellcheck disable=SC1091 # staged there
+source .gpu/run.sh env >/dev/null
+smol=/tmp/smollm2-135m-q4_1.gguf
+.gpu/x/write_random_checkpoint --shape smollm2-135m --format gguf --dtype q4_1 --out "$smol" >/dev/null 2>&1
+
+# Greedy generation, graphs against eager: 12 prompts of different lengths
+# (random weights: every top-1 margin is small, so a difference in the last
+# bits would show as a different token).
+prompts=()
+for i in $(seq 1 12); do
+    p="prompt $i:"
+    for j in $(seq 1 $((i * 7))); do p+=" word$j"; done
+    prompts+=(--prompt "$p")
+done
+for mode in graphs eager; do
+    flags=""
+    [ "$mode" = eager ] && flags=--enforce-eager
+    # shellcheck disable=SC2086
+    timeout 120 .gpu/x/vellum generate --device cuda --model "$smol" "${prompts[@]}" --max-tokens 200 --logprobs 1 --json $flags \
+        >"$out/logs/generate_$mode.jsonl" 2>"$out/logs/generate_$mode.log"
+    stamp "generate ($mode) exit $?"
+done
+python3 - "$out/logs/generate_graphs.jsonl" "$out/logs/generate_eager.jsonl" <<'EOF'
+import json, sys
+g, e = ([json.loads(l) for l in open(p) if l.strip()] for p in sys.argv[1:])
+same = total = 0
+worst = 0.0
+for a, b in zip(g, e):
+    ta, tb = a["outputs"][0]["token_ids"], b["outputs"][0]["token_ids"]
+    n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+    same += n
+    total += max(len(ta), len(tb))
+    la, lb = a["outputs"][0]["logprobs"], b["outputs"][0]["logprobs"]
+    worst = max([worst] + [abs(x[0][1] - y[0][1]) for x, y in zip(la[:n], lb[:n])])
+print(f"generate, graphs vs eager: {len(g)} prompts, {same}/{total} tokens identical before the first difference, "
+      f"largest logprob gap there {worst:.2e}")
+EOF
+grep -h "recorded a decode step" "$out/logs/generate_graphs.log" | tail -3 | cut -c1-220
+
+wait "$build"
+stamp "$(tail -1 "$out/logs/llama_build.txt")"
+VARIANTS="graphs:;eager:--enforce-eager" ROUNDS=${ROUNDS:-2} timeout "$(left)" \
+    bash benchmarks/cuda_vs_llama_cpp.sh run "$smol" smollm2-135m-q4_1 >"$out/logs/smol_table.txt" 2>"$out/logs/smol_run.txt"
+stamp "smollm2 exit $?"
+if [ $((SECONDS - t0)) -lt $((budget - 140)) ]; then
+    bash benchmarks/cuda_vs_llama_cpp.sh model llama3-8b-q8_0 /tmp/m8.gguf >/dev/null 2>&1
+    VARIANTS="graphs:" ROUNDS=1 timeout "$(left)" \
+        bash benchmarks/cuda_vs_llama_cpp.sh run /tmp/m8.gguf llama3-8b-q8_0 >"$out/logs/m8_table.txt" 2>"$out/logs/m8_run.txt"
+    stamp "8b exit $?"
+fi
+grep -h "recorded a decode step" "$out"/logs/graphs_smollm2*_256_1.log 2>/dev/null | tail -2 | cut -c1-220
+grep -h "profile run" "$out"/logs/graphs_*_1.log 2>/dev/null | tail -2 | cut -c1-260
+cat "$out/logs/smol_table.txt" "$out/logs/m8_table.txt" 2>/dev/null
