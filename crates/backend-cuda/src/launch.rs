@@ -756,6 +756,43 @@ impl Kernels {
         Ok(())
     }
 
+    /// [`Kernels::rope`] of `q [tokens, heads, head_dim]` and `k [tokens,
+    /// kv_heads, head_dim]` in one launch.
+    ///
+    /// # Safety
+    /// As [`Kernels::rope`]: every position is below the rows of `cos_sin`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rope_qk(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        cos_sin: &CudaSlice<f32>,
+        positions: &CudaSlice<i64>,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<(), CudaError> {
+        let tokens = positions.len();
+        if q.len() < tokens * heads * head_dim || k.len() < tokens * kv_heads * head_dim || !head_dim.is_multiple_of(2) {
+            return Err(shape_error(format!(
+                "rope of {tokens} tokens × {heads} + {kv_heads} heads × {head_dim}: buffer too small or odd head_dim"
+            )));
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), "rope_half_split")?;
+        let ints = [to_i32(heads, "heads")?, to_i32(kv_heads, "kv heads")?, to_i32(head_dim, "head_dim")?, to_i32(head_dim, "rot")?];
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(q).arg(k).arg(cos_sin).arg(positions).arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]);
+        // SAFETY: matches rope_half_split(float*, float*, const float*,
+        // const long long*, int, int, int, int); q holds [tokens, heads,
+        // head_dim] and k [tokens, kv_heads, head_dim] (checked above), each
+        // pair rotated by one thread.
+        unsafe { b.launch(cfg((to_u32(tokens, "tokens")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
     /// Half-split RoPE in place on every head of `x [tokens, heads,
     /// head_dim]` at `positions` (int64, one per token), from `cos_sin
     /// [max_positions, head_dim]` (cos of the pairs, then sin).

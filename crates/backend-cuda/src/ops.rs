@@ -826,6 +826,27 @@ impl Ops for CudaOps {
         Ok(out)
     }
 
+    fn add_rms_norm(&self, residual: &mut CudaTensor, mut y: CudaTensor, w: &CudaVector, eps: f32, cols: usize) -> OpResult<CudaTensor> {
+        check((residual.rows, residual.cols) == (y.rows, y.cols), || "add_rms_norm: shapes differ".into())?;
+        check(cols == residual.cols && w.data.len() == cols, || {
+            format!("add_rms_norm: rows of {} normed in groups of {cols} by {} weights", residual.cols, w.data.len())
+        })?;
+        // One pass: residual += y, then y = rms_norm(residual).
+        self.k.rms_norm(&mut y.buf, Some(&mut residual.buf), &w.data, y.rows, eps, 0.0).map_err(backend)?;
+        Ok(y)
+    }
+
+    fn rope_qk(&self, q: &mut CudaTensor, k: &mut CudaTensor, rope: &CudaRope, step: &CudaStep) -> OpResult<()> {
+        let d = rope.head_dim;
+        check(q.rows == step.tokens && k.rows == step.tokens && d > 0 && q.cols.is_multiple_of(d) && k.cols.is_multiple_of(d), || {
+            format!("rope: q [{}, {}] and k [{}, {}] for {} tokens, head_dim {d}", q.rows, q.cols, k.rows, k.cols, step.tokens)
+        })?;
+        self.check_bound(Bound::Position, step.bounds.max_position, rope.positions, "rope: position", "the table")?;
+        // SAFETY: every position of the step is below the table's length
+        // (checked just above against the step's bounds).
+        unsafe { self.k.rope_qk(&mut q.buf, &mut k.buf, &rope.table, &step.inputs.positions, q.cols / d, k.cols / d, d) }.map_err(backend)
+    }
+
     fn scale(&self, x: &mut CudaTensor, factor: f32) -> OpResult<()> {
         let n = x.rows * x.cols;
         self.k.elementwise(Elementwise::Scale(factor), &mut x.buf, n).map_err(backend)

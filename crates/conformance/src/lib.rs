@@ -140,8 +140,8 @@ impl Suite {
     }
 
     /// `rms_norm` (whole rows and per-head groups), `silu_mul`,
-    /// `add_assign`, `rope` at scattered positions with Llama 3 scaling,
-    /// `logits_rows` in the step's order.
+    /// `add_assign`, `rope` and `rope_qk` at scattered positions with Llama
+    /// 3 scaling, `add_rms_norm`, `logits_rows` in the step's order.
     pub fn norms_rope_and_elementwise<O: HostIo>(&self, ops: &O) {
         let c = reference();
         let mut rng = Rng::new(5);
@@ -179,6 +179,27 @@ impl Suite {
         let mut gq = up(ops, &x);
         ops.rope(&mut gq, &ops.rope_table(&table).expect("rope_table"), &ops.prepare_step(&batch, 4).expect("prepare_step")).expect("rope");
         self.close(&ops.to_host(&gq).expect("to_host"), &c.to_host(&cq).expect("cpu"), 1e-5, "rope");
+
+        // Queries and keys (fewer heads) rotated together.
+        let kx = rng.signed_vec(rows * 2 * hd);
+        let (c_table, c_step) = (c.rope_table(&table).expect("cpu"), c.prepare_step(&batch, 4).expect("cpu"));
+        let (mut cq, mut ck) = (c.upload(rows, cols, &x).expect("cpu"), c.upload(rows, 2 * hd, &kx).expect("cpu"));
+        c.rope_qk(&mut cq, &mut ck, &c_table, &c_step).expect("cpu");
+        let (g_table, g_step) = (ops.rope_table(&table).expect("rope_table"), ops.prepare_step(&batch, 4).expect("prepare_step"));
+        let (mut gq, mut gk) = (up(ops, &x), ops.upload(rows, 2 * hd, &kx).expect("upload"));
+        ops.rope_qk(&mut gq, &mut gk, &g_table, &g_step).expect("rope_qk");
+        self.close(&ops.to_host(&gq).expect("to_host"), &c.to_host(&cq).expect("cpu"), 1e-5, "rope_qk queries");
+        self.close(&ops.to_host(&gk).expect("to_host"), &c.to_host(&ck).expect("cpu"), 1e-5, "rope_qk keys");
+
+        // The residual add fused with the next norm: the residual exactly,
+        // the norm within rounding.
+        let w = rng.signed_vec(cols);
+        let mut cres = c.upload(rows, cols, &x).expect("cpu");
+        let cnorm = c.add_rms_norm(&mut cres, c.upload(rows, cols, &y).expect("cpu"), &c.vector("w", &w).expect("cpu"), 1e-5, cols);
+        let mut gres = up(ops, &x);
+        let gnorm = ops.add_rms_norm(&mut gres, up(ops, &y), &ops.vector("w", &w).expect("vector"), 1e-5, cols).expect("add_rms_norm");
+        self.close(&ops.to_host(&gres).expect("to_host"), &c.to_host(&cres).expect("cpu"), 0.0, "add_rms_norm residual");
+        self.close(&ops.to_host(&gnorm).expect("to_host"), &c.to_host(&cnorm.expect("cpu")).expect("cpu"), 1e-5, "add_rms_norm");
 
         let batch = ForwardBatch { logits_indices: vec![18, 0, 7, 7], ..one_sequence_batch(rows) };
         let want = c.to_host(&c.logits_rows(&cx, &c.prepare_step(&batch, 4).expect("cpu")).expect("cpu")).expect("cpu");

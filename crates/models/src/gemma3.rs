@@ -170,25 +170,31 @@ impl<O: Ops> CausalLm<O> for Gemma3Model<O> {
         let eps = c.rms_norm_eps;
         let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start, c.vocab_size)?;
         ops.scale(&mut h, (c.hidden_size as f32).sqrt())?;
+        // The previous block's MLP output (post-normed), added to the
+        // residual stream by the next block's input norm.
+        let mut pending: Option<O::Tensor> = None;
         for (l, layer) in self.layers.iter().enumerate() {
             let (rope, shape) =
                 if layer.local { (&self.rope_local, &self.local_attention) } else { (&self.rope_global, &self.global_attention) };
-            let x = ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?;
+            let x = match pending.take() {
+                Some(out) => ops.add_rms_norm(&mut h, out, &layer.input_norm, eps, c.hidden_size)?,
+                None => ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?,
+            };
             let mut q = ops.rms_norm(&ops.linear(&x, &layer.q_proj, None)?, &layer.q_norm, eps, c.head_dim)?;
             let mut k = ops.rms_norm(&ops.linear(&x, &layer.k_proj, None)?, &layer.k_norm, eps, c.head_dim)?;
             let v = ops.linear(&x, &layer.v_proj, None)?;
-            ops.rope(&mut q, rope, step)?;
-            ops.rope(&mut k, rope, step)?;
+            ops.rope_qk(&mut q, &mut k, rope, step)?;
             let attn = ops.attention(cache, l, &q, &k, &v, step, shape)?;
             let mut out = ops.linear(&attn, &layer.o_proj, None)?;
             ops.all_reduce(&mut out)?;
             let out = ops.rms_norm(&out, &layer.post_attention_norm, eps, c.hidden_size)?;
-            ops.add_assign(&mut h, &out)?;
-            let x = ops.rms_norm(&h, &layer.pre_feedforward_norm, eps, c.hidden_size)?;
+            let x = ops.add_rms_norm(&mut h, out, &layer.pre_feedforward_norm, eps, c.hidden_size)?;
             let act = ops.gelu_tanh_mul(&ops.linear(&x, &layer.gate_proj, None)?, &ops.linear(&x, &layer.up_proj, None)?)?;
             let mut out = ops.linear(&act, &layer.down_proj, None)?;
             ops.all_reduce(&mut out)?;
-            let out = ops.rms_norm(&out, &layer.post_feedforward_norm, eps, c.hidden_size)?;
+            pending = Some(ops.rms_norm(&out, &layer.post_feedforward_norm, eps, c.hidden_size)?);
+        }
+        if let Some(out) = pending {
             ops.add_assign(&mut h, &out)?;
         }
         let last = ops.logits_rows(&h, step)?;

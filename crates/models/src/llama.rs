@@ -133,8 +133,14 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start, c.vocab_size)?;
+        // The previous block's MLP output, added to the residual stream by
+        // the next block's input norm (one fused op where the backend has it).
+        let mut pending: Option<O::Tensor> = None;
         for (l, layer) in self.layers.iter().enumerate() {
-            let x = ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?;
+            let x = match pending.take() {
+                Some(out) => ops.add_rms_norm(&mut h, out, &layer.input_norm, eps, c.hidden_size)?,
+                None => ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?,
+            };
             let bias = layer.qkv_bias.as_ref();
             let mut q = ops.linear(&x, &layer.q_proj, bias.map(|b| &b[0]))?;
             let mut k = ops.linear(&x, &layer.k_proj, bias.map(|b| &b[1]))?;
@@ -143,19 +149,20 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
                 q = ops.rms_norm(&q, qn, eps, c.head_dim)?;
                 k = ops.rms_norm(&k, kn, eps, c.head_dim)?;
             }
-            ops.rope(&mut q, &self.rope, step)?;
-            ops.rope(&mut k, &self.rope, step)?;
+            ops.rope_qk(&mut q, &mut k, &self.rope, step)?;
             // Each layer's own window (Qwen's `layer_types` mix full and
             // sliding layers; Mistral slides everywhere).
             let shape = AttentionShape { sliding_window: c.layer_window(l), ..self.attention };
             let attn = ops.attention(cache, l, &q, &k, &v, step, &shape)?;
             let mut out = ops.linear(&attn, &layer.o_proj, None)?;
             ops.all_reduce(&mut out)?;
-            ops.add_assign(&mut h, &out)?;
-            let x = ops.rms_norm(&h, &layer.post_attention_norm, eps, c.hidden_size)?;
+            let x = ops.add_rms_norm(&mut h, out, &layer.post_attention_norm, eps, c.hidden_size)?;
             let act = ops.silu_mul(&ops.linear(&x, &layer.gate_proj, None)?, &ops.linear(&x, &layer.up_proj, None)?)?;
             let mut out = ops.linear(&act, &layer.down_proj, None)?;
             ops.all_reduce(&mut out)?;
+            pending = Some(out);
+        }
+        if let Some(out) = pending {
             ops.add_assign(&mut h, &out)?;
         }
         let last = ops.logits_rows(&h, step)?;

@@ -127,6 +127,32 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     /// `x *= factor`.
     fn scale(&self, x: &mut Self::Tensor, factor: f32) -> OpResult<()>;
 
+    // --- Fusions: one pass where a backend has the kernel, the composed ops otherwise ---
+
+    /// `residual += y`, then the RMSNorm of each row (`cols` wide) of the
+    /// new residual: the add closing one block and the norm opening the
+    /// next, as vLLM's fused add-RMSNorm; `y`'s storage may hold the
+    /// result. The default runs [`add_assign`](Self::add_assign) then
+    /// [`rms_norm`](Self::rms_norm).
+    fn add_rms_norm(
+        &self,
+        residual: &mut Self::Tensor,
+        y: Self::Tensor,
+        w: &Self::Vector,
+        eps: f32,
+        cols: usize,
+    ) -> OpResult<Self::Tensor> {
+        self.add_assign(residual, &y)?;
+        self.rms_norm(residual, w, eps, cols)
+    }
+
+    /// [`rope`](Self::rope) of the queries and of the keys of one step. The
+    /// default rotates each in turn.
+    fn rope_qk(&self, q: &mut Self::Tensor, k: &mut Self::Tensor, rope: &Self::Rope, step: &Self::Step) -> OpResult<()> {
+        self.rope(q, rope, step)?;
+        self.rope(k, rope, step)
+    }
+
     // --- Encoders (BERT); a backend without them refuses the model by name ---
 
     /// Rows of `table` (`[positions, width]`, an encoder's learned absolute
