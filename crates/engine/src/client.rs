@@ -30,6 +30,10 @@ use tokio::sync::mpsc as tmpsc;
 use vellum_base::{IdMap, KvCacheStats, ModelExecutor, RequestId, SamplingParams, TokenId};
 use vellum_scheduler::FinishReason;
 
+/// How often the engine loop reads the KV cache's accounting for
+/// [`EngineStats::kv`] while steps run.
+const KV_STATS_INTERVAL: Duration = Duration::from_millis(50);
+
 /// What a request's stream carries.
 #[derive(Clone, Debug)]
 pub enum RequestEvent {
@@ -333,6 +337,8 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
     let mut guard = Streams { senders: IdMap::default(), shared: shared.clone() };
     let streams = &mut guard.senders;
     let mut stats = EngineStats::default();
+    // When the KV cache's accounting was last read (it walks every block).
+    let mut kv_read: Option<std::time::Instant> = None;
     let mut shutting_down = false;
     let (fault, mut steps) = (injected_fault(), 0u64);
     loop {
@@ -460,7 +466,15 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
         stats.num_running = queues.num_running;
         stats.num_waiting = queues.num_waiting;
         stats.num_swapped = queues.num_swapped;
-        stats.kv = engine.kv_stats();
+        // The KV cache's accounting walks every block (200k on a large GPU):
+        // read it at most every KV_STATS_INTERVAL while steps run, and once
+        // more whenever the engine is idle, so /metrics is never further
+        // behind than that.
+        let idle = !engine.has_unfinished_requests();
+        if idle || kv_read.is_none_or(|t| t.elapsed() >= KV_STATS_INTERVAL) {
+            stats.kv = engine.kv_stats();
+            kv_read = Some(std::time::Instant::now());
+        }
         stats.num_preemptions = queues.num_preemptions;
         stats.counters = engine.counters();
         stats.spec_decode = engine.spec_decode_counters();

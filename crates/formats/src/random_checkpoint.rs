@@ -64,6 +64,20 @@ impl CheckpointShape {
         rope_theta: 500_000.0,
     };
 
+    /// A one-layer model whose forward pass costs next to nothing (hidden
+    /// 64, a 512-token vocabulary): the engine's and the server's own
+    /// per-step cost, measured on any machine.
+    pub const TINY: CheckpointShape = CheckpointShape {
+        hidden: 64,
+        intermediate: 128,
+        layers: 1,
+        heads: 1,
+        kv_heads: 1,
+        vocab: 512,
+        max_positions: 4096,
+        rope_theta: 10_000.0,
+    };
+
     /// SmolLM2-135M's shape (the default model's: 9 query and 3 KV heads
     /// of 64, a 49,152-token vocabulary), with an LM head of its own.
     pub const SMOLLM2_135M: CheckpointShape = CheckpointShape {
@@ -83,6 +97,7 @@ impl CheckpointShape {
             "llama3-8b" => Some(Self::LLAMA3_8B),
             "llama3-1b" => Some(Self::LLAMA3_1B),
             "smollm2-135m" => Some(Self::SMOLLM2_135M),
+            "tiny" => Some(Self::TINY),
             _ => None,
         }
     }
