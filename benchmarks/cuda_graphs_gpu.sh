@@ -11,8 +11,10 @@
 #    random Q4_1 model with graphs and with --enforce-eager (tokens and
 #    logprobs compared);
 # 3. once llama.cpp is built: SmolLM2-shaped Q4_1 at 1/64/256 sequences,
-#    graphs and eager against llama-batched-bench, alternated rounds; then,
-#    if the time allows (BUDGET_S), a Llama-3-8B-shaped Q8_0 with graphs.
+#    graphs and eager against llama-batched-bench, alternated rounds; then
+#    `vellum serve` with graphs and eager at 64 and 256 clients (and where
+#    the engine loop's time went, from /metrics); then, if the time allows
+#    (BUDGET_S), a Llama-3-8B-shaped Q8_0 with graphs.
 # Logs and rows under $OUT; the tables last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +78,40 @@ stamp "$(tail -1 "$out/logs/llama_build.txt")"
 VARIANTS="graphs:;eager:--enforce-eager" ROUNDS=${ROUNDS:-2} timeout "$(left)" \
     bash benchmarks/cuda_vs_llama_cpp.sh run "$smol" smollm2-135m-q4_1 >"$out/logs/smol_table.txt" 2>"$out/logs/smol_run.txt"
 stamp "smollm2 exit $?"
+# Serving: `vellum serve` with graphs (recorded at start) and eager, under
+# `vellum bench serve` at 64 and 256 clients; where the engine loop's time
+# went, from /metrics.
+serve() { # label model mode clients...
+    local label=$1 model=$2 mode=$3
+    shift 3
+    local flags=""
+    [ "$mode" = eager ] && flags=--enforce-eager
+    # shellcheck disable=SC2086
+    .gpu/x/vellum serve --device cuda --model "$model" --port 8011 --max-num-seqs 256 $flags >"$out/logs/serve_${label}_$mode.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 240); do
+        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=1)" 2>/dev/null && break
+        sleep 0.25
+    done
+    for c in "$@"; do
+        .gpu/x/vellum bench serve --base-url http://127.0.0.1:8011 --model "$model" --input-len 128 --output-len 128 \
+            --num-prompts $((c * 4)) --max-concurrency "$c" --label "$label-$mode-$c" --json \
+            >"$out/logs/serve_${label}_${mode}_$c.json" 2>>"$out/logs/serve_${label}_$mode.log"
+        python3 - "$out/logs/serve_${label}_${mode}_$c.json" "$label $mode $c" <<'EOF' >>"$out/logs/serve_table.txt"
+import json, sys, urllib.request
+v = json.load(open(sys.argv[1]))
+m = {l.split("{")[0]: float(l.split()[-1]) for l in urllib.request.urlopen("http://127.0.0.1:8011/metrics").read().decode().splitlines()
+     if l.startswith("vellum:engine_") and "seconds_total" in l}
+busy = {k.split("_")[1]: round(v2, 2) for k, v2 in m.items()}
+print(f"| {sys.argv[2]} | {v['output_throughput']:,.0f} | {v['ttft_s']['median'] * 1e3:.0f} / {v['ttft_s']['p99'] * 1e3:.0f} | {v['failed']} | {busy} |")
+EOF
+    done
+    kill "$pid"
+    wait "$pid" 2>/dev/null
+}
+echo "| model mode clients | output tok/s | TTFT median / p99 (ms) | failed | engine seconds so far |" >"$out/logs/serve_table.txt"
+for mode in graphs eager graphs eager; do serve smollm2 "$smol" "$mode" 64 256; done
+stamp "serving done"
 if [ $((SECONDS - t0)) -lt $((budget - 140)) ]; then
     bash benchmarks/cuda_vs_llama_cpp.sh model llama3-8b-q8_0 /tmp/m8.gguf >/dev/null 2>&1
     VARIANTS="graphs:" ROUNDS=1 timeout "$(left)" \
@@ -84,4 +120,4 @@ if [ $((SECONDS - t0)) -lt $((budget - 140)) ]; then
 fi
 grep -h "recorded a decode step" "$out"/logs/graphs_smollm2*_256_1.log 2>/dev/null | tail -2 | cut -c1-220
 grep -h "profile run" "$out"/logs/graphs_*_1.log 2>/dev/null | tail -2 | cut -c1-260
-cat "$out/logs/smol_table.txt" "$out/logs/m8_table.txt" 2>/dev/null
+cat "$out/logs/smol_table.txt" "$out/logs/m8_table.txt" "$out/logs/serve_table.txt" 2>/dev/null

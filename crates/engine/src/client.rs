@@ -70,6 +70,11 @@ pub struct EngineStats {
     pub finished_by_reason: [u64; 3],
     /// Speculative decoding's counters (zero without a proposer).
     pub spec_decode: crate::speculative::SpecDecodeCounters,
+    /// Seconds the engine loop spent on steps: the step itself (its
+    /// schedule, execute and sample shares are in `counters`; the rest is
+    /// output processing: detokenizing, stop strings) and handing the
+    /// outputs to the requests' streams. Idle waits are not counted.
+    pub loop_busy_s: f64,
 }
 
 enum Command {
@@ -393,7 +398,9 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
                 engine.finish_request(id, FinishReason::Abort);
             }
         }
-        let outputs = if engine.has_unfinished_requests() {
+        let busy_since = std::time::Instant::now();
+        let stepped = engine.has_unfinished_requests();
+        let outputs = if stepped {
             steps += 1;
             match fault {
                 Some(Fault::Panic(n)) if n == steps => panic!("VELLUM_FAULT_INJECTION: injected panic at engine step {steps}"),
@@ -466,6 +473,9 @@ fn engine_loop<E: ModelExecutor>(mut engine: EngineCore<E>, rx: mpsc::Receiver<C
         stats.num_running = queues.num_running;
         stats.num_waiting = queues.num_waiting;
         stats.num_swapped = queues.num_swapped;
+        if stepped {
+            stats.loop_busy_s += busy_since.elapsed().as_secs_f64();
+        }
         // The KV cache's accounting walks every block (200k on a large GPU):
         // read it at most every KV_STATS_INTERVAL while steps run, and once
         // more whenever the engine is idle, so /metrics is never further

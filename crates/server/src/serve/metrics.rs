@@ -260,6 +260,16 @@ impl Metrics {
             s.num_aborted_slow_reader as f64,
         );
         metric("vellum:engine_steps_total", "counter", "Engine steps run.", s.counters.num_steps as f64);
+        let c = &s.counters;
+        let other = (s.loop_busy_s - c.schedule_s - c.execute_s - c.sample_s).max(0.0);
+        for (phase, seconds, what) in [
+            ("schedule", c.schedule_s, "scheduling and building the batch"),
+            ("execute", c.execute_s, "the executor (the forward pass)"),
+            ("sample", c.sample_s, "sampling and applying the samples"),
+            ("output", other, "processing outputs (detokenizing, stop strings) and handing them to the streams"),
+        ] {
+            metric(&format!("vellum:engine_{phase}_seconds_total"), "counter", &format!("Engine loop seconds spent {what}."), seconds);
+        }
         metric(
             "vellum:prompt_tokens_computed_total",
             "counter",
