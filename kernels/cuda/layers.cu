@@ -82,6 +82,39 @@ extern "C" __global__ void gelu_tanh_and_mul(float *out, const float *__restrict
     for (int i = threadIdx.x; i < inter; i += NUM_THREADS) o[i] = gelu_tanh(xr[i]) * xr[inter + i];
 }
 
+// Each row of qkv [tokens, nq + nk + nv] (one product by the q, k and v
+// weights stacked) split into q [tokens, nq], k [tokens, nk] and v [tokens,
+// nv]; with `rotate`, q and k leave rotated as rope_half_split rotates them
+// (every head_dim-wide head, the table's cos then sin at the token's
+// position). Grid (tokens).
+extern "C" __global__ void split_qkv_rope(float *q, float *k, float *v, const float *__restrict__ qkv, const float *__restrict__ cos_sin,
+                                          const long long *__restrict__ positions, int nq, int nk, int nv, int head_dim, int rotate) {
+    const int t = blockIdx.x;
+    const float *row = qkv + (long long)t * (nq + nk + nv);
+    float *qr = q + (long long)t * nq;
+    float *kr = k + (long long)t * nk;
+    float *vr = v + (long long)t * nv;
+    for (int i = threadIdx.x; i < nv; i += NUM_THREADS) vr[i] = row[nq + nk + i];
+    if (!rotate) {
+        for (int i = threadIdx.x; i < nq + nk; i += NUM_THREADS) {
+            if (i < nq) qr[i] = row[i];
+            else kr[i - nq] = row[i];
+        }
+        return;
+    }
+    const int half = head_dim / 2;
+    const float *cs = cos_sin + positions[t] * head_dim;
+    for (int i = threadIdx.x; i < (nq + nk) / 2; i += NUM_THREADS) {
+        const int head = i / half, f = i % half;
+        const int col = head * head_dim + f;
+        const float c = cs[f], s = cs[half + f];
+        const float a = row[col], b = row[col + half];
+        float *dst = col < nq ? qr + col : kr + (col - nq);
+        dst[0] = a * c - b * s;
+        dst[half] = b * c + a * s;
+    }
+}
+
 // The same with gate and up in separate tensors [tokens, inter] (as the
 // model code computes them): out[i] = act(gate[i]) · up[i] over n elements.
 extern "C" __global__ void silu_mul_split(float *out, const float *__restrict__ gate, const float *__restrict__ up, long long n) {

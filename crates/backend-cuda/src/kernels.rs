@@ -55,6 +55,7 @@ pub const LAYERS: KernelSource = KernelSource {
         "rms_norm",
         "fused_add_rms_norm",
         "rope_half_split",
+        "split_qkv_rope",
         "silu_and_mul",
         "gelu_tanh_and_mul",
         "embedding_f32",

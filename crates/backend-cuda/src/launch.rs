@@ -756,6 +756,90 @@ impl Kernels {
         Ok(())
     }
 
+    /// Splits each row of `qkv [tokens, nq + nk + nv]` into `q`, `k` and
+    /// `v`, rotating q and k by RoPE at `positions` when `rope` gives the
+    /// table and the head size (`split_qkv_rope`).
+    ///
+    /// # Safety
+    /// With `rope`, every position is below the rows of its table: the
+    /// kernel reads the table at each position unchecked.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn split_qkv(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        qkv: &CudaSlice<f32>,
+        tokens: usize,
+        widths: [usize; 3],
+        rope: Option<(&CudaSlice<f32>, &CudaSlice<i64>, usize)>,
+    ) -> Result<(), CudaError> {
+        let [nq, nk, nv] = widths;
+        if qkv.len() < tokens * (nq + nk + nv) || q.len() < tokens * nq || k.len() < tokens * nk || v.len() < tokens * nv {
+            return Err(shape_error(format!("split_qkv of {tokens} rows of {nq} + {nk} + {nv}: buffer too small")));
+        }
+        if let Some((_, positions, head_dim)) = rope {
+            if head_dim == 0 || !head_dim.is_multiple_of(2) || !nq.is_multiple_of(head_dim) || !nk.is_multiple_of(head_dim) {
+                return Err(shape_error(format!("split_qkv: q and k of {nq} and {nk} are not heads of {head_dim}")));
+            }
+            if positions.len() < tokens {
+                return Err(shape_error(format!("split_qkv: {} positions for {tokens} rows", positions.len())));
+            }
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), "split_qkv_rope")?;
+        // Without RoPE the table and positions are not read: any buffer stands in.
+        let (table, positions, head_dim, rotate): (&CudaSlice<f32>, Option<&CudaSlice<i64>>, usize, i32) = match rope {
+            Some((table, positions, head_dim)) => (table, Some(positions), head_dim, 1),
+            None => (qkv, None, 2, 0),
+        };
+        let ints = [to_i32(nq, "nq")?, to_i32(nk, "nk")?, to_i32(nv, "nv")?, to_i32(head_dim, "head_dim")?];
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(q).arg(k).arg(v).arg(qkv).arg(table);
+        match positions {
+            Some(p) => b.arg(p),
+            // A null pointer: never read without rotation.
+            None => b.arg(&0u64),
+        };
+        b.arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]).arg(&rotate);
+        // SAFETY: matches split_qkv_rope(float*, float*, float*, const
+        // float*, const float*, const long long*, int, int, int, int, int);
+        // the buffers hold the rows checked above; with rotation the
+        // positions (one per row) are below the table's rows (the caller's
+        // contract) and q and k are whole heads.
+        unsafe { b.launch(cfg((to_u32(tokens, "tokens")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// `out [tokens, inter] = act(x[:, :inter]) · x[:, inter:]` for `x
+    /// [tokens, 2·inter]` (the gate and up products stacked):
+    /// `silu_and_mul`, or `gelu_tanh_and_mul` with `gelu`.
+    pub fn gated_and_mul(
+        &self,
+        out: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        tokens: usize,
+        inter: usize,
+        gelu: bool,
+    ) -> Result<(), CudaError> {
+        if x.len() < tokens * 2 * inter || out.len() < tokens * inter {
+            return Err(shape_error(format!("gated activation of {tokens} rows of 2 × {inter}: buffer too small")));
+        }
+        if tokens == 0 || inter == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), if gelu { "gelu_tanh_and_mul" } else { "silu_and_mul" })?;
+        let inter_i = to_i32(inter, "inter")?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(out).arg(x).arg(&inter_i);
+        // SAFETY: matches silu_and_mul / gelu_tanh_and_mul(float*, const
+        // float*, int); one block per row, sizes checked above.
+        unsafe { b.launch(cfg((to_u32(tokens, "tokens")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
     /// [`Kernels::rope`] of `q [tokens, heads, head_dim]` and `k [tokens,
     /// kv_heads, head_dim]` in one launch.
     ///

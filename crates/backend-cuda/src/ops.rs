@@ -709,6 +709,47 @@ impl Ops for CudaOps {
         self.weight(&w, true)
     }
 
+    fn stacked_weight(&self, name: &str, parts: &[WeightView<'_>]) -> vellum_ops::Result<Option<CudaWeight>> {
+        // One product instead of two or three: a launch or two fewer a
+        // layer, and wider GEMVs and GEMMs.
+        match WeightView::concat_rows(name, parts) {
+            Some(w) => Ok(Some(self.weight(&w, false)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn split_qkv(
+        &self,
+        qkv: &CudaTensor,
+        widths: [usize; 3],
+        rope: Option<(&CudaRope, &CudaStep)>,
+    ) -> OpResult<(CudaTensor, CudaTensor, CudaTensor)> {
+        let [nq, nk, nv] = widths;
+        check(qkv.cols == nq + nk + nv, || format!("split_qkv: rows of {} for {nq} + {nk} + {nv}", qkv.cols))?;
+        let rows = qkv.rows;
+        let (mut q, mut k, mut v) = (self.tensor(rows, nq)?, self.tensor(rows, nk)?, self.tensor(rows, nv)?);
+        let rotation = match rope {
+            Some((rope, step)) => {
+                check(rows == step.tokens, || format!("split_qkv: {rows} rows for {} tokens", step.tokens))?;
+                self.check_bound(Bound::Position, step.bounds.max_position, rope.positions, "rope: position", "the table")?;
+                Some((&rope.table, &step.inputs.positions, rope.head_dim))
+            }
+            None => None,
+        };
+        // SAFETY: with a rotation, every position of the step is below the
+        // table's length (checked just above against the step's bounds).
+        unsafe { self.k.split_qkv(&mut q.buf, &mut k.buf, &mut v.buf, &qkv.buf, rows, widths, rotation) }.map_err(backend)?;
+        Ok((q, k, v))
+    }
+
+    fn gated_mul(&self, x: &CudaTensor, act: vellum_ops::GatedActivation) -> OpResult<CudaTensor> {
+        check(x.cols.is_multiple_of(2), || format!("gated_mul: rows of {} are not gate and up halves", x.cols))?;
+        let inter = x.cols / 2;
+        let mut out = self.tensor(x.rows, inter)?;
+        self.k.gated_and_mul(&mut out.buf, &x.buf, x.rows, inter, act == vellum_ops::GatedActivation::GeluTanh).map_err(backend)?;
+        Ok(out)
+    }
+
     fn linear_input_dtype(&self, weight: GgmlType) -> ActivationDtype {
         let _ = weight;
         match self.precision {

@@ -42,7 +42,7 @@ use vellum_base::{
 };
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
-use vellum_ops::{ActivationDtype, HostIo, Ops, WeightView};
+use vellum_ops::{ActivationDtype, GatedActivation, HostIo, Ops, WeightView};
 
 /// The suite, configured for one backend.
 #[derive(Clone, Debug)]
@@ -76,6 +76,64 @@ impl Suite {
         self.shape_mismatches_are_errors(ops);
         self.paged_attention(ops);
         self.copy_blocks_and_swaps(ops);
+        self.stacked_projections(ops);
+    }
+
+    /// Where the backend stacks projections ([`vellum_ops::Ops::stacked_weight`]):
+    /// q, k and v multiplied as one weight and split (with and without
+    /// RoPE), and gate and up with each gated activation, against the same
+    /// backend's separate products and ops, for F32 and Q8_0 weights. A
+    /// backend that keeps projections apart has nothing to check.
+    pub fn stacked_projections<O: HostIo>(&self, ops: &O) {
+        let (rows, k, hd) = (5, 128, 64);
+        let (nq, nk, inter) = (4 * hd, 2 * hd, 96);
+        let config = ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":256,"intermediate_size":8,"num_hidden_layers":1,
+                "num_attention_heads":4,"max_position_embeddings":512,"rope_theta":10000.0}"#,
+            "conformance",
+        )
+        .expect("a valid config");
+        let table = ops.rope_table(&RopeTable::new(&config)).expect("rope_table");
+        let batch = ForwardBatch { positions: vec![0, 9, 301, 5, 77], ..one_sequence_batch(rows) };
+        let step = ops.prepare_step(&batch, 4).expect("prepare_step");
+        for (i, ty) in [GgmlType::F32, GgmlType::Q8_0].into_iter().enumerate() {
+            let mut rng = Rng::new(40 + i as u64);
+            let parts = [random_weight(ty, nq, k, &mut rng), random_weight(ty, nk, k, &mut rng), random_weight(ty, nk, k, &mut rng)];
+            let Some(stacked) = ops.stacked_weight("qkv", &parts).expect("stacked_weight") else {
+                return;
+            };
+            let x = ops.upload(rows, k, &rng.signed_vec(rows * k)).expect("upload");
+            let apart: Vec<O::Tensor> = parts
+                .iter()
+                .map(|w| ops.linear(&x, &ops.linear_weight(w.clone()).expect("linear_weight"), None).expect("linear"))
+                .collect();
+            let host = |t: &O::Tensor| ops.to_host(t).expect("to_host");
+            let product = ops.linear(&x, &stacked, None).expect("stacked linear");
+            let (q, kk, v) = ops.split_qkv(&product, [nq, nk, nk], None).expect("split_qkv");
+            for (got, want, what) in [(&q, &apart[0], "q"), (&kk, &apart[1], "k"), (&v, &apart[2], "v")] {
+                self.close(&host(got), &host(want), 1e-4, &format!("stacked {ty:?} {what}"));
+            }
+            let (q, kk, v) = ops.split_qkv(&product, [nq, nk, nk], Some((&table, &step))).expect("split_qkv with rope");
+            let (mut wq, mut wk) =
+                (ops.upload(rows, nq, &host(&apart[0])).expect("upload"), ops.upload(rows, nk, &host(&apart[1])).expect("upload"));
+            ops.rope_qk(&mut wq, &mut wk, &table, &step).expect("rope_qk");
+            self.close(&host(&q), &host(&wq), 1e-4, &format!("stacked {ty:?} q rotated"));
+            self.close(&host(&kk), &host(&wk), 1e-4, &format!("stacked {ty:?} k rotated"));
+            self.close(&host(&v), &host(&apart[2]), 1e-4, &format!("stacked {ty:?} v beside the rotation"));
+            let gate_up = [random_weight(ty, inter, k, &mut rng), random_weight(ty, inter, k, &mut rng)];
+            let stacked = ops.stacked_weight("gate_up", &gate_up).expect("stacked_weight").expect("stacks gate and up too");
+            let product = ops.linear(&x, &stacked, None).expect("stacked linear");
+            let [g, u] = gate_up.map(|w| ops.linear(&x, &ops.linear_weight(w).expect("linear_weight"), None).expect("linear"));
+            for act in [GatedActivation::Silu, GatedActivation::GeluTanh] {
+                let want = match act {
+                    GatedActivation::Silu => ops.silu_mul(&g, &u),
+                    GatedActivation::GeluTanh => ops.gelu_tanh_mul(&g, &u),
+                }
+                .expect("gated activation");
+                let got = ops.gated_mul(&product, act).expect("gated_mul");
+                self.close(&host(&got), &host(&want), 1e-4, &format!("stacked {ty:?} {act:?}"));
+            }
+        }
     }
 
     /// `linear` with a bias, for each weight format and 1–40 rows.

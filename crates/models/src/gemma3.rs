@@ -26,7 +26,8 @@
 //! - a soft-cap of the attention scores when the config sets one; a final
 //!   logit soft-cap (Gemma 2's; Gemma 3 has none) is refused at load.
 
-use crate::ops::{OpResult, Ops};
+use crate::llama::{load_gate_up, load_qkv, GateUp, Projected, Qkv};
+use crate::ops::{GatedActivation, OpResult, Ops};
 use crate::registry::CausalLm;
 use crate::rope::RopeTable;
 use crate::tensor_parallel::{embed, ShardLoader, TensorParallel};
@@ -40,12 +41,9 @@ struct Layer<O: Ops> {
     post_feedforward_norm: O::Vector,
     q_norm: O::Vector,
     k_norm: O::Vector,
-    q_proj: O::Weight,
-    k_proj: O::Weight,
-    v_proj: O::Weight,
+    qkv: Qkv<O>,
     o_proj: O::Weight,
-    gate_proj: O::Weight,
-    up_proj: O::Weight,
+    gate_up: GateUp<O>,
     down_proj: O::Weight,
     /// Local (sliding-window) layer: the local RoPE table and the window.
     local: bool,
@@ -119,12 +117,9 @@ impl<O: Ops> Gemma3Model<O> {
                 post_feedforward_norm: norm(&p("post_feedforward_layernorm.weight"), h)?,
                 q_norm: norm(&p("self_attn.q_norm.weight"), hd)?,
                 k_norm: norm(&p("self_attn.k_norm.weight"), hd)?,
-                q_proj: load.column(&p("self_attn.q_proj.weight"), [nq, h], shard.q_cols.clone())?,
-                k_proj: load.column(&p("self_attn.k_proj.weight"), [nkv, h], shard.kv_cols.clone())?,
-                v_proj: load.column(&p("self_attn.v_proj.weight"), [nkv, h], shard.kv_cols.clone())?,
+                qkv: load_qkv(&load, &p("self_attn"), h, [nq, nkv], [shard.q_cols.clone(), shard.kv_cols.clone()], false)?,
                 o_proj: load.row(&p("self_attn.o_proj.weight"), [h, nq], shard.q_cols.clone())?,
-                gate_proj: load.column(&p("mlp.gate_proj.weight"), [im, h], shard.mlp.clone())?,
-                up_proj: load.column(&p("mlp.up_proj.weight"), [im, h], shard.mlp.clone())?,
+                gate_up: load_gate_up(&load, &p("mlp"), h, im, shard.mlp.clone())?,
                 down_proj: load.row(&p("mlp.down_proj.weight"), [h, im], shard.mlp.clone())?,
                 local: config.layer_window(i).is_some(),
             });
@@ -180,16 +175,18 @@ impl<O: Ops> CausalLm<O> for Gemma3Model<O> {
                 Some(out) => ops.add_rms_norm(&mut h, out, &layer.input_norm, eps, c.hidden_size)?,
                 None => ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?,
             };
-            let mut q = ops.rms_norm(&ops.linear(&x, &layer.q_proj, None)?, &layer.q_norm, eps, c.head_dim)?;
-            let mut k = ops.rms_norm(&ops.linear(&x, &layer.k_proj, None)?, &layer.k_norm, eps, c.head_dim)?;
-            let v = ops.linear(&x, &layer.v_proj, None)?;
+            // q and k are normed before RoPE: the split rotates nothing.
+            let widths = [shape.num_heads, shape.num_kv_heads, shape.num_kv_heads].map(|n| n * shape.head_dim);
+            let Projected { q, k, v, .. } = layer.qkv.project(ops, &x, widths, None)?;
+            let mut q = ops.rms_norm(&q, &layer.q_norm, eps, c.head_dim)?;
+            let mut k = ops.rms_norm(&k, &layer.k_norm, eps, c.head_dim)?;
             ops.rope_qk(&mut q, &mut k, rope, step)?;
             let attn = ops.attention(cache, l, &q, &k, &v, step, shape)?;
             let mut out = ops.linear(&attn, &layer.o_proj, None)?;
             ops.all_reduce(&mut out)?;
             let out = ops.rms_norm(&out, &layer.post_attention_norm, eps, c.hidden_size)?;
             let x = ops.add_rms_norm(&mut h, out, &layer.pre_feedforward_norm, eps, c.hidden_size)?;
-            let act = ops.gelu_tanh_mul(&ops.linear(&x, &layer.gate_proj, None)?, &ops.linear(&x, &layer.up_proj, None)?)?;
+            let act = layer.gate_up.act(ops, &x, GatedActivation::GeluTanh)?;
             let mut out = ops.linear(&act, &layer.down_proj, None)?;
             ops.all_reduce(&mut out)?;
             pending = Some(ops.rms_norm(&out, &layer.post_feedforward_norm, eps, c.hidden_size)?);

@@ -10,11 +10,17 @@
 //!  rows of logits_indices ─ RMSNorm ─ lm_head (tied: embed) ─ logits
 //! ```
 //!
+//! Where the backend stacks projections ([`Ops::stacked_weight`]), q, k
+//! and v are one product split by [`Ops::split_qkv`] (RoPE on the way when
+//! no q/k norm comes between), gate and up one product under
+//! [`Ops::gated_mul`]; each residual add goes with the norm after it
+//! ([`Ops::add_rms_norm`]).
+//!
 //! Under tensor parallelism a rank holds its heads, its MLP columns and its
 //! vocabulary rows ([`TensorParallel`]); the outputs of `o` and `down` (and
 //! the embedding) are summed over the ranks, the logits gathered.
 
-use crate::ops::{OpResult, Ops};
+use crate::ops::{GatedActivation, OpResult, Ops};
 use crate::registry::CausalLm;
 use crate::rope::RopeTable;
 use crate::tensor_parallel::{embed, ShardLoader, TensorParallel};
@@ -24,15 +30,126 @@ use vellum_base::{AttentionShape, ModelConfig};
 struct Layer<O: Ops> {
     input_norm: O::Vector,
     post_attention_norm: O::Vector,
-    q_proj: O::Weight,
-    k_proj: O::Weight,
-    v_proj: O::Weight,
+    qkv: Qkv<O>,
     o_proj: O::Weight,
-    qkv_bias: Option<[O::Vector; 3]>,
     qk_norm: Option<[O::Vector; 2]>,
-    gate_proj: O::Weight,
-    up_proj: O::Weight,
+    gate_up: GateUp<O>,
     down_proj: O::Weight,
+}
+
+/// The q, k and v projections: one stacked product where the backend
+/// multiplies them so ([`Ops::stacked_weight`]), else three.
+pub(crate) enum Qkv<O: Ops> {
+    /// `[q; k; v]` as one weight (and bias).
+    Stacked { w: O::Weight, bias: Option<O::Vector> },
+    /// Apart.
+    Apart { w: [O::Weight; 3], bias: Option<[O::Vector; 3]> },
+}
+
+/// The gate and up projections, stacked or apart as [`Qkv`].
+pub(crate) enum GateUp<O: Ops> {
+    /// `[gate; up]` as one weight.
+    Stacked(O::Weight),
+    /// Apart.
+    Apart([O::Weight; 2]),
+}
+
+/// A layer's queries, keys and values.
+pub(crate) struct Projected<O: Ops> {
+    pub(crate) q: O::Tensor,
+    pub(crate) k: O::Tensor,
+    pub(crate) v: O::Tensor,
+    /// q and k are rotated already (RoPE in the split).
+    pub(crate) rotated: bool,
+}
+
+impl<O: Ops> Qkv<O> {
+    /// q, k and v of `x` (`widths` wide); `rope` rotates q and k where the
+    /// split can (stacked).
+    pub(crate) fn project(&self, ops: &O, x: &O::Tensor, widths: [usize; 3], rope: Option<(&O::Rope, &O::Step)>) -> OpResult<Projected<O>> {
+        match self {
+            Qkv::Stacked { w, bias } => {
+                let (q, k, v) = ops.split_qkv(&ops.linear(x, w, bias.as_ref())?, widths, rope)?;
+                Ok(Projected { q, k, v, rotated: rope.is_some() })
+            }
+            Qkv::Apart { w: [q, k, v], bias } => {
+                let b = |i: usize| bias.as_ref().map(|b| &b[i]);
+                Ok(Projected { q: ops.linear(x, q, b(0))?, k: ops.linear(x, k, b(1))?, v: ops.linear(x, v, b(2))?, rotated: false })
+            }
+        }
+    }
+}
+
+impl<O: Ops> GateUp<O> {
+    /// `act(gate(x)) · up(x)`.
+    pub(crate) fn act(&self, ops: &O, x: &O::Tensor, act: GatedActivation) -> OpResult<O::Tensor> {
+        match self {
+            GateUp::Stacked(w) => ops.gated_mul(&ops.linear(x, w, None)?, act),
+            GateUp::Apart([gate, up]) => {
+                let (g, u) = (ops.linear(x, gate, None)?, ops.linear(x, up, None)?);
+                match act {
+                    GatedActivation::Silu => ops.silu_mul(&g, &u),
+                    GatedActivation::GeluTanh => ops.gelu_tanh_mul(&g, &u),
+                }
+            }
+        }
+    }
+}
+
+/// A layer's q, k, v (`[nq | nkv | nkv]` whole, rows of this rank's shard)
+/// and their bias, stacked where the backend takes them so.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_qkv<O: Ops>(
+    load: &ShardLoader<'_, O>,
+    prefix: &str,
+    h: usize,
+    [nq, nkv]: [usize; 2],
+    [q_rows, kv_rows]: [std::ops::Range<usize>; 2],
+    bias: bool,
+) -> Result<Qkv<O>> {
+    let part = |s: &str, n: usize, rows: &std::ops::Range<usize>| (format!("{prefix}.{s}_proj.weight"), [n, h], rows.clone());
+    let parts = [part("q", nq, &q_rows), part("k", nkv, &kv_rows), part("v", nkv, &kv_rows)];
+    let biases = |load: &ShardLoader<'_, O>| -> Result<Option<[O::Vector; 3]>> {
+        if !bias {
+            return Ok(None);
+        }
+        Ok(Some([
+            load.vector(&format!("{prefix}.q_proj.bias"), nq, q_rows.clone())?,
+            load.vector(&format!("{prefix}.k_proj.bias"), nkv, kv_rows.clone())?,
+            load.vector(&format!("{prefix}.v_proj.bias"), nkv, kv_rows.clone())?,
+        ]))
+    };
+    if let Some(w) = load.stacked(&format!("{prefix}.qkv_proj.weight"), &parts)? {
+        let bias = if bias {
+            let mut all = Vec::new();
+            for (s, n, rows) in [("q", nq, &q_rows), ("k", nkv, &kv_rows), ("v", nkv, &kv_rows)] {
+                all.extend_from_slice(&load.weights.tensor_f32_shaped(&format!("{prefix}.{s}_proj.bias"), &[n])?.data[rows.clone()]);
+            }
+            Some(load.ops.vector(&format!("{prefix}.qkv_proj.bias"), &all)?)
+        } else {
+            None
+        };
+        return Ok(Qkv::Stacked { w, bias });
+    }
+    let [(qn, qs, qr), (kn, ks, kr), (vn, vs, vr)] = parts;
+    Ok(Qkv::Apart { w: [load.column(&qn, qs, qr)?, load.column(&kn, ks, kr)?, load.column(&vn, vs, vr)?], bias: biases(load)? })
+}
+
+/// A layer's gate and up (`[im, h]`, rows `rows`), stacked where the backend
+/// takes them so.
+pub(crate) fn load_gate_up<O: Ops>(
+    load: &ShardLoader<'_, O>,
+    prefix: &str,
+    h: usize,
+    im: usize,
+    rows: std::ops::Range<usize>,
+) -> Result<GateUp<O>> {
+    let parts = [(format!("{prefix}.gate_proj.weight"), [im, h], rows.clone()), (format!("{prefix}.up_proj.weight"), [im, h], rows)];
+    if let Some(w) = load.stacked(&format!("{prefix}.gate_up_proj.weight"), &parts)? {
+        return Ok(GateUp::Stacked(w));
+    }
+    let [(gn, gs, gr), (un, us, ur)] = parts;
+    Ok(GateUp::Apart([load.column(&gn, gs, gr)?, load.column(&un, us, ur)?]))
 }
 
 /// A loaded Llama-family model on backend `O`: the whole model, or one
@@ -84,15 +201,6 @@ impl<O: Ops> LlamaModel<O> {
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let p = |s: &str| format!("model.layers.{i}.{s}");
-            let qkv_bias = if config.attention_bias {
-                Some([
-                    load.vector(&p("self_attn.q_proj.bias"), nq, shard.q_cols.clone())?,
-                    load.vector(&p("self_attn.k_proj.bias"), nkv, shard.kv_cols.clone())?,
-                    load.vector(&p("self_attn.v_proj.bias"), nkv, shard.kv_cols.clone())?,
-                ])
-            } else {
-                None
-            };
             let qk_norm = if config.qk_norm {
                 Some([vec(&p("self_attn.q_norm.weight"), hd)?, vec(&p("self_attn.k_norm.weight"), hd)?])
             } else {
@@ -101,14 +209,10 @@ impl<O: Ops> LlamaModel<O> {
             layers.push(Layer {
                 input_norm: vec(&p("input_layernorm.weight"), h)?,
                 post_attention_norm: vec(&p("post_attention_layernorm.weight"), h)?,
-                q_proj: load.column(&p("self_attn.q_proj.weight"), [nq, h], shard.q_cols.clone())?,
-                k_proj: load.column(&p("self_attn.k_proj.weight"), [nkv, h], shard.kv_cols.clone())?,
-                v_proj: load.column(&p("self_attn.v_proj.weight"), [nkv, h], shard.kv_cols.clone())?,
+                qkv: load_qkv(&load, &p("self_attn"), h, [nq, nkv], [shard.q_cols.clone(), shard.kv_cols.clone()], config.attention_bias)?,
                 o_proj: load.row(&p("self_attn.o_proj.weight"), [h, nq], shard.q_cols.clone())?,
-                qkv_bias,
                 qk_norm,
-                gate_proj: load.column(&p("mlp.gate_proj.weight"), [im, h], shard.mlp.clone())?,
-                up_proj: load.column(&p("mlp.up_proj.weight"), [im, h], shard.mlp.clone())?,
+                gate_up: load_gate_up(&load, &p("mlp"), h, im, shard.mlp.clone())?,
                 down_proj: load.row(&p("mlp.down_proj.weight"), [h, im], shard.mlp.clone())?,
             });
             progress(i + 1, config.num_hidden_layers);
@@ -136,20 +240,23 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
         // The previous block's MLP output, added to the residual stream by
         // the next block's input norm (one fused op where the backend has it).
         let mut pending: Option<O::Tensor> = None;
+        let a = &self.attention;
+        let widths = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim];
         for (l, layer) in self.layers.iter().enumerate() {
             let x = match pending.take() {
                 Some(out) => ops.add_rms_norm(&mut h, out, &layer.input_norm, eps, c.hidden_size)?,
                 None => ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?,
             };
-            let bias = layer.qkv_bias.as_ref();
-            let mut q = ops.linear(&x, &layer.q_proj, bias.map(|b| &b[0]))?;
-            let mut k = ops.linear(&x, &layer.k_proj, bias.map(|b| &b[1]))?;
-            let v = ops.linear(&x, &layer.v_proj, bias.map(|b| &b[2]))?;
+            // RoPE in the split where no q/k norm comes between.
+            let rope = layer.qk_norm.is_none().then_some((&self.rope, step));
+            let Projected { mut q, mut k, v, rotated } = layer.qkv.project(ops, &x, widths, rope)?;
             if let Some([qn, kn]) = &layer.qk_norm {
                 q = ops.rms_norm(&q, qn, eps, c.head_dim)?;
                 k = ops.rms_norm(&k, kn, eps, c.head_dim)?;
             }
-            ops.rope_qk(&mut q, &mut k, &self.rope, step)?;
+            if !rotated {
+                ops.rope_qk(&mut q, &mut k, &self.rope, step)?;
+            }
             // Each layer's own window (Qwen's `layer_types` mix full and
             // sliding layers; Mistral slides everywhere).
             let shape = AttentionShape { sliding_window: c.layer_window(l), ..self.attention };
@@ -157,7 +264,7 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
             let mut out = ops.linear(&attn, &layer.o_proj, None)?;
             ops.all_reduce(&mut out)?;
             let x = ops.add_rms_norm(&mut h, out, &layer.post_attention_norm, eps, c.hidden_size)?;
-            let act = ops.silu_mul(&ops.linear(&x, &layer.gate_proj, None)?, &ops.linear(&x, &layer.up_proj, None)?)?;
+            let act = layer.gate_up.act(ops, &x, GatedActivation::Silu)?;
             let mut out = ops.linear(&act, &layer.down_proj, None)?;
             ops.all_reduce(&mut out)?;
             pending = Some(out);

@@ -158,6 +158,17 @@ impl<O: Ops> ShardLoader<'_, O> {
         Ok(self.ops.linear_weight(self.weights.tensor_shaped(name, &shape)?.rows(rows)?)?)
     }
 
+    /// Column-parallel linears that share their input (`(name, shape,
+    /// rows)` each) as one stacked weight, where the backend multiplies
+    /// them so ([`Ops::stacked_weight`]); `None`: load them apart.
+    pub(crate) fn stacked(&self, name: &str, parts: &[(String, [usize; 2], Range<usize>)]) -> Result<Option<O::Weight>> {
+        let mut views = Vec::with_capacity(parts.len());
+        for (part, shape, rows) in parts {
+            views.push(self.weights.tensor_shaped(part, shape)?.rows(rows.clone())?);
+        }
+        Ok(self.ops.stacked_weight(name, &views)?)
+    }
+
     /// A row-parallel linear (`[out, in]`, input features `cols`).
     pub(crate) fn row(&self, name: &str, shape: [usize; 2], cols: Range<usize>) -> Result<O::Weight> {
         Ok(self.ops.linear_weight(self.weights.tensor_shaped(name, &shape)?.cols(cols)?)?)

@@ -51,6 +51,21 @@ impl ActivationDtype {
     }
 }
 
+/// The activation of a gated MLP (`act(gate) · up`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatedActivation {
+    /// SwiGLU: `silu(gate) · up` (Llama).
+    Silu,
+    /// GeGLU with the tanh approximation (Gemma).
+    GeluTanh,
+}
+
+/// The error of a stacked-projection op a backend that never stacks is
+/// asked for (a model only asks after [`Ops::stacked_weight`] gave a weight).
+fn not_stacked(backend: &str, op: &str) -> vellum_base::Error {
+    vellum_base::Error::Backend(format!("{op}: the {backend} backend does not stack projections"))
+}
+
 /// The message a collective fails with when another rank of its group
 /// failed the step (so that a runner reports the rank's own error instead).
 pub const GROUP_FAILED: &str = "another rank of the tensor-parallel group failed its step";
@@ -128,6 +143,38 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     fn scale(&self, x: &mut Self::Tensor, factor: f32) -> OpResult<()>;
 
     // --- Fusions: one pass where a backend has the kernel, the composed ops otherwise ---
+
+    /// One weight for `parts` stacked along their rows (the q, k and v
+    /// projections, or gate and up), named `name`, where this backend
+    /// multiplies them as one product and splits the result with
+    /// [`split_qkv`](Self::split_qkv) or [`gated_mul`](Self::gated_mul):
+    /// fewer, larger products and kernels a layer. `None` (the default, and
+    /// where the parts differ in type): the model keeps them apart. A
+    /// backend that returns a weight implements both splits.
+    fn stacked_weight(&self, name: &str, parts: &[WeightView<'_>]) -> Result<Option<Self::Weight>> {
+        let _ = (name, parts);
+        Ok(None)
+    }
+
+    /// The rows of `qkv` (`[rows, q + k + v]`, a product by a stacked
+    /// weight) split into q, k and v of `widths`; with `rope`, q and k come
+    /// out rotated as [`rope_qk`](Self::rope_qk) rotates them.
+    fn split_qkv(
+        &self,
+        qkv: &Self::Tensor,
+        widths: [usize; 3],
+        rope: Option<(&Self::Rope, &Self::Step)>,
+    ) -> OpResult<(Self::Tensor, Self::Tensor, Self::Tensor)> {
+        let _ = (qkv, widths, rope);
+        Err(not_stacked(self.name(), "split_qkv"))
+    }
+
+    /// `act(gate) · up` of `x` (`[rows, 2·inter]`: the gate product, then
+    /// the up product, from a stacked weight).
+    fn gated_mul(&self, x: &Self::Tensor, act: GatedActivation) -> OpResult<Self::Tensor> {
+        let _ = (x, act);
+        Err(not_stacked(self.name(), "gated_mul"))
+    }
 
     /// `residual += y`, then the RMSNorm of each row (`cols` wide) of the
     /// new residual: the add closing one block and the norm opening the

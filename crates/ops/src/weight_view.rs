@@ -53,6 +53,26 @@ impl<'a> WeightView<'a> {
         WeightView::new(name, shape, GgmlType::F32, Cow::Owned(bytes)).expect("from_f32: data must hold the shape's values")
     }
 
+    /// `parts` stacked along their rows (output features) as one `[Σ rows,
+    /// cols]` weight of their type, named `name` — the q, k and v
+    /// projections as one product, say; `None` when they differ in type or
+    /// columns (a Q4_K_M file keeps some in Q6_K), or are not matrices.
+    /// GGUF blocks never span rows, so the bytes concatenate as they are.
+    pub fn concat_rows(name: &str, parts: &[WeightView<'_>]) -> Option<WeightView<'static>> {
+        let first = parts.first()?;
+        let (_, cols) = first.matrix_dims().ok()?;
+        let mut rows = 0;
+        for p in parts {
+            let (r, c) = p.matrix_dims().ok()?;
+            if p.dtype != first.dtype || c != cols {
+                return None;
+            }
+            rows += r;
+        }
+        let data: Vec<u8> = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+        WeightView::new(name, vec![rows, cols], first.dtype, Cow::Owned(data)).ok()
+    }
+
     /// Total values.
     pub fn n_elements(&self) -> usize {
         self.shape.iter().product()
@@ -165,6 +185,21 @@ impl<'a> WeightView<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stacked_rows_keep_each_parts_values_and_refuse_mixed_types() {
+        let q = q8_matrix();
+        let k = q8_matrix().rows(1..3).expect("rows");
+        let qk = WeightView::concat_rows("qk", &[q.clone(), k.clone()]).expect("same type and columns");
+        assert_eq!(qk.shape, vec![5, 64]);
+        let (a, b, both) = (q.to_f32().unwrap(), k.to_f32().unwrap(), qk.to_f32().unwrap());
+        assert_eq!(both, [a, b].concat());
+        let f = WeightView::from_f32("f", vec![2, 64], &[0.5; 128]);
+        assert!(WeightView::concat_rows("x", &[q.clone(), f]).is_none(), "Q8_0 and F32");
+        let narrow = WeightView::from_f32("n", vec![2, 32], &[0.5; 64]);
+        assert!(WeightView::concat_rows("x", &[WeightView::from_f32("g", vec![1, 64], &[1.0; 64]), narrow]).is_none(), "columns differ");
+        assert!(WeightView::concat_rows("x", &[]).is_none());
+    }
 
     /// A `[3, 64]` Q8_0 matrix: two blocks a row, scale 0.5, values that
     /// differ in every cell.
