@@ -32,6 +32,12 @@ use vellum_base::{ForwardBatch, StepBounds};
 /// of paged attention v2).
 pub const MIN_CONTEXT_BUCKET: usize = 512;
 
+/// The longest context a decode step is recorded for (vLLM's
+/// `max_seq_len_to_capture`); a batch with a longer one runs eagerly. It
+/// bounds the persistent inputs every shape keeps (block tables of
+/// `rows × 8192 / block_size` entries at most).
+pub const MAX_CONTEXT_TO_CAPTURE: usize = 8192;
+
 /// Eager runs of a key before it is recorded: the first compiles its
 /// kernels and warms cuBLAS outside the capture.
 pub const WARMUP_RUNS: u32 = 1;
@@ -100,8 +106,8 @@ pub struct GraphKey {
 impl GraphKey {
     /// The key of `batch` when it can be replayed: a decode batch (one new
     /// token per sequence, every row's logits, in order; not a pooling
-    /// step) of no more rows than the largest capture size. `None`: it runs
-    /// eagerly.
+    /// step) of no more rows than the largest capture size and no context
+    /// past [`MAX_CONTEXT_TO_CAPTURE`]. `None`: it runs eagerly.
     pub fn of(batch: &ForwardBatch, sizes: &CaptureSizes, block_size: usize) -> Option<Self> {
         let (t, s) = (batch.num_tokens(), batch.num_seqs());
         let uniform_decode = t > 0
@@ -114,6 +120,9 @@ impl GraphKey {
             return None;
         }
         let max_context = batch.context_lens.iter().copied().max().unwrap_or(0) as usize;
+        if max_context > MAX_CONTEXT_TO_CAPTURE {
+            return None;
+        }
         Some(Self { rows: sizes.padded(t)?, context_bucket: context_bucket(max_context), groups: batch.kv_groups(), block_size })
     }
 
@@ -309,6 +318,14 @@ impl<G> GraphCache<G> {
         }
     }
 
+    /// Takes back the warm-up [`next`](Self::next) just counted for `key`
+    /// (it failed).
+    pub fn rewind(&mut self, key: GraphKey) {
+        if let Some(Entry::Warming(n)) = self.entries.get_mut(&key) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
     /// Stores `key`'s recorded graph.
     pub fn recorded(&mut self, key: GraphKey, graph: G) {
         self.entries.insert(key, Entry::Recorded(graph));
@@ -412,6 +429,12 @@ mod tests {
         assert_eq!(GraphKey::of(&ForwardBatch { logits_indices: vec![0, 2], ..b.clone() }, &sizes, 4), None);
         assert_eq!(GraphKey::of(&b, &CaptureSizes::up_to(2), 4), None);
         assert_eq!(GraphKey::of(&ForwardBatch::default(), &sizes, 4), None);
+        // A context past what is recorded.
+        let mut long = b.clone();
+        long.context_lens[1] = MAX_CONTEXT_TO_CAPTURE as u32 + 1;
+        assert_eq!(GraphKey::of(&long, &sizes, 4), None);
+        long.context_lens[1] = MAX_CONTEXT_TO_CAPTURE as u32;
+        assert_eq!(GraphKey::of(&long, &sizes, 4).map(|k| k.context_bucket), Some(MAX_CONTEXT_TO_CAPTURE));
     }
 
     #[test]
@@ -476,6 +499,12 @@ mod tests {
         assert_eq!(cache.next(key), Action::Record, "until a graph is stored");
         cache.recorded(key, "graph");
         assert_eq!(cache.next(key), Action::Replay);
+        // A failed warm-up is taken back: the next step warms up again.
+        let third = GraphKey { rows: 16, ..key };
+        assert_eq!(cache.next(third), Action::Eager);
+        cache.rewind(third);
+        assert_eq!(cache.next(third), Action::Eager);
+        assert_eq!(cache.next(third), Action::Record);
         assert_eq!(cache.get(&key), Some(&"graph"));
         let other = GraphKey { rows: 8, ..key };
         cache.next(other);

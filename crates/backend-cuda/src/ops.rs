@@ -187,6 +187,42 @@ struct SendGraph(CudaGraph);
 // held for every use (recording, replay, drop on clear).
 unsafe impl Send for SendGraph {}
 
+/// Why a step was not recorded.
+enum RecordError {
+    /// The step's own ops failed (a bad input, out of memory): the eager
+    /// run says which.
+    Step(Error),
+    /// The capture, instantiation or upload failed: the shape runs eagerly.
+    Capture(String),
+}
+
+/// Ends a stream's capture if it is still capturing when dropped (a failed
+/// or panicking recording), so that later work on the stream runs.
+struct CaptureGuard<'a> {
+    stream: &'a Arc<cudarc::driver::CudaStream>,
+}
+
+impl Drop for CaptureGuard<'_> {
+    fn drop(&mut self) {
+        use cudarc::driver::sys;
+        // Errors cudarc stored would stop the status query before it runs.
+        let _ = self.stream.context().check_err();
+        if matches!(self.stream.capture_status(), Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)) {
+            return;
+        }
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the stream is this instance's own, capturing (checked
+        // above); the graph the driver returns, if any, is destroyed here
+        // and used nowhere else.
+        unsafe {
+            let _ = sys::cuStreamEndCapture(self.stream.cu_stream(), &mut graph);
+            if !graph.is_null() {
+                let _ = sys::cuGraphDestroy(graph);
+            }
+        }
+    }
+}
+
 /// The graph state of one backend instance.
 struct Graphs {
     options: GraphOptions,
@@ -357,6 +393,14 @@ impl CudaOps {
         (read(CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT), read(CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH))
     }
 
+    /// Whether decode steps are recorded: asked for, on an instance that is
+    /// no rank of a tensor-parallel group, on a device whose allocations
+    /// are stream-ordered (a recording allocates and frees inside the
+    /// graph; a synchronous free would end it).
+    fn graphs_on(&self, g: &Graphs) -> bool {
+        g.options.enabled && self.group.is_none() && self.k.context().has_async_alloc()
+    }
+
     /// Drops every recorded graph and its inputs, and hands the memory the
     /// graphs held back to the device (`cuDeviceGraphMemTrim`), so that the
     /// free memory the KV cache is sized from does not count it.
@@ -491,27 +535,38 @@ impl CudaOps {
         Ok(StepInputs { ids: self.htod(ids)?, positions: self.htod(positions)?, logits: self.htod(logits)?, groups: group_steps })
     }
 
-    /// Records `forward` for `key` as a graph and stores it; `Err` (with
-    /// the capture ended) when the step could not be recorded.
-    fn record(&self, graphs: &mut Graphs, key: GraphKey, forward: &mut dyn FnMut() -> OpResult<CudaTensor>) -> OpResult<()> {
-        let (rows, cols) = *graphs.shapes.get(&key).ok_or_else(|| Error::Backend("graph: no warm-up step of this shape".into()))?;
-        let driver = |e: cudarc::driver::DriverError| backend(e.into());
+    /// Records `forward` for `key` as a graph, uploads it (its memory is
+    /// taken now, not at its first replay) and stores it. The capture is
+    /// ended on every path, a panic in `forward` included
+    /// ([`CaptureGuard`]).
+    fn record(&self, graphs: &mut Graphs, key: GraphKey, forward: &mut dyn FnMut() -> OpResult<CudaTensor>) -> Result<(), RecordError> {
+        let (rows, cols) = *graphs.shapes.get(&key).ok_or_else(|| RecordError::Capture("no warm-up step of this shape".into()))?;
+        let capture = |e: cudarc::driver::DriverError| RecordError::Capture(e.to_string());
         let started = std::time::Instant::now();
-        let mut output = self.zeros::<f32>(rows * cols)?;
+        let mut output = self.zeros::<f32>(rows * cols).map_err(|e| RecordError::Capture(e.to_string()))?;
         let stream = self.k.stream().clone();
         *lock(&self.recording) = Some(Limits::default());
-        stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(driver)?;
+        stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(capture)?;
+        let guard = CaptureGuard { stream: &stream };
         let copied = match forward() {
-            Ok(out) if (out.rows, out.cols) == (rows, cols) => stream.memcpy_dtod(&out.buf, &mut output).map_err(driver),
-            Ok(out) => Err(Error::Backend(format!("graph: [{}, {}] logits recorded for [{rows}, {cols}]", out.rows, out.cols))),
-            Err(e) => Err(e),
+            Ok(out) if (out.rows, out.cols) == (rows, cols) => {
+                stream.memcpy_dtod(&out.buf, &mut output).map_err(|e| RecordError::Capture(e.to_string()))
+            }
+            Ok(out) => Err(RecordError::Capture(format!("[{}, {}] logits recorded for [{rows}, {cols}]", out.rows, out.cols))),
+            Err(e) => Err(RecordError::Step(e)),
         };
-        // Every intermediate, the step's logits included, is freed inside
-        // the capture: the graph allocates and frees its own memory.
+        // Every intermediate, the step's logits included, was freed inside
+        // the capture: the graph allocates and frees its own memory. An
+        // error cudarc stored meanwhile (a free on an invalidated capture)
+        // would make end_capture return before ending it: take it first.
+        let stored = self.k.context().check_err();
         let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        drop(guard);
         let limits = lock(&self.recording).take().unwrap_or_default();
         copied?;
-        let graph = graph.map_err(driver)?.ok_or_else(|| Error::Backend("graph: the capture recorded nothing".into()))?;
+        stored.map_err(capture)?;
+        let graph = graph.map_err(capture)?.ok_or_else(|| RecordError::Capture("the capture recorded nothing".into()))?;
+        graph.upload().map_err(capture)?;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         graphs.record_ms += ms;
         let (memory, _) = self.graph_memory();
@@ -968,19 +1023,40 @@ impl Ops for CudaOps {
         let mut graphs = lock(&self.graphs);
         match graphs.cache.next(key) {
             Action::Eager => {
-                let out = forward()?;
+                // A failed warm-up does not count: the shape is warmed up again.
+                let out = forward().inspect_err(|_| graphs.cache.rewind(key))?;
                 graphs.shapes.insert(key, (out.rows, out.cols));
                 return self.first_rows(out, step.rows_out);
             }
-            Action::Record => {
-                if let Err(e) = self.record(&mut graphs, key, forward) {
+            Action::Record => match self.record(&mut graphs, key, forward) {
+                Ok(()) => {}
+                Err(RecordError::Step(e)) => {
+                    // The step's own ops failed inside the capture: run it
+                    // eagerly to tell a bad step (the same error: returned,
+                    // the shape left to record later) from one that fails
+                    // only under capture (the shape then runs eagerly).
+                    drop(graphs);
+                    let out = forward()?;
                     tracing::warn!(rows = key.rows, context_bound = key.context_bucket, "decode steps of this shape run eagerly: {e}");
+                    lock(&self.graphs).cache.failed(key);
+                    return self.first_rows(out, step.rows_out);
+                }
+                Err(RecordError::Capture(why)) => {
+                    tracing::warn!(rows = key.rows, context_bound = key.context_bucket, "decode steps of this shape run eagerly: {why}");
                     graphs.cache.failed(key);
+                    // A stream that could not leave its capture takes no more.
+                    if !matches!(
+                        self.k.stream().capture_status(),
+                        Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+                    ) {
+                        tracing::error!("the stream is stuck in a capture; CUDA graphs are off for this instance");
+                        graphs.options.enabled = false;
+                    }
                     drop(graphs);
                     let out = forward()?;
                     return self.first_rows(out, step.rows_out);
                 }
-            }
+            },
             Action::Replay => {}
         }
         let recorded = graphs.cache.get(&key).ok_or_else(|| Error::Backend("graph: not recorded".into()))?;
@@ -991,13 +1067,24 @@ impl Ops for CudaOps {
             let out = forward()?;
             return self.first_rows(out, step.rows_out);
         }
-        recorded.graph.0.launch().map_err(|e| backend(e.into()))?;
+        if let Err(e) = recorded.graph.0.launch() {
+            // The shape runs eagerly from now on (its graph is dropped).
+            tracing::warn!(
+                rows = key.rows,
+                context_bound = key.context_bucket,
+                "a recorded decode step failed to launch; eager from now on: {e}"
+            );
+            graphs.cache.failed(key);
+            drop(graphs);
+            let out = forward()?;
+            return self.first_rows(out, step.rows_out);
+        }
         self.copy_rows(&recorded.output, step.rows_out, recorded.cols)
     }
 
     fn graph_sizes(&self) -> Vec<usize> {
         let g = lock(&self.graphs);
-        if g.options.enabled && self.group.is_none() {
+        if self.graphs_on(&g) {
             g.options.capture_sizes.sizes().to_vec()
         } else {
             Vec::new()
@@ -1130,7 +1217,7 @@ impl AttentionBackend for CudaOps {
         let bounds = batch.step_bounds(block_size)?;
         let key = {
             let g = lock(&self.graphs);
-            (g.options.enabled && self.group.is_none()).then(|| GraphKey::of(batch, &g.options.capture_sizes, block_size)).flatten()
+            self.graphs_on(&g).then(|| GraphKey::of(batch, &g.options.capture_sizes, block_size)).flatten()
         };
         if let Some(key) = key {
             if let Some(step) = self.prepare_graph_step(batch, key, &bounds)? {

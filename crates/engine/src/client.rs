@@ -72,8 +72,8 @@ pub struct EngineStats {
     pub spec_decode: crate::speculative::SpecDecodeCounters,
     /// Seconds the engine loop spent on steps: the step itself (its
     /// schedule, execute and sample shares are in `counters`; the rest is
-    /// output processing: detokenizing, stop strings) and handing the
-    /// outputs to the requests' streams. Idle waits are not counted.
+    /// its token deltas) and handing them to the requests' streams (the
+    /// server detokenizes on its own tasks). Idle waits are not counted.
     pub loop_busy_s: f64,
 }
 

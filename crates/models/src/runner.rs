@@ -484,7 +484,9 @@ impl<O: Ops> ModelRunner<O> {
     /// peak for SmolLM2's shape and 1.04 times for Llama 3 8B's. 0 for a
     /// backend that records none.
     fn profile_graphs(&mut self, num_seqs: usize, max_model_len: usize, block_size: usize) -> vellum_base::Result<u64> {
-        let rows = self.ops().graph_sizes().last().copied().unwrap_or(0).min(num_seqs);
+        // The size a batch of num_seqs pads to, as capture_graphs records.
+        let sizes = self.ops().graph_sizes();
+        let rows = sizes.iter().copied().find(|&s| s >= num_seqs).or(sizes.last().copied()).unwrap_or(0);
         if rows == 0 || self.ranks.len() > 1 || !self.ranks[0].model.has_lm_head() {
             return Ok(0);
         }
@@ -494,6 +496,8 @@ impl<O: Ops> ModelRunner<O> {
 
     fn drop_caches(&mut self) {
         for rank in &mut self.ranks {
+            // Recorded steps address the cache's pools.
+            rank.ops.release_graphs();
             rank.cache = None;
         }
     }

@@ -263,10 +263,10 @@ impl Metrics {
         let c = &s.counters;
         let other = (s.loop_busy_s - c.schedule_s - c.execute_s - c.sample_s).max(0.0);
         for (phase, seconds, what) in [
-            ("schedule", c.schedule_s, "scheduling and building the batch"),
+            ("schedule", c.schedule_s, "scheduling and building the batch (draft proposals included)"),
             ("execute", c.execute_s, "the executor (the forward pass)"),
             ("sample", c.sample_s, "sampling and applying the samples"),
-            ("output", other, "processing outputs (detokenizing, stop strings) and handing them to the streams"),
+            ("output", other, "on the rest of a step: its token deltas, handing them to the streams, ending finished ones"),
         ] {
             metric(&format!("vellum:engine_{phase}_seconds_total"), "counter", &format!("Engine loop seconds spent {what}."), seconds);
         }
