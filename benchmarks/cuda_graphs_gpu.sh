@@ -6,8 +6,9 @@
 #   bash benchmarks/cuda_graphs_gpu.sh                                         # there
 #
 # 1. llama.cpp's CUDA build starts in the background (~4 min on 16 cores);
-# 2. meanwhile, the GPU suite's graph, executor, conformance, cuBLAS,
-#    attention and NCCL tests, then greedy generation on a SmolLM2-shaped
+# 2. meanwhile, the GPU suite's graph, executor, conformance (the fused and
+#    stacked ops included), cuBLAS, attention, norm and NCCL tests, then
+#    greedy generation on a SmolLM2-shaped
 #    random Q4_1 model with graphs and with --enforce-eager (tokens and
 #    logprobs compared);
 # 3. once llama.cpp is built: SmolLM2-shaped Q4_1 at 1/64/256 sequences,
@@ -29,7 +30,7 @@ left() { local l=$((budget - (SECONDS - t0))); echo $((l < 30 ? 30 : l)); }
 (bash benchmarks/cuda_vs_llama_cpp.sh build >"$out/logs/llama_build.txt" 2>&1; echo "build exit $?" >>"$out/logs/llama_build.txt") &
 build=$!
 
-export SUITE_FILTER=${SUITE_FILTER:-"decode_steps the_cuda_executor tensor_parallel_groups the_conformance_suite sixteen_bit paged_attention_matches"}
+export SUITE_FILTER=${SUITE_FILTER:-"decode_steps the_cuda_executor tensor_parallel_groups the_conformance_suite sixteen_bit paged_attention_matches rms_norm"}
 SUITE_LIMIT=${SUITE_LIMIT:-200} bash .gpu/run.sh suite >"$out/logs/suite.txt" 2>&1
 stamp "suite exit $?"
 grep -E "^test |test result|recorded|SKIPPED|panicked" "$out/logs/suite.txt" | cut -c1-220

@@ -545,9 +545,9 @@ impl CudaOps {
         let started = std::time::Instant::now();
         let mut output = self.zeros::<f32>(rows * cols).map_err(|e| RecordError::Capture(e.to_string()))?;
         let stream = self.k.stream().clone();
-        *lock(&self.recording) = Some(Limits::default());
         stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(capture)?;
         let guard = CaptureGuard { stream: &stream };
+        *lock(&self.recording) = Some(Limits::default());
         let copied = match forward() {
             Ok(out) if (out.rows, out.cols) == (rows, cols) => {
                 stream.memcpy_dtod(&out.buf, &mut output).map_err(|e| RecordError::Capture(e.to_string()))
