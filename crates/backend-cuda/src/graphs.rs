@@ -132,26 +132,69 @@ impl GraphKey {
     }
 }
 
-/// A decode batch's inputs padded to its key's rows, in the kernels' types:
-/// what is copied into the key's persistent buffers before a replay.
+/// A step's inputs in the kernels' types, on the host: what a step's device
+/// buffers are uploaded from (`CudaOps::prepare_step`), or copied into for
+/// a replay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostInputs {
+    /// Token ids.
+    pub ids: Vec<i32>,
+    /// Positions.
+    pub positions: Vec<i64>,
+    /// Per KV-cache group, each token's slot (-1 writes nothing).
+    pub slots: Vec<Vec<i64>>,
+    /// Per group, `[sequences, stride]` block ids.
+    pub block_tables: Vec<Vec<i32>>,
+    /// Each token's sequence.
+    pub token_seq: Vec<i32>,
+    /// First token of each sequence, then the token count.
+    pub query_start_loc: Vec<i32>,
+    /// Tokens in each sequence's context after the step.
+    pub context_lens: Vec<i32>,
+    /// The rows whose logits the step returns.
+    pub logits: Vec<i32>,
+}
+
+/// `x` as a kernel's int32 index.
+fn int(x: u32, what: &str) -> Result<i32, String> {
+    i32::try_from(x).map_err(|_| format!("{what} {x} does not fit the kernels' int32 indices"))
+}
+
+fn ints(xs: &[u32], what: &str) -> Result<Vec<i32>, String> {
+    xs.iter().map(|&x| int(x, what)).collect()
+}
+
+impl HostInputs {
+    /// `batch` as it is, with `bounds` from [`ForwardBatch::step_bounds`]
+    /// (which checked its shape).
+    pub fn of(batch: &ForwardBatch, bounds: &StepBounds) -> Result<Self, String> {
+        let (t, s, stride) = (batch.num_tokens(), batch.num_seqs(), batch.block_table_stride);
+        let groups = batch.kv_groups();
+        Ok(Self {
+            ids: ints(&batch.token_ids, "token id")?,
+            positions: batch.positions.iter().map(|&p| i64::from(p)).collect(),
+            slots: (0..groups).map(|g| batch.slot_mapping[g * t..(g + 1) * t].iter().map(|&x| i64::from(x)).collect()).collect(),
+            block_tables: (0..groups)
+                .map(|g| ints(&batch.block_tables[g * s * stride..(g + 1) * s * stride], "block id"))
+                .collect::<Result<_, _>>()?,
+            token_seq: ints(&bounds.token_seq, "sequence index")?,
+            query_start_loc: ints(&batch.query_start_loc, "query offset")?,
+            context_lens: ints(&batch.context_lens, "context length")?,
+            logits: ints(&batch.logits_indices, "logits row")?,
+        })
+    }
+}
+
+/// A decode batch's inputs padded to its key's rows: what is copied into the
+/// key's persistent buffers before a replay.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PaddedDecode {
-    /// Token ids (padding: 0).
-    pub ids: Vec<i32>,
-    /// Positions (padding: 0).
-    pub positions: Vec<i64>,
-    /// Per group, each row's KV slot (padding: -1, which writes nothing).
-    pub slots: Vec<Vec<i64>>,
-    /// Per group, `[rows, stride]` block ids (padding and unused entries: 0).
-    pub block_tables: Vec<Vec<i32>>,
-    /// Each row's sequence (row i is sequence i).
-    pub token_seq: Vec<i32>,
-    /// `0..=rows`: one query a sequence.
-    pub query_start_loc: Vec<i32>,
-    /// Context lengths (padding: 1, the one slot of block 0 it reads).
-    pub context_lens: Vec<i32>,
-    /// Logits rows `0..rows`.
-    pub logits: Vec<i32>,
+    /// Token ids (padding: 0), positions (0), per group each row's slot
+    /// (-1, which writes nothing) and `[rows, stride]` block ids (padding
+    /// and unused entries: 0), row i as sequence i with one query, context
+    /// lengths (padding: 1, the one slot of block 0 it reads), logits rows
+    /// `0..rows`.
+    pub inputs: HostInputs,
     /// The bounds of the padded step: the batch's own, with the padding's
     /// block 0 and logits rows.
     pub bounds: StepBounds,
@@ -163,24 +206,17 @@ impl PaddedDecode {
     /// ([`ForwardBatch::step_bounds`], which checked its shape).
     pub fn new(batch: &ForwardBatch, key: &GraphKey, bounds: &StepBounds) -> Result<Self, String> {
         let (n, rows, stride) = (batch.num_tokens(), key.rows, key.table_stride());
-        let int = |x: u32, what: &str| i32::try_from(x).map_err(|_| format!("{what} {x} does not fit the kernels' int32 indices"));
         if n > rows || batch.kv_groups() != key.groups {
             return Err(format!("a batch of {n} rows in {} groups for a graph of {rows} in {}", batch.kv_groups(), key.groups));
         }
-        let mut ids = Vec::with_capacity(rows);
-        for &id in &batch.token_ids {
-            ids.push(int(id, "token id")?);
-        }
+        let mut ids = ints(&batch.token_ids, "token id")?;
         ids.resize(rows, 0);
         let mut positions: Vec<i64> = batch.positions.iter().map(|&p| i64::from(p)).collect();
         positions.resize(rows, 0);
-        let mut context_lens = Vec::with_capacity(rows);
-        for &c in &batch.context_lens {
-            if c as usize > key.context_bucket {
-                return Err(format!("a context of {c} for a graph of contexts up to {}", key.context_bucket));
-            }
-            context_lens.push(int(c, "context length")?);
+        if let Some(&c) = batch.context_lens.iter().find(|&&c| c as usize > key.context_bucket) {
+            return Err(format!("a context of {c} for a graph of contexts up to {}", key.context_bucket));
         }
+        let mut context_lens = ints(&batch.context_lens, "context length")?;
         context_lens.resize(rows, 1);
         let (mut slots, mut block_tables) = (Vec::with_capacity(key.groups), Vec::with_capacity(key.groups));
         let src_stride = batch.block_table_stride;
@@ -203,7 +239,7 @@ impl PaddedDecode {
         if rows > n {
             bounds.max_block = bounds.max_block.max(Some(0));
         }
-        Ok(Self {
+        let inputs = HostInputs {
             ids,
             positions,
             slots,
@@ -212,8 +248,8 @@ impl PaddedDecode {
             query_start_loc: (0..=rows as i32).collect(),
             context_lens,
             logits: (0..rows as i32).collect(),
-            bounds,
-        })
+        };
+        Ok(Self { inputs, bounds })
     }
 }
 
@@ -443,22 +479,34 @@ mod tests {
         let key = GraphKey::of(&b, &CaptureSizes::up_to(8), 4).unwrap();
         let bounds = b.step_bounds(4).unwrap();
         let p = PaddedDecode::new(&b, &key, &bounds).unwrap();
-        assert_eq!(p.ids, [10, 20, 30, 0]);
-        assert_eq!(p.positions, [4, 16, 2, 0]);
-        assert_eq!(p.slots, [vec![36, 20, 46, -1]]);
-        assert_eq!(p.context_lens, [5, 17, 3, 1]);
-        assert_eq!(p.query_start_loc, [0, 1, 2, 3, 4]);
-        assert_eq!(p.token_seq, [0, 1, 2, 3]);
-        assert_eq!(p.logits, [0, 1, 2, 3]);
+        assert_eq!(p.inputs.ids, [10, 20, 30, 0]);
+        assert_eq!(p.inputs.positions, [4, 16, 2, 0]);
+        assert_eq!(p.inputs.slots, [vec![36, 20, 46, -1]]);
+        assert_eq!(p.inputs.context_lens, [5, 17, 3, 1]);
+        assert_eq!(p.inputs.query_start_loc, [0, 1, 2, 3, 4]);
+        assert_eq!(p.inputs.token_seq, [0, 1, 2, 3]);
+        assert_eq!(p.inputs.logits, [0, 1, 2, 3]);
         let stride = key.table_stride();
-        assert_eq!(p.block_tables[0].len(), 4 * stride);
-        assert_eq!(&p.block_tables[0][..6], &[7, 9, 0, 0, 0, 0]);
-        assert_eq!(&p.block_tables[0][stride..stride + 6], &[1, 2, 3, 4, 5, 0]);
-        assert_eq!(p.block_tables[0][2 * stride], 11);
-        assert!(p.block_tables[0][3 * stride..].iter().all(|&x| x == 0));
+        assert_eq!(p.inputs.block_tables[0].len(), 4 * stride);
+        assert_eq!(&p.inputs.block_tables[0][..6], &[7, 9, 0, 0, 0, 0]);
+        assert_eq!(&p.inputs.block_tables[0][stride..stride + 6], &[1, 2, 3, 4, 5, 0]);
+        assert_eq!(p.inputs.block_tables[0][2 * stride], 11);
+        assert!(p.inputs.block_tables[0][3 * stride..].iter().all(|&x| x == 0));
         assert_eq!(p.bounds.max_logits_row, Some(3));
         assert_eq!(p.bounds.max_block, bounds.max_block);
         assert_eq!(p.bounds.max_id, Some(30));
+    }
+
+    #[test]
+    fn host_inputs_are_the_batch_in_the_kernels_types() {
+        let b = decode_batch();
+        let h = HostInputs::of(&b, &b.step_bounds(4).unwrap()).unwrap();
+        assert_eq!((h.ids, h.positions, h.context_lens), (vec![10, 20, 30], vec![4, 16, 2], vec![5, 17, 3]));
+        assert_eq!((h.token_seq, h.query_start_loc, h.logits), (vec![0, 1, 2], vec![0, 1, 2, 3], vec![0, 1, 2]));
+        assert_eq!(h.slots, [vec![36, 20, 46]]);
+        assert_eq!(h.block_tables, [b.block_tables.iter().map(|&x| x as i32).collect::<Vec<_>>()]);
+        let huge = ForwardBatch { token_ids: vec![10, u32::MAX, 30], ..b.clone() };
+        assert!(HostInputs::of(&huge, &huge.step_bounds(4).unwrap()).unwrap_err().contains("token id 4294967295"));
     }
 
     #[test]
@@ -470,9 +518,9 @@ mod tests {
         b.block_tables.extend(second);
         let key = GraphKey::of(&b, &CaptureSizes::up_to(4), 4).unwrap();
         let p = PaddedDecode::new(&b, &key, &b.step_bounds(4).unwrap()).unwrap();
-        assert_eq!(p.slots[1], [1, 2, 3, -1]);
-        assert_eq!(&p.block_tables[1][..2], &[107, 109]);
-        assert_eq!(p.block_tables[1][2 * key.table_stride()], 111);
+        assert_eq!(p.inputs.slots[1], [1, 2, 3, -1]);
+        assert_eq!(&p.inputs.block_tables[1][..2], &[107, 109]);
+        assert_eq!(p.inputs.block_tables[1][2 * key.table_stride()], 111);
     }
 
     #[test]

@@ -856,25 +856,9 @@ impl Kernels {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<(), CudaError> {
-        let tokens = positions.len();
-        if q.len() < tokens * heads * head_dim || k.len() < tokens * kv_heads * head_dim || !head_dim.is_multiple_of(2) {
-            return Err(shape_error(format!(
-                "rope of {tokens} tokens × {heads} + {kv_heads} heads × {head_dim}: buffer too small or odd head_dim"
-            )));
-        }
-        if tokens == 0 {
-            return Ok(());
-        }
-        let f = self.function(&Variant::new(LAYERS, &[]), "rope_half_split")?;
-        let ints = [to_i32(heads, "heads")?, to_i32(kv_heads, "kv heads")?, to_i32(head_dim, "head_dim")?, to_i32(head_dim, "rot")?];
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(q).arg(k).arg(cos_sin).arg(positions).arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]);
-        // SAFETY: matches rope_half_split(float*, float*, const float*,
-        // const long long*, int, int, int, int); q holds [tokens, heads,
-        // head_dim] and k [tokens, kv_heads, head_dim] (checked above), each
-        // pair rotated by one thread.
-        unsafe { b.launch(cfg((to_u32(tokens, "tokens")?, 1, 1), 256, 0)) }?;
-        Ok(())
+        // SAFETY: this function's contract is rope_half_split's; q and k are
+        // distinct buffers, each written only by the kernel.
+        unsafe { self.rope_half_split(q, k, cos_sin, positions, [heads, kv_heads], head_dim) }
     }
 
     /// Half-split RoPE in place on every head of `x [tokens, heads,
@@ -892,22 +876,43 @@ impl Kernels {
         heads: usize,
         head_dim: usize,
     ) -> Result<(), CudaError> {
+        // SAFETY: this function's contract is rope_half_split's; with no KV
+        // heads the kernel touches only the first buffer.
+        unsafe { self.rope_half_split(x, x, cos_sin, positions, [heads, 0], head_dim) }
+    }
+
+    /// `rope_half_split` over `q [tokens, heads, head_dim]` and `k [tokens,
+    /// kv_heads, head_dim]` (`[heads, kv_heads]`), lengths checked.
+    ///
+    /// # Safety
+    /// Every position is below `cos_sin`'s rows.
+    unsafe fn rope_half_split(
+        &self,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        cos_sin: &CudaSlice<f32>,
+        positions: &CudaSlice<i64>,
+        [heads, kv_heads]: [usize; 2],
+        head_dim: usize,
+    ) -> Result<(), CudaError> {
         let tokens = positions.len();
-        if x.len() < tokens * heads * head_dim || !head_dim.is_multiple_of(2) {
-            return Err(shape_error(format!("rope of {tokens} tokens × {heads} heads × {head_dim}: buffer too small or odd head_dim")));
+        if q.len() < tokens * heads * head_dim || k.len() < tokens * kv_heads * head_dim || !head_dim.is_multiple_of(2) {
+            return Err(shape_error(format!(
+                "rope of {tokens} tokens × {heads} + {kv_heads} heads × {head_dim}: buffer too small or odd head_dim"
+            )));
         }
         if tokens == 0 {
             return Ok(());
         }
         let f = self.function(&Variant::new(LAYERS, &[]), "rope_half_split")?;
-        let ints = [to_i32(heads, "heads")?, 0i32, to_i32(head_dim, "head_dim")?, to_i32(head_dim, "rot")?];
-        let xs: &CudaSlice<f32> = x;
+        let ints = [to_i32(heads, "heads")?, to_i32(kv_heads, "kv heads")?, to_i32(head_dim, "head_dim")?, to_i32(head_dim, "rot")?];
         let mut b = self.stream.launch_builder(&f);
-        b.arg(xs).arg(xs).arg(cos_sin).arg(positions).arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]);
+        b.arg(q).arg(k).arg(cos_sin).arg(positions).arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]);
         // SAFETY: matches rope_half_split(float*, float*, const float*,
-        // const long long*, int, int, int, int); with no KV heads the kernel
-        // touches only the first (q) buffer, [tokens, heads, head_dim]
-        // (checked above), each pair by one thread.
+        // const long long*, int, int, int, int); q holds [tokens, heads,
+        // head_dim] and k [tokens, kv_heads, head_dim] (checked above), each
+        // pair rotated by one thread; positions are below the table's rows
+        // (the caller's contract).
         unsafe { b.launch(cfg((to_u32(tokens, "tokens")?, 1, 1), 256, 0)) }?;
         Ok(())
     }

@@ -36,7 +36,7 @@
 //! the golden prompts through `--device cuda` in `tests/golden.rs`).
 
 use crate::blas::{Blas, Half};
-use crate::graphs::{Action, Bound, CaptureSizes, GraphCache, GraphKey, Limits, PaddedDecode};
+use crate::graphs::{Action, Bound, CaptureSizes, GraphCache, GraphKey, HostInputs, Limits, PaddedDecode};
 use crate::launch::{AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix};
 use crate::layout::{f32_layout, repack, QuantFormat, Repacked};
 use crate::nccl::NcclGroup;
@@ -186,6 +186,15 @@ struct SendGraph(CudaGraph);
 // threads use it at once; it lives in `CudaOps::graphs`, whose mutex is
 // held for every use (recording, replay, drop on clear).
 unsafe impl Send for SendGraph {}
+
+impl Graphs {
+    /// Forgets every recorded graph, the inputs and the warm-ups.
+    fn clear(&mut self) {
+        self.cache.clear();
+        self.inputs.clear();
+        self.shapes.clear();
+    }
+}
 
 /// Why a step was not recorded.
 enum RecordError {
@@ -359,9 +368,7 @@ impl CudaOps {
         {
             let mut g = lock(&self.graphs);
             g.options = options;
-            g.cache.clear();
-            g.inputs.clear();
-            g.shapes.clear();
+            g.clear();
         }
         self
     }
@@ -405,11 +412,7 @@ impl CudaOps {
     /// graphs held back to the device (`cuDeviceGraphMemTrim`), so that the
     /// free memory the KV cache is sized from does not count it.
     fn drop_graphs(&self) {
-        let mut graphs = lock(&self.graphs);
-        graphs.cache.clear();
-        graphs.inputs.clear();
-        graphs.shapes.clear();
-        drop(graphs);
+        lock(&self.graphs).clear();
         // The graphs were launched on this stream: none may still run when
         // their memory goes.
         if self.k.stream().synchronize().is_ok() {
@@ -452,87 +455,60 @@ impl CudaOps {
     /// `None` when those are in use (an earlier step still holds them), so
     /// that the step runs on its own buffers.
     fn prepare_graph_step(&self, batch: &ForwardBatch, key: GraphKey, bounds: &StepBounds) -> OpResult<Option<CudaStep>> {
-        let padded = PaddedDecode::new(batch, &key, bounds).map_err(Error::Backend)?;
+        let PaddedDecode { inputs: host, bounds } = PaddedDecode::new(batch, &key, bounds).map_err(Error::Backend)?;
         let mut graphs = lock(&self.graphs);
-        match graphs.inputs.entry(key) {
+        let inputs = match graphs.inputs.entry(key) {
             std::collections::hash_map::Entry::Vacant(slot) => {
-                let group = |g: usize| {
-                    Ok((
-                        padded.slots[g].clone(),
-                        padded.block_tables[g].clone(),
-                        padded.token_seq.clone(),
-                        padded.query_start_loc.clone(),
-                        padded.context_lens.clone(),
-                    ))
-                };
-                let (ids, positions, logits) = (&padded.ids, &padded.positions, &padded.logits);
-                let inputs =
-                    self.step_inputs(ids, positions, logits, group, key.groups, key.table_stride(), key.rows, key.context_bucket)?;
-                slot.insert(Arc::new(inputs));
+                slot.insert(Arc::new(self.upload_inputs(&host, key.table_stride(), key.rows, key.context_bucket)?)).clone()
             }
             std::collections::hash_map::Entry::Occupied(mut slot) => {
                 let Some(inputs) = Arc::get_mut(slot.get_mut()) else {
                     return Ok(None);
                 };
-                // The token sequences and query starts never change.
+                // The token sequences, query starts and logits rows never change.
                 let stream = self.k.stream();
                 let driver = |e: cudarc::driver::DriverError| backend(e.into());
-                stream.memcpy_htod(&padded.ids, &mut inputs.ids).map_err(driver)?;
-                stream.memcpy_htod(&padded.positions, &mut inputs.positions).map_err(driver)?;
-                for (g, group) in inputs.groups.iter_mut().enumerate() {
-                    stream.memcpy_htod(&padded.slots[g], &mut group.slots).map_err(driver)?;
-                    stream.memcpy_htod(&padded.block_tables[g], &mut group.meta.block_tables).map_err(driver)?;
-                    stream.memcpy_htod(&padded.context_lens, &mut group.meta.context_lens).map_err(driver)?;
+                stream.memcpy_htod(&host.ids, &mut inputs.ids).map_err(driver)?;
+                stream.memcpy_htod(&host.positions, &mut inputs.positions).map_err(driver)?;
+                for ((group, slots), tables) in inputs.groups.iter_mut().zip(&host.slots).zip(&host.block_tables) {
+                    stream.memcpy_htod(slots, &mut group.slots).map_err(driver)?;
+                    stream.memcpy_htod(tables, &mut group.meta.block_tables).map_err(driver)?;
+                    stream.memcpy_htod(&host.context_lens, &mut group.meta.context_lens).map_err(driver)?;
                 }
+                slot.get().clone()
             }
-        }
-        Ok(Some(self.graph_step(&graphs, key, batch, padded.bounds)))
-    }
-
-    fn graph_step(&self, graphs: &Graphs, key: GraphKey, batch: &ForwardBatch, bounds: StepBounds) -> CudaStep {
-        CudaStep {
-            inputs: graphs.inputs[&key].clone(),
+        };
+        Ok(Some(CudaStep {
+            inputs,
             tokens: key.rows,
             logits_rows: key.rows,
             rows_out: batch.logits_indices.len(),
             block_size: key.block_size,
             bounds,
             graph: Some(key),
-        }
+        }))
     }
 
-    /// A step's device inputs: `group(g)` gives group g's slots, block
-    /// tables, token sequences, query starts and context lengths.
-    #[allow(clippy::too_many_arguments)]
-    #[allow(clippy::type_complexity)]
-    fn step_inputs(
-        &self,
-        ids: &[i32],
-        positions: &[i64],
-        logits: &[i32],
-        group: impl Fn(usize) -> OpResult<(Vec<i64>, Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>)>,
-        groups: usize,
-        stride: usize,
-        num_tokens: usize,
-        max_context: usize,
-    ) -> OpResult<StepInputs> {
-        let mut group_steps = Vec::with_capacity(groups);
-        for g in 0..groups {
-            let (slots, tables, token_seq, qsl, ctx) = group(g)?;
-            group_steps.push(GroupStep {
-                slots: self.htod(&slots)?,
+    /// `host` on the device: block tables of `stride` entries a sequence,
+    /// `num_tokens` tokens, contexts up to `max_context` (which sizes the
+    /// attention kernels' shared memory and partitions).
+    fn upload_inputs(&self, host: &HostInputs, stride: usize, num_tokens: usize, max_context: usize) -> OpResult<StepInputs> {
+        let mut groups = Vec::with_capacity(host.slots.len());
+        for (slots, tables) in host.slots.iter().zip(&host.block_tables) {
+            groups.push(GroupStep {
+                slots: self.htod(slots)?,
                 meta: DeviceAttentionMetadata {
-                    block_tables: self.htod(&tables)?,
+                    block_tables: self.htod(tables)?,
                     max_blocks_per_seq: stride.max(1),
-                    token_seq: self.htod(&token_seq)?,
-                    query_start_loc: self.htod(&qsl)?,
-                    context_lens: self.htod(&ctx)?,
+                    token_seq: self.htod(&host.token_seq)?,
+                    query_start_loc: self.htod(&host.query_start_loc)?,
+                    context_lens: self.htod(&host.context_lens)?,
                     num_tokens,
                     max_context,
                 },
             });
         }
-        Ok(StepInputs { ids: self.htod(ids)?, positions: self.htod(positions)?, logits: self.htod(logits)?, groups: group_steps })
+        Ok(StepInputs { ids: self.htod(&host.ids)?, positions: self.htod(&host.positions)?, logits: self.htod(&host.logits)?, groups })
     }
 
     /// Records `forward` for `key` as a graph, uploads it (its memory is
@@ -1132,10 +1108,6 @@ fn kv_dtype(d: KvCacheDtype) -> PoolDtype {
     }
 }
 
-fn i32_of(n: u32, what: &str) -> OpResult<i32> {
-    i32::try_from(n).map_err(|_| Error::Backend(format!("{what} {n} does not fit the kernels' int32 indices")))
-}
-
 /// What the CUDA kernels support: the head sizes CI compiles and the GPU
 /// suite runs (`kernels::ci_variants`; the kernel itself takes any multiple
 /// of 64 up to 256, but an untested size is refused), the block sizes its
@@ -1213,7 +1185,6 @@ impl AttentionBackend for CudaOps {
         // tensor-parallel group): cuBLAS and raw launches need its context
         // current there.
         self.k.stream().context().bind_to_thread().map_err(|e| backend(e.into()))?;
-        let (t, s, groups, stride) = (batch.num_tokens(), batch.num_seqs(), batch.kv_groups(), batch.block_table_stride);
         let bounds = batch.step_bounds(block_size)?;
         let key = {
             let g = lock(&self.graphs);
@@ -1224,28 +1195,18 @@ impl AttentionBackend for CudaOps {
                 return Ok(step);
             }
         }
-        let to_i32 = |xs: &[u32], what: &str| xs.iter().map(|&x| i32_of(x, what)).collect::<OpResult<Vec<i32>>>();
-        let token_seq = to_i32(&bounds.token_seq, "sequence index")?;
-        let qsl = to_i32(&batch.query_start_loc, "query offset")?;
-        let ctx = to_i32(&batch.context_lens, "context length")?;
+        let host = HostInputs::of(batch, &bounds).map_err(Error::Backend)?;
         // The longest context a query sees, unwindowed: an upper bound for
         // the layers with a window (v1 sizes its shared memory by it, v2 its
         // partitions; a partition past a token's window returns at once).
         let max_context = batch.context_lens.iter().copied().max().unwrap_or(0) as usize;
-        let positions: Vec<i64> = batch.positions.iter().map(|&p| i64::from(p)).collect();
-        let logits = to_i32(&batch.logits_indices, "logits row")?;
-        let group = |g: usize| {
-            let slots: Vec<i64> = batch.slot_mapping[g * t..(g + 1) * t].iter().map(|&x| i64::from(x)).collect();
-            let tables = to_i32(&batch.block_tables[g * s * stride..(g + 1) * s * stride], "block id")?;
-            Ok((slots, tables, token_seq.clone(), qsl.clone(), ctx.clone()))
-        };
-        let ids = to_i32(&batch.token_ids, "token id")?;
-        let inputs = self.step_inputs(&ids, &positions, &logits, group, groups, stride, t, max_context)?;
+        let inputs = self.upload_inputs(&host, batch.block_table_stride, batch.num_tokens(), max_context)?;
+        let logits_rows = host.logits.len();
         Ok(CudaStep {
             inputs: Arc::new(inputs),
-            tokens: t,
-            logits_rows: logits.len(),
-            rows_out: logits.len(),
+            tokens: batch.num_tokens(),
+            logits_rows,
+            rows_out: logits_rows,
             block_size,
             bounds,
             graph: None,

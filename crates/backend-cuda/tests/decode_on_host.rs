@@ -10,6 +10,10 @@
 //! Without a C++ compiler (`c++`, `g++` or `clang++`, or `CXX`) the test
 //! says SKIPPED by name; CI has one.
 
+#[path = "common/host_cxx.rs"]
+mod host_cxx;
+
+use host_cxx::compiler;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use vellum_backend_cuda::layout::{dequantize_repacked, f32_layout, repack, QuantFormat, Repacked};
@@ -100,28 +104,12 @@ fn format_id(f: QuantFormat) -> u32 {
     }
 }
 
-/// The host's C++ compiler, if there is one.
-fn compiler() -> Option<String> {
-    let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
-    candidates.into_iter().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
-}
-
 /// Builds the decoders' program in `dir`.
 fn build(cxx: &str, dir: &Path) -> PathBuf {
     let common = vellum_kernels::cuda::COMMON;
     let start = common.find("// Weight layouts").expect("common.cuh has its weight-layouts section");
     let source = format!("{SHIM}\n#line 1 \"common.cuh (weight layouts)\"\n{}\n{MAIN}", &common[start..]);
-    let src = dir.join("decode.cpp");
-    std::fs::write(&src, source).expect("write the source");
-    let exe = dir.join("decode");
-    let out = Command::new(cxx)
-        .args(["-std=c++17", "-O1", "-ffp-contract=off", "-Wno-unknown-pragmas", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .output()
-        .expect("run the compiler");
-    assert!(out.status.success(), "{cxx} failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    exe
+    host_cxx::build(cxx, dir, "decode", &source)
 }
 
 /// xorshift64*.

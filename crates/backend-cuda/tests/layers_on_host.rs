@@ -10,6 +10,10 @@
 //! Without a C++ compiler (`c++`, `g++` or `clang++`, or `CXX`) the test
 //! says SKIPPED by name; CI has one.
 
+#[path = "common/host_cxx.rs"]
+mod host_cxx;
+
+use host_cxx::compiler;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -95,24 +99,11 @@ fn function(src: &str, name: &str) -> String {
     src[start..end].to_string()
 }
 
-/// The host's C++ compiler, if there is one.
-fn compiler() -> Option<String> {
-    let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
-    candidates.into_iter().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
-}
-
 fn build(cxx: &str, dir: &Path) -> PathBuf {
     let layers = vellum_kernels::cuda::LAYERS;
     let kernels: Vec<String> =
         ["silu", "gelu_tanh", "split_qkv_rope", "silu_and_mul", "gelu_tanh_and_mul"].iter().map(|n| function(layers, n)).collect();
-    let source = format!("{SHIM}\n#include <string>\n{}\n{MAIN}", kernels.join("\n\n"));
-    let src = dir.join("layers.cpp");
-    std::fs::write(&src, source).expect("write the source");
-    let exe = dir.join("layers");
-    let out =
-        Command::new(cxx).args(["-std=c++17", "-O1", "-ffp-contract=off", "-o"]).arg(&exe).arg(&src).output().expect("run the compiler");
-    assert!(out.status.success(), "{cxx} failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    exe
+    host_cxx::build(cxx, dir, "layers", &format!("{SHIM}\n#include <string>\n{}\n{MAIN}", kernels.join("\n\n")))
 }
 
 /// Values in [-2, 2), xorshift64*.

@@ -107,32 +107,30 @@ pub(crate) fn load_qkv<O: Ops>(
     [q_rows, kv_rows]: [std::ops::Range<usize>; 2],
     bias: bool,
 ) -> Result<Qkv<O>> {
-    let part = |s: &str, n: usize, rows: &std::ops::Range<usize>| (format!("{prefix}.{s}_proj.weight"), [n, h], rows.clone());
-    let parts = [part("q", nq, &q_rows), part("k", nkv, &kv_rows), part("v", nkv, &kv_rows)];
-    let biases = |load: &ShardLoader<'_, O>| -> Result<Option<[O::Vector; 3]>> {
-        if !bias {
-            return Ok(None);
+    let projections = [("q", nq, &q_rows), ("k", nkv, &kv_rows), ("v", nkv, &kv_rows)];
+    let parts = projections.map(|(s, n, rows)| (format!("{prefix}.{s}_proj.weight"), [n, h], rows.clone()));
+    // This rank's rows of each bias, on the host until the weights decide
+    // whether they go as one vector or three.
+    let mut biases = Vec::new();
+    if bias {
+        for (s, n, rows) in projections {
+            biases.push(load.vector_part(&format!("{prefix}.{s}_proj.bias"), n, rows.clone())?);
         }
-        Ok(Some([
-            load.vector(&format!("{prefix}.q_proj.bias"), nq, q_rows.clone())?,
-            load.vector(&format!("{prefix}.k_proj.bias"), nkv, kv_rows.clone())?,
-            load.vector(&format!("{prefix}.v_proj.bias"), nkv, kv_rows.clone())?,
-        ]))
-    };
+    }
     if let Some(w) = load.stacked(&format!("{prefix}.qkv_proj.weight"), &parts)? {
-        let bias = if bias {
-            let mut all = Vec::new();
-            for (s, n, rows) in [("q", nq, &q_rows), ("k", nkv, &kv_rows), ("v", nkv, &kv_rows)] {
-                all.extend_from_slice(&load.weights.tensor_f32_shaped(&format!("{prefix}.{s}_proj.bias"), &[n])?.data[rows.clone()]);
-            }
-            Some(load.ops.vector(&format!("{prefix}.qkv_proj.bias"), &all)?)
-        } else {
-            None
-        };
+        let bias = if bias { Some(load.ops.vector(&format!("{prefix}.qkv_proj.bias"), &biases.concat())?) } else { None };
         return Ok(Qkv::Stacked { w, bias });
     }
+    let bias = match &biases[..] {
+        [q, k, v] => Some([
+            load.ops.vector(&format!("{prefix}.q_proj.bias"), q)?,
+            load.ops.vector(&format!("{prefix}.k_proj.bias"), k)?,
+            load.ops.vector(&format!("{prefix}.v_proj.bias"), v)?,
+        ]),
+        _ => None,
+    };
     let [(qn, qs, qr), (kn, ks, kr), (vn, vs, vr)] = parts;
-    Ok(Qkv::Apart { w: [load.column(&qn, qs, qr)?, load.column(&kn, ks, kr)?, load.column(&vn, vs, vr)?], bias: biases(load)? })
+    Ok(Qkv::Apart { w: [load.column(&qn, qs, qr)?, load.column(&kn, ks, kr)?, load.column(&vn, vs, vr)?], bias })
 }
 
 /// A layer's gate and up (`[im, h]`, rows `rows`), stacked where the backend

@@ -352,17 +352,11 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
 
     fn capture_graphs(&mut self, max_num_seqs: usize) -> vellum_base::Result<Option<GraphCapture>> {
         let block_size = self.block_size.ok_or_else(|| Error::Backend("capture_graphs before initialize_kv_cache".into()))?;
-        if self.ranks.len() > 1 || !self.ranks[0].model.has_lm_head() {
-            return Ok(None);
-        }
-        // Every size a batch of up to max_num_seqs sequences pads to, as far
-        // as the cache has a block for each sequence.
         let groups = self.kv_cache_spec(block_size).groups.num_groups();
-        let all = self.ops().graph_sizes();
-        let limit = all.iter().copied().find(|&s| s >= max_num_seqs).unwrap_or(usize::MAX);
         let started = std::time::Instant::now();
         let mut graphs = 0;
-        for rows in all.into_iter().filter(|&s| s <= limit).rev() {
+        // As far as the cache has a block for each sequence.
+        for rows in self.recorded_sizes(max_num_seqs).into_iter().rev() {
             // One token and one block of its own per sequence; the first run
             // warms the shape up, the second records it.
             let mut batch = profile_batch(rows, rows, block_size, groups);
@@ -484,14 +478,26 @@ impl<O: Ops> ModelRunner<O> {
     /// peak for SmolLM2's shape and 1.04 times for Llama 3 8B's. 0 for a
     /// backend that records none.
     fn profile_graphs(&mut self, num_seqs: usize, max_model_len: usize, block_size: usize) -> vellum_base::Result<u64> {
-        // The size a batch of num_seqs pads to, as capture_graphs records.
-        let sizes = self.ops().graph_sizes();
-        let rows = sizes.iter().copied().find(|&s| s >= num_seqs).or(sizes.last().copied()).unwrap_or(0);
-        if rows == 0 || self.ranks.len() > 1 || !self.ranks[0].model.has_lm_head() {
+        let Some(rows) = self.recorded_sizes(num_seqs).last().copied() else {
             return Ok(0);
-        }
+        };
         let eager = self.profile(rows, rows, max_model_len.next_power_of_two(), block_size)?;
         Ok(eager + eager / 2)
+    }
+
+    /// The batch sizes of the decode steps the backend records for batches
+    /// of up to `num_seqs` sequences: every capture size up to the one such
+    /// a batch pads to. None for a tensor-parallel group or a model without
+    /// an LM head (its steps return hidden states).
+    fn recorded_sizes(&self, num_seqs: usize) -> Vec<usize> {
+        if self.ranks.len() > 1 || !self.ranks[0].model.has_lm_head() {
+            return Vec::new();
+        }
+        let mut sizes = self.ops().graph_sizes();
+        if let Some(padded) = sizes.iter().position(|&s| s >= num_seqs) {
+            sizes.truncate(padded + 1);
+        }
+        sizes
     }
 
     fn drop_caches(&mut self) {

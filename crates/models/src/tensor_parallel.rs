@@ -179,10 +179,10 @@ impl<O: Ops> ShardLoader<'_, O> {
         Ok(self.ops.embedding_weight(self.weights.tensor_shaped(name, &shape)?.rows(rows)?)?)
     }
 
-    /// Elements `range` of a 1-D parameter of `len` (a column-parallel bias).
-    pub(crate) fn vector(&self, name: &str, len: usize, range: Range<usize>) -> Result<O::Vector> {
-        let all = self.weights.tensor_f32_shaped(name, &[len])?.data;
-        Ok(self.ops.vector(name, &all[range])?)
+    /// Elements `range` of a 1-D parameter of `len` (a column-parallel
+    /// bias), on the host.
+    pub(crate) fn vector_part(&self, name: &str, len: usize, range: Range<usize>) -> Result<Vec<f32>> {
+        Ok(self.weights.tensor_f32_shaped(name, &[len])?.data[range].to_vec())
     }
 }
 

@@ -1,0 +1,29 @@
+//! Kernel text built for the host with the machine's C++ compiler (the
+//! `*_on_host` tests): finding the compiler, building a program.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The host's C++ compiler, if there is one (`$CXX`, `c++`, `g++` or
+/// `clang++`).
+pub fn compiler() -> Option<String> {
+    let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
+    candidates.into_iter().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+}
+
+/// Writes `source` to `dir/name.cpp` and builds `dir/name` from it with
+/// `cxx` (C++17, no contraction of multiplies and adds, so that the host
+/// rounds as written); panics with the compiler's log on an error.
+pub fn build(cxx: &str, dir: &Path, name: &str, source: &str) -> PathBuf {
+    let src = dir.join(format!("{name}.cpp"));
+    std::fs::write(&src, source).expect("write the source");
+    let exe = dir.join(name);
+    let out = Command::new(cxx)
+        .args(["-std=c++17", "-O1", "-ffp-contract=off", "-Wno-unknown-pragmas", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .expect("run the compiler");
+    assert!(out.status.success(), "{cxx} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    exe
+}
