@@ -7,10 +7,12 @@
 #
 # 1. llama.cpp's CUDA build starts in the background (~4 min on 16 cores);
 # 2. meanwhile, the GPU suite's graph, executor, conformance (the fused and
-#    stacked ops included), cuBLAS, attention, norm and NCCL tests, then
-#    greedy generation on a SmolLM2-shaped
+#    stacked ops included), cuBLAS, attention, norm, NCCL and device-sampling
+#    tests, then greedy generation on a SmolLM2-shaped
 #    random Q4_1 model with graphs and with --enforce-eager (tokens and
-#    logprobs compared);
+#    logprobs compared); seeded sampled generation with sampling on the
+#    device and on the host (tokens compared), and decode at 256 sequences
+#    greedy / sampled on the device / sampled on the host;
 # 3. once llama.cpp is built: SmolLM2-shaped Q4_1 at 1/64/256 sequences,
 #    graphs and eager against llama-batched-bench, alternated rounds; then
 #    `vellum serve` with graphs and eager at 64 and 256 clients (and where
@@ -30,7 +32,7 @@ left() { local l=$((budget - (SECONDS - t0))); echo $((l < 30 ? 30 : l)); }
 (bash benchmarks/cuda_vs_llama_cpp.sh build >"$out/logs/llama_build.txt" 2>&1; echo "build exit $?" >>"$out/logs/llama_build.txt") &
 build=$!
 
-export SUITE_FILTER=${SUITE_FILTER:-"decode_steps the_cuda_executor tensor_parallel_groups the_conformance_suite sixteen_bit paged_attention_matches rms_norm"}
+export SUITE_FILTER=${SUITE_FILTER:-"decode_steps the_cuda_executor tensor_parallel_groups the_conformance_suite sixteen_bit paged_attention_matches rms_norm sampling_on_the_device"}
 SUITE_LIMIT=${SUITE_LIMIT:-200} bash .gpu/run.sh suite >"$out/logs/suite.txt" 2>&1
 stamp "suite exit $?"
 grep -E "^test |test result|recorded|SKIPPED|panicked" "$out/logs/suite.txt" | cut -c1-220
@@ -73,6 +75,34 @@ print(f"generate, graphs vs eager: {len(g)} prompts, {same}/{total} tokens ident
       f"largest logprob gap there {worst:.2e}")
 EOF
 grep -h "recorded a decode step" "$out/logs/generate_graphs.log" | tail -3 | cut -c1-220
+
+# Sampling on the device against the host sampler: seeded generation
+# (temperature 0.8, top-p 0.95, logprobs) gives the same tokens either way;
+# then decode at 256 sequences greedy, sampled on the device, and sampled
+# on the host (every row's logits copied over).
+for mode in device host; do
+    env=""
+    [ "$mode" = host ] && env="VELLUM_DEVICE_SAMPLING=0"
+    # shellcheck disable=SC2086
+    env $env timeout 120 .gpu/x/vellum generate --device cuda --model "$smol" "${prompts[@]}" --max-tokens 100 --temperature 0.8 \
+        --top-p 0.95 --seed 7 --logprobs 2 --json >"$out/logs/sampled_$mode.jsonl" 2>"$out/logs/sampled_$mode.log"
+    stamp "sampled generate ($mode) exit $?"
+done
+python3 - "$out/logs/sampled_device.jsonl" "$out/logs/sampled_host.jsonl" <<'EOF'
+import json, sys
+d, h = ([json.loads(l) for l in open(p) if l.strip()] for p in sys.argv[1:])
+same = sum(a["outputs"][0]["token_ids"] == b["outputs"][0]["token_ids"] for a, b in zip(d, h))
+print(f"sampled generate, device vs host sampling: {same}/{len(d)} prompts with identical tokens")
+EOF
+for mode in greedy device host; do
+    env="" flags="--temperature 0.8 --top-p 0.95"
+    [ "$mode" = greedy ] && flags=""
+    [ "$mode" = host ] && env="VELLUM_DEVICE_SAMPLING=0"
+    # shellcheck disable=SC2086
+    env $env timeout 120 .gpu/x/vellum bench latency --device cuda --model "$smol" --batch-size 256 --input-len 128 --output-len 128 \
+        --num-iters 2 --json $flags 2>/dev/null |
+        python3 -c "import json,sys; d=json.load(sys.stdin); print('decode at 256, $mode:', round(d['decode_tokens_per_s']), 'tok/s')"
+done
 
 wait "$build"
 stamp "$(tail -1 "$out/logs/llama_build.txt")"

@@ -70,6 +70,8 @@ pub mod cuda {
     pub const GEMV_Q: &str = include_str!("../cuda/gemv_q.cu");
     /// `cuda/gemm_mma.cu`.
     pub const GEMM_MMA: &str = include_str!("../cuda/gemm_mma.cu");
+    /// `cuda/sampling.cu`.
+    pub const SAMPLING: &str = include_str!("../cuda/sampling.cu");
 }
 
 #[cfg(test)]
@@ -85,7 +87,7 @@ mod tests {
                 .unwrap_or(0)
         };
         assert_eq!(count("wgsl", &["wgsl"]), 19, "a constant per WGSL file in src/lib.rs");
-        assert_eq!(count("cuda", &["cu", "cuh"]), 6, "a constant per CUDA file in src/lib.rs");
+        assert_eq!(count("cuda", &["cu", "cuh"]), 7, "a constant per CUDA file in src/lib.rs");
         assert!(super::wgsl::MATMUL.contains("fn ") && super::cuda::PAGED_ATTENTION.contains("__global__"));
     }
 }

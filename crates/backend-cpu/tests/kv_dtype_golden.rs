@@ -89,6 +89,7 @@ fn batch(tokens: &[u32], start: usize) -> ForwardBatch {
         block_ops: Default::default(),
         argmax_only: false,
         hidden_states: false,
+        ..ForwardBatch::default()
     }
 }
 

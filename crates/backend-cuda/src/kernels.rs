@@ -118,8 +118,13 @@ pub const GEMM_MMA: KernelSource = KernelSource {
     ],
 };
 
+/// `sampling.cu`: a token (and the logprobs asked for) per row of logits,
+/// drawn as the host sampler draws.
+pub const SAMPLING: KernelSource =
+    KernelSource { file: "sampling.cu", text: vellum_kernels::cuda::SAMPLING, entry_points: &["sample_rows"] };
+
 /// Every source.
-pub const SOURCES: [KernelSource; 5] = [CACHE, PAGED_ATTENTION, LAYERS, GEMV_Q, GEMM_MMA];
+pub const SOURCES: [KernelSource; 6] = [CACHE, PAGED_ATTENTION, LAYERS, GEMV_Q, GEMM_MMA, SAMPLING];
 
 /// A source with its compile-time constants.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -181,7 +186,7 @@ impl Variant {
 /// baseline, the GEMV for 1, 4 and 8 rows, and the tensor-core GEMM at
 /// each of its tile heights.
 pub fn ci_variants() -> Vec<Variant> {
-    let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[])];
+    let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[]), Variant::new(SAMPLING, &[])];
     for (head_dim, queries) in [(64, 3), (128, 4), (256, 4), (128, 1)] {
         v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", head_dim), ("BLOCK_SIZE", 16), ("QUERIES", queries)]));
     }

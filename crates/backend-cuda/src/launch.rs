@@ -5,7 +5,7 @@
 //! Device buffers are `cudarc` slices; a KV pool is a pair of byte buffers
 //! whose element type is [`PoolDtype`] (the kernels take `void *`).
 
-use crate::kernels::{Variant, CACHE, GEMM_MMA, GEMV_Q, LAYERS, PAGED_ATTENTION};
+use crate::kernels::{Variant, CACHE, GEMM_MMA, GEMV_Q, LAYERS, PAGED_ATTENTION, SAMPLING};
 use crate::layout::QuantFormat;
 use crate::{nvrtc, CudaError};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
@@ -1028,6 +1028,51 @@ impl Kernels {
         Ok(())
     }
 
+    /// A token a row of `logits [rows, vocab]` (`sampling.cu`): `params`
+    /// holds each row's sampling parameters as the kernel reads them,
+    /// `pens` the penalty entries they point into, `out` receives the
+    /// tokens, logprobs and `top_stride` top entries a row.
+    pub fn sample_rows(
+        &self,
+        out: &mut SampleOutputs,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        params: &SampleInputs,
+    ) -> Result<(), CudaError> {
+        let rows = params.uniform.len();
+        let ok = logits.len() >= rows * vocab
+            && params.fparams.len() >= rows * 4
+            && params.iparams.len() >= rows * 5
+            && out.tokens.len() >= rows
+            && out.logprobs.len() >= rows
+            && out.top_ids.len() >= rows * out.top_stride.max(1)
+            && out.top_logprobs.len() >= rows * out.top_stride.max(1)
+            && out.scores.len() >= if params.any_penalties { rows * vocab } else { 1 }
+            && params.pen_values.len() >= params.pen_tokens.len() * 3
+            && vocab > 0;
+        if !ok {
+            return Err(shape_error(format!("sampling {rows} rows of {vocab}: buffers too small")));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(SAMPLING, &[]), "sample_rows")?;
+        let (vocab_i, stride) = (to_i32(vocab, "vocab")?, to_i32(out.top_stride.max(1), "top logprobs")?);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut out.tokens).arg(&mut out.logprobs).arg(&mut out.top_ids).arg(&mut out.top_logprobs).arg(&stride);
+        b.arg(logits).arg(&mut out.scores).arg(&vocab_i).arg(&params.fparams).arg(&params.iparams).arg(&params.uniform);
+        b.arg(&params.pen_tokens).arg(&params.pen_values);
+        // SAFETY: sample_rows(int*, float*, int*, float*, int, const float*,
+        // float*, int, const float*, const int*, const double*, const int*,
+        // const float*); one block of SAMPLE_THREADS (128, sampling.cu's
+        // default) per row; every buffer's size checked above, and the
+        // kernel reads penalty entries only inside each row's range, which
+        // `SampleInputs::new` checked against the entries it uploaded, and
+        // writes `scores` only for rows with entries.
+        unsafe { b.launch(cfg((to_u32(rows, "rows")?, 1, 1), 128, 0)) }?;
+        Ok(())
+    }
+
     /// `out[r, :] = x[rows[r], :]` for the first `n` indices.
     ///
     /// # Safety
@@ -1134,4 +1179,38 @@ impl Kernels {
         }
         Ok(())
     }
+}
+
+/// A step's sampling parameters on the device, as `sample_rows` reads
+/// them (see [`Kernels::sample_rows`]).
+pub struct SampleInputs {
+    /// Per row: temperature, top-p, min-p, unused.
+    pub fparams: CudaSlice<f32>,
+    /// Per row: top-k, top logprobs, penalty start, penalty end, wants the logprob.
+    pub iparams: CudaSlice<i32>,
+    /// Per row: the draw.
+    pub uniform: CudaSlice<f64>,
+    /// Penalty entries' tokens (one entry at least, so that the buffer exists).
+    pub pen_tokens: CudaSlice<i32>,
+    /// Penalty entries' repetition, subtract and bias.
+    pub pen_values: CudaSlice<f32>,
+    /// Whether any row has penalty entries (then `scores` holds every row).
+    pub any_penalties: bool,
+}
+
+/// Where `sample_rows` writes.
+pub struct SampleOutputs {
+    /// Per row: the token.
+    pub tokens: CudaSlice<i32>,
+    /// Per row: its logprob (NaN unless asked).
+    pub logprobs: CudaSlice<f32>,
+    /// `top_stride` ids a row.
+    pub top_ids: CudaSlice<i32>,
+    /// `top_stride` logprobs a row.
+    pub top_logprobs: CudaSlice<f32>,
+    /// Top entries a row has room for (at least 1).
+    pub top_stride: usize,
+    /// Scratch of `[rows, vocab]` for the penalized scores (1 element when
+    /// no row has penalties).
+    pub scores: CudaSlice<f32>,
 }

@@ -13,10 +13,12 @@
 //! | [`launch`] | [`launch::Kernels`]: modules compiled on first use per configuration, one shape-checked call per kernel |
 //! | [`layout`] | how a quantized weight sits on the device: the file's blocks as planes of codes and scales |
 //! | [`ops`] | [`CudaOps`]: the model operations and the paged-attention contract, so that `ModelRunner<CudaOps>` is the CUDA `ModelExecutor` (`--device cuda`) |
+//! | [`sampling`] | sampling on the device, host side: a step's sampling rows packed (and checked) for `sample_rows`, its outputs read back |
 //!
 //! The kernels — `reshape_and_cache`, paged attention v1/v2 for mixed
 //! prefill/decode batches, `copy_blocks`, RMSNorm (fused with the residual
-//! add), RoPE, SwiGLU/GeGLU, embedding gather, greedy argmax, the
+//! add), RoPE, SwiGLU/GeGLU, embedding gather, greedy argmax, sampling
+//! (temperature, top-k/p, min-p, penalties, logprobs), the
 //! f32 GEMV, the bf16 tensor-core GEMM on Q8_0/Q4_0/Q4_1/K-quant weights kept as
 //! their blocks, and the executor's glue — compile for `compute_80`
 //! and `compute_90` in CI, with registers and spills recorded per kernel
@@ -45,6 +47,7 @@ pub mod layout;
 pub mod nccl;
 pub mod nvrtc;
 pub mod ops;
+pub mod sampling;
 
 pub use error::CudaError;
 pub use graphs::CaptureSizes;

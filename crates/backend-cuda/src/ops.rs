@@ -37,7 +37,9 @@
 
 use crate::blas::{Blas, Half};
 use crate::graphs::{Action, Bound, CaptureSizes, GraphCache, GraphKey, HostInputs, Limits, PaddedDecode};
-use crate::launch::{AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix};
+use crate::launch::{
+    AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix, SampleInputs, SampleOutputs,
+};
 use crate::layout::{f32_layout, repack, QuantFormat, Repacked};
 use crate::nccl::NcclGroup;
 use crate::CudaError;
@@ -45,8 +47,8 @@ use cudarc::driver::{CudaGraph, CudaSlice, PinnedHostSlice};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use vellum_base::{
-    AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, DeviceMemory, Error, ForwardBatch,
-    KvCacheDtype, KvCacheSpec, KvMemory, Sizes, StepBounds,
+    AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, DeviceMemory, DeviceSample, Error,
+    ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, PenaltyEntry, RowSampling, Sizes, StepBounds,
 };
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
@@ -972,6 +974,55 @@ impl Ops for CudaOps {
         }
         copy_in_parallel(&mut out, src);
         Ok(out)
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn sample_rows(&self, x: &CudaTensor, rows: &[RowSampling], penalties: &[PenaltyEntry]) -> OpResult<Option<Vec<DeviceSample>>> {
+        let driver = |e: cudarc::driver::DriverError| backend(e.into());
+        if rows.len() != x.rows {
+            return Err(backend(CudaError::Shape(format!("{} sampling rows for {} rows of logits", rows.len(), x.rows))));
+        }
+        if rows.is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        let p = crate::sampling::pack(rows, penalties, x.cols)?;
+        let s = self.k.stream();
+        let inputs = SampleInputs {
+            fparams: s.clone_htod(&p.fparams).map_err(driver)?,
+            iparams: s.clone_htod(&p.iparams).map_err(driver)?,
+            uniform: s.clone_htod(&p.uniform).map_err(driver)?,
+            pen_tokens: s.clone_htod(&p.pen_tokens).map_err(driver)?,
+            pen_values: s.clone_htod(&p.pen_values).map_err(driver)?,
+            any_penalties: p.any_penalties,
+        };
+        let n = x.rows;
+        // SAFETY: uninitialized; the kernel writes every row's token and
+        // logprob and the asked top entries, and reads `scores` only where
+        // it wrote it (rows with penalties); the unasked slots are not read.
+        let mut out = unsafe {
+            SampleOutputs {
+                tokens: s.alloc(n).map_err(driver)?,
+                logprobs: s.alloc(n).map_err(driver)?,
+                top_ids: s.alloc(n * p.top_stride).map_err(driver)?,
+                top_logprobs: s.alloc(n * p.top_stride).map_err(driver)?,
+                top_stride: p.top_stride,
+                scores: s.alloc(if p.any_penalties { n * x.cols } else { 1 }).map_err(driver)?,
+            }
+        };
+        self.k.sample_rows(&mut out, &x.buf, x.cols, &inputs).map_err(backend)?;
+        let tokens = s.clone_dtoh(&out.tokens).map_err(driver)?;
+        let logprobs = s.clone_dtoh(&out.logprobs).map_err(driver)?;
+        let wants_top = rows.iter().any(|r| r.num_logprobs > 0);
+        let (top_ids, top_lp) = if wants_top {
+            (s.clone_dtoh(&out.top_ids).map_err(driver)?, s.clone_dtoh(&out.top_logprobs).map_err(driver)?)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        s.synchronize().map_err(driver)?;
+        Ok(crate::sampling::unpack(rows, &tokens, &logprobs, &top_ids, &top_lp, p.top_stride, x.cols))
     }
 
     fn argmax_rows(&self, x: &CudaTensor) -> OpResult<Option<Vec<u32>>> {

@@ -57,7 +57,7 @@ impl BlockOps {
 
 /// Everything a backend needs to run one forward pass over a mixed batch of
 /// prefill chunks and decodes.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct ForwardBatch {
     /// New tokens, sequence after sequence.
     pub token_ids: Vec<TokenId>,
@@ -92,6 +92,53 @@ pub struct ForwardBatch {
     /// instead of logits. An engine serves either pooling or generation
     /// requests, so a batch holds one kind of row.
     pub hidden_states: bool,
+    /// Empty, or one entry per logits row: the backend samples every row
+    /// itself and returns [`StepOutput::samples`](crate::StepOutput::samples)
+    /// (a token, and the logprobs asked for) instead of the logits, where
+    /// it can ([`ModelExecutor::samples_on_device`](crate::ModelExecutor::samples_on_device)).
+    pub sampling: Vec<RowSampling>,
+    /// The penalty entries that the rows of `sampling` point into.
+    pub penalties: Vec<PenaltyEntry>,
+}
+
+/// How the backend samples one logits row ([`ForwardBatch::sampling`]):
+/// the request's parameters and the uniform number the host sampler would
+/// draw next from the request's generator, so that the device draws the
+/// token the host would.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RowSampling {
+    /// 0: greedy (the largest score, the lowest id among equals).
+    pub temperature: f32,
+    /// Candidates kept by rank; 0 (or at least the vocabulary): no cut.
+    pub top_k: u32,
+    /// Nucleus cut (1: none).
+    pub top_p: f32,
+    /// Candidates below `min_p` times the top probability are dropped (0: none).
+    pub min_p: f32,
+    /// The draw, in [0, 1) (unused when greedy).
+    pub uniform: f64,
+    /// Top entries returned with their logprobs.
+    pub num_logprobs: u32,
+    /// Whether the sampled token's logprob is returned (else NaN).
+    pub logprob: bool,
+    /// This row's entries of [`ForwardBatch::penalties`]: `start..end`.
+    pub penalties: (u32, u32),
+}
+
+/// One token's penalties on a row, applied in the host sampler's order:
+/// the repetition penalty (a positive score divided by it, a negative one
+/// multiplied), then `subtract` (frequency × count + presence), then the
+/// logit bias. One entry per token of a row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PenaltyEntry {
+    /// The token.
+    pub token: TokenId,
+    /// Repetition penalty (1: none).
+    pub repetition: f32,
+    /// Subtracted after it (0: none).
+    pub subtract: f32,
+    /// Added last (0: none).
+    pub bias: f32,
 }
 
 impl ForwardBatch {
@@ -227,6 +274,7 @@ mod tests {
             block_ops: BlockOps::default(),
             argmax_only: false,
             hidden_states: false,
+            ..ForwardBatch::default()
         }
     }
 

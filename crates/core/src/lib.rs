@@ -54,13 +54,13 @@ pub use cache_config::{AutoKvLimit, CacheConfig, KvCacheDtype, KvCacheSize, AUTO
 pub use capabilities::{AttentionRequirements, Capabilities, Sizes};
 pub use error::{Error, Unsupported};
 pub use fast_math::exp_f32;
-pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch, StepBounds};
+pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch, PenaltyEntry, RowSampling, StepBounds};
 pub use id_map::{IdHasher, IdMap, IdSet};
 pub use id_slab::{prefetch, IdSlab};
 pub use ids::{BlockId, HostBlockId, RequestId, SeqId, TokenId};
 pub use kv_cache_groups::{KvCacheGroup, KvCacheGroups, KvLayerSlot};
 pub use model_config::{LayerType, ModelConfig, RopeScaling};
-pub use model_executor::{GraphCapture, ModelExecutor, StepOutput};
+pub use model_executor::{DeviceSample, GraphCapture, ModelExecutor, StepOutput};
 pub use pooling::{Pooler, PoolingParams, PoolingType};
 pub use request::RequestState;
 pub use sampling_params::{BeamSearchParams, SamplingParams, StructuredOutput};

@@ -22,6 +22,23 @@ pub struct StepOutput {
     pub hidden_states: Vec<f32>,
     /// Width of a hidden-state row (0 without them).
     pub hidden_size: usize,
+    /// Per logits row, the token the backend sampled, for a batch with
+    /// [`ForwardBatch::sampling`] whose backend samples on its device;
+    /// empty otherwise (the logits or the argmax come back instead).
+    pub samples: Vec<DeviceSample>,
+}
+
+/// A token sampled where the logits are ([`StepOutput::samples`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeviceSample {
+    /// The token.
+    pub token: u32,
+    /// Its logprob under the model (before penalties and filters); NaN
+    /// unless the row asked for it.
+    pub logprob: f32,
+    /// The row's `num_logprobs` most likely (token, logprob), most likely
+    /// first (ties: the lower id).
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 /// Runs a model's forward pass over a paged KV cache that it owns.
@@ -104,6 +121,13 @@ pub trait ModelExecutor {
 
     /// Applies `batch.block_ops`, runs the forward pass, returns logits.
     fn execute(&mut self, batch: &ForwardBatch) -> Result<StepOutput>;
+
+    /// Whether [`ModelExecutor::execute`] samples the rows of a batch with
+    /// [`ForwardBatch::sampling`] on its device (then the engine fills it
+    /// in; a backend whose logits are on the host already leaves it false).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
 
     /// Takes back a step's logits once sampled, so that the next step can
     /// write into the same memory (a 64-row Gemma 3 step's logits are 67 MB:
@@ -192,6 +216,10 @@ impl<T: ModelExecutor + ?Sized> ModelExecutor for Box<T> {
 
     fn execute(&mut self, batch: &ForwardBatch) -> Result<StepOutput> {
         (**self).execute(batch)
+    }
+
+    fn samples_on_device(&self) -> bool {
+        (**self).samples_on_device()
     }
 
     fn recycle_logits(&mut self, logits: Vec<f32>) {

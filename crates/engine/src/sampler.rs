@@ -3,7 +3,7 @@
 mod vector;
 
 pub use vellum_base::SeededRng;
-use vellum_base::{SamplingParams, TokenId};
+use vellum_base::{DeviceSample, PenaltyEntry, RowSampling, SamplingParams, TokenId};
 
 /// One sampled token with its log-probability and the top alternatives.
 #[derive(Clone, Debug, PartialEq)]
@@ -159,6 +159,91 @@ pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, prompt: &[To
     }
 }
 
+/// [`apply_penalties`] as a list for a device sampler: one entry per token
+/// of the vocabulary (`vocab`) that a penalty or bias touches, in token
+/// order, each applying what [`apply_penalties`] applies to that token in
+/// the same order. Empty without penalties; `None` when a token's bias is
+/// given twice (applied twice in a row, which one entry cannot express).
+pub fn penalty_entries(params: &SamplingParams, prompt: &[TokenId], output: &[TokenId], vocab: usize) -> Option<Vec<PenaltyEntry>> {
+    use std::collections::BTreeMap;
+    let mut entries: BTreeMap<TokenId, PenaltyEntry> = BTreeMap::new();
+    fn entry(entries: &mut BTreeMap<TokenId, PenaltyEntry>, t: TokenId, vocab: usize) -> Option<&mut PenaltyEntry> {
+        ((t as usize) < vocab).then(|| entries.entry(t).or_insert(PenaltyEntry { token: t, repetition: 1.0, subtract: 0.0, bias: 0.0 }))
+    }
+    if params.repetition_penalty != 1.0 {
+        for &t in prompt.iter().chain(output) {
+            if let Some(e) = entry(&mut entries, t, vocab) {
+                e.repetition = params.repetition_penalty;
+            }
+        }
+    }
+    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+        let mut counts = std::collections::HashMap::<TokenId, u32>::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            if let Some(e) = entry(&mut entries, t, vocab) {
+                e.subtract = params.frequency_penalty * c as f32 + params.presence_penalty;
+            }
+        }
+    }
+    let mut biased = std::collections::HashSet::new();
+    for &(t, bias) in &params.logit_bias {
+        if !biased.insert(t) {
+            return None;
+        }
+        if let Some(e) = entry(&mut entries, t, vocab) {
+            e.bias = bias;
+        }
+    }
+    Some(entries.into_values().collect())
+}
+
+/// What a device sampler returns for `row` of a
+/// [`ForwardBatch::sampling`](vellum_base::ForwardBatch::sampling) (its
+/// penalty entries given), computed here: the host's reference for that
+/// contract, the same token [`sample`] draws from the same uniform number.
+pub fn sample_row(logits: &[f32], row: &RowSampling, entries: &[PenaltyEntry]) -> DeviceSample {
+    let k = row.num_logprobs as usize;
+    let lse = if row.logprob || k > 0 { log_sum_exp(logits) } else { f64::NAN };
+    let top_logprobs = if k > 0 { top_k(logits, k).into_iter().map(|(t, x)| (t, logprob(x, lse))).collect() } else { Vec::new() };
+    let penalized;
+    let scores = if entries.is_empty() {
+        logits
+    } else {
+        let mut l = logits.to_vec();
+        for e in entries {
+            let Some(x) = l.get_mut(e.token as usize) else { continue };
+            if e.repetition != 1.0 {
+                *x = if *x > 0.0 { *x / e.repetition } else { *x * e.repetition };
+            }
+            if e.subtract != 0.0 {
+                *x -= e.subtract;
+            }
+            if e.bias != 0.0 {
+                *x += e.bias;
+            }
+        }
+        penalized = l;
+        &penalized[..]
+    };
+    let token = if row.temperature > 0.0 {
+        let params = SamplingParams {
+            temperature: row.temperature,
+            top_k: i32::try_from(row.top_k).unwrap_or(i32::MAX),
+            top_p: row.top_p,
+            min_p: row.min_p,
+            ..SamplingParams::default()
+        };
+        draw(scores, &params, row.uniform, None)
+    } else {
+        argmax(scores)
+    };
+    let logprob = if row.logprob { logprob(logits[token as usize], lse) } else { f32::NAN };
+    DeviceSample { token, logprob, top_logprobs }
+}
+
 /// Samples a token under `params`: greedy at temperature 0, otherwise
 /// temperature, top-k, top-p and min-p filtering then a draw from `rng`.
 /// `history` (prompt, output) enables the penalties. The reported
@@ -248,7 +333,7 @@ pub fn sample_masked(
                 }
             } else {
                 let plain = stats.plain_draw.as_ref().filter(|_| scores.as_ptr() == logits.as_ptr());
-                draw(scores, params, rng, plain)
+                draw(scores, params, rng.uniform(), plain)
             }
         }
     };
@@ -260,13 +345,14 @@ pub fn sample_masked(
 /// with sorted inserts) instead of a selection over every id.
 const FAST_TOP: usize = 64;
 
-/// Draws a token. Only the candidates the filters can keep are sorted: the
+/// Draws a token at `u ∈ [0, 1)` (one uniform number of the request's
+/// generator). Only the candidates the filters can keep are sorted: the
 /// top `k`, or for top-p / min-p alone a prefix of the ranking grown until
 /// the cut falls inside it; with no filter the draw walks the weights'
 /// chunk sums, then one chunk, in id order (`plain`: those sums, if the
 /// caller has them for `logits` and `params`). Weights are
 /// [`vector::weight`] everywhere, so a seeded draw is the same on every CPU.
-fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng, plain: Option<&PlainDraw>) -> TokenId {
+fn draw(logits: &[f32], params: &SamplingParams, u: f64, plain: Option<&PlainDraw>) -> TokenId {
     let v = logits.len();
     let k = if params.top_k > 0 { (params.top_k as usize).min(v) } else { v };
     if k == v && params.top_p >= 1.0 && params.min_p <= 0.0 {
@@ -281,7 +367,7 @@ fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng, plain: Opt
                 &computed
             }
         };
-        return draw_plain(logits, plain, rng.uniform());
+        return draw_plain(logits, plain, u);
     }
     let m = vector::max(logits);
     let inv_t = 1.0 / params.temperature;
@@ -347,7 +433,7 @@ fn draw(logits: &[f32], params: &SamplingParams, rng: &mut SeededRng, plain: Opt
         probs.truncate(keep);
     }
     let total: f64 = probs.iter().sum();
-    let mut u = rng.uniform() * total;
+    let mut u = u * total;
     for (i, p) in probs.iter().enumerate() {
         if u < *p {
             return cand[i];
@@ -502,7 +588,7 @@ mod tests {
             let (mut a, mut b) = (SeededRng::new(11), SeededRng::new(11));
             for _ in 0..n {
                 let t = sample_masked(&logits, &stats, &params, &mut a, 0, (&[], &[]), None).token;
-                assert_eq!(t, draw(&logits, &params, &mut b, None), "precomputed and fresh sums disagree");
+                assert_eq!(t, draw(&logits, &params, b.uniform(), None), "precomputed and fresh sums disagree");
                 counts[t as usize] += 1;
             }
             for t in [5usize, 1500, 2047, 3100, 0, 3000] {
@@ -561,7 +647,7 @@ mod tests {
             let params = SamplingParams { temperature: t as f32, top_k: top_k as i32, top_p, min_p, ..SamplingParams::default() };
             let mut seen = std::collections::HashSet::new();
             for _ in 0..3000 {
-                let tok = draw(logits, &params, &mut rng, None);
+                let tok = draw(logits, &params, rng.uniform(), None);
                 assert!(allowed.contains(&tok), "top_k {top_k} top_p {top_p} min_p {min_p}: {tok} is excluded");
                 seen.insert(tok);
             }

@@ -53,6 +53,10 @@ struct FakeModel {
     /// Returns each row's argmax instead of the logits when a batch is
     /// `argmax_only`, as the CUDA backend does, counting those steps here.
     device_argmax: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
+    /// Samples the rows of batches that carry `sampling` itself (through
+    /// the host's reference of that contract, `sampler::sample_row`), as
+    /// the CUDA backend does, counting those steps here.
+    device_sampling: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
 }
 
 impl FakeModel {
@@ -68,6 +72,7 @@ impl FakeModel {
             error_at_step: None,
             steps: 0,
             device_argmax: None,
+            device_sampling: None,
         }
     }
 }
@@ -83,6 +88,10 @@ impl ModelExecutor for FakeModel {
 
     fn kv_memory(&self, _block_size: usize) -> vellum_base::KvMemory {
         vellum_base::KvMemory { available_bytes: 1 << 20, max_blocks: None, device: None }
+    }
+
+    fn samples_on_device(&self) -> bool {
+        self.device_sampling.is_some()
     }
 
     fn initialize_kv_cache(&mut self, num_blocks: usize, num_host_blocks: usize, block_size: usize) -> vellum_base::Result<()> {
@@ -133,6 +142,15 @@ impl ModelExecutor for FakeModel {
             let argmax = logits.chunks(self.vocab).map(argmax).collect();
             return Ok(StepOutput { vocab_size: self.vocab, argmax, ..StepOutput::default() });
         }
+        if let (Some(count), false) = (&self.device_sampling, b.sampling.is_empty()) {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let samples = logits
+                .chunks(self.vocab)
+                .zip(&b.sampling)
+                .map(|(row, s)| vellum_engine::sampler::sample_row(row, s, &b.penalties[s.penalties.0 as usize..s.penalties.1 as usize]))
+                .collect();
+            return Ok(StepOutput { vocab_size: self.vocab, samples, ..StepOutput::default() });
+        }
         Ok(StepOutput { logits, vocab_size: self.vocab, ..StepOutput::default() })
     }
 }
@@ -176,6 +194,60 @@ fn greedy_follows_the_model_and_temperature_zero_is_greedy() {
             seq.push(t);
         }
         assert_eq!(out.outputs[0].token_ids.len(), 12);
+    }
+}
+
+/// A backend that samples on its device (the CUDA backend's
+/// `sample_rows`; here the host's reference of that contract) gives the
+/// host sampler's tokens, logprobs and top logprobs for every kind of
+/// request the device takes (seeded draws with top-k/top-p/min-p, penalties
+/// and logit bias, logprobs, the later draws of parallel sampling), and the
+/// requests it leaves to the host (beam search, a parallel request's first
+/// draw) mix in the same run: the engine draws each row's uniform number in
+/// the host's order and advances the generators as the host would.
+#[test]
+fn sampling_on_the_device_gives_the_host_samplers_outputs() {
+    let prompts: Vec<Vec<TokenId>> = (0..7).map(|i| (1..=(4 + 3 * i)).map(|t| (t * 7 % 45 + 1) as TokenId).collect()).collect();
+    let base = SamplingParams { ignore_eos: true, temperature: 0.9, ..SamplingParams::greedy(10) };
+    let params = [
+        SamplingParams { seed: Some(1), top_p: 0.9, ..base.clone() },
+        SamplingParams { seed: Some(2), top_k: 5, min_p: 0.1, logprobs: Some(3), ..base.clone() },
+        SamplingParams {
+            seed: Some(3),
+            repetition_penalty: 1.4,
+            frequency_penalty: 0.5,
+            presence_penalty: 0.2,
+            logit_bias: vec![(7, 3.0), (9, -50.0)],
+            ..base.clone()
+        },
+        SamplingParams { seed: Some(4), n: 3, ..base.clone() },
+        SamplingParams { repetition_penalty: 1.3, logprobs: Some(2), ..SamplingParams::greedy(10) },
+        SamplingParams { seed: Some(5), ..base.clone() },
+        SamplingParams { beam_search: Some(BeamSearchParams { beam_width: 2, length_penalty: 1.0 }), ..SamplingParams::greedy(6) },
+    ];
+    let outputs = |device: bool| {
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let model = FakeModel { device_sampling: device.then(|| count.clone()), ..FakeModel::new(11, 50) };
+        let mut e = EngineCore::new(model, config(), 128, 64, 4, vec![EOS]).expect("engine");
+        for (p, params) in prompts.iter().zip(&params) {
+            e.add_request(p.clone(), params.clone()).expect("accepted");
+        }
+        let mut out = e.run_to_completion().expect("runs");
+        out.sort_by_key(|o| o.request_id);
+        assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0);
+        (out, count.load(std::sync::atomic::Ordering::Relaxed))
+    };
+    let (host, none) = outputs(false);
+    let (device, steps) = outputs(true);
+    assert_eq!(none, 0);
+    assert!(steps > 0, "some steps sampled on the device");
+    assert_eq!(host.len(), device.len());
+    for (h, d) in host.iter().zip(&device) {
+        assert_eq!(h.outputs.len(), d.outputs.len());
+        for (a, b) in h.outputs.iter().zip(&d.outputs) {
+            assert_eq!(a.token_ids, b.token_ids, "request {}", h.request_id);
+            assert_eq!(format!("{:?}", a.logprobs), format!("{:?}", b.logprobs), "request {}", h.request_id);
+        }
     }
 }
 

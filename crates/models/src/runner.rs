@@ -6,7 +6,9 @@
 //!                ─ model.forward(ops, cache, step) (every layer's ops,
 //!                  or run_graph's replay of a recorded decode step)
 //!                ─ take_host(logits), or argmax_rows(logits) when the
-//!                  batch is argmax_only and the backend computes it
+//!                  batch is argmax_only and the backend computes it, or
+//!                  sample_rows(logits) when the batch carries sampling
+//!                  and the backend samples on its device
 //! ```
 //!
 //! Under tensor parallelism (`--tensor-parallel-size N`) the runner holds N
@@ -58,6 +60,7 @@ enum RankOutput {
     Hidden(Vec<f32>),
     Logits(Vec<f32>),
     Argmax(Vec<u32>),
+    Samples(Vec<vellum_base::DeviceSample>),
 }
 
 /// How a [`ModelRunner`] keeps its KV cache, fixed at load so that the
@@ -380,6 +383,11 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         }))
     }
 
+    fn samples_on_device(&self) -> bool {
+        // A tensor-parallel group's logits are gathered on the host.
+        matches!(&self.ranks[..], [rank] if rank.ops.samples_on_device())
+    }
+
     fn execute(&mut self, batch: &ForwardBatch) -> vellum_base::Result<StepOutput> {
         let block_size = self.block_size.ok_or_else(|| Error::Backend("execute before initialize_kv_cache".into()))?;
         let config = self.ranks[0].model.config();
@@ -388,6 +396,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
             return Ok(match rank.step(batch, block_size, true)? {
                 RankOutput::Hidden(hidden_states) => StepOutput { vocab_size, hidden_states, hidden_size, ..StepOutput::default() },
                 RankOutput::Argmax(argmax) => StepOutput { vocab_size, argmax, ..StepOutput::default() },
+                RankOutput::Samples(samples) => StepOutput { vocab_size, samples, ..StepOutput::default() },
                 RankOutput::Logits(logits) => StepOutput { logits, vocab_size, ..StepOutput::default() },
             });
         }
@@ -409,7 +418,9 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
                     return Ok(StepOutput { vocab_size, hidden_states, hidden_size, ..StepOutput::default() });
                 }
                 RankOutput::Logits(logits) => shards.push((rank.model.tensor_parallel().vocab(rank.model.config()), logits)),
-                RankOutput::Argmax(_) => return Err(Error::Backend("a rank of a tensor-parallel group returned argmax ids".into())),
+                RankOutput::Argmax(_) | RankOutput::Samples(_) => {
+                    return Err(Error::Backend("a rank of a tensor-parallel group returned sampled ids".into()))
+                }
             }
         }
         let rows = batch.logits_indices.len();
@@ -541,6 +552,11 @@ fn run_step<O: Ops>(
     if whole && batch.argmax_only {
         if let Some(argmax) = ops.argmax_rows(&logits)? {
             return Ok(RankOutput::Argmax(argmax));
+        }
+    }
+    if whole && !batch.sampling.is_empty() {
+        if let Some(samples) = ops.sample_rows(&logits, &batch.sampling, &batch.penalties)? {
+            return Ok(RankOutput::Samples(samples));
         }
     }
     Ok(RankOutput::Logits(ops.take_host(logits)?))

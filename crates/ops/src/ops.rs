@@ -21,7 +21,7 @@
 use crate::quant::GgmlType;
 use crate::rope::RopeTable;
 use crate::{Result, WeightView};
-use vellum_base::{AttentionBackend, AttentionShape};
+use vellum_base::{AttentionBackend, AttentionShape, DeviceSample, PenaltyEntry, RowSampling};
 
 /// The element type a backend rounds an activation to before a product
 /// reads it: what [`Ops::linear_input_dtype`] reports, so that a test (the
@@ -233,6 +233,19 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     /// `x` lives; `None` where the backend leaves it to the host sampler.
     fn argmax_rows(&self, x: &Self::Tensor) -> OpResult<Option<Vec<u32>>> {
         let _ = x;
+        Ok(None)
+    }
+    /// Whether [`sample_rows`](Self::sample_rows) samples on the device
+    /// (a backend whose logits live on the host leaves it to the engine).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// A token for each row of logits `x`, drawn where `x` lives as the
+    /// host sampler draws it (`rows`: one [`RowSampling`] a row; `penalties`:
+    /// the entries they point into); `None` where the backend leaves
+    /// sampling to the host.
+    fn sample_rows(&self, x: &Self::Tensor, rows: &[RowSampling], penalties: &[PenaltyEntry]) -> OpResult<Option<Vec<DeviceSample>>> {
+        let _ = (x, rows, penalties);
         Ok(None)
     }
     /// Takes back a buffer [`take_host`](Self::take_host) returned (a

@@ -14,12 +14,25 @@ pub fn compiler() -> Option<String> {
 /// Writes `source` to `dir/name.cpp` and builds `dir/name` from it with
 /// `cxx` (C++17, no contraction of multiplies and adds, so that the host
 /// rounds as written); panics with the compiler's log on an error.
+#[allow(dead_code)] // Each test crate that includes this file uses one of the two.
 pub fn build(cxx: &str, dir: &Path, name: &str, source: &str) -> PathBuf {
+    build_with(cxx, dir, name, source, &["-std=c++17"])
+}
+
+/// [`build`] for a kernel that uses barriers and shared memory, run with
+/// one host thread per GPU thread (C++20's `std::barrier`, `-pthread`).
+#[allow(dead_code)]
+pub fn build_threaded(cxx: &str, dir: &Path, name: &str, source: &str) -> PathBuf {
+    build_with(cxx, dir, name, source, &["-std=c++20", "-pthread"])
+}
+
+fn build_with(cxx: &str, dir: &Path, name: &str, source: &str, flags: &[&str]) -> PathBuf {
     let src = dir.join(format!("{name}.cpp"));
     std::fs::write(&src, source).expect("write the source");
     let exe = dir.join(name);
     let out = Command::new(cxx)
-        .args(["-std=c++17", "-O1", "-ffp-contract=off", "-Wno-unknown-pragmas", "-o"])
+        .args(flags)
+        .args(["-O1", "-ffp-contract=off", "-Wno-unknown-pragmas", "-o"])
         .arg(&exe)
         .arg(&src)
         .output()

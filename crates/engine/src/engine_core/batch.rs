@@ -5,8 +5,13 @@
 //! lengths, and the rows whose logits come back.
 
 use super::EngineCore;
+use crate::sampler::{has_penalties, penalty_entries};
 use std::time::Instant;
-use vellum_base::{BlockAllocator, ForwardBatch, ModelExecutor, RequestId, SeqId};
+use vellum_base::{BlockAllocator, ForwardBatch, IdMap, ModelExecutor, RequestId, RowSampling, SeededRng, SeqId};
+
+/// Most top logprobs a row may ask for and still be sampled on the device
+/// (the OpenAI API's limit).
+pub(super) const MAX_DEVICE_TOP_LOGPROBS: usize = 20;
 use vellum_scheduler::SchedulerOutput;
 
 /// What a row of the executor's logits is for.
@@ -125,6 +130,58 @@ impl<E: ModelExecutor> EngineCore<E> {
             }
         }
         b.argmax_only &= !rows.is_empty() && !b.hidden_states;
+        if self.device_sampling && !b.argmax_only && !b.hidden_states && !rows.is_empty() {
+            self.device_sampling_rows(&mut b, &rows);
+        }
         (b, rows)
+    }
+
+    /// Fills `b.sampling` when every row can be drawn on the device: a
+    /// plain sampling row (no beam search, structured output, drafts to
+    /// verify, or first draw of a parallel-sampling request, which draws n
+    /// tokens from one row), with at most
+    /// [`MAX_DEVICE_TOP_LOGPROBS`] top logprobs and penalties one entry per
+    /// token can express. Each row's uniform number is the one the host
+    /// sampler would draw next from its request's generator (rows of one
+    /// request in order); the generators advance once the tokens are back
+    /// ([`EngineCore::sample_on_device`]), so nothing is drawn twice if the
+    /// executor returns logits after all.
+    fn device_sampling_rows(&self, b: &mut ForwardBatch, rows: &[Row]) {
+        let mut generators: IdMap<RequestId, SeededRng> = IdMap::default();
+        let (mut sampling, mut penalties) = (Vec::with_capacity(rows.len()), Vec::new());
+        for row in rows {
+            let Row::Sample(rid, sid) = *row else { return };
+            let (Some(req), Some(seq)) = (self.views.reqs.get(&rid), self.views.seqs.get(&sid)) else { return };
+            let p = &req.params;
+            let k = p.logprobs.unwrap_or(0);
+            let first_of_many = !req.forked && p.num_sequences() > 1;
+            if p.beam_search.is_some() || seq.constraint.is_some() || !seq.drafts.is_empty() || first_of_many || k > MAX_DEVICE_TOP_LOGPROBS
+            {
+                return;
+            }
+            let entries = if has_penalties(p) {
+                match penalty_entries(p, seq.prompt(), seq.output(), usize::MAX) {
+                    Some(e) => e,
+                    None => return,
+                }
+            } else {
+                Vec::new()
+            };
+            let uniform = if p.temperature > 0.0 { generators.entry(rid).or_insert_with(|| req.rng.clone()).uniform() } else { 0.0 };
+            let start = penalties.len() as u32;
+            penalties.extend(entries);
+            sampling.push(RowSampling {
+                temperature: p.temperature,
+                top_k: p.top_k.max(0) as u32,
+                top_p: p.top_p,
+                min_p: p.min_p,
+                uniform,
+                num_logprobs: k as u32,
+                logprob: p.needs_sampled_logprobs(),
+                penalties: (start, penalties.len() as u32),
+            });
+        }
+        b.sampling = sampling;
+        b.penalties = penalties;
     }
 }

@@ -90,6 +90,9 @@ pub struct EngineCore<E: ModelExecutor> {
     /// Serves pooling (embedding) requests instead of generation
     /// ([`EngineCore::set_pooling`]).
     pooling: bool,
+    /// Whether steps ask the executor to sample on its device
+    /// ([`EngineCore::set_device_sampling`]).
+    device_sampling: bool,
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
@@ -141,6 +144,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             fail_next_forward: false,
             speculator: None,
             pooling: false,
+            device_sampling: executor.samples_on_device() && std::env::var("VELLUM_DEVICE_SAMPLING").as_deref() != Ok("0"),
             executor,
         })
     }
@@ -162,6 +166,15 @@ impl<E: ModelExecutor> EngineCore<E> {
     /// outputs, are the same.
     pub fn set_overlap_masks(&mut self, overlap: bool) {
         self.overlap_masks = overlap;
+    }
+
+    /// Samples on the executor's device where it can (`true`, the default
+    /// where [`ModelExecutor::samples_on_device`]; `VELLUM_DEVICE_SAMPLING=0`
+    /// turns it off, to measure) or always on the host (`false`). A row is
+    /// drawn from the same uniform number either way, so the tokens are the
+    /// same.
+    pub fn set_device_sampling(&mut self, on: bool) {
+        self.device_sampling = on && self.executor.samples_on_device();
     }
 
     /// Lets requests carry a structured-output constraint, compiled by
@@ -395,6 +408,8 @@ impl<E: ModelExecutor> EngineCore<E> {
         }
         let (samples, draws) = if result.argmax.len() == rows.len() && batch.argmax_only {
             self.sample_argmax(&result.argmax, &rows)
+        } else if !batch.sampling.is_empty() && result.samples.len() == rows.len() {
+            self.sample_on_device(&result.samples, &rows, &batch.sampling)
         } else {
             self.sample(&result.logits, result.vocab_size, &rows, masks)
         };

@@ -10,7 +10,7 @@ use crate::sampler::{has_penalties, log_softmax, sample_masked, top_k, AllowedTo
 use crate::sequences::{Draw, SeqView};
 use crate::structured::Constraint;
 use llguidance::toktrie::SimpleVob;
-use vellum_base::{IdMap, IdSet, ModelExecutor, RequestId, SamplingParams, SeqId};
+use vellum_base::{DeviceSample, IdMap, IdSet, ModelExecutor, RequestId, RowSampling, SamplingParams, SeqId};
 use vellum_scheduler::{RequestSamples, StepSamples};
 
 /// The allowed tokens of each constrained sampling row, and the vocabulary
@@ -64,6 +64,36 @@ impl<E: ModelExecutor> EngineCore<E> {
             match per_req.last_mut() {
                 Some(last) if last.request_id == rid => last.next.push((sid, token)),
                 _ => per_req.push(RequestSamples::tokens(rid, vec![(sid, token)])),
+            }
+        }
+        (StepSamples { requests: per_req }, draws)
+    }
+
+    /// [`EngineCore::sample`] for a batch that carried
+    /// [`ForwardBatch::sampling`](vellum_base::ForwardBatch::sampling), from
+    /// the tokens the executor drew on its device: every row is a
+    /// [`Row::Sample`]; each drawing row's request generator advances by
+    /// the draw the row used, as the host sampler's would.
+    pub(super) fn sample_on_device(
+        &mut self,
+        samples: &[DeviceSample],
+        rows: &[Row],
+        sampling: &[RowSampling],
+    ) -> (StepSamples, IdMap<RequestId, Vec<Draw>>) {
+        let mut per_req: Vec<RequestSamples> = Vec::new();
+        let mut draws: IdMap<RequestId, Vec<Draw>> = IdMap::default();
+        for ((sample, &use_), row) in samples.iter().zip(rows).zip(sampling) {
+            let Row::Sample(rid, sid) = use_ else { continue };
+            let Some(req) = self.views.reqs.get_mut(&rid).filter(|_| self.views.seqs.contains_key(&sid)) else { continue };
+            if row.temperature > 0.0 {
+                req.rng.uniform();
+            }
+            let top = req.params.logprobs.is_some().then(|| sample.top_logprobs.clone());
+            draws.entry(rid).or_default().push(Draw { token: sample.token, logprob: sample.logprob, top, index: None });
+            self.counters.generation_tokens += 1;
+            match per_req.last_mut() {
+                Some(last) if last.request_id == rid => last.next.push((sid, sample.token)),
+                _ => per_req.push(RequestSamples::tokens(rid, vec![(sid, sample.token)])),
             }
         }
         (StepSamples { requests: per_req }, draws)

@@ -50,6 +50,15 @@ pub struct LatencyArgs {
     /// Wrap `--prompt` as a user message in the model's chat template.
     #[arg(long, requires = "prompt")]
     pub chat: bool,
+    /// Sampling temperature of every request (0: greedy, the default).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus cut of every request (1: none).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Candidates kept by rank (0: no cut).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: i32,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -98,13 +107,21 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         bar.set_message(if it < args.num_iters_warmup { "warm-up" } else { "measuring" });
         let engine = llm.engine();
         let started = Instant::now();
-        for _ in 0..args.batch_size {
+        for i in 0..args.batch_size {
             // Fresh random prompts every iteration: no prefix-cache hits.
             let prompt = match &fixed_prompt {
                 Some(p) => p.clone(),
                 None => super::random_prompt(&mut rng, vocab, args.input_len),
             };
-            let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.output_len) };
+            let params = SamplingParams {
+                ignore_eos: true,
+                temperature: args.temperature,
+                top_p: args.top_p,
+                top_k: args.top_k,
+                // Seeded draws, so that a sampled run repeats.
+                seed: (args.temperature > 0.0).then_some(args.seed.wrapping_add((it * args.batch_size + i) as u64)),
+                ..SamplingParams::greedy(args.output_len)
+            };
             engine.add_request(prompt, params).map_err(|e| anyhow!("{e}"))?;
         }
         let mut first_tokens_s = None;
@@ -142,6 +159,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         "input_len": input_len,
         "output_len": args.output_len,
         "num_iters": args.num_iters,
+        "sampling": { "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k },
         "avg_latency_s": mean(&lat),
         "p50_latency_s": super::percentile(&lat, 50.0),
         "p90_latency_s": super::percentile(&lat, 90.0),

@@ -1,0 +1,258 @@
+//! `kernels/cuda/sampling.cu`, the device sampler, compiled for the host
+//! and run with one host thread per GPU thread (its reductions use shared
+//! memory and barriers only), against the host sampler
+//! (`vellum_engine::sampler::sample`) on the same rows and the same draws:
+//! greedy, plain draws, top-k, top-p, min-p and their mix, penalties and
+//! logit bias, the sampled token's logprob and the top logprobs, over
+//! peaked, flat, tied and one-hot rows. The kernel's text is the very one
+//! NVRTC compiles, so a mistake in its cuts shows on any machine.
+//!
+//! Without a C++ compiler (`c++`, `g++` or `clang++`, or `CXX`) the test
+//! says SKIPPED by name; CI has one.
+
+#[path = "../../backend-cuda/tests/common/host_cxx.rs"]
+mod host_cxx;
+
+use vellum_base::{PenaltyEntry, RowSampling, SamplingParams, SeededRng, TokenId};
+use vellum_engine::sampler::{penalty_entries, sample};
+
+/// What the kernel needs from CUDA, for a host compiler; 16 threads a block.
+const SHIM: &str = r#"
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+#define SAMPLE_THREADS 16
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __noinline__
+#define __restrict__ __restrict
+#define __shared__ static
+struct Index { unsigned x; };
+static Index blockIdx;
+static thread_local Index threadIdx;
+static std::barrier<> *block_barrier;
+static void __syncthreads() { block_barrier->arrive_and_wait(); }
+static float __fadd_rn(float a, float b) { return a + b; }
+static float __fsub_rn(float a, float b) { return a - b; }
+static float __fmul_rn(float a, float b) { return a * b; }
+static unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static double __longlong_as_double(long long u) { double f; std::memcpy(&f, &u, 8); return f; }
+using std::log;
+"#;
+
+const MAIN: &str = r#"
+template <typename T> static std::vector<T> slurp(const std::string &path) {
+    FILE *f = std::fopen(path.c_str(), "rb");
+    if (!f) std::exit(3);
+    std::fseek(f, 0, SEEK_END);
+    long n = std::ftell(f);
+    std::fseek(f, 0, SEEK_SET);
+    std::vector<T> v(n / sizeof(T));
+    if (std::fread(v.data(), 1, n, f) != (size_t)n) std::exit(3);
+    std::fclose(f);
+    return v;
+}
+template <typename T> static void spill(const std::string &path, const std::vector<T> &v) {
+    FILE *f = std::fopen(path.c_str(), "wb");
+    if (!f || std::fwrite(v.data(), sizeof(T), v.size(), f) != v.size()) std::exit(4);
+    std::fclose(f);
+}
+int main(int argc, char **argv) {
+    if (argc != 4) return 2;
+    const int vocab = std::atoi(argv[1]), stride = std::atoi(argv[2]);
+    const std::string dir = argv[3];
+    auto logits = slurp<float>(dir + "/logits");
+    auto fparams = slurp<float>(dir + "/fparams");
+    auto iparams = slurp<int>(dir + "/iparams");
+    auto uniform = slurp<double>(dir + "/uniform");
+    auto pen_tokens = slurp<int>(dir + "/pen_tokens");
+    auto pen_values = slurp<float>(dir + "/pen_values");
+    const int rows = (int)uniform.size();
+    std::vector<int> tokens(rows, -7), top_ids((size_t)rows * stride, -7);
+    std::vector<float> lps(rows), top_lp((size_t)rows * stride), scores((size_t)rows * vocab);
+    std::barrier<> bar(SAMPLE_THREADS);
+    block_barrier = &bar;
+    for (int r = 0; r < rows; r++) {
+        blockIdx.x = r;
+        std::vector<std::thread> threads;
+        for (int t = 0; t < SAMPLE_THREADS; t++)
+            threads.emplace_back([&, t] {
+                threadIdx.x = t;
+                sample_rows(tokens.data(), lps.data(), top_ids.data(), top_lp.data(), stride, logits.data(), scores.data(), vocab,
+                            fparams.data(), iparams.data(), uniform.data(), pen_tokens.data(), pen_values.data());
+            });
+        for (auto &th : threads) th.join();
+    }
+    spill(dir + "/tokens", tokens);
+    spill(dir + "/logprobs", lps);
+    spill(dir + "/top_ids", top_ids);
+    spill(dir + "/top_lp", top_lp);
+    return 0;
+}
+"#;
+
+fn bytes<T: Copy>(v: &[T]) -> Vec<u8> {
+    // SAFETY: plain numbers (f32, f64, i32) viewed as their bytes, native order.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)).to_vec() }
+}
+
+fn read<T: Copy + Default>(path: &std::path::Path) -> Vec<T> {
+    let b = std::fs::read(path).expect("kernel output");
+    let n = b.len() / std::mem::size_of::<T>();
+    let mut v = vec![T::default(); n];
+    // SAFETY: `v` holds exactly `n · size_of::<T>()` bytes, all overwritten.
+    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr().cast::<u8>(), n * std::mem::size_of::<T>()) };
+    v
+}
+
+/// A row of logits of the given kind.
+fn row(kind: usize, vocab: usize, rng: &mut SeededRng) -> Vec<f32> {
+    match kind {
+        // Peaked: a language model's shape, a few far above the rest.
+        0 => (0..vocab).map(|i| (rng.normal() * 2.0) as f32 + if i % 97 == 3 { 6.0 } else { 0.0 }).collect(),
+        // Flat: top-p cuts deep into the row.
+        1 => (0..vocab).map(|_| rng.signed_f32() * 0.5).collect(),
+        // Tied: a quarter-step grid, equal scores everywhere.
+        2 => (0..vocab).map(|_| (rng.signed_f32() * 8.0).round() / 4.0).collect(),
+        // One far ahead: every other weight underflows to zero.
+        _ => (0..vocab).map(|i| if i == vocab / 3 { 150.0 } else { rng.signed_f32() }).collect(),
+    }
+}
+
+fn params() -> Vec<SamplingParams> {
+    let base = SamplingParams { temperature: 0.8, ..SamplingParams::greedy(8) };
+    let pens = SamplingParams {
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.4,
+        presence_penalty: 0.3,
+        logit_bias: vec![(5, 2.5), (11, -100.0)],
+        ..base.clone()
+    };
+    vec![
+        SamplingParams::greedy(8),
+        base.clone(),
+        SamplingParams { temperature: 1.0, ..base.clone() },
+        SamplingParams { top_k: 1, ..base.clone() },
+        SamplingParams { top_k: 5, ..base.clone() },
+        SamplingParams { top_k: 50, temperature: 1.3, ..base.clone() },
+        SamplingParams { top_p: 0.9, ..base.clone() },
+        SamplingParams { top_p: 0.5, ..base.clone() },
+        SamplingParams { top_p: 0.99, temperature: 1.0, ..base.clone() },
+        SamplingParams { min_p: 0.05, temperature: 1.0, ..base.clone() },
+        SamplingParams { min_p: 0.3, ..base.clone() },
+        SamplingParams { top_k: 40, top_p: 0.9, min_p: 0.02, temperature: 0.9, ..base.clone() },
+        SamplingParams { top_p: 0.95, temperature: 0.8, logprobs: Some(5), ..base.clone() },
+        SamplingParams { temperature: 0.0, ..pens.clone() },
+        SamplingParams { logprobs: Some(3), ..pens.clone() },
+        SamplingParams { top_p: 0.9, ..pens },
+    ]
+}
+
+#[test]
+fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_skips_without_a_compiler() {
+    let test = "the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens";
+    let Some(cxx) = host_cxx::compiler() else {
+        eprintln!("SKIPPED {test}: no C++ compiler (c++, g++ or clang++, or $CXX)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("vellum-sampling-on-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let exe = host_cxx::build_threaded(&cxx, &dir, "sampling", &format!("{SHIM}\n{}\n{MAIN}", vellum_kernels::cuda::SAMPLING));
+
+    let (mut rows_checked, mut draws, mut disagreements) = (0, 0, Vec::new());
+    for vocab in [37usize, 3001] {
+        let mut gen = SeededRng::new(vocab as u64);
+        let (mut logits, mut rows, mut pens, mut want) = (Vec::new(), Vec::new(), Vec::<PenaltyEntry>::new(), Vec::new());
+        let prompt: Vec<TokenId> = vec![1, 2, 3, 5, 8, 13];
+        let output: Vec<TokenId> = vec![3, 3, 21, 34, 2, 3];
+        for kind in 0..4 {
+            for p in params() {
+                for seed in 0..3u64 {
+                    let x = row(kind, vocab, &mut gen);
+                    let mut rng = SeededRng::new(seed * 7919 + kind as u64);
+                    let uniform = rng.clone().uniform();
+                    let k = p.logprobs.unwrap_or(0);
+                    let s = sample(&x, &p, &mut rng, k, (&prompt, &output));
+                    let entries = penalty_entries(&p, &prompt, &output, vocab).expect("no duplicate bias");
+                    let start = pens.len() as u32;
+                    pens.extend(entries);
+                    rows.push(RowSampling {
+                        temperature: p.temperature,
+                        top_k: p.top_k.max(0) as u32,
+                        top_p: p.top_p,
+                        min_p: p.min_p,
+                        uniform,
+                        num_logprobs: k as u32,
+                        logprob: p.needs_sampled_logprobs(),
+                        penalties: (start, pens.len() as u32),
+                    });
+                    logits.extend(x);
+                    want.push((s, kind, p.clone()));
+                }
+            }
+        }
+        let stride = rows.iter().map(|r| r.num_logprobs as usize).max().unwrap_or(0).max(1);
+        let fparams: Vec<f32> = rows.iter().flat_map(|r| [r.temperature, r.top_p, r.min_p, 0.0]).collect();
+        let iparams: Vec<i32> = rows
+            .iter()
+            .flat_map(|r| {
+                let top_k = if r.top_k as usize >= vocab { 0 } else { r.top_k as i32 };
+                [top_k, r.num_logprobs as i32, r.penalties.0 as i32, r.penalties.1 as i32, i32::from(r.logprob)]
+            })
+            .collect();
+        let uniform: Vec<f64> = rows.iter().map(|r| r.uniform).collect();
+        let mut pen_tokens: Vec<i32> = pens.iter().map(|e| e.token as i32).collect();
+        let mut pen_values: Vec<f32> = pens.iter().flat_map(|e| [e.repetition, e.subtract, e.bias]).collect();
+        if pen_tokens.is_empty() {
+            pen_tokens.push(0);
+            pen_values.extend([1.0, 0.0, 0.0]);
+        }
+        for (name, data) in [
+            ("logits", bytes(&logits)),
+            ("fparams", bytes(&fparams)),
+            ("iparams", bytes(&iparams)),
+            ("uniform", bytes(&uniform)),
+            ("pen_tokens", bytes(&pen_tokens)),
+            ("pen_values", bytes(&pen_values)),
+        ] {
+            std::fs::write(dir.join(name), data).expect("write input");
+        }
+        let run = std::process::Command::new(&exe).arg(vocab.to_string()).arg(stride.to_string()).arg(&dir).output().expect("run");
+        assert!(run.status.success(), "the host build of sample_rows failed: {run:?}");
+        let tokens: Vec<i32> = read(&dir.join("tokens"));
+        let lps: Vec<f32> = read(&dir.join("logprobs"));
+        let top_ids: Vec<i32> = read(&dir.join("top_ids"));
+        let top_lp: Vec<f32> = read(&dir.join("top_lp"));
+        assert_eq!(tokens.len(), rows.len());
+        for (i, (s, kind, p)) in want.iter().enumerate() {
+            rows_checked += 1;
+            draws += usize::from(p.temperature > 0.0);
+            if tokens[i] != s.token as i32 {
+                disagreements.push(format!(
+                    "vocab {vocab}, row kind {kind}, {p:?}: device {} host {} (u = {})",
+                    tokens[i], s.token, rows[i].uniform
+                ));
+                continue;
+            }
+            if rows[i].logprob {
+                assert!((lps[i] - s.logprob).abs() < 1e-5, "logprob {} against {} ({p:?})", lps[i], s.logprob);
+            } else {
+                assert!(lps[i].is_nan(), "an unasked logprob is NaN");
+            }
+            for (j, &(id, lp)) in s.top_logprobs.iter().enumerate() {
+                assert_eq!(top_ids[i * stride + j], id as i32, "top entry {j} of row {i} ({p:?})");
+                assert!((top_lp[i * stride + j] - lp).abs() < 1e-5, "top logprob {j}: {} against {lp}", top_lp[i * stride + j]);
+            }
+        }
+    }
+    eprintln!("{rows_checked} rows, {draws} of them draws: {} disagreements", disagreements.len());
+    assert!(disagreements.is_empty(), "the device sampler drew other tokens than the host's:\n{}", disagreements.join("\n"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

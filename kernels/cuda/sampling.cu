@@ -1,0 +1,409 @@
+// Sampling on the device: one thread block per logits row turns the row
+// into a token (and the logprobs the request asked for), so that a step
+// copies a few bytes a row to the host instead of a row of the vocabulary.
+//
+// It draws what the host sampler (crates/engine/src/sampler.rs) draws for
+// the same uniform number `u` (taken from the request's own generator on
+// the host): the same weights, bit for bit (`exp_poly` is the host's
+// `exp_f32`, every multiply and add rounded on its own), and the same
+// order:
+//
+//  * greedy: the largest score, the lowest id among equals;
+//  * no filter: the cumulative weights in id order, the first entry whose
+//    running sum passes `u · total`;
+//  * top-k / min-p / top-p: the candidates ranked by score (lower id first
+//    on ties), cut by k, then by min-p (`p ≥ min_p · p_max`, stopping at the
+//    first that fails), then by top-p (kept while the mass before an entry
+//    is under `top_p`), then drawn in rank order.
+//
+// Ranks are 64-bit keys (the score's order-preserving bits, then the id
+// reversed), so a cut is one key. No row is sorted: each cut is a radix
+// descent over the keys, four bits a pass, that counts and weighs the
+// entries of each digit (every thread in registers, then one block sum)
+// and keeps the digit where the cut falls; it ends when one entry is left.
+// Sums run in a different order than the host's, so a draw within ~1e-15
+// of a boundary may land on the neighbour; nowhere else do they differ.
+//
+// Penalties (repetition, frequency, presence, logit bias) arrive as one
+// entry per distinct token of the row, applied to a copy of the row in
+// `scores`; logprobs are always the model's own (the raw row).
+//
+// The kernel uses shared memory and barriers only (no warp shuffles), so
+// the host tests run its very text with one host thread per GPU thread.
+
+#ifndef SAMPLE_THREADS
+#define SAMPLE_THREADS 128
+#endif
+#define SAMPLE_BINS 16
+
+// The host's `exp_f32`: Cody–Waite reduction, a degree-6 polynomial, no
+// fused multiply-add (each operation rounded on its own, as on the host).
+__device__ __forceinline__ float exp_poly(float x) {
+    const float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f, ROUND = 12582912.0f;
+    const float xc = fminf(fmaxf(x, -87.0f), 88.0f);
+    const float shifted = __fadd_rn(__fmul_rn(xc, LOG2E), ROUND);
+    const float n = __fsub_rn(shifted, ROUND);
+    const int ni = (int)__float_as_uint(shifted) - (int)__float_as_uint(ROUND);
+    const float r = __fsub_rn(__fsub_rn(xc, __fmul_rn(n, LN2_HI)), __fmul_rn(n, LN2_LO));
+    float p = 1.9875691e-4f;
+    p = __fadd_rn(__fmul_rn(p, r), 1.3981999e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 8.333452e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 4.1665796e-2f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.6666665e-1f);
+    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+    const float er = __fadd_rn(__fadd_rn(__fmul_rn(__fmul_rn(p, r), r), r), 1.0f);
+    const float scale = __uint_as_float((unsigned)((ni + 127) << 23));
+    const float y = __fmul_rn(er, scale);
+    return x < -87.0f ? 0.0f : (x > 88.0f ? __uint_as_float(0x7f800000u) : y);
+}
+
+// exp((x − max)/t) as the host's `vector::weight`.
+__device__ __forceinline__ float sample_weight(float x, float max, float inv_t) {
+    return exp_poly(__fmul_rn(__fsub_rn(x, max), inv_t));
+}
+
+// Larger score, larger key; NaN below everything.
+__device__ __forceinline__ unsigned score_key(float x) {
+    const unsigned b = __float_as_uint(x);
+    if (x != x) return 0u;
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// The rank key of entry `id`: score first, then the lower id.
+__device__ __forceinline__ unsigned long long rank_key(float x, int id, int vocab) {
+    return ((unsigned long long)score_key(x) << 32) | (unsigned)(vocab - 1 - id);
+}
+
+__device__ __forceinline__ int key_id(unsigned long long k, int vocab) {
+    return vocab - 1 - (int)(unsigned)(k & 0xffffffffull);
+}
+
+// Block reductions through shared memory (SAMPLE_THREADS a power of two).
+__device__ double sample_sum(double v, double *red) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = SAMPLE_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    const double r = red[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ unsigned long long sample_max_key(unsigned long long v, unsigned long long *red) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = SAMPLE_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s && red[threadIdx.x + s] > red[threadIdx.x]) red[threadIdx.x] = red[threadIdx.x + s];
+        __syncthreads();
+    }
+    const unsigned long long r = red[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ float sample_max(float v, unsigned long long *kred) {
+    // Through the keys, so that NaN never wins (the host's `v > m`).
+    const unsigned long long k = sample_max_key(score_key(v), kred);
+    if (k == 0) return -3.402823466e38f;
+    const unsigned b = (k & 0x80000000ull) ? (unsigned)(k & 0x7fffffffull) : ~(unsigned)k;
+    return __uint_as_float(b);
+}
+
+// What a cut asks of the entries above it: fewer than `count` of them
+// (top-k), or a mass before it under (`strict`) or at most `mass`, with
+// masses divided by `total` first when it is nonzero (the host compares
+// normalized probabilities).
+struct SampleCut {
+    int by_count;
+    unsigned long long count;
+    double mass;
+    double total;
+    int strict;
+};
+
+__device__ __forceinline__ bool cut_holds(const SampleCut &c, unsigned long long n_above, double m_above) {
+    if (c.by_count) return n_above < c.count;
+    const double before = c.total > 0.0 ? m_above / c.total : m_above;
+    return c.strict ? before < c.mass : before <= c.mass;
+}
+
+// The smallest rank key at or above `floor` whose entries above (at or
+// above `floor`) satisfy the cut: the last entry, in rank order, that the
+// cut keeps. `*kept_mass` receives the weight of every entry from the top
+// down to it. The cut must hold for the top entry.
+__device__ __noinline__ unsigned long long select_cut(const float *s, int vocab, float max, float inv_t, unsigned long long floor, SampleCut cut,
+                                         double *kept_mass, unsigned long long *kred, double (*bins_m)[SAMPLE_THREADS],
+                                         double (*bins_n)[SAMPLE_THREADS]) {
+    __shared__ unsigned long long prefix_s;
+    __shared__ int shift_s, done_s;
+    __shared__ double above_m_s, above_n_s;
+    if (threadIdx.x == 0) {
+        prefix_s = 0;
+        shift_s = 60;
+        done_s = 0;
+        above_m_s = 0.0;
+        above_n_s = 0.0;
+    }
+    __syncthreads();
+    while (true) {
+        const int shift = shift_s;
+        const unsigned long long prefix = prefix_s;
+        double m[SAMPLE_BINS];
+        unsigned n[SAMPLE_BINS];
+#pragma unroll
+        for (int d = 0; d < SAMPLE_BINS; d++) {
+            m[d] = 0.0;
+            n[d] = 0u;
+        }
+        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+            const unsigned long long k = rank_key(s[i], i, vocab);
+            if (k < floor || (shift < 60 && (k >> (shift + 4)) != prefix)) continue;
+            const double w = (double)sample_weight(s[i], max, inv_t);
+            const int digit = (int)((k >> shift) & 15ull);
+#pragma unroll
+            for (int d = 0; d < SAMPLE_BINS; d++) {
+                m[d] += d == digit ? w : 0.0;
+                n[d] += d == digit ? 1u : 0u;
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < SAMPLE_BINS; d++) {
+            bins_m[d][threadIdx.x] = m[d];
+            bins_n[d][threadIdx.x] = (double)n[d];
+        }
+        __syncthreads();
+        for (int st = SAMPLE_THREADS / 2; st > 0; st >>= 1) {
+            if ((int)threadIdx.x < st)
+                for (int d = 0; d < SAMPLE_BINS; d++) {
+                    bins_m[d][threadIdx.x] += bins_m[d][threadIdx.x + st];
+                    bins_n[d][threadIdx.x] += bins_n[d][threadIdx.x + st];
+                }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            // Down from the highest digit: the lowest nonempty one whose
+            // first entry the cut still keeps.
+            double am = above_m_s, an = above_n_s;
+            int chosen = -1;
+            double chosen_m = 0.0, chosen_n = 0.0;
+            for (int d = SAMPLE_BINS - 1; d >= 0; d--) {
+                const double bn = bins_n[d][0];
+                if (bn == 0.0) continue;
+                if (!cut_holds(cut, (unsigned long long)an, am)) break;
+                chosen = d;
+                chosen_m = am;
+                chosen_n = an;
+                am += bins_m[d][0];
+                an += bn;
+            }
+            if (chosen < 0) {
+                done_s = 2; // unreachable while the cut keeps the top entry
+            } else {
+                above_m_s = chosen_m;
+                above_n_s = chosen_n;
+                prefix_s = (prefix << 4) | (unsigned long long)chosen;
+                if (bins_n[chosen][0] == 1.0 || shift == 0) done_s = 1;
+                shift_s = shift - 4;
+            }
+        }
+        __syncthreads();
+        if (done_s) break;
+    }
+    // The entry (the largest key under the prefix; the prefix is the whole
+    // key once every digit is taken).
+    const int shift_end = shift_s + 4;
+    const unsigned long long prefix = prefix_s;
+    unsigned long long best = 0;
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const unsigned long long k = rank_key(s[i], i, vocab);
+        if (k >= floor && (shift_end >= 64 ? true : (k >> shift_end) == prefix) && k > best) best = k;
+    }
+    best = sample_max_key(best, kred);
+    if (threadIdx.x == 0) above_m_s += (double)sample_weight(s[key_id(best, vocab)], max, inv_t);
+    __syncthreads();
+    *kept_mass = above_m_s;
+    __syncthreads();
+    return best;
+}
+
+// Per row: fparams [temperature, top_p, min_p, -], iparams [top_k (0 or
+// ≥ vocab: none), num_logprobs, penalty start, penalty end, wants the
+// sampled logprob (0/1)]; penalties: tokens and [repetition, subtract, bias].
+// Grid (rows), SAMPLE_THREADS threads. `scores` [rows, vocab] is scratch
+// for rows with penalties. Out: the token, its logprob (NaN unless asked),
+// and `top_stride` (id, logprob) slots of which the first num_logprobs are
+// written.
+extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *out_top_ids, float *out_top_lp, int top_stride,
+                                       const float *__restrict__ logits, float *scores, int vocab, const float *__restrict__ fparams,
+                                       const int *__restrict__ iparams, const double *__restrict__ uniform,
+                                       const int *__restrict__ pen_tokens, const float *__restrict__ pen_values) {
+    __shared__ double red[SAMPLE_THREADS];
+    __shared__ unsigned long long kred[SAMPLE_THREADS];
+    __shared__ double bins_m[SAMPLE_BINS][SAMPLE_THREADS];
+    __shared__ double bins_n[SAMPLE_BINS][SAMPLE_THREADS];
+    __shared__ int chosen_s;
+    const int row = blockIdx.x;
+    const float *x = logits + (long long)row * vocab;
+    const float temperature = fparams[row * 4], top_p = fparams[row * 4 + 1], min_p = fparams[row * 4 + 2];
+    const int top_k = iparams[row * 5], num_logprobs = iparams[row * 5 + 1];
+    const int pen_start = iparams[row * 5 + 2], pen_end = iparams[row * 5 + 3], wants_logprob = iparams[row * 5 + 4];
+
+    // The scores: the row, or a copy with the penalties applied.
+    const float *s = x;
+    if (pen_end > pen_start) {
+        float *sc = scores + (long long)row * vocab;
+        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) sc[i] = x[i];
+        __syncthreads();
+        for (int e = pen_start + threadIdx.x; e < pen_end; e += SAMPLE_THREADS) {
+            const int t = pen_tokens[e];
+            if (t < 0 || t >= vocab) continue;
+            const float rep = pen_values[e * 3], sub = pen_values[e * 3 + 1], bias = pen_values[e * 3 + 2];
+            float l = sc[t];
+            if (rep != 1.0f) l = l > 0.0f ? l / rep : __fmul_rn(l, rep);
+            if (sub != 0.0f) l = __fsub_rn(l, sub);
+            if (bias != 0.0f) l = __fadd_rn(l, bias);
+            sc[t] = l;
+        }
+        __syncthreads();
+        s = sc;
+    }
+
+    // The model's own logprobs: ln Σ exp(x − max) + max over the raw row.
+    double lse = 0.0;
+    if (wants_logprob || num_logprobs > 0) {
+        float mm = -3.402823466e38f;
+        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) mm = x[i] > mm ? x[i] : mm;
+        const float mx = sample_max(mm, kred);
+        double acc = 0.0;
+        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) acc += (double)sample_weight(x[i], mx, 1.0f);
+        lse = log(sample_sum(acc, red)) + (double)mx;
+        // The top entries, one block maximum each, every one below the last.
+        unsigned long long below = ~0ull;
+        for (int j = 0; j < num_logprobs && j < top_stride; j++) {
+            unsigned long long best = 0;
+            for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+                const unsigned long long k = rank_key(x[i], i, vocab);
+                if (k < below && k > best) best = k;
+            }
+            best = sample_max_key(best, kred);
+            below = best;
+            if (threadIdx.x == 0) {
+                const int id = key_id(best, vocab);
+                out_top_ids[row * top_stride + j] = id;
+                out_top_lp[row * top_stride + j] = (float)((double)x[id] - lse);
+            }
+        }
+    }
+
+    // The largest score (ties: the lowest id).
+    unsigned long long best = 0;
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const unsigned long long k = rank_key(s[i], i, vocab);
+        best = k > best ? k : best;
+    }
+    best = sample_max_key(best, kred);
+    const int argmax = key_id(best, vocab);
+    const float max = s[argmax];
+    int token = argmax;
+    if (temperature > 0.0f && s[argmax] == s[argmax]) {
+        const float inv_t = 1.0f / temperature;
+        const double u = uniform[row];
+        const bool plain = (top_k <= 0 || top_k >= vocab) && top_p >= 1.0f && min_p <= 0.0f;
+        if (plain) {
+            // Cumulative weights in id order: each thread a contiguous
+            // segment, the segments' sums scanned, one segment walked.
+            const int seg = (vocab + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+            const int lo = threadIdx.x * seg, hi = lo + seg < vocab ? lo + seg : vocab;
+            double own = 0.0;
+            for (int i = lo; i < hi; i++) own += (double)sample_weight(s[i], max, inv_t);
+            red[threadIdx.x] = own;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                double total = 0.0;
+                for (int t = 0; t < SAMPLE_THREADS; t++) total += red[t];
+                int pick = -1, last = -1;
+                double target = u * total;
+                if (total > 0.0 && total <= 1.79e308) {
+                    for (int t = 0; t < SAMPLE_THREADS; t++) {
+                        if (red[t] <= 0.0) continue;
+                        last = t;
+                        if (target >= red[t]) {
+                            target -= red[t];
+                            continue;
+                        }
+                        pick = t;
+                        break;
+                    }
+                }
+                chosen_s = pick >= 0 ? pick : -(last + 2); // -1: no weight at all
+                red[0] = target;
+            }
+            __syncthreads();
+            const int c = chosen_s;
+            const int walker = c >= 0 ? c : -c - 2;
+            const double target = red[0];
+            __syncthreads();
+            if (c != -1 && (int)threadIdx.x == walker) {
+                double left = c >= 0 ? target : 1.0 / 0.0;
+                int t_lo = walker * seg, t_hi = t_lo + seg < vocab ? t_lo + seg : vocab, lastpos = t_lo, found = -1;
+                for (int i = t_lo; i < t_hi; i++) {
+                    const double w = (double)sample_weight(s[i], max, inv_t);
+                    if (w > 0.0) {
+                        if (left < w) {
+                            found = i;
+                            break;
+                        }
+                        left -= w;
+                        lastpos = i;
+                    }
+                }
+                chosen_s = found >= 0 ? found : lastpos;
+            }
+            __syncthreads();
+            if (c != -1) token = chosen_s;
+        } else {
+            // Rank cuts: top-k, then min-p, then top-p; then the draw.
+            unsigned long long floor = 0;
+            double total = 0.0;
+            if (top_k > 0 && top_k < vocab) {
+                SampleCut c = {1, (unsigned long long)top_k, 0.0, 0.0, 0};
+                floor = select_cut(s, vocab, max, inv_t, 0, c, &total, kred, bins_m, bins_n);
+            } else {
+                double acc = 0.0;
+                for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) acc += (double)sample_weight(s[i], max, inv_t);
+                total = sample_sum(acc, red);
+            }
+            if (min_p > 0.0f) {
+                // Kept down to the first entry (in rank order) under the floor.
+                const double p_floor = (double)min_p * (1.0 / total);
+                unsigned long long fail = 0;
+                for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+                    const unsigned long long k = rank_key(s[i], i, vocab);
+                    if (k >= floor && (double)sample_weight(s[i], max, inv_t) / total < p_floor && k > fail) fail = k;
+                }
+                fail = sample_max_key(fail, kred);
+                if (fail + 1 > floor && fail != 0) floor = fail + 1;
+            }
+            double kept = 0.0;
+            if (top_p < 1.0f) {
+                SampleCut c = {0, 0, (double)top_p, total, 1};
+                floor = select_cut(s, vocab, max, inv_t, floor, c, &kept, kred, bins_m, bins_n);
+            } else {
+                double acc = 0.0;
+                for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS)
+                    if (rank_key(s[i], i, vocab) >= floor) acc += (double)sample_weight(s[i], max, inv_t);
+                kept = sample_sum(acc, red);
+            }
+            SampleCut draw = {0, 0, u * (kept / total), total, 0};
+            double unused = 0.0;
+            const unsigned long long k = select_cut(s, vocab, max, inv_t, floor, draw, &unused, kred, bins_m, bins_n);
+            token = key_id(k, vocab);
+        }
+    }
+    if (threadIdx.x == 0) {
+        out_token[row] = token;
+        out_logprob[row] = wants_logprob ? (float)((double)x[token] - lse) : __uint_as_float(0x7fc00000u);
+    }
+}
