@@ -322,10 +322,12 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
             __syncthreads();
             if (threadIdx.x == 0) {
                 double total = 0.0;
+#pragma unroll 1
                 for (int t = 0; t < SAMPLE_THREADS; t++) total += red[t];
                 int pick = -1, last = -1;
                 double target = u * total;
                 if (total > 0.0 && total <= 1.79e308) {
+#pragma unroll 1
                     for (int t = 0; t < SAMPLE_THREADS; t++) {
                         if (red[t] <= 0.0) continue;
                         last = t;
