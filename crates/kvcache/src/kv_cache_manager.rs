@@ -133,6 +133,15 @@ pub struct KvCacheManager {
 }
 
 impl KvCacheManager {
+    /// Drops the pending copies-on-write into blocks now free (their
+    /// sequence was freed or trimmed before the step ran): a free block may
+    /// go to another sequence in this very step, which the copy would
+    /// overwrite after its swap-in or its own copy.
+    fn drop_copies_into_free_blocks(&mut self) {
+        let pool = &self.pool;
+        self.pending_copies.retain(|c| pool.ref_cnt(c.dst) > 0);
+    }
+
     /// An empty manager.
     pub fn new(config: KvCacheManagerConfig) -> Self {
         assert!(config.block_size > 0 && config.block_size <= u16::MAX as usize, "block size out of range");
@@ -500,6 +509,7 @@ impl BlockAllocator for KvCacheManager {
             for &b in s.block_table.iter().rev().filter(|b| !b.is_null()) {
                 self.pool.release(b);
             }
+            self.drop_copies_into_free_blocks();
         }
         if let Some(s) = self.swapped.remove(&seq) {
             for &b in s.host_table.iter().filter(|b| **b != HostBlockId::NULL) {
@@ -534,6 +544,7 @@ impl BlockAllocator for KvCacheManager {
                 }
             }
         }
+        self.drop_copies_into_free_blocks();
     }
 
     fn block_table(&self, seq: SeqId) -> Option<&[BlockId]> {
@@ -548,7 +559,18 @@ impl BlockAllocator for KvCacheManager {
         let tables = seqs.iter().filter_map(|id| self.seqs.get(id)).flat_map(|s| s.block_table.iter().copied()).filter(|b| !b.is_null());
         let (host, pool) = (&mut self.host, &self.pool);
         let mapping = map_distinct(tables, host.num_free_blocks(), |device| host.allocate(pool.num_filled(device)).expect("room checked"))?;
-        let swaps = mapping.iter().map(|(&device, &host)| BlockSwap { device, host }).collect();
+        // A copy-on-write of this step into a block that leaves now has not
+        // run (a step's copies run after its swaps): the swap takes the
+        // copy's source, which swap-outs still find as it was, and the copy
+        // is dropped.
+        let swaps = mapping
+            .iter()
+            .map(|(&device, &host)| {
+                let source = self.pending_copies.iter().find(|c| c.dst == device).map_or(device, |c| c.src);
+                BlockSwap { device: source, host }
+            })
+            .collect();
+        self.pending_copies.retain(|c| !mapping.contains_key(&c.dst));
         let mut first_use = IdSet::default();
         for id in seqs {
             let Some(s) = self.seqs.remove(id) else { continue };

@@ -317,6 +317,40 @@ fn swap_out_and_in_keeps_sharing() {
     m.assert_invariants();
 }
 
+/// A copy-on-write made while scheduling a step has not run when that
+/// step's swaps do (a step's copies run after them). If the group then
+/// leaves in the same step (swapped out, or freed to recompute), the copy's
+/// destination leaves with it: the swap-out takes the copy's source instead,
+/// and the copy is dropped, so that it never writes a block the step may
+/// have handed to another sequence.
+#[test]
+fn a_group_preempted_right_after_a_copy_on_write_swaps_the_source_and_drops_the_copy() {
+    for swap in [true, false] {
+        let mut m = KvCacheManager::new(KvCacheManagerConfig { num_host_blocks: 8, ..KvCacheManagerConfig::new(8, 4) });
+        let prompt: Vec<u32> = (1..=6).collect();
+        m.allocate_slots(&seq(0, &prompt, 0), 6, ComputedBlocks::default()).unwrap();
+        assert!(m.fork(SeqId(0), SeqId(1)));
+        let shared = m.block_table(SeqId(1)).unwrap()[1];
+        // Sequence 1 writes position 6 into the shared partial block: a copy.
+        let mut t1 = prompt.clone();
+        t1.push(9);
+        m.allocate_slots(&seq(1, &t1, 6), 1, ComputedBlocks::default()).unwrap();
+        let dst = m.block_table(SeqId(1)).unwrap()[1];
+        assert_ne!(dst, shared);
+        // The same step preempts the group before its copies were taken.
+        if swap {
+            let swaps = m.swap_out(&[SeqId(0), SeqId(1)]).unwrap();
+            assert!(swaps.iter().all(|s| s.device != dst), "the uncopied destination is never read: {swaps:?}");
+            assert_eq!(swaps.iter().filter(|s| s.device == shared).count(), 2, "its host copy comes from the source");
+        } else {
+            m.free(SeqId(0));
+            m.free(SeqId(1));
+        }
+        assert!(m.take_block_copies().is_empty(), "swap {swap}: the copy into a block that left is dropped");
+        m.assert_invariants();
+    }
+}
+
 #[test]
 fn swap_is_all_or_nothing_and_host_pool_is_capped() {
     let mut m = KvCacheManager::new(KvCacheManagerConfig { num_host_blocks: 100, ..KvCacheManagerConfig::new(3, 4) });
