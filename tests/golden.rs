@@ -368,6 +368,45 @@ fn chunking_prefix_hits_and_batching_leave_results(device: Device, dtype: Comput
     assert_close(&alone, &chunks, "chunked prefill");
 }
 
+/// Asynchronous scheduling (`--async-scheduling`: the next step scheduled
+/// while the last one runs, its placeholder tokens filled in before it
+/// runs) changes no result on the default model: the golden prompts'
+/// greedy tokens and top-5 logprobs, and seeded draws (top-p, a repetition
+/// penalty, n = 2) token for token, with a 64-token budget that chunks the
+/// long prompts.
+#[test]
+fn asynchronous_scheduling_changes_no_result() {
+    let prompts: Vec<Vec<u32>> = golden().iter().map(|g| g.prompt_ids.clone()).collect();
+    let sampled =
+        SamplingParams { temperature: 0.8, top_p: 0.95, repetition_penalty: 1.1, seed: Some(5), n: 2, ..SamplingParams::greedy(24) };
+    let outputs = |asynchronous: bool| {
+        let mut llm = Llm::new(EngineArgs {
+            kv_cache: vellum::core::KvCacheSize::NumBlocks(256),
+            scheduler: SchedulerConfig { max_num_batched_tokens: 64, max_model_len: 2048, ..SchedulerConfig::default() },
+            async_scheduling: asynchronous,
+            ..EngineArgs::default()
+        })
+        .expect("the default model loads");
+        assert_eq!(llm.engine().async_scheduling(), asynchronous);
+        let greedy = run(&mut llm, &prompts);
+        let drawn: Vec<Vec<Vec<u32>>> = llm
+            .generate_ids(&prompts, &sampled)
+            .expect("generation runs")
+            .into_iter()
+            .map(|o| o.outputs.into_iter().map(|s| s.token_ids).collect())
+            .collect();
+        let overlapped = llm.engine().counters().schedule_overlapped_s;
+        assert_eq!(llm.engine().scheduler().allocator().stats().num_used_blocks, 0, "every block returned");
+        (greedy, drawn, overlapped)
+    };
+    let (greedy, drawn, none) = outputs(false);
+    let (greedy_async, drawn_async, overlapped) = outputs(true);
+    assert_eq!(none, 0.0);
+    assert!(overlapped > 0.0, "steps were scheduled while others ran");
+    assert_close(&greedy, &greedy_async, "asynchronous scheduling, greedy");
+    assert_eq!(drawn, drawn_async, "asynchronous scheduling, seeded draws");
+}
+
 /// Gemma 3's local layers (window 512) keep their own block tables and
 /// release the blocks that slid out (KV-cache groups, vLLM's hybrid
 /// manager): the 828-token golden prompt decodes past its window. Under the

@@ -87,6 +87,10 @@ pub struct EngineArgs {
     /// (vLLM's `--enforce-eager` turns them off, `--cuda-graph-sizes` picks
     /// the batch sizes).
     pub cuda_graphs: CudaGraphs,
+    /// vLLM's `--async-scheduling`: the next step is scheduled and built
+    /// while the last one runs ([`EngineCore::set_async_scheduling`]); the
+    /// outputs are the same. Ignored with speculative decoding.
+    pub async_scheduling: bool,
 }
 
 impl Default for EngineArgs {
@@ -108,6 +112,7 @@ impl Default for EngineArgs {
             pooler_config: PoolerConfig::default(),
             tensor_parallel_size: 1,
             cuda_graphs: CudaGraphs::default(),
+            async_scheduling: false,
         }
     }
 }
@@ -384,6 +389,12 @@ impl Llm {
         );
         if let (Some(spec), Some(proposer)) = (&args.speculative_config, proposer) {
             engine.set_proposer(proposer, spec.num_speculative_tokens);
+        }
+        if args.async_scheduling {
+            if args.speculative_config.is_some() {
+                tracing::warn!("--async-scheduling is ignored with --speculative-config: drafts need each step's last token");
+            }
+            engine.set_async_scheduling(true);
         }
         if let Some(spec) = &embedding {
             engine.set_pooling(true);

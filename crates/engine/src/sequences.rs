@@ -35,6 +35,17 @@ pub(crate) struct SeqView {
     /// Speculative decoding: drafts added for the next step to verify (not
     /// in `tokens` until accepted).
     pub drafts: Vec<TokenId>,
+    /// A parallel request's sequence, once its first draw forked it: a
+    /// generator of its own ([`sequence_rng`]), so that what it draws does
+    /// not depend on which steps its siblings run in (preemption, the step
+    /// budget, asynchronous scheduling). `None`: the request's generator.
+    pub rng: Option<SeededRng>,
+}
+
+/// The generator of output `index` of a parallel request seeded with
+/// `seed`: a stream of its own per index.
+pub(crate) fn sequence_rng(seed: u64, index: usize) -> SeededRng {
+    SeededRng::new(seed ^ (index as u64 + 1).wrapping_mul(0xd1b5_4a32_d192_ed03))
 }
 
 impl SeqView {
@@ -79,6 +90,8 @@ impl SeqView {
 pub(crate) struct ReqView {
     pub params: SamplingParams,
     pub rng: SeededRng,
+    /// The seed `rng` started from (its sequences' generators derive from it).
+    pub seed: u64,
     /// Tokens that end a sequence (EOS unless `ignore_eos`, stop token ids).
     pub stop_token_ids: Vec<TokenId>,
     /// Its sequences, oldest first (beam candidates come and go).
@@ -149,6 +162,7 @@ impl Sequences {
             finish_reason: None,
             constraint,
             drafts: Vec::new(),
+            rng: None,
         };
         self.seqs.insert(seq, view);
         let pooler = params.pooling.map(|p| Pooler::new(p.pooling_type));
@@ -157,6 +171,7 @@ impl Sequences {
             ReqView {
                 prompt_logprobs: params.prompt_logprobs.map(|_| vec![None; num_prompt]),
                 rng: SeededRng::new(seed),
+                seed,
                 params,
                 stop_token_ids,
                 seqs: vec![seq],
@@ -201,6 +216,7 @@ impl Sequences {
                 }
             }
         }
+        let mut forked: Vec<RequestId> = Vec::new();
         for (rid, e, child, mut view) in children {
             if let Some(d) = draws.get(&rid).and_then(|ds| ds.get(e)) {
                 view.push(d);
@@ -209,6 +225,19 @@ impl Sequences {
             self.seqs.insert(child, view);
             if let Some(r) = self.reqs.get_mut(&rid) {
                 r.seqs.push(child);
+            }
+            if !forked.contains(&rid) {
+                forked.push(rid);
+            }
+        }
+        // A parallel request's first draw forked it: from now on each of its
+        // sequences draws from a generator of its own.
+        for rid in forked {
+            let Some(r) = self.reqs.get(&rid).filter(|r| r.params.beam_search.is_none()) else { continue };
+            for sid in &r.seqs {
+                if let Some(v) = self.seqs.get_mut(sid) {
+                    v.rng = Some(sequence_rng(r.seed, v.index));
+                }
             }
         }
         for &(rid, sid) in &update.dropped_seqs {

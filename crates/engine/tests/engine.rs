@@ -1130,3 +1130,92 @@ fn pooled_embeddings_agree_with_the_prefixes_last_states_whatever_the_batching()
     assert!(e.contains("embeddings"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Asynchronous scheduling (the next step scheduled and built while the
+/// last one runs on a worker thread) gives every request the outputs of
+/// synchronous stepping: 200 mixed requests (greedy, seeded draws with
+/// top-k/top-p and logprobs, parallel sampling with best_of, beam search,
+/// prompt logprobs with a repetition penalty; stop tokens and max_tokens of
+/// 1–24) arriving over time under memory pressure, with preemption by
+/// recompute and by swap, with the fake model sampling on its "device" and
+/// not; every block comes back, and steps really were scheduled ahead.
+#[test]
+fn asynchronous_scheduling_gives_the_outputs_of_synchronous_steps() {
+    let outputs = |mode: PreemptionMode, device: bool, asynchronous: bool| {
+        let config = SchedulerConfig { preemption_mode: mode, max_num_batched_tokens: 96, ..config() };
+        let model = FakeModel {
+            device_sampling: device.then(|| std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0))),
+            ..FakeModel::new(21, 32)
+        };
+        let mut e = EngineCore::new(model, config, 60, 120, 4, vec![EOS]).expect("engine");
+        e.set_async_scheduling(asynchronous);
+        assert_eq!(e.async_scheduling(), asynchronous);
+        let mut outs = Vec::new();
+        for i in 0..200 {
+            let prompt: Vec<TokenId> = (0..(2 + (i * 13) % 40)).map(|t| ((t + i) % 31 + 1) as TokenId).collect();
+            e.add_request(prompt, mixed_params(i)).expect("accepted");
+            if i % 10 == 9 {
+                outs.extend(e.step().expect("step"));
+                e.scheduler().assert_invariants();
+            }
+        }
+        while e.has_unfinished_requests() {
+            outs.extend(e.step().expect("step"));
+            e.scheduler().assert_invariants();
+        }
+        outs.extend(e.take_finished());
+        outs.sort_by_key(|o| o.request_id);
+        assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0, "{mode:?}: every block returned");
+        assert_eq!(e.scheduler().num_steps_in_flight(), 0);
+        (outs, e.counters())
+    };
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        for device in [false, true] {
+            let (sync, _) = outputs(mode, device, false);
+            let (ahead, counters) = outputs(mode, device, true);
+            logprobs_follow_the_model(&sync, 21, 32, &format!("{mode:?}, synchronous"));
+            logprobs_follow_the_model(&ahead, 21, 32, &format!("{mode:?}, asynchronous"));
+            assert!(counters.schedule_overlapped_s > 0.0, "steps were scheduled while others ran");
+            assert_eq!(sync.len(), 200);
+            assert_eq!(sync.len(), ahead.len());
+            for (a, b) in sync.iter().zip(&ahead) {
+                let what = format!("{mode:?}, device sampling {device}, request {}", a.request_id);
+                assert_eq!(a.request_id, b.request_id);
+                assert_eq!(format!("{:?}", a.prompt_logprobs), format!("{:?}", b.prompt_logprobs), "{what}");
+                assert_eq!(a.outputs.len(), b.outputs.len(), "{what}");
+                for (x, y) in a.outputs.iter().zip(&b.outputs) {
+                    assert_eq!((&x.token_ids, x.finish_reason), (&y.token_ids, y.finish_reason), "{what}");
+                    assert_eq!(format!("{:?}", x.logprobs), format!("{:?}", y.logprobs), "{what}");
+                    assert_eq!(format!("{:?}", x.cumulative_logprob), format!("{:?}", y.cumulative_logprob), "{what}");
+                }
+            }
+        }
+    }
+}
+
+/// Every logprob an output reports is the fake model's own for the
+/// sequence's tokens so far: the model reads its prefix back through the
+/// block tables, so a wrong slot, table, copy or swap anywhere in a
+/// sequence's history shows here.
+fn logprobs_follow_the_model(outs: &[RequestOutput], seed: u64, vocab: usize, what: &str) {
+    let mut checked = 0;
+    for o in outs {
+        for s in &o.outputs {
+            let mut prefix = o.prompt_token_ids.clone();
+            for (k, &t) in s.token_ids.iter().enumerate() {
+                if let Some(&lp) = s.token_logprobs.get(k).filter(|x| !x.is_nan()) {
+                    let want = log_softmax(&fake_logits(seed, vocab, &prefix))[t as usize];
+                    assert!(
+                        (lp - want).abs() < 1e-4,
+                        "{what}: request {}, output {}, token {k}: logprob {lp}, the model's {want}",
+                        o.request_id,
+                        s.index
+                    );
+                    checked += 1;
+                }
+                prefix.push(t);
+            }
+        }
+    }
+    assert!(checked > 100, "{what}: only {checked} logprobs to check");
+}

@@ -535,6 +535,10 @@ fn run_step<O: Ops>(
     ops.swap_blocks(cache, &batch.block_ops.swap_out, true)?;
     ops.swap_blocks(cache, &batch.block_ops.swap_in, false)?;
     ops.copy_blocks(cache, &batch.block_ops.copies)?;
+    if batch.token_ids.is_empty() {
+        // A step that only moves blocks (its preemptions' swap-outs).
+        return Ok(if batch.hidden_states { RankOutput::Hidden(Vec::new()) } else { RankOutput::Logits(Vec::new()) });
+    }
     let step = ops.prepare_step(batch, block_size)?;
     // A rank of a group runs on its own thread: handing the pass to a
     // shared pool could park a rank waiting in an all-reduce on a worker

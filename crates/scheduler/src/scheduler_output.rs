@@ -72,6 +72,14 @@ impl SchedulerOutput {
     pub fn is_empty(&self) -> bool {
         self.scheduled.is_empty()
     }
+
+    /// True when the executor has nothing to do either: no sequence runs,
+    /// no block moves (a step that only preempts swaps its victims out),
+    /// and no block table changed (an attempt that found no room may have
+    /// given a sequence a copy-on-write block already).
+    pub fn is_idle(&self) -> bool {
+        self.scheduled.is_empty() && self.block_ops.is_empty() && self.block_table_updates.is_empty()
+    }
 }
 
 /// Sampled tokens of one request in one step.

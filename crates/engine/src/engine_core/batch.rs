@@ -9,6 +9,10 @@ use crate::sampler::{has_penalties, penalty_entries};
 use std::time::Instant;
 use vellum_base::{BlockAllocator, ForwardBatch, IdMap, ModelExecutor, RequestId, RowSampling, SeededRng, SeqId};
 
+/// Entries of a batch's `token_ids` scheduled before their token was
+/// sampled (asynchronous scheduling): (index, sequence, position).
+pub(super) type Placeholders = Vec<(usize, SeqId, usize)>;
+
 /// Most top logprobs a row may ask for and still be sampled on the device
 /// (the OpenAI API's limit).
 pub(super) const MAX_DEVICE_TOP_LOGPROBS: usize = 20;
@@ -32,7 +36,10 @@ pub(super) enum Row {
 impl<E: ModelExecutor> EngineCore<E> {
     /// Builds the backend's input from the scheduling decision; also returns
     /// what each logits row is for.
-    pub(super) fn build_batch(&mut self, out: &SchedulerOutput) -> (ForwardBatch, Vec<Row>) {
+    /// Under asynchronous scheduling a decode may be scheduled before its
+    /// token was sampled: its entry of `token_ids` is left 0 and listed
+    /// (index, sequence, position) for `finalize` to fill in.
+    pub(super) fn build_batch(&mut self, out: &SchedulerOutput) -> (ForwardBatch, Vec<Row>, Placeholders) {
         for u in &out.block_table_updates {
             let t = self.block_tables.entry(u.seq_id).or_default();
             t.truncate(u.start);
@@ -58,6 +65,7 @@ impl<E: ModelExecutor> EngineCore<E> {
         // Cleared by the first row that needs more than its argmax.
         b.argmax_only = true;
         let mut rows = Vec::new();
+        let mut placeholders = Vec::new();
         let now = Instant::now();
         for (row, s) in out.scheduled.iter().enumerate() {
             let (Some(req), Some(seq)) = (self.views.reqs.get_mut(&s.request_id), self.views.seqs.get_mut(&s.seq_id)) else {
@@ -74,7 +82,12 @@ impl<E: ModelExecutor> EngineCore<E> {
             let first_row = b.token_ids.len();
             let known = end.min(seq.tokens.len());
             b.token_ids.extend_from_slice(&seq.tokens[start.min(known)..known]);
-            b.token_ids.extend_from_slice(&seq.drafts[..end - known]);
+            let drafted = (end - known).min(seq.drafts.len());
+            b.token_ids.extend_from_slice(&seq.drafts[..drafted]);
+            for p in known + drafted..end {
+                placeholders.push((b.token_ids.len(), s.seq_id, p));
+                b.token_ids.push(0);
+            }
             for p in start..end {
                 b.positions.push(p as u32);
                 for g in 0..groups {
@@ -130,10 +143,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             }
         }
         b.argmax_only &= !rows.is_empty() && !b.hidden_states;
-        if self.device_sampling && !b.argmax_only && !b.hidden_states && !rows.is_empty() {
-            self.device_sampling_rows(&mut b, &rows);
-        }
-        (b, rows)
+        (b, rows, placeholders)
     }
 
     /// Fills `b.sampling` when every row can be drawn on the device: a
@@ -146,12 +156,19 @@ impl<E: ModelExecutor> EngineCore<E> {
     /// request in order); the generators advance once the tokens are back
     /// ([`EngineCore::sample_on_device`]), so nothing is drawn twice if the
     /// executor returns logits after all.
-    fn device_sampling_rows(&self, b: &mut ForwardBatch, rows: &[Row]) {
+    pub(super) fn device_sampling_rows(&self, b: &mut ForwardBatch, rows: &[Row]) {
         let mut generators: IdMap<RequestId, SeededRng> = IdMap::default();
+        let mut own_generators: IdMap<SeqId, SeededRng> = IdMap::default();
         let (mut sampling, mut penalties) = (Vec::with_capacity(rows.len()), Vec::new());
         for row in rows {
             let Row::Sample(rid, sid) = *row else { return };
-            let (Some(req), Some(seq)) = (self.views.reqs.get(&rid), self.views.seqs.get(&sid)) else { return };
+            let (Some(req), Some(seq)) = (self.views.reqs.get(&rid), self.views.seqs.get(&sid).filter(|v| v.finish_reason.is_none()))
+            else {
+                // Ended after the step was scheduled (asynchronous
+                // scheduling): a greedy row that draws nothing, dropped.
+                sampling.push(RowSampling { top_p: 1.0, ..RowSampling::default() });
+                continue;
+            };
             let p = &req.params;
             let k = p.logprobs.unwrap_or(0);
             let first_of_many = !req.forked && p.num_sequences() > 1;
@@ -167,7 +184,12 @@ impl<E: ModelExecutor> EngineCore<E> {
             } else {
                 Vec::new()
             };
-            let uniform = if p.temperature > 0.0 { generators.entry(rid).or_insert_with(|| req.rng.clone()).uniform() } else { 0.0 };
+            // A forked parallel sequence's own generator, else its request's.
+            let uniform = match (&seq.rng, p.temperature > 0.0) {
+                (_, false) => 0.0,
+                (Some(own), true) => own_generators.entry(sid).or_insert_with(|| own.clone()).uniform(),
+                (None, true) => generators.entry(rid).or_insert_with(|| req.rng.clone()).uniform(),
+            };
             let start = penalties.len() as u32;
             penalties.extend(entries);
             sampling.push(RowSampling {

@@ -7,6 +7,11 @@
 //! whose [`vellum_scheduler::StepUpdate`] the view applies
 //! ([`crate::sequences`]) → the new tokens of every sequence and the
 //! finished requests ([`crate::outputs`]).
+//!
+//! Under asynchronous scheduling ([`EngineCore::set_async_scheduling`]) a
+//! step's forward pass runs on a worker thread while this one schedules and
+//! builds the next step (`Prepared`), which the next call completes
+//! (`finalize`: the tokens sampled meanwhile) and launches.
 
 mod batch;
 mod sampling;
@@ -56,6 +61,9 @@ pub struct EngineCounters {
     pub sample_s: f64,
     /// Of `sample_s`, seconds spent computing structured-output masks.
     pub structured_mask_s: f64,
+    /// Of `schedule_s`, seconds spent scheduling and building a step while
+    /// the previous one ran (asynchronous scheduling).
+    pub schedule_overlapped_s: f64,
 }
 
 /// Scheduler + KV-cache manager + executor + sampler, stepping in lockstep.
@@ -66,7 +74,8 @@ pub struct EngineCounters {
 /// objects.
 pub struct EngineCore<E: ModelExecutor> {
     scheduler: Scheduler<KvCacheManager>,
-    executor: E,
+    /// `None` only inside an asynchronous step, while a worker thread runs it.
+    executor: Option<E>,
     block_size: usize,
     /// The executor-side copy of every block table, kept by incremental updates.
     block_tables: IdMap<SeqId, Vec<BlockId>>,
@@ -93,6 +102,32 @@ pub struct EngineCore<E: ModelExecutor> {
     /// Whether steps ask the executor to sample on its device
     /// ([`EngineCore::set_device_sampling`]).
     device_sampling: bool,
+    /// The step function under asynchronous scheduling
+    /// ([`EngineCore::set_async_scheduling`]), monomorphized where the
+    /// executor may run on another thread.
+    async_step: Option<StepFn<E>>,
+    /// Under asynchronous scheduling: the next step, scheduled and built
+    /// while the last one ran, launched by the next call.
+    pending: Option<Prepared>,
+}
+
+/// One engine step, as a function of the engine.
+type StepFn<E> = fn(&mut EngineCore<E>) -> Result<StepOutputs, Error>;
+
+/// A scheduled step with its batch, not run yet.
+struct Prepared {
+    out: vellum_scheduler::SchedulerOutput,
+    batch: vellum_base::ForwardBatch,
+    rows: Vec<Row>,
+    /// Filled in by `finalize`.
+    placeholders: batch::Placeholders,
+    /// Seconds its scheduling and batch took.
+    schedule_s: f64,
+}
+
+/// The executor is only out of its place inside an asynchronous step.
+fn executor_held() -> Error {
+    Error::Backend(vellum_base::Error::Backend("the executor is running another step".into()))
 }
 
 impl<E: ModelExecutor> EngineCore<E> {
@@ -145,7 +180,9 @@ impl<E: ModelExecutor> EngineCore<E> {
             speculator: None,
             pooling: false,
             device_sampling: executor.samples_on_device() && std::env::var("VELLUM_DEVICE_SAMPLING").as_deref() != Ok("0"),
-            executor,
+            async_step: None,
+            pending: None,
+            executor: Some(executor),
         })
     }
 
@@ -174,7 +211,7 @@ impl<E: ModelExecutor> EngineCore<E> {
     /// drawn from the same uniform number either way, so the tokens are the
     /// same.
     pub fn set_device_sampling(&mut self, on: bool) {
-        self.device_sampling = on && self.executor.samples_on_device();
+        self.device_sampling = on && self.executor.as_ref().is_some_and(|e| e.samples_on_device());
     }
 
     /// Lets requests carry a structured-output constraint, compiled by
@@ -260,7 +297,7 @@ impl<E: ModelExecutor> EngineCore<E> {
     /// holds a block ([`ModelExecutor::capture_graphs`]).
     pub fn capture_graphs(&mut self) -> Result<Option<vellum_base::GraphCapture>, Error> {
         let max_num_seqs = self.scheduler.config().max_num_seqs;
-        Ok(self.executor.capture_graphs(max_num_seqs)?)
+        Ok(self.executor.as_mut().ok_or_else(executor_held)?.capture_graphs(max_num_seqs)?)
     }
 
     /// The scheduler (read-only; for tests and invariant checks — callers
@@ -340,7 +377,7 @@ impl<E: ModelExecutor> EngineCore<E> {
 
     /// Whether any request is unfinished.
     pub fn has_unfinished_requests(&self) -> bool {
-        self.scheduler.has_unfinished_requests()
+        self.scheduler.has_unfinished_requests() || self.pending.is_some()
     }
 
     /// Runs one step; returns requests that finished in it.
@@ -351,36 +388,108 @@ impl<E: ModelExecutor> EngineCore<E> {
     /// Runs one step; returns the new tokens of every sampled sequence and
     /// the requests that finished.
     pub fn step_streaming(&mut self) -> Result<StepOutputs, Error> {
-        let t0 = Instant::now();
-        self.propose_drafts()?;
-        let out = self.scheduler.schedule();
-        if out.is_empty() {
-            let update = self.scheduler.update_from_output(&StepSamples::default());
-            self.finished.extend(self.views.apply(&StepSamples::default(), &IdMap::default(), &update));
-            return Ok(self.collect(Vec::new()));
+        if let (Some(step), None) = (self.async_step, &self.speculator) {
+            return step(self);
         }
-        let (batch, rows) = self.build_batch(&out);
+        let t0 = Instant::now();
+        // A step an asynchronous step left prepared (the mode was turned
+        // off since) runs first.
+        // (Its scheduling was counted when it was done.)
+        let mut step = match self.pending.take() {
+            Some(p) => p,
+            None => match self.prepare()? {
+                Some(p) => p,
+                None => return Ok(self.empty_step()),
+            },
+        };
+        self.finalize(&mut step);
         let t1 = Instant::now();
+        self.counters.schedule_s += (t1 - t0).as_secs_f64();
+        let Some(executor) = self.executor.as_mut() else { return Err(executor_held()) };
         // The structured-output masks depend on the rows, not the logits:
         // they are computed on another thread while the forward pass runs.
         // A device backend leaves the host's cores to them; on the CPU
         // backend it still paid (+15% single-stream decode, even at 64
         // sequences: docs/benchmarks.md).
-        let (result, masks) = if self.overlap_masks && sampling::has_constrained_rows(&self.views.seqs, &rows) {
-            let (executor, seqs, rows) = (&mut self.executor, &mut self.views.seqs, &rows);
+        let (result, masks) = if self.overlap_masks && sampling::has_constrained_rows(&self.views.seqs, &step.rows) {
+            let (seqs, rows, batch) = (&mut self.views.seqs, &step.rows, &step.batch);
             let (result, (masks, mask_s)) = std::thread::scope(|scope| {
                 let masks = scope.spawn(move || {
                     let started = Instant::now();
                     (sampling::structured_masks(seqs, rows), started.elapsed().as_secs_f64())
                 });
-                let result = executor.execute(&batch);
+                let result = executor.execute(batch);
                 (result, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
             });
             self.counters.structured_mask_s += mask_s;
             (result, Some(masks))
         } else {
-            (self.executor.execute(&batch), None)
+            (executor.execute(&step.batch), None)
         };
+        let t2 = Instant::now();
+        self.finish_step(step, result, masks, t1, t2)
+    }
+
+    /// Drafts, then [`EngineCore::schedule_and_build`].
+    fn prepare(&mut self) -> Result<Option<Prepared>, Error> {
+        self.propose_drafts()?;
+        Ok(self.schedule_and_build())
+    }
+
+    /// Schedules the next step and builds its batch (`None`: nothing to
+    /// run or move, whose empty record the scheduler still holds).
+    fn schedule_and_build(&mut self) -> Option<Prepared> {
+        let started = Instant::now();
+        let out = self.scheduler.schedule();
+        // A step that runs no sequence may still move blocks (its
+        // preemptions' swap-outs): the executor applies them.
+        if out.is_idle() {
+            return None;
+        }
+        let (batch, rows, placeholders) = self.build_batch(&out);
+        Some(Prepared { out, batch, rows, placeholders, schedule_s: started.elapsed().as_secs_f64() })
+    }
+
+    /// Retires a step that scheduled nothing.
+    fn empty_step(&mut self) -> StepOutputs {
+        self.retire_empty_record();
+        self.collect(Vec::new())
+    }
+
+    /// The scheduler's record of a step that scheduled nothing, retired;
+    /// what ended meanwhile waits in `finished` for the next outputs.
+    fn retire_empty_record(&mut self) {
+        let update = self.scheduler.update_from_output(&StepSamples::default());
+        self.finished.extend(self.views.apply(&StepSamples::default(), &IdMap::default(), &update));
+    }
+
+    /// Completes a prepared batch just before it runs: the tokens that were
+    /// still being sampled when it was scheduled, and the device-sampling
+    /// rows (their draws and penalties read the requests as they are now).
+    fn finalize(&mut self, step: &mut Prepared) {
+        for &(index, sid, position) in &step.placeholders {
+            // A sequence that ended meanwhile keeps 0: its row is computed
+            // and dropped.
+            if let Some(&t) = self.views.seqs.get(&sid).and_then(|v| v.tokens.get(position)) {
+                step.batch.token_ids[index] = t;
+            }
+        }
+        if self.device_sampling && !step.batch.argmax_only && !step.batch.hidden_states && !step.rows.is_empty() {
+            self.device_sampling_rows(&mut step.batch, &step.rows);
+        }
+    }
+
+    /// Everything after the forward pass of `step`: its samples, the
+    /// scheduler's update, the view, the outputs.
+    fn finish_step(
+        &mut self,
+        step: Prepared,
+        result: vellum_base::Result<vellum_base::StepOutput>,
+        masks: Option<sampling::Masks>,
+        t1: Instant,
+        t2: Instant,
+    ) -> Result<StepOutputs, Error> {
+        let Prepared { out, batch, rows, .. } = step;
         let result = match result {
             Ok(_) if std::mem::take(&mut self.fail_next_forward) => {
                 let e = vellum_base::Error::Backend("injected fault (VELLUM_FAULT_INJECTION)".into());
@@ -389,7 +498,6 @@ impl<E: ModelExecutor> EngineCore<E> {
             Ok(r) => r,
             Err(e) => return Err(self.fail_step(&out, e)),
         };
-        let t2 = Instant::now();
         if batch.hidden_states {
             if result.hidden_size == 0 || result.hidden_states.len() != rows.len() * result.hidden_size {
                 let e = vellum_base::Error::Backend(format!(
@@ -402,7 +510,6 @@ impl<E: ModelExecutor> EngineCore<E> {
             }
             let outputs = self.pool(&out, &result, &rows);
             self.counters.num_steps += 1;
-            self.counters.schedule_s += (t1 - t0).as_secs_f64();
             self.counters.execute_s += (t2 - t1).as_secs_f64();
             return Ok(outputs);
         }
@@ -413,7 +520,9 @@ impl<E: ModelExecutor> EngineCore<E> {
         } else {
             self.sample(&result.logits, result.vocab_size, &rows, masks)
         };
-        self.executor.recycle_logits(result.logits);
+        if let Some(executor) = self.executor.as_mut() {
+            executor.recycle_logits(result.logits);
+        }
         let update = self.scheduler.update_from_output(&samples);
         let done = self.views.apply(&samples, &draws, &update);
         self.finished.extend(done);
@@ -427,7 +536,6 @@ impl<E: ModelExecutor> EngineCore<E> {
         let t3 = Instant::now();
         let c = &mut self.counters;
         c.num_steps += 1;
-        c.schedule_s += (t1 - t0).as_secs_f64();
         c.execute_s += (t2 - t1).as_secs_f64();
         c.sample_s += (t3 - t2).as_secs_f64();
         Ok(outputs)
@@ -552,5 +660,78 @@ impl<E: ModelExecutor> EngineCore<E> {
             finished.extend(self.views.take_output(id, &mut deltas));
         }
         StepOutputs { deltas, finished }
+    }
+}
+
+impl<E: ModelExecutor + Send> EngineCore<E> {
+    /// Asynchronous scheduling (vLLM's `--async-scheduling`): while a
+    /// worker thread runs step N's forward pass, this thread schedules step
+    /// N+1 and builds its batch, then applies step N's samples. The
+    /// scheduler counts step N's computed tokens and expected samples as in
+    /// flight (`num_scheduled_tokens`, `num_expected_tokens`), so step N+1
+    /// decodes the token step N is sampling; its id is filled in from the
+    /// view just before step N+1 runs (`finalize`), as are its
+    /// device-sampling draws. A sequence that ends at step N (a stop token)
+    /// has its row of step N+1 computed and dropped. Requests whose next
+    /// sample reshapes them (beam search, a parallel request's first
+    /// draw) wait for their samples, as the scheduler already makes them;
+    /// a speculating engine steps synchronously (its drafts need the last
+    /// token). The outputs are the synchronous path's.
+    pub fn set_async_scheduling(&mut self, on: bool) {
+        self.async_step = on.then_some(Self::step_async as StepFn<E>);
+    }
+
+    /// Whether steps are scheduled asynchronously.
+    pub fn async_scheduling(&self) -> bool {
+        self.async_step.is_some()
+    }
+
+    /// One step under asynchronous scheduling (see
+    /// [`EngineCore::set_async_scheduling`]).
+    fn step_async(&mut self) -> Result<StepOutputs, Error> {
+        // A step prepared ahead was counted then; only the first is not.
+        let (mut step, unhidden_s) = match self.pending.take() {
+            Some(p) => (p, 0.0),
+            None => match self.prepare()? {
+                Some(p) => {
+                    let s = p.schedule_s;
+                    (p, s)
+                }
+                None => return Ok(self.empty_step()),
+            },
+        };
+        let t0 = Instant::now();
+        self.finalize(&mut step);
+        let mut executor = self.executor.take().ok_or_else(executor_held)?;
+        let t1 = Instant::now();
+        let (result, next, ahead_s) = std::thread::scope(|scope| {
+            let batch = &step.batch;
+            let executor = &mut executor;
+            let worker = scope.spawn(move || executor.execute(batch));
+            let started = Instant::now();
+            let next = self.schedule_and_build();
+            let ahead_s = started.elapsed().as_secs_f64();
+            (worker.join(), next, ahead_s)
+        });
+        self.executor = Some(executor);
+        let result = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        let t2 = Instant::now();
+        self.counters.schedule_s += unhidden_s + (t1 - t0).as_secs_f64() + ahead_s;
+        self.counters.schedule_overlapped_s += ahead_s;
+        // Step N+1's record sits behind step N's: step N's update comes
+        // first, then an empty N+1 is retired at once.
+        let retire_empty = next.is_none();
+        self.pending = next;
+        let outputs = self.finish_step(step, result, None, t1, t2);
+        if retire_empty {
+            self.retire_empty_record();
+        }
+        let mut outputs = outputs?;
+        if retire_empty {
+            let more = self.collect(Vec::new());
+            outputs.deltas.extend(more.deltas);
+            outputs.finished.extend(more.finished);
+        }
+        Ok(outputs)
     }
 }

@@ -53,7 +53,9 @@ impl<E: ModelExecutor> EngineCore<E> {
                 Row::Verify(rid, sid, i) => (rid, sid, Some(i)),
                 Row::PromptLogprob(..) | Row::Pool(..) => continue,
             };
-            let Some(seq) = self.views.seqs.get(&sid).filter(|_| self.views.reqs.contains_key(&rid)) else { continue };
+            let Some(seq) = self.views.seqs.get(&sid).filter(|v| v.finish_reason.is_none() && self.views.reqs.contains_key(&rid)) else {
+                continue;
+            };
             if !seq.drafts.is_empty() {
                 let draw = Draw { token, logprob: f32::NAN, top: None, index: None };
                 self.verify_row(rid, sid, draft, draw, &mut settled, &mut per_req, &mut draws);
@@ -84,9 +86,14 @@ impl<E: ModelExecutor> EngineCore<E> {
         let mut draws: IdMap<RequestId, Vec<Draw>> = IdMap::default();
         for ((sample, &use_), row) in samples.iter().zip(rows).zip(sampling) {
             let Row::Sample(rid, sid) = use_ else { continue };
-            let Some(req) = self.views.reqs.get_mut(&rid).filter(|_| self.views.seqs.contains_key(&sid)) else { continue };
+            // A sequence that ended after the step was scheduled draws nothing.
+            let live = self.views.seqs.get(&sid).is_some_and(|v| v.finish_reason.is_none());
+            let Some(req) = self.views.reqs.get_mut(&rid).filter(|_| live) else { continue };
             if row.temperature > 0.0 {
-                req.rng.uniform();
+                match self.views.seqs.get_mut(&sid).and_then(|v| v.rng.as_mut()) {
+                    Some(own) => own.uniform(),
+                    None => req.rng.uniform(),
+                };
             }
             let top = req.params.logprobs.is_some().then(|| sample.top_logprobs.clone());
             draws.entry(rid).or_default().push(Draw { token: sample.token, logprob: sample.logprob, top, index: None });
@@ -171,6 +178,9 @@ impl<E: ModelExecutor> EngineCore<E> {
                 beam_rows.push((rid, sid, row));
                 continue;
             }
+            if seq.finish_reason.is_some() {
+                continue; // ended after this step was scheduled (asynchronous scheduling): no draw
+            }
             let Some(row_stats) = stats[row].as_ref() else { continue };
             if !seq.drafts.is_empty() {
                 if settled.contains(&sid) {
@@ -211,12 +221,18 @@ impl<E: ModelExecutor> EngineCore<E> {
                 }
             };
             let mask: Option<AllowedTokens<'_>> = if allowed.is_some() { Some(&allowed_fn) } else { None };
+            // A forked parallel sequence draws from its own generator.
+            let mut own = seq.rng.clone();
             for i in 0..if first { n } else { 1 } {
+                let rng = own.as_mut().unwrap_or(&mut req.rng);
                 let Sample { token, logprob, top_logprobs } =
-                    sample_masked(row_logits, row_stats, &req.params, &mut req.rng, k, (seq.prompt(), seq.output()), mask);
+                    sample_masked(row_logits, row_stats, &req.params, rng, k, (seq.prompt(), seq.output()), mask);
                 next.push((sid, token));
                 let top = req.params.logprobs.is_some().then_some(top_logprobs);
                 ds.push(Draw { token, logprob, top, index: first.then_some(i) });
+            }
+            if let (Some(r), Some(v)) = (own, self.views.seqs.get_mut(&sid)) {
+                v.rng = Some(r);
             }
             self.counters.generation_tokens += next.len() as u64;
             match per_req.last_mut() {

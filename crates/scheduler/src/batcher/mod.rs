@@ -422,8 +422,12 @@ impl<A: BlockAllocator> Scheduler<A> {
                         let implied = groups * s.num_scheduled_tokens().div_ceil(bs);
                         assert!(
                             held == implied || (s.num_scheduled_tokens() == 0 && held == 0),
-                            "{id}/{}: holds {held} blocks but its counters imply {implied}",
-                            s.seq_id
+                            "{id}/{}: holds {held} blocks but its counters imply {implied} ({} computed, {} in flight, {} total, {} samples in flight)",
+                            s.seq_id,
+                            s.state.num_computed_tokens(),
+                            s.num_in_flight_tokens,
+                            s.state.num_total_tokens(),
+                            s.num_in_flight_samples
                         );
                     }
                 }

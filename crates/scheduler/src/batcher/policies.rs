@@ -216,7 +216,13 @@ impl<A: BlockAllocator> Scheduler<A> {
                     match victim {
                         Some((_, v)) => self.preempt(v, step, out),
                         None => {
-                            if !self.request_at(slot).has_in_flight() {
+                            // A request with a step in flight is not
+                            // preempted (that step writes its blocks); it
+                            // gives back what this attempt reserved and
+                            // waits for the next step.
+                            if self.request_at(slot).has_in_flight() {
+                                self.trim_to_scheduled(id);
+                            } else {
                                 self.preempt(id, step, out);
                             }
                             return;
@@ -269,7 +275,12 @@ impl<A: BlockAllocator> Scheduler<A> {
         let threshold = self.config.long_prefill_token_threshold;
         let chunked = self.config.enable_chunked_prefill;
         let (&id, req) = self.requests.get_slot_mut(slot).expect("scheduled request is live");
-        if req.has_in_flight() && req.next_sample_reshapes() {
+        // Scheduled ahead of its samples only as one sequence that keeps its
+        // shape: a sample that forks, drops or ranks sequences (parallel
+        // sampling's first draw, beam search) changes what to schedule, and
+        // the sequences of a parallel request draw from one generator in
+        // the order their steps run, so they step with their samples known.
+        if req.has_in_flight() && (req.next_sample_reshapes() || req.running_seqs().nth(1).is_some()) {
             return Attempt::Idle;
         }
         let hint = req.length_hint();

@@ -148,6 +148,9 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         phase(c.execute_s, counters_before.execute_s),
         phase(c.sample_s, counters_before.sample_s),
     );
+    // Under --async-scheduling most of the scheduling ran beside the
+    // forward pass: the share of it that did.
+    let overlapped = phase(c.schedule_overlapped_s, counters_before.schedule_overlapped_s);
     let mut lat: Vec<f64> = iters.iter().map(|i| i.latency_s).collect();
     lat.sort_by(f64::total_cmp);
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
@@ -167,6 +170,8 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         "prefill_tokens_per_s": b * input_len as f64 / mean(&first),
         "decode_tokens_per_s": b * (args.output_len - 1) as f64 / mean(&decode),
         "time_share": { "schedule": sched / (sched + exec + samp), "execute": exec / (sched + exec + samp), "sample": samp / (sched + exec + samp) },
+        "schedule_overlapped": if sched > 0.0 { overlapped / sched } else { 0.0 },
+        "async_scheduling": llm.engine().async_scheduling(),
         "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "spec_decode": spec_report(&llm.engine().spec_decode_counters()),
     });

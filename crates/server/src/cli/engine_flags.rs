@@ -131,6 +131,14 @@ pub struct EngineFlags {
     /// every multiple of 8 up to 512. A larger batch runs eagerly.
     #[arg(long, value_delimiter = ',')]
     pub cuda_graph_sizes: Option<Vec<usize>>,
+    /// Schedule the next step while the current one runs (vLLM's flag):
+    /// the forward pass runs on a worker thread while this one schedules
+    /// and builds the next batch; a token still being sampled is filled in
+    /// just before that batch runs. Same outputs; it pays where the device
+    /// leaves the host idle (--device cuda). Ignored with
+    /// --speculative-config.
+    #[arg(long)]
+    pub async_scheduling: bool,
 }
 
 /// What a subcommand would pick for the flags a user left out.
@@ -239,6 +247,7 @@ impl EngineFlags {
                     other => other.clone(),
                 },
             },
+            async_scheduling: self.async_scheduling,
         })
     }
 }
