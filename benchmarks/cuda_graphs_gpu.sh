@@ -14,10 +14,11 @@
 #    device and on the host (tokens compared), and decode at 256 sequences
 #    greedy / sampled on the device / sampled on the host;
 # 3. once llama.cpp is built: SmolLM2-shaped Q4_1 at 1/64/256 sequences,
-#    graphs and eager against llama-batched-bench, alternated rounds; then
-#    `vellum serve` with graphs and eager at 64 and 256 clients (and where
-#    the engine loop's time went, from /metrics); then, if the time allows
-#    (BUDGET_S), a Llama-3-8B-shaped Q8_0 with graphs.
+#    graphs with and without --async-scheduling (VARIANTS) against
+#    llama-batched-bench, alternated rounds; then `vellum serve` the same two
+#    ways (SERVE_MODES; eager is a mode too) at 64 and 256 clients (and
+#    where the engine loop's time went, from /metrics); then, if the time
+#    allows (BUDGET_S), a Llama-3-8B-shaped Q8_0 with graphs.
 # Logs and rows under $OUT; the tables last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,7 +107,7 @@ done
 
 wait "$build"
 stamp "$(tail -1 "$out/logs/llama_build.txt")"
-VARIANTS="graphs:;eager:--enforce-eager" ROUNDS=${ROUNDS:-2} timeout "$(left)" \
+VARIANTS=${VARIANTS:-"graphs:;async:--async-scheduling"} ROUNDS=${ROUNDS:-2} timeout "$(left)" \
     bash benchmarks/cuda_vs_llama_cpp.sh run "$smol" smollm2-135m-q4_1 >"$out/logs/smol_table.txt" 2>"$out/logs/smol_run.txt"
 stamp "smollm2 exit $?"
 # Serving: `vellum serve` with graphs (recorded at start) and eager, under
@@ -117,6 +118,7 @@ serve() { # label model mode clients...
     shift 3
     local flags=""
     [ "$mode" = eager ] && flags=--enforce-eager
+    [ "$mode" = async ] && flags=--async-scheduling
     # shellcheck disable=SC2086
     .gpu/x/vellum serve --device cuda --model "$model" --port 8011 --max-num-seqs 256 $flags >"$out/logs/serve_${label}_$mode.log" 2>&1 &
     local pid=$!
@@ -141,7 +143,7 @@ EOF
     wait "$pid" 2>/dev/null
 }
 echo "| model mode clients | output tok/s | TTFT median / p99 (ms) | failed | engine seconds so far |" >"$out/logs/serve_table.txt"
-for mode in graphs eager graphs eager; do serve smollm2 "$smol" "$mode" 64 256; done
+for mode in ${SERVE_MODES:-graphs async graphs async}; do serve smollm2 "$smol" "$mode" 64 256; done
 stamp "serving done"
 if [ $((SECONDS - t0)) -lt $((budget - 140)) ]; then
     bash benchmarks/cuda_vs_llama_cpp.sh model llama3-8b-q8_0 /tmp/m8.gguf >/dev/null 2>&1
