@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Speculative decoding, single stream: `vellum bench latency` on three chat
-# prompts (benchmarks/prompts/: a text to correct, code to edit, an
-# open-ended story), without speculation and with n-gram prompt lookup, in
+# Speculative decoding, single stream: `vellum bench latency` on four chat
+# prompts (benchmarks/prompts/: a text to correct, code to rename (which
+# the default model answers in prose), code with a typo to fix (which it
+# copies back), an open-ended story), without speculation and with n-gram
+# prompt lookup, in
 # alternated rounds; then llama.cpp's own prompt lookup (`llama-lookup`) on
 # the same file and templated prompt. Prints one table; JSON lines in $OUT.
 #
@@ -26,7 +28,7 @@ rm -f "$OUT"/runs.jsonl
 cargo build --release -p vellum-server
 
 for round in $(seq 1 "$ROUNDS"); do
-    for w in rewrite_text rewrite_code chat; do
+    for w in rewrite_text rewrite_code fix_code chat; do
         for mode in plain ngram; do
             extra=()
             [ "$mode" = ngram ] && extra=(--speculative-config "$SPEC")
@@ -41,7 +43,7 @@ done
 LOOKUP=""
 if BIN=$(EXTRA_TARGETS=llama-lookup benchmarks/llama_cpp.sh 2>/dev/null) && [ -x "$BIN/llama-lookup" ]; then
     LOOKUP=$BIN/llama-lookup
-    for w in rewrite_text rewrite_code chat; do
+    for w in rewrite_text rewrite_code fix_code chat; do
         # SmolLM2's chat template with its default system prompt, as Vellum renders it.
         text=$(printf '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n' "$(cat benchmarks/prompts/$w.txt)")
         LD_LIBRARY_PATH=$BIN "$LOOKUP" -m "$GGUF" -p "$text" -n "$OUTPUT_LEN" --spec-draft-n-max 4 -t "$THREADS" --temp 0 2>&1 |
@@ -61,7 +63,7 @@ def med(w, m, key='decode_tokens_per_s'):
     v = [r[key] for r in runs if r['workload'] == w and r['mode'] == m]
     return statistics.median(v) if v else None
 print(f"{'workload':14} {'plain tok/s':>11} {'ngram tok/s':>11} {'speed-up':>8} {'accepted':>8} {'mean len':>8} {'llama-lookup':>12} {'its accept':>10}")
-for w in ['rewrite_text', 'rewrite_code', 'chat']:
+for w in ['rewrite_text', 'rewrite_code', 'fix_code', 'chat']:
     p, s = med(w, 'plain'), med(w, 'ngram')
     sd = [r['spec_decode'] for r in runs if r['workload'] == w and r['mode'] == 'ngram' and r.get('spec_decode')]
     acc = statistics.median(x['acceptance_rate'] for x in sd) if sd else 0.0

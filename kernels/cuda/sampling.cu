@@ -22,11 +22,16 @@
 // entries of each digit (every thread in registers, then one block sum)
 // and keeps the digit where the cut falls; it ends when one entry is left.
 // Sums run in a different order than the host's, so a draw within ~1e-15
-// of a boundary may land on the neighbour; nowhere else do they differ.
+// of a boundary may land on the neighbour; nowhere else do they differ
+// (-0 ranks as +0, as the host's comparisons have it).
 //
 // Penalties (repetition, frequency, presence, logit bias) arrive as one
-// entry per distinct token of the row, applied to a copy of the row in
-// `scores`; logprobs are always the model's own (the raw row).
+// entry per distinct token of the row, in increasing token order, and are
+// applied to the row in place once its logprobs (always the model's own) are
+// taken; the raw values of the entries' tokens are kept in `pen_raw`, for
+// the sampled token's logprob. A row with a NaN is left as it is and gets
+// the token -1: the host samples that step (the host sampler's rules for
+// NaN are its own).
 //
 // The kernel uses shared memory and barriers only (no warp shuffles), so
 // the host tests run its very text with one host thread per GPU thread.
@@ -62,9 +67,9 @@ __device__ __forceinline__ float sample_weight(float x, float max, float inv_t) 
     return exp_poly(__fmul_rn(__fsub_rn(x, max), inv_t));
 }
 
-// Larger score, larger key; NaN below everything.
+// Larger score, larger key; -0 as +0; NaN below everything.
 __device__ __forceinline__ unsigned score_key(float x) {
-    const unsigned b = __float_as_uint(x);
+    const unsigned b = x == 0.0f ? 0u : __float_as_uint(x);
     if (x != x) return 0u;
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
@@ -230,13 +235,15 @@ __device__ __noinline__ unsigned long long select_cut(const float *s, int vocab,
 
 // Per row: fparams [temperature, top_p, min_p, -], iparams [top_k (0 or
 // ≥ vocab: none), num_logprobs, penalty start, penalty end, wants the
-// sampled logprob (0/1)]; penalties: tokens and [repetition, subtract, bias].
-// Grid (rows), SAMPLE_THREADS threads. `scores` [rows, vocab] is scratch
-// for rows with penalties. Out: the token, its logprob (NaN unless asked),
-// and `top_stride` (id, logprob) slots of which the first num_logprobs are
+// sampled logprob (0/1)]; penalties: tokens (increasing within a row) and
+// [repetition, subtract, bias], and `pen_raw`, one float per entry, where
+// the raw values go. Grid (rows), SAMPLE_THREADS threads. `logits` rows
+// with penalties are overwritten with their scores. Out: the token (-1 for
+// a row with a NaN), its logprob (NaN unless asked), and `top_stride`
+// (id, logprob) slots of which the first min(num_logprobs, vocab) are
 // written.
 extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *out_top_ids, float *out_top_lp, int top_stride,
-                                       const float *__restrict__ logits, float *scores, int vocab, const float *__restrict__ fparams,
+                                       float *logits, float *pen_raw, int vocab, const float *__restrict__ fparams,
                                        const int *__restrict__ iparams, const double *__restrict__ uniform,
                                        const int *__restrict__ pen_tokens, const float *__restrict__ pen_values) {
     __shared__ double red[SAMPLE_THREADS];
@@ -245,29 +252,20 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
     __shared__ double bins_n[SAMPLE_BINS][SAMPLE_THREADS];
     __shared__ int chosen_s;
     const int row = blockIdx.x;
-    const float *x = logits + (long long)row * vocab;
+    float *x = logits + (long long)row * vocab;
     const float temperature = fparams[row * 4], top_p = fparams[row * 4 + 1], min_p = fparams[row * 4 + 2];
     const int top_k = iparams[row * 5], num_logprobs = iparams[row * 5 + 1];
     const int pen_start = iparams[row * 5 + 2], pen_end = iparams[row * 5 + 3], wants_logprob = iparams[row * 5 + 4];
 
-    // The scores: the row, or a copy with the penalties applied.
-    const float *s = x;
-    if (pen_end > pen_start) {
-        float *sc = scores + (long long)row * vocab;
-        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) sc[i] = x[i];
-        __syncthreads();
-        for (int e = pen_start + threadIdx.x; e < pen_end; e += SAMPLE_THREADS) {
-            const int t = pen_tokens[e];
-            if (t < 0 || t >= vocab) continue;
-            const float rep = pen_values[e * 3], sub = pen_values[e * 3 + 1], bias = pen_values[e * 3 + 2];
-            float l = sc[t];
-            if (rep != 1.0f) l = l > 0.0f ? l / rep : __fmul_rn(l, rep);
-            if (sub != 0.0f) l = __fsub_rn(l, sub);
-            if (bias != 0.0f) l = __fadd_rn(l, bias);
-            sc[t] = l;
+    // A row with a NaN goes back to the host untouched.
+    unsigned long long nan = 0;
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) nan |= x[i] != x[i];
+    if (sample_max_key(nan, kred)) {
+        if (threadIdx.x == 0) {
+            out_token[row] = -1;
+            out_logprob[row] = __uint_as_float(0x7fc00000u);
         }
-        __syncthreads();
-        s = sc;
+        return;
     }
 
     // The model's own logprobs: ln Σ exp(x − max) + max over the raw row.
@@ -281,7 +279,7 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
         lse = log(sample_sum(acc, red)) + (double)mx;
         // The top entries, one block maximum each, every one below the last.
         unsigned long long below = ~0ull;
-        for (int j = 0; j < num_logprobs && j < top_stride; j++) {
+        for (int j = 0; j < num_logprobs && j < top_stride && j < vocab; j++) {
             unsigned long long best = 0;
             for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
                 const unsigned long long k = rank_key(x[i], i, vocab);
@@ -296,6 +294,25 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
             }
         }
     }
+
+    // The scores: the row, with the penalties applied in place (once every
+    // thread is done reading it raw).
+    if (pen_end > pen_start) {
+        __syncthreads();
+        for (int e = pen_start + threadIdx.x; e < pen_end; e += SAMPLE_THREADS) {
+            const int t = pen_tokens[e];
+            if (t < 0 || t >= vocab) continue;
+            const float rep = pen_values[e * 3], sub = pen_values[e * 3 + 1], bias = pen_values[e * 3 + 2];
+            float l = x[t];
+            pen_raw[e] = l;
+            if (rep != 1.0f) l = l > 0.0f ? l / rep : __fmul_rn(l, rep);
+            if (sub != 0.0f) l = __fsub_rn(l, sub);
+            if (bias != 0.0f) l = __fadd_rn(l, bias);
+            x[t] = l;
+        }
+        __syncthreads();
+    }
+    const float *s = x;
 
     // The largest score (ties: the lowest id).
     unsigned long long best = 0;
@@ -405,7 +422,30 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
         }
     }
     if (threadIdx.x == 0) {
+        // The sampled token's raw logit: kept aside if a penalty changed it.
+        float raw = x[token];
+        int lo = pen_start, hi = pen_end;
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (pen_tokens[mid] < token) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo < pen_end && pen_tokens[lo] == token) raw = pen_raw[lo];
         out_token[row] = token;
-        out_logprob[row] = wants_logprob ? (float)((double)x[token] - lse) : __uint_as_float(0x7fc00000u);
+        out_logprob[row] = wants_logprob ? (float)((double)raw - lse) : __uint_as_float(0x7fc00000u);
+    }
+}
+
+// Puts back the raw logits that `sample_rows` replaced with their scores,
+// in every row it sampled (token ≥ 0), so that the host can sample the step
+// from the logits when another row had a NaN. Grid (rows), any block size.
+extern "C" __global__ void unpenalize_rows(float *logits, int vocab, const int *__restrict__ iparams, const int *__restrict__ tokens,
+                                           const int *__restrict__ pen_tokens, const float *__restrict__ pen_raw) {
+    const int row = blockIdx.x;
+    if (tokens[row] < 0) return;
+    float *x = logits + (long long)row * vocab;
+    for (int e = iparams[row * 5 + 2] + threadIdx.x; e < iparams[row * 5 + 3]; e += blockDim.x) {
+        const int t = pen_tokens[e];
+        if (t >= 0 && t < vocab) x[t] = pen_raw[e];
     }
 }

@@ -121,7 +121,7 @@ pub const GEMM_MMA: KernelSource = KernelSource {
 /// `sampling.cu`: a token (and the logprobs asked for) per row of logits,
 /// drawn as the host sampler draws.
 pub const SAMPLING: KernelSource =
-    KernelSource { file: "sampling.cu", text: vellum_kernels::cuda::SAMPLING, entry_points: &["sample_rows"] };
+    KernelSource { file: "sampling.cu", text: vellum_kernels::cuda::SAMPLING, entry_points: &["sample_rows", "unpenalize_rows"] };
 
 /// Every source.
 pub const SOURCES: [KernelSource; 6] = [CACHE, PAGED_ATTENTION, LAYERS, GEMV_Q, GEMM_MMA, SAMPLING];

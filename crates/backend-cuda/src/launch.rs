@@ -1030,9 +1030,17 @@ impl Kernels {
 
     /// A token a row of `logits [rows, vocab]` (`sampling.cu`): `params`
     /// holds each row's sampling parameters as the kernel reads them,
-    /// `pens` the penalty entries they point into, `out` receives the
-    /// tokens, logprobs and `top_stride` top entries a row.
-    pub fn sample_rows(
+    /// `out` receives the tokens, logprobs and `top_stride` top entries a
+    /// row; rows with penalty entries are overwritten with their scores.
+    ///
+    /// # Safety
+    /// `params` must come from [`crate::sampling::pack`] for these rows and
+    /// this `vocab` (uploaded as is): the kernel reads each row's penalty
+    /// entries at the indices `iparams` gives, unchecked, and binary-searches
+    /// them, so the ranges must lie inside `pen_tokens` (and three times that
+    /// inside `pen_values`) and hold increasing tokens; `out.pen_raw` must
+    /// have an element per penalty entry.
+    pub unsafe fn sample_rows(
         &self,
         out: &mut SampleOutputs,
         logits: &CudaSlice<f32>,
@@ -1047,7 +1055,7 @@ impl Kernels {
             && out.logprobs.len() >= rows
             && out.top_ids.len() >= rows * out.top_stride.max(1)
             && out.top_logprobs.len() >= rows * out.top_stride.max(1)
-            && out.scores.len() >= if params.any_penalties { rows * vocab } else { 1 }
+            && out.pen_raw.len() >= params.pen_tokens.len()
             && params.pen_values.len() >= params.pen_tokens.len() * 3
             && vocab > 0;
         if !ok {
@@ -1060,15 +1068,50 @@ impl Kernels {
         let (vocab_i, stride) = (to_i32(vocab, "vocab")?, to_i32(out.top_stride.max(1), "top logprobs")?);
         let mut b = self.stream.launch_builder(&f);
         b.arg(&mut out.tokens).arg(&mut out.logprobs).arg(&mut out.top_ids).arg(&mut out.top_logprobs).arg(&stride);
-        b.arg(logits).arg(&mut out.scores).arg(&vocab_i).arg(&params.fparams).arg(&params.iparams).arg(&params.uniform);
+        b.arg(logits).arg(&mut out.pen_raw).arg(&vocab_i).arg(&params.fparams).arg(&params.iparams).arg(&params.uniform);
         b.arg(&params.pen_tokens).arg(&params.pen_values);
-        // SAFETY: sample_rows(int*, float*, int*, float*, int, const float*,
+        // SAFETY: sample_rows(int*, float*, int*, float*, int, float*,
         // float*, int, const float*, const int*, const double*, const int*,
         // const float*); one block of SAMPLE_THREADS (128, sampling.cu's
-        // default) per row; every buffer's size checked above, and the
-        // kernel reads penalty entries only inside each row's range, which
-        // `SampleInputs::new` checked against the entries it uploaded, and
-        // writes `scores` only for rows with entries.
+        // default) per row; the buffers' sizes are checked above, and the
+        // penalty ranges inside them are the caller's contract (`pack`'s).
+        unsafe { b.launch(cfg((to_u32(rows, "rows")?, 1, 1), 128, 0)) }?;
+        Ok(())
+    }
+
+    /// Puts back the raw logits [`Kernels::sample_rows`] replaced in the
+    /// rows it sampled (`out.tokens` ≥ 0), so that the host can sample the
+    /// step from `logits` after all.
+    ///
+    /// # Safety
+    /// `params` and `out` must be those of the [`Kernels::sample_rows`] call
+    /// that ran on `logits` (same contract: `pack`'s output, a `pen_raw`
+    /// element per entry), after it completed on this stream.
+    pub unsafe fn unpenalize_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        params: &SampleInputs,
+        out: &SampleOutputs,
+    ) -> Result<(), CudaError> {
+        let rows = params.uniform.len();
+        if logits.len() < rows * vocab
+            || params.iparams.len() < rows * 5
+            || out.tokens.len() < rows
+            || out.pen_raw.len() < params.pen_tokens.len()
+        {
+            return Err(shape_error(format!("unpenalizing {rows} rows of {vocab}: buffers too small")));
+        }
+        if rows == 0 || !params.any_penalties {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(SAMPLING, &[]), "unpenalize_rows")?;
+        let vocab_i = to_i32(vocab, "vocab")?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(logits).arg(&vocab_i).arg(&params.iparams).arg(&out.tokens).arg(&params.pen_tokens).arg(&out.pen_raw);
+        // SAFETY: unpenalize_rows(float*, int, const int*, const int*,
+        // const int*, const float*); a block of 128 per row; sizes checked
+        // above, the penalty ranges inside them by the caller's contract.
         unsafe { b.launch(cfg((to_u32(rows, "rows")?, 1, 1), 128, 0)) }?;
         Ok(())
     }
@@ -1194,7 +1237,7 @@ pub struct SampleInputs {
     pub pen_tokens: CudaSlice<i32>,
     /// Penalty entries' repetition, subtract and bias.
     pub pen_values: CudaSlice<f32>,
-    /// Whether any row has penalty entries (then `scores` holds every row).
+    /// Whether any row has penalty entries.
     pub any_penalties: bool,
 }
 
@@ -1210,7 +1253,6 @@ pub struct SampleOutputs {
     pub top_logprobs: CudaSlice<f32>,
     /// Top entries a row has room for (at least 1).
     pub top_stride: usize,
-    /// Scratch of `[rows, vocab]` for the penalized scores (1 element when
-    /// no row has penalties).
-    pub scores: CudaSlice<f32>,
+    /// The raw logits of the penalized tokens, one per penalty entry.
+    pub pen_raw: CudaSlice<f32>,
 }

@@ -988,7 +988,9 @@ impl Ops for CudaOps {
         if rows.is_empty() {
             return Ok(Some(Vec::new()));
         }
-        let p = crate::sampling::pack(rows, penalties, x.cols)?;
+        // What the kernel does not take (parameters outside its domain,
+        // unordered penalties) the host samples, from the untouched logits.
+        let Ok(p) = crate::sampling::pack(rows, penalties, x.cols) else { return Ok(None) };
         let s = self.k.stream();
         let inputs = SampleInputs {
             fparams: s.clone_htod(&p.fparams).map_err(driver)?,
@@ -1000,8 +1002,9 @@ impl Ops for CudaOps {
         };
         let n = x.rows;
         // SAFETY: uninitialized; the kernel writes every row's token and
-        // logprob and the asked top entries, and reads `scores` only where
-        // it wrote it (rows with penalties); the unasked slots are not read.
+        // logprob, the top entries asked for, and the raw value of every
+        // penalty entry it applies before reading it back; the other slots
+        // are copied back but never read.
         let mut out = unsafe {
             SampleOutputs {
                 tokens: s.alloc(n).map_err(driver)?,
@@ -1009,10 +1012,12 @@ impl Ops for CudaOps {
                 top_ids: s.alloc(n * p.top_stride).map_err(driver)?,
                 top_logprobs: s.alloc(n * p.top_stride).map_err(driver)?,
                 top_stride: p.top_stride,
-                scores: s.alloc(if p.any_penalties { n * x.cols } else { 1 }).map_err(driver)?,
+                pen_raw: s.alloc(p.pen_tokens.len()).map_err(driver)?,
             }
         };
-        self.k.sample_rows(&mut out, &x.buf, x.cols, &inputs).map_err(backend)?;
+        // SAFETY: `inputs` is `pack`'s output for these rows and `x.cols`,
+        // uploaded as is, and `pen_raw` has an element per entry.
+        unsafe { self.k.sample_rows(&mut out, &x.buf, x.cols, &inputs) }.map_err(backend)?;
         let tokens = s.clone_dtoh(&out.tokens).map_err(driver)?;
         let logprobs = s.clone_dtoh(&out.logprobs).map_err(driver)?;
         let wants_top = rows.iter().any(|r| r.num_logprobs > 0);
@@ -1022,7 +1027,15 @@ impl Ops for CudaOps {
             (Vec::new(), Vec::new())
         };
         s.synchronize().map_err(driver)?;
-        Ok(crate::sampling::unpack(rows, &tokens, &logprobs, &top_ids, &top_lp, p.top_stride, x.cols))
+        let samples = crate::sampling::unpack(rows, &tokens, &logprobs, &top_ids, &top_lp, p.top_stride, x.cols);
+        if samples.is_none() {
+            // A row had a NaN: the host samples the step, from the logits as
+            // they came.
+            // SAFETY: the inputs and outputs of the call above, which the
+            // synchronize completed.
+            unsafe { self.k.unpenalize_rows(&x.buf, x.cols, &inputs, &out) }.map_err(backend)?;
+        }
+        Ok(samples)
     }
 
     fn argmax_rows(&self, x: &CudaTensor) -> OpResult<Option<Vec<u32>>> {

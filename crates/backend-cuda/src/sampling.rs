@@ -30,18 +30,22 @@ pub struct PackedSampling {
 }
 
 /// Packs `rows` for a vocabulary of `vocab`, or says why the batch cannot
-/// be sampled on the device: a penalty range outside `penalties`,
+/// be sampled on the device: a penalty range outside `penalties`, a row
+/// whose entries are not in increasing token order (one per token),
 /// parameters out of range, or more top logprobs than [`MAX_TOP_LOGPROBS`].
-/// A penalty entry for a token outside the vocabulary is passed on: the
-/// kernel skips it, as the host sampler does.
+/// Entries for tokens outside the vocabulary are left out, as the host
+/// sampler skips them.
 pub fn pack(rows: &[RowSampling], penalties: &[PenaltyEntry], vocab: usize) -> Result<PackedSampling, Error> {
     let bad = |m: String| Error::Backend(format!("device sampling: {m}"));
     i32::try_from(vocab).map_err(|_| bad(format!("a vocabulary of {vocab}")))?;
     let mut p = PackedSampling { top_stride: 1, ..PackedSampling::default() };
     for (i, r) in rows.iter().enumerate() {
         let (start, end) = (r.penalties.0 as usize, r.penalties.1 as usize);
-        if start > end || end > penalties.len() {
+        let Some(entries) = penalties.get(start..end) else {
             return Err(bad(format!("row {i} points at penalty entries {start}..{end} of {}", penalties.len())));
+        };
+        if entries.windows(2).any(|w| w[0].token >= w[1].token) {
+            return Err(bad(format!("row {i}'s penalty entries are not one per token in increasing order")));
         }
         if r.num_logprobs as usize > MAX_TOP_LOGPROBS {
             return Err(bad(format!("row {i} asks for {} top logprobs (at most {MAX_TOP_LOGPROBS})", r.num_logprobs)));
@@ -50,16 +54,17 @@ pub fn pack(rows: &[RowSampling], penalties: &[PenaltyEntry], vocab: usize) -> R
             return Err(bad(format!("row {i} has parameters out of range: {r:?}")));
         }
         p.top_stride = p.top_stride.max(r.num_logprobs as usize);
-        p.any_penalties |= end > start;
+        let first = p.pen_tokens.len();
+        for e in entries.iter().filter(|e| (e.token as usize) < vocab) {
+            p.pen_tokens.push(e.token as i32);
+            p.pen_values.extend([e.repetition, e.subtract, e.bias]);
+        }
+        let last = p.pen_tokens.len();
+        p.any_penalties |= last > first;
         p.fparams.extend([r.temperature, r.top_p, r.min_p, 0.0]);
         let top_k = if r.top_k as usize >= vocab { 0 } else { r.top_k as i32 };
-        p.iparams.extend([top_k, r.num_logprobs as i32, start as i32, end as i32, i32::from(r.logprob)]);
+        p.iparams.extend([top_k, r.num_logprobs as i32, first as i32, last as i32, i32::from(r.logprob)]);
         p.uniform.push(r.uniform);
-    }
-    for e in penalties {
-        // Past i32::MAX: negative, which the kernel skips as well.
-        p.pen_tokens.push(e.token as i32);
-        p.pen_values.extend([e.repetition, e.subtract, e.bias]);
     }
     if p.pen_tokens.is_empty() {
         p.pen_tokens.push(0);
@@ -69,7 +74,8 @@ pub fn pack(rows: &[RowSampling], penalties: &[PenaltyEntry], vocab: usize) -> R
 }
 
 /// The kernel's outputs as samples: `None` if a token lies outside the
-/// vocabulary (a row of NaN logits, say), so that the host samples the step.
+/// vocabulary (the kernel's -1 for a row with a NaN), so that the host
+/// samples the step. A row's top entries are min(`num_logprobs`, `vocab`).
 pub fn unpack(
     rows: &[RowSampling],
     tokens: &[i32],
@@ -82,8 +88,9 @@ pub fn unpack(
     let mut out = Vec::with_capacity(rows.len());
     for (i, r) in rows.iter().enumerate() {
         let token = u32::try_from(*tokens.get(i)?).ok().filter(|&t| (t as usize) < vocab)?;
-        let mut top = Vec::with_capacity(r.num_logprobs as usize);
-        for j in 0..r.num_logprobs as usize {
+        let wanted = (r.num_logprobs as usize).min(vocab);
+        let mut top = Vec::with_capacity(wanted);
+        for j in 0..wanted {
             let id = u32::try_from(*top_ids.get(i * top_stride + j)?).ok().filter(|&t| (t as usize) < vocab)?;
             top.push((id, *top_logprobs.get(i * top_stride + j)?));
         }
@@ -108,11 +115,13 @@ mod tests {
         let p = pack(&rows, &pens, 100).expect("valid");
         assert_eq!(p.fparams, [0.8, 0.95, 0.0, 0.0, 0.8, 0.95, 0.0, 0.0]);
         // A top-k at or past the vocabulary is no cut.
-        assert_eq!(p.iparams, [50, 2, 0, 1, 1, 0, 5, 0, 0, 1]);
+        assert_eq!(p.iparams, [50, 2, 0, 1, 1, 0, 5, 1, 1, 1]);
         assert_eq!((p.top_stride, p.any_penalties), (5, true));
         assert_eq!((p.pen_tokens.as_slice(), p.pen_values.as_slice()), (&[3][..], &[1.2, 0.5, 0.0][..]));
-        // A token outside the vocabulary is left to the kernel, which skips it.
-        assert!(pack(&[RowSampling { penalties: (0, 1), ..row() }], &[PenaltyEntry { token: 100, ..pens[0] }], 100).is_ok());
+        // A token outside the vocabulary is left out (the host skips it too).
+        let p =
+            pack(&[RowSampling { penalties: (0, 2), ..row() }], &[pens[0], PenaltyEntry { token: 100, ..pens[0] }], 100).expect("valid");
+        assert_eq!((&p.pen_tokens[..], &p.iparams[2..4]), (&[3][..], &[0, 1][..]));
         // No entries: one unused entry, so that the buffer exists.
         let p = pack(&[row()], &[], 100).expect("valid");
         assert_eq!((p.pen_tokens.len(), p.any_penalties), (1, false));
@@ -127,6 +136,7 @@ mod tests {
             (vec![RowSampling { num_logprobs: 21, ..row() }], &[][..], "21 top logprobs"),
             (vec![RowSampling { uniform: 1.0, ..row() }], &[][..], "out of range"),
             (vec![RowSampling { top_p: 0.0, ..row() }], &[][..], "out of range"),
+            (vec![RowSampling { penalties: (0, 2), ..row() }], &[pens[0], pens[0]][..], "increasing order"),
         ] {
             let e = pack(&rows, pens, 100).expect_err(why).to_string();
             assert!(e.contains(why), "{e}");

@@ -895,12 +895,23 @@ fn sampling_on_the_device_draws_the_host_samplers_tokens() {
             let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
             sampling.push(RowSampling { uniform: u, ..kinds[r % kinds.len()] });
         }
+        // Rows with penalties are overwritten with their scores: each call
+        // gets the logits afresh.
         let x = ops.upload(rows, vocab, &logits).expect("upload");
         let got = ops.sample_rows(&x, &sampling, &pens).expect("sample").expect("sampled on the device");
+        let x = ops.upload(rows, vocab, &logits).expect("upload");
         let started = std::time::Instant::now();
         let again = ops.sample_rows(&x, &sampling, &pens).expect("sample").expect("sampled on the device");
         let ms = started.elapsed().as_secs_f64() * 1e3;
         assert_eq!(got, again, "the same draws give the same tokens");
+        // A NaN in one row: the step goes back to the host, with every
+        // row's logits as they came (the penalized ones put back).
+        let mut with_nan = logits.clone();
+        with_nan[3 * vocab + 7] = f32::NAN;
+        let x = ops.upload(rows, vocab, &with_nan).expect("upload");
+        assert!(ops.sample_rows(&x, &sampling, &pens).expect("sample").is_none(), "a NaN leaves the step to the host");
+        let back = ops.to_host(&x).expect("download");
+        assert!(back.iter().zip(&with_nan).all(|(a, b)| a.to_bits() == b.to_bits()), "the logits come back untouched");
         let mut differ = 0;
         for (r, (g, s)) in got.iter().zip(&sampling).enumerate() {
             let entries = &pens[s.penalties.0 as usize..s.penalties.1 as usize];

@@ -1217,3 +1217,38 @@ fn logprobs_follow_the_model(outs: &[RequestOutput], seed: u64, vocab: usize, wh
     }
     assert!(checked > 100, "{what}: only {checked} logprobs to check");
 }
+
+/// A sequence ended from outside (a stop string, in the engine's client)
+/// ends at once under asynchronous scheduling too, although the sequence
+/// left running of a parallel request is always scheduled ahead (a step in
+/// flight between calls): the request finishes within a step and returns
+/// every block.
+#[test]
+fn a_sequence_ended_from_outside_under_asynchronous_scheduling_ends_at_once() {
+    for asynchronous in [false, true] {
+        let mut e = engine(3, 40, 128, config());
+        e.set_async_scheduling(asynchronous);
+        let params = SamplingParams { n: 2, seed: Some(1), temperature: 1.0, ignore_eos: true, ..SamplingParams::greedy(40) };
+        let id = e.add_request((1..=9).collect(), params).expect("accepted");
+        for _ in 0..4 {
+            e.step().expect("step");
+        }
+        assert!(e.finish_sequence(id, 1, FinishReason::Stop), "async {asynchronous}: the second sample ends");
+        for _ in 0..3 {
+            e.step().expect("step");
+        }
+        assert!(e.finish_sequence(id, 0, FinishReason::Stop), "async {asynchronous}: the last sample ends, a step in flight or not");
+        let mut outs = Vec::new();
+        let mut steps = 0;
+        while e.has_unfinished_requests() {
+            outs.extend(e.step().expect("step"));
+            steps += 1;
+            assert!(steps <= 1, "async {asynchronous}: the request ended within a step");
+        }
+        outs.extend(e.take_finished());
+        assert_eq!(outs.len(), 1);
+        let o = &outs[0];
+        assert!(o.outputs.iter().all(|s| s.finish_reason == Some(FinishReason::Stop) && s.token_ids.len() < 12), "{:?}", o.outputs);
+        assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0, "async {asynchronous}: every block returned");
+    }
+}

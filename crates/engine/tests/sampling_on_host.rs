@@ -34,7 +34,7 @@ const SHIM: &str = r#"
 #define __restrict__ __restrict
 #define __shared__ static
 struct Index { unsigned x; };
-static Index blockIdx;
+static Index blockIdx, blockDim = {SAMPLE_THREADS};
 static thread_local Index threadIdx;
 static std::barrier<> *block_barrier;
 static void __syncthreads() { block_barrier->arrive_and_wait(); }
@@ -76,7 +76,7 @@ int main(int argc, char **argv) {
     auto pen_values = slurp<float>(dir + "/pen_values");
     const int rows = (int)uniform.size();
     std::vector<int> tokens(rows, -7), top_ids((size_t)rows * stride, -7);
-    std::vector<float> lps(rows), top_lp((size_t)rows * stride), scores((size_t)rows * vocab);
+    std::vector<float> lps(rows), top_lp((size_t)rows * stride), pen_raw(pen_tokens.size());
     std::barrier<> bar(SAMPLE_THREADS);
     block_barrier = &bar;
     for (int r = 0; r < rows; r++) {
@@ -85,7 +85,7 @@ int main(int argc, char **argv) {
         for (int t = 0; t < SAMPLE_THREADS; t++)
             threads.emplace_back([&, t] {
                 threadIdx.x = t;
-                sample_rows(tokens.data(), lps.data(), top_ids.data(), top_lp.data(), stride, logits.data(), scores.data(), vocab,
+                sample_rows(tokens.data(), lps.data(), top_ids.data(), top_lp.data(), stride, logits.data(), pen_raw.data(), vocab,
                             fparams.data(), iparams.data(), uniform.data(), pen_tokens.data(), pen_values.data());
             });
         for (auto &th : threads) th.join();
@@ -198,6 +198,21 @@ fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_sk
                 }
             }
         }
+        // -0 ties +0 (the lower id wins, as on the host); a row with a NaN
+        // comes back as -1 (the host samples that step).
+        let mut zeros: Vec<f32> = (0..vocab).map(|i| -1.0 - i as f32 * 0.01).collect();
+        (zeros[0], zeros[2]) = (-0.0, 0.0);
+        let mut nan = row(0, vocab, &mut gen);
+        nan[5] = f32::NAN;
+        for (x, p) in [(zeros, SamplingParams::greedy(8)), (nan, SamplingParams { temperature: 0.8, ..SamplingParams::greedy(8) })] {
+            let mut rng = SeededRng::new(1);
+            let uniform = rng.clone().uniform();
+            let s = sample(&x, &p, &mut rng, 0, (&[], &[]));
+            let start = pens.len() as u32;
+            rows.push(RowSampling { temperature: p.temperature, top_p: 1.0, uniform, penalties: (start, start), ..RowSampling::default() });
+            logits.extend(x);
+            want.push((s, 99, p));
+        }
         let stride = rows.iter().map(|r| r.num_logprobs as usize).max().unwrap_or(0).max(1);
         let fparams: Vec<f32> = rows.iter().flat_map(|r| [r.temperature, r.top_p, r.min_p, 0.0]).collect();
         let iparams: Vec<i32> = rows
@@ -233,6 +248,13 @@ fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_sk
         assert_eq!(tokens.len(), rows.len());
         for (i, (s, kind, p)) in want.iter().enumerate() {
             rows_checked += 1;
+            if *kind == 99 && p.temperature > 0.0 {
+                assert_eq!(tokens[i], -1, "a row with a NaN goes back to the host");
+                continue;
+            }
+            if *kind == 99 {
+                assert_eq!((tokens[i], s.token), (0, 0), "-0 and +0 tie: the lower id");
+            }
             draws += usize::from(p.temperature > 0.0);
             if tokens[i] != s.token as i32 {
                 disagreements.push(format!(

@@ -242,8 +242,10 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     }
     /// A token for each row of logits `x`, drawn where `x` lives as the
     /// host sampler draws it (`rows`: one [`RowSampling`] a row; `penalties`:
-    /// the entries they point into); `None` where the backend leaves
-    /// sampling to the host.
+    /// the entries they point into, one per token in increasing order);
+    /// `None`, with `x` untouched, where the backend leaves the step to the
+    /// host sampler. Rows with penalties may be overwritten with their
+    /// scores: `x` is spent once this returns samples.
     fn sample_rows(&self, x: &Self::Tensor, rows: &[RowSampling], penalties: &[PenaltyEntry]) -> OpResult<Option<Vec<DeviceSample>>> {
         let _ = (x, rows, penalties);
         Ok(None)

@@ -172,7 +172,15 @@ impl<E: ModelExecutor> EngineCore<E> {
             let p = &req.params;
             let k = p.logprobs.unwrap_or(0);
             let first_of_many = !req.forked && p.num_sequences() > 1;
-            if p.beam_search.is_some() || seq.constraint.is_some() || !seq.drafts.is_empty() || first_of_many || k > MAX_DEVICE_TOP_LOGPROBS
+            // Parameters the request validation would refuse (the library
+            // API does not validate): the host sampler takes them as they are.
+            let in_domain = p.temperature >= 0.0 && p.top_p > 0.0 && p.top_p <= 1.0 && (0.0..=1.0).contains(&p.min_p);
+            if p.beam_search.is_some()
+                || seq.constraint.is_some()
+                || !seq.drafts.is_empty()
+                || first_of_many
+                || k > MAX_DEVICE_TOP_LOGPROBS
+                || !in_domain
             {
                 return;
             }

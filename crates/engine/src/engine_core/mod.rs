@@ -674,9 +674,10 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
     /// device-sampling draws. A sequence that ends at step N (a stop token)
     /// has its row of step N+1 computed and dropped. Requests whose next
     /// sample reshapes them (beam search, a parallel request's first
-    /// draw) wait for their samples, as the scheduler already makes them;
-    /// a speculating engine steps synchronously (its drafts need the last
-    /// token). The outputs are the synchronous path's.
+    /// draw) and requests with several running sequences wait for their
+    /// samples (the scheduler sees to it); a speculating engine steps
+    /// synchronously (its drafts need the last token). The outputs are the
+    /// synchronous path's.
     pub fn set_async_scheduling(&mut self, on: bool) {
         self.async_step = on.then_some(Self::step_async as StepFn<E>);
     }
@@ -689,6 +690,9 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
     /// One step under asynchronous scheduling (see
     /// [`EngineCore::set_async_scheduling`]).
     fn step_async(&mut self) -> Result<StepOutputs, Error> {
+        if self.executor.is_none() {
+            return Err(executor_held());
+        }
         // A step prepared ahead was counted then; only the first is not.
         let (mut step, unhidden_s) = match self.pending.take() {
             Some(p) => (p, 0.0),
@@ -702,27 +706,42 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
         };
         let t0 = Instant::now();
         self.finalize(&mut step);
-        let mut executor = self.executor.take().ok_or_else(executor_held)?;
+        let Some(mut executor) = self.executor.take() else { return Err(executor_held()) };
         let t1 = Instant::now();
-        let (result, next, ahead_s) = std::thread::scope(|scope| {
+        // This thread's part is caught if it panics, so that the executor is
+        // put back whatever happens; either panic goes on after that.
+        let (result, ahead, ahead_s) = std::thread::scope(|scope| {
             let batch = &step.batch;
             let executor = &mut executor;
             let worker = scope.spawn(move || executor.execute(batch));
             let started = Instant::now();
-            let next = self.schedule_and_build();
+            let ahead = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let next = self.schedule_and_build();
+                // This step's structured-output masks: its rows are known and
+                // the grammars have every earlier token.
+                let masks = (self.overlap_masks && sampling::has_constrained_rows(&self.views.seqs, &step.rows)).then(|| {
+                    let started = Instant::now();
+                    let m = sampling::structured_masks(&mut self.views.seqs, &step.rows);
+                    self.counters.structured_mask_s += started.elapsed().as_secs_f64();
+                    m
+                });
+                (next, masks)
+            }));
             let ahead_s = started.elapsed().as_secs_f64();
-            (worker.join(), next, ahead_s)
+            (worker.join(), ahead, ahead_s)
         });
         self.executor = Some(executor);
+        let (next, masks) = ahead.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        // Step N+1's record sits behind step N's: kept even if step N's
+        // pass panicked, so that the records stay in order.
+        let retire_empty = next.is_none();
+        self.pending = next;
         let result = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         let t2 = Instant::now();
         self.counters.schedule_s += unhidden_s + (t1 - t0).as_secs_f64() + ahead_s;
         self.counters.schedule_overlapped_s += ahead_s;
-        // Step N+1's record sits behind step N's: step N's update comes
-        // first, then an empty N+1 is retired at once.
-        let retire_empty = next.is_none();
-        self.pending = next;
-        let outputs = self.finish_step(step, result, None, t1, t2);
+        // Step N's update comes first, then an empty N+1 is retired at once.
+        let outputs = self.finish_step(step, result, masks, t1, t2);
         if retire_empty {
             self.retire_empty_record();
         }

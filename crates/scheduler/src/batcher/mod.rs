@@ -380,13 +380,15 @@ impl<A: BlockAllocator> Scheduler<A> {
     /// Ends one sequence of a request from outside (a stop string matched
     /// in one of several parallel samples): its blocks are freed now; the
     /// request finishes when no sequence runs. Returns false for an unknown
-    /// or finished sequence, or one with a step in flight.
+    /// or finished sequence. A step in flight may still write the freed
+    /// blocks: steps run in order, so whatever reuses them runs after it,
+    /// and its update skips the ended sequence (as for an abort).
     pub fn finish_sequence(&mut self, id: RequestId, seq_id: SeqId, reason: FinishReason) -> bool {
         let Some(req) = self.requests.get_mut(&id) else { return false };
         if req.seqs.len() == 1 || req.hot.is_beam {
             return req.seqs[0].seq_id == seq_id && !req.hot.is_beam && self.finish_request(id, reason);
         }
-        let Some(seq) = req.seqs.iter_mut().find(|s| s.seq_id == seq_id && s.is_running() && s.num_in_flight_tokens == 0) else {
+        let Some(seq) = req.seqs.iter_mut().find(|s| s.seq_id == seq_id && s.is_running()) else {
             return false;
         };
         seq.finish_reason = Some(reason);
