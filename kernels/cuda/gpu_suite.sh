@@ -9,6 +9,8 @@
 # Steps (all of them by default):
 #   suite       crates/backend-cuda/tests/gpu.rs: every kernel against float64
 #               references, the executor against the CPU's f32 path
+#   sampling    tests/device_sampling.rs: sampling on the device against the
+#               host sampler's reference
 #   attention   the paged-attention decode bandwidth benchmark
 #               (examples/attention_bench.rs) -> $OUT/attention.jsonl
 #   overheads   what a launch, an allocation and a copy cost on the host
@@ -47,6 +49,7 @@ stage)
     declare -A bins=(
         [gpu_suite]="$(artifact gpu test -p vellum-backend-cuda --release --locked --test gpu --no-run)"
         [golden]="$(artifact golden test --release --locked --features cuda --test golden --no-run)"
+        [device_sampling]="$(artifact device_sampling test --release --locked --features cuda --test device_sampling --no-run)"
         [attention_bench]="$(artifact attention_bench build -p vellum-backend-cuda --release --locked --example attention_bench)"
         [gemm_bench]="$(artifact gemm_bench build -p vellum-backend-cuda --release --locked --example gemm_bench)"
         [vellum]="$(artifact vellum build -p vellum-server --release --locked --features cuda --bin vellum)"

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from .gpu/ (kernels/cuda/gpu_suite.sh stage puts it
-# there): `bash .gpu/run.sh [suite] [attention] [overheads] [gemm] [golden] [throughput] [bf16]`,
+# there): `bash .gpu/run.sh [suite] [sampling] [attention] [overheads] [gemm] [golden] [throughput] [bf16]`,
 # or `source .gpu/run.sh env` to set up the libraries for commands of one's own.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out=${OUT:-$here/out}
 mkdir -p "$out" "$here/x"
-steps=${*:-suite attention golden throughput}
+steps=${*:-suite sampling attention golden throughput}
 
 for f in "$here"/bin/*.xz; do
     b="$here/x/$(basename "${f%.xz}")"
@@ -66,6 +66,7 @@ for s in $steps; do
     overheads) step overheads 120 "$here/x/attention_bench" --overheads ;;
     gemm) step gemm "${GEMM_LIMIT:-240}" bash -c "'$here/x/gemm_bench' ${GEMM_ARGS:-} > '$out/gemm.jsonl'; rc=\$?; sed -n '/^| weight/,\$p' '$out/gemm.jsonl'; exit \$rc" ;;
     golden) step golden "${GOLDEN_LIMIT:-300}" "$here/x/golden" --test-threads 1 --nocapture cuda ;;
+    sampling) step sampling "${SAMPLING_LIMIT:-120}" "$here/x/device_sampling" --test-threads 1 --nocapture ;;
     throughput)
         step throughput "${THROUGHPUT_LIMIT:-240}" "$here/x/vellum" bench throughput --device cuda ${VELLUM_MODEL:+--model "$VELLUM_MODEL"} \
             --input-len 128 --output-len 128 --num-prompts ${NUM_PROMPTS:-256} --json

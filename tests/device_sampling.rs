@@ -1,0 +1,128 @@
+//! Sampling on the device, on a GPU: `sample_rows` (`kernels/cuda/sampling.cu`
+//! through `CudaOps::sample_rows`) against the host's reference of the same
+//! contract (`vellum_engine::sampler::sample_row`). It lives here, beside
+//! both crates, because the reference is the engine's and the engine builds
+//! on the CUDA backend. Staged for a GPU machine by
+//! `kernels/cuda/gpu_suite.sh stage` (the `sampling` step of `.gpu/run.sh`).
+//!
+//! Without a GPU the test says SKIPPED by name and passes, unless
+//! `VELLUM_REQUIRE_GPU` is set; without the `cuda` feature it is not built.
+
+#![cfg(feature = "cuda")]
+
+/// xorshift64*: reproducible inputs without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Sampling on the device (`sampling.cu` through `CudaOps::sample_rows`)
+/// against the host's reference of the same contract
+/// (`vellum::engine::sampler::sample_row`, the host sampler's draw for the
+/// same uniform number): greedy, plain draws, top-k, top-p, min-p, their
+/// mix, penalties with logit bias, logprobs, on peaked and flat rows of a
+/// small vocabulary and of Gemma 3's (262,144). Sums run in another order
+/// on the device, so a draw within ~1e-15 of a boundary could differ: the
+/// test allows one such row in the 262,144-wide batch and prints the time
+/// 256 rows of that width take (the sampled decode step's extra cost).
+#[test]
+fn sampling_on_the_device_draws_the_host_samplers_tokens() {
+    use vellum::core::{PenaltyEntry, RowSampling};
+    use vellum::ops::Ops;
+    let test = "sampling_on_the_device_draws_the_host_samplers_tokens";
+    let ops = match vellum::backend_cuda::CudaOps::new(0) {
+        Ok(ops) => ops,
+        Err(e) => {
+            assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
+            eprintln!("SKIPPED {test}: {e}");
+            return;
+        }
+    };
+    let base = RowSampling {
+        temperature: 0.8,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        uniform: 0.0,
+        num_logprobs: 0,
+        logprob: false,
+        penalties: (0, 0),
+    };
+    let kinds = [
+        RowSampling { temperature: 0.0, ..base },
+        base,
+        RowSampling { top_k: 5, ..base },
+        RowSampling { top_k: 50, temperature: 1.3, ..base },
+        RowSampling { top_p: 0.9, ..base },
+        RowSampling { top_p: 0.95, logprob: true, num_logprobs: 5, ..base },
+        RowSampling { min_p: 0.05, temperature: 1.0, ..base },
+        RowSampling { top_k: 40, top_p: 0.9, min_p: 0.02, ..base },
+        RowSampling { penalties: (0, 3), top_p: 0.9, ..base },
+        RowSampling { penalties: (0, 3), temperature: 0.0, logprob: true, ..base },
+    ];
+    let pens = [
+        PenaltyEntry { token: 3, repetition: 1.3, subtract: 0.7, bias: 0.0 },
+        PenaltyEntry { token: 5, repetition: 1.0, subtract: 0.0, bias: 2.5 },
+        PenaltyEntry { token: 8, repetition: 1.3, subtract: 0.0, bias: -100.0 },
+    ];
+    let mut rng = Rng(42);
+    for (vocab, rows) in [(1000usize, 200usize), (262_144, 256)] {
+        let mut logits = Vec::with_capacity(rows * vocab);
+        let mut sampling = Vec::with_capacity(rows);
+        for r in 0..rows {
+            let flat = r % 2 == 1;
+            for i in 0..vocab {
+                let x = rng.f();
+                logits.push(if flat { x * 0.5 } else { x * 4.0 + if i % 97 == 3 { 6.0 } else { 0.0 } });
+            }
+            let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+            sampling.push(RowSampling { uniform: u, ..kinds[r % kinds.len()] });
+        }
+        // Rows with penalties are overwritten with their scores: each call
+        // gets the logits afresh.
+        let x = ops.upload(rows, vocab, &logits).expect("upload");
+        let got = ops.sample_rows(&x, &sampling, &pens).expect("sample").expect("sampled on the device");
+        let x = ops.upload(rows, vocab, &logits).expect("upload");
+        let started = std::time::Instant::now();
+        let again = ops.sample_rows(&x, &sampling, &pens).expect("sample").expect("sampled on the device");
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        assert_eq!(got, again, "the same draws give the same tokens");
+        // A NaN in one row: the step goes back to the host, with every
+        // row's logits as they came (the penalized ones put back).
+        let mut with_nan = logits.clone();
+        with_nan[3 * vocab + 7] = f32::NAN;
+        let x = ops.upload(rows, vocab, &with_nan).expect("upload");
+        assert!(ops.sample_rows(&x, &sampling, &pens).expect("sample").is_none(), "a NaN leaves the step to the host");
+        let back = ops.to_host(&x).expect("download");
+        assert!(back.iter().zip(&with_nan).all(|(a, b)| a.to_bits() == b.to_bits()), "the logits come back untouched");
+        let mut differ = 0;
+        for (r, (g, s)) in got.iter().zip(&sampling).enumerate() {
+            let entries = &pens[s.penalties.0 as usize..s.penalties.1 as usize];
+            let want = vellum::engine::sampler::sample_row(&logits[r * vocab..(r + 1) * vocab], s, entries);
+            if g.token != want.token {
+                eprintln!("row {r} ({s:?}): device {} host {}", g.token, want.token);
+                differ += 1;
+                continue;
+            }
+            assert_eq!(g.logprob.is_nan(), want.logprob.is_nan());
+            if s.logprob {
+                assert!((g.logprob - want.logprob).abs() < 1e-4, "row {r}: logprob {} against {}", g.logprob, want.logprob);
+            }
+            assert_eq!(g.top_logprobs.len(), want.top_logprobs.len());
+            for (a, b) in g.top_logprobs.iter().zip(&want.top_logprobs) {
+                assert!(a.0 == b.0 && (a.1 - b.1).abs() < 1e-4, "row {r}: top {a:?} against {b:?}");
+            }
+        }
+        eprintln!("{rows} rows of {vocab}: {differ} draws differ; sampling took {ms:.3} ms");
+        assert!(differ <= usize::from(vocab > 1000), "{differ} of {rows} draws differ from the host's");
+    }
+}
