@@ -1130,7 +1130,7 @@ fn pooled_embeddings_agree_with_the_prefixes_last_states_whatever_the_batching()
 }
 
 /// Asynchronous scheduling (the next step scheduled and built while the
-/// last one runs on a worker thread) gives every request the outputs of
+/// last one runs, on a helper thread) gives every request the outputs of
 /// synchronous stepping: 200 mixed requests (greedy, seeded draws with
 /// top-k/top-p and logprobs, parallel sampling with best_of, beam search,
 /// prompt logprobs with a repetition penalty; stop tokens and max_tokens of

@@ -9,9 +9,9 @@
 //! finished requests ([`crate::outputs`]).
 //!
 //! Under asynchronous scheduling ([`EngineCore::set_async_scheduling`]) a
-//! step's forward pass runs on a worker thread while this one schedules and
-//! builds the next step (`Prepared`), which the next call completes
-//! (`finalize`: the tokens sampled meanwhile) and launches.
+//! helper thread schedules and builds the next step (`Prepared`) while this
+//! one runs the current step's forward pass; the next call completes it
+//! (`finalize`: the tokens sampled meanwhile) and runs it.
 
 mod batch;
 mod sampling;
@@ -74,7 +74,7 @@ pub struct EngineCounters {
 /// objects.
 pub struct EngineCore<E: ModelExecutor> {
     scheduler: Scheduler<KvCacheManager>,
-    /// `None` only inside an asynchronous step, while a worker thread runs it.
+    /// `None` only inside an asynchronous step, while it runs a forward pass.
     executor: Option<E>,
     block_size: usize,
     /// The executor-side copy of every block table, kept by incremental updates.
@@ -664,9 +664,9 @@ impl<E: ModelExecutor> EngineCore<E> {
 }
 
 impl<E: ModelExecutor + Send> EngineCore<E> {
-    /// Asynchronous scheduling (vLLM's `--async-scheduling`): while a
-    /// worker thread runs step N's forward pass, this thread schedules step
-    /// N+1 and builds its batch, then applies step N's samples. The
+    /// Asynchronous scheduling (vLLM's `--async-scheduling`): a helper
+    /// thread schedules step N+1 and builds its batch while this thread
+    /// runs step N's forward pass, then applies step N's samples. The
     /// scheduler counts step N's computed tokens and expected samples as in
     /// flight (`num_scheduled_tokens`, `num_expected_tokens`), so step N+1
     /// decodes the token step N is sampling; its id is filled in from the
@@ -708,27 +708,32 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
         self.finalize(&mut step);
         let Some(mut executor) = self.executor.take() else { return Err(executor_held()) };
         let t1 = Instant::now();
-        // This thread's part is caught if it panics, so that the executor is
-        // put back whatever happens; either panic goes on after that.
+        // The forward pass runs on this thread (a backend's per-thread state,
+        // its thread pool and device context, stay where they were made);
+        // the scheduling of the next step runs on a helper, whose panic is
+        // caught so that the executor is put back whatever happens.
         let (result, ahead, ahead_s) = std::thread::scope(|scope| {
-            let batch = &step.batch;
-            let executor = &mut executor;
-            let worker = scope.spawn(move || executor.execute(batch));
-            let started = Instant::now();
-            let ahead = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let next = self.schedule_and_build();
-                // This step's structured-output masks: its rows are known and
-                // the grammars have every earlier token.
-                let masks = (self.overlap_masks && sampling::has_constrained_rows(&self.views.seqs, &step.rows)).then(|| {
-                    let started = Instant::now();
-                    let m = sampling::structured_masks(&mut self.views.seqs, &step.rows);
-                    self.counters.structured_mask_s += started.elapsed().as_secs_f64();
-                    m
-                });
-                (next, masks)
-            }));
-            let ahead_s = started.elapsed().as_secs_f64();
-            (worker.join(), ahead, ahead_s)
+            let core = &mut *self;
+            let rows = &step.rows;
+            let helper = scope.spawn(move || {
+                let started = Instant::now();
+                let ahead = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let next = core.schedule_and_build();
+                    // This step's structured-output masks: its rows are known
+                    // and the grammars have every earlier token.
+                    let masks = (core.overlap_masks && sampling::has_constrained_rows(&core.views.seqs, rows)).then(|| {
+                        let started = Instant::now();
+                        let m = sampling::structured_masks(&mut core.views.seqs, rows);
+                        core.counters.structured_mask_s += started.elapsed().as_secs_f64();
+                        m
+                    });
+                    (next, masks)
+                }));
+                (ahead, started.elapsed().as_secs_f64())
+            });
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| executor.execute(&step.batch)));
+            let (ahead, ahead_s) = helper.join().unwrap_or_else(|panic| (Err(panic), 0.0));
+            (result, ahead, ahead_s)
         });
         self.executor = Some(executor);
         let (next, masks) = ahead.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
