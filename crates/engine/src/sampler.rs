@@ -165,39 +165,71 @@ pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, prompt: &[To
 /// the same order. Empty without penalties; `None` when a token's bias is
 /// given twice (applied twice in a row, which one entry cannot express).
 pub fn penalty_entries(params: &SamplingParams, prompt: &[TokenId], output: &[TokenId], vocab: usize) -> Option<Vec<PenaltyEntry>> {
-    use std::collections::BTreeMap;
-    let mut entries: BTreeMap<TokenId, PenaltyEntry> = BTreeMap::new();
-    fn entry(entries: &mut BTreeMap<TokenId, PenaltyEntry>, t: TokenId, vocab: usize) -> Option<&mut PenaltyEntry> {
-        ((t as usize) < vocab).then(|| entries.entry(t).or_insert(PenaltyEntry { token: t, repetition: 1.0, subtract: 0.0, bias: 0.0 }))
+    PenaltyHistory::new(prompt, output).entries(params, vocab)
+}
+
+/// What the penalties read of a sequence's tokens, kept as its output
+/// grows ([`PenaltyHistory::push`]): the distinct tokens of its prompt and
+/// the count of each output token. A step's entries
+/// ([`PenaltyHistory::entries`]) then read each distinct token once instead
+/// of the whole history (a 4,000-token prompt at 256 rows: a million map
+/// inserts a step otherwise).
+#[derive(Clone, Debug, Default)]
+pub struct PenaltyHistory {
+    /// Distinct prompt tokens, increasing.
+    prompt: Vec<TokenId>,
+    /// Output tokens and how often each occurs.
+    output: std::collections::BTreeMap<TokenId, u32>,
+}
+
+impl PenaltyHistory {
+    /// The history of `prompt` followed by `output`.
+    pub fn new(prompt: &[TokenId], output: &[TokenId]) -> Self {
+        let mut p = prompt.to_vec();
+        p.sort_unstable();
+        p.dedup();
+        let mut h = Self { prompt: p, output: Default::default() };
+        output.iter().for_each(|&t| h.push(t));
+        h
     }
-    if params.repetition_penalty != 1.0 {
-        for &t in prompt.iter().chain(output) {
-            if let Some(e) = entry(&mut entries, t, vocab) {
-                e.repetition = params.repetition_penalty;
+
+    /// One more output token.
+    pub fn push(&mut self, token: TokenId) {
+        *self.output.entry(token).or_default() += 1;
+    }
+
+    /// [`penalty_entries`] for the tokens so far.
+    pub fn entries(&self, params: &SamplingParams, vocab: usize) -> Option<Vec<PenaltyEntry>> {
+        use std::collections::BTreeMap;
+        let mut entries: BTreeMap<TokenId, PenaltyEntry> = BTreeMap::new();
+        fn entry(entries: &mut BTreeMap<TokenId, PenaltyEntry>, t: TokenId, vocab: usize) -> Option<&mut PenaltyEntry> {
+            ((t as usize) < vocab).then(|| entries.entry(t).or_insert(PenaltyEntry { token: t, repetition: 1.0, subtract: 0.0, bias: 0.0 }))
+        }
+        if params.repetition_penalty != 1.0 {
+            for &t in self.prompt.iter().chain(self.output.keys()) {
+                if let Some(e) = entry(&mut entries, t, vocab) {
+                    e.repetition = params.repetition_penalty;
+                }
             }
         }
-    }
-    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
-        let mut counts = std::collections::HashMap::<TokenId, u32>::new();
-        for &t in output {
-            *counts.entry(t).or_default() += 1;
-        }
-        for (t, c) in counts {
-            if let Some(e) = entry(&mut entries, t, vocab) {
-                e.subtract = params.frequency_penalty * c as f32 + params.presence_penalty;
+        if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+            for (&t, &c) in &self.output {
+                if let Some(e) = entry(&mut entries, t, vocab) {
+                    e.subtract = params.frequency_penalty * c as f32 + params.presence_penalty;
+                }
             }
         }
-    }
-    let mut biased = std::collections::HashSet::new();
-    for &(t, bias) in &params.logit_bias {
-        if !biased.insert(t) {
-            return None;
+        let mut biased = std::collections::HashSet::new();
+        for &(t, bias) in &params.logit_bias {
+            if !biased.insert(t) {
+                return None;
+            }
+            if let Some(e) = entry(&mut entries, t, vocab) {
+                e.bias = bias;
+            }
         }
-        if let Some(e) = entry(&mut entries, t, vocab) {
-            e.bias = bias;
-        }
+        Some(entries.into_values().collect())
     }
-    Some(entries.into_values().collect())
 }
 
 /// What a device sampler returns for `row` of a
@@ -497,6 +529,40 @@ fn argmax(v: &[f32]) -> TokenId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_penalty_history_kept_token_by_token_gives_the_entries_of_the_whole_history() {
+        let params = SamplingParams {
+            repetition_penalty: 1.2,
+            frequency_penalty: 0.3,
+            presence_penalty: 0.1,
+            logit_bias: vec![(7, 1.5), (40, -2.0)],
+            ..SamplingParams::greedy(1)
+        };
+        let mut rng = SeededRng::new(4);
+        let prompt: Vec<TokenId> = (0..50).map(|_| rng.below(30) as TokenId).collect();
+        let mut output = Vec::new();
+        let mut history = PenaltyHistory::new(&prompt, &[]);
+        for _ in 0..40 {
+            let t = rng.below(45) as TokenId;
+            output.push(t);
+            history.push(t);
+            let want = penalty_entries(&params, &prompt, &output, 42).expect("no duplicate bias");
+            assert_eq!(history.entries(&params, 42), Some(want.clone()));
+            // What the host applies, entry by entry.
+            let mut logits: Vec<f32> = (0..42).map(|i| i as f32 * 0.37 - 7.0).collect();
+            let mut by_entries = logits.clone();
+            apply_penalties(&mut logits, &params, &prompt, &output);
+            for e in &want {
+                let x = &mut by_entries[e.token as usize];
+                *x = if *x > 0.0 { *x / e.repetition } else { *x * e.repetition };
+                *x -= e.subtract;
+                *x += e.bias;
+            }
+            assert_eq!(logits, by_entries);
+        }
+        assert!(PenaltyHistory::default().entries(&SamplingParams { logit_bias: vec![(1, 1.0), (1, 2.0)], ..params }, 42).is_none());
+    }
 
     #[test]
     fn greedy_and_filters() {

@@ -11,6 +11,7 @@
 //! ```
 
 use crate::outputs::{beam_score, PromptLogprob, RequestOutput, SequenceDelta, SequenceOutput};
+use crate::sampler::PenaltyHistory;
 use crate::structured::Constraint;
 use std::time::Instant;
 use vellum_base::{IdMap, Pooler, RequestId, SamplingParams, SeededRng, SeqId, TokenId};
@@ -40,6 +41,9 @@ pub(crate) struct SeqView {
     /// not depend on which steps its siblings run in (preemption, the step
     /// budget, asynchronous scheduling). `None`: the request's generator.
     pub rng: Option<SeededRng>,
+    /// What its penalties read, for a request with penalties (device
+    /// sampling builds each step's entries from it).
+    pub penalties: Option<PenaltyHistory>,
 }
 
 /// The generator of output `index` of a parallel request seeded with
@@ -62,6 +66,9 @@ impl SeqView {
             c.commit(d.token);
         }
         self.tokens.push(d.token);
+        if let Some(h) = &mut self.penalties {
+            h.push(d.token);
+        }
         self.cumulative += d.logprob as f64;
         self.token_logprobs.push(d.logprob);
         self.logprobs.extend(d.top.clone());
@@ -151,6 +158,7 @@ impl Sequences {
         let mut stop_token_ids: Vec<TokenId> = if params.ignore_eos { Vec::new() } else { eos.to_vec() };
         stop_token_ids.extend(params.stop_token_ids.iter().copied());
         let num_prompt = prompt.len();
+        let penalties = crate::sampler::has_penalties(&params).then(|| PenaltyHistory::new(&prompt, &[]));
         let view = SeqView {
             index: 0,
             tokens: prompt,
@@ -163,6 +171,7 @@ impl Sequences {
             constraint,
             drafts: Vec::new(),
             rng: None,
+            penalties,
         };
         self.seqs.insert(seq, view);
         let pooler = params.pooling.map(|p| Pooler::new(p.pooling_type));

@@ -185,7 +185,11 @@ impl<E: ModelExecutor> EngineCore<E> {
                 return;
             }
             let entries = if has_penalties(p) {
-                match penalty_entries(p, seq.prompt(), seq.output(), usize::MAX) {
+                let built = match &seq.penalties {
+                    Some(history) => history.entries(p, usize::MAX),
+                    None => penalty_entries(p, seq.prompt(), seq.output(), usize::MAX),
+                };
+                match built {
                     Some(e) => e,
                     None => return,
                 }
