@@ -1075,6 +1075,8 @@ impl Kernels {
         // const float*); one block of SAMPLE_THREADS (128, sampling.cu's
         // default) per row; the buffers' sizes are checked above, and the
         // penalty ranges inside them are the caller's contract (`pack`'s).
+        // The kernel writes `logits`, passed by shared reference: cudarc
+        // records it as read, which orders nothing on this one stream.
         unsafe { b.launch(cfg((to_u32(rows, "rows")?, 1, 1), 128, 0)) }?;
         Ok(())
     }
@@ -1112,6 +1114,7 @@ impl Kernels {
         // SAFETY: unpenalize_rows(float*, int, const int*, const int*,
         // const int*, const float*); a block of 128 per row; sizes checked
         // above, the penalty ranges inside them by the caller's contract.
+        // It writes `logits` through a shared reference, as sample_rows does.
         unsafe { b.launch(cfg((to_u32(rows, "rows")?, 1, 1), 128, 0)) }?;
         Ok(())
     }

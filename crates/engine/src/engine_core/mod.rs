@@ -716,9 +716,11 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
             let core = &mut *self;
             let rows = &step.rows;
             let helper = scope.spawn(move || {
-                let started = Instant::now();
+                let mut ahead_s = 0.0;
                 let ahead = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let started = Instant::now();
                     let next = core.schedule_and_build();
+                    ahead_s = started.elapsed().as_secs_f64();
                     // This step's structured-output masks: its rows are known
                     // and the grammars have every earlier token.
                     let masks = (core.overlap_masks && sampling::has_constrained_rows(&core.views.seqs, rows)).then(|| {
@@ -729,7 +731,7 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
                     });
                     (next, masks)
                 }));
-                (ahead, started.elapsed().as_secs_f64())
+                (ahead, ahead_s)
             });
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| executor.execute(&step.batch)));
             let (ahead, ahead_s) = helper.join().unwrap_or_else(|panic| (Err(panic), 0.0));
@@ -737,8 +739,9 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
         });
         self.executor = Some(executor);
         let (next, masks) = ahead.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        // Step N+1's record sits behind step N's: kept even if step N's
-        // pass panicked, so that the records stay in order.
+        // Step N+1's record sits behind step N's. (A panic in either pass
+        // goes on from here and ends the engine, as a panicking step does
+        // synchronously: step N's record is not retired.)
         let retire_empty = next.is_none();
         self.pending = next;
         let result = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));

@@ -135,7 +135,7 @@ pub struct EngineFlags {
     /// a helper thread schedules and builds the next batch while the engine
     /// thread runs the forward pass; a token still being sampled is filled
     /// in just before that batch runs. Same outputs; it pays where the
-    /// device leaves the host idle (--device cuda), not on the CPU (8–15%
+    /// device leaves the host idle (--device cuda), not on the CPU (13–14%
     /// slower at 1–8 sequences there). Ignored with --speculative-config.
     #[arg(long)]
     pub async_scheduling: bool,
