@@ -10,21 +10,6 @@
 
 #![cfg(feature = "cuda")]
 
-/// xorshift64*: reproducible inputs without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
 /// Sampling on the device (`sampling.cu` through `CudaOps::sample_rows`)
 /// against the host's reference of the same contract
 /// (`vellum::engine::sampler::sample_row`, the host sampler's draw for the
@@ -74,17 +59,17 @@ fn sampling_on_the_device_draws_the_host_samplers_tokens() {
         PenaltyEntry { token: 5, repetition: 1.0, subtract: 0.0, bias: 2.5 },
         PenaltyEntry { token: 8, repetition: 1.3, subtract: 0.0, bias: -100.0 },
     ];
-    let mut rng = Rng(42);
+    let mut rng = vellum::core::SeededRng::new(42);
     for (vocab, rows) in [(1000usize, 200usize), (262_144, 256)] {
         let mut logits = Vec::with_capacity(rows * vocab);
         let mut sampling = Vec::with_capacity(rows);
         for r in 0..rows {
             let flat = r % 2 == 1;
             for i in 0..vocab {
-                let x = rng.f();
+                let x = rng.signed_f32();
                 logits.push(if flat { x * 0.5 } else { x * 4.0 + if i % 97 == 3 { 6.0 } else { 0.0 } });
             }
-            let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+            let u = rng.uniform();
             sampling.push(RowSampling { uniform: u, ..kinds[r % kinds.len()] });
         }
         // Rows with penalties are overwritten with their scores: each call

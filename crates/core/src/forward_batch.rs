@@ -141,6 +141,23 @@ pub struct PenaltyEntry {
     pub bias: f32,
 }
 
+impl PenaltyEntry {
+    /// Score `x` of the entry's token after its penalties, each operation
+    /// rounded on its own (as the device kernel does it).
+    pub fn apply(&self, mut x: f32) -> f32 {
+        if self.repetition != 1.0 {
+            x = if x > 0.0 { x / self.repetition } else { x * self.repetition };
+        }
+        if self.subtract != 0.0 {
+            x -= self.subtract;
+        }
+        if self.bias != 0.0 {
+            x += self.bias;
+        }
+        x
+    }
+}
+
 impl ForwardBatch {
     /// Number of sequences in the batch.
     pub fn num_seqs(&self) -> usize {

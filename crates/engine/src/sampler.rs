@@ -232,6 +232,21 @@ impl PenaltyHistory {
     }
 }
 
+/// The device-sampling row of a request sampled under `params`, drawing
+/// `uniform`, with its penalty entries at `penalties` (`start..end`).
+pub fn row_sampling(params: &SamplingParams, uniform: f64, penalties: (u32, u32)) -> RowSampling {
+    RowSampling {
+        temperature: params.temperature,
+        top_k: params.top_k.max(0) as u32,
+        top_p: params.top_p,
+        min_p: params.min_p,
+        uniform,
+        num_logprobs: params.logprobs.unwrap_or(0) as u32,
+        logprob: params.needs_sampled_logprobs(),
+        penalties,
+    }
+}
+
 /// What a device sampler returns for `row` of a
 /// [`ForwardBatch::sampling`](vellum_base::ForwardBatch::sampling) (its
 /// penalty entries given), computed here: the host's reference for that
@@ -246,15 +261,8 @@ pub fn sample_row(logits: &[f32], row: &RowSampling, entries: &[PenaltyEntry]) -
     } else {
         let mut l = logits.to_vec();
         for e in entries {
-            let Some(x) = l.get_mut(e.token as usize) else { continue };
-            if e.repetition != 1.0 {
-                *x = if *x > 0.0 { *x / e.repetition } else { *x * e.repetition };
-            }
-            if e.subtract != 0.0 {
-                *x -= e.subtract;
-            }
-            if e.bias != 0.0 {
-                *x += e.bias;
+            if let Some(x) = l.get_mut(e.token as usize) {
+                *x = e.apply(*x);
             }
         }
         penalized = l;
@@ -554,10 +562,7 @@ mod tests {
             let mut by_entries = logits.clone();
             apply_penalties(&mut logits, &params, &prompt, &output);
             for e in &want {
-                let x = &mut by_entries[e.token as usize];
-                *x = if *x > 0.0 { *x / e.repetition } else { *x * e.repetition };
-                *x -= e.subtract;
-                *x += e.bias;
+                by_entries[e.token as usize] = e.apply(by_entries[e.token as usize]);
             }
             assert_eq!(logits, by_entries);
         }

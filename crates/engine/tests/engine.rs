@@ -512,6 +512,29 @@ fn mixed_params(i: usize) -> SamplingParams {
     }
 }
 
+/// Adds 200 requests of `mixed_params`, arriving ten at a time between
+/// steps, and steps until every one finished (the scheduler's invariants
+/// checked after each step); the outputs in request order.
+fn run_two_hundred_mixed(e: &mut EngineCore<FakeModel>) -> Vec<RequestOutput> {
+    let mut outs = Vec::new();
+    for i in 0..200 {
+        let prompt: Vec<TokenId> = (0..(2 + (i * 13) % 40)).map(|t| ((t + i) % 31 + 1) as TokenId).collect();
+        let id = e.add_request(prompt, mixed_params(i)).expect("accepted");
+        assert_eq!(id.0 as usize, i, "ids in arrival order");
+        if i % 10 == 9 {
+            outs.extend(e.step().expect("step"));
+            e.scheduler().assert_invariants();
+        }
+    }
+    while e.has_unfinished_requests() {
+        outs.extend(e.step().expect("step"));
+        e.scheduler().assert_invariants();
+    }
+    outs.extend(e.take_finished());
+    outs.sort_by_key(|o| o.request_id);
+    outs
+}
+
 #[test]
 fn two_hundred_mixed_requests_under_memory_pressure_return_every_block() {
     for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
@@ -519,26 +542,10 @@ fn two_hundred_mixed_requests_under_memory_pressure_return_every_block() {
         // 60 blocks of 4 tokens: far fewer than the load wants, so requests
         // are preempted and resumed throughout.
         let mut e = EngineCore::new(FakeModel::new(21, 32), config, 60, 120, 4, vec![EOS]).expect("engine");
-        let mut expected = HashMap::new();
-        let mut outs = Vec::new();
-        for i in 0..200 {
-            let prompt: Vec<TokenId> = (0..(2 + (i * 13) % 40)).map(|t| ((t + i) % 31 + 1) as TokenId).collect();
-            let params = mixed_params(i);
-            let id = e.add_request(prompt, params.clone()).expect("accepted");
-            expected.insert(id, params);
-            if i % 10 == 9 {
-                outs.extend(e.step().expect("step"));
-                e.scheduler().assert_invariants();
-            }
-        }
-        while e.has_unfinished_requests() {
-            outs.extend(e.step().expect("step"));
-            e.scheduler().assert_invariants();
-        }
-        outs.extend(e.take_finished());
+        let outs = run_two_hundred_mixed(&mut e);
         assert_eq!(outs.len(), 200, "{mode:?}: every request finished");
         for o in &outs {
-            let p = &expected[&o.request_id];
+            let p = &mixed_params(o.request_id.0 as usize);
             assert_eq!(o.outputs.len(), p.n, "{mode:?}: n outputs");
             for s in &o.outputs {
                 assert!(!s.token_ids.is_empty() && s.token_ids.len() <= p.max_tokens.unwrap_or(0));
@@ -1148,21 +1155,7 @@ fn asynchronous_scheduling_gives_the_outputs_of_synchronous_steps() {
         let mut e = EngineCore::new(model, config, 60, 120, 4, vec![EOS]).expect("engine");
         e.set_async_scheduling(asynchronous);
         assert_eq!(e.async_scheduling(), asynchronous);
-        let mut outs = Vec::new();
-        for i in 0..200 {
-            let prompt: Vec<TokenId> = (0..(2 + (i * 13) % 40)).map(|t| ((t + i) % 31 + 1) as TokenId).collect();
-            e.add_request(prompt, mixed_params(i)).expect("accepted");
-            if i % 10 == 9 {
-                outs.extend(e.step().expect("step"));
-                e.scheduler().assert_invariants();
-            }
-        }
-        while e.has_unfinished_requests() {
-            outs.extend(e.step().expect("step"));
-            e.scheduler().assert_invariants();
-        }
-        outs.extend(e.take_finished());
-        outs.sort_by_key(|o| o.request_id);
+        let outs = run_two_hundred_mixed(&mut e);
         assert_eq!(e.scheduler().allocator().stats().num_used_blocks, 0, "{mode:?}: every block returned");
         assert_eq!(e.scheduler().num_steps_in_flight(), 0);
         (outs, e.counters())

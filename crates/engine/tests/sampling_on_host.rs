@@ -13,8 +13,9 @@
 #[path = "../../backend-cuda/tests/common/host_cxx.rs"]
 mod host_cxx;
 
+use vellum_backend_cuda::sampling::pack;
 use vellum_base::{PenaltyEntry, RowSampling, SamplingParams, SeededRng, TokenId};
-use vellum_engine::sampler::{penalty_entries, sample};
+use vellum_engine::sampler::{penalty_entries, row_sampling, sample};
 
 /// What the kernel needs from CUDA, for a host compiler; 16 threads a block.
 const SHIM: &str = r#"
@@ -183,16 +184,7 @@ fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_sk
                     let entries = penalty_entries(&p, &prompt, &output, vocab).expect("no duplicate bias");
                     let start = pens.len() as u32;
                     pens.extend(entries);
-                    rows.push(RowSampling {
-                        temperature: p.temperature,
-                        top_k: p.top_k.max(0) as u32,
-                        top_p: p.top_p,
-                        min_p: p.min_p,
-                        uniform,
-                        num_logprobs: k as u32,
-                        logprob: p.needs_sampled_logprobs(),
-                        penalties: (start, pens.len() as u32),
-                    });
+                    rows.push(row_sampling(&p, uniform, (start, pens.len() as u32)));
                     logits.extend(x);
                     want.push((s, kind, p.clone()));
                 }
@@ -213,29 +205,16 @@ fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_sk
             logits.extend(x);
             want.push((s, 99, p));
         }
-        let stride = rows.iter().map(|r| r.num_logprobs as usize).max().unwrap_or(0).max(1);
-        let fparams: Vec<f32> = rows.iter().flat_map(|r| [r.temperature, r.top_p, r.min_p, 0.0]).collect();
-        let iparams: Vec<i32> = rows
-            .iter()
-            .flat_map(|r| {
-                let top_k = if r.top_k as usize >= vocab { 0 } else { r.top_k as i32 };
-                [top_k, r.num_logprobs as i32, r.penalties.0 as i32, r.penalties.1 as i32, i32::from(r.logprob)]
-            })
-            .collect();
-        let uniform: Vec<f64> = rows.iter().map(|r| r.uniform).collect();
-        let mut pen_tokens: Vec<i32> = pens.iter().map(|e| e.token as i32).collect();
-        let mut pen_values: Vec<f32> = pens.iter().flat_map(|e| [e.repetition, e.subtract, e.bias]).collect();
-        if pen_tokens.is_empty() {
-            pen_tokens.push(0);
-            pen_values.extend([1.0, 0.0, 0.0]);
-        }
+        // The kernel's inputs as the CUDA backend packs them.
+        let packed = pack(&rows, &pens, vocab).expect("rows the kernel takes");
+        let stride = packed.top_stride;
         for (name, data) in [
             ("logits", bytes(&logits)),
-            ("fparams", bytes(&fparams)),
-            ("iparams", bytes(&iparams)),
-            ("uniform", bytes(&uniform)),
-            ("pen_tokens", bytes(&pen_tokens)),
-            ("pen_values", bytes(&pen_values)),
+            ("fparams", bytes(&packed.fparams)),
+            ("iparams", bytes(&packed.iparams)),
+            ("uniform", bytes(&packed.uniform)),
+            ("pen_tokens", bytes(&packed.pen_tokens)),
+            ("pen_values", bytes(&packed.pen_values)),
         ] {
             std::fs::write(dir.join(name), data).expect("write input");
         }

@@ -5,9 +5,10 @@
 //! lengths, and the rows whose logits come back.
 
 use super::EngineCore;
-use crate::sampler::{has_penalties, penalty_entries};
+use crate::sampler::row_sampling;
 use std::time::Instant;
 use vellum_base::{BlockAllocator, ForwardBatch, IdMap, ModelExecutor, RequestId, RowSampling, SeededRng, SeqId};
+use vellum_scheduler::SchedulerOutput;
 
 /// Entries of a batch's `token_ids` scheduled before their token was
 /// sampled (asynchronous scheduling): (index, sequence, position).
@@ -16,7 +17,6 @@ pub(super) type Placeholders = Vec<(usize, SeqId, usize)>;
 /// Most top logprobs a row may ask for and still be sampled on the device
 /// (the OpenAI API's limit).
 pub(super) const MAX_DEVICE_TOP_LOGPROBS: usize = 20;
-use vellum_scheduler::SchedulerOutput;
 
 /// What a row of the executor's logits is for.
 #[derive(Clone, Copy)]
@@ -184,17 +184,11 @@ impl<E: ModelExecutor> EngineCore<E> {
             {
                 return;
             }
-            let entries = if has_penalties(p) {
-                let built = match &seq.penalties {
-                    Some(history) => history.entries(p, usize::MAX),
-                    None => penalty_entries(p, seq.prompt(), seq.output(), usize::MAX),
-                };
-                match built {
-                    Some(e) => e,
-                    None => return,
-                }
-            } else {
-                Vec::new()
+            // A request with penalties keeps their history (`SeqView::penalties`).
+            let entries = match seq.penalties.as_ref().map(|history| history.entries(p, usize::MAX)) {
+                None => Vec::new(),
+                Some(Some(e)) => e,
+                Some(None) => return, // a bias given twice
             };
             // A forked parallel sequence's own generator, else its request's.
             let uniform = match (&seq.rng, p.temperature > 0.0) {
@@ -204,16 +198,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             };
             let start = penalties.len() as u32;
             penalties.extend(entries);
-            sampling.push(RowSampling {
-                temperature: p.temperature,
-                top_k: p.top_k.max(0) as u32,
-                top_p: p.top_p,
-                min_p: p.min_p,
-                uniform,
-                num_logprobs: k as u32,
-                logprob: p.needs_sampled_logprobs(),
-                penalties: (start, penalties.len() as u32),
-            });
+            sampling.push(row_sampling(p, uniform, (start, penalties.len() as u32)));
         }
         b.sampling = sampling;
         b.penalties = penalties;
