@@ -7,11 +7,13 @@
 // offset s % block_size) starts at element s · row.
 
 // One thread block per token: the token's K and V rows (f32, as the model
-// produced them) go to slot `slot_mapping[t]`, converted to the cache's
-// element type. A negative slot (a padding token) writes nothing.
+// produced them) go to slot `slot_mapping[t]`, multiplied by the inverse of
+// the layer's scales (k_inv, v_inv: 1 but for FP8) and converted to the
+// cache's element type. A negative slot (a padding token) writes nothing.
 template <typename T>
 __device__ void reshape_and_cache(const float *__restrict__ key, const float *__restrict__ value, T *__restrict__ k_cache,
-                                  T *__restrict__ v_cache, const long long *__restrict__ slot_mapping, int row) {
+                                  T *__restrict__ v_cache, const long long *__restrict__ slot_mapping, int row, float k_inv,
+                                  float v_inv) {
     const int t = blockIdx.x;
     const long long slot = slot_mapping[t];
     if (slot < 0) return;
@@ -20,13 +22,14 @@ __device__ void reshape_and_cache(const float *__restrict__ key, const float *__
     T *kd = k_cache + slot * row;
     T *vd = v_cache + slot * row;
     for (int i = threadIdx.x; i < row; i += blockDim.x) {
-        kd[i] = from_float<T>(k[i]);
-        vd[i] = from_float<T>(v[i]);
+        kd[i] = from_float<T>(k[i] * k_inv);
+        vd[i] = from_float<T>(v[i] * v_inv);
     }
 }
-VELLUM_FOR_EACH_DTYPE(reshape_and_cache,
-                      (const float *key, const float *value, void *k_cache, void *v_cache, const long long *slot_mapping, int row),
-                      (key, value, (T *)k_cache, (T *)v_cache, slot_mapping, row))
+VELLUM_FOR_EACH_KV_DTYPE(reshape_and_cache,
+                         (const float *key, const float *value, void *k_cache, void *v_cache, const long long *slot_mapping,
+                          int row, float k_inv, float v_inv),
+                         (key, value, (T *)k_cache, (T *)v_cache, slot_mapping, row, k_inv, v_inv))
 
 // Batched block copies: pair p copies block pairs[2p] to block pairs[2p+1]
 // in both pools. Grid: (num_pairs, chunks); each thread block copies a

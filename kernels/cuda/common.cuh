@@ -4,8 +4,8 @@
 // `unsigned short` and converted with PTX instructions.
 //
 // Element types of a KV cache or a table (the `_f32`, `_f16`, `_bf16`
-// entry-point suffixes): `float`, `f16` (IEEE binary16), `bf16` (bfloat16).
-// Arithmetic is always f32.
+// entry-point suffixes): `float`, `f16` (IEEE binary16), `bf16` (bfloat16);
+// a KV cache also `fp8e4m3` (`_fp8`, OCP FP8 E4M3). Arithmetic is always f32.
 
 // Distinct storage types, so that overloads pick the right conversion.
 struct bf16 {
@@ -42,7 +42,56 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
     return b;
 }
 
-// Four consecutive elements as one load (16 bytes of f32, 8 of f16/bf16).
+// FP8 E4M3 (vellum_base::fp8): sign, 4 exponent bits (bias 7), 3 mantissa
+// bits; finite to ±448, NaN at 0x7f/0xff, no infinities. A code's seven
+// low bits moved to bits 13..7 of a binary16 (its sign to bit 15) give the
+// code's value divided by 2^8, subnormals included: to_float(fp8e4m3)
+// returns that, and the host folds the 2^8 into the layer's scales. The
+// conversions are plain integer arithmetic (no sm_89 instruction), so
+// sm_80 runs them too and the host test (fp8_on_host.rs) builds this very
+// section. FP8 (begin)
+struct fp8e4m3 {
+    unsigned char bits;
+};
+
+// The binary16 bits of the code's value / 2^8.
+__device__ __forceinline__ unsigned short fp8_f16_bits(unsigned int c) {
+    return (unsigned short)(((c & 0x80u) << 8) | ((c & 0x7fu) << 7));
+}
+
+// The code nearest x (ties to even); |x| >= 448 and infinities saturate
+// to ±448, NaN stays NaN.
+__device__ __forceinline__ unsigned char fp8_from_float(float x) {
+    const unsigned int u = __float_as_uint(x);
+    const unsigned int sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (unsigned char)(sign | 0x7fu);  // NaN
+    if (a >= 0x43e00000u) return (unsigned char)(sign | 0x7eu);  // 448 and beyond
+    if (a < 0x3c800000u) {
+        // Below 2^-6: a multiple of 2^-9 (scaling by 2^9 is exact); 8 is
+        // the smallest normal, code 0x08, by the same arithmetic.
+        return (unsigned char)(sign | (unsigned int)__float2int_rn(__uint_as_float(a) * 512.f));
+    }
+    const unsigned int e = (a >> 23) - 120u;  // f32 bias 127, E4M3 bias 7
+    const unsigned int m = a & 0x7fffffu, q = m >> 20, rest = m & 0xfffffu;
+    const unsigned int up = (rest > 0x80000u || (rest == 0x80000u && (q & 1u))) ? 1u : 0u;
+    const unsigned int code = (e << 3) + q + up;  // a carry moves to the next exponent
+    return (unsigned char)(sign | (code < 0x7eu ? code : 0x7eu));
+}
+// FP8 (end)
+
+__device__ __forceinline__ float to_float(fp8e4m3 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(fp8_f16_bits(x.bits)));
+    return f;
+}
+template <> __device__ __forceinline__ fp8e4m3 from_float<fp8e4m3>(float x) {
+    fp8e4m3 c;
+    c.bits = fp8_from_float(x);
+    return c;
+}
+
+// Four consecutive elements as one load (16 bytes of f32, 8 of f16/bf16,
+// 4 of FP8).
 struct vec4f {
     float x, y, z, w;
 };
@@ -74,6 +123,16 @@ template <typename T> __device__ __forceinline__ vec4f load4_16(const T *p) {
 }
 __device__ __forceinline__ vec4f load4(const f16 *p) { return load4_16(p); }
 __device__ __forceinline__ vec4f load4(const bf16 *p) { return load4_16(p); }
+__device__ __forceinline__ vec4f load4(const fp8e4m3 *p) {
+    const unsigned int v = *reinterpret_cast<const unsigned int *>(p);
+    fp8e4m3 a, b, c, d;
+    a.bits = (unsigned char)(v & 0xffu);
+    b.bits = (unsigned char)((v >> 8) & 0xffu);
+    c.bits = (unsigned char)((v >> 16) & 0xffu);
+    d.bits = (unsigned char)(v >> 24);
+    vec4f r = {to_float(a), to_float(b), to_float(c), to_float(d)};
+    return r;
+}
 
 __device__ __forceinline__ float dot4(vec4f a, vec4f b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 
@@ -122,6 +181,15 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     }                                                                                                              \
     extern "C" __global__ void NAME##_bf16 PARAMS {                                                                \
         typedef bf16 T;                                                                                            \
+        NAME<T> ARGS;                                                                                              \
+    }
+
+// VELLUM_FOR_EACH_DTYPE and `NAME_fp8` (FP8 E4M3): the kernels of a KV
+// cache.
+#define VELLUM_FOR_EACH_KV_DTYPE(NAME, PARAMS, ARGS)                                                                  \
+    VELLUM_FOR_EACH_DTYPE(NAME, PARAMS, ARGS)                                                                      \
+    extern "C" __global__ void NAME##_fp8 PARAMS {                                                                 \
+        typedef fp8e4m3 T;                                                                                         \
         NAME<T> ARGS;                                                                                              \
     }
 

@@ -35,6 +35,10 @@
 //
 // Cache layout: [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM] (cache.cu).
 //
+// Scales: `scale` multiplies q·k as stored (the host folds a layer's key
+// scale into it, with the 2^8 of an FP8 code's widening, common.cuh);
+// `v_scale` multiplies the outputs (1 but for FP8).
+//
 // CONTIGUOUS_KV (defined only by the bandwidth benchmark's baseline): the
 // same kernel without the block table; sequence s's block b is physical block
 // s · max_blocks_per_seq + b, the layout of a contiguous per-sequence cache
@@ -248,7 +252,7 @@ __device__ void paged_attention_v1(float *__restrict__ out, const float *__restr
                                    const T *__restrict__ v_cache, const int *__restrict__ block_tables, int max_blocks_per_seq,
                                    const int *__restrict__ token_seq, const int *__restrict__ query_start_loc,
                                    const int *__restrict__ context_lens, int num_heads, int num_kv_heads, float scale, float softcap,
-                                   int window) {
+                                   int window, float v_scale) {
     extern __shared__ float logits[];  // QUERIES · max_context
     __shared__ float o_s[QUERIES * HEAD_DIM];
     __shared__ float stats[2 * QUERIES];
@@ -257,14 +261,14 @@ __device__ void paged_attention_v1(float *__restrict__ out, const float *__restr
               (long long)qr.seq * max_blocks_per_seq, num_heads, num_kv_heads, scale, softcap, qr.first, qr.n_ctx, logits, o_s,
               &stats[0], &stats[QUERIES]);
     float *o = out + ((long long)blockIdx.y * num_heads + blockIdx.x * QUERIES) * HEAD_DIM;
-    for (int i = threadIdx.x; i < QUERIES * HEAD_DIM; i += NUM_THREADS) o[i] = o_s[i] / stats[QUERIES + i / HEAD_DIM];
+    for (int i = threadIdx.x; i < QUERIES * HEAD_DIM; i += NUM_THREADS) o[i] = o_s[i] / stats[QUERIES + i / HEAD_DIM] * v_scale;
 }
-VELLUM_FOR_EACH_DTYPE(paged_attention_v1,
-                      (float *out, const float *q, const void *k_cache, const void *v_cache, const int *block_tables,
-                       int max_blocks_per_seq, const int *token_seq, const int *query_start_loc, const int *context_lens,
-                       int num_heads, int num_kv_heads, float scale, float softcap, int window),
-                      (out, q, (const T *)k_cache, (const T *)v_cache, block_tables, max_blocks_per_seq, token_seq,
-                       query_start_loc, context_lens, num_heads, num_kv_heads, scale, softcap, window))
+VELLUM_FOR_EACH_KV_DTYPE(paged_attention_v1,
+                         (float *out, const float *q, const void *k_cache, const void *v_cache, const int *block_tables,
+                          int max_blocks_per_seq, const int *token_seq, const int *query_start_loc, const int *context_lens,
+                          int num_heads, int num_kv_heads, float scale, float softcap, int window, float v_scale),
+                         (out, q, (const T *)k_cache, (const T *)v_cache, block_tables, max_blocks_per_seq, token_seq,
+                          query_start_loc, context_lens, num_heads, num_kv_heads, scale, softcap, window, v_scale))
 
 // Partition blockIdx.z of query token blockIdx.y: positions first + z·P ..
 // first + (z+1)·P - 1 of its window. tmp_out [tokens, heads, max_parts,
@@ -275,7 +279,7 @@ __device__ void paged_attention_v2(float *__restrict__ tmp_out, float *__restric
                                    const float *__restrict__ q, const T *__restrict__ k_cache, const T *__restrict__ v_cache,
                                    const int *__restrict__ block_tables, int max_blocks_per_seq, const int *__restrict__ token_seq,
                                    const int *__restrict__ query_start_loc, const int *__restrict__ context_lens, int num_heads,
-                                   int num_kv_heads, float scale, float softcap, int window) {
+                                   int num_kv_heads, float scale, float softcap, int window, float v_scale) {
     __shared__ float logits[QUERIES * PARTITION_SIZE];
     __shared__ float o_s[QUERIES * HEAD_DIM];
     __shared__ float stats[2 * QUERIES];
@@ -288,7 +292,7 @@ __device__ void paged_attention_v2(float *__restrict__ tmp_out, float *__restric
               &stats[0], &stats[QUERIES]);
     for (int g = 0; g < QUERIES; g++) {
         const long long slot = ((long long)blockIdx.y * num_heads + blockIdx.x * QUERIES + g) * gridDim.z + blockIdx.z;
-        const float inv = 1.f / stats[QUERIES + g];
+        const float inv = v_scale / stats[QUERIES + g];
         for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) tmp_out[slot * HEAD_DIM + d] = o_s[g * HEAD_DIM + d] * inv;
         if (threadIdx.x == 0) {
             max_logits[slot] = stats[g];
@@ -296,14 +300,14 @@ __device__ void paged_attention_v2(float *__restrict__ tmp_out, float *__restric
         }
     }
 }
-VELLUM_FOR_EACH_DTYPE(paged_attention_v2,
-                      (float *tmp_out, float *max_logits, float *exp_sums, const float *q, const void *k_cache,
-                       const void *v_cache, const int *block_tables, int max_blocks_per_seq, const int *token_seq,
-                       const int *query_start_loc, const int *context_lens, int num_heads, int num_kv_heads, float scale,
-                       float softcap, int window),
-                      (tmp_out, max_logits, exp_sums, q, (const T *)k_cache, (const T *)v_cache, block_tables,
-                       max_blocks_per_seq, token_seq, query_start_loc, context_lens, num_heads, num_kv_heads, scale, softcap,
-                       window))
+VELLUM_FOR_EACH_KV_DTYPE(paged_attention_v2,
+                         (float *tmp_out, float *max_logits, float *exp_sums, const float *q, const void *k_cache,
+                          const void *v_cache, const int *block_tables, int max_blocks_per_seq, const int *token_seq,
+                          const int *query_start_loc, const int *context_lens, int num_heads, int num_kv_heads, float scale,
+                          float softcap, int window, float v_scale),
+                         (tmp_out, max_logits, exp_sums, q, (const T *)k_cache, (const T *)v_cache, block_tables,
+                          max_blocks_per_seq, token_seq, query_start_loc, context_lens, num_heads, num_kv_heads, scale,
+                          softcap, window, v_scale))
 
 // Combines the partitions of v2: out = Σ_p w_p · tmp_p / Σ_p w_p with
 // w_p = exp_sum_p · exp(max_p - max). Grid (num_heads, num_tokens);

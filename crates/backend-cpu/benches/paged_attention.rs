@@ -17,7 +17,7 @@ use std::time::Duration;
 use vellum_backend_cpu::kv_cache::{KvCacheLayout, LayerKvCache};
 use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention, write_kv};
 use vellum_base::SeededRng as Rng;
-use vellum_base::{AttentionMetadata, AttentionShape, KvCacheDtype};
+use vellum_base::{AttentionMetadata, AttentionShape, KvCacheDtype, KvScale};
 
 /// (query heads, kv heads, head_dim).
 type Heads = (usize, usize, usize);
@@ -63,7 +63,7 @@ impl DecodeCase {
             let vs: Vec<f32> = (0..ctx * row).map(|_| rng.signed_f32()).collect();
             let table = &block_tables[s * stride..(s + 1) * stride];
             let slots: Vec<u32> = (0..ctx).map(|p| table[p / BLOCK_SIZE] * BLOCK_SIZE as u32 + (p % BLOCK_SIZE) as u32).collect();
-            write_kv(&mut cache, &layout, &ks, &vs, &slots);
+            write_kv(&mut cache, &layout, &ks, &vs, &slots, KvScale::ONE);
             k.push(ks);
             v.push(vs);
         }
@@ -93,7 +93,7 @@ impl DecodeCase {
         };
         let (num_heads, num_kv_heads, head_dim) = self.heads;
         let attn = AttentionShape { scale: 0.125, ..AttentionShape::new(num_heads, num_kv_heads, head_dim) };
-        paged_attention(out, &self.q, &self.cache, &self.layout, &meta, &attn);
+        paged_attention(out, &self.q, &self.cache, &self.layout, &meta, &attn, KvScale::ONE);
     }
 
     fn contiguous(&self, out: &mut [f32], k: &[&[f32]], v: &[&[f32]]) {
@@ -124,7 +124,7 @@ fn decode(c: &mut Criterion) {
     }
     // Half-precision caches: a batched decode and a single long decode.
     for (ctx, batch) in [(1024usize, 64usize), (4096, 1)] {
-        for (name, dtype) in [("paged_f16", KvCacheDtype::F16), ("paged_bf16", KvCacheDtype::Bf16)] {
+        for (name, dtype) in [("paged_f16", KvCacheDtype::F16), ("paged_bf16", KvCacheDtype::Bf16), ("paged_fp8", KvCacheDtype::Fp8E4m3)] {
             let case = DecodeCase::new(ctx, batch, dtype, SMOLLM2);
             group.throughput(Throughput::Bytes((2 * batch * ctx * SMOLLM2.1 * SMOLLM2.2 * dtype.size_bytes()) as u64));
             let mut out = vec![0.0f32; case.q.len()];
@@ -135,7 +135,7 @@ fn decode(c: &mut Criterion) {
     }
     // Gemma 3 270M: a query group of 4 on one kv head of 256.
     for (ctx, batch) in [(192usize, 64usize), (1024, 64), (4096, 1)] {
-        for (name, dtype) in [("gemma3_f32", KvCacheDtype::F32), ("gemma3_f16", KvCacheDtype::F16)] {
+        for (name, dtype) in [("gemma3_f32", KvCacheDtype::F32), ("gemma3_f16", KvCacheDtype::F16), ("gemma3_fp8", KvCacheDtype::Fp8E4m3)] {
             let case = DecodeCase::new(ctx, batch, dtype, GEMMA3);
             group.throughput(Throughput::Bytes((2 * batch * ctx * GEMMA3.1 * GEMMA3.2 * dtype.size_bytes()) as u64));
             let mut out = vec![0.0f32; case.q.len()];

@@ -12,7 +12,7 @@ use crate::quant::{self, ActBits, WeightFormat};
 use crate::tensor_parallel::HostGroup;
 use vellum_base::{
     AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype,
-    KvCacheSpec, KvMemory, Sizes, StepBounds,
+    KvCacheSpec, KvMemory, KvScale, Sizes, StepBounds,
 };
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
@@ -113,6 +113,10 @@ pub struct CpuOps {
     /// Set during a calibration pass: int8 linears record their inputs'
     /// statistics ([`crate::outliers`]).
     calibrating: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The largest |key| and |value| each layer wrote during calibration
+    /// passes (shared by the ranks of a tensor-parallel group, so that their
+    /// shards get the scales of the whole layer): an FP8 cache's scales.
+    kv_absmax: std::sync::Arc<std::sync::Mutex<Vec<(f32, f32)>>>,
     /// The tensor-parallel group this instance is a rank of, and its rank
     /// (`None`: a group of one).
     group: Option<(std::sync::Arc<HostGroup>, usize)>,
@@ -123,7 +127,7 @@ impl CpuOps {
     /// quantized weights by int8 activations ([`ActBits::I8`]).
     pub fn new(weight_format: WeightFormat) -> Self {
         keep_freed_memory();
-        Self { weight_format, activations: ActBits::I8, calibrating: Default::default(), group: None }
+        Self { weight_format, activations: ActBits::I8, calibrating: Default::default(), kv_absmax: Default::default(), group: None }
     }
 
     /// `size` instances of these operations, rank 0 first, whose
@@ -329,8 +333,12 @@ impl HostIo for CpuOps {
 
     fn read_kv(&self, cache: &KvCache, layer: usize, value: bool) -> OpResult<Vec<f32>> {
         let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("read_kv: no layer {layer}")))?;
-        let pools = &cache.layers[at.slot];
-        Ok(if value { pools.v.to_f32_vec() } else { pools.k.to_f32_vec() })
+        let (pools, scale) = (&cache.layers[at.slot], cache.scale(layer));
+        let (mut x, s) = if value { (pools.v.to_f32_vec(), scale.v) } else { (pools.k.to_f32_vec(), scale.k) };
+        if s != 1.0 {
+            x.iter_mut().for_each(|x| *x *= s);
+        }
+        Ok(x)
     }
 }
 
@@ -649,7 +657,7 @@ impl AttentionBackend for CpuOps {
         Capabilities {
             head_dims: Sizes::ANY,
             block_sizes: Sizes::ANY,
-            kv_dtypes: &[KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16],
+            kv_dtypes: &[KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3],
             kv_groups: true,
         }
     }
@@ -660,9 +668,10 @@ impl AttentionBackend for CpuOps {
 
     fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_base::Result<KvCache> {
         let layout = KvCacheLayout { num_blocks, block_size: spec.block_size, num_kv_heads: spec.num_kv_heads, head_dim: spec.head_dim };
-        KvCache::try_grouped(layout, spec.groups.clone(), num_host_blocks, spec.dtype).map_err(|e| {
+        let cache = KvCache::try_grouped(layout, spec.groups.clone(), num_host_blocks, spec.dtype).map_err(|e| {
             Error::Backend(format!("the KV cache ({num_blocks} blocks, {num_host_blocks} host blocks, {:?}): {e}", spec.dtype))
-        })
+        })?;
+        Ok(if spec.dtype.is_scaled() { cache.with_scales(&self.kv_scales()) } else { cache })
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<HostStep> {
@@ -684,7 +693,11 @@ impl AttentionBackend for CpuOps {
         let layout = cache.layout;
         let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("write_kv: no layer {layer}")))?;
         check_group(at.group, step)?;
-        write_kv(&mut cache.layers[at.slot], &layout, &k.data, &v.data, step.meta(at.group).slot_mapping);
+        if self.calibrating.load(std::sync::atomic::Ordering::Relaxed) {
+            self.observe_kv(layer, &k.data, &v.data);
+        }
+        let scale = cache.scale(layer);
+        write_kv(&mut cache.layers[at.slot], &layout, &k.data, &v.data, step.meta(at.group).slot_mapping, scale);
         Ok(())
     }
 
@@ -707,7 +720,7 @@ impl AttentionBackend for CpuOps {
         }
         // Every row is written: each work item zeroes its run first.
         let mut out = HostTensor::for_overwrite(q.rows, shape.num_heads * shape.head_dim);
-        paged_attention(&mut out.data, &q.data, &cache.layers[at.slot], &cache.layout, &step.meta(at.group), shape);
+        paged_attention(&mut out.data, &q.data, &cache.layers[at.slot], &cache.layout, &step.meta(at.group), shape, cache.scale(layer));
         Ok(out)
     }
 
@@ -721,6 +734,27 @@ impl AttentionBackend for CpuOps {
         StepBounds::check_swaps(swaps, cache.layout.num_blocks, cache.num_host_blocks)?;
         cache.swap_blocks(swaps, to_host);
         Ok(())
+    }
+}
+
+impl CpuOps {
+    /// Keeps `layer`'s largest |key| and |value| (a calibration pass).
+    fn observe_kv(&self, layer: usize, k: &[f32], v: &[f32]) {
+        let absmax = |x: &[f32]| x.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
+        let (km, vm) = (absmax(k), absmax(v));
+        let mut seen = self.kv_absmax.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.len() <= layer {
+            seen.resize(layer + 1, (0.0, 0.0));
+        }
+        seen[layer] = (seen[layer].0.max(km), seen[layer].1.max(vm));
+    }
+
+    /// The scales of an FP8 cache: from what the calibration passes saw of
+    /// each layer ([`KvScale::from_absmax`]), 1 for a layer they did not
+    /// see (no calibration: vLLM's default without scales).
+    pub fn kv_scales(&self) -> Vec<KvScale> {
+        let seen = self.kv_absmax.lock().unwrap_or_else(|e| e.into_inner());
+        seen.iter().map(|&(k, v)| KvScale::from_absmax(k, v)).collect()
     }
 }
 

@@ -2,7 +2,7 @@
 //! plus a host swap pool with the same per-block layout.
 //!
 //! Every pool is one row-major tensor of the cache's [`KvCacheDtype`]
-//! (`f32`, `f16` or `bf16`; see [`KvPool`]):
+//! (`f32`, `f16`, `bf16` or FP8 E4M3; see [`KvPool`]):
 //!
 //! ```text
 //! K (and V) of one layer:  [num_blocks, block_size, num_kv_heads, head_dim]
@@ -23,13 +23,15 @@
 //! swapping are plain slice copies, two per layer (K and V), whatever the
 //! dtype. Only [`crate::paged_attention::write_kv`] (rounding `f32` to the
 //! storage type) and the attention kernel (widening back to `f32`, tile by
-//! tile) look inside the elements.
+//! tile) look inside the elements. An FP8 pool stores each layer's values
+//! divided by the layer's [`KvScale`] ([`KvCache::scales`]); swaps and
+//! copies move the codes as they are, since a layer keeps its scale.
 
 use std::ops::Range;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use vellum_base::{BlockCopy, BlockSwap, KvCacheDtype, KvCacheGroups, KvLayerSlot};
+use vellum_base::{BlockCopy, BlockSwap, KvCacheDtype, KvCacheGroups, KvLayerSlot, KvScale};
 
 /// Shape of the paged KV cache of one layer: K and V each
 /// `[num_blocks, block_size, num_kv_heads, head_dim]`, row-major (elements of
@@ -69,8 +71,9 @@ impl KvCacheLayout {
 }
 
 /// One pool's elements in the cache's storage type ([`KvCacheDtype`]):
-/// `f32` (exact), or `f16`/`bf16` (half the memory; values are rounded to
-/// nearest-even when written and widened to `f32` when read).
+/// `f32` (exact), `f16`/`bf16` (half the memory; values are rounded to
+/// nearest-even when written and widened to `f32` when read), or FP8 E4M3
+/// (a quarter; values divided by the layer's scale, then rounded).
 #[derive(Clone, Debug, PartialEq)]
 pub enum KvPool {
     /// 4 bytes per element.
@@ -79,6 +82,25 @@ pub enum KvPool {
     F16(PoolBuf<f16>),
     /// 2 bytes per element: 7-bit mantissa, the range of `f32`.
     Bf16(PoolBuf<bf16>),
+    /// 1 byte per element: 3-bit mantissa, ±448 ([`vellum_base::fp8`]).
+    Fp8E4m3(PoolBuf<Fp8E4m3>),
+}
+
+/// One FP8 E4M3 code ([`vellum_base::fp8`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Fp8E4m3(pub u8);
+
+impl Fp8E4m3 {
+    /// The code nearest `x` (ties to even, saturating at ±448).
+    pub fn from_f32(x: f32) -> Self {
+        Self(vellum_base::fp8::from_f32(x))
+    }
+
+    /// The code's value.
+    pub fn to_f32(self) -> f32 {
+        vellum_base::fp8::to_f32(self.0)
+    }
 }
 
 mod sealed {
@@ -86,14 +108,16 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for super::Fp8E4m3 {}
 }
 
 /// An element a [`PoolBuf`] holds: a plain value type every bit pattern of
-/// which is a value, all-zero bits being +0.0 (`f32`, `f16`, `bf16`).
+/// which is a value, all-zero bits being +0.0 (`f32`, `f16`, `bf16`, FP8).
 pub trait PoolElem: Copy + PartialEq + std::fmt::Debug + Send + Sync + sealed::Sealed + 'static {}
 impl PoolElem for f32 {}
 impl PoolElem for f16 {}
 impl PoolElem for bf16 {}
+impl PoolElem for Fp8E4m3 {}
 
 /// `len` elements in an anonymous memory map of their own, zeros until
 /// written: the OS maps a page when a block in it is first written, so a
@@ -176,6 +200,7 @@ impl KvPool {
             KvCacheDtype::F32 => KvPool::F32(PoolBuf::zeroed(n)?),
             KvCacheDtype::F16 => KvPool::F16(PoolBuf::zeroed(n)?),
             KvCacheDtype::Bf16 => KvPool::Bf16(PoolBuf::zeroed(n)?),
+            KvCacheDtype::Fp8E4m3 => KvPool::Fp8E4m3(PoolBuf::zeroed(n)?),
         })
     }
 
@@ -193,6 +218,7 @@ impl KvPool {
             KvPool::F32(_) => KvCacheDtype::F32,
             KvPool::F16(_) => KvCacheDtype::F16,
             KvPool::Bf16(_) => KvCacheDtype::Bf16,
+            KvPool::Fp8E4m3(_) => KvCacheDtype::Fp8E4m3,
         }
     }
 
@@ -202,6 +228,7 @@ impl KvPool {
             KvPool::F32(x) => x.len(),
             KvPool::F16(x) => x.len(),
             KvPool::Bf16(x) => x.len(),
+            KvPool::Fp8E4m3(x) => x.len(),
         }
     }
 
@@ -211,23 +238,37 @@ impl KvPool {
     }
 
     /// Stores `src` at elements `offset..offset + src.len()`, rounding to
-    /// nearest (ties to even) for `f16`/`bf16`.
+    /// nearest (ties to even) for `f16`/`bf16`/FP8 (FP8 saturating at ±448).
     pub fn write_f32(&mut self, offset: usize, src: &[f32]) {
         let range = offset..offset + src.len();
         match self {
             KvPool::F32(x) => x[range].copy_from_slice(src),
             KvPool::F16(x) => x[range].convert_from_f32_slice(src),
             KvPool::Bf16(x) => x[range].convert_from_f32_slice(src),
+            KvPool::Fp8E4m3(x) => x[range].iter_mut().zip(src).for_each(|(d, &s)| *d = Fp8E4m3::from_f32(s)),
         }
     }
 
-    /// Reads elements `offset..offset + dst.len()` into `dst` as `f32`.
+    /// [`KvPool::write_f32`] of `src · inv_scale` (a value stored divided by
+    /// its layer's scale, multiplied by the scale's inverse as every backend
+    /// does, so that they round the same products).
+    pub fn write_scaled(&mut self, offset: usize, src: &[f32], inv_scale: f32) {
+        if inv_scale == 1.0 {
+            return self.write_f32(offset, src);
+        }
+        let scaled: Vec<f32> = src.iter().map(|&x| x * inv_scale).collect();
+        self.write_f32(offset, &scaled);
+    }
+
+    /// Reads elements `offset..offset + dst.len()` into `dst` as `f32` (as
+    /// stored: an FP8 code's value, not yet multiplied by its scale).
     pub fn read_f32(&self, offset: usize, dst: &mut [f32]) {
         let range = offset..offset + dst.len();
         match self {
             KvPool::F32(x) => dst.copy_from_slice(&x[range]),
             KvPool::F16(x) => x[range].convert_to_f32_slice(dst),
             KvPool::Bf16(x) => x[range].convert_to_f32_slice(dst),
+            KvPool::Fp8E4m3(x) => dst.iter_mut().zip(&x[range]).for_each(|(d, s)| *d = s.to_f32()),
         }
     }
 
@@ -244,6 +285,7 @@ impl KvPool {
             KvPool::F32(x) => x.copy_within(src, dst),
             KvPool::F16(x) => x.copy_within(src, dst),
             KvPool::Bf16(x) => x.copy_within(src, dst),
+            KvPool::Fp8E4m3(x) => x.copy_within(src, dst),
         }
     }
 
@@ -254,6 +296,7 @@ impl KvPool {
             (KvPool::F32(x), KvPool::F32(y)) => x[to].copy_from_slice(&y[src]),
             (KvPool::F16(x), KvPool::F16(y)) => x[to].copy_from_slice(&y[src]),
             (KvPool::Bf16(x), KvPool::Bf16(y)) => x[to].copy_from_slice(&y[src]),
+            (KvPool::Fp8E4m3(x), KvPool::Fp8E4m3(y)) => x[to].copy_from_slice(&y[src]),
             (x, y) => panic!("copy between KV pools of different dtypes: {:?} <- {:?}", x.dtype(), y.dtype()),
         }
     }
@@ -327,6 +370,9 @@ pub struct KvCache {
     pub host_layers: Vec<LayerKvCache>,
     /// Blocks in the host pool.
     pub num_host_blocks: usize,
+    /// Each layer's scales ([`KvScale::ONE`] unless the dtype is scaled,
+    /// [`KvCacheDtype::is_scaled`]): layer `l` stores `x / scales[l]`.
+    pub scales: Vec<KvScale>,
 }
 
 impl KvCache {
@@ -351,11 +397,35 @@ impl KvCache {
         Ok(Self {
             layout,
             dtype,
-            groups,
             layers: (0..slots).map(|_| LayerKvCache::try_new(&layout, dtype)).collect::<std::io::Result<_>>()?,
             host_layers: (0..slots).map(|_| LayerKvCache::try_new(&host_layout, dtype)).collect::<std::io::Result<_>>()?,
             num_host_blocks,
+            scales: vec![KvScale::ONE; groups.num_layers()],
+            groups,
         })
+    }
+
+    /// The same cache with layer `l` scaled by `scales[l]` (layers past the
+    /// end keep [`KvScale::ONE`]). A scale is fixed before anything is
+    /// written: the codes already stored do not change with it.
+    ///
+    /// # Panics
+    /// If the dtype is not scaled and a scale is not [`KvScale::ONE`].
+    pub fn with_scales(mut self, scales: &[KvScale]) -> Self {
+        assert!(
+            self.dtype.is_scaled() || scales.iter().all(|s| *s == KvScale::ONE),
+            "a {} cache stores values as they are",
+            self.dtype.name()
+        );
+        for (d, s) in self.scales.iter_mut().zip(scales) {
+            *d = *s;
+        }
+        self
+    }
+
+    /// Layer `layer`'s scales ([`KvScale::ONE`] for a layer the cache lacks).
+    pub fn scale(&self, layer: usize) -> KvScale {
+        self.scales.get(layer).copied().unwrap_or(KvScale::ONE)
     }
 
     /// Where `layer`'s K/V live, or `None` for a layer the cache lacks.
@@ -460,7 +530,7 @@ mod tests {
     fn block_bytes_counts_k_and_v_of_every_layer() {
         let layout = KvCacheLayout { num_blocks: 10, block_size: 16, num_kv_heads: 3, head_dim: 64 };
         assert_eq!(layout.block_elems(), 16 * 3 * 64);
-        for (dtype, bytes) in [(KvCacheDtype::F32, 4), (KvCacheDtype::F16, 2), (KvCacheDtype::Bf16, 2)] {
+        for (dtype, bytes) in [(KvCacheDtype::F32, 4), (KvCacheDtype::F16, 2), (KvCacheDtype::Bf16, 2), (KvCacheDtype::Fp8E4m3, 1)] {
             let spec = vellum_base::KvCacheSpec::uniform(30, 3, 64, 16, dtype);
             assert_eq!(spec.block_bytes(), 2 * 16 * 3 * 64 * bytes * 30);
             let cache = KvCache::new(layout, 2, 4, dtype);
@@ -487,5 +557,33 @@ mod tests {
         assert_eq!(&got[..2], &[1.0, 1.0]);
         assert!((got[2] + 0.1).abs() <= 0.1 * 2f32.powi(-8));
         assert!((got[3] - 70000.0).abs() <= 70000.0 * 2f32.powi(-8));
+    }
+
+    #[test]
+    fn fp8_pools_store_values_over_their_scale() {
+        let x = [1.0f32, 1.0 + 1.0 / 16.0, -0.1, 500.0, 3.0];
+        let mut p = KvPool::zeros(KvCacheDtype::Fp8E4m3, 5);
+        p.write_f32(0, &x);
+        let got = p.to_f32_vec();
+        // 3 mantissa bits: 1 + 2^-4 is halfway between 1 and 1.125 (to even);
+        // past 448 saturates.
+        assert_eq!(&got[..2], &[1.0, 1.0]);
+        assert!((got[2] + 0.1).abs() <= 0.1 / 16.0);
+        assert_eq!(got[3], 448.0);
+        // Scaled by 4: 500 fits, 3 / 4 = 0.75 is exact.
+        p.write_scaled(0, &x, 0.25);
+        let got = p.to_f32_vec();
+        assert_eq!(got[3], 128.0, "500 / 4 = 125 rounds to 128 (a step of 8 there)");
+        assert_eq!(got[4], 0.75);
+    }
+
+    #[test]
+    fn a_cache_keeps_one_scale_a_layer() {
+        let layout = KvCacheLayout { num_blocks: 2, block_size: 4, num_kv_heads: 1, head_dim: 8 };
+        let s = KvScale { k: 0.5, v: 2.0 };
+        let cache = KvCache::new(layout, 3, 0, KvCacheDtype::Fp8E4m3).with_scales(&[KvScale::ONE, s]);
+        assert_eq!((cache.scale(0), cache.scale(1), cache.scale(2), cache.scale(9)), (KvScale::ONE, s, KvScale::ONE, KvScale::ONE));
+        let unscaled = std::panic::catch_unwind(|| KvCache::new(layout, 1, 0, KvCacheDtype::F16).with_scales(&[s]));
+        assert!(unscaled.is_err(), "an f16 cache takes no scale");
     }
 }

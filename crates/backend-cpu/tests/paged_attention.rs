@@ -7,9 +7,10 @@
 //! and its blocks are physical ids drawn out of order from a shuffled pool —
 //! except the shared prefix blocks, which two sequences list in their tables.
 //!
-//! Every cache test runs for each storage dtype (`f32`, `f16`, `bf16`). A
-//! half-precision cache is compared two ways: with the reference computed on
-//! the K/V rounded to the storage type (what the kernel actually reads; the
+//! Every cache test runs for each storage dtype (`f32`, `f16`, `bf16`, FP8
+//! E4M3 with scales that are not powers of two, see [`kv_scale`]). A
+//! narrow cache is compared two ways: with the reference computed on the
+//! K/V rounded to the storage type (what the kernel actually reads; the
 //! `f32` tolerance applies unchanged), and with the reference on the exact
 //! inputs, within the bound that rounding implies (see [`rounding_bound`]).
 
@@ -18,29 +19,51 @@ use proptest::prelude::*;
 use vellum_backend_cpu::kv_cache::{KvCache, KvCacheLayout, KvPool, LayerKvCache};
 use vellum_backend_cpu::paged_attention::{contiguous_attention, paged_attention, write_kv};
 use vellum_base::SeededRng as Rng;
-use vellum_base::{AttentionMetadata, AttentionShape, BlockCopy, BlockId, BlockSwap, HostBlockId, KvCacheDtype};
+use vellum_base::{fp8, AttentionMetadata, AttentionShape, BlockCopy, BlockId, BlockSwap, HostBlockId, KvCacheDtype, KvScale};
 
-const DTYPES: [KvCacheDtype; 3] = [KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16];
+const DTYPES: [KvCacheDtype; 4] = [KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3];
 
-/// `x` rounded to `dtype` (nearest, ties to even) and widened back.
-fn round_to(dtype: KvCacheDtype, x: f32) -> f32 {
+/// The layer scales the tests give a cache of `dtype`: an FP8 cache gets
+/// ones that are not powers of two and differ between K and V, so that
+/// folding them into the kernel's arithmetic is checked; |x| <= 1 becomes
+/// up to 81 (K) and 143 (V) in the pool, within E4M3's ±448.
+fn kv_scale(dtype: KvCacheDtype) -> KvScale {
+    if dtype.is_scaled() {
+        KvScale { k: 0.0123, v: 0.007 }
+    } else {
+        KvScale::ONE
+    }
+}
+
+/// What the pool holds for `x` stored with scale `s`: `x · (1/s)` rounded
+/// to `dtype` (nearest, ties to even), read back as `f32`.
+fn stored_as(dtype: KvCacheDtype, s: f32, x: f32) -> f32 {
     match dtype {
         KvCacheDtype::F32 => x,
         KvCacheDtype::F16 => f16::from_f32(x).to_f32(),
         KvCacheDtype::Bf16 => bf16::from_f32(x).to_f32(),
+        KvCacheDtype::Fp8E4m3 => fp8::to_f32(fp8::from_f32(x * (1.0 / s))),
     }
 }
 
-fn rounded(dtype: KvCacheDtype, xs: &[f32]) -> Vec<f32> {
-    xs.iter().map(|&x| round_to(dtype, x)).collect()
+fn stored(dtype: KvCacheDtype, s: f32, xs: &[f32]) -> Vec<f32> {
+    xs.iter().map(|&x| stored_as(dtype, s, x)).collect()
 }
 
-/// Unit roundoff of `dtype`: `|round(x) - x| <= u |x|` (normal range).
+/// `xs` as the kernel reads them back: stored, times the scale.
+fn rounded(dtype: KvCacheDtype, s: f32, xs: &[f32]) -> Vec<f32> {
+    xs.iter().map(|&x| stored_as(dtype, s, x) * s).collect()
+}
+
+/// Unit roundoff of `dtype`: `|round(x) - x| <= u |x|` (normal range; for
+/// FP8 plus the subnormal step, 2⁻⁹ · s < 1e-4, at the scales of
+/// [`kv_scale`]).
 fn unit_roundoff(dtype: KvCacheDtype) -> f32 {
     match dtype {
         KvCacheDtype::F32 => 0.0, // the f32 inputs are stored exactly
         KvCacheDtype::F16 => 2f32.powi(-11),
         KvCacheDtype::Bf16 => 2f32.powi(-8),
+        KvCacheDtype::Fp8E4m3 => 2f32.powi(-4) + 1e-4,
     }
 }
 
@@ -173,6 +196,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
 struct Batch {
     layout: KvCacheLayout,
     dtype: KvCacheDtype,
+    scale: KvScale,
     cache: LayerKvCache,
     q: Vec<f32>,
     k: Vec<Vec<f32>>,
@@ -230,6 +254,7 @@ impl Batch {
 
         let layout = KvCacheLayout { num_blocks, block_size: bs, num_kv_heads: kvh, head_dim: hd };
         let mut cache = LayerKvCache::new(&layout, dtype);
+        let scale = kv_scale(dtype);
         let slot = |s: usize, p: usize| block_tables[s * stride + p / bs] * bs as u32 + (p % bs) as u32;
 
         // Earlier steps wrote the context before this step's tokens; this step
@@ -238,12 +263,12 @@ impl Batch {
         for (s, &(ctx, q_len)) in c.seqs.iter().enumerate() {
             let old = ctx - q_len;
             let slots: Vec<u32> = (0..old).map(|p| slot(s, p)).collect();
-            write_kv(&mut cache, &layout, &k[s][..old * row], &v[s][..old * row], &slots);
+            write_kv(&mut cache, &layout, &k[s][..old * row], &v[s][..old * row], &slots, scale);
             new_k.extend_from_slice(&k[s][old * row..]);
             new_v.extend_from_slice(&v[s][old * row..]);
             new_slots.extend((old..ctx).map(|p| slot(s, p)));
         }
-        write_kv(&mut cache, &layout, &new_k, &new_v, &new_slots);
+        write_kv(&mut cache, &layout, &new_k, &new_v, &new_slots, scale);
 
         let mut query_start_loc = vec![0u32];
         for &(_, q_len) in &c.seqs {
@@ -252,11 +277,12 @@ impl Batch {
         let num_tokens = *query_start_loc.last().unwrap_or(&0) as usize;
         let q = rng.signed_vec(num_tokens * num_heads * hd);
         let context_lens = c.seqs.iter().map(|&(ctx, _)| ctx as u32).collect();
-        let k_stored = k.iter().map(|x| rounded(dtype, x)).collect();
-        let v_stored = v.iter().map(|x| rounded(dtype, x)).collect();
+        let k_stored = k.iter().map(|x| rounded(dtype, scale.k, x)).collect();
+        let v_stored = v.iter().map(|x| rounded(dtype, scale.v, x)).collect();
         Batch {
             layout,
             dtype,
+            scale,
             cache,
             q,
             k,
@@ -284,7 +310,7 @@ impl Batch {
 
     fn paged(&self) -> Vec<f32> {
         let mut out = vec![f32::NAN; self.q.len()];
-        paged_attention(&mut out, &self.q, &self.cache, &self.layout, &self.meta(), &self.attn);
+        paged_attention(&mut out, &self.q, &self.cache, &self.layout, &self.meta(), &self.attn, self.scale);
         out
     }
 
@@ -372,13 +398,14 @@ proptest! {
         let (k, v) = (rng.signed_vec(slots.len() * row), rng.signed_vec(slots.len() * row));
         for dtype in DTYPES {
             let mut cache = LayerKvCache::new(&layout, dtype);
-            write_kv(&mut cache, &layout, &k, &v, &slots);
+            let scale = kv_scale(dtype);
+            write_kv(&mut cache, &layout, &k, &v, &slots, scale);
             prop_assert_eq!(cache.dtype(), dtype);
             let (ck, cv) = (cache.k.to_f32_vec(), cache.v.to_f32_vec());
             for (t, &slot) in slots.iter().enumerate() {
                 let s = slot as usize;
-                prop_assert_eq!(&ck[s * row..(s + 1) * row], &rounded(dtype, &k[t * row..(t + 1) * row])[..]);
-                prop_assert_eq!(&cv[s * row..(s + 1) * row], &rounded(dtype, &v[t * row..(t + 1) * row])[..]);
+                prop_assert_eq!(&ck[s * row..(s + 1) * row], &stored(dtype, scale.k, &k[t * row..(t + 1) * row])[..]);
+                prop_assert_eq!(&cv[s * row..(s + 1) * row], &stored(dtype, scale.v, &v[t * row..(t + 1) * row])[..]);
             }
             let written: std::collections::HashSet<u32> = slots.iter().copied().collect();
             for s in (0..layout.num_slots()).filter(|s| !written.contains(&(*s as u32))) {
@@ -429,19 +456,19 @@ proptest! {
             };
             let mut out = vec![f32::NAN; (to - from) * qrow];
             let attn = AttentionShape { scale, ..AttentionShape::new(heads, kvh, head_dim) };
-            paged_attention(&mut out, &q[from * qrow..to * qrow], cache, &layout, &meta, &attn);
+            paged_attention(&mut out, &q[from * qrow..to * qrow], cache, &layout, &meta, &attn, kv_scale(cache.dtype()));
             out
         };
 
         for dtype in DTYPES {
             let mut whole_cache = LayerKvCache::new(&layout, dtype);
-            write_kv(&mut whole_cache, &layout, &k, &v, &slots);
+            write_kv(&mut whole_cache, &layout, &k, &v, &slots, kv_scale(dtype));
             let whole = attend(&whole_cache, 0, len);
 
             let mut cache = LayerKvCache::new(&layout, dtype);
             let mut chunked = Vec::new();
             for (from, to) in [(0, a), (a, b), (b, len)] {
-                write_kv(&mut cache, &layout, &k[from * row..to * row], &v[from * row..to * row], &slots[from..to]);
+                write_kv(&mut cache, &layout, &k[from * row..to * row], &v[from * row..to * row], &slots[from..to], kv_scale(dtype));
                 chunked.extend(attend(&cache, from, to));
             }
             assert_close(&chunked, &whole, &format!("chunked vs whole prefill ({dtype:?})"));
@@ -616,7 +643,7 @@ fn block_table_too_short_is_a_broken_invariant() {
         block_table_stride: 2,
     };
     let mut out = vec![0.0; 4];
-    paged_attention(&mut out, &[0.0; 4], &cache, &layout, &meta, &AttentionShape::new(1, 1, 4));
+    paged_attention(&mut out, &[0.0; 4], &cache, &layout, &meta, &AttentionShape::new(1, 1, 4), KvScale::ONE);
 }
 
 #[test]
@@ -624,5 +651,5 @@ fn block_table_too_short_is_a_broken_invariant() {
 fn slot_outside_the_pool_is_a_broken_invariant() {
     let layout = KvCacheLayout { num_blocks: 2, block_size: 2, num_kv_heads: 1, head_dim: 2 };
     let mut cache = LayerKvCache::new(&layout, KvCacheDtype::F16);
-    write_kv(&mut cache, &layout, &[1.0, 2.0], &[3.0, 4.0], &[4]);
+    write_kv(&mut cache, &layout, &[1.0, 2.0], &[3.0, 4.0], &[4], KvScale::ONE);
 }

@@ -184,8 +184,13 @@ fn main() -> Res<()> {
                 let (meta_order, meta_shuffled) = (meta_of(&in_order)?, meta_of(&shuffled)?);
                 let q = up(&k, &vec![0.01f32; batch * shape.heads * shape.head_dim])?;
                 let mut out: CudaSlice<f32> = k.stream().alloc_zeros(batch * shape.heads * shape.head_dim)?;
-                let params =
-                    AttentionParams { num_heads: shape.heads, scale: 1.0 / (shape.head_dim as f32).sqrt(), softcap: 0.0, window: 0 };
+                let params = AttentionParams {
+                    num_heads: shape.heads,
+                    scale: 1.0 / (shape.head_dim as f32).sqrt(),
+                    softcap: 0.0,
+                    window: 0,
+                    kv_scale: vellum_base::KvScale::ONE,
+                };
                 let queries = Kernels::attention_queries(shape.heads, shape.kv_heads, shape.head_dim);
                 let version = k.attention_version(batch, shape.heads, queries, shape.head_dim, context);
                 let iters = if batch * context >= 1 << 20 { 10 } else { 50 };

@@ -26,7 +26,7 @@ pub struct KernelSource {
 pub const CACHE: KernelSource = KernelSource {
     file: "cache.cu",
     text: vellum_kernels::cuda::CACHE,
-    entry_points: &["reshape_and_cache_f32", "reshape_and_cache_f16", "reshape_and_cache_bf16", "copy_blocks"],
+    entry_points: &["reshape_and_cache_f32", "reshape_and_cache_f16", "reshape_and_cache_bf16", "reshape_and_cache_fp8", "copy_blocks"],
 };
 
 /// `paged_attention.cu`: v1, v2 and v2's reduction, for mixed batches.
@@ -37,9 +37,11 @@ pub const PAGED_ATTENTION: KernelSource = KernelSource {
         "paged_attention_v1_f32",
         "paged_attention_v1_f16",
         "paged_attention_v1_bf16",
+        "paged_attention_v1_fp8",
         "paged_attention_v2_f32",
         "paged_attention_v2_f16",
         "paged_attention_v2_bf16",
+        "paged_attention_v2_fp8",
         "paged_attention_v2_reduce",
     ],
 };

@@ -11,6 +11,7 @@ use crate::{nvrtc, CudaError};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use vellum_base::KvScale;
 
 /// Element type of a KV pool (`--kv-cache-dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -21,6 +22,9 @@ pub enum PoolDtype {
     F16,
     /// bfloat16.
     Bf16,
+    /// OCP FP8 E4M3 ([`vellum_base::fp8`]), stored divided by its layer's
+    /// scales.
+    Fp8E4m3,
 }
 
 impl PoolDtype {
@@ -29,15 +33,26 @@ impl PoolDtype {
         match self {
             PoolDtype::F32 => 4,
             PoolDtype::F16 | PoolDtype::Bf16 => 2,
+            PoolDtype::Fp8E4m3 => 1,
         }
     }
 
-    /// The entry-point suffix (`_f32`, `_f16`, `_bf16`).
+    /// The entry-point suffix (`_f32`, `_f16`, `_bf16`, `_fp8`).
     pub fn suffix(self) -> &'static str {
         match self {
             PoolDtype::F32 => "f32",
             PoolDtype::F16 => "f16",
             PoolDtype::Bf16 => "bf16",
+            PoolDtype::Fp8E4m3 => "fp8",
+        }
+    }
+
+    /// What an element reads as in the kernels, times its stored value: an
+    /// FP8 code widens to its value / 2⁸ ([`vellum_base::fp8::F16_UNIT`]).
+    pub fn unit(self) -> f32 {
+        match self {
+            PoolDtype::Fp8E4m3 => vellum_base::fp8::F16_UNIT,
+            _ => 1.0,
         }
     }
 }
@@ -139,6 +154,9 @@ pub struct AttentionParams {
     pub softcap: f32,
     /// Sliding window in positions; 0 for full causal attention.
     pub window: usize,
+    /// The layer's scales ([`KvScale::ONE`] for an unscaled pool): the key
+    /// scale joins `scale`, the value scale multiplies the outputs.
+    pub kv_scale: KvScale,
 }
 
 /// A weight `[n, k]` on the device in one of the layouts of
@@ -337,7 +355,9 @@ impl Kernels {
     }
 
     /// Writes each token's K and V rows (`[num_tokens, row]` f32) into the
-    /// pools at `slot_mapping[t]` (a negative slot writes nothing).
+    /// pools at `slot_mapping[t]` (a negative slot writes nothing), stored
+    /// as `k · (1 / scale.k)`, `v · (1 / scale.v)` ([`KvScale::ONE`] for an
+    /// unscaled pool).
     ///
     /// # Safety
     /// Every slot in `slot_mapping` is negative or below the pool's
@@ -348,6 +368,7 @@ impl Kernels {
         value: &CudaSlice<f32>,
         pool: &mut KvPool,
         slot_mapping: &CudaSlice<i64>,
+        scale: KvScale,
     ) -> Result<(), CudaError> {
         let (row, n) = (pool.row(), slot_mapping.len());
         if key.len() < n * row || value.len() < n * row {
@@ -358,10 +379,11 @@ impl Kernels {
         }
         let f = self.function(&Variant::new(CACHE, &[]), &format!("reshape_and_cache_{}", pool.dtype.suffix()))?;
         let row_i = to_i32(row, "row")?;
+        let (k_inv, v_inv) = (1.0f32 / scale.k, 1.0f32 / scale.v);
         let mut b = self.stream.launch_builder(&f);
-        b.arg(key).arg(value).arg(&mut pool.k).arg(&mut pool.v).arg(slot_mapping).arg(&row_i);
+        b.arg(key).arg(value).arg(&mut pool.k).arg(&mut pool.v).arg(slot_mapping).arg(&row_i).arg(&k_inv).arg(&v_inv);
         // SAFETY: the signature matches reshape_and_cache_* in cache.cu
-        // (f32*, f32*, void*, void*, long long*, int); key and value hold n·row
+        // (f32*, f32*, void*, void*, long long*, int, float, float); key and value hold n·row
         // floats (checked above); the kernel writes row elements at each
         // slot, and the caller promises every slot is below num_blocks ·
         // block_size (this function's contract).
@@ -504,6 +526,9 @@ impl Kernels {
             to_i32(p.window, "window")?,
         ];
         let [max_blocks, num_heads, num_kv_heads, window] = ints;
+        // Scores and outputs in the pool's units (an FP8 code reads as its value / 2^8).
+        let unit = pool.dtype.unit();
+        let (qk_scale, v_scale) = (p.scale * (p.kv_scale.k * unit), p.kv_scale.v * unit);
         match version {
             AttentionVersion::V1 => {
                 let smem = queries * meta.max_context.max(1) * 4;
@@ -514,7 +539,7 @@ impl Kernels {
                 let mut b = self.stream.launch_builder(&f);
                 b.arg(out).arg(q).arg(&pool.k).arg(&pool.v).arg(&meta.block_tables).arg(&max_blocks);
                 b.arg(&meta.token_seq).arg(&meta.query_start_loc).arg(&meta.context_lens);
-                b.arg(&num_heads).arg(&num_kv_heads).arg(&p.scale).arg(&p.softcap).arg(&window);
+                b.arg(&num_heads).arg(&num_kv_heads).arg(&qk_scale).arg(&p.softcap).arg(&window).arg(&v_scale);
                 // SAFETY: the arguments match paged_attention_v1_* in order
                 // and type; q/out hold num_tokens·num_heads·head_dim floats
                 // (checked); the metadata was built for this batch (each
@@ -537,7 +562,7 @@ impl Kernels {
                 let mut b = self.stream.launch_builder(&f);
                 b.arg(&mut tmp).arg(&mut max_logits).arg(&mut exp_sums).arg(q).arg(&pool.k).arg(&pool.v);
                 b.arg(&meta.block_tables).arg(&max_blocks).arg(&meta.token_seq).arg(&meta.query_start_loc);
-                b.arg(&meta.context_lens).arg(&num_heads).arg(&num_kv_heads).arg(&p.scale).arg(&p.softcap).arg(&window);
+                b.arg(&meta.context_lens).arg(&num_heads).arg(&num_kv_heads).arg(&qk_scale).arg(&p.softcap).arg(&window).arg(&v_scale);
                 // SAFETY: as for v1; tmp/max_logits/exp_sums hold `parts`
                 // partitions per (token, head), the grid's z extent.
                 unsafe { b.launch(cfg((grid_xy.0, grid_xy.1, to_u32(parts, "partitions")?), ATTENTION_THREADS, 0)) }?;

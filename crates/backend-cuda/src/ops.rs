@@ -48,7 +48,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use vellum_base::{
     AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, DeviceMemory, DeviceSample, Error,
-    ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, PenaltyEntry, RowSampling, Sizes, StepBounds,
+    ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, KvScale, PenaltyEntry, RowSampling, Sizes, StepBounds,
 };
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
@@ -254,6 +254,15 @@ pub struct CudaKvCache {
     pools: Vec<KvPool>,
     host: Vec<[Vec<u8>; 2]>,
     num_host_blocks: usize,
+    /// Each layer's scales ([`KvScale::ONE`] unless the dtype is scaled).
+    scales: Vec<KvScale>,
+}
+
+impl CudaKvCache {
+    /// Layer `layer`'s scales: it stores `x / scale`.
+    pub fn scale(&self, layer: usize) -> KvScale {
+        self.scales.get(layer).copied().unwrap_or(KvScale::ONE)
+    }
 }
 
 /// What the CUDA backend multiplies in (`--dtype`).
@@ -310,6 +319,11 @@ pub struct CudaOps {
     graphs: Mutex<Graphs>,
     /// While a step is recorded: the limits its ops check indices against.
     recording: Mutex<Option<Limits>>,
+    /// Set during a calibration pass ([`Ops::set_calibrating`]): `write_kv`
+    /// records each layer's largest |key| and |value| in `kv_absmax`, from
+    /// which FP8 caches allocated afterwards take their scales.
+    calibrating: std::sync::atomic::AtomicBool,
+    kv_absmax: Mutex<Vec<(f32, f32)>>,
 }
 
 /// `m` locked, whether or not a thread panicked holding it (what it guards
@@ -361,6 +375,8 @@ impl CudaOps {
             group: None,
             graphs: Mutex::new(graphs),
             recording: Mutex::new(None),
+            calibrating: Default::default(),
+            kv_absmax: Mutex::new(Vec::new()),
         })
     }
 
@@ -725,6 +741,11 @@ impl HostIo for CudaOps {
             KvCacheDtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             KvCacheDtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             KvCacheDtype::Bf16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            KvCacheDtype::Fp8E4m3 => {
+                let s = cache.scale(layer);
+                let s = if value { s.v } else { s.k };
+                bytes.iter().map(|&c| vellum_base::fp8::to_f32(c) * s).collect()
+            }
         })
     }
 }
@@ -781,6 +802,12 @@ impl Ops for CudaOps {
         let mut out = self.tensor(x.rows, inter)?;
         self.k.gated_and_mul(&mut out.buf, &x.buf, x.rows, inter, act == vellum_ops::GatedActivation::GeluTanh).map_err(backend)?;
         Ok(out)
+    }
+
+    /// Records each layer's largest |key| and |value| for FP8 caches (the
+    /// runner calibrates for those only: the linears need no statistics).
+    fn set_calibrating(&self, on: bool) {
+        self.calibrating.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn linear_input_dtype(&self, weight: GgmlType) -> ActivationDtype {
@@ -1164,11 +1191,27 @@ fn copy_in_parallel(dst: &mut [f32], src: &[f32]) {
     });
 }
 
+impl CudaOps {
+    /// Keeps `layer`'s largest |key| and |value| (a calibration pass, once
+    /// at start: the rows come to the host).
+    fn observe_kv(&self, layer: usize, k: &CudaTensor, v: &CudaTensor) -> vellum_base::Result<()> {
+        let absmax = |x: &[f32]| x.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
+        let (km, vm) = (absmax(&self.to_host(k)?), absmax(&self.to_host(v)?));
+        let mut seen = lock(&self.kv_absmax);
+        if seen.len() <= layer {
+            seen.resize(layer + 1, (0.0, 0.0));
+        }
+        seen[layer] = (seen[layer].0.max(km), seen[layer].1.max(vm));
+        Ok(())
+    }
+}
+
 fn kv_dtype(d: KvCacheDtype) -> PoolDtype {
     match d {
         KvCacheDtype::F32 => PoolDtype::F32,
         KvCacheDtype::F16 => PoolDtype::F16,
         KvCacheDtype::Bf16 => PoolDtype::Bf16,
+        KvCacheDtype::Fp8E4m3 => PoolDtype::Fp8E4m3,
     }
 }
 
@@ -1179,7 +1222,7 @@ fn kv_dtype(d: KvCacheDtype) -> PoolDtype {
 pub const CAPABILITIES: Capabilities = Capabilities {
     head_dims: Sizes::Only(&[64, 128, 256]),
     block_sizes: Sizes::Only(&[8, 16, 32]),
-    kv_dtypes: &[KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16],
+    kv_dtypes: &[KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3],
     kv_groups: true,
 };
 
@@ -1241,7 +1284,13 @@ impl AttentionBackend for CudaOps {
         let host = (0..spec.num_slots()).map(|_| [vec![0u8; host_bytes], vec![0u8; host_bytes]]).collect();
         // The recorded graphs address the pools they were recorded with.
         self.drop_graphs();
-        Ok(CudaKvCache { spec: spec.clone(), num_blocks, pools, host, num_host_blocks })
+        let scales = if spec.dtype.is_scaled() {
+            let seen = lock(&self.kv_absmax);
+            (0..spec.groups.num_layers()).map(|l| seen.get(l).map_or(KvScale::ONE, |&(k, v)| KvScale::from_absmax(k, v))).collect()
+        } else {
+            vec![KvScale::ONE; spec.groups.num_layers()]
+        };
+        Ok(CudaKvCache { spec: spec.clone(), num_blocks, pools, host, num_host_blocks, scales })
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<CudaStep> {
@@ -1295,10 +1344,14 @@ impl AttentionBackend for CudaOps {
         if step.tokens == 0 {
             return Ok(());
         }
+        if self.calibrating.load(std::sync::atomic::Ordering::Relaxed) {
+            self.observe_kv(layer, k, v)?;
+        }
+        let scale = cache.scale(layer);
         // SAFETY: every slot of the step is below num_blocks · block_size
         // (checked above against the step's bounds; negative slots write
         // nothing).
-        unsafe { self.k.reshape_and_cache(&k.buf, &v.buf, &mut cache.pools[at.slot], &g.slots) }.map_err(backend)
+        unsafe { self.k.reshape_and_cache(&k.buf, &v.buf, &mut cache.pools[at.slot], &g.slots, scale) }.map_err(backend)
     }
 
     fn paged_attention(
@@ -1338,6 +1391,7 @@ impl AttentionBackend for CudaOps {
             scale: shape.scale,
             softcap: shape.logit_softcap.unwrap_or(0.0),
             window: shape.sliding_window.unwrap_or(0),
+            kv_scale: cache.scale(layer),
         };
         // SAFETY: every block id of the step's tables is below the pool's
         // num_blocks (checked above against the step's bounds), and the

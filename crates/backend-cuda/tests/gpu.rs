@@ -14,6 +14,7 @@ use cudarc::driver::CudaSlice;
 use vellum_backend_cuda::blas::{Blas, Half};
 use vellum_backend_cuda::launch::{AttentionParams, AttentionVersion, DeviceAttentionMetadata, Kernels, KvPool, PoolDtype, QuantMatrix};
 use vellum_backend_cuda::layout;
+use vellum_base::KvScale;
 use vellum_ops::quant::GgmlType;
 
 fn gpu_or_skip(test: &str) -> Option<Kernels> {
@@ -50,21 +51,42 @@ impl Rng {
     }
 }
 
-/// A value as the cache stores it.
-fn round(x: f32, dtype: PoolDtype) -> f32 {
+/// A value as the cache stores it with scale `s` (1 but for FP8): `x · (1
+/// / s)` rounded to the type.
+fn stored(x: f32, dtype: PoolDtype, s: f32) -> f32 {
     match dtype {
         PoolDtype::F32 => x,
         PoolDtype::F16 => half::f16::from_f32(x).to_f32(),
         PoolDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+        PoolDtype::Fp8E4m3 => vellum_base::fp8::to_f32(vellum_base::fp8::from_f32(x * (1.0 / s))),
     }
 }
 
-/// Decodes a pool read back as bytes.
+/// A value as attention reads it back: stored, times the scale.
+fn round(x: f32, dtype: PoolDtype, s: f32) -> f32 {
+    stored(x, dtype, s) * s
+}
+
+/// Decodes a pool read back as bytes (as stored: FP8 codes' values).
 fn decode(bytes: &[u8], dtype: PoolDtype) -> Vec<f32> {
     match dtype {
         PoolDtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
         PoolDtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
         PoolDtype::Bf16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        PoolDtype::Fp8E4m3 => bytes.iter().map(|&c| vellum_base::fp8::to_f32(c)).collect(),
+    }
+}
+
+/// Scales that are not powers of two, different for K and V (|x| < 1
+/// becomes up to 81 and 143 in the pool).
+const FP8_SCALE: KvScale = KvScale { k: 0.0123, v: 0.007 };
+
+/// The scales a test gives a pool of `dtype`.
+fn scale_for(dtype: PoolDtype) -> KvScale {
+    if dtype == PoolDtype::Fp8E4m3 {
+        FP8_SCALE
+    } else {
+        KvScale::ONE
     }
 }
 
@@ -140,19 +162,22 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
     k_all.extend(std::iter::repeat_n(9.0f32, row));
     v_all.extend(std::iter::repeat_n(9.0f32, row));
     let mut pool = KvPool::new(k.stream(), case.dtype, num_blocks, BLOCK, case.kv_heads, d).expect("pool");
+    let sc = scale_for(case.dtype);
     // SAFETY: the slots are -1 or below num_blocks · BLOCK, as built above.
-    unsafe { k.reshape_and_cache(&up(k, &k_all), &up(k, &v_all), &mut pool, &up(k, &slots)) }.expect("reshape_and_cache");
-    // The pools hold each row at its slot, rounded to the cache type, and
-    // nothing else (the padding row of 9s went nowhere).
+    unsafe { k.reshape_and_cache(&up(k, &k_all), &up(k, &v_all), &mut pool, &up(k, &slots), sc) }.expect("reshape_and_cache");
+    // The pools hold each row at its slot, rounded to the cache type (FP8:
+    // the host's own codes, bit for bit), and nothing else (the padding
+    // row of 9s went nowhere).
     let (k_pool, v_pool) = (decode(&down(k, &pool.k), case.dtype), decode(&down(k, &pool.v), case.dtype));
     for (i, &slot) in slots.iter().enumerate().filter(|(_, s)| **s >= 0) {
         let (at, from) = (slot as usize * row, i * row);
         for j in 0..row {
-            assert_eq!(k_pool[at + j], round(k_all[from + j], case.dtype), "K slot {slot} elem {j}");
-            assert_eq!(v_pool[at + j], round(v_all[from + j], case.dtype), "V slot {slot} elem {j}");
+            assert_eq!(k_pool[at + j], stored(k_all[from + j], case.dtype, sc.k), "K slot {slot} elem {j}");
+            assert_eq!(v_pool[at + j], stored(v_all[from + j], case.dtype, sc.v), "V slot {slot} elem {j}");
         }
     }
-    assert!(!k_pool.contains(&9.0) && !v_pool.contains(&9.0), "the padding slot wrote into the pool");
+    let nines = |x: &f32| *x == stored(9.0, case.dtype, sc.k) || *x == stored(9.0, case.dtype, sc.v);
+    assert!(!k_pool.iter().any(nines) && !v_pool.iter().any(nines), "the padding slot wrote into the pool");
 
     // The batch's queries and metadata.
     let num_tokens: usize = seqs.iter().map(|s| s.q_len).sum();
@@ -175,7 +200,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
         max_context,
     };
     let scale = 1.0 / (d as f32).sqrt();
-    let params = AttentionParams { num_heads: case.heads, scale, softcap: case.softcap, window: case.window };
+    let params = AttentionParams { num_heads: case.heads, scale, softcap: case.softcap, window: case.window, kv_scale: sc };
 
     // The float64 reference, on the values as the cache holds them.
     let mut expected = vec![0f64; num_tokens * case.heads * d];
@@ -190,7 +215,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
                 let scores: Vec<f64> = (first..n_ctx)
                     .map(|pos| {
                         let kr = &keys[s][pos * row + kvh * d..pos * row + (kvh + 1) * d];
-                        let dot: f64 = qv.iter().zip(kr).map(|(&a, &b)| (a * scale) as f64 * round(b, case.dtype) as f64).sum();
+                        let dot: f64 = qv.iter().zip(kr).map(|(&a, &b)| (a * scale) as f64 * round(b, case.dtype, sc.k) as f64).sum();
                         if case.softcap > 0.0 {
                             case.softcap as f64 * (dot / case.softcap as f64).tanh()
                         } else {
@@ -204,7 +229,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
                     let p = (scores[j] - m).exp() / total;
                     let vr = &values[s][pos * row + kvh * d..pos * row + (kvh + 1) * d];
                     for (e, &v) in expected[(t * case.heads + h) * d..(t * case.heads + h + 1) * d].iter_mut().zip(vr) {
-                        *e += p * round(v, case.dtype) as f64;
+                        *e += p * round(v, case.dtype, sc.v) as f64;
                     }
                 }
             }
@@ -232,12 +257,13 @@ fn paged_attention_matches_the_float64_reference_on_a_mixed_batch_or_skips_witho
     let Some(k) = gpu_or_skip("paged_attention_matches_the_float64_reference_on_a_mixed_batch") else { return };
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for head_dim in [64, 128, 256] {
-        for dtype in [PoolDtype::F32, PoolDtype::F16, PoolDtype::Bf16] {
+        for dtype in [PoolDtype::F32, PoolDtype::F16, PoolDtype::Bf16, PoolDtype::Fp8E4m3] {
             check_attention(&k, &Case { head_dim, dtype, window: 0, softcap: 0.0, heads: 8, kv_heads: 2 }, &mut rng);
         }
     }
     // Gemma-style: a sliding window and a soft-cap.
     check_attention(&k, &Case { head_dim: 256, dtype: PoolDtype::Bf16, window: 64, softcap: 30.0, heads: 8, kv_heads: 2 }, &mut rng);
+    check_attention(&k, &Case { head_dim: 256, dtype: PoolDtype::Fp8E4m3, window: 64, softcap: 30.0, heads: 8, kv_heads: 2 }, &mut rng);
     check_attention(&k, &Case { head_dim: 64, dtype: PoolDtype::F32, window: 600, softcap: 0.0, heads: 8, kv_heads: 2 }, &mut rng);
     // Other group sizes: SmolLM2's 9/3 (groups of 3), multi-head (1), 8
     // heads a group at 64 and 128 dims (8 queries a thread block), and a
@@ -252,14 +278,14 @@ fn paged_attention_matches_the_float64_reference_on_a_mixed_batch_or_skips_witho
 fn copy_blocks_copies_whole_blocks_in_both_pools_or_skips_without_a_gpu() {
     let Some(k) = gpu_or_skip("copy_blocks_copies_whole_blocks_in_both_pools") else { return };
     let mut rng = Rng(7);
-    for dtype in [PoolDtype::F32, PoolDtype::Bf16] {
+    for dtype in [PoolDtype::F32, PoolDtype::Bf16, PoolDtype::Fp8E4m3] {
         let (blocks, d) = (12, 64);
         let mut pool = KvPool::new(k.stream(), dtype, blocks, BLOCK, 2, d).expect("pool");
         let n = blocks * BLOCK;
         let slots: Vec<i64> = (0..n as i64).collect();
+        let (keys, values) = (up(&k, &rng.vec(n * pool.row())), up(&k, &rng.vec(n * pool.row())));
         // SAFETY: slots 0..n are exactly the pool's slots.
-        unsafe { k.reshape_and_cache(&up(&k, &rng.vec(n * pool.row())), &up(&k, &rng.vec(n * pool.row())), &mut pool, &up(&k, &slots)) }
-            .expect("fill");
+        unsafe { k.reshape_and_cache(&keys, &values, &mut pool, &up(&k, &slots), scale_for(dtype)) }.expect("fill");
         let before = (down(&k, &pool.k), down(&k, &pool.v));
         let pairs: Vec<i64> = vec![3, 7, 0, 11, 5, 1];
         // SAFETY: every id is below the pool's 12 blocks.

@@ -8,8 +8,8 @@ use crate::recorder::{Bound, KernelProfile, Recorder};
 use crate::weights::{self, GpuWeight};
 use std::sync::Arc;
 use vellum_base::{
-    AttentionBackend, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, Sizes,
-    StepBounds,
+    AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype,
+    KvCacheSpec, KvMemory, Sizes, StepBounds,
 };
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
@@ -224,6 +224,7 @@ impl WgpuOps {
             KvCacheDtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             KvCacheDtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             KvCacheDtype::Bf16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            KvCacheDtype::Fp8E4m3 => return Err(Error::Backend("the wgpu backend has no FP8 KV cache".into())),
         })
     }
 
@@ -234,6 +235,8 @@ impl WgpuOps {
             KvCacheDtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             KvCacheDtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             KvCacheDtype::Bf16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            // allocate_kv_cache refuses the type.
+            KvCacheDtype::Fp8E4m3 => Vec::new(),
         }
     }
 
@@ -506,6 +509,8 @@ impl AttentionBackend for WgpuOps {
     }
 
     fn allocate_kv_cache(&self, spec: &KvCacheSpec, num_blocks: usize, num_host_blocks: usize) -> vellum_base::Result<GpuKvCache> {
+        // The same check as the runner's before it loads a weight, for callers that skip it.
+        self.capabilities().check(self.name(), &AttentionRequirements::of(spec))?;
         check(spec.head_dim.is_multiple_of(4) && spec.head_dim <= 256, || {
             format!("wgpu paged attention: head_dim {} must be a multiple of 4, at most 256", spec.head_dim)
         })?;

@@ -430,6 +430,9 @@ impl Suite {
             // One rounding of the type on |k|, |v| <= 1: the two backends may round a value differently.
             KvCacheDtype::F16 => 2.0 * (shape.scale * case.head_dim as f32 * 2f32.powi(-11)).exp_m1() + 2f32.powi(-10) + 1e-4,
             KvCacheDtype::Bf16 => 2.0 * (shape.scale * case.head_dim as f32 * 2f32.powi(-8)).exp_m1() + 2f32.powi(-7) + 1e-4,
+            // Both round x · (1 / scale) to nearest even, so they store the
+            // same codes (checked below) and differ only in the arithmetic.
+            KvCacheDtype::Fp8E4m3 => 1e-4,
         };
         self.close(&ops.to_host(&got).expect("to_host"), &want, tol, &format!("paged attention {dtype:?} ({case:?})"));
         for value in [false, true] {
@@ -458,12 +461,12 @@ fn reference() -> CpuOps {
     CpuOps::new(WeightFormat::F32)
 }
 
-/// Exact for f32; one rounding step of bf16 (the coarser type) otherwise.
+/// Exact for f32 and FP8 (one rounding rule, the same codes); one rounding
+/// step of bf16 (the coarser type) for the 16-bit types.
 fn pool_tolerance(dtype: KvCacheDtype) -> f32 {
-    if dtype == KvCacheDtype::F32 {
-        0.0
-    } else {
-        2f32.powi(-7)
+    match dtype {
+        KvCacheDtype::F32 | KvCacheDtype::Fp8E4m3 => 0.0,
+        KvCacheDtype::F16 | KvCacheDtype::Bf16 => 2f32.powi(-7),
     }
 }
 

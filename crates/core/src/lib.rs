@@ -31,6 +31,7 @@ mod capabilities;
 mod error;
 mod fast_math;
 mod forward_batch;
+pub mod fp8;
 mod id_map;
 mod id_slab;
 mod ids;
@@ -50,7 +51,7 @@ pub use architecture::{
 };
 pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape, DeviceMemory, KvCacheSpec, KvMemory};
 pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
-pub use cache_config::{AutoKvLimit, CacheConfig, KvCacheDtype, KvCacheSize, AUTO_KV_CACHE_CAP_BYTES};
+pub use cache_config::{AutoKvLimit, CacheConfig, KvCacheDtype, KvCacheSize, KvScale, AUTO_KV_CACHE_CAP_BYTES};
 pub use capabilities::{AttentionRequirements, Capabilities, Sizes};
 pub use error::{Error, Unsupported};
 pub use fast_math::exp_f32;

@@ -91,8 +91,10 @@ pub trait ModelExecutor {
     /// Runs the model over `token_ids` (a fixed calibration text, one
     /// sequence) so that a backend that needs statistics of real
     /// activations can take them (the CPU's int8 path: its outlier
-    /// channels); then a second pass, which fixes what they decided. Call
-    /// it once, before serving; a no-op for backends that need none.
+    /// channels; an FP8 KV cache: each layer's scales, from the largest
+    /// keys and values of the pass); then a second pass, which fixes what
+    /// they decided. Call it once, before the KV cache is allocated and
+    /// before serving; a no-op where nothing needs it.
     fn calibrate(&mut self, token_ids: &[u32]) -> Result<()> {
         let _ = token_ids;
         Ok(())

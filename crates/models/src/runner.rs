@@ -310,7 +310,10 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
 
     fn calibrate(&mut self, token_ids: &[u32]) -> vellum_base::Result<()> {
         let n = token_ids.len().min(self.config().max_position_embeddings);
-        if !self.ops().wants_calibration() || n == 0 {
+        // An FP8 cache takes its per-layer scales from the largest keys and
+        // values of this pass (recorded by write_kv while calibrating).
+        let scaled_kv = self.kv_cache_dtype.is_scaled();
+        if !(self.ops().wants_calibration() || scaled_kv) || n == 0 {
             return Ok(());
         }
         let block_size = self.block_size.unwrap_or(16);
@@ -323,7 +326,15 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         // Caches of their own; the engine's, if any, are put back after.
         let saved: Vec<_> = self.ranks.iter_mut().map(|r| r.cache.take()).collect();
         let saved_block_size = self.block_size;
-        self.initialize_kv_cache(n.div_ceil(block_size), 0, block_size)?;
+        // The pass itself stores its keys and values exactly: the scales
+        // it measures are not known yet.
+        let dtype = self.kv_cache_dtype;
+        if scaled_kv {
+            self.kv_cache_dtype = KvCacheDtype::F32;
+        }
+        let allocated = self.initialize_kv_cache(n.div_ceil(block_size), 0, block_size);
+        self.kv_cache_dtype = dtype;
+        allocated?;
         self.ranks.iter().for_each(|r| r.ops.set_calibrating(true));
         let recorded = self.execute(&batch);
         self.ranks.iter().for_each(|r| r.ops.set_calibrating(false));

@@ -106,7 +106,12 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
         false
     }
     /// While `on`, [`Ops::linear`] records the statistics of its inputs;
-    /// the first products after turning it off fix what they decided.
+    /// the first products after turning it off fix what they decided. A
+    /// backend with FP8 KV caches also records, in `write_kv`, each layer's
+    /// largest |key| and |value|: the caches it allocates afterwards store
+    /// that layer divided by scales taken from them
+    /// ([`vellum_base::KvScale::from_absmax`]). The runner makes this pass
+    /// for an FP8 cache even where [`Ops::wants_calibration`] is false.
     fn set_calibrating(&self, on: bool) {
         let _ = on;
     }

@@ -5,6 +5,9 @@
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+use vellum_base::fp8;
+
+use crate::kv_cache::Fp8E4m3;
 
 #[cfg(target_arch = "x86_64")]
 mod wide;
@@ -29,6 +32,9 @@ pub(super) struct Shape {
     pub(super) scale: f32,
     /// Soft-cap of the scores (`cap · tanh(s / cap)`), if any.
     pub(super) softcap: Option<f32>,
+    /// Multiplies the outputs: the value pool's scale where its elements
+    /// are stored divided by one (FP8), else 1.
+    pub(super) v_scale: f32,
     /// The SIMD tile computes its scores and values on AVX-512 a query
     /// group at a time (`kernel/wide.rs`; the same bits): set where the CPU
     /// kernel is [`Kernel::Avx512Vnni`](crate::quant::Kernel) and a group
@@ -45,7 +51,7 @@ impl Shape {
         assert!(head_dim > 0, "{what}: head_dim is 0");
         let group = num_heads / num_kv_heads;
         let wide_tile = cfg!(target_arch = "x86_64") && group > 1 && crate::quant::Kernel::detect() == crate::quant::Kernel::Avx512Vnni;
-        Self { num_heads, num_kv_heads, head_dim, group, scale: 1.0 / (head_dim as f32).sqrt(), softcap: None, wide_tile }
+        Self { num_heads, num_kv_heads, head_dim, group, scale: 1.0 / (head_dim as f32).sqrt(), softcap: None, v_scale: 1.0, wide_tile }
     }
 
     /// A score from a query–key dot product: scaled, then soft-capped.
@@ -154,6 +160,9 @@ pub(super) enum ElemKind {
     F16,
     /// A 16-bit shift into the high half.
     Bf16,
+    /// FP8 E4M3 codes: bits moved into a binary16, then `vcvtph2ps`
+    /// ([`vellum_base::fp8`]).
+    Fp8E4m3,
 }
 
 /// An element type of the KV pools, read by the kernel as `f32`.
@@ -310,6 +319,99 @@ impl KvElem for bf16 {
     }
 }
 
+/// Every FP8 E4M3 code in units of [`fp8::F16_UNIT`] (the value / 2⁸), as
+/// the SIMD path widens it: the baseline path and row tails read this.
+static FP8_F16_UNITS: [f32; 256] = {
+    let mut t = [0.0f32; 256];
+    let mut c = 0;
+    while c < 256 {
+        t[c] = f16::from_bits(fp8::to_f16_bits(c as u8)).to_f32_const();
+        c += 1;
+    }
+    t
+};
+
+/// An FP8 pool is read in units of [`fp8::F16_UNIT`]: the caller folds that
+/// factor and the layer's scale into the score scale and the outputs
+/// ([`Shape::scale`], [`Shape::v_scale`]).
+impl KvElem for Fp8E4m3 {
+    const KIND: ElemKind = ElemKind::Fp8E4m3;
+    const CHEAP_WIDEN: bool = false;
+
+    #[inline(always)]
+    fn as_f32(_: &[Fp8E4m3]) -> Option<&[f32]> {
+        None
+    }
+
+    #[inline(always)]
+    fn widen(src: &[Fp8E4m3], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = FP8_F16_UNITS[s.0 as usize];
+        }
+    }
+
+    #[inline(always)]
+    fn to_f32(x: Fp8E4m3) -> f32 {
+        FP8_F16_UNITS[x.0 as usize]
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and F16C (see [`KvElem::widen16`]); `src`
+    /// holds 16 elements.
+    #[inline(always)]
+    unsafe fn widen16(src: &[Fp8E4m3]) -> [f32; LANES] {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: the caller guarantees AVX2 and F16C (see the trait).
+            unsafe { widen16_fp8(&src[..LANES]) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let mut d = [0.0; LANES];
+            Self::widen(&src[..LANES], &mut d);
+            d
+        }
+    }
+}
+
+/// Sixteen FP8 E4M3 codes to `f32` in units of 2⁸: each byte zero-extended
+/// to 16 bits, its sign moved to bit 15 and its seven other bits to 13..7
+/// (a binary16 of the value / 2⁸), then two `vcvtph2ps`.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; `src` holds at least 16 elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+pub(super) unsafe fn widen16_fp8(src: &[Fp8E4m3]) -> [f32; LANES] {
+    use std::arch::x86_64::*;
+    let mut d = [0.0f32; LANES];
+    debug_assert!(src.len() >= LANES);
+    // SAFETY: src holds 16 bytes (one unaligned 16-byte load); d holds 16
+    // f32 (two unaligned 32-byte stores); AVX2 and F16C are present.
+    unsafe {
+        let h = fp8_to_f16_bits(_mm_loadu_si128(src.as_ptr().cast()));
+        _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+        _mm256_storeu_ps(d.as_mut_ptr().add(8), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)));
+    }
+    d
+}
+
+/// The binary16 bits ([`fp8::to_f16_bits`]) of sixteen FP8 codes.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn fp8_to_f16_bits(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let x = _mm256_cvtepu8_epi16(codes);
+    let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(x, _mm256_set1_epi16(0x80)));
+    let rest = _mm256_slli_epi16::<7>(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)));
+    _mm256_or_si256(sign, rest)
+}
+
 /// [`attend_group`] on the CPU's SIMD path where it has one (AVX2, FMA and
 /// F16C: the loops vectorise 8 wide, and `f16`/`bf16` pools are widened in
 /// registers, fused into the tile), else the baseline build with `f16`/`bf16`
@@ -455,7 +557,7 @@ pub(super) fn attend_group<T: KvElem, const SIMD: bool>(
     }
 
     for (g, o) in out.chunks_exact_mut(shape.head_dim).enumerate() {
-        let inv = 1.0 / state.l[g];
+        let inv = shape.v_scale / state.l[g];
         o.iter_mut().for_each(|x| *x *= inv);
     }
 }
@@ -937,12 +1039,36 @@ fn prefetch<T>(x: &[T]) {
 mod tests {
     use super::*;
 
+    /// Every FP8 code widens to the same `f32` in registers as through the
+    /// table, and the table is the code's value / 2⁸.
+    #[test]
+    fn fp8_codes_widen_alike_in_registers_and_table_or_skip() {
+        for c in 0..=255u8 {
+            if c & 0x7f != 0x7f {
+                assert_eq!(FP8_F16_UNITS[c as usize] * fp8::F16_UNIT, fp8::to_f32(c), "code {c:#04x}");
+            }
+        }
+        let simd = cfg!(target_arch = "x86_64") && crate::quant::has_simd();
+        if !crate::runs_or_skips(simd, "fp8_codes_widen_alike_in_registers_and_table_or_skip", "AVX2") {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        for start in (0..256).step_by(LANES) {
+            let codes: Vec<Fp8E4m3> = (start..start + LANES).map(|c| Fp8E4m3(c as u8)).collect();
+            // SAFETY: has_simd() found AVX2 and F16C; 16 codes.
+            let got = unsafe { widen16_fp8(&codes) };
+            for (c, g) in codes.iter().zip(got) {
+                assert_eq!(g.to_bits(), FP8_F16_UNITS[c.0 as usize].to_bits(), "code {:#04x}", c.0);
+            }
+        }
+    }
+
     /// The fused SIMD tile, the baseline's widen-to-scratch tile and the
-    /// `f32` kernel on the widened values agree, for `f16` and `bf16`, with
+    /// `f32` kernel on the widened values agree, for `f16`, `bf16` and FP8, with
     /// a head size that leaves a tail after the 16-lane chunks, GQA, a
     /// soft-cap and a context of several partial tiles.
     #[test]
-    fn fused_and_scratch_tiles_agree_with_f32_for_half_pools() {
+    fn fused_and_scratch_tiles_agree_with_f32_for_narrow_pools() {
         let (heads, kv_heads, hd, n_ctx) = (6, 2, 72, 150);
         let shape = Shape { softcap: Some(30.0), ..Shape::new(heads, kv_heads, hd, "test") };
         let row = shape.kv_row();
@@ -987,6 +1113,7 @@ mod tests {
         let simd = cfg!(target_arch = "x86_64") && crate::quant::has_simd();
         check::<f16>(&q, &k, &v, &shape, n_ctx, f16::from_f32, simd);
         check::<bf16>(&q, &k, &v, &shape, n_ctx, bf16::from_f32, simd);
+        check::<Fp8E4m3>(&q, &k, &v, &shape, n_ctx, |x| Fp8E4m3::from_f32(64.0 * x), simd);
         // The f32 kernel also agrees between its SIMD and baseline builds.
         let base = run::<f32>(&q, &k, &v, &shape, n_ctx, false);
         if simd {

@@ -64,7 +64,7 @@
 mod kernel;
 
 use kernel::{attend, check_query_start_loc, run_items, KvElem, Rows, Shape};
-use vellum_base::{AttentionMetadata, AttentionShape};
+use vellum_base::{fp8, AttentionMetadata, AttentionShape, KvCacheDtype, KvScale};
 
 use crate::kv_cache::{KvCacheLayout, KvPool, LayerKvCache};
 
@@ -76,10 +76,14 @@ use crate::kv_cache::{KvCacheLayout, KvPool, LayerKvCache};
 /// k[t, :, :]  ──►  cache.k[slot_mapping[t] / bs, slot_mapping[t] % bs, :, :]
 /// ```
 ///
+/// `scale` is the layer's ([`KvScale`]): keys are stored as `k · (1 /
+/// scale.k)`, values as `v · (1 / scale.v)` (an unscaled cache takes
+/// [`KvScale::ONE`]).
+///
 /// # Panics
 /// If `k`/`v` do not hold `slot_mapping.len()` tokens, a slot is outside the
 /// pool, or the pools do not match `layout`.
-pub fn write_kv(cache: &mut LayerKvCache, layout: &KvCacheLayout, k: &[f32], v: &[f32], slot_mapping: &[u32]) {
+pub fn write_kv(cache: &mut LayerKvCache, layout: &KvCacheLayout, k: &[f32], v: &[f32], slot_mapping: &[u32], scale: KvScale) {
     cache.assert_layout(layout, "write_kv");
     let row = layout.slot_elems();
     let n = slot_mapping.len();
@@ -96,11 +100,12 @@ pub fn write_kv(cache: &mut LayerKvCache, layout: &KvCacheLayout, k: &[f32], v: 
         return;
     }
     let num_slots = layout.num_slots();
+    let (k_inv, v_inv) = (1.0 / scale.k, 1.0 / scale.v);
     for ((&slot, k_row), v_row) in slot_mapping.iter().zip(k.chunks_exact(row)).zip(v.chunks_exact(row)) {
         let slot = slot as usize;
         assert!(slot < num_slots, "write_kv: slot {slot} outside the pool of {num_slots} slots");
-        cache.k.write_f32(slot * row, k_row);
-        cache.v.write_f32(slot * row, v_row);
+        cache.k.write_scaled(slot * row, k_row, k_inv);
+        cache.v.write_scaled(slot * row, v_row, v_inv);
     }
 }
 
@@ -117,6 +122,9 @@ pub fn write_kv(cache: &mut LayerKvCache, layout: &KvCacheLayout, k: &[f32], v: 
 /// Grouped-query attention: query head `h` reads kv head
 /// `h / (num_heads / num_kv_heads)`. Softmax in `f32` with max subtraction;
 /// `attn.scale` multiplies `q·k`, then the soft-cap applies if any.
+/// `scale` is the layer's, as [`write_kv`] stored it: the key scale (and,
+/// for FP8, the 2⁸ of its widening) joins `attn.scale`, the value scale
+/// multiplies the outputs.
 ///
 /// # Panics
 /// On any shape mismatch between `q`, `out`, `layout`, `cache` and `meta`, a
@@ -129,6 +137,7 @@ pub fn paged_attention(
     layout: &KvCacheLayout,
     meta: &AttentionMetadata<'_>,
     attn: &AttentionShape,
+    scale: KvScale,
 ) {
     cache.assert_layout(layout, "paged_attention");
     assert!(
@@ -141,9 +150,12 @@ pub fn paged_attention(
     );
     assert_eq!(meta.block_size, layout.block_size, "paged_attention: metadata block_size differs from the cache layout's");
     assert!(layout.block_size > 0, "paged_attention: block_size is 0");
+    // The kernel reads an FP8 code as its value / 2⁸ (kernel::FP8_F16_UNITS).
+    let unit = if cache.dtype() == KvCacheDtype::Fp8E4m3 { fp8::F16_UNIT } else { 1.0 };
     let shape = Shape {
-        scale: attn.scale,
+        scale: attn.scale * (scale.k * unit),
         softcap: attn.logit_softcap,
+        v_scale: scale.v * unit,
         ..Shape::new(attn.num_heads, layout.num_kv_heads, layout.head_dim, "paged_attention")
     };
     let num_seqs = check_query_start_loc(meta.query_start_loc, "paged_attention");
@@ -184,6 +196,7 @@ pub fn paged_attention(
         (KvPool::F32(k), KvPool::F32(v)) => call.run(out, q, k, v),
         (KvPool::F16(k), KvPool::F16(v)) => call.run(out, q, k, v),
         (KvPool::Bf16(k), KvPool::Bf16(v)) => call.run(out, q, k, v),
+        (KvPool::Fp8E4m3(k), KvPool::Fp8E4m3(v)) => call.run(out, q, k, v),
         _ => unreachable!("paged_attention: assert_layout checks that K and V share a dtype"),
     }
 }

@@ -42,7 +42,9 @@ pub struct EngineFlags {
     pub gpu_memory_utilization: Option<f32>,
     /// Element type of the KV cache: auto (bfloat16 where --dtype is bfloat16
     /// on --device cuda, float16 on the CPU's default int8 path, float32
-    /// otherwise), float32, float16, bfloat16.
+    /// otherwise), float32, float16, bfloat16, fp8 (fp8_e4m3: a byte an
+    /// element, each layer's keys and values divided by scales a
+    /// calibration pass takes at start; --device cpu and cuda).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
     /// GiB of host memory for KV blocks swapped out by `--preemption-mode
@@ -298,7 +300,9 @@ fn parse_kv_cache_dtype(s: &str) -> Result<Option<KvCacheDtype>> {
         "float32" | "fp32" => KvCacheDtype::F32,
         "float16" | "fp16" | "half" => KvCacheDtype::F16,
         "bfloat16" | "bf16" => KvCacheDtype::Bf16,
-        other => bail!("--kv-cache-dtype must be auto, float32, float16 or bfloat16, got {other:?}"),
+        "fp8" | "fp8_e4m3" => KvCacheDtype::Fp8E4m3,
+        "fp8_e5m2" => bail!("--kv-cache-dtype fp8_e5m2 is not supported: fp8 (fp8_e4m3, with per-layer scales) is"),
+        other => bail!("--kv-cache-dtype must be auto, float32, float16, bfloat16 or fp8 (fp8_e4m3), got {other:?}"),
     }))
 }
 

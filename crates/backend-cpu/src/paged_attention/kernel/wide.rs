@@ -21,7 +21,8 @@ use std::arch::x86_64::*;
 /// Sixteen elements from `p` as `f32` in one register.
 ///
 /// # Safety
-/// AVX-512F (and BW for `bf16`); `p` points at 16 readable elements.
+/// AVX-512F (and BW for `bf16`; AVX2 for FP8); `p` points at 16 readable
+/// elements.
 #[inline(always)]
 unsafe fn load16<T: KvElem>(p: *const T) -> __m512 {
     // SAFETY: the caller's contract (16 elements at p; AVX-512F/BW).
@@ -30,6 +31,7 @@ unsafe fn load16<T: KvElem>(p: *const T) -> __m512 {
             ElemKind::F32 => _mm512_loadu_ps(p.cast()),
             ElemKind::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
             ElemKind::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())))),
+            ElemKind::Fp8E4m3 => _mm512_cvtph_ps(super::fp8_to_f16_bits(_mm_loadu_si128(p.cast()))),
         }
     }
 }
@@ -222,7 +224,13 @@ mod tests {
         let wide = std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && crate::quant::has_simd();
         crate::runs_or_skips(wide, test, "AVX-512")
     }
+    use crate::kv_cache::Fp8E4m3;
     use half::{bf16, f16};
+
+    /// A value in [-1, 1] as an FP8 code of 64 times it (the normal range).
+    fn fp8_code(x: f32) -> Fp8E4m3 {
+        Fp8E4m3::from_f32(64.0 * x)
+    }
 
     /// Every head's score equals `dot`'s, bit for bit, for head sizes with
     /// and without 64-value blocks, 16-value chunks and scalar tails, and
@@ -259,6 +267,7 @@ mod tests {
             check::<f32>(&mut rnd, |a| a, hd, group, None);
             check::<f16>(&mut rnd, f16::from_f32, hd, group, Some(30.0));
             check::<bf16>(&mut rnd, bf16::from_f32, hd, group, None);
+            check::<Fp8E4m3>(&mut rnd, fp8_code, hd, group, Some(30.0));
         }
     }
 
@@ -298,6 +307,7 @@ mod tests {
             check::<f32>(&mut rnd, |a| a, hd, group, n_ctx);
             check::<f16>(&mut rnd, f16::from_f32, hd, group, n_ctx);
             check::<bf16>(&mut rnd, bf16::from_f32, hd, group, n_ctx);
+            check::<Fp8E4m3>(&mut rnd, fp8_code, hd, group, n_ctx);
         }
     }
 }
