@@ -18,7 +18,10 @@
 #    llama-batched-bench, alternated rounds; then `vellum serve` the same two
 #    ways (SERVE_MODES; eager is a mode too) at 64 and 256 clients (and
 #    where the engine loop's time went, from /metrics); then, if the time
-#    allows (BUDGET_S), a Llama-3-8B-shaped Q8_0 with graphs.
+#    allows (BUDGET_S), a Llama-3-8B-shaped Q8_0 with graphs, its KV cache
+#    in bf16 and in FP8 (--kv-cache-dtype fp8: half the bytes a decode
+#    step's attention reads). The suite's attention and conformance tests
+#    run every KV type, FP8 included.
 # Logs and rows under $OUT; the tables last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -147,7 +150,7 @@ for mode in ${SERVE_MODES:-graphs async graphs async}; do serve smollm2 "$smol" 
 stamp "serving done"
 if [ $((SECONDS - t0)) -lt $((budget - 140)) ]; then
     bash benchmarks/cuda_vs_llama_cpp.sh model llama3-8b-q8_0 /tmp/m8.gguf >/dev/null 2>&1
-    VARIANTS="graphs:" ROUNDS=1 timeout "$(left)" \
+    VARIANTS="graphs:;fp8:--kv-cache-dtype fp8" ROUNDS=1 timeout "$(left)" \
         bash benchmarks/cuda_vs_llama_cpp.sh run /tmp/m8.gguf llama3-8b-q8_0 >"$out/logs/m8_table.txt" 2>"$out/logs/m8_run.txt"
     stamp "8b exit $?"
 fi
