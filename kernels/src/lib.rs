@@ -30,6 +30,8 @@ pub mod wgsl {
     pub const KV_F16: &str = include_str!("../wgsl/kv_f16.wgsl");
     /// `wgsl/kv_f32.wgsl`.
     pub const KV_F32: &str = include_str!("../wgsl/kv_f32.wgsl");
+    /// `wgsl/kv_fp8.wgsl`.
+    pub const KV_FP8: &str = include_str!("../wgsl/kv_fp8.wgsl");
     /// `wgsl/matmul.wgsl`.
     pub const MATMUL: &str = include_str!("../wgsl/matmul.wgsl");
     /// `wgsl/paged_attention.wgsl`.

@@ -16,8 +16,9 @@ fn kv_unpack(w: u32, i: u32) -> f32 {
     return bitcast<f32>(select(w << 16u, w & 0xffff0000u, i == 1u));
 }
 
-fn kv_pack(a: f32, b: f32) -> u32 {
-    return bf16_bits(a) | (bf16_bits(b) << 16u);
+// The word of four consecutive elements: here the first two.
+fn kv_pack(x: vec4<f32>) -> u32 {
+    return bf16_bits(x.x) | (bf16_bits(x.y) << 16u);
 }
 
 alias KvWord4 = vec2<u32>;

@@ -8,8 +8,9 @@ fn kv_unpack(w: u32, i: u32) -> f32 {
     return select(v.x, v.y, i == 1u);
 }
 
-fn kv_pack(a: f32, b: f32) -> u32 {
-    return pack2x16float(vec2<f32>(a, b));
+// The word of four consecutive elements: here the first two.
+fn kv_pack(x: vec4<f32>) -> u32 {
+    return pack2x16float(x.xy);
 }
 
 alias KvWord4 = vec2<u32>;

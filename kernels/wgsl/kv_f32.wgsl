@@ -6,8 +6,9 @@ fn kv_unpack(w: f32, i: u32) -> f32 {
     return w;
 }
 
-fn kv_pack(a: f32, b: f32) -> f32 {
-    return a;
+// The word of four consecutive elements: here the first.
+fn kv_pack(x: vec4<f32>) -> f32 {
+    return x.x;
 }
 
 alias KvWord4 = vec4<f32>;

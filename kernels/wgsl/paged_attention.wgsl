@@ -25,9 +25,9 @@ struct Params {
     ctx: u32,
     tables: u32,
     _pad: u32,
-    scale: f32,
+    scale: f32,       // the layer's key scale folded in
     softcap: f32,     // 0 = none
-    _pad1: u32,
+    v_scale: f32,     // the layer's value scale (1 but for FP8)
     _pad2: u32,
 }
 
@@ -138,7 +138,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
         for (var g = 0u; g < groups; g++) {
             v += part[g * chunks + lid];
         }
-        v /= l;
+        v = v / l * p.v_scale;
         out[q_base + 4u * lid] = v.x;
         out[q_base + 4u * lid + 1u] = v.y;
         out[q_base + 4u * lid + 2u] = v.z;

@@ -1,14 +1,31 @@
 // The paper's fused reshape-and-block-write (§5.1): the new tokens' K and V
 // ([tokens, kv_heads · head_dim]) go to their slots of the layer's pools
 // [num_blocks, block_size, kv_heads, head_dim] through the slot mapping
-// (slot = block · block_size + offset). One invocation per pool word; the
-// KV element format (kv_*.wgsl) is included before this file.
+// (slot = block · block_size + offset), multiplied by the inverse of the
+// layer's scales (1 but for FP8). One invocation per pool word; the KV
+// element format (kv_*.wgsl) is included before this file.
 
 struct Params {
     tokens: u32,
-    row: u32,      // elements per token: kv_heads · head_dim (even)
+    row: u32,      // elements per token: kv_heads · head_dim (a multiple of 4)
     slots: u32,    // offset of the slot mapping in `step`
     _pad: u32,
+    k_inv: f32,
+    v_inv: f32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+// The word's four elements from `src` (those past KV_PER_WORD repeat the
+// last, never read past the word).
+fn word_of_k(src: u32) -> vec4<f32> {
+    let n = KV_PER_WORD - 1u;
+    return vec4<f32>(k[src], k[src + min(1u, n)], k[src + min(2u, n)], k[src + min(3u, n)]);
+}
+
+fn word_of_v(src: u32) -> vec4<f32> {
+    let n = KV_PER_WORD - 1u;
+    return vec4<f32>(v[src], v[src + min(1u, n)], v[src + min(2u, n)], v[src + min(3u, n)]);
 }
 
 @group(0) @binding(0) var<storage, read> k: array<f32>;
@@ -29,7 +46,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let j = i % words;
     let src = t * p.row + j * KV_PER_WORD;
     let dst = step[p.slots + t] * words + j;
-    let last = src + KV_PER_WORD - 1u;
-    k_pool[dst] = kv_pack(k[src], k[last]);
-    v_pool[dst] = kv_pack(v[src], v[last]);
+    k_pool[dst] = kv_pack(word_of_k(src) * p.k_inv);
+    v_pool[dst] = kv_pack(word_of_v(src) * p.v_inv);
 }

@@ -253,11 +253,17 @@ impl KvPool {
     /// its layer's scale, multiplied by the scale's inverse as every backend
     /// does, so that they round the same products).
     pub fn write_scaled(&mut self, offset: usize, src: &[f32], inv_scale: f32) {
-        if inv_scale == 1.0 {
-            return self.write_f32(offset, src);
+        match self {
+            KvPool::Fp8E4m3(x) => {
+                let range = offset..offset + src.len();
+                x[range].iter_mut().zip(src).for_each(|(d, &s)| *d = Fp8E4m3::from_f32(s * inv_scale));
+            }
+            _ if inv_scale == 1.0 => self.write_f32(offset, src),
+            _ => {
+                let scaled: Vec<f32> = src.iter().map(|&x| x * inv_scale).collect();
+                self.write_f32(offset, &scaled);
+            }
         }
-        let scaled: Vec<f32> = src.iter().map(|&x| x * inv_scale).collect();
-        self.write_f32(offset, &scaled);
     }
 
     /// Reads elements `offset..offset + dst.len()` into `dst` as `f32` (as
@@ -372,7 +378,8 @@ pub struct KvCache {
     pub num_host_blocks: usize,
     /// Each layer's scales ([`KvScale::ONE`] unless the dtype is scaled,
     /// [`KvCacheDtype::is_scaled`]): layer `l` stores `x / scales[l]`.
-    pub scales: Vec<KvScale>,
+    /// Fixed once allocated ([`KvCache::with_scales`], [`KvCache::scale`]).
+    scales: Vec<KvScale>,
 }
 
 impl KvCache {

@@ -37,8 +37,7 @@ fn kv_snippet(dtype: KvCacheDtype) -> &'static str {
         KvCacheDtype::F32 => vellum_kernels::wgsl::KV_F32,
         KvCacheDtype::F16 => vellum_kernels::wgsl::KV_F16,
         KvCacheDtype::Bf16 => vellum_kernels::wgsl::KV_BF16,
-        // allocate_kv_cache refuses the type, so no kernel of it is built.
-        KvCacheDtype::Fp8E4m3 => unreachable!("the wgpu backend has no FP8 KV cache"),
+        KvCacheDtype::Fp8E4m3 => vellum_kernels::wgsl::KV_FP8,
     }
 }
 

@@ -9,7 +9,7 @@ use crate::weights::{self, GpuWeight};
 use std::sync::Arc;
 use vellum_base::{
     AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype,
-    KvCacheSpec, KvMemory, Sizes, StepBounds,
+    KvCacheSpec, KvMemory, KvScale, Sizes, StepBounds,
 };
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
@@ -114,6 +114,15 @@ pub struct GpuKvCache {
     layers: Vec<[DeviceBuffer; 2]>,
     host: Vec<[Vec<u8>; 2]>,
     num_host_blocks: usize,
+    /// Each layer's scales ([`KvScale::ONE`] unless the dtype is scaled).
+    scales: Vec<KvScale>,
+}
+
+impl GpuKvCache {
+    /// Layer `layer`'s scales: it stores `x / scale`.
+    pub fn scale(&self, layer: usize) -> KvScale {
+        self.scales.get(layer).copied().unwrap_or(KvScale::ONE)
+    }
 }
 
 /// The model operations on a wgpu device.
@@ -125,6 +134,11 @@ pub struct WgpuOps {
     binding_limit: u64,
     /// Bound where a kernel's optional input is absent.
     dummy: DeviceBuffer,
+    /// Set during a calibration pass ([`Ops::set_calibrating`]): `write_kv`
+    /// records each layer's largest |key| and |value| in `kv_absmax`, from
+    /// which FP8 caches allocated afterwards take their scales.
+    calibrating: std::sync::atomic::AtomicBool,
+    kv_absmax: std::sync::Mutex<Vec<(f32, f32)>>,
 }
 
 impl std::fmt::Debug for WgpuOps {
@@ -166,7 +180,15 @@ impl WgpuOps {
         if std::env::var("VELLUM_WGPU_PROFILE").is_ok_and(|v| v != "0") && !rec.set_profiling(true) {
             tracing::warn!("VELLUM_WGPU_PROFILE: the adapter has no timestamp queries");
         }
-        Ok(Self { pool: BufferPool::new(ctx.clone()), ctx, rec, binding_limit, dummy })
+        Ok(Self {
+            pool: BufferPool::new(ctx.clone()),
+            ctx,
+            rec,
+            binding_limit,
+            dummy,
+            calibrating: Default::default(),
+            kv_absmax: Default::default(),
+        })
     }
 
     /// Pretends one binding may cover at most `bytes` (rounded down to a
@@ -213,7 +235,8 @@ impl WgpuOps {
     }
 
     /// Layer slot `layer`'s K (`value = false`) or V pool (layer `layer` with one
-    /// KV-cache group), widened to f32,
+    /// KV-cache group), widened to f32 as stored (an FP8 code's value, not
+    /// yet multiplied by its layer's scale),
     /// `[num_blocks, block_size, kv_heads, head_dim]` (for tests and
     /// debugging).
     pub fn read_kv_pool(&self, cache: &GpuKvCache, layer: usize, value: bool) -> OpResult<Vec<f32>> {
@@ -224,19 +247,19 @@ impl WgpuOps {
             KvCacheDtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             KvCacheDtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             KvCacheDtype::Bf16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            KvCacheDtype::Fp8E4m3 => return Err(Error::Backend("the wgpu backend has no FP8 KV cache".into())),
+            KvCacheDtype::Fp8E4m3 => bytes.iter().map(|&c| vellum_base::fp8::to_f32(c)).collect(),
         })
     }
 
-    /// Layer `layer`'s host (swap) pools, K then V, widened to f32.
+    /// Layer `layer`'s host (swap) pools, K then V, widened to f32 as
+    /// stored.
     pub fn read_host_pool(&self, cache: &GpuKvCache, layer: usize, value: bool) -> Vec<f32> {
         let bytes = cache.host.get(layer).map(|h| &h[usize::from(value)][..]).unwrap_or(&[]);
         match cache.spec.dtype {
             KvCacheDtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             KvCacheDtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             KvCacheDtype::Bf16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            // allocate_kv_cache refuses the type.
-            KvCacheDtype::Fp8E4m3 => Vec::new(),
+            KvCacheDtype::Fp8E4m3 => bytes.iter().map(|&c| vellum_base::fp8::to_f32(c)).collect(),
         }
     }
 
@@ -320,7 +343,13 @@ impl HostIo for WgpuOps {
     fn read_kv(&self, cache: &GpuKvCache, layer: usize, value: bool) -> OpResult<Vec<f32>> {
         // The pools are per slot; a hybrid cache's layers share slots.
         check(layer < cache.spec.groups.num_layers(), || format!("read_kv: no layer {layer}"))?;
-        self.read_kv_pool(cache, cache.spec.groups.slot(layer).slot, value)
+        let mut x = self.read_kv_pool(cache, cache.spec.groups.slot(layer).slot, value)?;
+        let scale = cache.scale(layer);
+        let s = if value { scale.v } else { scale.k };
+        if s != 1.0 {
+            x.iter_mut().for_each(|x| *x *= s);
+        }
+        Ok(x)
     }
 }
 
@@ -335,6 +364,11 @@ impl Ops for WgpuOps {
 
     fn embedding_weight(&self, w: WeightView<'_>) -> vellum_ops::Result<GpuWeight> {
         weights::upload(&self.ctx, &w, self.binding_limit)
+    }
+
+    /// Records each layer's largest |key| and |value| for FP8 caches.
+    fn set_calibrating(&self, on: bool) {
+        self.calibrating.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn vector(&self, name: &str, data: &[f32]) -> vellum_ops::Result<GpuVector> {
@@ -494,7 +528,7 @@ impl AttentionBackend for WgpuOps {
             // A workgroup holds a head in vec4 lanes.
             head_dims: Sizes::Multiples { multiple_of: 4, max: 256 },
             block_sizes: Sizes::ANY,
-            kv_dtypes: &[KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16],
+            kv_dtypes: &[KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3],
             kv_groups: true,
         }
     }
@@ -527,7 +561,13 @@ impl AttentionBackend for WgpuOps {
         }
         let host_bytes = num_host_blocks * spec.pool_block_bytes() as usize;
         let host = (0..spec.num_slots()).map(|_| [vec![0u8; host_bytes], vec![0u8; host_bytes]]).collect();
-        Ok(GpuKvCache { spec: spec.clone(), num_blocks, layers, host, num_host_blocks })
+        let scales = if spec.dtype.is_scaled() {
+            let seen = self.kv_absmax.lock().unwrap_or_else(|e| e.into_inner());
+            (0..spec.groups.num_layers()).map(|l| seen.get(l).map_or(KvScale::ONE, |&(k, v)| KvScale::from_absmax(k, v))).collect()
+        } else {
+            vec![KvScale::ONE; spec.groups.num_layers()]
+        };
+        Ok(GpuKvCache { spec: spec.clone(), num_blocks, layers, host, num_host_blocks, scales })
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<GpuStep> {
@@ -578,9 +618,20 @@ impl AttentionBackend for WgpuOps {
         let at = spec.groups.slot(layer);
         let (slots, _) = step.group_offsets(at.group)?;
         let [kp, vp] = &cache.layers[at.slot];
-        let per_word = if spec.dtype == KvCacheDtype::F32 { 1 } else { 2 };
+        let per_word = 4 / spec.dtype.size_bytes();
         let words = step.tokens * row / per_word;
-        let p = params(&[step.tokens as u32, row as u32, slots, 0]);
+        if self.calibrating.load(std::sync::atomic::Ordering::Relaxed) {
+            let absmax = |x: &[f32]| x.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
+            let (km, vm) = (absmax(&self.to_host(k)?), absmax(&self.to_host(v)?));
+            let mut seen = self.kv_absmax.lock().unwrap_or_else(|e| e.into_inner());
+            if seen.len() <= layer {
+                seen.resize(layer + 1, (0.0, 0.0));
+            }
+            seen[layer] = (seen[layer].0.max(km), seen[layer].1.max(vm));
+        }
+        let scale = cache.scale(layer);
+        let (k_inv, v_inv) = (1.0f32 / scale.k, 1.0f32 / scale.v);
+        let p = params(&[step.tokens as u32, row as u32, slots, 0, k_inv.to_bits(), v_inv.to_bits(), 0, 0]);
         let bound = vec![k.bound(), v.bound(), kp.bound(), vp.bound(), step.meta()];
         self.rec.dispatch(Kernel::WriteKv(spec.dtype), bound, &p, self.rec.groups_1d(words.div_ceil(64) as u64))
     }
@@ -632,9 +683,11 @@ impl AttentionBackend for WgpuOps {
             o.ctx,
             tables,
             0,
-            shape.scale.to_bits(),
+            // The layer's key scale joins the score scale (an FP8 code reads
+            // as its value here), its value scale multiplies the outputs.
+            (shape.scale * cache.scale(layer).k).to_bits(),
             shape.logit_softcap.unwrap_or(0.0).to_bits(),
-            0,
+            cache.scale(layer).v.to_bits(),
             0,
         ]);
         let bound = vec![q.bound(), out.bound(), kp.bound(), vp.bound(), step.meta()];

@@ -25,6 +25,9 @@
 //!   size, block size and KV element type the backend declares in its
 //!   `capabilities()`: 1e-4 on an f32 cache, and on f16/bf16 caches the bound
 //!   one rounding of the stored K/V implies; the pools themselves too;
+//! - an FP8 cache (where declared) allocated after a calibration pass over
+//!   keys and values past its range: the scales it took applied, the pools
+//!   equal to the reference's, attention within 1e-4;
 //! - shapes that do not fit are errors, not panics.
 //!
 //! The golden prompts (`tests/golden.rs` at the workspace root) are the
@@ -77,6 +80,60 @@ impl Suite {
         self.paged_attention(ops);
         self.copy_blocks_and_swaps(ops);
         self.stacked_projections(ops);
+        // Last: the scales a calibration takes stay with the backend and
+        // apply to every FP8 cache it allocates after.
+        self.fp8_scales_from_calibration(ops);
+    }
+
+    /// Where the backend takes FP8 KV caches: a calibration pass
+    /// ([`vellum_ops::Ops::set_calibrating`]) writes keys up to ±3000 and
+    /// values up to ±1200, far past E4M3's ±448, into an f32 cache; an FP8
+    /// cache allocated after it stores them divided by the scales it took
+    /// ([`vellum_base::KvScale::from_absmax`]). Its pools must read back as
+    /// the CPU reference's after the same pass (the same codes times the
+    /// same scales: exact) and hold values past 448 (an unscaled cache
+    /// would clip every one there), and attention must agree with the
+    /// reference's (1e-4 relative). Run it on a backend instance last: the
+    /// scales stay with it.
+    pub fn fp8_scales_from_calibration<O: HostIo>(&self, ops: &O) {
+        let caps = ops.capabilities();
+        if !caps.kv_dtypes.contains(&KvCacheDtype::Fp8E4m3) {
+            return;
+        }
+        let head_dim = [64usize, 128, 32, 8].into_iter().find(|&d| caps.head_dims.allows(d)).unwrap_or(64);
+        let block_size = [16usize, 8, 4].into_iter().find(|&b| caps.block_sizes.allows(b)).unwrap_or(16);
+        let case = AttnCase {
+            block_size,
+            kv_heads: 2,
+            group: 2,
+            head_dim,
+            seqs: vec![(40, 1), (30, 12)],
+            shared_blocks: 0,
+            window: None,
+            softcap: None,
+            seed: 77,
+        };
+        let mut built = case.build();
+        let times = |x: &mut Vec<f32>, m: f32| x.iter_mut().for_each(|v| *v *= m);
+        for (k, v) in [&mut built.kv_early, &mut built.kv_late].map(|(k, v)| (k, v)) {
+            times(k, 3000.0);
+            times(v, 1200.0);
+        }
+        // A small query: the scores stay in a range where softmax is not one-hot.
+        times(&mut built.q, 1e-3);
+        let (want_out, want_k, want_v) = fp8_after_calibration(&reference(), &case, &built);
+        let (got_out, got_k, got_v) = fp8_after_calibration(ops, &case, &built);
+        self.close(&got_k, &want_k, 0.0, "FP8 K pool after calibration");
+        self.close(&got_v, &want_v, 0.0, "FP8 V pool after calibration");
+        let largest = |x: &[f32]| x.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
+        assert!(
+            largest(&got_k) > 1000.0 && largest(&got_v) > 448.0,
+            "{}: an FP8 cache allocated after calibration clips its values (largest |k| {}, |v| {})",
+            self.name,
+            largest(&got_k),
+            largest(&got_v)
+        );
+        self.close(&got_out, &want_out, 1e-4, "FP8 attention after calibration");
     }
 
     /// Where the backend stacks projections ([`vellum_ops::Ops::stacked_weight`]):
@@ -459,6 +516,41 @@ const ATTENTION_CASES: usize = 24;
 /// The reference: the CPU backend's float32 path.
 fn reference() -> CpuOps {
     CpuOps::new(WeightFormat::F32)
+}
+
+/// `b`'s calibration pass over `built`'s keys and values (written to an f32
+/// cache while calibrating), then an FP8 cache allocated after it, filled
+/// with the same keys and values: the late step's attention output and
+/// layer 1's K and V pools, read back with their scales.
+fn fp8_after_calibration<B: HostIo>(b: &B, case: &AttnCase, built: &Built) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let spec = KvCacheSpec::uniform(2, case.kv_heads, case.head_dim, case.block_size, KvCacheDtype::F32);
+    let row = case.kv_heads * case.head_dim;
+    let layer = 1;
+    let write = |cache: &mut B::KvCache| {
+        for (batch, (k, v)) in [(&built.early, &built.kv_early), (&built.late, &built.kv_late)] {
+            let t = batch.num_tokens();
+            if t == 0 {
+                continue;
+            }
+            let step = b.prepare_step(batch, case.block_size).expect("prepare_step");
+            let (k, v) = (b.upload(t, row, k).expect("upload"), b.upload(t, row, v).expect("upload"));
+            b.write_kv(cache, layer, &k, &v, &step).expect("write_kv");
+        }
+    };
+    let mut scratch = b.allocate_kv_cache(&spec, built.num_blocks, 0).expect("allocate_kv_cache");
+    b.set_calibrating(true);
+    write(&mut scratch);
+    b.set_calibrating(false);
+    drop(scratch);
+    let fp8 = KvCacheSpec { dtype: KvCacheDtype::Fp8E4m3, ..spec };
+    let mut cache = b.allocate_kv_cache(&fp8, built.num_blocks, 0).expect("allocate_kv_cache");
+    write(&mut cache);
+    let t = built.late.num_tokens();
+    let step = b.prepare_step(&built.late, case.block_size).expect("prepare_step");
+    let q = b.upload(t, built.q.len() / t, &built.q).expect("upload");
+    let out = b.paged_attention(&cache, layer, &q, &step, &case.shape()).expect("paged_attention");
+    let (k, v) = (b.read_kv(&cache, layer, false).expect("read_kv"), b.read_kv(&cache, layer, true).expect("read_kv"));
+    (b.to_host(&out).expect("to_host"), k, v)
 }
 
 /// Exact for f32 and FP8 (one rounding rule, the same codes); one rounding

@@ -132,7 +132,15 @@ impl KvScale {
     /// a maximum that is zero or not finite keeps its scale at 1 (vLLM's
     /// default when a checkpoint has none).
     pub fn from_absmax(k_absmax: f32, v_absmax: f32) -> KvScale {
-        let scale = |m: f32| if m.is_finite() && m > 0.0 { m / Self::FP8_CALIBRATED_MAX } else { 1.0 };
+        // A scale too small to invert (a maximum below ~1e-36) counts as none.
+        let scale = |m: f32| {
+            let s = m / Self::FP8_CALIBRATED_MAX;
+            if m.is_finite() && s.is_normal() && (1.0 / s).is_finite() {
+                s
+            } else {
+                1.0
+            }
+        };
         KvScale { k: scale(k_absmax), v: scale(v_absmax) }
     }
 }
@@ -187,6 +195,18 @@ impl CacheConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn calibrated_maxima_land_a_quarter_below_the_fp8_range() {
+        let s = KvScale::from_absmax(1120.0, 56.0);
+        assert_eq!((s.k, s.v), (10.0, 0.5));
+        // The maximum stored is 112: four times the calibration's still fits.
+        assert_eq!(crate::fp8::to_f32(crate::fp8::from_f32(1120.0 * (1.0 / s.k))), 112.0);
+        assert_eq!(crate::fp8::to_f32(crate::fp8::from_f32(4.0 * 1120.0 * (1.0 / s.k))), 448.0);
+        for m in [0.0, -0.0, f32::NAN, f32::INFINITY, 1e-40] {
+            assert_eq!(KvScale::from_absmax(m, m), KvScale::ONE, "{m}");
+        }
+    }
 
     #[test]
     fn validation() {

@@ -18,6 +18,12 @@
 //! included. The kernels widen a code that way (one shift and a hardware
 //! half-to-float conversion) and fold the 2⁸ into the layer's scale:
 //! [`to_f16_units`] is what they compute, [`F16_UNIT`] the factor.
+//!
+//! **NaN.** A NaN key or value is stored as a NaN code (the range has no
+//! infinities; larger magnitudes saturate). The kernels widen without
+//! testing for it, so it reads back as ±480 times the layer's scale: a
+//! model that writes NaN into its cache gives large finite attention
+//! outputs with an FP8 cache where a 16-bit cache would give NaN.
 
 /// The largest finite E4M3 value.
 pub const E4M3_MAX: f32 = 448.0;
@@ -64,7 +70,8 @@ pub fn to_f32(code: u8) -> f32 {
 }
 
 /// The binary16 bits whose value is `code`'s divided by [`F16_UNIT`] (see
-/// the module doc; a NaN code gives 480 / 2⁸, which no write produces).
+/// the module doc; a NaN code gives 480 / 2⁸, which only a NaN input
+/// writes).
 pub const fn to_f16_bits(code: u8) -> u16 {
     (((code & 0x80) as u16) << 8) | (((code & 0x7f) as u16) << 7)
 }

@@ -59,7 +59,8 @@ fn parse_config(s: &str) -> Config {
                     "f16" => KvCacheDtype::F16,
                     "f32" => KvCacheDtype::F32,
                     "bf16" => KvCacheDtype::Bf16,
-                    _ => panic!("kv={v}: f16, bf16 or f32"),
+                    "fp8" => KvCacheDtype::Fp8E4m3,
+                    _ => panic!("kv={v}: f16, bf16, fp8 or f32"),
                 })
             }
             _ => panic!("unknown config setting {k:?}"),

@@ -325,7 +325,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         batch.hidden_states = !self.ranks[0].model.has_lm_head();
         // Caches of their own; the engine's, if any, are put back after.
         let saved: Vec<_> = self.ranks.iter_mut().map(|r| r.cache.take()).collect();
-        let saved_block_size = self.block_size;
+        let (saved_block_size, saved_num_blocks) = (self.block_size, self.num_blocks);
         // The pass itself stores its keys and values exactly: the scales
         // it measures are not known yet.
         let dtype = self.kv_cache_dtype;
@@ -338,12 +338,15 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         self.ranks.iter().for_each(|r| r.ops.set_calibrating(true));
         let recorded = self.execute(&batch);
         self.ranks.iter().for_each(|r| r.ops.set_calibrating(false));
-        // The second pass fixes every weight's choice now, not in the first request.
-        let fixed = recorded.and_then(|_| self.execute(&batch));
+        // The second pass fixes every weight's choice now, not in the first
+        // request (an FP8 cache alone needs none: its scales are taken when
+        // it is allocated).
+        let fixed = if self.ops().wants_calibration() { recorded.and_then(|_| self.execute(&batch)) } else { recorded };
         for (rank, cache) in self.ranks.iter_mut().zip(saved) {
             rank.cache = cache;
         }
         self.block_size = saved_block_size;
+        self.num_blocks = saved_num_blocks;
         fixed.map(|_| ())
     }
 

@@ -171,11 +171,12 @@ pub(super) trait KvElem: Copy + Send + Sync {
     const KIND: ElemKind;
 
     /// The slice itself when the elements already are `f32`: the kernel then
-    /// reads the pools in place. `None` for `f16`/`bf16`, which the kernel
-    /// widens tile by tile into scratch.
+    /// reads the pools in place. `None` for `f16`/`bf16`/FP8, which the
+    /// kernel widens in registers or tile by tile into scratch.
     fn as_f32(x: &[Self]) -> Option<&[f32]>;
 
-    /// `dst[i] = src[i] as f32` (same lengths).
+    /// `dst[i] = src[i] as f32` (same lengths; an FP8 code in units of
+    /// [`fp8::F16_UNIT`]).
     fn widen(src: &[Self], dst: &mut [f32]);
 
     /// Whether widening costs less than a store and a reload (`bf16`: a
@@ -191,7 +192,8 @@ pub(super) trait KvElem: Copy + Send + Sync {
     /// fused tile reads the pools through this.
     ///
     /// # Safety
-    /// For `f16` the CPU must have F16C: only [`attend_group_simd`] (entered
+    /// For `f16` the CPU must have F16C (for FP8 also AVX2): only
+    /// [`attend_group_simd`] (entered
     /// after [`crate::quant::has_simd`]) instantiates the fused tile.
     unsafe fn widen16(src: &[Self]) -> [f32; LANES];
 }

@@ -44,7 +44,7 @@ pub struct EngineFlags {
     /// on --device cuda, float16 on the CPU's default int8 path, float32
     /// otherwise), float32, float16, bfloat16, fp8 (fp8_e4m3: a byte an
     /// element, each layer's keys and values divided by scales a
-    /// calibration pass takes at start; --device cpu and cuda).
+    /// calibration pass takes at start; every --device).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
     /// GiB of host memory for KV blocks swapped out by `--preemption-mode
