@@ -54,9 +54,11 @@ struct fp8e4m3 {
     unsigned char bits;
 };
 
-// The binary16 bits of the code's value / 2^8.
+// The binary16 bits of the code's value / 2^8; a NaN code gives a quiet
+// binary16 NaN of its sign.
 __device__ __forceinline__ unsigned short fp8_f16_bits(unsigned int c) {
-    return (unsigned short)(((c & 0x80u) << 8) | ((c & 0x7fu) << 7));
+    const unsigned int low = c & 0x7fu;
+    return (unsigned short)(((c & 0x80u) << 8) | (low == 0x7fu ? 0x7e00u : low << 7));
 }
 
 // The code nearest x (ties to even); |x| >= 448 and infinities saturate

@@ -32,13 +32,17 @@ fn fp8_code(x: f32) -> u32 {
 }
 
 // A code's value: the normals built as f32 bits, the subnormals as m · 2^-9
-// (both exact, so no device's treatment of subnormal halves matters).
+// (both exact, so no device's treatment of subnormal halves matters); the
+// NaN codes give an f32 NaN.
 fn fp8_value(c: u32) -> f32 {
     let e = (c >> 3u) & 0xfu;
     let m = c & 7u;
     var v = f32(m) * (1.0 / 512.0);
     if (e > 0u) {
         v = bitcast<f32>(((e + 120u) << 23u) | (m << 20u));
+    }
+    if ((c & 0x7fu) == 0x7fu) {
+        v = bitcast<f32>(0x7fc00000u);
     }
     return select(v, -v, (c & 0x80u) != 0u);
 }

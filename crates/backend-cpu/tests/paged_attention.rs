@@ -653,3 +653,32 @@ fn slot_outside_the_pool_is_a_broken_invariant() {
     let mut cache = LayerKvCache::new(&layout, KvCacheDtype::F16);
     write_kv(&mut cache, &layout, &[1.0, 2.0], &[3.0, 4.0], &[4], KvScale::ONE);
 }
+
+/// A NaN key stored in an FP8 cache (the NaN code) comes back out of
+/// attention as NaN, as it does from a 16-bit cache, for the queries that
+/// see it and only for them.
+#[test]
+fn a_nan_key_in_an_fp8_cache_reads_back_as_nan() {
+    let layout = KvCacheLayout { num_blocks: 2, block_size: 4, num_kv_heads: 1, head_dim: 16 };
+    let mut cache = LayerKvCache::new(&layout, KvCacheDtype::Fp8E4m3);
+    let mut k: Vec<f32> = (0..6 * 16).map(|i| (i % 7) as f32 * 0.1).collect();
+    k[3 * 16 + 5] = f32::NAN;
+    let v: Vec<f32> = (0..6 * 16).map(|i| (i % 5) as f32 * 0.2).collect();
+    let slots: Vec<u32> = (0..6).collect();
+    write_kv(&mut cache, &layout, &k, &v, &slots, KvScale::ONE);
+    // Six query rows of one sequence: rows 0..3 see positions before the NaN key.
+    let q: Vec<f32> = (0..6 * 16).map(|i| (i % 3) as f32 * 0.3).collect();
+    let meta = AttentionMetadata {
+        block_size: 4,
+        slot_mapping: &slots,
+        query_start_loc: &[0, 6],
+        context_lens: &[6],
+        block_tables: &[0, 1],
+        block_table_stride: 2,
+    };
+    let mut out = vec![0.0; q.len()];
+    paged_attention(&mut out, &q, &cache, &layout, &meta, &AttentionShape::new(1, 1, 16), KvScale::ONE);
+    for (row, o) in out.chunks(16).enumerate() {
+        assert_eq!(o.iter().all(|x| x.is_nan()), row >= 3, "row {row}: {o:?}");
+    }
+}

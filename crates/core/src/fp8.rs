@@ -20,10 +20,10 @@
 //! [`to_f16_units`] is what they compute, [`F16_UNIT`] the factor.
 //!
 //! **NaN.** A NaN key or value is stored as a NaN code (the range has no
-//! infinities; larger magnitudes saturate). The kernels widen without
-//! testing for it, so it reads back as ±480 times the layer's scale: a
-//! model that writes NaN into its cache gives large finite attention
-//! outputs with an FP8 cache where a 16-bit cache would give NaN.
+//! infinities; larger magnitudes saturate), and the widening maps the two
+//! NaN codes to a binary16 NaN (one compare and select more than the shift),
+//! so a model that writes NaN into its cache sees NaN come out of attention,
+//! as with a 16-bit cache.
 
 /// The largest finite E4M3 value.
 pub const E4M3_MAX: f32 = 448.0;
@@ -70,10 +70,14 @@ pub fn to_f32(code: u8) -> f32 {
 }
 
 /// The binary16 bits whose value is `code`'s divided by [`F16_UNIT`] (see
-/// the module doc; a NaN code gives 480 / 2⁸, which only a NaN input
-/// writes).
+/// the module doc); for a NaN code, a quiet binary16 NaN of its sign.
 pub const fn to_f16_bits(code: u8) -> u16 {
-    (((code & 0x80) as u16) << 8) | (((code & 0x7f) as u16) << 7)
+    let sign = ((code & 0x80) as u16) << 8;
+    if code & 0x7f == 0x7f {
+        sign | 0x7e00
+    } else {
+        sign | (((code & 0x7f) as u16) << 7)
+    }
 }
 
 /// `code`'s value divided by [`F16_UNIT`], as the kernels read it.
@@ -127,6 +131,7 @@ mod tests {
         for c in codes() {
             assert_eq!(to_f16_units(c) * F16_UNIT, to_f32(c), "code {c:#04x}");
         }
+        assert!(to_f16_units(0x7f).is_nan() && to_f16_units(0xff).is_nan(), "NaN codes widen to NaN");
     }
 
     #[test]

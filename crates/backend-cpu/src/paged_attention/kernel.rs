@@ -399,7 +399,8 @@ pub(super) unsafe fn widen16_fp8(src: &[Fp8E4m3]) -> [f32; LANES] {
     d
 }
 
-/// The binary16 bits ([`fp8::to_f16_bits`]) of sixteen FP8 codes.
+/// The binary16 bits ([`fp8::to_f16_bits`]) of sixteen FP8 codes: NaN
+/// codes to a quiet NaN of their sign.
 ///
 /// # Safety
 /// The CPU must have AVX2.
@@ -409,9 +410,11 @@ pub(super) unsafe fn widen16_fp8(src: &[Fp8E4m3]) -> [f32; LANES] {
 pub(super) unsafe fn fp8_to_f16_bits(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     let x = _mm256_cvtepu8_epi16(codes);
+    let low = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
     let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(x, _mm256_set1_epi16(0x80)));
-    let rest = _mm256_slli_epi16::<7>(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)));
-    _mm256_or_si256(sign, rest)
+    let rest = _mm256_slli_epi16::<7>(low);
+    let nan = _mm256_cmpeq_epi16(low, _mm256_set1_epi16(0x7f));
+    _mm256_or_si256(sign, _mm256_blendv_epi8(rest, _mm256_set1_epi16(0x7e00), nan))
 }
 
 /// [`attend_group`] on the CPU's SIMD path where it has one (AVX2, FMA and
