@@ -359,12 +359,12 @@ fn gemma3_with_an_fp8_kv_cache_keeps_its_measured_accuracy() {
 
 /// The WGSL backend (lavapipe in CI) with an FP8 cache: its own rounding
 /// and widening of the codes, and the layer scales its calibration pass
-/// takes, held to the CPU's float32 bounds. Measured: 103/141, largest
-/// 0.422, mean 0.0466, as on the CPU.
+/// takes. Measured: 118/141, largest 0.423, mean 0.0456 (the CPU's float32
+/// path: 103/141, 0.422, 0.0466).
 #[cfg(feature = "wgpu")]
 #[test]
 fn smollm2_with_an_fp8_kv_cache_on_wgpu_keeps_its_measured_accuracy() {
-    let bounds = Fp8Bounds { agreed: 90, largest: 0.5, mean: 0.054 };
+    let bounds = Fp8Bounds { agreed: 105, largest: 0.49, mean: 0.053 };
     matches_the_float64_reference_at(&SMOLLM2, Device::Wgpu, CpuPrecision::Float32, ComputeDtype::Float32, 1, Some(&bounds));
 }
 

@@ -42,7 +42,9 @@ fn fp8_value(c: u32) -> f32 {
         v = bitcast<f32>(((e + 120u) << 23u) | (m << 20u));
     }
     if ((c & 0x7fu) == 0x7fu) {
-        v = bitcast<f32>(0x7fc00000u);
+        // m is 7 here: all ones in the exponent, a mantissa, a NaN (built
+        // from the code, not a constant NaN, which WGSL forbids).
+        v = bitcast<f32>(0x7f800000u | (m << 20u));
     }
     return select(v, -v, (c & 0x80u) != 0u);
 }

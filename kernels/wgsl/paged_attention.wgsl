@@ -138,7 +138,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
         for (var g = 0u; g < groups; g++) {
             v += part[g * chunks + lid];
         }
-        v = v / l * p.v_scale;
+        v /= l;
+        if (p.v_scale != 1.0) {
+            v *= p.v_scale;
+        }
         out[q_base + 4u * lid] = v.x;
         out[q_base + 4u * lid + 1u] = v.y;
         out[q_base + 4u * lid + 2u] = v.z;

@@ -46,6 +46,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let j = i % words;
     let src = t * p.row + j * KV_PER_WORD;
     let dst = step[p.slots + t] * words + j;
-    k_pool[dst] = kv_pack(word_of_k(src) * p.k_inv);
-    v_pool[dst] = kv_pack(word_of_v(src) * p.v_inv);
+    // Unscaled caches store the inputs themselves (no multiply that a device
+    // flushing subnormals could change).
+    let kw = word_of_k(src);
+    let vw = word_of_v(src);
+    k_pool[dst] = kv_pack(select(kw * p.k_inv, kw, p.k_inv == 1.0));
+    v_pool[dst] = kv_pack(select(vw * p.v_inv, vw, p.v_inv == 1.0));
 }

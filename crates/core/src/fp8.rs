@@ -22,8 +22,9 @@
 //! **NaN.** A NaN key or value is stored as a NaN code (the range has no
 //! infinities; larger magnitudes saturate), and the widening maps the two
 //! NaN codes to a binary16 NaN (one compare and select more than the shift),
-//! so a model that writes NaN into its cache sees NaN come out of attention,
-//! as with a 16-bit cache.
+//! so a model that writes NaN into its cache sees NaN come out of attention
+//! on the CPU and CUDA backends, as with a 16-bit cache (WGSL also widens
+//! the code to NaN, but lets a device assume that arithmetic sees none).
 
 /// The largest finite E4M3 value.
 pub const E4M3_MAX: f32 = 448.0;
