@@ -328,8 +328,11 @@ fn gemma3_at_tp2_matches_the_float64_reference() {
 /// What an FP8 KV cache was measured to keep on a golden file: a floor on
 /// the greedy tokens agreeing with the reference (each prompt up to its
 /// first disagreement, where top-5 containment must hold both ways) and
-/// ceilings on the largest and mean logprob gaps, each ~15% from the
-/// measurement (docs/benchmarks.md, "An FP8 KV cache"). E4M3 keeps 3
+/// ceilings on the largest and mean logprob gaps, 20–25% from the
+/// measurement (docs/benchmarks.md, "An FP8 KV cache"): FP8's rounding
+/// turns a small difference of arithmetic into a different token now and
+/// then (the CPU's and the WGSL backend's float32 paths agree on 103 and
+/// 118 of 141 tokens), so a machine with other SIMD kernels moves these. E4M3 keeps 3
 /// mantissa bits, 4 fewer than bf16, so its gaps are ~16× a bf16 cache's:
 /// on these 135M/270M models they exceed llama.cpp's float16 cache's, which
 /// the quantized-path rule asks; these bounds hold the measured cost.
@@ -344,7 +347,7 @@ struct Fp8Bounds {
 /// 115, 0.137, 0.029).
 #[test]
 fn smollm2_with_an_fp8_kv_cache_keeps_its_measured_accuracy() {
-    let bounds = Fp8Bounds { agreed: 90, largest: 0.5, mean: 0.054 };
+    let bounds = Fp8Bounds { agreed: 85, largest: 0.53, mean: 0.056 };
     matches_the_float64_reference_at(&SMOLLM2, Device::Cpu, CpuPrecision::Float32, ComputeDtype::Auto, 1, Some(&bounds));
 }
 
@@ -353,7 +356,7 @@ fn smollm2_with_an_fp8_kv_cache_keeps_its_measured_accuracy() {
 /// mean 0.0341 (llama.cpp: 73, 0.295, 0.032).
 #[test]
 fn gemma3_with_an_fp8_kv_cache_keeps_its_measured_accuracy() {
-    let bounds = Fp8Bounds { agreed: 70, largest: 0.25, mean: 0.04 };
+    let bounds = Fp8Bounds { agreed: 66, largest: 0.27, mean: 0.041 };
     matches_the_float64_reference_at(&GEMMA3, Device::Cpu, CpuPrecision::Float32, ComputeDtype::Auto, 1, Some(&bounds));
 }
 
@@ -364,7 +367,7 @@ fn gemma3_with_an_fp8_kv_cache_keeps_its_measured_accuracy() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn smollm2_with_an_fp8_kv_cache_on_wgpu_keeps_its_measured_accuracy() {
-    let bounds = Fp8Bounds { agreed: 105, largest: 0.49, mean: 0.053 };
+    let bounds = Fp8Bounds { agreed: 98, largest: 0.53, mean: 0.055 };
     matches_the_float64_reference_at(&SMOLLM2, Device::Wgpu, CpuPrecision::Float32, ComputeDtype::Float32, 1, Some(&bounds));
 }
 
@@ -372,7 +375,7 @@ fn smollm2_with_an_fp8_kv_cache_on_wgpu_keeps_its_measured_accuracy() {
 /// measured 96/141, largest 0.276, mean 0.0419.
 #[test]
 fn smollm2_int8_with_an_fp8_kv_cache_keeps_its_measured_accuracy() {
-    let bounds = Fp8Bounds { agreed: 84, largest: 0.32, mean: 0.049 };
+    let bounds = Fp8Bounds { agreed: 80, largest: 0.35, mean: 0.051 };
     matches_the_float64_reference_at(&SMOLLM2, Device::Cpu, CpuPrecision::Int8, ComputeDtype::Auto, 1, Some(&bounds));
 }
 
