@@ -11,8 +11,8 @@ use crate::paged_attention::{paged_attention, write_kv};
 use crate::quant::{self, ActBits, WeightFormat};
 use crate::tensor_parallel::HostGroup;
 use vellum_base::{
-    AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype,
-    KvCacheSpec, KvMemory, KvScale, Sizes, StepBounds,
+    AttentionBackend, AttentionMetadata, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvAbsmax, KvCacheDtype,
+    KvCacheSpec, KvMemory, Sizes, StepBounds,
 };
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
@@ -116,7 +116,7 @@ pub struct CpuOps {
     /// The largest |key| and |value| each layer wrote during calibration
     /// passes (shared by the ranks of a tensor-parallel group, so that their
     /// shards get the scales of the whole layer): an FP8 cache's scales.
-    kv_absmax: std::sync::Arc<std::sync::Mutex<Vec<(f32, f32)>>>,
+    kv_absmax: std::sync::Arc<KvAbsmax>,
     /// The tensor-parallel group this instance is a rank of, and its rank
     /// (`None`: a group of one).
     group: Option<(std::sync::Arc<HostGroup>, usize)>,
@@ -671,7 +671,7 @@ impl AttentionBackend for CpuOps {
         let cache = KvCache::try_grouped(layout, spec.groups.clone(), num_host_blocks, spec.dtype).map_err(|e| {
             Error::Backend(format!("the KV cache ({num_blocks} blocks, {num_host_blocks} host blocks, {:?}): {e}", spec.dtype))
         })?;
-        Ok(if spec.dtype.is_scaled() { cache.with_scales(&self.kv_scales()) } else { cache })
+        Ok(if spec.dtype.is_scaled() { cache.with_scales(&self.kv_absmax.scales(spec.groups.num_layers())) } else { cache })
     }
 
     fn prepare_step(&self, batch: &ForwardBatch, block_size: usize) -> vellum_base::Result<HostStep> {
@@ -694,7 +694,7 @@ impl AttentionBackend for CpuOps {
         let at = cache.layer_slot(layer).ok_or_else(|| Error::Backend(format!("write_kv: no layer {layer}")))?;
         check_group(at.group, step)?;
         if self.calibrating.load(std::sync::atomic::Ordering::Relaxed) {
-            self.observe_kv(layer, &k.data, &v.data);
+            self.kv_absmax.observe(layer, &k.data, &v.data);
         }
         let scale = cache.scale(layer);
         write_kv(&mut cache.layers[at.slot], &layout, &k.data, &v.data, step.meta(at.group).slot_mapping, scale);
@@ -734,27 +734,6 @@ impl AttentionBackend for CpuOps {
         StepBounds::check_swaps(swaps, cache.layout.num_blocks, cache.num_host_blocks)?;
         cache.swap_blocks(swaps, to_host);
         Ok(())
-    }
-}
-
-impl CpuOps {
-    /// Keeps `layer`'s largest |key| and |value| (a calibration pass).
-    fn observe_kv(&self, layer: usize, k: &[f32], v: &[f32]) {
-        let absmax = |x: &[f32]| x.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
-        let (km, vm) = (absmax(k), absmax(v));
-        let mut seen = self.kv_absmax.lock().unwrap_or_else(|e| e.into_inner());
-        if seen.len() <= layer {
-            seen.resize(layer + 1, (0.0, 0.0));
-        }
-        seen[layer] = (seen[layer].0.max(km), seen[layer].1.max(vm));
-    }
-
-    /// The scales of an FP8 cache: from what the calibration passes saw of
-    /// each layer ([`KvScale::from_absmax`]), 1 for a layer they did not
-    /// see (no calibration: vLLM's default without scales).
-    pub fn kv_scales(&self) -> Vec<KvScale> {
-        let seen = self.kv_absmax.lock().unwrap_or_else(|e| e.into_inner());
-        seen.iter().map(|&(k, v)| KvScale::from_absmax(k, v)).collect()
     }
 }
 

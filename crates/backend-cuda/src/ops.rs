@@ -48,7 +48,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use vellum_base::{
     AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, DeviceMemory, DeviceSample, Error,
-    ForwardBatch, KvCacheDtype, KvCacheSpec, KvMemory, KvScale, PenaltyEntry, RowSampling, Sizes, StepBounds,
+    ForwardBatch, KvAbsmax, KvCacheDtype, KvCacheSpec, KvMemory, KvScale, PenaltyEntry, RowSampling, Sizes, StepBounds,
 };
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
@@ -323,7 +323,7 @@ pub struct CudaOps {
     /// records each layer's largest |key| and |value| in `kv_absmax`, from
     /// which FP8 caches allocated afterwards take their scales.
     calibrating: std::sync::atomic::AtomicBool,
-    kv_absmax: Mutex<Vec<(f32, f32)>>,
+    kv_absmax: KvAbsmax,
 }
 
 /// `m` locked, whether or not a thread panicked holding it (what it guards
@@ -376,7 +376,7 @@ impl CudaOps {
             graphs: Mutex::new(graphs),
             recording: Mutex::new(None),
             calibrating: Default::default(),
-            kv_absmax: Mutex::new(Vec::new()),
+            kv_absmax: KvAbsmax::default(),
         })
     }
 
@@ -1191,21 +1191,6 @@ fn copy_in_parallel(dst: &mut [f32], src: &[f32]) {
     });
 }
 
-impl CudaOps {
-    /// Keeps `layer`'s largest |key| and |value| (a calibration pass, once
-    /// at start: the rows come to the host).
-    fn observe_kv(&self, layer: usize, k: &CudaTensor, v: &CudaTensor) -> vellum_base::Result<()> {
-        let absmax = |x: &[f32]| x.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
-        let (km, vm) = (absmax(&self.to_host(k)?), absmax(&self.to_host(v)?));
-        let mut seen = lock(&self.kv_absmax);
-        if seen.len() <= layer {
-            seen.resize(layer + 1, (0.0, 0.0));
-        }
-        seen[layer] = (seen[layer].0.max(km), seen[layer].1.max(vm));
-        Ok(())
-    }
-}
-
 fn kv_dtype(d: KvCacheDtype) -> PoolDtype {
     match d {
         KvCacheDtype::F32 => PoolDtype::F32,
@@ -1284,12 +1269,8 @@ impl AttentionBackend for CudaOps {
         let host = (0..spec.num_slots()).map(|_| [vec![0u8; host_bytes], vec![0u8; host_bytes]]).collect();
         // The recorded graphs address the pools they were recorded with.
         self.drop_graphs();
-        let scales = if spec.dtype.is_scaled() {
-            let seen = lock(&self.kv_absmax);
-            (0..spec.groups.num_layers()).map(|l| seen.get(l).map_or(KvScale::ONE, |&(k, v)| KvScale::from_absmax(k, v))).collect()
-        } else {
-            vec![KvScale::ONE; spec.groups.num_layers()]
-        };
+        let layers = spec.groups.num_layers();
+        let scales = if spec.dtype.is_scaled() { self.kv_absmax.scales(layers) } else { vec![KvScale::ONE; layers] };
         Ok(CudaKvCache { spec: spec.clone(), num_blocks, pools, host, num_host_blocks, scales })
     }
 
@@ -1345,7 +1326,8 @@ impl AttentionBackend for CudaOps {
             return Ok(());
         }
         if self.calibrating.load(std::sync::atomic::Ordering::Relaxed) {
-            self.observe_kv(layer, k, v)?;
+            // Once at start: the rows come to the host.
+            self.kv_absmax.observe(layer, &self.to_host(k)?, &self.to_host(v)?);
         }
         let scale = cache.scale(layer);
         // SAFETY: every slot of the step is below num_blocks · block_size

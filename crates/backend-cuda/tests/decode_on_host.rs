@@ -13,7 +13,6 @@
 #[path = "common/host_cxx.rs"]
 mod host_cxx;
 
-use host_cxx::compiler;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use vellum_backend_cuda::layout::{dequantize_repacked, f32_layout, repack, QuantFormat, Repacked};
@@ -146,10 +145,7 @@ fn blocks(dtype: GgmlType, n: usize, k: usize, seed: u64) -> Vec<u8> {
 #[test]
 fn the_kernels_weight_decoders_compiled_for_the_host_give_the_layouts_values_bit_for_bit_or_skip_without_a_compiler() {
     let test = "the_kernels_weight_decoders_compiled_for_the_host_give_the_layouts_values_bit_for_bit";
-    let Some(cxx) = compiler() else {
-        eprintln!("SKIPPED {test}: no C++ compiler (c++, g++, clang++ or $CXX)");
-        return;
-    };
+    let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
     let dir = std::env::temp_dir().join(format!("vellum-decode-on-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let exe = build(&cxx, &dir);

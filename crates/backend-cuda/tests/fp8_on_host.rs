@@ -13,7 +13,6 @@
 #[path = "common/host_cxx.rs"]
 mod host_cxx;
 
-use host_cxx::compiler;
 use std::process::Command;
 use vellum_base::fp8;
 
@@ -79,10 +78,7 @@ fn inputs() -> Vec<f32> {
 #[test]
 fn the_kernels_fp8_conversions_compiled_for_the_host_match_the_cpu_bit_for_bit_or_skip_without_a_compiler() {
     let test = "the_kernels_fp8_conversions_compiled_for_the_host_match_the_cpu_bit_for_bit";
-    let Some(cxx) = compiler() else {
-        eprintln!("SKIPPED {test}: no C++ compiler (c++, g++, clang++ or $CXX)");
-        return;
-    };
+    let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
     let common = vellum_kernels::cuda::COMMON;
     let start = common.find("FP8 (begin)\n").expect("common.cuh has its FP8 section") + "FP8 (begin)\n".len();
     let end = common.find("// FP8 (end)").expect("common.cuh ends its FP8 section");

@@ -13,7 +13,6 @@
 #[path = "common/host_cxx.rs"]
 mod host_cxx;
 
-use host_cxx::compiler;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -137,10 +136,7 @@ fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
 #[test]
 fn split_qkv_rope_and_the_stacked_gated_activations_run_on_the_host_as_the_reference_or_skip_without_a_compiler() {
     let test = "split_qkv_rope_and_the_stacked_gated_activations_run_on_the_host_as_the_reference";
-    let Some(cxx) = compiler() else {
-        eprintln!("SKIPPED {test}: no C++ compiler (c++, g++, clang++ or $CXX)");
-        return;
-    };
+    let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
     let dir = std::env::temp_dir().join(format!("vellum-layers-on-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let exe = build(&cxx, &dir);

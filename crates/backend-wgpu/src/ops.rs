@@ -8,8 +8,8 @@ use crate::recorder::{Bound, KernelProfile, Recorder};
 use crate::weights::{self, GpuWeight};
 use std::sync::Arc;
 use vellum_base::{
-    AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvCacheDtype,
-    KvCacheSpec, KvMemory, KvScale, Sizes, StepBounds,
+    AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, Error, ForwardBatch, KvAbsmax,
+    KvCacheDtype, KvCacheSpec, KvMemory, KvScale, Sizes, StepBounds,
 };
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
@@ -138,7 +138,7 @@ pub struct WgpuOps {
     /// records each layer's largest |key| and |value| in `kv_absmax`, from
     /// which FP8 caches allocated afterwards take their scales.
     calibrating: std::sync::atomic::AtomicBool,
-    kv_absmax: std::sync::Mutex<Vec<(f32, f32)>>,
+    kv_absmax: KvAbsmax,
 }
 
 impl std::fmt::Debug for WgpuOps {
@@ -561,12 +561,8 @@ impl AttentionBackend for WgpuOps {
         }
         let host_bytes = num_host_blocks * spec.pool_block_bytes() as usize;
         let host = (0..spec.num_slots()).map(|_| [vec![0u8; host_bytes], vec![0u8; host_bytes]]).collect();
-        let scales = if spec.dtype.is_scaled() {
-            let seen = self.kv_absmax.lock().unwrap_or_else(|e| e.into_inner());
-            (0..spec.groups.num_layers()).map(|l| seen.get(l).map_or(KvScale::ONE, |&(k, v)| KvScale::from_absmax(k, v))).collect()
-        } else {
-            vec![KvScale::ONE; spec.groups.num_layers()]
-        };
+        let n = spec.groups.num_layers();
+        let scales = if spec.dtype.is_scaled() { self.kv_absmax.scales(n) } else { vec![KvScale::ONE; n] };
         Ok(GpuKvCache { spec: spec.clone(), num_blocks, layers, host, num_host_blocks, scales })
     }
 
@@ -621,13 +617,7 @@ impl AttentionBackend for WgpuOps {
         let per_word = 4 / spec.dtype.size_bytes();
         let words = step.tokens * row / per_word;
         if self.calibrating.load(std::sync::atomic::Ordering::Relaxed) {
-            let absmax = |x: &[f32]| x.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
-            let (km, vm) = (absmax(&self.to_host(k)?), absmax(&self.to_host(v)?));
-            let mut seen = self.kv_absmax.lock().unwrap_or_else(|e| e.into_inner());
-            if seen.len() <= layer {
-                seen.resize(layer + 1, (0.0, 0.0));
-            }
-            seen[layer] = (seen[layer].0.max(km), seen[layer].1.max(vm));
+            self.kv_absmax.observe(layer, &self.to_host(k)?, &self.to_host(v)?);
         }
         let scale = cache.scale(layer);
         let (k_inv, v_inv) = (1.0f32 / scale.k, 1.0f32 / scale.v);

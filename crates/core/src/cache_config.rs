@@ -145,6 +145,34 @@ impl KvScale {
     }
 }
 
+/// The largest |key| and |value| each layer wrote during calibration passes
+/// (a backend records them in `write_kv` while calibrating, see
+/// `vellum_ops::Ops::set_calibrating`): what an FP8 cache allocated after
+/// takes its scales from.
+#[derive(Debug, Default)]
+pub struct KvAbsmax(std::sync::Mutex<Vec<(f32, f32)>>);
+
+impl KvAbsmax {
+    /// Keeps `layer`'s largest |k| and |v| so far, `k` and `v` included.
+    pub fn observe(&self, layer: usize, k: &[f32], v: &[f32]) {
+        let absmax = |x: &[f32]| x.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
+        let (km, vm) = (absmax(k), absmax(v));
+        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.len() <= layer {
+            seen.resize(layer + 1, (0.0, 0.0));
+        }
+        seen[layer] = (seen[layer].0.max(km), seen[layer].1.max(vm));
+    }
+
+    /// The scales of `num_layers` layers ([`KvScale::from_absmax`]);
+    /// [`KvScale::ONE`] for a layer never observed (no calibration: vLLM's
+    /// default without scales).
+    pub fn scales(&self, num_layers: usize) -> Vec<KvScale> {
+        let seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        (0..num_layers).map(|l| seen.get(l).map_or(KvScale::ONE, |&(k, v)| KvScale::from_absmax(k, v))).collect()
+    }
+}
+
 /// Block size, pool sizes and caching switches.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CacheConfig {
@@ -206,6 +234,15 @@ mod tests {
         for m in [0.0, -0.0, f32::NAN, f32::INFINITY, 1e-40] {
             assert_eq!(KvScale::from_absmax(m, m), KvScale::ONE, "{m}");
         }
+    }
+
+    #[test]
+    fn recorded_maxima_become_each_layers_scales() {
+        let seen = KvAbsmax::default();
+        seen.observe(1, &[3.0, -112.0], &[0.5]);
+        seen.observe(1, &[56.0], &[-5.6, 1.0]);
+        assert_eq!(seen.scales(3), [KvScale::ONE, KvScale::from_absmax(112.0, 5.6), KvScale::ONE]);
+        assert_eq!(seen.scales(3)[1].k, 1.0);
     }
 
     #[test]

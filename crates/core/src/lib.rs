@@ -51,7 +51,7 @@ pub use architecture::{
 };
 pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape, DeviceMemory, KvCacheSpec, KvMemory};
 pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
-pub use cache_config::{AutoKvLimit, CacheConfig, KvCacheDtype, KvCacheSize, KvScale, AUTO_KV_CACHE_CAP_BYTES};
+pub use cache_config::{AutoKvLimit, CacheConfig, KvAbsmax, KvCacheDtype, KvCacheSize, KvScale, AUTO_KV_CACHE_CAP_BYTES};
 pub use capabilities::{AttentionRequirements, Capabilities, Sizes};
 pub use error::{Error, Unsupported};
 pub use fast_math::exp_f32;

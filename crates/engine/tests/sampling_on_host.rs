@@ -159,10 +159,7 @@ fn params() -> Vec<SamplingParams> {
 #[test]
 fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_skips_without_a_compiler() {
     let test = "the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens";
-    let Some(cxx) = host_cxx::compiler() else {
-        eprintln!("SKIPPED {test}: no C++ compiler (c++, g++ or clang++, or $CXX)");
-        return;
-    };
+    let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
     let dir = std::env::temp_dir().join(format!("vellum-sampling-on-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let exe = host_cxx::build_threaded(&cxx, &dir, "sampling", &format!("{SHIM}\n{}\n{MAIN}", vellum_kernels::cuda::SAMPLING));

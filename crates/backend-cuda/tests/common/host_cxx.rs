@@ -6,9 +6,21 @@ use std::process::Command;
 
 /// The host's C++ compiler, if there is one (`$CXX`, `c++`, `g++` or
 /// `clang++`).
+#[allow(dead_code)] // Each test crate that includes this file uses what it needs.
 pub fn compiler() -> Option<String> {
     let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
     candidates.into_iter().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+}
+
+/// The compiler, or `None` after saying `SKIPPED test` (a test without one
+/// passes, by name).
+#[allow(dead_code)] // Each test crate that includes this file uses what it needs.
+pub fn compiler_or_skip(test: &str) -> Option<String> {
+    let cxx = compiler();
+    if cxx.is_none() {
+        eprintln!("SKIPPED {test}: no C++ compiler (c++, g++, clang++ or $CXX)");
+    }
+    cxx
 }
 
 /// Writes `source` to `dir/name.cpp` and builds `dir/name` from it with
