@@ -139,6 +139,10 @@ v = json.load(open(sys.argv[1]))
 m = {l.split("{")[0]: float(l.split()[-1]) for l in urllib.request.urlopen("http://127.0.0.1:8011/metrics").read().decode().splitlines()
      if l.startswith("vellum:engine_") and "seconds_total" in l}
 busy = {k.split("_")[1]: round(v2, 2) for k, v2 in m.items()}
+steps = {l.split("{")[0].split()[0]: float(l.split()[-1]) for l in urllib.request.urlopen("http://127.0.0.1:8011/metrics").read().decode().splitlines()
+         if l.startswith("vellum:engine_") and "steps_total" in l}
+busy["steps"] = int(sum(v2 for k, v2 in steps.items() if "decode" not in k))
+busy["decode_steps"] = int(sum(v2 for k, v2 in steps.items() if "decode" in k))
 print(f"| {sys.argv[2]} | {v['output_throughput']:,.0f} | {v['ttft_s']['median'] * 1e3:.0f} / {v['ttft_s']['p99'] * 1e3:.0f} | {v['failed']} | {busy} |")
 EOF
     done

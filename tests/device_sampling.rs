@@ -21,7 +21,7 @@
 /// 256 rows of that width take (the sampled decode step's extra cost).
 #[test]
 fn sampling_on_the_device_draws_the_host_samplers_tokens() {
-    use vellum::core::{PenaltyEntry, RowSampling};
+    use vellum::core::{DeviceSample, PenaltyEntry, RowSampling};
     use vellum::ops::Ops;
     let test = "sampling_on_the_device_draws_the_host_samplers_tokens";
     let ops = match vellum::backend_cuda::CudaOps::new(0) {
@@ -80,7 +80,21 @@ fn sampling_on_the_device_draws_the_host_samplers_tokens() {
         let started = std::time::Instant::now();
         let again = ops.sample_rows(&x, &sampling, &pens).expect("sample").expect("sampled on the device");
         let ms = started.elapsed().as_secs_f64() * 1e3;
-        assert_eq!(got, again, "the same draws give the same tokens");
+        // Bit for bit (a logprob nobody asked for is NaN, which `==` never
+        // matches).
+        let bits = |v: &[DeviceSample]| -> Vec<String> {
+            v.iter()
+                .map(|d| {
+                    format!(
+                        "{} {:08x} {:?}",
+                        d.token,
+                        d.logprob.to_bits(),
+                        d.top_logprobs.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>()
+                    )
+                })
+                .collect()
+        };
+        assert_eq!(bits(&got), bits(&again), "the same draws give the same tokens");
         // A NaN in one row: the step goes back to the host, with every
         // row's logits as they came (the penalized ones put back).
         let mut with_nan = logits.clone();

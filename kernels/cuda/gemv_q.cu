@@ -3,14 +3,23 @@
 // y[r, n] = Σ_k x[r, k] · W[n, k], x and y f32.
 //
 // gemv_*: decode batches of ROWS = 1..8 rows, one launch reading the weight
-// once. A warp owns NC = ceil(ROWS / 2) columns; lane l takes 16 weights of
-// each at k0 = 16·l, 16·l + 512, ... (a warp's loads of one column are 512
-// consecutive weights: 512 or 256 contiguous bytes), decodes them once and
-// applies them to every row before the warp sums. NC grows with ROWS so
-// that the activations a warp re-reads from L1 (ROWS · 2 KB an iteration)
-// stay in proportion to the weights it streams (NC · 512 weights). (Issuing
-// a lane's loads of several iterations before the first use was measured
-// slower on an H100 — more registers, fewer warps in flight.)
+// once. A block of GEMV_THREADS / 32 warps; a group of GEMV_KSPLIT warps
+// owns NC columns, each warp of the group every GEMV_KSPLIT-th stretch of
+// 512 weights along k. Lane l takes 16 weights of each column at
+// k0 = 16·l + 512·(slice + GEMV_KSPLIT·i) (a warp's loads of one column are
+// 512 consecutive weights: 512 or 256 contiguous bytes), decodes them once
+// and applies them to every row; the warp sums its lanes, and the group's
+// warps add their sums through shared memory, in slice order. The three
+// compile-time knobs (the launch in launch.rs picks them, and a benchmark
+// can through VELLUM_GEMV):
+//  * NC: columns a warp streams at once. The activations a warp re-reads
+//    from L1 (ROWS · 2 KB an iteration) against the weights it streams
+//    (NC · 512 weights) — and NC independent loads a lane has in flight.
+//  * GEMV_KSPLIT: warps sharing a column group, so that a small weight
+//    (n = 1024 .. 4096 columns) still puts enough warps in flight.
+//  * GEMV_MAGIC: Q8 codes through `decode_unscaled` (a permute and an add
+//    a weight instead of an integer conversion and a multiply), the scale
+//    applied once per 16 products.
 //
 // gemm_*: more rows, on CUDA cores (the float32 path; the default path
 // runs its larger batches on tensor cores, gemm_mma.cu). A thread block of
@@ -28,46 +37,96 @@
 #ifndef ROWS
 #define ROWS 1
 #endif
-#define NC ((ROWS + 1) / 2)
+#ifndef GEMV_NC
+#define GEMV_NC ((ROWS + 1) / 2)
+#endif
+#define NC GEMV_NC
+#ifndef GEMV_KSPLIT
+#define GEMV_KSPLIT 1
+#endif
+#ifndef GEMV_MAGIC
+#define GEMV_MAGIC 0
+#endif
+#define GEMV_WARPS (GEMV_THREADS / 32)
 
 static_assert(ROWS >= 1 && ROWS <= 8, "ROWS must be 1..8");
+static_assert(NC >= 1 && NC <= 8, "GEMV_NC must be 1..8");
+static_assert(GEMV_KSPLIT == 1 || GEMV_KSPLIT == 2 || GEMV_KSPLIT == 4, "GEMV_KSPLIT must be 1, 2 or 4");
+static_assert(GEMV_WARPS % GEMV_KSPLIT == 0, "GEMV_KSPLIT must divide the block's warps");
+
+// The 16 weights at `raw` for the GEMV: w[i] · (returned scale) is the
+// weight. Every layout decodes whole values (scale 1); with GEMV_MAGIC, Q8
+// leaves its scale to the caller.
+template <typename L> __device__ __forceinline__ float gemv_decode(const typename L::Raw &raw, float w[16]) {
+    L::decode(raw, w);
+    return 1.f;
+}
+#if GEMV_MAGIC
+template <> __device__ __forceinline__ float gemv_decode<LayoutQ8>(const LayoutQ8::Raw &raw, float w[16]) {
+    return LayoutQ8::decode_unscaled(raw, w);
+}
+#endif
 
 template <typename L>
 __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char *__restrict__ codes,
                                      const unsigned short *__restrict__ scales, const float *__restrict__ x, int n_cols, int k) {
-    const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * (GEMV_THREADS / 32) + (threadIdx.x >> 5)) * NC;
-    if (n0 >= n_cols) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slice = warp % GEMV_KSPLIT;
+    const int n0 = (blockIdx.x * (GEMV_WARPS / GEMV_KSPLIT) + warp / GEMV_KSPLIT) * NC;
     float acc[ROWS][NC];
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
         for (int c = 0; c < NC; c++) acc[r][c] = 0.f;
-    for (int k0 = 16 * lane; k0 < k; k0 += 512) {
-        typename L::Raw raw[NC];
+    // A group past the last column still reaches the barrier below.
+    if (n0 < n_cols)
+        for (int k0 = 16 * lane + 512 * slice; k0 < k; k0 += 512 * GEMV_KSPLIT) {
+            typename L::Raw raw[NC];
 #pragma unroll
-        for (int c = 0; c < NC; c++) raw[c] = L::fetch(codes, scales, min(n0 + c, n_cols - 1), k, k0);
-        float w[NC][16];
+            for (int c = 0; c < NC; c++) raw[c] = L::fetch(codes, scales, min(n0 + c, n_cols - 1), k, k0);
+            float w[NC][16], d[NC];
 #pragma unroll
-        for (int c = 0; c < NC; c++) L::decode(raw[c], w[c]);
+            for (int c = 0; c < NC; c++) d[c] = gemv_decode<L>(raw[c], w[c]);
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const float *xr = x + (long long)r * k + k0;
-            float xv[16];
+            for (int r = 0; r < ROWS; r++) {
+                const float *xr = x + (long long)r * k + k0;
+                float xv[16];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const vec4f v = load4(xr + 4 * i);
-                xv[4 * i] = v.x, xv[4 * i + 1] = v.y, xv[4 * i + 2] = v.z, xv[4 * i + 3] = v.w;
-            }
+                for (int i = 0; i < 4; i++) {
+                    const vec4f v = load4(xr + 4 * i);
+                    xv[4 * i] = v.x, xv[4 * i + 1] = v.y, xv[4 * i + 2] = v.z, xv[4 * i + 3] = v.w;
+                }
 #pragma unroll
-            for (int c = 0; c < NC; c++) {
-                float s = 0.f;
+                for (int c = 0; c < NC; c++) {
+                    float s = 0.f;
 #pragma unroll
-                for (int i = 0; i < 16; i++) s = fmaf(w[c][i], xv[i], s);
-                acc[r][c] += s;
+                    for (int i = 0; i < 16; i++) s = fmaf(w[c][i], xv[i], s);
+                    acc[r][c] = fmaf(d[c], s, acc[r][c]);
+                }
             }
         }
-    }
+#if GEMV_KSPLIT > 1
+    __shared__ float part[GEMV_WARPS][ROWS][NC];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            const float s = warp_sum(acc[r][c]);
+            if (lane == 0) part[warp][r][c] = s;
+        }
+    __syncthreads();
+    if (slice != 0 || lane != 0 || n0 >= n_cols) return;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            float s = part[warp][r][c];
+#pragma unroll
+            for (int q = 1; q < GEMV_KSPLIT; q++) s += part[warp + q][r][c];
+            if (n0 + c < n_cols) y[(long long)r * n_cols + n0 + c] = s;
+        }
+#else
+    if (n0 >= n_cols) return;
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
@@ -75,6 +134,7 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
             const float s = warp_sum(acc[r][c]);
             if (lane == 0 && n0 + c < n_cols) y[(long long)r * n_cols + n0 + c] = s;
         }
+#endif
 }
 
 #define GEMV_ENTRY(SUFFIX, LAYOUT)                                                                                          \

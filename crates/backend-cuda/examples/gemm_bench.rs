@@ -20,14 +20,20 @@
 //! ```text
 //! cargo build --release -p vellum-backend-cuda --example gemm_bench
 //! gemm_bench [--quick] > gemm.jsonl
+//! gemm_bench --gemv-plans 1:1:0,2:2:1 > gemv.jsonl
 //! ```
+//!
+//! `--gemv-plans` measures only the GEMV, at 1, 2, 4 and 8 rows, once per
+//! plan (`columns_per_warp:k_split:magic`, `gemv_q.cu`'s knobs), adding
+//! the shapes where it matters most: the 1024-column k/v projections and
+//! the 128,256-column LM head.
 //!
 //! Without a GPU it says so and exits with status 2.
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use vellum_backend_cuda::blas::{Blas, Half};
-use vellum_backend_cuda::launch::{Kernels, QuantMatrix};
+use vellum_backend_cuda::launch::{GemvPlan, Kernels, QuantMatrix};
 use vellum_backend_cuda::layout::{repack, QuantFormat};
 use vellum_ops::quant::GgmlType;
 
@@ -81,7 +87,7 @@ fn time_ms(k: &Kernels, mut f: impl FnMut(usize) -> Res<()>) -> Res<f64> {
 }
 
 struct Row {
-    path: &'static str,
+    path: String,
     weight: String,
     rows: usize,
     ms: f64,
@@ -100,16 +106,39 @@ fn main() {
 }
 
 fn run() -> Res<()> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let plans: Option<Vec<(String, GemvPlan)>> = match args.iter().position(|a| a == "--gemv-plans") {
+        Some(i) => {
+            let list = args.get(i + 1).ok_or("--gemv-plans takes a list, as 1:1:0,2:2:1")?;
+            Some(list.split(',').map(|p| Ok((format!("gemv {p}"), GemvPlan::parse(p)?))).collect::<Res<_>>()?)
+        }
+        None => None,
+    };
     let k = Kernels::open(0)?;
     let blas = Blas::new(k.stream().clone())?;
     eprintln!("{} ({} SMs)", k.info().name, k.info().num_sms);
-    let shapes: &[(GgmlType, usize, usize)] = if quick {
+    let shapes: &[(GgmlType, usize, usize)] = if plans.is_some() {
+        &[
+            (GgmlType::Q8_0, 1024, 4096),
+            (GgmlType::Q8_0, 4096, 4096),
+            (GgmlType::Q8_0, 14336, 4096),
+            (GgmlType::Q8_0, 4096, 14336),
+            (GgmlType::Q8_0, 128256, 4096),
+            (GgmlType::Q4_1, 14336, 4096),
+        ]
+    } else if quick {
         &[(GgmlType::Q8_0, 4096, 4096)]
     } else {
         &[(GgmlType::Q8_0, 4096, 4096), (GgmlType::Q8_0, 14336, 4096), (GgmlType::Q8_0, 4096, 14336), (GgmlType::Q4_1, 14336, 4096)]
     };
-    let all_rows: &[usize] = if quick { &[1, 8, 64, 256, 1024] } else { &[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192] };
+    let all_rows: &[usize] = if plans.is_some() {
+        &[1, 2, 4, 8]
+    } else if quick {
+        &[1, 8, 64, 256, 1024]
+    } else {
+        &[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    };
     let mut rng = Rng(0x5eed);
     let mut table = Vec::new();
     for &(dtype, n, kk) in shapes {
@@ -147,8 +176,8 @@ fn run() -> Res<()> {
         let name = format!("{dtype} [{n}x{kk}]");
         for &rows in all_rows {
             let flops = 2.0 * rows as f64 * n as f64 * kk as f64;
-            let mut record = |path: &'static str, ms: f64, bytes: f64| {
-                let row = Row { path, weight: name.clone(), rows, ms, tflops: flops / ms / 1e9, gbs: bytes / ms / 1e6 };
+            let mut record = |path: &str, ms: f64, bytes: f64| {
+                let row = Row { path: path.to_string(), weight: name.clone(), rows, ms, tflops: flops / ms / 1e9, gbs: bytes / ms / 1e6 };
                 println!(
                     "{{\"path\":\"{}\",\"weight\":\"{}\",\"rows\":{},\"ms\":{:.4},\"tflops\":{:.2},\"weight_gbs\":{:.1}}}",
                     row.path, row.weight, row.rows, row.ms, row.tflops, row.gbs
@@ -156,6 +185,13 @@ fn run() -> Res<()> {
                 eprintln!("{:<16} {:<24} rows {:>5}: {:>8.4} ms {:>7.1} TFLOP/s {:>7.0} GB/s", path, name, rows, ms, row.tflops, row.gbs);
                 table.push(row);
             };
+            if let Some(plans) = &plans {
+                for (label, plan) in plans {
+                    let ms = time_ms(&k, |i| Ok(k.gemv_q_planned(&mut y, &ws[i % copies], &x, rows, *plan)?))?;
+                    record(label, ms, weight_bytes);
+                }
+                continue;
+            }
             if rows <= 8 {
                 let ms = time_ms(&k, |i| Ok(k.gemv_q(&mut y, &ws[i % copies], &x, rows)?))?;
                 record("gemv", ms, weight_bytes);
@@ -184,6 +220,25 @@ fn run() -> Res<()> {
             record("cublas-bf16", ms, n as f64 * kk as f64 * 2.0);
         }
     }
+    if let Some(plans) = &plans {
+        // Weight GB/s per plan, and the fastest.
+        let labels: Vec<&str> = plans.iter().map(|(l, _)| l.as_str()).collect();
+        println!("\n| weight | rows | {} | best |", labels.join(" | "));
+        println!("|---|---:|{}---|", "---:|".repeat(labels.len()));
+        let mut keys: Vec<(String, usize)> = table.iter().map(|r| (r.weight.clone(), r.rows)).collect();
+        keys.dedup();
+        for (w, rows) in keys {
+            let mine = |p: &str| table.iter().find(|r| r.weight == w && r.rows == rows && r.path == p);
+            let cells: Vec<String> = labels.iter().map(|l| mine(l).map_or("-".to_string(), |r| format!("{:.0}", r.gbs))).collect();
+            let best = table
+                .iter()
+                .filter(|r| r.weight == w && r.rows == rows)
+                .min_by(|a, b| a.ms.total_cmp(&b.ms))
+                .map_or("-", |r| r.path.as_str());
+            println!("| {w} | {rows} | {} | {best} |", cells.join(" | "));
+        }
+        return Ok(());
+    }
     // The short table, last: the fastest path per (weight, rows).
     println!("\n| weight | rows | gemv | mma | dequant+cublas | cublas-bf16 | cores | best |");
     println!("|---|---:|---:|---:|---:|---:|---:|---|");
@@ -197,7 +252,7 @@ fn run() -> Res<()> {
             .iter()
             .filter(|r| r.weight == w && r.rows == rows && r.path != "cublas-bf16")
             .min_by(|a, b| a.ms.total_cmp(&b.ms))
-            .map_or("-", |r| r.path);
+            .map_or("-", |r| r.path.as_str());
         println!(
             "| {w} | {rows} | {} | {} | {} | {} | {} | {best} |",
             cell("gemv"),

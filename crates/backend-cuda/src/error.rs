@@ -40,6 +40,9 @@ pub enum CudaError {
     /// A kernel was called with buffers or shapes it cannot take.
     #[error("CUDA kernel arguments: {0}")]
     Shape(String),
+    /// A setting from the environment that does not parse.
+    #[error("{0}")]
+    Setting(String),
     /// NVRTC rejected a kernel source.
     #[error("NVRTC could not compile {kernel} for {arch}:\n{log}")]
     Compile {

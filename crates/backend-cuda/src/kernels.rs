@@ -185,7 +185,8 @@ impl Variant {
 /// 3: SmolLM2; 128 with 4: Llama 3 8B; 256 with 4: Gemma 3) at the default
 /// block size 16, one head a thread block (multi-head attention) at 128,
 /// block sizes 8 and 32 at 128, the bandwidth benchmark's contiguous
-/// baseline, the GEMV for 1, 4 and 8 rows, and the tensor-core GEMM at
+/// baseline, the GEMV for 1, 4 and 8 rows (and 1 and 2 with its
+/// alternative knobs), and the tensor-core GEMM at
 /// each of its tile heights.
 pub fn ci_variants() -> Vec<Variant> {
     let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[]), Variant::new(SAMPLING, &[])];
@@ -198,6 +199,11 @@ pub fn ci_variants() -> Vec<Variant> {
     v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("QUERIES", 4), ("CONTIGUOUS_KV", 1)]));
     for rows in [1, 4, 8] {
         v.push(Variant::new(GEMV_Q, &[("ROWS", rows)]));
+    }
+    // The GEMV with two columns a warp, two warps a column group and Q8's
+    // conversion-free decode, at 1 and 2 rows.
+    for rows in [1, 2] {
+        v.push(Variant::new(GEMV_Q, &[("ROWS", rows), ("GEMV_NC", 2), ("GEMV_KSPLIT", 2), ("GEMV_MAGIC", 1)]));
     }
     for bm in [32, 64, 128] {
         v.push(Variant::new(GEMM_MMA, &[("MMA_BM", bm)]));

@@ -232,6 +232,45 @@ pub struct Kernels {
     /// points already looked up in it, so that a launch finds its function
     /// without allocating or calling the driver.
     modules: Mutex<HashMap<Variant, Compiled>>,
+    /// `VELLUM_GEMV`, when set: one GEMV plan for every launch (benchmarks
+    /// compare plans with it).
+    gemv_override: Option<GemvPlan>,
+}
+
+/// How the GEMV of `gemv_q.cu` spreads a linear layer over warps: its
+/// compile-time knobs (the kernel's header explains each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemvPlan {
+    /// Columns a warp streams at once (`GEMV_NC`, 1..8).
+    pub columns_per_warp: usize,
+    /// Warps sharing a group of columns, each a slice of k (`GEMV_KSPLIT`:
+    /// 1, 2 or 4).
+    pub k_split: usize,
+    /// Q8 codes decoded without an integer conversion, the scale applied
+    /// once per 16 products (`GEMV_MAGIC`).
+    pub magic: bool,
+}
+
+impl GemvPlan {
+    /// The plan the GEMV uses for `rows` rows of a `format` weight.
+    pub fn for_rows(rows: usize, _format: QuantFormat) -> Self {
+        Self { columns_per_warp: rows.div_ceil(2), k_split: 1, magic: false }
+    }
+
+    /// Parses `VELLUM_GEMV`'s form, `columns_per_warp:k_split:magic`
+    /// (`2:2:1`).
+    pub fn parse(text: &str) -> Result<Self, CudaError> {
+        let bad = || {
+            CudaError::Setting(format!(
+                "VELLUM_GEMV={text:?}: expected columns:k_split:magic, as 2:2:1 (columns 1..8, k_split 1, 2 or 4, magic 0 or 1)"
+            ))
+        };
+        let parts: Vec<usize> = text.split(':').map(|p| p.trim().parse::<usize>().map_err(|_| bad())).collect::<Result<_, _>>()?;
+        match parts[..] {
+            [c @ 1..=8, s @ (1 | 2 | 4), m @ (0 | 1)] => Ok(Self { columns_per_warp: c, k_split: s, magic: m == 1 }),
+            _ => Err(bad()),
+        }
+    }
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32, smem: usize) -> LaunchConfig {
@@ -265,7 +304,19 @@ impl Kernels {
         // step's launches are recorded as a CUDA graph on it (crate::graphs),
         // which the default stream cannot do.
         let stream = ctx.new_stream()?;
-        Ok(Self { arch: info.arch(), num_sms: info.num_sms.max(1) as usize, info, ctx, stream, modules: Mutex::new(HashMap::new()) })
+        let gemv_override = match std::env::var("VELLUM_GEMV") {
+            Ok(v) if !v.is_empty() => Some(GemvPlan::parse(&v)?),
+            _ => None,
+        };
+        Ok(Self {
+            arch: info.arch(),
+            num_sms: info.num_sms.max(1) as usize,
+            info,
+            ctx,
+            stream,
+            modules: Mutex::new(HashMap::new()),
+            gemv_override,
+        })
     }
 
     /// The device.
@@ -599,19 +650,55 @@ impl Kernels {
         self.gemv_launch(y, w, x, rows)
     }
 
+    /// [`Self::gemv_q`] with the given plan instead of the chosen one (the
+    /// GEMM benchmark compares plans).
+    pub fn gemv_q_planned(
+        &self,
+        y: &mut CudaSlice<f32>,
+        w: &QuantMatrix,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        plan: GemvPlan,
+    ) -> Result<(), CudaError> {
+        Self::check_linear(w, x.len(), y.len(), rows)?;
+        if rows == 0 || rows > 8 {
+            return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
+        }
+        GemvPlan::parse(&format!("{}:{}:{}", plan.columns_per_warp, plan.k_split, u8::from(plan.magic)))?;
+        self.gemv_launch_planned(y, w, x, rows, plan)
+    }
+
     /// The GEMV launch; the caller checked the buffers and that `rows` is 1..8.
     fn gemv_launch(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
-        let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", rows)]), &format!("gemv_{}", w.format.suffix()))?;
+        let plan = self.gemv_override.unwrap_or_else(|| GemvPlan::for_rows(rows, w.format));
+        self.gemv_launch_planned(y, w, x, rows, plan)
+    }
+
+    /// The GEMV launch with `plan`; the caller checked the buffers, that
+    /// `rows` is 1..8 and that the plan is one `GemvPlan::parse` accepts.
+    fn gemv_launch_planned(
+        &self,
+        y: &mut CudaSlice<f32>,
+        w: &QuantMatrix,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        plan: GemvPlan,
+    ) -> Result<(), CudaError> {
+        let defines =
+            [("ROWS", rows), ("GEMV_NC", plan.columns_per_warp), ("GEMV_KSPLIT", plan.k_split), ("GEMV_MAGIC", usize::from(plan.magic))];
+        let f = self.function(&Variant::new(GEMV_Q, &defines), &format!("gemv_{}", w.format.suffix()))?;
         let (n_i, k_i) = (to_i32(w.n, "n")?, to_i32(w.k, "k")?);
-        // A warp owns ceil(rows / 2) columns, 4 warps a block (gemv_q.cu).
-        let per_block = 4 * rows.div_ceil(2);
+        // 4 warps a block; a group of k_split warps owns columns_per_warp
+        // columns (gemv_q.cu).
+        let per_block = 4 / plan.k_split * plan.columns_per_warp;
         let mut b = self.stream.launch_builder(&f);
         b.arg(y).arg(&w.codes).arg(&w.scales).arg(x).arg(&n_i).arg(&k_i);
         // SAFETY: matches gemv_*(float*, const unsigned char*, const
         // unsigned short*, const float*, int, int); the caller checked (by
         // check_linear) that the planes hold the layout's bytes for [n, k]
         // (k whole blocks), x rows·k and y rows·n floats; a warp's columns
-        // past n read column n − 1 and write nothing.
+        // past n read column n − 1 and write nothing; the block's
+        // 4 / k_split groups of columns_per_warp columns match per_block.
         unsafe { b.launch(cfg((to_u32(w.n.div_ceil(per_block), "columns")?, 1, 1), 128, 0)) }?;
         Ok(())
     }
@@ -1283,4 +1370,25 @@ pub struct SampleOutputs {
     pub top_stride: usize,
     /// The raw logits of the penalized tokens, one per penalty entry.
     pub pen_raw: CudaSlice<f32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemv_plans_parse_in_range_and_refuse_the_rest_by_name() {
+        assert_eq!(GemvPlan::parse("2:2:1").ok(), Some(GemvPlan { columns_per_warp: 2, k_split: 2, magic: true }));
+        assert_eq!(GemvPlan::parse(" 8:4:0").ok(), Some(GemvPlan { columns_per_warp: 8, k_split: 4, magic: false }));
+        for bad in ["", "2:2", "0:1:0", "9:1:0", "2:3:1", "2:2:2", "2:2:1:1", "a:b:c", "-1:1:0"] {
+            let err = GemvPlan::parse(bad).expect_err(bad).to_string();
+            assert!(err.contains("VELLUM_GEMV") && err.contains("columns:k_split:magic"), "{bad}: {err}");
+        }
+        // The default plan is one the parser accepts, at every row count.
+        for rows in 1..=8 {
+            let p = GemvPlan::for_rows(rows, QuantFormat::Q8);
+            let text = format!("{}:{}:{}", p.columns_per_warp, p.k_split, u8::from(p.magic));
+            assert_eq!(GemvPlan::parse(&text).ok(), Some(p));
+        }
+    }
 }

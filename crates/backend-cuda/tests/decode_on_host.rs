@@ -29,6 +29,14 @@ const SHIM: &str = r#"
 #define __forceinline__ inline
 #define __restrict__ __restrict
 using std::fmaf;
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+// Byte n of the result: byte (s >> 4n) & 7 of y:x.
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long in = x | ((unsigned long long)y << 32);
+    unsigned r = 0;
+    for (int n = 0; n < 4; n++) r |= (unsigned)((in >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+    return r;
+}
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
@@ -59,6 +67,15 @@ static void run(const unsigned char *codes, const unsigned short *scales, int n,
             for (int i = 0; i < 16; i++) out[(size_t)row * k + k0 + i] = w[i];
         }
 }
+// Q8 through `decode_unscaled`: the scale times each exact code.
+static void run_q8_unscaled(const unsigned char *codes, const unsigned short *scales, int n, int k, std::vector<float> &out) {
+    for (int row = 0; row < n; row++)
+        for (int k0 = 0; k0 < k; k0 += 16) {
+            float q[16];
+            const float d = LayoutQ8::decode_unscaled(LayoutQ8::fetch(codes, scales, row, k, k0), q);
+            for (int i = 0; i < 16; i++) out[(size_t)row * k + k0 + i] = d * q[i];
+        }
+}
 static std::vector<unsigned char> slurp(const char *path) {
     FILE *f = std::fopen(path, "rb");
     if (!f) std::exit(3);
@@ -83,6 +100,7 @@ int main(int argc, char **argv) {
     case 3: run<LayoutQ5K>(codes.data(), scales.data(), n, k, out); break;
     case 4: run<LayoutQ6K>(codes.data(), scales.data(), n, k, out); break;
     case 5: run<LayoutF32>(codes.data(), scales.data(), n, k, out); break;
+    case 6: run_q8_unscaled(codes.data(), scales.data(), n, k, out); break;
     default: return 2;
     }
     FILE *f = std::fopen(argv[6], "wb");
@@ -159,12 +177,15 @@ fn the_kernels_weight_decoders_compiled_for_the_host_give_the_layouts_values_bit
             f32_layout(&bytes(5, n * k).iter().map(|&b| f32::from(b) / 7.0 - 18.0).collect::<Vec<_>>()),
         )))
         .collect();
-    for (name, r) in cases {
+    // Q8 twice: through `decode` and through `decode_unscaled` times its scale.
+    let q8 = cases[0].1.clone();
+    let cases = cases.into_iter().map(|(name, r)| (name, r, None)).chain(std::iter::once(("Q8_0 unscaled".to_string(), q8, Some(6))));
+    for (name, r, id) in cases {
         let (codes, scales, out) = (dir.join("codes"), dir.join("scales"), dir.join("out"));
         std::fs::write(&codes, &r.codes).expect("codes");
         std::fs::write(&scales, r.scales.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>()).expect("scales");
         let status = Command::new(&exe)
-            .args([format_id(r.format).to_string(), n.to_string(), k.to_string()])
+            .args([id.unwrap_or_else(|| format_id(r.format)).to_string(), n.to_string(), k.to_string()])
             .args([&codes, &scales, &out])
             .status()
             .expect("run the decoders");

@@ -64,6 +64,12 @@ pub struct EngineCounters {
     /// Of `schedule_s`, seconds spent scheduling and building a step while
     /// the previous one ran (asynchronous scheduling).
     pub schedule_overlapped_s: f64,
+    /// Of `num_steps`, the steps whose every row was one token to sample
+    /// (uniform decode steps: a GPU backend replays them as CUDA graphs);
+    /// the others carry prompt tokens.
+    pub decode_steps: u64,
+    /// Of `execute_s`, the seconds of those uniform decode steps.
+    pub decode_execute_s: f64,
 }
 
 /// Scheduler + KV-cache manager + executor + sampler, stepping in lockstep.
@@ -537,6 +543,10 @@ impl<E: ModelExecutor> EngineCore<E> {
         let c = &mut self.counters;
         c.num_steps += 1;
         c.execute_s += (t2 - t1).as_secs_f64();
+        if batch.token_ids.len() == rows.len() {
+            c.decode_steps += 1;
+            c.decode_execute_s += (t2 - t1).as_secs_f64();
+        }
         c.sample_s += (t3 - t2).as_secs_f64();
         Ok(outputs)
     }

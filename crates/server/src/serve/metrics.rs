@@ -260,6 +260,18 @@ impl Metrics {
             s.num_aborted_slow_reader as f64,
         );
         metric("vellum:engine_steps_total", "counter", "Engine steps run.", s.counters.num_steps as f64);
+        metric(
+            "vellum:engine_decode_steps_total",
+            "counter",
+            "Of the engine steps, those whose every row was one token to sample (uniform decode steps).",
+            s.counters.decode_steps as f64,
+        );
+        metric(
+            "vellum:engine_decode_execute_seconds_total",
+            "counter",
+            "Of the executor's seconds, those of uniform decode steps.",
+            s.counters.decode_execute_s,
+        );
         let c = &s.counters;
         let other = (s.loop_busy_s - c.schedule_s - c.execute_s - c.sample_s).max(0.0);
         for (phase, seconds, what) in [

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The decode GEMV's plans (gemv_q.cu's knobs) and sampling on the device,
+# checked and measured in one call on a GPU machine (no Rust, no network),
+# with .gpu/ and .gpu-llama/ carried:
+#
+#   kernels/cuda/gpu_suite.sh stage && benchmarks/cuda_vs_llama_cpp.sh pack   # here
+#   bash benchmarks/gemv_plans_gpu.sh                                         # there
+#
+# 1. gemm_bench --gemv-plans: weight GB/s of each plan at 1, 2, 4 and 8 rows
+#    on Llama 3 8B's shapes (the k/v projection and the LM head included);
+#    the plan with the least time summed over the Q8_0 shapes at 1 row is
+#    "best";
+# 2. the GPU suite's GEMV test (every layout against the float64 product)
+#    under the default plan and under the best one (VELLUM_GEMV), and the
+#    device-sampling test (its timing line: 256 rows of 1,000 and of
+#    262,144);
+# 3. decode on a SmolLM2-shaped Q4_1 at 256 sequences, greedy and sampled
+#    on the device (temperature 0.8, top-p 0.95);
+# 4. a Llama-3-8B-shaped Q8_0 written there: single-stream decode (128 in,
+#    128 out) with the default plan and with the best one.
+# Logs go to $OUT as one tarball (the device tool returns few files); the
+# table last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-.gpu/out}
+logs=$(mktemp -d)
+t0=$SECONDS
+stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+# shellcheck disable=SC1091 # staged there
+source .gpu/run.sh env >/dev/null
+plans=${PLANS:-"1:1:0,1:1:1,2:1:1,1:2:1,2:2:1,4:2:1,2:4:1"}
+
+timeout 150 .gpu/x/gemm_bench --gemv-plans "$plans" >"$logs/gemv.jsonl" 2>"$logs/gemv.log"
+stamp "gemm_bench exit $?"
+best=$(python3 - "$logs/gemv.jsonl" <<'EOF'
+import json, sys, collections
+t = collections.Counter()
+for l in open(sys.argv[1]):
+    if l.startswith("{"):
+        r = json.loads(l)
+        if r["rows"] == 1 and r["weight"].startswith("Q8_0"):
+            t[r["path"].split()[1]] += r["ms"]
+print(min(t, key=t.get) if t else "1:1:0")
+EOF
+)
+stamp "best plan at 1 row: $best"
+
+for plan in "" "$best"; do
+    VELLUM_GEMV=$plan timeout 60 .gpu/x/gpu_suite --test-threads 1 gemv_and_cuda_core_gemm >"$logs/suite_gemv_${plan:-default}.txt" 2>&1
+    stamp "gemv test (plan ${plan:-default}) exit $?"
+done
+timeout 60 .gpu/x/device_sampling --test-threads 1 --nocapture >"$logs/sampling.txt" 2>&1
+stamp "device sampling test exit $?"
+grep -h "sampling took\|panicked" "$logs/sampling.txt" | cut -c1-200
+
+smol=/tmp/smollm2-135m-q4_1.gguf
+.gpu/x/write_random_checkpoint --shape smollm2-135m --format gguf --dtype q4_1 --out "$smol" >/dev/null 2>&1
+for mode in greedy sampled; do
+    flags="--temperature 0.8 --top-p 0.95"
+    [ "$mode" = greedy ] && flags=""
+    # shellcheck disable=SC2086
+    timeout 60 .gpu/x/vellum bench latency --device cuda --model "$smol" --batch-size 256 --input-len 128 --output-len 128 \
+        --num-iters 2 --json $flags 2>"$logs/smol_$mode.log" >"$logs/smol_$mode.json"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('SmolLM2 decode at 256, $mode:', round(d['decode_tokens_per_s']), 'tok/s')" "$logs/smol_$mode.json"
+done
+
+m8=/tmp/m8.gguf
+timeout 90 .gpu/x/write_random_checkpoint --shape llama3-8b --format gguf --dtype q8_0 --out "$m8" >/dev/null 2>&1
+stamp "8b written, exit $?"
+for plan in "" "$best"; do
+    VELLUM_GEMV=$plan timeout 60 .gpu/x/vellum bench latency --device cuda --model "$m8" --batch-size 1 --input-len 128 \
+        --output-len 128 --num-iters 2 --json 2>"$logs/m8_${plan:-default}.log" >"$logs/m8_${plan:-default}.json"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('8B Q8_0 single-stream decode, plan ${plan:-default}:', round(d['decode_tokens_per_s'], 1), 'tok/s')" "$logs/m8_${plan:-default}.json"
+done
+stamp "done"
+tail -3 "$logs"/suite_gemv_*.txt | grep -E "test result|==>" | cut -c1-160
+tar -C "$logs" -czf "$out/gemv_plans_logs.tgz" .
+cp "$logs/gemv.jsonl" "$out/gemv.jsonl"
+sed -n '/^| weight/,$p' "$logs/gemv.jsonl"
