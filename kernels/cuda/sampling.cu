@@ -32,10 +32,13 @@
 // smallest keys; with penalties, one more for those of the scores; with
 // logprobs, one for the log-sum and one per top entry after the first;
 // then per descent one a digit taken and one for the entry found (none when
-// every digit was taken). The mass of every candidate comes from a
-// descent's first pass (top-p's normalization without top-k or min-p, the
-// draw's kept mass without top-p); min-p needs one pass for the total and
-// one for its floor.
+// every digit was taken). A descent whose floor is the entry the last one
+// found (top-p after top-k, the draw after either) starts from the last
+// one's recorded passes: it follows that path while its own cut does, and
+// passes over the row only below the level where it leaves it. The mass
+// of every candidate comes from a descent's first pass (top-p's
+// normalization without top-k or min-p, the draw's kept mass after min-p
+// alone); min-p needs one pass for the total and one for its floor.
 //
 // Sums run in a different order than the host's, so a draw within ~1e-15
 // of a boundary may land on the neighbour; nowhere else do they differ
@@ -133,15 +136,24 @@ template <class F> __device__ __forceinline__ void for_entries(const float *x, i
 // a column per thread (`m`: weight, `n`: count; a thread counts at most
 // ceil(vocab / SAMPLE_THREADS) entries a pass, below 65,536 as the launch
 // checks), then their sums per group of SAMPLE_BINS threads (`gn`, and
-// `red` for the weights) and per digit (`tm`, `tn`).
+// `red` for the weights) and per digit (`tm`, `tn`); `kred` shares the
+// weight columns' memory (never in use at once). The last descent's
+// passes: each one's digit totals (`hm`, `hn`), prefix (`hp`), digit
+// position (`hs`) and digit taken (`hd`), `levels` of them.
 struct SampleShared {
     double red[SAMPLE_THREADS];
-    unsigned long long kred[SAMPLE_THREADS];
-    double m[SAMPLE_BINS][SAMPLE_THREADS];
+    union {
+        double m[SAMPLE_BINS][SAMPLE_THREADS];
+        unsigned long long kred[SAMPLE_THREADS];
+    };
     unsigned short n[SAMPLE_BINS][SAMPLE_THREADS];
     unsigned gn[SAMPLE_BINS][SAMPLE_GROUPS];
     double tm[SAMPLE_BINS];
     unsigned tn[SAMPLE_BINS];
+    double hm[16][SAMPLE_BINS];
+    unsigned hn[16][SAMPLE_BINS];
+    unsigned long long hp[16];
+    int hs[16], hd[16], levels;
 };
 
 // Block reductions through shared memory (SAMPLE_THREADS a power of two).
@@ -222,15 +234,40 @@ __device__ __forceinline__ bool cut_holds(const SampleCut &c, unsigned long long
     return c.strict ? before < c.mass : before <= c.mass;
 }
 
+// Down from the highest digit to `lowest`: the lowest nonempty one whose
+// first entry the cut still keeps (-1: none), with `*am`, `*an` advanced
+// to the mass and count above it.
+__device__ int sample_choose(const SampleCut &cut, const double *m, const unsigned *n, int lowest, double *am, unsigned *an) {
+    double a = *am;
+    unsigned c = *an;
+    int chosen = -1;
+    for (int d = SAMPLE_BINS - 1; d >= lowest; d--) {
+        if (n[d] == 0) continue;
+        if (!cut_holds(cut, (unsigned long long)c, a)) break;
+        chosen = d;
+        *am = a;
+        *an = c;
+        a += m[d];
+        c += n[d];
+    }
+    return chosen;
+}
+
 // The smallest rank key at or above `floor` whose entries above (at or
 // above `floor`) satisfy the cut: the last entry, in rank order, that the
 // cut keeps. Every candidate (key ≥ floor) lies in [lo, hi]: the descent
-// starts below their common leading digits. `*kept_mass` receives the
-// weight of every entry from the top down to it, `*cand_mass` that of
-// every candidate. The cut must hold for the top entry.
+// starts below their common leading digits. With `reuse` (`floor` is the
+// entry the last descent found), it starts instead from that descent's
+// passes: their bins above its path hold exactly our candidates, so it
+// follows the path while the cut keeps to it, and makes its own passes
+// only below the level where it leaves it (none if it never does: the
+// entry is `floor`); the levels it followed stay in the record, as its
+// own. `*kept_mass` receives the weight of every entry from the top down
+// to it, `*cand_mass` that of every candidate (without `reuse`). The cut
+// must hold for the top entry.
 __device__ __noinline__ unsigned long long select_cut(const float *s, int vocab, float max, float inv_t, unsigned long long floor,
-                                                      unsigned long long lo, unsigned long long hi, SampleCut cut, double *kept_mass,
-                                                      double *cand_mass, SampleShared &b) {
+                                                      unsigned long long lo, unsigned long long hi, SampleCut cut, bool reuse,
+                                                      double *kept_mass, double *cand_mass, SampleShared &b) {
     // The candidates under the prefix (`k & mask_s == pbits_s`) are binned
     // by their digit at `shift_s`; the entries above the prefix weigh
     // `above_m_s` (none at the start: the prefix is common to them all).
@@ -240,19 +277,48 @@ __device__ __noinline__ unsigned long long select_cut(const float *s, int vocab,
     __shared__ unsigned above_n_s;
     const int t = (int)threadIdx.x;
     if (t == 0) {
-        const unsigned long long diff = lo ^ hi;
-        int shift = 60;
-        while (shift > 0 && (diff >> shift) == 0) shift -= 4;
-        mask_s = shift == 60 ? 0ull : ~0ull << (shift + 4);
-        pbits_s = hi & mask_s;
-        shift_s = shift;
         done_s = 0;
-        above_m_s = 0.0;
-        above_n_s = 0;
+        cand_m_s = 0.0;
+        bool fresh = true;
+        double am = 0.0;
+        unsigned an = 0;
+        for (int l = 0; reuse && l < b.levels; l++) {
+            const int path = b.hd[l];
+            const int d = sample_choose(cut, b.hm[l], b.hn[l], path, &am, &an);
+            if (d < 0) break; // unreachable: the path's digit keeps the cut
+            if (d == path && l + 1 < b.levels) continue;
+            fresh = false;
+            if (d == path) {
+                pbits_s = floor; // the last descent's entry, and its passes
+                mask_s = ~0ull;
+                done_s = 1;
+            } else {
+                pbits_s = b.hp[l] | ((unsigned long long)d << b.hs[l]);
+                mask_s = ~0ull << b.hs[l];
+                shift_s = b.hs[l] - 4;
+                if (b.hn[l][d] == 1 || b.hs[l] == 0) done_s = 1;
+                b.hd[l] = d; // this descent's path down to here
+                b.levels = l + 1;
+            }
+            break;
+        }
+        if (fresh) {
+            const unsigned long long diff = lo ^ hi;
+            int shift = 60;
+            while (shift > 0 && (diff >> shift) == 0) shift -= 4;
+            mask_s = shift == 60 ? 0ull : ~0ull << (shift + 4);
+            pbits_s = hi & mask_s;
+            shift_s = shift;
+            am = 0.0;
+            an = 0;
+            b.levels = 0;
+        }
+        above_m_s = am;
+        above_n_s = an;
     }
     __syncthreads();
     bool first = true;
-    while (true) {
+    while (!done_s) {
         const int shift = shift_s;
         const unsigned long long pbits = pbits_s, mask = mask_s;
 #pragma unroll
@@ -279,28 +345,24 @@ __device__ __noinline__ unsigned long long select_cut(const float *s, int vocab,
                 if (cut.from_candidates == 1) cut.total = all;
                 if (cut.from_candidates == 2) cut.mass = cut.mass * (all / cut.total);
             }
-            // Down from the highest digit: the lowest nonempty one whose
-            // first entry the cut still keeps.
             double am = above_m_s;
             unsigned an = above_n_s;
-            int chosen = -1;
-            double chosen_m = 0.0;
-            unsigned chosen_n = 0;
-            for (int d = SAMPLE_BINS - 1; d >= 0; d--) {
-                const unsigned bn = b.tn[d];
-                if (bn == 0) continue;
-                if (!cut_holds(cut, (unsigned long long)an, am)) break;
-                chosen = d;
-                chosen_m = am;
-                chosen_n = an;
-                am += b.tm[d];
-                an += bn;
-            }
+            const int chosen = sample_choose(cut, b.tm, b.tn, 0, &am, &an);
             if (chosen < 0) {
                 done_s = 2; // unreachable while the cut keeps the top entry
+                b.levels = 0;
             } else {
-                above_m_s = chosen_m;
-                above_n_s = chosen_n;
+                const int l = b.levels;
+                for (int d = 0; d < SAMPLE_BINS; d++) {
+                    b.hm[l][d] = b.tm[d];
+                    b.hn[l][d] = b.tn[d];
+                }
+                b.hp[l] = pbits;
+                b.hs[l] = shift;
+                b.hd[l] = chosen;
+                b.levels = l + 1;
+                above_m_s = am;
+                above_n_s = an;
                 pbits_s = pbits | ((unsigned long long)chosen << shift);
                 mask_s = ~0ull << shift;
                 if (b.tn[chosen] == 1 || shift == 0) done_s = 1;
@@ -309,7 +371,6 @@ __device__ __noinline__ unsigned long long select_cut(const float *s, int vocab,
         }
         first = false;
         __syncthreads();
-        if (done_s) break;
     }
     // The entry: the prefix once every digit is taken, else the largest
     // key under it.
@@ -497,12 +558,14 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
             // Rank cuts: top-k, then min-p, then top-p; then the draw. Each
             // descent's candidates lie between `floor` (or the smallest key)
             // and the largest key.
+            // `chain`: the floor is the entry the last descent found.
             unsigned long long floor = 0;
             double total = 0.0, unused = 0.0;
-            bool total_known = true;
+            bool total_known = true, chain = false;
             if (top_k > 0 && top_k < vocab) {
                 SampleCut c = {1, (unsigned long long)top_k, 0.0, 0.0, 0, 0};
-                floor = select_cut(s, vocab, max, inv_t, 0, bottom, best, c, &total, &unused, sh);
+                floor = select_cut(s, vocab, max, inv_t, 0, bottom, best, c, false, &total, &unused, sh);
+                chain = true;
             } else if (min_p > 0.0f) {
                 double acc = 0.0;
                 for_entries(s, vocab, [&](int, float v) { acc += (double)sample_weight(v, max, inv_t); });
@@ -519,18 +582,23 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
                     if (k >= floor && k > fail && (double)sample_weight(v, max, inv_t) / total < p_floor) fail = k;
                 });
                 fail = sample_max_key(fail, kred);
-                if (fail + 1 > floor && fail != 0) floor = fail + 1;
+                if (fail + 1 > floor && fail != 0) {
+                    floor = fail + 1;
+                    chain = false;
+                }
             }
-            SampleCut draw = {0, 0, u, total, 0, 2}; // u · kept / total
+            // u · kept / total (after top-k alone, `total` is the kept mass).
+            SampleCut draw = chain ? SampleCut{0, 0, u * (total / total), total, 0, 0} : SampleCut{0, 0, u, total, 0, 2};
             if (top_p < 1.0f) {
                 SampleCut c = {0, 0, (double)top_p, total, 1, total_known ? 0 : 1};
                 double kept = 0.0, all = 0.0;
-                floor = select_cut(s, vocab, max, inv_t, floor, floor > bottom ? floor : bottom, best, c, &kept, &all, sh);
+                floor = select_cut(s, vocab, max, inv_t, floor, floor > bottom ? floor : bottom, best, c, chain, &kept, &all, sh);
                 if (!total_known) total = all;
                 draw = SampleCut{0, 0, u * (kept / total), total, 0, 0};
+                chain = true;
             }
             const unsigned long long k =
-                select_cut(s, vocab, max, inv_t, floor, floor > bottom ? floor : bottom, best, draw, &unused, &unused, sh);
+                select_cut(s, vocab, max, inv_t, floor, floor > bottom ? floor : bottom, best, draw, chain, &unused, &unused, sh);
             token = key_id(k, vocab);
         }
     }
