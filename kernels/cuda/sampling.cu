@@ -61,8 +61,9 @@
 #endif
 #define SAMPLE_BINS 16
 #define SAMPLE_GROUPS (SAMPLE_THREADS / SAMPLE_BINS)
-// Entries a thread loads before it works on any (loads in flight).
-#define SAMPLE_UNROLL 4
+// Entries a thread loads before it works on any (loads in flight); the
+// kernel stays under 128 registers, two blocks of 256 threads an SM.
+#define SAMPLE_UNROLL 8
 static_assert(SAMPLE_THREADS >= SAMPLE_BINS && (SAMPLE_THREADS & (SAMPLE_THREADS - 1)) == 0,
               "SAMPLE_THREADS: a power of two, at least SAMPLE_BINS");
 
