@@ -19,8 +19,27 @@
 // Ranks are 64-bit keys (the score's order-preserving bits, then the id
 // reversed), so a cut is one key. No row is sorted: each cut is a radix
 // descent over the keys, four bits a pass, that counts and weighs the
-// entries of each digit (every thread in registers, then one block sum)
-// and keeps the digit where the cut falls; it ends when one entry is left.
+// candidates of each digit and keeps the digit where the cut falls; it ends
+// when one entry is left. A pass adds each candidate's weight and a count
+// to its digit's bin in the thread's own column of shared memory (16 bins a
+// thread: one add, not a select per bin), then the columns are summed, 16
+// threads a digit. The descent starts below the leading digits that every
+// candidate shares (those of the smallest candidate, or the cut's floor,
+// and of the largest key). Every loop over a row loads SAMPLE_UNROLL
+// entries a thread before it works on them.
+//
+// Full passes over a row: one for the NaN check and the largest and
+// smallest keys; with penalties, one more for those of the scores; with
+// logprobs, one for the log-sum and one per top entry after the first;
+// then per descent one a digit taken and one for the entry found (none when
+// every digit was taken). A descent whose floor is the entry the last one
+// found (top-p after top-k, the draw after either) starts from the last
+// one's recorded passes: it follows that path while its own cut does, and
+// passes over the row only below the level where it leaves it. The mass
+// of every candidate comes from a descent's first pass (top-p's
+// normalization without top-k or min-p, the draw's kept mass after min-p
+// alone); min-p needs one pass for the total and one for its floor.
+//
 // Sums run in a different order than the host's, so a draw within ~1e-15
 // of a boundary may land on the neighbour; nowhere else do they differ
 // (-0 ranks as +0, as the host's comparisons have it).
@@ -33,13 +52,20 @@
 // the token -1: the host samples that step (the host sampler's rules for
 // NaN are its own).
 //
-// The kernel uses shared memory and barriers only (no warp shuffles), so
-// the host tests run its very text with one host thread per GPU thread.
+// The kernel uses shared memory and barriers only (no warp shuffles, no
+// atomics: its sums are the same from run to run), so the host tests run
+// its very text with one host thread per GPU thread.
 
 #ifndef SAMPLE_THREADS
-#define SAMPLE_THREADS 128
+#define SAMPLE_THREADS 256
 #endif
 #define SAMPLE_BINS 16
+#define SAMPLE_GROUPS (SAMPLE_THREADS / SAMPLE_BINS)
+// Entries a thread loads before it works on any (loads in flight); the
+// kernel stays under 128 registers, two blocks of 256 threads an SM.
+#define SAMPLE_UNROLL 8
+static_assert(SAMPLE_THREADS >= SAMPLE_BINS && (SAMPLE_THREADS & (SAMPLE_THREADS - 1)) == 0,
+              "SAMPLE_THREADS: a power of two, at least SAMPLE_BINS");
 
 // The host's `exp_f32`: Cody–Waite reduction, a degree-6 polynomial, no
 // fused multiply-add (each operation rounded on its own, as on the host).
@@ -83,6 +109,54 @@ __device__ __forceinline__ int key_id(unsigned long long k, int vocab) {
     return vocab - 1 - (int)(unsigned)(k & 0xffffffffull);
 }
 
+// The score of a rank key (-0 comes back as +0).
+__device__ __forceinline__ float key_score(unsigned long long k) {
+    const unsigned sk = (unsigned)(k >> 32);
+    return __uint_as_float((sk & 0x80000000u) ? (sk & 0x7fffffffu) : ~sk);
+}
+
+// `f(i, x[i])` for this thread's entries of a row (i = threadIdx.x, then
+// every SAMPLE_THREADS), SAMPLE_UNROLL loads issued before the first call.
+template <class F> __device__ __forceinline__ void for_entries(const float *x, int vocab, F f) {
+    for (int base = threadIdx.x; base < vocab; base += SAMPLE_THREADS * SAMPLE_UNROLL) {
+        float v[SAMPLE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SAMPLE_UNROLL; u++) {
+            const int i = base + u * SAMPLE_THREADS;
+            v[u] = i < vocab ? x[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < SAMPLE_UNROLL; u++) {
+            const int i = base + u * SAMPLE_THREADS;
+            if (i < vocab) f(i, v[u]);
+        }
+    }
+}
+
+// The block's shared memory: the reductions' slots, and the radix bins,
+// a column per thread (`m`: weight, `n`: count; a thread counts at most
+// ceil(vocab / SAMPLE_THREADS) entries a pass, below 65,536 as the launch
+// checks), then their sums per group of SAMPLE_BINS threads (`gn`, and
+// `red` for the weights) and per digit (`tm`, `tn`); `kred` shares the
+// weight columns' memory (never in use at once). The last descent's
+// passes: each one's digit totals (`hm`, `hn`), prefix (`hp`), digit
+// position (`hs`) and digit taken (`hd`), `levels` of them.
+struct SampleShared {
+    double red[SAMPLE_THREADS];
+    union {
+        double m[SAMPLE_BINS][SAMPLE_THREADS];
+        unsigned long long kred[SAMPLE_THREADS];
+    };
+    unsigned short n[SAMPLE_BINS][SAMPLE_THREADS];
+    unsigned gn[SAMPLE_BINS][SAMPLE_GROUPS];
+    double tm[SAMPLE_BINS];
+    unsigned tn[SAMPLE_BINS];
+    double hm[16][SAMPLE_BINS];
+    unsigned hn[16][SAMPLE_BINS];
+    unsigned long long hp[16];
+    int hs[16], hd[16], levels;
+};
+
 // Block reductions through shared memory (SAMPLE_THREADS a power of two).
 __device__ double sample_sum(double v, double *red) {
     red[threadIdx.x] = v;
@@ -108,24 +182,51 @@ __device__ unsigned long long sample_max_key(unsigned long long v, unsigned long
     return r;
 }
 
-__device__ float sample_max(float v, unsigned long long *kred) {
-    // Through the keys, so that NaN never wins (the host's `v > m`).
-    const unsigned long long k = sample_max_key(score_key(v), kred);
-    if (k == 0) return -3.402823466e38f;
-    const unsigned b = (k & 0x80000000ull) ? (unsigned)(k & 0x7fffffffull) : ~(unsigned)k;
-    return __uint_as_float(b);
+// The bins' totals per digit into `tm`, `tn`: thread t sums digit t % 16
+// over the 16 columns of group t / 16 (starting at a column that differs
+// per digit, so that the 16 digits fall in different banks), then thread
+// d < 16 sums digit d over the groups. The columns stay as they are.
+__device__ void sample_bin_totals(SampleShared &b) {
+    const int t = (int)threadIdx.x, d = t % SAMPLE_BINS, g = t / SAMPLE_BINS;
+    __syncthreads();
+    double m = 0.0;
+    unsigned n = 0;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_BINS; j++) {
+        const int c = g * SAMPLE_BINS + ((j + d) % SAMPLE_BINS);
+        m += b.m[d][c];
+        n += b.n[d][c];
+    }
+    b.red[d * SAMPLE_GROUPS + g] = m;
+    b.gn[d][g] = n;
+    __syncthreads();
+    if (t < SAMPLE_BINS) {
+        double tm = 0.0;
+        unsigned tn = 0;
+        for (int h = 0; h < SAMPLE_GROUPS; h++) {
+            tm += b.red[t * SAMPLE_GROUPS + h];
+            tn += b.gn[t][h];
+        }
+        b.tm[t] = tm;
+        b.tn[t] = tn;
+    }
+    __syncthreads();
 }
 
 // What a cut asks of the entries above it: fewer than `count` of them
 // (top-k), or a mass before it under (`strict`) or at most `mass`, with
 // masses divided by `total` first when it is nonzero (the host compares
-// normalized probabilities).
+// normalized probabilities). `from_candidates`: 1, `total` is the
+// candidates' mass; 2, `mass` is multiplied by (candidates' mass / total)
+// first (the draw's `u` scaled to the kept mass); both taken from the
+// descent's first pass, which weighs every candidate.
 struct SampleCut {
     int by_count;
     unsigned long long count;
     double mass;
     double total;
     int strict;
+    int from_candidates;
 };
 
 __device__ __forceinline__ bool cut_holds(const SampleCut &c, unsigned long long n_above, double m_above) {
@@ -134,101 +235,160 @@ __device__ __forceinline__ bool cut_holds(const SampleCut &c, unsigned long long
     return c.strict ? before < c.mass : before <= c.mass;
 }
 
+// Down from the highest digit to `lowest`: the lowest nonempty one whose
+// first entry the cut still keeps (-1: none), with `*am`, `*an` advanced
+// to the mass and count above it.
+__device__ int sample_choose(const SampleCut &cut, const double *m, const unsigned *n, int lowest, double *am, unsigned *an) {
+    double a = *am;
+    unsigned c = *an;
+    int chosen = -1;
+    for (int d = SAMPLE_BINS - 1; d >= lowest; d--) {
+        if (n[d] == 0) continue;
+        if (!cut_holds(cut, (unsigned long long)c, a)) break;
+        chosen = d;
+        *am = a;
+        *an = c;
+        a += m[d];
+        c += n[d];
+    }
+    return chosen;
+}
+
 // The smallest rank key at or above `floor` whose entries above (at or
 // above `floor`) satisfy the cut: the last entry, in rank order, that the
-// cut keeps. `*kept_mass` receives the weight of every entry from the top
-// down to it. The cut must hold for the top entry.
-__device__ __noinline__ unsigned long long select_cut(const float *s, int vocab, float max, float inv_t, unsigned long long floor, SampleCut cut,
-                                         double *kept_mass, unsigned long long *kred, double (*bins_m)[SAMPLE_THREADS],
-                                         double (*bins_n)[SAMPLE_THREADS]) {
-    __shared__ unsigned long long prefix_s;
+// cut keeps. Every candidate (key ≥ floor) lies in [lo, hi]: the descent
+// starts below their common leading digits. With `reuse` (`floor` is the
+// entry the last descent found), it starts instead from that descent's
+// passes: their bins above its path hold exactly our candidates, so it
+// follows the path while the cut keeps to it, and makes its own passes
+// only below the level where it leaves it (none if it never does: the
+// entry is `floor`); the levels it followed stay in the record, as its
+// own. `*kept_mass` receives the weight of every entry from the top down
+// to it, `*cand_mass` that of every candidate (without `reuse`). The cut
+// must hold for the top entry.
+__device__ __noinline__ unsigned long long select_cut(const float *s, int vocab, float max, float inv_t, unsigned long long floor,
+                                                      unsigned long long lo, unsigned long long hi, SampleCut cut, bool reuse,
+                                                      double *kept_mass, double *cand_mass, SampleShared &b) {
+    // The candidates under the prefix (`k & mask_s == pbits_s`) are binned
+    // by their digit at `shift_s`; the entries above the prefix weigh
+    // `above_m_s` (none at the start: the prefix is common to them all).
+    __shared__ unsigned long long pbits_s, mask_s;
     __shared__ int shift_s, done_s;
-    __shared__ double above_m_s, above_n_s;
-    if (threadIdx.x == 0) {
-        prefix_s = 0;
-        shift_s = 60;
+    __shared__ double above_m_s, cand_m_s;
+    __shared__ unsigned above_n_s;
+    const int t = (int)threadIdx.x;
+    if (t == 0) {
         done_s = 0;
-        above_m_s = 0.0;
-        above_n_s = 0.0;
+        cand_m_s = 0.0;
+        bool fresh = true;
+        double am = 0.0;
+        unsigned an = 0;
+        for (int l = 0; reuse && l < b.levels; l++) {
+            const int path = b.hd[l];
+            const int d = sample_choose(cut, b.hm[l], b.hn[l], path, &am, &an);
+            if (d < 0) break; // unreachable: the path's digit keeps the cut
+            if (d == path && l + 1 < b.levels) continue;
+            fresh = false;
+            if (d == path) {
+                pbits_s = floor; // the last descent's entry, and its passes
+                mask_s = ~0ull;
+                done_s = 1;
+            } else {
+                pbits_s = b.hp[l] | ((unsigned long long)d << b.hs[l]);
+                mask_s = ~0ull << b.hs[l];
+                shift_s = b.hs[l] - 4;
+                if (b.hn[l][d] == 1 || b.hs[l] == 0) done_s = 1;
+                b.hd[l] = d; // this descent's path down to here
+                b.levels = l + 1;
+            }
+            break;
+        }
+        if (fresh) {
+            const unsigned long long diff = lo ^ hi;
+            int shift = 60;
+            while (shift > 0 && (diff >> shift) == 0) shift -= 4;
+            mask_s = shift == 60 ? 0ull : ~0ull << (shift + 4);
+            pbits_s = hi & mask_s;
+            shift_s = shift;
+            am = 0.0;
+            an = 0;
+            b.levels = 0;
+        }
+        above_m_s = am;
+        above_n_s = an;
     }
     __syncthreads();
-    while (true) {
+    bool first = true;
+    while (!done_s) {
         const int shift = shift_s;
-        const unsigned long long prefix = prefix_s;
-        double m[SAMPLE_BINS];
-        unsigned n[SAMPLE_BINS];
+        const unsigned long long pbits = pbits_s, mask = mask_s;
 #pragma unroll
         for (int d = 0; d < SAMPLE_BINS; d++) {
-            m[d] = 0.0;
-            n[d] = 0u;
+            b.m[d][t] = 0.0;
+            b.n[d][t] = 0;
         }
-        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-            const unsigned long long k = rank_key(s[i], i, vocab);
-            if (k < floor || (shift < 60 && (k >> (shift + 4)) != prefix)) continue;
-            const double w = (double)sample_weight(s[i], max, inv_t);
-            const int digit = (int)((k >> shift) & 15ull);
-#pragma unroll
-            for (int d = 0; d < SAMPLE_BINS; d++) {
-                m[d] += d == digit ? w : 0.0;
-                n[d] += d == digit ? 1u : 0u;
+        // Only this thread's column: no barrier before, no bank conflicts.
+        double *const mcol = &b.m[0][t];
+        unsigned short *const ncol = &b.n[0][t];
+        for_entries(s, vocab, [&](int i, float v) {
+            const unsigned long long k = rank_key(v, i, vocab);
+            if (k < floor || (k & mask) != pbits) return;
+            const int at = (int)((unsigned)(k >> shift) & 15u) * SAMPLE_THREADS;
+            mcol[at] += (double)sample_weight(v, max, inv_t);
+            ncol[at] += 1;
+        });
+        sample_bin_totals(b);
+        if (t == 0) {
+            if (first) {
+                double all = 0.0;
+                for (int d = SAMPLE_BINS - 1; d >= 0; d--) all += b.tm[d];
+                cand_m_s = all;
+                if (cut.from_candidates == 1) cut.total = all;
+                if (cut.from_candidates == 2) cut.mass = cut.mass * (all / cut.total);
             }
-        }
-#pragma unroll
-        for (int d = 0; d < SAMPLE_BINS; d++) {
-            bins_m[d][threadIdx.x] = m[d];
-            bins_n[d][threadIdx.x] = (double)n[d];
-        }
-        __syncthreads();
-        for (int st = SAMPLE_THREADS / 2; st > 0; st >>= 1) {
-            if ((int)threadIdx.x < st)
-                for (int d = 0; d < SAMPLE_BINS; d++) {
-                    bins_m[d][threadIdx.x] += bins_m[d][threadIdx.x + st];
-                    bins_n[d][threadIdx.x] += bins_n[d][threadIdx.x + st];
-                }
-            __syncthreads();
-        }
-        if (threadIdx.x == 0) {
-            // Down from the highest digit: the lowest nonempty one whose
-            // first entry the cut still keeps.
-            double am = above_m_s, an = above_n_s;
-            int chosen = -1;
-            double chosen_m = 0.0, chosen_n = 0.0;
-            for (int d = SAMPLE_BINS - 1; d >= 0; d--) {
-                const double bn = bins_n[d][0];
-                if (bn == 0.0) continue;
-                if (!cut_holds(cut, (unsigned long long)an, am)) break;
-                chosen = d;
-                chosen_m = am;
-                chosen_n = an;
-                am += bins_m[d][0];
-                an += bn;
-            }
+            double am = above_m_s;
+            unsigned an = above_n_s;
+            const int chosen = sample_choose(cut, b.tm, b.tn, 0, &am, &an);
             if (chosen < 0) {
                 done_s = 2; // unreachable while the cut keeps the top entry
+                b.levels = 0;
             } else {
-                above_m_s = chosen_m;
-                above_n_s = chosen_n;
-                prefix_s = (prefix << 4) | (unsigned long long)chosen;
-                if (bins_n[chosen][0] == 1.0 || shift == 0) done_s = 1;
+                const int l = b.levels;
+                for (int d = 0; d < SAMPLE_BINS; d++) {
+                    b.hm[l][d] = b.tm[d];
+                    b.hn[l][d] = b.tn[d];
+                }
+                b.hp[l] = pbits;
+                b.hs[l] = shift;
+                b.hd[l] = chosen;
+                b.levels = l + 1;
+                above_m_s = am;
+                above_n_s = an;
+                pbits_s = pbits | ((unsigned long long)chosen << shift);
+                mask_s = ~0ull << shift;
+                if (b.tn[chosen] == 1 || shift == 0) done_s = 1;
                 shift_s = shift - 4;
             }
         }
+        first = false;
         __syncthreads();
-        if (done_s) break;
     }
-    // The entry (the largest key under the prefix; the prefix is the whole
-    // key once every digit is taken).
-    const int shift_end = shift_s + 4;
-    const unsigned long long prefix = prefix_s;
-    unsigned long long best = 0;
-    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-        const unsigned long long k = rank_key(s[i], i, vocab);
-        if (k >= floor && (shift_end >= 64 ? true : (k >> shift_end) == prefix) && k > best) best = k;
+    // The entry: the prefix once every digit is taken, else the largest
+    // key under it.
+    const unsigned long long pbits = pbits_s, mask = mask_s;
+    unsigned long long best = pbits;
+    if (mask != ~0ull || done_s == 2) {
+        best = 0;
+        for_entries(s, vocab, [&](int i, float v) {
+            const unsigned long long k = rank_key(v, i, vocab);
+            if (k >= floor && (k & mask) == pbits && k > best) best = k;
+        });
+        best = sample_max_key(best, b.kred);
     }
-    best = sample_max_key(best, kred);
-    if (threadIdx.x == 0) above_m_s += (double)sample_weight(s[key_id(best, vocab)], max, inv_t);
+    if (t == 0) above_m_s += (double)sample_weight(s[key_id(best, vocab)], max, inv_t);
     __syncthreads();
     *kept_mass = above_m_s;
+    *cand_mass = cand_m_s;
     __syncthreads();
     return best;
 }
@@ -246,45 +406,54 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
                                        float *logits, float *pen_raw, int vocab, const float *__restrict__ fparams,
                                        const int *__restrict__ iparams, const double *__restrict__ uniform,
                                        const int *__restrict__ pen_tokens, const float *__restrict__ pen_values) {
-    __shared__ double red[SAMPLE_THREADS];
-    __shared__ unsigned long long kred[SAMPLE_THREADS];
-    __shared__ double bins_m[SAMPLE_BINS][SAMPLE_THREADS];
-    __shared__ double bins_n[SAMPLE_BINS][SAMPLE_THREADS];
+    __shared__ SampleShared sh;
     __shared__ int chosen_s;
+    double *red = sh.red;
+    unsigned long long *kred = sh.kred;
     const int row = blockIdx.x;
     float *x = logits + (long long)row * vocab;
     const float temperature = fparams[row * 4], top_p = fparams[row * 4 + 1], min_p = fparams[row * 4 + 2];
     const int top_k = iparams[row * 5], num_logprobs = iparams[row * 5 + 1];
     const int pen_start = iparams[row * 5 + 2], pen_end = iparams[row * 5 + 3], wants_logprob = iparams[row * 5 + 4];
 
-    // A row with a NaN goes back to the host untouched.
-    unsigned long long nan = 0;
-    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) nan |= x[i] != x[i];
-    if (sample_max_key(nan, kred)) {
+    // One pass over the raw row: a NaN (the row goes back to the host
+    // untouched), the largest and the smallest rank key.
+    unsigned long long top = 0, bottom = ~0ull;
+    for_entries(x, vocab, [&](int i, float v) {
+        const unsigned long long k = rank_key(v, i, vocab);
+        top = v != v ? ~0ull : (k > top ? k : top);
+        bottom = k < bottom ? k : bottom;
+    });
+    top = sample_max_key(top, kred);
+    if (top == ~0ull) {
         if (threadIdx.x == 0) {
             out_token[row] = -1;
             out_logprob[row] = __uint_as_float(0x7fc00000u);
         }
         return;
     }
+    bottom = ~sample_max_key(~bottom, kred);
 
     // The model's own logprobs: ln Σ exp(x − max) + max over the raw row.
     double lse = 0.0;
     if (wants_logprob || num_logprobs > 0) {
-        float mm = -3.402823466e38f;
-        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) mm = x[i] > mm ? x[i] : mm;
-        const float mx = sample_max(mm, kred);
+        const float mx = key_score(top);
         double acc = 0.0;
-        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) acc += (double)sample_weight(x[i], mx, 1.0f);
+        for_entries(x, vocab, [&](int, float v) { acc += (double)sample_weight(v, mx, 1.0f); });
         lse = log(sample_sum(acc, red)) + (double)mx;
         // The top entries, one block maximum each, every one below the last.
-        unsigned long long below = ~0ull;
-        for (int j = 0; j < num_logprobs && j < top_stride && j < vocab; j++) {
+        unsigned long long below = top;
+        if (threadIdx.x == 0 && num_logprobs > 0 && top_stride > 0) {
+            const int id = key_id(top, vocab);
+            out_top_ids[row * top_stride] = id;
+            out_top_lp[row * top_stride] = (float)((double)x[id] - lse);
+        }
+        for (int j = 1; j < num_logprobs && j < top_stride && j < vocab; j++) {
             unsigned long long best = 0;
-            for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-                const unsigned long long k = rank_key(x[i], i, vocab);
+            for_entries(x, vocab, [&](int i, float v) {
+                const unsigned long long k = rank_key(v, i, vocab);
                 if (k < below && k > best) best = k;
-            }
+            });
             best = sample_max_key(best, kred);
             below = best;
             if (threadIdx.x == 0) {
@@ -296,7 +465,8 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
     }
 
     // The scores: the row, with the penalties applied in place (once every
-    // thread is done reading it raw).
+    // thread is done reading it raw), and their largest and smallest keys.
+    unsigned long long best = top;
     if (pen_end > pen_start) {
         __syncthreads();
         for (int e = pen_start + threadIdx.x; e < pen_end; e += SAMPLE_THREADS) {
@@ -311,16 +481,19 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
             x[t] = l;
         }
         __syncthreads();
+        best = 0;
+        bottom = ~0ull;
+        for_entries(x, vocab, [&](int i, float v) {
+            const unsigned long long k = rank_key(v, i, vocab);
+            best = k > best ? k : best;
+            bottom = k < bottom ? k : bottom;
+        });
+        best = sample_max_key(best, kred);
+        bottom = ~sample_max_key(~bottom, kred);
     }
     const float *s = x;
 
     // The largest score (ties: the lowest id).
-    unsigned long long best = 0;
-    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-        const unsigned long long k = rank_key(s[i], i, vocab);
-        best = k > best ? k : best;
-    }
-    best = sample_max_key(best, kred);
     const int argmax = key_id(best, vocab);
     const float max = s[argmax];
     int token = argmax;
@@ -383,41 +556,50 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
             __syncthreads();
             if (c != -1) token = chosen_s;
         } else {
-            // Rank cuts: top-k, then min-p, then top-p; then the draw.
+            // Rank cuts: top-k, then min-p, then top-p; then the draw. Each
+            // descent's candidates lie between `floor` (or the smallest key)
+            // and the largest key.
+            // `chain`: the floor is the entry the last descent found.
             unsigned long long floor = 0;
-            double total = 0.0;
+            double total = 0.0, unused = 0.0;
+            bool total_known = true, chain = false;
             if (top_k > 0 && top_k < vocab) {
-                SampleCut c = {1, (unsigned long long)top_k, 0.0, 0.0, 0};
-                floor = select_cut(s, vocab, max, inv_t, 0, c, &total, kred, bins_m, bins_n);
-            } else {
+                SampleCut c = {1, (unsigned long long)top_k, 0.0, 0.0, 0, 0};
+                floor = select_cut(s, vocab, max, inv_t, 0, bottom, best, c, false, &total, &unused, sh);
+                chain = true;
+            } else if (min_p > 0.0f) {
                 double acc = 0.0;
-                for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) acc += (double)sample_weight(s[i], max, inv_t);
+                for_entries(s, vocab, [&](int, float v) { acc += (double)sample_weight(v, max, inv_t); });
                 total = sample_sum(acc, red);
+            } else {
+                total_known = false; // top-p's first pass weighs the row
             }
             if (min_p > 0.0f) {
                 // Kept down to the first entry (in rank order) under the floor.
                 const double p_floor = (double)min_p * (1.0 / total);
                 unsigned long long fail = 0;
-                for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-                    const unsigned long long k = rank_key(s[i], i, vocab);
-                    if (k >= floor && (double)sample_weight(s[i], max, inv_t) / total < p_floor && k > fail) fail = k;
-                }
+                for_entries(s, vocab, [&](int i, float v) {
+                    const unsigned long long k = rank_key(v, i, vocab);
+                    if (k >= floor && k > fail && (double)sample_weight(v, max, inv_t) / total < p_floor) fail = k;
+                });
                 fail = sample_max_key(fail, kred);
-                if (fail + 1 > floor && fail != 0) floor = fail + 1;
+                if (fail + 1 > floor && fail != 0) {
+                    floor = fail + 1;
+                    chain = false;
+                }
             }
-            double kept = 0.0;
+            // u · kept / total (after top-k alone, `total` is the kept mass).
+            SampleCut draw = chain ? SampleCut{0, 0, u * (total / total), total, 0, 0} : SampleCut{0, 0, u, total, 0, 2};
             if (top_p < 1.0f) {
-                SampleCut c = {0, 0, (double)top_p, total, 1};
-                floor = select_cut(s, vocab, max, inv_t, floor, c, &kept, kred, bins_m, bins_n);
-            } else {
-                double acc = 0.0;
-                for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS)
-                    if (rank_key(s[i], i, vocab) >= floor) acc += (double)sample_weight(s[i], max, inv_t);
-                kept = sample_sum(acc, red);
+                SampleCut c = {0, 0, (double)top_p, total, 1, total_known ? 0 : 1};
+                double kept = 0.0, all = 0.0;
+                floor = select_cut(s, vocab, max, inv_t, floor, floor > bottom ? floor : bottom, best, c, chain, &kept, &all, sh);
+                if (!total_known) total = all;
+                draw = SampleCut{0, 0, u * (kept / total), total, 0, 0};
+                chain = true;
             }
-            SampleCut draw = {0, 0, u * (kept / total), total, 0};
-            double unused = 0.0;
-            const unsigned long long k = select_cut(s, vocab, max, inv_t, floor, draw, &unused, kred, bins_m, bins_n);
+            const unsigned long long k =
+                select_cut(s, vocab, max, inv_t, floor, floor > bottom ? floor : bottom, best, draw, chain, &unused, &unused, sh);
             token = key_id(k, vocab);
         }
     }

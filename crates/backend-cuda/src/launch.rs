@@ -120,6 +120,8 @@ pub enum KvLayout {
 pub const PARTITION_SIZE: usize = 512;
 /// Threads per paged-attention thread block.
 const ATTENTION_THREADS: u32 = 128;
+/// `sample_rows`' block: sampling.cu's SAMPLE_THREADS.
+const SAMPLE_THREADS: u32 = 256;
 /// The shared memory (static and dynamic) a thread block may take without
 /// opting in.
 const DEFAULT_SHARED_MEMORY: usize = 48 * 1024;
@@ -1173,6 +1175,10 @@ impl Kernels {
         if !ok {
             return Err(shape_error(format!("sampling {rows} rows of {vocab}: buffers too small")));
         }
+        // A thread's 16-bit radix counts hold its entries of a row.
+        if vocab.div_ceil(SAMPLE_THREADS as usize) > usize::from(u16::MAX) {
+            return Err(shape_error(format!("sampling rows of {vocab}: a vocabulary over {} entries", 65535 * SAMPLE_THREADS)));
+        }
         if rows == 0 {
             return Ok(());
         }
@@ -1184,12 +1190,12 @@ impl Kernels {
         b.arg(&params.pen_tokens).arg(&params.pen_values);
         // SAFETY: sample_rows(int*, float*, int*, float*, int, float*,
         // float*, int, const float*, const int*, const double*, const int*,
-        // const float*); one block of SAMPLE_THREADS (128, sampling.cu's
+        // const float*); one block of SAMPLE_THREADS (256, sampling.cu's
         // default) per row; the buffers' sizes are checked above, and the
         // penalty ranges inside them are the caller's contract (`pack`'s).
         // The kernel writes `logits`, passed by shared reference: cudarc
         // records it as read, which orders nothing on this one stream.
-        unsafe { b.launch(cfg((to_u32(rows, "rows")?, 1, 1), 128, 0)) }?;
+        unsafe { b.launch(cfg((to_u32(rows, "rows")?, 1, 1), SAMPLE_THREADS, 0)) }?;
         Ok(())
     }
 
