@@ -14,10 +14,12 @@
 #    under the default plan and under the best one (VELLUM_GEMV), and the
 #    device-sampling test (its timing line: 256 rows of 1,000 and of
 #    262,144);
-# 3. decode on a SmolLM2-shaped Q4_1 at 256 sequences, greedy and sampled
+# 3. a Llama-3-8B-shaped Q8_0 written there: single-stream decode (128 in,
+#    128 out) with the default plan and with the best one;
+# 4. decode on a SmolLM2-shaped Q4_1 at 256 sequences, greedy and sampled
 #    on the device (temperature 0.8, top-p 0.95);
-# 4. a Llama-3-8B-shaped Q8_0 written there: single-stream decode (128 in,
-#    128 out) with the default plan and with the best one.
+# 5. if time allows, `vellum serve` on it at 256 clients: the steps that
+#    were uniform decodes and the executor's seconds on them and the rest.
 # Logs go to $OUT as one tarball (the device tool returns few files); the
 # table last.
 set -uo pipefail
@@ -49,6 +51,14 @@ for plan in "" "$best"; do
     VELLUM_GEMV=$plan timeout 60 .gpu/x/gpu_suite --test-threads 1 gemv_and_cuda_core_gemm >"$logs/suite_gemv_${plan:-default}.txt" 2>&1
     stamp "gemv test (plan ${plan:-default}) exit $?"
 done
+m8=/tmp/m8.gguf
+timeout 90 .gpu/x/write_random_checkpoint --shape llama3-8b --format gguf --dtype q8_0 --out "$m8" >/dev/null 2>&1
+stamp "8b written, exit $?"
+for plan in "" "$best"; do
+    VELLUM_GEMV=$plan timeout 60 .gpu/x/vellum bench latency --device cuda --model "$m8" --batch-size 1 --input-len 128 \
+        --output-len 128 --num-iters 2 --json 2>"$logs/m8_${plan:-default}.log" >"$logs/m8_${plan:-default}.json"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('8B Q8_0 single-stream decode, plan ${plan:-default}:', round(d['decode_tokens_per_s'], 1), 'tok/s')" "$logs/m8_${plan:-default}.json"
+done
 timeout 60 .gpu/x/device_sampling --test-threads 1 --nocapture >"$logs/sampling.txt" 2>&1
 stamp "device sampling test exit $?"
 grep -h "sampling took\|panicked" "$logs/sampling.txt" | cut -c1-200
@@ -64,14 +74,32 @@ for mode in greedy sampled; do
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('SmolLM2 decode at 256, $mode:', round(d['decode_tokens_per_s']), 'tok/s')" "$logs/smol_$mode.json"
 done
 
-m8=/tmp/m8.gguf
-timeout 90 .gpu/x/write_random_checkpoint --shape llama3-8b --format gguf --dtype q8_0 --out "$m8" >/dev/null 2>&1
-stamp "8b written, exit $?"
-for plan in "" "$best"; do
-    VELLUM_GEMV=$plan timeout 60 .gpu/x/vellum bench latency --device cuda --model "$m8" --batch-size 1 --input-len 128 \
-        --output-len 128 --num-iters 2 --json 2>"$logs/m8_${plan:-default}.log" >"$logs/m8_${plan:-default}.json"
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('8B Q8_0 single-stream decode, plan ${plan:-default}:', round(d['decode_tokens_per_s'], 1), 'tok/s')" "$logs/m8_${plan:-default}.json"
-done
+# Serving at 256 clients (graphs): how many steps were uniform decodes and
+# what the executor spent on them and on the rest.
+if [ $((SECONDS - t0)) -lt "${SERVE_BEFORE_S:-240}" ]; then
+    .gpu/x/vellum serve --device cuda --model "$smol" --port 8011 --max-num-seqs 256 >"$logs/serve.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 120); do
+        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=1)" 2>/dev/null && break
+        sleep 0.25
+    done
+    timeout 60 .gpu/x/vellum bench serve --base-url http://127.0.0.1:8011 --model "$smol" --input-len 128 --output-len 128 \
+        --num-prompts 1024 --max-concurrency 256 --json >"$logs/serve_256.json" 2>>"$logs/serve.log"
+    python3 - "$logs/serve_256.json" <<'PY'
+import json, sys, urllib.request
+v = json.load(open(sys.argv[1]))
+m = {l.split("{")[0]: float(l.split()[-1]) for l in urllib.request.urlopen("http://127.0.0.1:8011/metrics").read().decode().splitlines()
+     if l.startswith("vellum:engine_")}
+g = lambda k: m.get("vellum:engine_" + k, 0.0)
+print(f"serve, 256 clients: {v['output_throughput']:,.0f} output tok/s in {v['duration_s']:.2f} s, ITL median/p99 "
+      f"{(v['itl_s']['median'] or 0) * 1e3:.1f}/{(v['itl_s']['p99'] or 0) * 1e3:.1f} ms; steps {g('steps_total'):.0f} "
+      f"({g('decode_steps_total'):.0f} uniform decodes, {g('decode_execute_seconds_total'):.2f} s executing; the rest "
+      f"{g('execute_seconds_total') - g('decode_execute_seconds_total'):.2f} s); schedule {g('schedule_seconds_total'):.2f} s, "
+      f"sample {g('sample_seconds_total'):.2f} s, output {g('output_seconds_total'):.2f} s")
+PY
+    kill "$pid"
+    wait "$pid" 2>/dev/null
+fi
 stamp "done"
 tail -3 "$logs"/suite_gemv_*.txt | grep -E "test result|==>" | cut -c1-160
 tar -C "$logs" -czf "$out/gemv_plans_logs.tgz" .

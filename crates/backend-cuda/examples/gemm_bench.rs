@@ -24,7 +24,9 @@
 //! ```
 //!
 //! `--gemv-plans` measures only the GEMV, at 1, 2, 4 and 8 rows, once per
-//! plan (`columns_per_warp:k_split:magic`, `gemv_q.cu`'s knobs), adding
+//! plan (`columns_per_warp:k_split:magic`, `gemv_q.cu`'s knobs), and the
+//! tensor-core GEMM beside it from 2 rows (the default path's choice past
+//! `GEMV_MAX_ROWS`), adding
 //! the shapes where it matters most: the 1024-column k/v projections and
 //! the 128,256-column LM head.
 //!
@@ -190,6 +192,14 @@ fn run() -> Res<()> {
                     let ms = time_ms(&k, |i| Ok(k.gemv_q_planned(&mut y, &ws[i % copies], &x, rows, *plan)?))?;
                     record(label, ms, weight_bytes);
                 }
+                // The default path's alternative past GEMV_MAX_ROWS rows.
+                if rows >= 2 {
+                    let ms = time_ms(&k, |i| {
+                        k.cast_to_16(&mut x16, &x, rows * kk, Half::Bf16)?;
+                        Ok(k.gemm_mma(&mut y, &ws[i % copies], &x16, rows)?)
+                    })?;
+                    record("mma", ms, weight_bytes);
+                }
                 continue;
             }
             if rows <= 8 {
@@ -222,7 +232,7 @@ fn run() -> Res<()> {
     }
     if let Some(plans) = &plans {
         // Weight GB/s per plan, and the fastest.
-        let labels: Vec<&str> = plans.iter().map(|(l, _)| l.as_str()).collect();
+        let labels: Vec<&str> = plans.iter().map(|(l, _)| l.as_str()).chain(std::iter::once("mma")).collect();
         println!("\n| weight | rows | {} | best |", labels.join(" | "));
         println!("|---|---:|{}---|", "---:|".repeat(labels.len()));
         let mut keys: Vec<(String, usize)> = table.iter().map(|r| (r.weight.clone(), r.rows)).collect();

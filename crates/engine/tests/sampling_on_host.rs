@@ -17,7 +17,8 @@ use vellum_backend_cuda::sampling::pack;
 use vellum_base::{PenaltyEntry, RowSampling, SamplingParams, SeededRng, TokenId};
 use vellum_engine::sampler::{penalty_entries, row_sampling, sample};
 
-/// What the kernel needs from CUDA, for a host compiler; 16 threads a block.
+/// What the kernel needs from CUDA, for a host compiler; 16 threads a block
+/// (`check_at` sets others).
 const SHIM: &str = r#"
 #include <barrier>
 #include <cmath>
@@ -160,9 +161,20 @@ fn params() -> Vec<SamplingParams> {
 fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_skips_without_a_compiler() {
     let test = "the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens";
     let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
-    let dir = std::env::temp_dir().join(format!("vellum-sampling-on-host-{}", std::process::id()));
+    // 16 threads a block, and 64: the kernel sums its bins' columns in
+    // groups of 16 threads, so only the larger block adds groups together
+    // as a GPU block (256) does.
+    for threads in [16, 64] {
+        check_at(&cxx, threads);
+    }
+}
+
+fn check_at(cxx: &str, threads: usize) {
+    let dir = std::env::temp_dir().join(format!("vellum-sampling-on-host-{}-{threads}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let exe = host_cxx::build_threaded(&cxx, &dir, "sampling", &format!("{SHIM}\n{}\n{MAIN}", vellum_kernels::cuda::SAMPLING));
+    let shim = SHIM.replace("#define SAMPLE_THREADS 16", &format!("#define SAMPLE_THREADS {threads}"));
+    assert!(shim.contains(&format!("SAMPLE_THREADS {threads}\n")), "the shim sets the block size");
+    let exe = host_cxx::build_threaded(cxx, &dir, "sampling", &format!("{shim}\n{}\n{MAIN}", vellum_kernels::cuda::SAMPLING));
 
     let (mut rows_checked, mut draws, mut disagreements) = (0, 0, Vec::new());
     for vocab in [37usize, 3001] {
@@ -250,7 +262,7 @@ fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_sk
             }
         }
     }
-    eprintln!("{rows_checked} rows, {draws} of them draws: {} disagreements", disagreements.len());
+    eprintln!("{threads} threads a block: {rows_checked} rows, {draws} of them draws: {} disagreements", disagreements.len());
     assert!(disagreements.is_empty(), "the device sampler drew other tokens than the host's:\n{}", disagreements.join("\n"));
     let _ = std::fs::remove_dir_all(&dir);
 }
