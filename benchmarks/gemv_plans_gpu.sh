@@ -27,13 +27,18 @@ cd "$(dirname "$0")/.."
 out=${OUT:-.gpu/out}
 logs=$(mktemp -d)
 t0=$SECONDS
+# Everything printed also goes to $OUT/summary.txt as it happens, so a run
+# cut short still says how far it got.
+mkdir -p "$out"
+exec > >(tee "$out/summary.txt") 2>&1
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 # shellcheck disable=SC1091 # staged there
 source .gpu/run.sh env >/dev/null
-plans=${PLANS:-"1:1:0,1:1:1,2:1:1,1:2:1,2:2:1,4:2:1,2:4:1"}
+plans=${PLANS:-"1:1:0,1:1:1,2:1:1,1:2:1,2:2:1,4:2:1"}
 
 timeout 150 .gpu/x/gemm_bench --gemv-plans "$plans" >"$logs/gemv.jsonl" 2>"$logs/gemv.log"
 stamp "gemm_bench exit $?"
+cp "$logs/gemv.jsonl" "$out/gemv.jsonl"
 best=$(python3 - "$logs/gemv.jsonl" <<'EOF'
 import json, sys, collections
 t = collections.Counter()
@@ -76,7 +81,7 @@ done
 
 # Serving at 256 clients (graphs): how many steps were uniform decodes and
 # what the executor spent on them and on the rest.
-if [ $((SECONDS - t0)) -lt "${SERVE_BEFORE_S:-240}" ]; then
+if [ $((SECONDS - t0)) -lt "${SERVE_BEFORE_S:-220}" ]; then
     .gpu/x/vellum serve --device cuda --model "$smol" --port 8011 --max-num-seqs 256 >"$logs/serve.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 120); do
@@ -103,5 +108,4 @@ fi
 stamp "done"
 tail -3 "$logs"/suite_gemv_*.txt | grep -E "test result|==>" | cut -c1-160
 tar -C "$logs" -czf "$out/gemv_plans_logs.tgz" .
-cp "$logs/gemv.jsonl" "$out/gemv.jsonl"
 sed -n '/^| weight/,$p' "$logs/gemv.jsonl"
