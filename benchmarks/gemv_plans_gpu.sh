@@ -11,7 +11,7 @@
 #    the plan with the least time summed over the Q8_0 shapes at 1 row is
 #    "best";
 # 2. the GPU suite's GEMV test (every layout against the float64 product)
-#    under the default plan and under the best one (VELLUM_GEMV), and the
+#    under the default plan, the best one and 4:2:1 (VELLUM_GEMV), and the
 #    device-sampling test (its timing line: 256 rows of 1,000 and of
 #    262,144);
 # 3. a Llama-3-8B-shaped Q8_0 written there: single-stream decode (128 in,
@@ -52,7 +52,7 @@ EOF
 )
 stamp "best plan at 1 row: $best"
 
-for plan in "" "$best"; do
+for plan in "" "$best" 4:2:1; do
     VELLUM_GEMV=$plan timeout 60 .gpu/x/gpu_suite --test-threads 1 gemv_and_cuda_core_gemm >"$logs/suite_gemv_${plan:-default}.txt" 2>&1
     stamp "gemv test (plan ${plan:-default}) exit $?"
 done
@@ -106,6 +106,6 @@ PY
     wait "$pid" 2>/dev/null
 fi
 stamp "done"
-tail -3 "$logs"/suite_gemv_*.txt | grep -E "test result|==>" | cut -c1-160
+grep -H "test result" "$logs"/suite_gemv_*.txt | cut -c1-200
 tar -C "$logs" -czf "$out/gemv_plans_logs.tgz" .
 sed -n '/^| weight/,$p' "$logs/gemv.jsonl"

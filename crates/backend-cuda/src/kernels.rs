@@ -185,9 +185,9 @@ impl Variant {
 /// 3: SmolLM2; 128 with 4: Llama 3 8B; 256 with 4: Gemma 3) at the default
 /// block size 16, one head a thread block (multi-head attention) at 128,
 /// block sizes 8 and 32 at 128, the bandwidth benchmark's contiguous
-/// baseline, the GEMV for 1, 4 and 8 rows (and 1 and 2 with its
-/// alternative knobs), and the tensor-core GEMM at
-/// each of its tile heights.
+/// baseline, the GEMV at 1, 2, 4 and 8 rows as launched and with four
+/// columns a warp (and at 1 and 8 with the kernel's defaults), and the
+/// tensor-core GEMM at each of its tile heights.
 pub fn ci_variants() -> Vec<Variant> {
     let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[]), Variant::new(SAMPLING, &[])];
     for (head_dim, queries) in [(64, 3), (128, 4), (256, 4), (128, 1)] {
@@ -197,13 +197,21 @@ pub fn ci_variants() -> Vec<Variant> {
         v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", block_size), ("QUERIES", 4)]));
     }
     v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("QUERIES", 4), ("CONTIGUOUS_KV", 1)]));
-    for rows in [1, 4, 8] {
-        v.push(Variant::new(GEMV_Q, &[("ROWS", rows)]));
+    // The GEMV with the plans launch.rs picks, at 1, 2, 4 and 8 rows; with
+    // four columns a warp (the plan measured faster from 2 rows); and with
+    // the kernel's own defaults (one warp a group, no Q8 shortcut).
+    for rows in [1, 2, 4, 8] {
+        let p = crate::launch::GemvPlan::for_rows(rows, crate::layout::QuantFormat::Q8);
+        v.push(Variant::new(
+            GEMV_Q,
+            &[("ROWS", rows), ("GEMV_NC", p.columns_per_warp), ("GEMV_KSPLIT", p.k_split), ("GEMV_MAGIC", usize::from(p.magic))],
+        ));
+        if rows > 1 {
+            v.push(Variant::new(GEMV_Q, &[("ROWS", rows), ("GEMV_NC", 4), ("GEMV_KSPLIT", 2), ("GEMV_MAGIC", 1)]));
+        }
     }
-    // The GEMV with two columns a warp, two warps a column group and Q8's
-    // conversion-free decode, at 1 and 2 rows.
-    for rows in [1, 2] {
-        v.push(Variant::new(GEMV_Q, &[("ROWS", rows), ("GEMV_NC", 2), ("GEMV_KSPLIT", 2), ("GEMV_MAGIC", 1)]));
+    for rows in [1, 8] {
+        v.push(Variant::new(GEMV_Q, &[("ROWS", rows)]));
     }
     for bm in [32, 64, 128] {
         v.push(Variant::new(GEMM_MMA, &[("MMA_BM", bm)]));

@@ -255,8 +255,19 @@ pub struct GemvPlan {
 
 impl GemvPlan {
     /// The plan the GEMV uses for `rows` rows of a `format` weight.
-    pub fn for_rows(rows: usize, _format: QuantFormat) -> Self {
-        Self { columns_per_warp: rows.div_ceil(2), k_split: 1, magic: false }
+    ///
+    /// Measured on an H100 (`gemm_bench --gemv-plans`, Llama 3 8B's Q8_0
+    /// shapes and a Q4_1 one, docs/benchmarks.md): two columns a warp and
+    /// two warps a column group, the fastest plan at one row (2.37 TB/s on
+    /// the 14336 × 4096 weight, against 1.60 with one column and one warp)
+    /// and 1.7× the old plan at two (1.65 against 0.96 TB/s). Four columns
+    /// a warp ran faster still from two rows (2.08 TB/s at two, 1.34 at
+    /// four, ahead of the tensor-core GEMM there) but has not yet passed
+    /// the GPU suite's GEMV test, which this plan has at every row count;
+    /// it is `VELLUM_GEMV=4:2:1` until it does. The conversion-free Q8
+    /// decode alone changed nothing measurable; the plans measured carry it.
+    pub fn for_rows(_rows: usize, _format: QuantFormat) -> Self {
+        Self { columns_per_warp: 2, k_split: 2, magic: true }
     }
 
     /// Parses `VELLUM_GEMV`'s form, `columns_per_warp:k_split:magic`
@@ -264,7 +275,7 @@ impl GemvPlan {
     pub fn parse(text: &str) -> Result<Self, CudaError> {
         let bad = || {
             CudaError::Setting(format!(
-                "VELLUM_GEMV={text:?}: expected columns:k_split:magic, as 2:2:1 (columns 1..8, k_split 1, 2 or 4, magic 0 or 1)"
+                "GEMV plan {text:?} (VELLUM_GEMV, gemm_bench --gemv-plans): expected columns:k_split:magic, as 2:2:1 (columns 1..8, k_split 1, 2 or 4, magic 0 or 1)"
             ))
         };
         let parts: Vec<usize> = text.split(':').map(|p| p.trim().parse::<usize>().map_err(|_| bad())).collect::<Result<_, _>>()?;

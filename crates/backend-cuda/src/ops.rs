@@ -283,9 +283,12 @@ pub enum CudaPrecision {
 /// The largest batch a quantized weight's product takes through the f32
 /// GEMV with bf16 products; larger ones go to the tensor cores.
 ///
-/// Measured on an H100 (`examples/gemm_bench.rs`, Llama 3 8B's Q8_0
-/// shapes, docs/benchmarks.md): at 1–2 rows the GEMV is ahead, from 4 rows
-/// on the tensor-core GEMM reads the weight as fast or faster.
+/// Measured on an H100 (`gemm_bench --gemv-plans`, Llama 3 8B's Q8_0
+/// shapes and a Q4_1 one, docs/benchmarks.md): with the plan
+/// `GemvPlan::for_rows` picks, the GEMV reads every weight faster than the
+/// tensor-core GEMM at 2 rows (1.65 against 1.00 TB/s on the 14336 × 4096
+/// Q8_0 weight) and slower at 4 (0.89 against 1.00). (With four columns a
+/// warp it led up to 4 rows: see `GemvPlan::for_rows`.)
 pub const GEMV_MAX_ROWS: usize = 2;
 
 /// Batches of at least this many rows multiply quantized weights through
