@@ -15,7 +15,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 use vellum_formats::{write_random_checkpoint, write_random_gguf, CheckpointDtype, CheckpointShape, GgufWeightType};
 
-const USAGE: &str = "usage: write_random_checkpoint --shape llama3-8b|llama3-1b|smollm2-135m|tiny --out PATH [--format hf|gguf] \
+const USAGE: &str =
+    "usage: write_random_checkpoint --shape llama3-8b|llama3-1b|smollm2-135m|gemma3-270m-sized|tiny --out PATH [--format hf|gguf] \
                      [--dtype bf16|f16|f32 (hf) | q8_0|q4_1|bf16 (gguf)] [--seed N] [--shard-gb G]";
 
 fn main() {

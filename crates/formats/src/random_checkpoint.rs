@@ -91,12 +91,32 @@ impl CheckpointShape {
         rope_theta: 100_000.0,
     };
 
-    /// The shapes known by name: `llama3-8b`, `llama3-1b`.
+    /// Gemma 3 270M's size and vocabulary in the Llama layout (Gemma's
+    /// sliding window, soft-cap and extra norms left out): hidden 640, 18
+    /// layers, MLP 2048, 5 query heads and 1 KV head of 128 (Gemma's 4 of
+    /// 256 do not fit the layout), a 262,144-token vocabulary and an LM
+    /// head as large as Gemma's tied embedding. For what scales with the
+    /// vocabulary — a decode step's LM head and its sampling — not for
+    /// Gemma's attention.
+    pub const GEMMA3_270M_SIZED: CheckpointShape = CheckpointShape {
+        hidden: 640,
+        intermediate: 2048,
+        layers: 18,
+        heads: 5,
+        kv_heads: 1,
+        vocab: 262_144,
+        max_positions: 32_768,
+        rope_theta: 1_000_000.0,
+    };
+
+    /// The shapes known by name: `llama3-8b`, `llama3-1b`, `smollm2-135m`,
+    /// `gemma3-270m-sized`, `tiny`.
     pub fn named(name: &str) -> Option<CheckpointShape> {
         match name {
             "llama3-8b" => Some(Self::LLAMA3_8B),
             "llama3-1b" => Some(Self::LLAMA3_1B),
             "smollm2-135m" => Some(Self::SMOLLM2_135M),
+            "gemma3-270m-sized" => Some(Self::GEMMA3_270M_SIZED),
             "tiny" => Some(Self::TINY),
             _ => None,
         }
