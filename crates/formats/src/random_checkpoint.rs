@@ -729,6 +729,20 @@ mod gguf_tests {
     use super::*;
 
     #[test]
+    fn every_named_shape_is_consistent_and_unknown_names_are_none() {
+        for (name, params_b) in
+            [("llama3-8b", 8.03), ("llama3-1b", 1.5), ("smollm2-135m", 0.16), ("gemma3-270m-sized", 0.42), ("tiny", 0.0001)]
+        {
+            let shape = CheckpointShape::named(name).unwrap_or_else(|| panic!("{name} is known"));
+            shape.check().unwrap_or_else(|e| panic!("{name}: {e}"));
+            let b = shape.parameters() as f64 / 1e9;
+            assert!((b - params_b).abs() <= params_b * 0.05 + 1e-4, "{name}: {b:.3} B parameters, expected ~{params_b}");
+        }
+        assert_eq!(CheckpointShape::GEMMA3_270M_SIZED.vocab, 262_144, "Gemma 3's vocabulary");
+        assert!(CheckpointShape::named("gemma3-270m").is_none(), "the Llama-layout stand-in is not named as Gemma itself");
+    }
+
+    #[test]
     fn a_random_gguf_opens_with_its_shape_tokenizer_and_q8_0_blocks() {
         let shape = CheckpointShape {
             hidden: 64,
