@@ -299,7 +299,10 @@ pub fn make_executor(
         Device::Cuda => {
             use vellum_backend_cuda::{CudaOps, CudaPrecision};
             let precision = if options.dtype.is_bf16_on(device) { CudaPrecision::Bf16 } else { CudaPrecision::Float32 };
-            if tp > 1 {
+            // VELLUM_TP_COLLECTIVE=1 runs one GPU as an NCCL group of one:
+            // the tensor-parallel path end to end where only one GPU is.
+            let collective = tp == 1 && std::env::var("VELLUM_TP_COLLECTIVE").is_ok_and(|v| v == "1");
+            if tp > 1 || collective {
                 // One rank per GPU (ordinals 0..tp), all-reduces over NCCL.
                 let group = CudaOps::tensor_parallel_group(tp, precision).map_err(cuda_unavailable)?;
                 return Ok(Box::new(CudaExecutor::load_tensor_parallel(group, weights, config, options.runner, progress)?));
