@@ -141,7 +141,7 @@ import json, sys, urllib.request
 v = json.load(open(sys.argv[1]))
 m = {l.split("{")[0]: float(l.split()[-1]) for l in urllib.request.urlopen("http://127.0.0.1:8011/metrics").read().decode().splitlines()
      if l.startswith("vellum:engine_") and "seconds_total" in l}
-busy = {k.split("_")[1]: round(v2, 2) for k, v2 in m.items()}
+busy = {k.split("engine_")[1].replace("_seconds_total", ""): round(v2, 2) for k, v2 in m.items()}
 steps = {l.split("{")[0].split()[0]: float(l.split()[-1]) for l in urllib.request.urlopen("http://127.0.0.1:8011/metrics").read().decode().splitlines()
          if l.startswith("vellum:engine_") and "steps_total" in l}
 busy["steps"] = int(sum(v2 for k, v2 in steps.items() if "decode" not in k))

@@ -50,7 +50,7 @@
 #define GEMV_WARPS (GEMV_THREADS / 32)
 
 static_assert(ROWS >= 1 && ROWS <= 8, "ROWS must be 1..8");
-static_assert(NC >= 1 && NC <= 8, "GEMV_NC must be 1..8");
+static_assert(NC >= 1 && NC <= 4, "GEMV_NC must be 1..4");
 static_assert(GEMV_KSPLIT == 1 || GEMV_KSPLIT == 2 || GEMV_KSPLIT == 4, "GEMV_KSPLIT must be 1, 2 or 4");
 static_assert(GEMV_WARPS % GEMV_KSPLIT == 0, "GEMV_KSPLIT must divide the block's warps");
 

@@ -147,7 +147,7 @@ fn run() -> Res<()> {
         let bytes_per_weight = dtype.block_layout().1 as f64 / 32.0;
         let weight_bytes = n as f64 * kk as f64 * bytes_per_weight;
         // Enough copies to exceed the L2 cache (50-60 MB) together.
-        let copies = ((200e6 / weight_bytes).ceil() as usize).clamp(1, 8);
+        let copies = ((200e6 / weight_bytes).ceil() as usize).clamp(1, 64);
         let mut ws = Vec::new();
         let mut w16s = Vec::new();
         for _ in 0..copies {

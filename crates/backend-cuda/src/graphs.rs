@@ -109,14 +109,8 @@ impl GraphKey {
     /// step) of no more rows than the largest capture size and no context
     /// past [`MAX_CONTEXT_TO_CAPTURE`]. `None`: it runs eagerly.
     pub fn of(batch: &ForwardBatch, sizes: &CaptureSizes, block_size: usize) -> Option<Self> {
-        let (t, s) = (batch.num_tokens(), batch.num_seqs());
-        let uniform_decode = t > 0
-            && t == s
-            && !batch.hidden_states
-            && batch.query_start_loc.iter().enumerate().all(|(i, &q)| q as usize == i)
-            && batch.logits_indices.len() == t
-            && batch.logits_indices.iter().enumerate().all(|(i, &r)| r as usize == i);
-        if !uniform_decode || block_size == 0 {
+        let t = batch.num_tokens();
+        if !batch.is_uniform_decode() || block_size == 0 {
             return None;
         }
         let max_context = batch.context_lens.iter().copied().max().unwrap_or(0) as usize;

@@ -186,10 +186,9 @@ impl Variant {
 /// block size 16, one head a thread block (multi-head attention) at 128,
 /// block sizes 8 and 32 at 128, the bandwidth benchmark's contiguous
 /// baseline, the GEMV at 1, 2, 4 and 8 rows as launched and with four
-/// columns a warp (and at 1 and 8 with the kernel's defaults), and the
-/// tensor-core GEMM at each of its tile heights.
+/// columns a warp, and the tensor-core GEMM at each of its tile heights.
 pub fn ci_variants() -> Vec<Variant> {
-    let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[]), Variant::new(SAMPLING, &[])];
+    let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[]), crate::launch::sampling_variant()];
     for (head_dim, queries) in [(64, 3), (128, 4), (256, 4), (128, 1)] {
         v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", head_dim), ("BLOCK_SIZE", 16), ("QUERIES", queries)]));
     }
@@ -197,21 +196,14 @@ pub fn ci_variants() -> Vec<Variant> {
         v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", block_size), ("QUERIES", 4)]));
     }
     v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("QUERIES", 4), ("CONTIGUOUS_KV", 1)]));
-    // The GEMV with the plans launch.rs picks, at 1, 2, 4 and 8 rows; with
-    // four columns a warp (the plan measured faster from 2 rows); and with
-    // the kernel's own defaults (one warp a group, no Q8 shortcut).
+    // The GEMV with the plans launch.rs picks at 1, 2, 4 and 8 rows, and
+    // with four columns a warp and two warps a group (measured faster from
+    // 2 rows, not yet the default).
     for rows in [1, 2, 4, 8] {
-        let p = crate::launch::GemvPlan::for_rows(rows, crate::layout::QuantFormat::Q8);
-        v.push(Variant::new(
-            GEMV_Q,
-            &[("ROWS", rows), ("GEMV_NC", p.columns_per_warp), ("GEMV_KSPLIT", p.k_split), ("GEMV_MAGIC", usize::from(p.magic))],
-        ));
+        v.push(crate::launch::GemvPlan::for_rows(rows, crate::layout::QuantFormat::Q8).variant(rows));
         if rows > 1 {
-            v.push(Variant::new(GEMV_Q, &[("ROWS", rows), ("GEMV_NC", 4), ("GEMV_KSPLIT", 2), ("GEMV_MAGIC", 1)]));
+            v.push(crate::launch::GemvPlan { columns_per_warp: 4, k_split: 2, magic: true }.variant(rows));
         }
-    }
-    for rows in [1, 8] {
-        v.push(Variant::new(GEMV_Q, &[("ROWS", rows)]));
     }
     for bm in [32, 64, 128] {
         v.push(Variant::new(GEMM_MMA, &[("MMA_BM", bm)]));

@@ -120,8 +120,16 @@ pub enum KvLayout {
 pub const PARTITION_SIZE: usize = 512;
 /// Threads per paged-attention thread block.
 const ATTENTION_THREADS: u32 = 128;
-/// `sample_rows`' block: sampling.cu's SAMPLE_THREADS.
-const SAMPLE_THREADS: u32 = 256;
+/// `sample_rows`' block, compiled into sampling.cu as its SAMPLE_THREADS
+/// ([`sampling_variant`]).
+pub const SAMPLE_THREADS: u32 = 256;
+
+/// The `sampling.cu` configuration the launches use: its block size set
+/// from [`SAMPLE_THREADS`], so the kernel's strides and reductions and the
+/// launch agree.
+pub fn sampling_variant() -> Variant {
+    Variant::new(SAMPLING, &[("SAMPLE_THREADS", SAMPLE_THREADS as usize)])
+}
 /// The shared memory (static and dynamic) a thread block may take without
 /// opting in.
 const DEFAULT_SHARED_MEMORY: usize = 48 * 1024;
@@ -243,7 +251,7 @@ pub struct Kernels {
 /// compile-time knobs (the kernel's header explains each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvPlan {
-    /// Columns a warp streams at once (`GEMV_NC`, 1..8).
+    /// Columns a warp streams at once (`GEMV_NC`, 1..4).
     pub columns_per_warp: usize,
     /// Warps sharing a group of columns, each a slice of k (`GEMV_KSPLIT`:
     /// 1, 2 or 4).
@@ -257,17 +265,38 @@ impl GemvPlan {
     /// The plan the GEMV uses for `rows` rows of a `format` weight.
     ///
     /// Measured on an H100 (`gemm_bench --gemv-plans`, Llama 3 8B's Q8_0
-    /// shapes and a Q4_1 one, docs/benchmarks.md): two columns a warp and
-    /// two warps a column group, the fastest plan at one row (2.37 TB/s on
-    /// the 14336 × 4096 weight, against 1.60 with one column and one warp)
-    /// and 1.7× the old plan at two (1.65 against 0.96 TB/s). Four columns
-    /// a warp ran faster still from two rows (2.08 TB/s at two, 1.34 at
-    /// four, ahead of the tensor-core GEMM there) but has not yet passed
-    /// the GPU suite's GEMV test, which this plan has at every row count;
+    /// shapes and a Q4_1 one, docs/benchmarks.md): at 1 and 2 rows (the
+    /// default path's GEMV rows) two columns a warp and two warps a column
+    /// group, the fastest plan at one row (2.37 TB/s on the 14336 × 4096
+    /// weight, against 1.60 with the plan before it) and 1.7× that plan at
+    /// two (1.65 against 0.96 TB/s); the GPU suite's GEMV test passed it (at
+    /// 1, 2, 3, 5 and 8 rows). From 3 rows (the float32 path's) the plan the
+    /// kernel had before, ⌈rows / 2⌉ columns a warp and one warp a group,
+    /// which the measurement did not compare at those rows. Four columns a
+    /// warp with two warps a group ran faster from two rows (2.08 TB/s at
+    /// two, 1.34 at four, 0.82 at eight) but has not yet passed that test:
     /// it is `VELLUM_GEMV=4:2:1` until it does. The conversion-free Q8
     /// decode alone changed nothing measurable; the plans measured carry it.
-    pub fn for_rows(_rows: usize, _format: QuantFormat) -> Self {
-        Self { columns_per_warp: 2, k_split: 2, magic: true }
+    pub fn for_rows(rows: usize, _format: QuantFormat) -> Self {
+        if rows <= 2 {
+            Self { columns_per_warp: 2, k_split: 2, magic: true }
+        } else {
+            Self { columns_per_warp: rows.div_ceil(2).min(4), k_split: 1, magic: false }
+        }
+    }
+
+    /// The `gemv_q.cu` configuration that launches this plan for `rows`.
+    pub fn variant(&self, rows: usize) -> Variant {
+        Variant::new(
+            GEMV_Q,
+            &[("ROWS", rows), ("GEMV_NC", self.columns_per_warp), ("GEMV_KSPLIT", self.k_split), ("GEMV_MAGIC", usize::from(self.magic))],
+        )
+    }
+
+    /// Whether the kernel takes this plan: 1–4 columns a warp, 1, 2 or 4
+    /// warps a group.
+    pub fn is_valid(&self) -> bool {
+        (1..=4).contains(&self.columns_per_warp) && matches!(self.k_split, 1 | 2 | 4)
     }
 
     /// Parses `VELLUM_GEMV`'s form, `columns_per_warp:k_split:magic`
@@ -275,12 +304,12 @@ impl GemvPlan {
     pub fn parse(text: &str) -> Result<Self, CudaError> {
         let bad = || {
             CudaError::Setting(format!(
-                "GEMV plan {text:?} (VELLUM_GEMV, gemm_bench --gemv-plans): expected columns:k_split:magic, as 2:2:1 (columns 1..8, k_split 1, 2 or 4, magic 0 or 1)"
+                "GEMV plan {text:?} (VELLUM_GEMV, gemm_bench --gemv-plans): expected columns:k_split:magic, as 2:2:1 (columns 1..4, k_split 1, 2 or 4, magic 0 or 1)"
             ))
         };
         let parts: Vec<usize> = text.split(':').map(|p| p.trim().parse::<usize>().map_err(|_| bad())).collect::<Result<_, _>>()?;
         match parts[..] {
-            [c @ 1..=8, s @ (1 | 2 | 4), m @ (0 | 1)] => Ok(Self { columns_per_warp: c, k_split: s, magic: m == 1 }),
+            [c @ 1..=4, s @ (1 | 2 | 4), m @ (0 | 1)] => Ok(Self { columns_per_warp: c, k_split: s, magic: m == 1 }),
             _ => Err(bad()),
         }
     }
@@ -677,7 +706,9 @@ impl Kernels {
         if rows == 0 || rows > 8 {
             return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
         }
-        GemvPlan::parse(&format!("{}:{}:{}", plan.columns_per_warp, plan.k_split, u8::from(plan.magic)))?;
+        if !plan.is_valid() {
+            return Err(shape_error(format!("{plan:?}: a GEMV plan takes 1..4 columns a warp and 1, 2 or 4 warps a group")));
+        }
         self.gemv_launch_planned(y, w, x, rows, plan)
     }
 
@@ -688,7 +719,7 @@ impl Kernels {
     }
 
     /// The GEMV launch with `plan`; the caller checked the buffers, that
-    /// `rows` is 1..8 and that the plan is one `GemvPlan::parse` accepts.
+    /// `rows` is 1..8 and that the plan is valid.
     fn gemv_launch_planned(
         &self,
         y: &mut CudaSlice<f32>,
@@ -697,9 +728,7 @@ impl Kernels {
         rows: usize,
         plan: GemvPlan,
     ) -> Result<(), CudaError> {
-        let defines =
-            [("ROWS", rows), ("GEMV_NC", plan.columns_per_warp), ("GEMV_KSPLIT", plan.k_split), ("GEMV_MAGIC", usize::from(plan.magic))];
-        let f = self.function(&Variant::new(GEMV_Q, &defines), &format!("gemv_{}", w.format.suffix()))?;
+        let f = self.function(&plan.variant(rows), &format!("gemv_{}", w.format.suffix()))?;
         let (n_i, k_i) = (to_i32(w.n, "n")?, to_i32(w.k, "k")?);
         // 4 warps a block; a group of k_split warps owns columns_per_warp
         // columns (gemv_q.cu).
@@ -789,7 +818,8 @@ impl Kernels {
         b.arg(&mut parts).arg(&w.codes).arg(&w.scales).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i).arg(&per_split);
         // SAFETY: as above, into parts, which holds splits · len floats.
         unsafe { b.launch(cfg(grid, 256, 0)) }?;
-        let sum = self.function(&Variant::new(GEMV_Q, &[("ROWS", 1)]), "gemm_sum_splits")?;
+        // In the module of the one-row GEMV (gemv_q.cu holds both).
+        let sum = self.function(&GemvPlan::for_rows(1, QuantFormat::Q8).variant(1), "gemm_sum_splits")?;
         let (len_i, splits_i) = (len as i64, to_i32(splits, "splits")?);
         let mut b = self.stream.launch_builder(&sum);
         b.arg(&mut *y).arg(&parts).arg(&len_i).arg(&splits_i);
@@ -802,7 +832,7 @@ impl Kernels {
     /// The CUDA-core GEMM: 64 × 64 outputs a 256-thread block, k split in
     /// parts (then summed in order) when the tiles are too few for the GPU.
     fn gemm_f32_cores(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
-        let f = self.function(&Variant::new(GEMV_Q, &[("ROWS", 1)]), &format!("gemm_{}", w.format.suffix()))?;
+        let f = self.function(&GemvPlan::for_rows(1, QuantFormat::Q8).variant(1), &format!("gemm_{}", w.format.suffix()))?;
         let splits = self.gemm_splits(rows, w.n, w.k);
         let grid = (to_u32(w.n.div_ceil(64), "column tiles")?, to_u32(rows.div_ceil(64), "row tiles")?, to_u32(splits, "splits")?);
         // SAFETY: gemm_*(float*, const unsigned char*, const unsigned
@@ -1193,7 +1223,7 @@ impl Kernels {
         if rows == 0 {
             return Ok(());
         }
-        let f = self.function(&Variant::new(SAMPLING, &[]), "sample_rows")?;
+        let f = self.function(&sampling_variant(), "sample_rows")?;
         let (vocab_i, stride) = (to_i32(vocab, "vocab")?, to_i32(out.top_stride.max(1), "top logprobs")?);
         let mut b = self.stream.launch_builder(&f);
         b.arg(&mut out.tokens).arg(&mut out.logprobs).arg(&mut out.top_ids).arg(&mut out.top_logprobs).arg(&stride);
@@ -1201,8 +1231,8 @@ impl Kernels {
         b.arg(&params.pen_tokens).arg(&params.pen_values);
         // SAFETY: sample_rows(int*, float*, int*, float*, int, float*,
         // float*, int, const float*, const int*, const double*, const int*,
-        // const float*); one block of SAMPLE_THREADS (256, sampling.cu's
-        // default) per row; the buffers' sizes are checked above, and the
+        // const float*); one block of SAMPLE_THREADS per row, the block
+        // size the module was compiled for (sampling_variant); the buffers' sizes are checked above, and the
         // penalty ranges inside them are the caller's contract (`pack`'s).
         // The kernel writes `logits`, passed by shared reference: cudarc
         // records it as read, which orders nothing on this one stream.
@@ -1236,7 +1266,7 @@ impl Kernels {
         if rows == 0 || !params.any_penalties {
             return Ok(());
         }
-        let f = self.function(&Variant::new(SAMPLING, &[]), "unpenalize_rows")?;
+        let f = self.function(&sampling_variant(), "unpenalize_rows")?;
         let vocab_i = to_i32(vocab, "vocab")?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(logits).arg(&vocab_i).arg(&params.iparams).arg(&out.tokens).arg(&params.pen_tokens).arg(&out.pen_raw);
@@ -1396,16 +1426,19 @@ mod tests {
     #[test]
     fn gemv_plans_parse_in_range_and_refuse_the_rest_by_name() {
         assert_eq!(GemvPlan::parse("2:2:1").ok(), Some(GemvPlan { columns_per_warp: 2, k_split: 2, magic: true }));
-        assert_eq!(GemvPlan::parse(" 8:4:0").ok(), Some(GemvPlan { columns_per_warp: 8, k_split: 4, magic: false }));
-        for bad in ["", "2:2", "0:1:0", "9:1:0", "2:3:1", "2:2:2", "2:2:1:1", "a:b:c", "-1:1:0"] {
+        assert_eq!(GemvPlan::parse(" 4:4:0").ok(), Some(GemvPlan { columns_per_warp: 4, k_split: 4, magic: false }));
+        for bad in ["", "2:2", "0:1:0", "5:1:0", "8:1:0", "2:3:1", "2:2:2", "2:2:1:1", "a:b:c", "-1:1:0"] {
             let err = GemvPlan::parse(bad).expect_err(bad).to_string();
             assert!(err.contains("VELLUM_GEMV") && err.contains("columns:k_split:magic"), "{bad}: {err}");
         }
         // The default plan is one the parser accepts, at every row count.
         for rows in 1..=8 {
             let p = GemvPlan::for_rows(rows, QuantFormat::Q8);
+            assert!(p.is_valid(), "{rows} rows: {p:?}");
             let text = format!("{}:{}:{}", p.columns_per_warp, p.k_split, u8::from(p.magic));
             assert_eq!(GemvPlan::parse(&text).ok(), Some(p));
         }
+        assert!(!GemvPlan { columns_per_warp: 5, k_split: 1, magic: false }.is_valid());
+        assert!(!GemvPlan { columns_per_warp: 2, k_split: 3, magic: false }.is_valid());
     }
 }

@@ -174,6 +174,23 @@ impl ForwardBatch {
         self.num_kv_groups.max(1)
     }
 
+    /// A uniform decode step: one new token per sequence and every row's
+    /// logits, in order; not a pooling step. The steps a GPU backend can
+    /// replay as recorded graphs (its other conditions — batch size,
+    /// context — aside), and the ones `/metrics` counts apart. A
+    /// speculative verification (several tokens for a sequence) or a
+    /// prompt chunk of more than one token is not one; a one-token prompt
+    /// chunk is.
+    pub fn is_uniform_decode(&self) -> bool {
+        let t = self.num_tokens();
+        t > 0
+            && t == self.num_seqs()
+            && !self.hidden_states
+            && self.query_start_loc.iter().enumerate().all(|(i, &q)| q as usize == i)
+            && self.logits_indices.len() == t
+            && self.logits_indices.iter().enumerate().all(|(i, &r)| r as usize == i)
+    }
+
     /// Checks the batch's shape once before a device backend uploads it
     /// (lengths agree, `query_start_loc` is an offset list, each sequence's
     /// blocks fit its table row) and returns the largest value of each kind
@@ -293,6 +310,30 @@ mod tests {
             hidden_states: false,
             ..ForwardBatch::default()
         }
+    }
+
+    #[test]
+    fn a_uniform_decode_is_one_token_and_one_logits_row_per_sequence() {
+        let decode = ForwardBatch {
+            token_ids: vec![5, 9],
+            positions: vec![3, 7],
+            query_start_loc: vec![0, 1, 2],
+            context_lens: vec![4, 8],
+            logits_indices: vec![0, 1],
+            ..ForwardBatch::default()
+        };
+        assert!(decode.is_uniform_decode());
+        // Two tokens and two logits rows for one sequence (a verification
+        // of a draft, or prompt logprobs): as many rows as tokens, not one a
+        // sequence.
+        let verify =
+            ForwardBatch { token_ids: vec![5, 9, 4], query_start_loc: vec![0, 2, 3], logits_indices: vec![0, 1, 2], ..decode.clone() };
+        assert!(!verify.is_uniform_decode());
+        assert!(!ForwardBatch { logits_indices: vec![1, 0], ..decode.clone() }.is_uniform_decode(), "rows out of order");
+        assert!(!ForwardBatch { logits_indices: vec![1], ..decode.clone() }.is_uniform_decode(), "a row without logits");
+        assert!(!ForwardBatch { hidden_states: true, ..decode.clone() }.is_uniform_decode(), "pooling");
+        assert!(!batch().is_uniform_decode(), "a prompt chunk of two tokens");
+        assert!(!ForwardBatch::default().is_uniform_decode(), "an empty batch");
     }
 
     #[test]

@@ -468,6 +468,12 @@ fn prompt_logprobs_match_the_model_with_chunking_and_a_cached_prefix() {
             assert_eq!(p.top[0].0, argmax(&lp));
         }
     }
+    // A prompt chunk with prompt logprobs has as many logits rows as
+    // tokens, yet is no uniform decode: only each request's one decode
+    // step (its second token) counts.
+    let c = e.counters();
+    assert_eq!(c.decode_steps, 2, "{c:?}");
+    assert!(c.num_steps > 8, "{c:?}");
 }
 
 #[test]
@@ -896,6 +902,12 @@ fn speculation_gives_the_tokens_and_logprobs_of_plain_decoding() {
         }
         let c = e.spec_decode_counters();
         assert!(c.num_accepted_tokens > 0 && c.num_accepted_tokens < c.num_draft_tokens, "{params:?}: {c:?}");
+        // Verifications carry several tokens a sequence: not uniform
+        // decodes. Greedy, the oracle drafts at nearly every step.
+        let counted = e.counters();
+        if params.temperature == 0.0 {
+            assert!(counted.decode_steps <= 1 && counted.num_steps > 10, "{params:?}: {counted:?}");
+        }
         if params.temperature == 0.0 {
             let steps = e.counters().num_steps;
             assert!(steps < 30, "{params:?}: {steps} steps for 40 tokens; {c:?}");

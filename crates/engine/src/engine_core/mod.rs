@@ -64,9 +64,11 @@ pub struct EngineCounters {
     /// Of `schedule_s`, seconds spent scheduling and building a step while
     /// the previous one ran (asynchronous scheduling).
     pub schedule_overlapped_s: f64,
-    /// Of `num_steps`, the steps whose every row was one token to sample
-    /// (uniform decode steps: a GPU backend replays them as CUDA graphs);
-    /// the others carry prompt tokens.
+    /// Of `num_steps`, the uniform decode steps
+    /// ([`vellum_base::ForwardBatch::is_uniform_decode`]: one token and one
+    /// logits row a sequence, the steps a GPU backend can replay as CUDA
+    /// graphs); the others carry more than one token for some sequence
+    /// (prompt chunks, speculative verifications) or pool.
     pub decode_steps: u64,
     /// Of `execute_s`, the seconds of those uniform decode steps.
     pub decode_execute_s: f64,
@@ -543,7 +545,7 @@ impl<E: ModelExecutor> EngineCore<E> {
         let c = &mut self.counters;
         c.num_steps += 1;
         c.execute_s += (t2 - t1).as_secs_f64();
-        if batch.token_ids.len() == rows.len() {
+        if batch.is_uniform_decode() {
             c.decode_steps += 1;
             c.decode_execute_s += (t2 - t1).as_secs_f64();
         }

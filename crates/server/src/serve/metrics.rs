@@ -263,7 +263,7 @@ impl Metrics {
         metric(
             "vellum:engine_decode_steps_total",
             "counter",
-            "Of the engine steps, those whose every row was one token to sample (uniform decode steps).",
+            "Of the engine steps, the uniform decode steps (one token and one logits row a sequence).",
             s.counters.decode_steps as f64,
         );
         metric(
