@@ -270,7 +270,8 @@ impl GemvPlan {
     /// group, the fastest plan at one row (2.37 TB/s on the 14336 × 4096
     /// weight, against 1.60 with the plan before it) and 1.7× that plan at
     /// two (1.65 against 0.96 TB/s); the GPU suite's GEMV test passed it (at
-    /// 1, 2, 3, 5 and 8 rows). From 3 rows (the float32 path's) the plan the
+    /// 1, 2, 3, 5 and 8 rows; the test now runs 1–5, 7 and 8 rows of two k
+    /// under every plan this function or the benchmark's table names). From 3 rows (the float32 path's) the plan the
     /// kernel had before, ⌈rows / 2⌉ columns a warp and one warp a group,
     /// which the measurement did not compare at those rows. Four columns a
     /// warp with two warps a group ran faster from two rows (2.08 TB/s at

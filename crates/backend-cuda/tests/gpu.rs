@@ -12,7 +12,9 @@
 
 use cudarc::driver::CudaSlice;
 use vellum_backend_cuda::blas::{Blas, Half};
-use vellum_backend_cuda::launch::{AttentionParams, AttentionVersion, DeviceAttentionMetadata, Kernels, KvPool, PoolDtype, QuantMatrix};
+use vellum_backend_cuda::launch::{
+    AttentionParams, AttentionVersion, DeviceAttentionMetadata, GemvPlan, Kernels, KvPool, PoolDtype, QuantMatrix,
+};
 use vellum_backend_cuda::layout;
 use vellum_base::KvScale;
 use vellum_ops::quant::GgmlType;
@@ -360,25 +362,52 @@ fn gemv_and_cuda_core_gemm_on_the_weight_layouts_match_the_float64_product_or_sk
     let Some(k) = gpu_or_skip("gemv_and_cuda_core_gemm_on_the_weight_layouts_match_the_float64_product") else { return };
     let (mut rng, seed) = fresh_rng();
     // n not a multiple of a warp's columns nor of a tile; k of 10 blocks
-    // (not a multiple of the GEMV's 512-weight stride; 768 for the K-quants).
+    // (not a multiple of the GEMV's 512-weight stride; 768 for the K-quants)
+    // and of ~50 (several 512-weight stretches a warp group splits, the
+    // last one partial).
     let n = 101;
+    // The GEMV under every plan worth keeping: the ones `for_rows` picks,
+    // the one measured faster from 2 rows, the kernel's old one and the
+    // widest split.
+    let plan = |c, s, m| GemvPlan { columns_per_warp: c, k_split: s, magic: m };
+    let plans = [None, Some(plan(2, 2, true)), Some(plan(4, 2, true)), Some(plan(1, 1, false)), Some(plan(3, 4, true))];
     for dtype in LAYOUT_TYPES {
+        for k_weights in [320, 1600] {
+            let kk = whole_blocks(dtype, k_weights);
+            let (w_dev, w) = random_weight(&k, &mut rng, dtype, n, kk);
+            for rows in [1, 2, 3, 4, 5, 7, 8] {
+                let x = rng.vec(rows * kk);
+                let want: Vec<f64> =
+                    (0..rows * n).map(|i| (0..kk).map(|j| x[(i / n) * kk + j] as f64 * w[(i % n) * kk + j] as f64).sum()).collect();
+                for p in plans {
+                    let mut y = up(&k, &vec![f32::NAN; rows * n]);
+                    match p {
+                        None => k.gemv_q(&mut y, &w_dev, &up(&k, &x), rows).expect("gemv"),
+                        Some(p) => k.gemv_q_planned(&mut y, &w_dev, &up(&k, &x), rows, p).expect("gemv"),
+                    }
+                    let got = down(&k, &y);
+                    for (i, (&g, &e)) in got.iter().zip(&want).enumerate() {
+                        let g = g as f64;
+                        assert!(
+                            (g - e).abs() < 1e-4 * (1.0 + e.abs()),
+                            "{dtype} k={kk} rows={rows} plan {p:?} [{},{}]: {g} vs {e} (seed {seed})",
+                            i / n,
+                            i % n
+                        );
+                    }
+                }
+            }
+        }
+        // Beyond 8 rows: the tiled GEMM through gemv_rows, with partial
+        // tiles of rows and columns, k split in parts at these sizes (too
+        // few tiles for the GPU).
         let kk = whole_blocks(dtype, 320);
         let (w_dev, w) = random_weight(&k, &mut rng, dtype, n, kk);
-        // Up to 8 rows: the GEMV (gemv_q takes no more); beyond: the tiled
-        // GEMM through gemv_rows, with partial tiles of rows and columns,
-        // k split in parts at these sizes (too few tiles for the GPU).
-        for rows in [1, 2, 3, 5, 8, 9, 37, 130] {
-            if rows > 8 {
-                assert!(k.gemm_splits(rows, n, kk) > 1, "{rows} rows: the tiles alone would fill the GPU");
-            }
+        for rows in [9, 37, 130] {
+            assert!(k.gemm_splits(rows, n, kk) > 1, "{rows} rows: the tiles alone would fill the GPU");
             let x = rng.vec(rows * kk);
             let mut y = up(&k, &vec![f32::NAN; rows * n]);
-            if rows <= 8 {
-                k.gemv_q(&mut y, &w_dev, &up(&k, &x), rows).expect("gemv");
-            } else {
-                k.gemv_rows(&mut y, &w_dev, &up(&k, &x), rows).expect("gemm");
-            }
+            k.gemv_rows(&mut y, &w_dev, &up(&k, &x), rows).expect("gemm");
             let got = down(&k, &y);
             for r in 0..rows {
                 for c in 0..n {
