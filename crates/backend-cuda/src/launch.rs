@@ -262,7 +262,7 @@ pub struct GemvPlan {
 }
 
 impl GemvPlan {
-    /// The plan the GEMV uses for `rows` rows of a `format` weight.
+    /// The plan the GEMV uses for `rows` rows (of any weight layout).
     ///
     /// Measured on an H100 (`gemm_bench --gemv-plans`, Llama 3 8B's Q8_0
     /// shapes and a Q4_1 one, docs/benchmarks.md): at 1 and 2 rows (the
@@ -271,14 +271,15 @@ impl GemvPlan {
     /// weight, against 1.60 with the plan before it) and 1.7× that plan at
     /// two (1.65 against 0.96 TB/s); the GPU suite's GEMV test passed it (at
     /// 1, 2, 3, 5 and 8 rows; the test now runs 1–5, 7 and 8 rows of two k
-    /// under every plan this function or the benchmark's table names). From 3 rows (the float32 path's) the plan the
-    /// kernel had before, ⌈rows / 2⌉ columns a warp and one warp a group,
-    /// which the measurement did not compare at those rows. Four columns a
-    /// warp with two warps a group ran faster from two rows (2.08 TB/s at
-    /// two, 1.34 at four, 0.82 at eight) but has not yet passed that test:
-    /// it is `VELLUM_GEMV=4:2:1` until it does. The conversion-free Q8
-    /// decode alone changed nothing measurable; the plans measured carry it.
-    pub fn for_rows(rows: usize, _format: QuantFormat) -> Self {
+    /// under every plan this function or the benchmark's table names). From
+    /// 3 rows (the float32 path's) the plan the kernel had before, ⌈rows / 2⌉
+    /// columns a warp and one warp a group, which the measurement did not
+    /// compare at those rows. Four columns a warp with two warps a group ran
+    /// faster from two rows (2.08 TB/s at two, 1.34 at four, 0.82 at eight)
+    /// but has not yet passed that test: it is `VELLUM_GEMV=4:2:1` until it
+    /// does. The conversion-free Q8 decode alone changed nothing measurable;
+    /// the plans measured carry it.
+    pub fn for_rows(rows: usize) -> Self {
         if rows <= 2 {
             Self { columns_per_warp: 2, k_split: 2, magic: true }
         } else {
@@ -309,9 +310,12 @@ impl GemvPlan {
             ))
         };
         let parts: Vec<usize> = text.split(':').map(|p| p.trim().parse::<usize>().map_err(|_| bad())).collect::<Result<_, _>>()?;
-        match parts[..] {
-            [c @ 1..=4, s @ (1 | 2 | 4), m @ (0 | 1)] => Ok(Self { columns_per_warp: c, k_split: s, magic: m == 1 }),
-            _ => Err(bad()),
+        let [columns_per_warp, k_split, m @ (0 | 1)] = parts[..] else { return Err(bad()) };
+        let plan = Self { columns_per_warp, k_split, magic: m == 1 };
+        if plan.is_valid() {
+            Ok(plan)
+        } else {
+            Err(bad())
         }
     }
 }
@@ -686,11 +690,7 @@ impl Kernels {
     /// `y [rows, n] = x [rows, k] · Wᵀ` in f32 by the GEMV (1..8 rows, one
     /// launch reading the weight once).
     pub fn gemv_q(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
-        Self::check_linear(w, x.len(), y.len(), rows)?;
-        if rows == 0 || rows > 8 {
-            return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
-        }
-        self.gemv_launch(y, w, x, rows)
+        self.gemv_q_planned(y, w, x, rows, self.gemv_plan(rows))
     }
 
     /// [`Self::gemv_q`] with the given plan instead of the chosen one (the
@@ -713,10 +713,10 @@ impl Kernels {
         self.gemv_launch_planned(y, w, x, rows, plan)
     }
 
-    /// The GEMV launch; the caller checked the buffers and that `rows` is 1..8.
-    fn gemv_launch(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
-        let plan = self.gemv_override.unwrap_or_else(|| GemvPlan::for_rows(rows, w.format));
-        self.gemv_launch_planned(y, w, x, rows, plan)
+    /// The GEMV's plan for `rows` rows: `VELLUM_GEMV`'s, else
+    /// [`GemvPlan::for_rows`].
+    fn gemv_plan(&self, rows: usize) -> GemvPlan {
+        self.gemv_override.unwrap_or_else(|| GemvPlan::for_rows(rows))
     }
 
     /// The GEMV launch with `plan`; the caller checked the buffers, that
@@ -752,7 +752,7 @@ impl Kernels {
         Self::check_linear(w, x.len(), y.len(), rows)?;
         match rows {
             0 => Ok(()),
-            1..=8 => self.gemv_launch(y, w, x, rows),
+            1..=8 => self.gemv_launch_planned(y, w, x, rows, self.gemv_plan(rows)),
             _ => self.gemm_f32_cores(y, w, x, rows),
         }
     }
@@ -820,7 +820,7 @@ impl Kernels {
         // SAFETY: as above, into parts, which holds splits · len floats.
         unsafe { b.launch(cfg(grid, 256, 0)) }?;
         // In the module of the one-row GEMV (gemv_q.cu holds both).
-        let sum = self.function(&GemvPlan::for_rows(1, QuantFormat::Q8).variant(1), "gemm_sum_splits")?;
+        let sum = self.function(&GemvPlan::for_rows(1).variant(1), "gemm_sum_splits")?;
         let (len_i, splits_i) = (len as i64, to_i32(splits, "splits")?);
         let mut b = self.stream.launch_builder(&sum);
         b.arg(&mut *y).arg(&parts).arg(&len_i).arg(&splits_i);
@@ -833,7 +833,7 @@ impl Kernels {
     /// The CUDA-core GEMM: 64 × 64 outputs a 256-thread block, k split in
     /// parts (then summed in order) when the tiles are too few for the GPU.
     fn gemm_f32_cores(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x: &CudaSlice<f32>, rows: usize) -> Result<(), CudaError> {
-        let f = self.function(&GemvPlan::for_rows(1, QuantFormat::Q8).variant(1), &format!("gemm_{}", w.format.suffix()))?;
+        let f = self.function(&GemvPlan::for_rows(1).variant(1), &format!("gemm_{}", w.format.suffix()))?;
         let splits = self.gemm_splits(rows, w.n, w.k);
         let grid = (to_u32(w.n.div_ceil(64), "column tiles")?, to_u32(rows.div_ceil(64), "row tiles")?, to_u32(splits, "splits")?);
         // SAFETY: gemm_*(float*, const unsigned char*, const unsigned
@@ -1434,7 +1434,7 @@ mod tests {
         }
         // The default plan is one the parser accepts, at every row count.
         for rows in 1..=8 {
-            let p = GemvPlan::for_rows(rows, QuantFormat::Q8);
+            let p = GemvPlan::for_rows(rows);
             assert!(p.is_valid(), "{rows} rows: {p:?}");
             let text = format!("{}:{}:{}", p.columns_per_warp, p.k_split, u8::from(p.magic));
             assert_eq!(GemvPlan::parse(&text).ok(), Some(p));
