@@ -56,19 +56,5 @@ print(json.dumps({'workload': '$w', 'mode': 'llama-lookup', 'decode_tokens_per_s
     done
 fi
 
-python3 - "$OUT"/runs.jsonl <<'PY'
-import json, statistics, sys
-runs = [json.loads(l) for l in open(sys.argv[1])]
-def med(w, m, key='decode_tokens_per_s'):
-    v = [r[key] for r in runs if r['workload'] == w and r['mode'] == m]
-    return statistics.median(v) if v else None
-print(f"{'workload':14} {'plain tok/s':>11} {'ngram tok/s':>11} {'speed-up':>8} {'accepted':>8} {'mean len':>8} {'llama-lookup':>12} {'its accept':>10}")
-for w in ['rewrite_text', 'rewrite_code', 'fix_code', 'chat']:
-    p, s = med(w, 'plain'), med(w, 'ngram')
-    sd = [r['spec_decode'] for r in runs if r['workload'] == w and r['mode'] == 'ngram' and r.get('spec_decode')]
-    acc = statistics.median(x['acceptance_rate'] for x in sd) if sd else 0.0
-    mlen = statistics.median(x['mean_acceptance_length'] for x in sd) if sd else 0.0
-    l, la = med(w, 'llama-lookup'), med(w, 'llama-lookup', 'acceptance_rate')
-    ls = f"{l:12.1f} {100 * la:9.1f}%" if l else f"{'-':>12} {'-':>10}"
-    print(f"{w:14} {p:11.1f} {s:11.1f} {s / p:7.2f}× {100 * acc:7.1f}% {mlen:8.2f} {ls}")
-PY
+# The table (shared with benchmarks/golden_gpu.sh's --device cuda step).
+python3 benchmarks/spec_table.py "$OUT"/runs.jsonl
