@@ -1,24 +1,124 @@
 #!/usr/bin/env bash
-# The golden prompts through --device cuda on a GPU machine, the default
-# model's file (98 MB) carried in two calls because one call carries at
-# most 64 MiB. Three steps:
+# The golden prompts, then single-stream speculative decoding, through
+# --device cuda on a GPU machine, the default model's file (98 MB) carried
+# in two calls because one call carries at most 64 MiB:
 #
-#   bash benchmarks/golden_gpu.sh split     # here: .gpu-golden/a and b
+#   kernels/cuda/gpu_suite.sh stage         # here: .gpu/ (12 MB, with vellum)
+#   bash benchmarks/golden_gpu.sh split     # here: .gpu-golden/a and b (43 MB)
 #   bash benchmarks/golden_gpu.sh stash     # there, carrying .gpu-golden/a:
 #                                           #   kept in /tmp while the machine
 #                                           #   stays warm (30 s)
 #   bash benchmarks/golden_gpu.sh run       # there, at once, carrying .gpu and
-#                                           #   .gpu-golden/b
+#                                           #   .gpu-golden/b (55 MB together)
 #
-# `run` joins the halves (checking the SHA-256 taken here), then runs
-# tests/golden.rs's CUDA tests (float32 path against the 0.02-nats rule,
-# bf16 path against llama.cpp's gaps, chunking/prefix/batching invariance)
-# twice: on the plain executor, and with VELLUM_TP_COLLECTIVE=1 — the
-# tensor-parallel path over an NCCL group of one, the parallelism issue's
-# single-GPU check. The table last.
+# `run` joins the halves (checking the SHA-256 taken here), then:
+# 1. tests/golden.rs's CUDA tests (float32 path against the 0.02-nats rule,
+#    bf16 path against llama.cpp's gaps, chunking/prefix/batching invariance)
+#    twice: on the plain executor, and with VELLUM_TP_COLLECTIVE=1 — the
+#    tensor-parallel path over an NCCL group of one, the parallelism issue's
+#    single-GPU check (200 s at most each);
+# 2. the `spec` step: benchmarks/spec_decode.sh's measurement through
+#    --device cuda on the joined file — `vellum bench latency --batch-size 1
+#    --output-len 128 --num-iters 2 --prompt … --chat` on the four
+#    benchmarks/prompts/ workloads without speculation and with the same
+#    n-gram SPEC, in ROUNDS (2) alternated rounds, and on rewrite_code also
+#    with the file as its own draft model (`"method": "draft_model"`: only
+#    proves the path and prices a draft as costly as the target; DRAFT=0
+#    leaves it out). JSON lines in $OUT/spec_cuda.jsonl, the runs' logs in
+#    $OUT/spec_logs.tgz (after every run), and benchmarks/spec_table.py's
+#    table of medians printed last.
+# Everything printed also goes to $OUT/summary.txt as it runs. A run starts
+# only while BUDGET_S (540 s from the start of `run`) leaves it 15 s; the
+# rest print "SKIPPED (budget)". How long, estimated (neither step has run
+# on a GPU yet): the golden tests never ran through this script, so up to
+# 2 × 200 s; the spec step is 18 runs (start, load, 1 + 2 iterations of 128
+# tokens), 52 s in all on the 2-core CPU (`DEVICE=cpu`, 2.9 s a run), and
+# should take 1–1.5 min on a GPU (CUDA's start and the weights' upload per
+# run, the kernels already compiled into .gpu/models/kernels by the golden
+# tests). So 2–5 min if the golden tests take 30–100 s each, and never past
+# BUDGET_S whatever they take: within one call.
+#
+#   bash benchmarks/golden_gpu.sh spec      # the spec step alone; here on the
+#                                           #   CPU with DEVICE=cpu
+#                                           #   VELLUM=target/release/vellum
+#                                           #   GGUF=~/.cache/vellum/<file>
+#                                           #   (OUTPUT_LEN, ROUNDS, SPEC, DRAFT,
+#                                           #   BUDGET_S as above)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 name=SmolLM2-135M-Instruct.Q4_1.gguf
+t0=$SECONDS
+budget=${BUDGET_S:-540}
+stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+# Whether $1 more seconds fit in the budget.
+fits() { [ $((SECONDS - t0 + $1)) -le "$budget" ]; }
+# Everything printed from here on also in $1/summary.txt, as it comes.
+summary() {
+    exec > >(tee "$1/summary.txt") 2>&1
+    tee_pid=$!
+}
+# Lets tee write the last lines to summary.txt before the script ends.
+end_summary() {
+    exec >&- 2>&-
+    wait "$tee_pid" 2>/dev/null
+}
+
+# The spec step: `vellum bench latency` at one sequence on the four
+# workloads, plainly, with n-gram prompt lookup, and (rewrite_code) with
+# the model file as its own draft, in alternated rounds; each run's JSON
+# tagged with its workload, mode and round in $out/spec_$device.jsonl, its
+# log in $out/spec_logs.tgz; the table last.
+spec_step() { # vellum device gguf out
+    local vellum=$1 device=$2 gguf=$3 out=$4
+    local rounds=${ROUNDS:-2} output_len=${OUTPUT_LEN:-128}
+    local spec=${SPEC:-'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'}
+    # The draft model: the CLI takes a .gguf path (SpeculativeMethod::DraftModel).
+    local draft="{\"method\": \"draft_model\", \"model\": \"$gguf\", \"num_speculative_tokens\": 4}"
+    local runs=$out/spec_$device.jsonl logs round w mode modes extra tag left rc
+    logs=$(mktemp -d)
+    rm -f "$runs"
+    touch "$runs"
+    for round in $(seq 1 "$rounds"); do
+        for w in rewrite_text rewrite_code fix_code chat; do
+            modes="plain ngram"
+            [ "$w" = rewrite_code ] && [ "${DRAFT:-1}" = 1 ] && modes="plain ngram draft_model"
+            for mode in $modes; do
+                # A run gets what the budget leaves, 60 s at most, 15 s at least.
+                left=$((budget - (SECONDS - t0)))
+                if [ "$left" -lt 15 ]; then
+                    stamp "spec: SKIPPED (budget) from round $round, $w $mode on"
+                    break 3
+                fi
+                [ "$left" -gt 60 ] && left=60
+                extra=()
+                [ "$mode" = ngram ] && extra=(--speculative-config "$spec")
+                [ "$mode" = draft_model ] && extra=(--speculative-config "$draft")
+                tag=${w}_${mode}_$round
+                timeout "$left" "$vellum" bench latency --device "$device" --model "$gguf" --batch-size 1 \
+                    --output-len "$output_len" --num-iters 2 --prompt "$(cat "benchmarks/prompts/$w.txt")" --chat --json \
+                    "${extra[@]}" >"$logs/$tag.json" 2>"$logs/$tag.log"
+                rc=$?
+                python3 - "$logs/$tag.json" "$runs" "$w" "$mode" "$round" <<'PY' || { stamp "spec $tag: exit $rc"; tail -n 3 "$logs/$tag.log" | cut -c1-200; }
+import json, sys
+src, runs, w, mode, rnd = sys.argv[1:]
+try:
+    d = json.load(open(src))
+except (OSError, ValueError):
+    sys.exit(1)  # no report: the shell prints the exit status and the log's end
+d.update(workload=w, mode=mode, round=int(rnd))
+open(runs, "a").write(json.dumps(d) + "\n")
+sd = d.get("spec_decode") or {}
+acc = f", {100 * sd['acceptance_rate']:.1f}% accepted" if sd else ""
+print(f"spec {w} {mode} round {rnd}: {d['decode_tokens_per_s']:.1f} tok/s{acc}")
+PY
+                tar -C "$logs" -czf "$out/spec_logs.tgz" . 2>/dev/null
+            done
+        done
+    done
+    stamp "spec: $(wc -l <"$runs") runs; medians (--device $device, $output_len tokens, SmolLM2-135M-Instruct Q4_1):"
+    python3 benchmarks/spec_table.py --by-method "$runs"
+}
+
 case "${1:-}" in
 split)
     src=${VELLUM_CACHE:-$HOME/.cache/vellum}/$name
@@ -39,18 +139,33 @@ run)
     want=$(cat .gpu-golden/b.sha256)
     got=$(sha256sum ".gpu/models/$name" | cut -d' ' -f1)
     [ "$want" = "$got" ] || { echo "the joined file's SHA-256 $got is not $want" >&2; exit 1; }
+    summary "$out"
     # shellcheck disable=SC1091 # staged there
     source .gpu/run.sh env >/dev/null
     for mode in plain collective; do
         collective=0
         [ "$mode" = collective ] && collective=1
         VELLUM_TP_COLLECTIVE=$collective timeout 200 .gpu/x/golden --test-threads 1 --nocapture cuda >"$out/golden_$mode.txt" 2>&1
-        echo "golden ($mode): exit $?"
+        stamp "golden ($mode): exit $?"
         grep -E "^test |test result|agree|largest|SKIPPED|panicked" "$out/golden_$mode.txt" | cut -c1-200
     done
+    spec_step .gpu/x/vellum "${DEVICE:-cuda}" ".gpu/models/$name" "$out"
+    end_summary
+    ;;
+spec)
+    out=${OUT:-.gpu/out}
+    mkdir -p "$out"
+    summary "$out"
+    vellum=${VELLUM:-.gpu/x/vellum}
+    if [ -z "${VELLUM:-}" ]; then
+        # shellcheck disable=SC1091 # staged there
+        source .gpu/run.sh env >/dev/null
+    fi
+    spec_step "$vellum" "${DEVICE:-cuda}" "${GGUF:-.gpu/models/$name}" "$out"
+    end_summary
     ;;
 *)
-    echo "usage: $0 split|stash|run" >&2
+    echo "usage: $0 split|stash|run|spec" >&2
     exit 2
     ;;
 esac
