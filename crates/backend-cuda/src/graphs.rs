@@ -1,32 +1,43 @@
-//! CUDA graphs for decode steps (thesis §4.6.3; vLLM's full graphs for
-//! uniform decode batches): the host-side bookkeeping, with no device in it.
+//! CUDA graphs for engine steps (thesis §4.6.3; vLLM's full graphs): the
+//! host-side bookkeeping, with no device in it.
 //!
-//! A decode step of a small model is hundreds of launches whose cost on the
-//! host (~3 µs each) exceeds the kernels' own time. A CUDA graph records a
+//! A step of a small model is hundreds of launches whose cost on the host
+//! (~3 µs each) exceeds the kernels' own time. A CUDA graph records a
 //! step's launches once and replays them with one call. A replay repeats
 //! the recorded launches exactly (grids, shared memory, buffer addresses),
 //! so what a step's launches depend on must be the same at every replay:
-//! - **the batch's rows**: a decode batch of `n` sequences is padded to the
-//!   smallest capture size `≥ n` ([`CaptureSizes`]); a padded row reads
-//!   block 0, writes no KV slot, and its logits are dropped;
+//! - **the step's tokens**: a batch of `n` tokens is padded to the smallest
+//!   capture size `≥ n` ([`CaptureSizes`]); each padding token is a
+//!   sequence of its own that reads block 0, writes no KV slot, and whose
+//!   logits are dropped;
+//! - **the logits rows**: padded the same way (a decode step's rows are
+//!   its tokens; a mixed step's are the sequences that sample);
 //! - **the longest context**, which picks the attention kernel and its
 //!   partitions: rounded up to a power of two ([`context_bucket`]); the
 //!   kernels read each sequence's own length from the device, so a larger
 //!   bound only adds partitions that return at once;
 //! - **the inputs' addresses**: each [`GraphKey`] owns persistent input
-//!   buffers that a step's padded inputs ([`PaddedDecode`]) are copied into
+//!   buffers that a step's padded inputs ([`PaddedStep`]) are copied into
 //!   before the replay.
 //!
-//! A key runs eagerly the first time it is seen (compiling its kernels),
-//! is recorded the second time, and replayed from then on
-//! ([`GraphCache`]). The bounds the ops check while a step is recorded
-//! (the vocabulary, the RoPE table, the KV pool) are kept as [`Limits`],
-//! and every replayed step is checked against them first, so that a replay
-//! indexes no more freely than the eager ops would. Prefill and mixed
-//! batches, pooling steps and tensor-parallel ranks run eagerly.
+//! The paged-attention kernels take every per-token fact (its sequence,
+//! its query offset, its context) from those buffers, so a mixed step —
+//! prompt chunks beside decodes, a speculative verification — replays as
+//! well as a uniform decode ([`CudaGraphMode::Full`], vLLM's `FULL`). By
+//! default only uniform decode steps are recorded ([`CudaGraphMode::FullDecodeOnly`],
+//! vLLM's `FULL_DECODE_ONLY`), at start; a mixed key is recorded lazily,
+//! after [`MIXED_WARMUP_RUNS`] eager runs, so that a shape met once or
+//! twice costs no recording.
+//!
+//! A key runs eagerly the first time(s) it is seen (compiling its kernels),
+//! is recorded next, and replayed from then on ([`GraphCache`]). The bounds
+//! the ops check while a step is recorded (the vocabulary, the RoPE table,
+//! the KV pool) are kept as [`Limits`], and every replayed step is checked
+//! against them first, so that a replay indexes no more freely than the
+//! eager ops would. Pooling steps and tensor-parallel ranks run eagerly.
 
 use std::collections::HashMap;
-use vellum_base::{ForwardBatch, StepBounds};
+use vellum_base::{CudaGraphMode, ForwardBatch, StepBounds};
 
 /// The smallest context bound a recorded step is keyed by (one partition
 /// of paged attention v2).
@@ -38,9 +49,13 @@ pub const MIN_CONTEXT_BUCKET: usize = 512;
 /// `rows × 8192 / block_size` entries at most).
 pub const MAX_CONTEXT_TO_CAPTURE: usize = 8192;
 
-/// Eager runs of a key before it is recorded: the first compiles its
-/// kernels and warms cuBLAS outside the capture.
+/// Eager runs of a uniform decode key before it is recorded: the first
+/// compiles its kernels and warms cuBLAS outside the capture.
 pub const WARMUP_RUNS: u32 = 1;
+
+/// Eager runs of a mixed key before it is recorded: a recording costs a few
+/// steps' time, which a shape met only once or twice would not repay.
+pub const MIXED_WARMUP_RUNS: u32 = 3;
 
 /// The batch sizes decode steps are padded to and recorded at (vLLM's
 /// `cudagraph_capture_sizes`), ascending.
@@ -50,9 +65,7 @@ pub struct CaptureSizes(Vec<usize>);
 impl CaptureSizes {
     /// vLLM's default list: 1, 2, 4, then every multiple of 8 up to `max`.
     pub fn up_to(max: usize) -> Self {
-        let mut sizes: Vec<usize> = [1, 2, 4].into_iter().filter(|&s| s <= max).collect();
-        sizes.extend((8..=max).step_by(8));
-        Self(sizes)
+        Self(vellum_base::default_capture_sizes(max))
     }
 
     /// The sizes given (`--cuda-graph-sizes`), sorted; `None` when one is 0.
@@ -80,7 +93,7 @@ impl Default for CaptureSizes {
     /// Up to 512 rows, as vLLM's default (a size is recorded only when a
     /// batch of it runs).
     fn default() -> Self {
-        Self::up_to(512)
+        Self::up_to(vellum_base::DEFAULT_MAX_CAPTURE_SIZE)
     }
 }
 
@@ -93,8 +106,13 @@ pub fn context_bucket(max_context: usize) -> usize {
 /// What a recorded step's launches depend on besides its inputs' values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GraphKey {
-    /// Rows (sequences, one token each) after padding.
+    /// Tokens after padding (a decode step's rows: one token a sequence).
     pub rows: usize,
+    /// Logits rows after padding (`rows` for a decode step).
+    pub logits_rows: usize,
+    /// A mixed step: its sequences, query offsets and logits rows are
+    /// uploaded at every replay (a decode key's never change).
+    pub mixed: bool,
     /// [`context_bucket`] of the batch's longest context.
     pub context_bucket: usize,
     /// KV-cache groups (block tables per sequence).
@@ -104,25 +122,52 @@ pub struct GraphKey {
 }
 
 impl GraphKey {
-    /// The key of `batch` when it can be replayed: a decode batch (one new
-    /// token per sequence, every row's logits, in order; not a pooling
-    /// step) of no more rows than the largest capture size and no context
-    /// past [`MAX_CONTEXT_TO_CAPTURE`]. `None`: it runs eagerly.
-    pub fn of(batch: &ForwardBatch, sizes: &CaptureSizes, block_size: usize) -> Option<Self> {
+    /// The key of `batch` when `mode` replays it: a uniform decode batch
+    /// (one new token per sequence, every row's logits, in order), or under
+    /// [`CudaGraphMode::Full`] any batch that returns logits; of no more tokens
+    /// than the largest capture size and no context past
+    /// [`MAX_CONTEXT_TO_CAPTURE`]. `None`: it runs eagerly.
+    pub fn of(batch: &ForwardBatch, sizes: &CaptureSizes, block_size: usize, mode: CudaGraphMode) -> Option<Self> {
         let t = batch.num_tokens();
-        if !batch.is_uniform_decode() || block_size == 0 {
+        let uniform = batch.is_uniform_decode();
+        let replayed = match mode {
+            CudaGraphMode::None => false,
+            CudaGraphMode::FullDecodeOnly => uniform,
+            CudaGraphMode::Full => t > 0 && !batch.hidden_states,
+        };
+        if !replayed || block_size == 0 {
             return None;
         }
         let max_context = batch.context_lens.iter().copied().max().unwrap_or(0) as usize;
         if max_context > MAX_CONTEXT_TO_CAPTURE {
             return None;
         }
-        Some(Self { rows: sizes.padded(t)?, context_bucket: context_bucket(max_context), groups: batch.kv_groups(), block_size })
+        let rows = sizes.padded(t)?;
+        // At least one logits row: a step of prompt chunks alone samples
+        // nothing, but a graph of no rows would record a product of none.
+        let logits_rows = if uniform { rows } else { sizes.padded(batch.logits_indices.len().max(1))? };
+        Some(Self {
+            rows,
+            logits_rows,
+            mixed: !uniform,
+            context_bucket: context_bucket(max_context),
+            groups: batch.kv_groups(),
+            block_size,
+        })
     }
 
     /// Entries per block-table row: enough blocks for the bucket's context.
     pub fn table_stride(&self) -> usize {
         self.context_bucket.div_ceil(self.block_size)
+    }
+
+    /// Eager runs before the key is recorded.
+    pub fn warmup_runs(&self) -> u32 {
+        if self.mixed {
+            MIXED_WARMUP_RUNS
+        } else {
+            WARMUP_RUNS
+        }
     }
 }
 
@@ -179,70 +224,84 @@ impl HostInputs {
     }
 }
 
-/// A decode batch's inputs padded to its key's rows: what is copied into the
+/// A batch's inputs padded to its key's shape: what is copied into the
 /// key's persistent buffers before a replay.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PaddedDecode {
-    /// Token ids (padding: 0), positions (0), per group each row's slot
-    /// (-1, which writes nothing) and `[rows, stride]` block ids (padding
-    /// and unused entries: 0), row i as sequence i with one query, context
-    /// lengths (padding: 1, the one slot of block 0 it reads), logits rows
-    /// `0..rows`.
+pub struct PaddedStep {
+    /// The batch's own entries first, then the padding: token ids 0,
+    /// positions 0, slots -1 (which write nothing), each padding token a
+    /// sequence of its own with one query and a context of 1 (the one slot
+    /// of block 0 it reads, its table row all block 0); the sequences'
+    /// entries past the last one (a mixed step has fewer sequences than
+    /// tokens) repeat the end so that the buffers keep one size; the
+    /// batch's logits rows, then padding tokens' rows (the last row when
+    /// there are none). A uniform decode batch pads to the identity:
+    /// token `i` is sequence `i`, logits row `i`.
     pub inputs: HostInputs,
     /// The bounds of the padded step: the batch's own, with the padding's
     /// block 0 and logits rows.
     pub bounds: StepBounds,
 }
 
-impl PaddedDecode {
+impl PaddedStep {
     /// Pads `batch` (whose key is `key`, from [`GraphKey::of`]) to
-    /// `key.rows`; `bounds` are the batch's own
-    /// ([`ForwardBatch::step_bounds`], which checked its shape).
+    /// `key.rows` tokens and `key.logits_rows` logits rows; `bounds` are
+    /// the batch's own ([`ForwardBatch::step_bounds`], which checked its
+    /// shape).
     pub fn new(batch: &ForwardBatch, key: &GraphKey, bounds: &StepBounds) -> Result<Self, String> {
-        let (n, rows, stride) = (batch.num_tokens(), key.rows, key.table_stride());
-        if n > rows || batch.kv_groups() != key.groups {
-            return Err(format!("a batch of {n} rows in {} groups for a graph of {rows} in {}", batch.kv_groups(), key.groups));
+        let (n, s, rows, stride) = (batch.num_tokens(), batch.num_seqs(), key.rows, key.table_stride());
+        let logits = batch.logits_indices.len();
+        if n > rows || n == 0 || logits > key.logits_rows || key.logits_rows > rows || batch.kv_groups() != key.groups {
+            return Err(format!(
+                "a batch of {n} tokens, {logits} logits rows in {} groups for a graph of {rows}, {} in {}",
+                batch.kv_groups(),
+                key.logits_rows,
+                key.groups
+            ));
         }
+        if let Some(&c) = batch.context_lens.iter().find(|&&c| c as usize > key.context_bucket) {
+            return Err(format!("a context of {c} for a graph of contexts up to {}", key.context_bucket));
+        }
+        let pad = rows - n;
+        // Sequences: the batch's, then one a padding token, then (unused)
+        // entries up to `rows` that repeat the end.
+        let seqs = s + pad;
         let mut ids = ints(&batch.token_ids, "token id")?;
         ids.resize(rows, 0);
         let mut positions: Vec<i64> = batch.positions.iter().map(|&p| i64::from(p)).collect();
         positions.resize(rows, 0);
-        if let Some(&c) = batch.context_lens.iter().find(|&&c| c as usize > key.context_bucket) {
-            return Err(format!("a context of {c} for a graph of contexts up to {}", key.context_bucket));
-        }
+        let mut token_seq = ints(&bounds.token_seq, "sequence index")?;
+        token_seq.extend((s..seqs).map(|q| q as i32));
+        let mut query_start_loc = ints(&batch.query_start_loc, "query offset")?;
+        query_start_loc.extend((n + 1..=rows).map(|q| q as i32));
+        query_start_loc.resize(rows + 1, rows as i32);
         let mut context_lens = ints(&batch.context_lens, "context length")?;
         context_lens.resize(rows, 1);
         let (mut slots, mut block_tables) = (Vec::with_capacity(key.groups), Vec::with_capacity(key.groups));
         let src_stride = batch.block_table_stride;
         for g in 0..key.groups {
-            let mut s: Vec<i64> = batch.slot_mapping[g * n..(g + 1) * n].iter().map(|&x| i64::from(x)).collect();
-            s.resize(rows, -1);
-            slots.push(s);
+            let mut slot: Vec<i64> = batch.slot_mapping[g * n..(g + 1) * n].iter().map(|&x| i64::from(x)).collect();
+            slot.resize(rows, -1);
+            slots.push(slot);
             let mut table = vec![0i32; rows * stride];
-            for seq in 0..n {
-                let from = &batch.block_tables[(g * n + seq) * src_stride..][..src_stride.min(stride)];
+            for seq in 0..s {
+                let from = &batch.block_tables[(g * s + seq) * src_stride..][..src_stride.min(stride)];
                 for (dst, &b) in table[seq * stride..].iter_mut().zip(from) {
                     *dst = int(b, "block id")?;
                 }
             }
             block_tables.push(table);
         }
+        let mut logits_rows = ints(&batch.logits_indices, "logits row")?;
+        let padding_rows = (n..rows).map(|r| r as i32).chain(std::iter::repeat(rows as i32 - 1));
+        logits_rows.extend(padding_rows.take(key.logits_rows - logits));
         let mut bounds = bounds.clone();
-        bounds.token_seq = (0..rows as u32).collect();
-        bounds.max_logits_row = rows.checked_sub(1).map(|r| r as u32);
-        if rows > n {
+        bounds.token_seq = token_seq.iter().map(|&q| q as u32).collect();
+        bounds.max_logits_row = logits_rows.iter().map(|&r| r as u32).max();
+        if pad > 0 {
             bounds.max_block = bounds.max_block.max(Some(0));
         }
-        let inputs = HostInputs {
-            ids,
-            positions,
-            slots,
-            block_tables,
-            token_seq: (0..rows as i32).collect(),
-            query_start_loc: (0..=rows as i32).collect(),
-            context_lens,
-            logits: (0..rows as i32).collect(),
-        };
+        let inputs = HostInputs { ids, positions, slots, block_tables, token_seq, query_start_loc, context_lens, logits: logits_rows };
         Ok(Self { inputs, bounds })
     }
 }
@@ -338,7 +397,7 @@ impl<G> GraphCache<G> {
     pub fn next(&mut self, key: GraphKey) -> Action {
         let entry = self.entries.entry(key).or_insert(Entry::Warming(0));
         match entry {
-            Entry::Warming(n) if *n < WARMUP_RUNS => {
+            Entry::Warming(n) if *n < key.warmup_runs() => {
                 *n += 1;
                 Action::Eager
             }
@@ -400,6 +459,8 @@ impl<G> GraphCache<G> {
 mod tests {
     use super::*;
 
+    const DECODE: CudaGraphMode = CudaGraphMode::FullDecodeOnly;
+
     /// Three decode sequences (contexts 5, 17, 3; block size 4) in one
     /// KV-cache group, block tables of stride 6.
     fn decode_batch() -> ForwardBatch {
@@ -442,8 +503,8 @@ mod tests {
     fn only_uniform_decode_batches_have_a_key() {
         let sizes = CaptureSizes::up_to(8);
         let b = decode_batch();
-        let key = GraphKey::of(&b, &sizes, 4).expect("a decode batch");
-        assert_eq!(key, GraphKey { rows: 4, context_bucket: 512, groups: 1, block_size: 4 });
+        let key = GraphKey::of(&b, &sizes, 4, DECODE).expect("a decode batch");
+        assert_eq!(key, GraphKey { rows: 4, logits_rows: 4, mixed: false, context_bucket: 512, groups: 1, block_size: 4 });
         assert_eq!(key.table_stride(), 128);
         // A prefill chunk (two queries in one sequence).
         let mut prefill = b.clone();
@@ -453,26 +514,26 @@ mod tests {
         prefill.query_start_loc = vec![0, 1, 2, 4];
         prefill.context_lens[2] = 4;
         prefill.logits_indices = vec![0, 1, 3];
-        assert_eq!(GraphKey::of(&prefill, &sizes, 4), None);
+        assert_eq!(GraphKey::of(&prefill, &sizes, 4, DECODE), None);
         // Pooling, fewer logits rows (prompt logprobs aside), too many rows.
-        assert_eq!(GraphKey::of(&ForwardBatch { hidden_states: true, ..b.clone() }, &sizes, 4), None);
-        assert_eq!(GraphKey::of(&ForwardBatch { logits_indices: vec![0, 2], ..b.clone() }, &sizes, 4), None);
-        assert_eq!(GraphKey::of(&b, &CaptureSizes::up_to(2), 4), None);
-        assert_eq!(GraphKey::of(&ForwardBatch::default(), &sizes, 4), None);
+        assert_eq!(GraphKey::of(&ForwardBatch { hidden_states: true, ..b.clone() }, &sizes, 4, DECODE), None);
+        assert_eq!(GraphKey::of(&ForwardBatch { logits_indices: vec![0, 2], ..b.clone() }, &sizes, 4, DECODE), None);
+        assert_eq!(GraphKey::of(&b, &CaptureSizes::up_to(2), 4, DECODE), None);
+        assert_eq!(GraphKey::of(&ForwardBatch::default(), &sizes, 4, DECODE), None);
         // A context past what is recorded.
         let mut long = b.clone();
         long.context_lens[1] = MAX_CONTEXT_TO_CAPTURE as u32 + 1;
-        assert_eq!(GraphKey::of(&long, &sizes, 4), None);
+        assert_eq!(GraphKey::of(&long, &sizes, 4, DECODE), None);
         long.context_lens[1] = MAX_CONTEXT_TO_CAPTURE as u32;
-        assert_eq!(GraphKey::of(&long, &sizes, 4).map(|k| k.context_bucket), Some(MAX_CONTEXT_TO_CAPTURE));
+        assert_eq!(GraphKey::of(&long, &sizes, 4, DECODE).map(|k| k.context_bucket), Some(MAX_CONTEXT_TO_CAPTURE));
     }
 
     #[test]
     fn padding_reads_block_zero_writes_no_slot_and_keeps_every_real_entry() {
         let b = decode_batch();
-        let key = GraphKey::of(&b, &CaptureSizes::up_to(8), 4).unwrap();
+        let key = GraphKey::of(&b, &CaptureSizes::up_to(8), 4, DECODE).unwrap();
         let bounds = b.step_bounds(4).unwrap();
-        let p = PaddedDecode::new(&b, &key, &bounds).unwrap();
+        let p = PaddedStep::new(&b, &key, &bounds).unwrap();
         assert_eq!(p.inputs.ids, [10, 20, 30, 0]);
         assert_eq!(p.inputs.positions, [4, 16, 2, 0]);
         assert_eq!(p.inputs.slots, [vec![36, 20, 46, -1]]);
@@ -510,8 +571,8 @@ mod tests {
         b.slot_mapping.extend([1, 2, 3]);
         let second: Vec<u32> = b.block_tables.iter().map(|&x| x + 100).collect();
         b.block_tables.extend(second);
-        let key = GraphKey::of(&b, &CaptureSizes::up_to(4), 4).unwrap();
-        let p = PaddedDecode::new(&b, &key, &b.step_bounds(4).unwrap()).unwrap();
+        let key = GraphKey::of(&b, &CaptureSizes::up_to(4), 4, DECODE).unwrap();
+        let p = PaddedStep::new(&b, &key, &b.step_bounds(4).unwrap()).unwrap();
         assert_eq!(p.inputs.slots[1], [1, 2, 3, -1]);
         assert_eq!(&p.inputs.block_tables[1][..2], &[107, 109]);
         assert_eq!(p.inputs.block_tables[1][2 * key.table_stride()], 111);
@@ -532,9 +593,160 @@ mod tests {
         assert!(limits.admit(&b).unwrap_err().contains("block 11"));
     }
 
+    /// A mixed batch of `seqs` (context after the step, new tokens), in
+    /// `groups` groups, blocks of 4, table rows of `stride`; sequence `q`'s
+    /// block `i` is `1 + q·stride + i` in group 0 (`+ 1000` per group);
+    /// logits for the last token of each sequence whose `sample` is set.
+    fn mixed_batch(seqs: &[(u32, u32, bool)], groups: usize, stride: usize) -> ForwardBatch {
+        let mut b = ForwardBatch { block_table_stride: stride, num_kv_groups: groups, query_start_loc: vec![0], ..Default::default() };
+        let block = |g: usize, q: usize, i: usize| (1000 * g + 1 + q * stride + i) as u32;
+        for (q, &(context, new, sample)) in seqs.iter().enumerate() {
+            for p in context - new..context {
+                b.token_ids.push(7 * p + q as u32);
+                b.positions.push(p);
+            }
+            b.query_start_loc.push(b.token_ids.len() as u32);
+            b.context_lens.push(context);
+            if sample {
+                b.logits_indices.push(b.token_ids.len() as u32 - 1);
+            }
+        }
+        for g in 0..groups {
+            for (q, &(context, new, _)) in seqs.iter().enumerate() {
+                b.slot_mapping.extend((context - new..context).map(|p| block(g, q, p as usize / 4) * 4 + p % 4));
+            }
+        }
+        for g in 0..groups {
+            for q in 0..seqs.len() {
+                b.block_tables.extend((0..stride).map(|i| block(g, q, i)));
+            }
+        }
+        b
+    }
+
+    /// What the paged-attention kernel makes of token `t` (paged_attention.cu's
+    /// `query_of`): its sequence, its context, and the blocks that context
+    /// spans in group `g`'s table.
+    fn kernel_view(h: &HostInputs, stride: usize, block_size: usize, g: usize, t: usize) -> (i32, i32, Vec<i32>) {
+        let seq = h.token_seq[t];
+        let q0 = h.query_start_loc[seq as usize];
+        let q_len = h.query_start_loc[seq as usize + 1] - q0;
+        let n_ctx = h.context_lens[seq as usize] - q_len + (t as i32 - q0) + 1;
+        let row = &h.block_tables[g][seq as usize * stride..][..stride];
+        (seq, n_ctx, row[..(n_ctx as usize).div_ceil(block_size)].to_vec())
+    }
+
+    #[test]
+    fn full_mode_keys_mixed_steps_by_tokens_and_logits_rows() {
+        let sizes = CaptureSizes::up_to(64);
+        // Decodes beside a prompt chunk that samples and one that does not.
+        let b = mixed_batch(&[(9, 1, true), (20, 13, true), (30, 6, false), (5, 1, true)], 1, 8);
+        assert_eq!(GraphKey::of(&b, &sizes, 4, DECODE), None, "a mixed step is eager by default");
+        assert_eq!(GraphKey::of(&b, &sizes, 4, CudaGraphMode::None), None);
+        let key = GraphKey::of(&b, &sizes, 4, CudaGraphMode::Full).expect("a mixed key");
+        assert_eq!(key, GraphKey { rows: 24, logits_rows: 4, mixed: true, context_bucket: 512, groups: 1, block_size: 4 });
+        assert_eq!(key.warmup_runs(), MIXED_WARMUP_RUNS);
+        // A decode step keys as it does without FULL (one graph for both modes).
+        let d = decode_batch();
+        assert_eq!(GraphKey::of(&d, &sizes, 4, CudaGraphMode::Full), GraphKey::of(&d, &sizes, 4, DECODE));
+        // Prompt chunks alone (no logits) still take one logits row.
+        let quiet = mixed_batch(&[(30, 6, false)], 1, 8);
+        assert_eq!(GraphKey::of(&quiet, &sizes, 4, CudaGraphMode::Full).map(|k| (k.rows, k.logits_rows)), Some((8, 1)));
+        // Pooling steps, steps past the largest size and empty ones stay eager.
+        assert_eq!(GraphKey::of(&ForwardBatch { hidden_states: true, ..b.clone() }, &sizes, 4, CudaGraphMode::Full), None);
+        assert_eq!(GraphKey::of(&b, &CaptureSizes::up_to(16), 4, CudaGraphMode::Full), None);
+        assert_eq!(GraphKey::of(&ForwardBatch::default(), &sizes, 4, CudaGraphMode::Full), None);
+    }
+
+    /// The padding's contract with the kernels, checked the way they read
+    /// it, over many mixed batches: every real token keeps its id,
+    /// position, slot, sequence context and the blocks it reads; every
+    /// padding token reads one slot of block 0 and writes none; the logits
+    /// rows the batch asked for come first; every buffer has the key's size.
+    #[test]
+    fn padding_a_mixed_step_keeps_what_each_real_token_reads_and_writes() {
+        let sizes = CaptureSizes::up_to(64);
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u32| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % u64::from(n)) as u32
+        };
+        let mut padded = 0;
+        for case in 0..300 {
+            let groups = 1 + (case % 2) as usize;
+            let stride = 12;
+            let seqs: Vec<(u32, u32, bool)> = (0..1 + next(6))
+                .map(|_| {
+                    let new = if next(2) == 0 { 1 } else { 1 + next(12) };
+                    (new + next(30), new, next(4) != 0)
+                })
+                .collect();
+            let b = mixed_batch(&seqs, groups, stride);
+            let bounds = b.step_bounds(4).expect("a valid batch");
+            let Some(key) = GraphKey::of(&b, &sizes, 4, CudaGraphMode::Full) else {
+                continue;
+            };
+            let real = HostInputs::of(&b, &bounds).expect("host inputs");
+            let p = PaddedStep::new(&b, &key, &bounds).expect("pads");
+            let (n, rows, ks) = (b.num_tokens(), key.rows, key.table_stride());
+            let h = &p.inputs;
+            assert_eq!((h.ids.len(), h.positions.len(), h.token_seq.len(), h.context_lens.len()), (rows, rows, rows, rows));
+            assert_eq!((h.query_start_loc.len(), h.logits.len()), (rows + 1, key.logits_rows));
+            assert!(h.query_start_loc.windows(2).all(|w| w[0] <= w[1]), "case {case}: query starts descend");
+            for g in 0..groups {
+                assert_eq!((h.slots[g].len(), h.block_tables[g].len()), (rows, rows * ks));
+                for t in 0..rows {
+                    let (seq, n_ctx, blocks) = kernel_view(h, ks, 4, g, t);
+                    if t < n {
+                        let want = kernel_view(&real, stride, 4, g, t);
+                        assert_eq!((seq, n_ctx, &blocks), (want.0, want.1, &want.2), "case {case}: token {t} of group {g}");
+                        assert_eq!((h.ids[t], h.positions[t], h.slots[g][t]), (real.ids[t], real.positions[t], real.slots[g][t]));
+                    } else {
+                        assert_eq!((n_ctx, blocks, h.slots[g][t]), (1, vec![0], -1), "case {case}: padding token {t}");
+                        assert!(seq as usize >= b.num_seqs(), "case {case}: padding token {t} joins sequence {seq}");
+                    }
+                }
+            }
+            let asked = b.logits_indices.len();
+            assert_eq!(&h.logits[..asked], &real.logits[..], "case {case}");
+            assert!(h.logits.iter().all(|&r| (r as usize) < rows), "case {case}: {:?}", h.logits);
+            assert!(h.logits[asked..].iter().all(|&r| r as usize >= n || r as usize == rows - 1), "case {case}");
+            assert_eq!(p.bounds.max_logits_row, h.logits.iter().map(|&r| r as u32).max());
+            if rows > n {
+                assert_eq!(p.bounds.max_block, bounds.max_block.max(Some(0)));
+                padded += 1;
+            }
+        }
+        assert!(padded > 200, "only {padded} of 300 cases were padded");
+    }
+
+    #[test]
+    fn a_padded_step_must_fit_its_key() {
+        let b = mixed_batch(&[(9, 1, true), (20, 13, true)], 1, 8);
+        let bounds = b.step_bounds(4).unwrap();
+        let key = GraphKey::of(&b, &CaptureSizes::up_to(64), 4, CudaGraphMode::Full).unwrap();
+        for small in [GraphKey { rows: 8, ..key }, GraphKey { logits_rows: 1, ..key }, GraphKey { groups: 2, ..key }] {
+            assert!(PaddedStep::new(&b, &small, &bounds).is_err(), "{small:?}");
+        }
+        let short = GraphKey { context_bucket: 16, ..key };
+        assert!(PaddedStep::new(&b, &short, &bounds).unwrap_err().contains("a context of 20"));
+    }
+
+    #[test]
+    fn a_mixed_key_records_after_its_warmups() {
+        let key = GraphKey { rows: 24, logits_rows: 4, mixed: true, context_bucket: 512, groups: 1, block_size: 16 };
+        let mut cache = GraphCache::<&str>::default();
+        for _ in 0..MIXED_WARMUP_RUNS {
+            assert_eq!(cache.next(key), Action::Eager);
+        }
+        assert_eq!(cache.next(key), Action::Record);
+    }
+
     #[test]
     fn a_key_warms_up_records_once_and_then_replays() {
-        let key = GraphKey { rows: 4, context_bucket: 512, groups: 1, block_size: 16 };
+        let key = GraphKey { rows: 4, logits_rows: 4, mixed: false, context_bucket: 512, groups: 1, block_size: 16 };
         let mut cache = GraphCache::<&str>::default();
         assert_eq!(cache.next(key), Action::Eager);
         assert_eq!(cache.next(key), Action::Record);

@@ -50,5 +50,5 @@ pub mod ops;
 pub mod sampling;
 
 pub use error::CudaError;
-pub use graphs::CaptureSizes;
+pub use graphs::{CaptureSizes, GraphKey};
 pub use ops::{CudaOps, CudaPrecision, GraphOptions};

@@ -36,7 +36,7 @@
 //! the golden prompts through `--device cuda` in `tests/golden.rs`).
 
 use crate::blas::{Blas, Half};
-use crate::graphs::{Action, Bound, CaptureSizes, GraphCache, GraphKey, HostInputs, Limits, PaddedDecode};
+use crate::graphs::{Action, Bound, CaptureSizes, GraphCache, GraphKey, HostInputs, Limits, PaddedStep};
 use crate::launch::{
     AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix, SampleInputs, SampleOutputs,
 };
@@ -47,8 +47,8 @@ use cudarc::driver::{CudaGraph, CudaSlice, PinnedHostSlice};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use vellum_base::{
-    AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, DeviceMemory, DeviceSample, Error,
-    ForwardBatch, KvAbsmax, KvCacheDtype, KvCacheSpec, KvMemory, KvScale, PenaltyEntry, RowSampling, Sizes, StepBounds,
+    AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, CudaGraphMode, DeviceMemory, DeviceSample,
+    Error, ForwardBatch, KvAbsmax, KvCacheDtype, KvCacheSpec, KvMemory, KvScale, PenaltyEntry, RowSampling, Sizes, StepBounds,
 };
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
@@ -141,8 +141,8 @@ struct StepInputs {
 }
 
 /// One step's inputs on the device, uploaded once in `prepare_step`: its
-/// own buffers, or, for a decode step of a [`GraphKey`], the key's
-/// persistent buffers with the step padded to the key's rows.
+/// own buffers, or, for a step of a [`GraphKey`], the key's persistent
+/// buffers with the step padded to the key's shape.
 pub struct CudaStep {
     inputs: Arc<StepInputs>,
     tokens: usize,
@@ -156,23 +156,17 @@ pub struct CudaStep {
 }
 
 /// How a backend instance uses CUDA graphs (`--enforce-eager`,
-/// `--cuda-graph-sizes`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// `--cuda-graph-sizes`, `--compilation-config`'s `cudagraph_mode`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GraphOptions {
-    /// Replay decode steps as graphs; `false` launches every op (vLLM's
-    /// `--enforce-eager`).
-    pub enabled: bool,
-    /// The batch sizes decode steps are padded to and recorded at.
+    /// Which steps are replayed as graphs ([`CudaGraphMode::None`]: every op is
+    /// launched, vLLM's `--enforce-eager`).
+    pub mode: CudaGraphMode,
+    /// The token counts steps are padded to and recorded at.
     pub capture_sizes: CaptureSizes,
 }
 
-impl Default for GraphOptions {
-    fn default() -> Self {
-        Self { enabled: true, capture_sizes: CaptureSizes::default() }
-    }
-}
-
-/// A recorded decode step: the graph, the buffer its logits land in, and
+/// A recorded step: the graph, the buffer its logits land in, and
 /// the limits its ops checked.
 struct Recorded {
     graph: SendGraph,
@@ -383,8 +377,8 @@ impl CudaOps {
         })
     }
 
-    /// Sets how decode steps use CUDA graphs (on, up to 256 rows, by
-    /// default). Graphs recorded so far are dropped.
+    /// Sets which steps use CUDA graphs (uniform decode steps up to 512
+    /// rows by default). Graphs recorded so far are dropped.
     pub fn with_graphs(self, options: GraphOptions) -> Self {
         {
             let mut g = lock(&self.graphs);
@@ -394,12 +388,12 @@ impl CudaOps {
         self
     }
 
-    /// The decode steps recorded so far: `(rows, context bound)` of each
-    /// graph, and the milliseconds spent recording them.
-    pub fn recorded_graphs(&self) -> (Vec<(usize, usize)>, f64) {
+    /// The steps recorded so far (each graph's key, by rows), and the
+    /// milliseconds spent recording them.
+    pub fn recorded_graphs(&self) -> (Vec<GraphKey>, f64) {
         let g = lock(&self.graphs);
-        let mut keys: Vec<(usize, usize)> = g.cache.recorded_graphs().map(|(k, _)| (k.rows, k.context_bucket)).collect();
-        keys.sort_unstable();
+        let mut keys: Vec<GraphKey> = g.cache.recorded_graphs().map(|(k, _)| *k).collect();
+        keys.sort_unstable_by_key(|k| (k.mixed, k.rows, k.logits_rows, k.context_bucket, k.groups, k.block_size));
         (keys, g.record_ms)
     }
 
@@ -421,12 +415,12 @@ impl CudaOps {
         (read(CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT), read(CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH))
     }
 
-    /// Whether decode steps are recorded: asked for, on an instance that is
+    /// Whether steps are recorded: asked for, on an instance that is
     /// no rank of a tensor-parallel group, on a device whose allocations
     /// are stream-ordered (a recording allocates and frees inside the
     /// graph; a synchronous free would end it).
     fn graphs_on(&self, g: &Graphs) -> bool {
-        g.options.enabled && self.group.is_none() && self.k.context().has_async_alloc()
+        g.options.mode != CudaGraphMode::None && self.group.is_none() && self.k.context().has_async_alloc()
     }
 
     /// Drops every recorded graph and its inputs, and hands the memory the
@@ -472,11 +466,11 @@ impl CudaOps {
         Ok(t)
     }
 
-    /// A decode step of `key` padded into the key's persistent inputs;
-    /// `None` when those are in use (an earlier step still holds them), so
-    /// that the step runs on its own buffers.
+    /// A step of `key` padded into the key's persistent inputs; `None` when
+    /// those are in use (an earlier step still holds them), so that the
+    /// step runs on its own buffers.
     fn prepare_graph_step(&self, batch: &ForwardBatch, key: GraphKey, bounds: &StepBounds) -> OpResult<Option<CudaStep>> {
-        let PaddedDecode { inputs: host, bounds } = PaddedDecode::new(batch, &key, bounds).map_err(Error::Backend)?;
+        let PaddedStep { inputs: host, bounds } = PaddedStep::new(batch, &key, bounds).map_err(Error::Backend)?;
         let mut graphs = lock(&self.graphs);
         let inputs = match graphs.inputs.entry(key) {
             std::collections::hash_map::Entry::Vacant(slot) => {
@@ -486,15 +480,24 @@ impl CudaOps {
                 let Some(inputs) = Arc::get_mut(slot.get_mut()) else {
                     return Ok(None);
                 };
-                // The token sequences, query starts and logits rows never change.
                 let stream = self.k.stream();
                 let driver = |e: cudarc::driver::DriverError| backend(e.into());
                 stream.memcpy_htod(&host.ids, &mut inputs.ids).map_err(driver)?;
                 stream.memcpy_htod(&host.positions, &mut inputs.positions).map_err(driver)?;
+                if key.mixed {
+                    // A decode key's logits rows, token sequences and query
+                    // starts are the identity at every step; a mixed key's
+                    // are the step's own.
+                    stream.memcpy_htod(&host.logits, &mut inputs.logits).map_err(driver)?;
+                }
                 for ((group, slots), tables) in inputs.groups.iter_mut().zip(&host.slots).zip(&host.block_tables) {
                     stream.memcpy_htod(slots, &mut group.slots).map_err(driver)?;
                     stream.memcpy_htod(tables, &mut group.meta.block_tables).map_err(driver)?;
                     stream.memcpy_htod(&host.context_lens, &mut group.meta.context_lens).map_err(driver)?;
+                    if key.mixed {
+                        stream.memcpy_htod(&host.token_seq, &mut group.meta.token_seq).map_err(driver)?;
+                        stream.memcpy_htod(&host.query_start_loc, &mut group.meta.query_start_loc).map_err(driver)?;
+                    }
                 }
                 slot.get().clone()
             }
@@ -502,7 +505,7 @@ impl CudaOps {
         Ok(Some(CudaStep {
             inputs,
             tokens: key.rows,
-            logits_rows: key.rows,
+            logits_rows: key.logits_rows,
             rows_out: batch.logits_indices.len(),
             block_size: key.block_size,
             bounds,
@@ -569,10 +572,12 @@ impl CudaOps {
         let (memory, _) = self.graph_memory();
         tracing::info!(
             rows = key.rows,
+            logits_rows = key.logits_rows,
+            mixed = key.mixed,
             context_bound = key.context_bucket,
             ms = format!("{ms:.1}"),
             graph_memory_mib = memory >> 20,
-            "recorded a decode step as a CUDA graph"
+            "recorded a step as a CUDA graph"
         );
         graphs.cache.recorded(key, Recorded { graph: SendGraph(graph), output, cols, limits });
         Ok(())
@@ -1107,12 +1112,12 @@ impl Ops for CudaOps {
                     // only under capture (the shape then runs eagerly).
                     drop(graphs);
                     let out = forward()?;
-                    tracing::warn!(rows = key.rows, context_bound = key.context_bucket, "decode steps of this shape run eagerly: {e}");
+                    tracing::warn!(?key, "steps of this shape run eagerly: {e}");
                     lock(&self.graphs).cache.failed(key);
                     return self.first_rows(out, step.rows_out);
                 }
                 Err(RecordError::Capture(why)) => {
-                    tracing::warn!(rows = key.rows, context_bound = key.context_bucket, "decode steps of this shape run eagerly: {why}");
+                    tracing::warn!(?key, "steps of this shape run eagerly: {why}");
                     graphs.cache.failed(key);
                     // A stream that could not leave its capture takes no more.
                     if !matches!(
@@ -1120,7 +1125,7 @@ impl Ops for CudaOps {
                         Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
                     ) {
                         tracing::error!("the stream is stuck in a capture; CUDA graphs are off for this instance");
-                        graphs.options.enabled = false;
+                        graphs.options.mode = CudaGraphMode::None;
                     }
                     drop(graphs);
                     let out = forward()?;
@@ -1132,18 +1137,14 @@ impl Ops for CudaOps {
         let recorded = graphs.cache.get(&key).ok_or_else(|| Error::Backend("graph: not recorded".into()))?;
         if let Err(why) = recorded.limits.admit(&step.bounds) {
             // The ops check the step and refuse it by name.
-            tracing::debug!("a decode step outside its graph's limits runs eagerly: {why}");
+            tracing::debug!("a step outside its graph's limits runs eagerly: {why}");
             drop(graphs);
             let out = forward()?;
             return self.first_rows(out, step.rows_out);
         }
         if let Err(e) = recorded.graph.0.launch() {
             // The shape runs eagerly from now on (its graph is dropped).
-            tracing::warn!(
-                rows = key.rows,
-                context_bound = key.context_bucket,
-                "a recorded decode step failed to launch; eager from now on: {e}"
-            );
+            tracing::warn!(?key, "a recorded step failed to launch; eager from now on: {e}");
             graphs.cache.failed(key);
             drop(graphs);
             let out = forward()?;
@@ -1159,6 +1160,11 @@ impl Ops for CudaOps {
         } else {
             Vec::new()
         }
+    }
+
+    fn graphs_record_mixed_steps(&self) -> bool {
+        let g = lock(&self.graphs);
+        self.graphs_on(&g) && g.options.mode == CudaGraphMode::Full
     }
 
     fn graph_memory(&self) -> u64 {
@@ -1285,7 +1291,7 @@ impl AttentionBackend for CudaOps {
         let bounds = batch.step_bounds(block_size)?;
         let key = {
             let g = lock(&self.graphs);
-            self.graphs_on(&g).then(|| GraphKey::of(batch, &g.options.capture_sizes, block_size)).flatten()
+            self.graphs_on(&g).then(|| GraphKey::of(batch, &g.options.capture_sizes, block_size, g.options.mode)).flatten()
         };
         if let Some(key) = key {
             if let Some(step) = self.prepare_graph_step(batch, key, &bounds)? {

@@ -785,26 +785,28 @@ fn sixteen_bit_linear_on_tensor_cores_matches_the_float64_product_or_skips_witho
     }
 }
 
-/// CUDA graphs (`crate::graphs`): decode steps recorded and replayed give
-/// the logits the same steps give launched op by op (`--enforce-eager`),
-/// through padding (3 sequences on graphs of 4 rows, then 2), a context
-/// crossing a bound (512 → 1024: a second graph), and a batch that changes
-/// shape; a replayed shape refuses a token id outside the vocabulary by
-/// name, as the eager ops do.
+/// CUDA graphs (`crate::graphs`, `cudagraph_mode` FULL): decode steps
+/// recorded and replayed give the logits the same steps give launched op by
+/// op (`--enforce-eager`), through padding (3 sequences on graphs of 4 rows,
+/// then 2), a context crossing a bound (512 → 1024: a second graph), and a
+/// batch that changes shape; so do mixed steps (two decodes beside a prompt
+/// chunk of 4–6 tokens that samples or not: two mixed keys, each warmed
+/// up, recorded and replayed with new values); a replayed shape refuses a
+/// token id outside the vocabulary by name, as the eager ops do.
 #[test]
 fn decode_steps_replayed_as_cuda_graphs_match_eager_launches_or_skips_without_a_gpu() {
     use vellum_backend_cuda::{CudaOps, GraphOptions};
-    use vellum_base::{ForwardBatch, ModelExecutor};
+    use vellum_base::{CudaGraphMode, ForwardBatch, ModelExecutor};
     use vellum_models::{GgufWeights, ModelRunner, WeightSource};
     let test = "decode_steps_replayed_as_cuda_graphs_match_eager_launches";
     // Contexts past 512: the tiny model with 1,024 positions.
     let path = tiny_gguf_with_context("graphs", 1024);
     let weights = GgufWeights::open(&path).expect("opens");
     let config = weights.model_config().expect("config");
-    let load = |enabled: bool| -> Option<ModelRunner<CudaOps>> {
+    let load = |mode: CudaGraphMode| -> Option<ModelRunner<CudaOps>> {
         match CudaOps::new(0) {
             Ok(ops) => {
-                let ops = ops.with_graphs(GraphOptions { enabled, ..GraphOptions::default() });
+                let ops = ops.with_graphs(GraphOptions { mode, ..GraphOptions::default() });
                 Some(ModelRunner::load(ops, &weights, config.clone(), |_, _| {}).expect("cuda loads"))
             }
             Err(e) => {
@@ -814,7 +816,7 @@ fn decode_steps_replayed_as_cuda_graphs_match_eager_launches_or_skips_without_a_
             }
         }
     };
-    let (Some(mut eager), Some(mut graphs)) = (load(false), load(true)) else {
+    let (Some(mut eager), Some(mut graphs)) = (load(CudaGraphMode::None), load(CudaGraphMode::Full)) else {
         let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
         return;
     };
@@ -869,15 +871,39 @@ fn decode_steps_replayed_as_cuda_graphs_match_eager_launches_or_skips_without_a_
             .collect();
         worst = worst.max(compare(&batch(&seqs), &format!("decode {step}"), &mut next));
     }
+    // Mixed steps: sequences 0 and 1 decode beside a prompt chunk of
+    // sequence 2 (4–6 tokens, 6–8 in all: 8 rows), which samples every
+    // other step (4 logits rows, else 2). Each key is seen 8 times: warmed
+    // up, recorded, then replayed with new tokens, positions and contexts.
+    let mut mixed_worst = 0f32;
+    for step in 0..16 {
+        let chunk = 4 + step % 3;
+        let sample = step % 2 == 0;
+        lens[0] += 1;
+        lens[1] += 1;
+        lens[2] += chunk;
+        let chunk_tokens: Vec<u32> = (lens[2] - chunk..lens[2]).map(|p| ((p * 5 + step) % 96) as u32).collect();
+        let mut b = batch(&[(0, lens[0], vec![next[0]]), (1, lens[1], vec![next[1.min(next.len() - 1)]]), (2, lens[2], chunk_tokens)]);
+        if !sample {
+            b.logits_indices.pop();
+        }
+        mixed_worst = mixed_worst.max(compare(&b, &format!("mixed {step}"), &mut next));
+    }
     let (recorded, ms) = graphs.ops().recorded_graphs();
     let (memory, high) = graphs.ops().graph_memory();
     eprintln!(
-        "{test}: recorded {recorded:?} in {ms:.1} ms, graph memory {} KiB (peak {} KiB), largest gap {worst:.2e}",
+        "{test}: recorded {recorded:?} in {ms:.1} ms, graph memory {} KiB (peak {} KiB), largest gap {worst:.2e} (decode), {mixed_worst:.2e} (mixed)",
         memory >> 10,
         high >> 10
     );
+    let decode: Vec<(usize, usize)> = recorded.iter().filter(|k| !k.mixed).map(|k| (k.rows, k.context_bucket)).collect();
     for key in [(4, 512), (4, 1024), (2, 1024)] {
-        assert!(recorded.contains(&key), "no graph of {key:?} in {recorded:?}");
+        assert!(decode.contains(&key), "no graph of {key:?} in {recorded:?}");
+    }
+    let mixed: Vec<(usize, usize)> = recorded.iter().filter(|k| k.mixed).map(|k| (k.rows, k.logits_rows)).collect();
+    assert_eq!(mixed.len(), 2, "two mixed keys recorded: {recorded:?}");
+    for key in [(8, 4), (8, 2)] {
+        assert!(mixed.contains(&key), "no mixed graph of {key:?} in {recorded:?}");
     }
     // A token outside the vocabulary on a replayed shape: refused by name.
     lens[0] += 1;

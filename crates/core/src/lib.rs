@@ -28,6 +28,7 @@ mod attention_backend;
 mod block_allocator;
 mod cache_config;
 mod capabilities;
+mod compilation_config;
 mod error;
 mod fast_math;
 mod forward_batch;
@@ -53,6 +54,7 @@ pub use attention_backend::{AttentionBackend, AttentionMetadata, AttentionShape,
 pub use block_allocator::{AllocatedSlots, BlockAllocator, ComputedBlocks, KvCacheStats, LengthHint, SeqTokens};
 pub use cache_config::{AutoKvLimit, CacheConfig, KvAbsmax, KvCacheDtype, KvCacheSize, KvScale, AUTO_KV_CACHE_CAP_BYTES};
 pub use capabilities::{AttentionRequirements, Capabilities, Sizes};
+pub use compilation_config::{default_capture_sizes, CompilationConfig, CudaGraphMode, DEFAULT_MAX_CAPTURE_SIZE};
 pub use error::{Error, Unsupported};
 pub use fast_math::exp_f32;
 pub use forward_batch::{BlockCopy, BlockOps, BlockSwap, ForwardBatch, PenaltyEntry, RowSampling, StepBounds};

@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use vellum_base::{Error, ModelConfig, ModelExecutor};
+use vellum_base::{CudaGraphMode, Error, ModelConfig, ModelExecutor};
 use vellum_models::{RunnerOptions, WeightSource};
 
 /// A model ready to run on the CPU:
@@ -91,12 +91,13 @@ pub struct ExecutorOptions {
     pub cuda_graphs: CudaGraphs,
 }
 
-/// How `--device cuda` records decode steps as CUDA graphs (thesis §4.6.3).
+/// How `--device cuda` records steps as CUDA graphs (thesis §4.6.3).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CudaGraphs {
-    /// Launch every op of every step (vLLM's `--enforce-eager`).
-    pub enforce_eager: bool,
-    /// The batch sizes decode steps are padded to and recorded at (vLLM's
+    /// Which steps are recorded (`--compilation-config`'s `cudagraph_mode`;
+    /// [`CudaGraphMode::None`] is vLLM's `--enforce-eager`).
+    pub mode: CudaGraphMode,
+    /// The token counts steps are padded to and recorded at (vLLM's
     /// `--cuda-graph-sizes`); `None`: 1, 2, 4, then every multiple of 8 up
     /// to 512.
     pub capture_sizes: Option<Vec<usize>>,
@@ -314,7 +315,7 @@ pub fn make_executor(
                 })?,
                 None => vellum_backend_cuda::CaptureSizes::default(),
             };
-            let graphs = vellum_backend_cuda::GraphOptions { enabled: !options.cuda_graphs.enforce_eager, capture_sizes };
+            let graphs = vellum_backend_cuda::GraphOptions { mode: options.cuda_graphs.mode, capture_sizes };
             let ops = CudaOps::with_precision(0, precision).map_err(cuda_unavailable)?.with_graphs(graphs);
             Ok(Box::new(CudaExecutor::load_with(ops, weights, config, options.runner, progress)?))
         }

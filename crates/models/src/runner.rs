@@ -304,7 +304,7 @@ impl<O: Ops> ModelExecutor for ModelRunner<O> {
         let num_tokens = num_tokens.min(self.config().max_position_embeddings).max(1);
         let num_seqs = num_seqs.clamp(1, num_tokens);
         self.activation_peak = self.profile(num_tokens, num_seqs, max_model_len, block_size)?;
-        self.graph_reserve = self.profile_graphs(num_seqs, max_model_len, block_size)?;
+        self.graph_reserve = self.profile_graphs(num_tokens, num_seqs, max_model_len, block_size)?;
         Ok(self.activation_peak)
     }
 
@@ -495,17 +495,28 @@ impl<O: Ops> ModelRunner<O> {
         Ok(peak)
     }
 
-    /// The memory recorded decode steps (CUDA graphs) will hold beside the
-    /// eager steps' pool: half again what an eager decode step of the most
-    /// rows a graph has takes (its attention bounded by a power of two of
-    /// the context). The graphs of every size share most of their memory:
+    /// The memory recorded steps (CUDA graphs) will hold beside the eager
+    /// steps' pool: half again what an eager decode step of the most rows a
+    /// graph has takes (its attention bounded by a power of two of the
+    /// context); a backend that records mixed steps too has graphs of up to
+    /// `num_tokens` (the step budget) tokens, within its capture sizes. The graphs of every size share most of their memory:
     /// on an H100 all 35 sizes up to 256 rows held 1.43 times that step's
     /// peak for SmolLM2's shape and 1.04 times for Llama 3 8B's. 0 for a
     /// backend that records none.
-    fn profile_graphs(&mut self, num_seqs: usize, max_model_len: usize, block_size: usize) -> vellum_base::Result<u64> {
-        let Some(rows) = self.recorded_sizes(num_seqs).last().copied() else {
+    fn profile_graphs(&mut self, num_tokens: usize, num_seqs: usize, max_model_len: usize, block_size: usize) -> vellum_base::Result<u64> {
+        let Some(mut rows) = self.recorded_sizes(num_seqs).last().copied() else {
             return Ok(0);
         };
+        if self.ops().graphs_record_mixed_steps() {
+            // A mixed step of the whole step budget, padded, or of the
+            // largest capture size (a longer one runs eagerly).
+            let sizes = self.ops().graph_sizes();
+            if let Some(&mixed) = sizes.iter().find(|&&s| s >= num_tokens).or(sizes.last()) {
+                rows = rows.max(mixed);
+            }
+        }
+        // A decode step of `rows` sequences: every row reaches the LM head,
+        // which bounds a mixed step of as many tokens.
         let eager = self.profile(rows, rows, max_model_len.next_power_of_two(), block_size)?;
         Ok(eager + eager / 2)
     }

@@ -286,18 +286,25 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
 
     /// The logits of `step`'s forward pass `forward`: `forward` itself, or
     /// a replay of the launches it made for an earlier step of the same
-    /// shape (the CUDA backend's graphs for decode steps), which the
+    /// shape (the CUDA backend's graphs), which the
     /// backend checks the step against first. The default runs `forward`.
     fn run_graph(&self, step: &Self::Step, forward: &mut dyn FnMut() -> OpResult<Self::Tensor>) -> OpResult<Self::Tensor> {
         let _ = step;
         forward()
     }
 
-    /// The batch sizes (rows) of the decode steps [`run_graph`](Self::run_graph)
+    /// The token counts of the steps [`run_graph`](Self::run_graph)
     /// records, ascending (the memory of recorded steps is reserved for a
-    /// decode step of the largest); empty for a backend that records none.
+    /// step of the largest that can run); empty for a backend that records
+    /// none.
     fn graph_sizes(&self) -> Vec<usize> {
         Vec::new()
+    }
+
+    /// Whether [`run_graph`](Self::run_graph) records mixed steps (prompt
+    /// chunks, verifications) as well as uniform decode steps.
+    fn graphs_record_mixed_steps(&self) -> bool {
+        false
     }
 
     /// Device memory the recorded steps hold, in bytes.

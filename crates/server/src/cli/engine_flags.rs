@@ -4,7 +4,9 @@
 
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
-use vellum_base::{KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy, SpeculativeConfig};
+use vellum_base::{
+    CompilationConfig, CudaGraphMode, KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy, SpeculativeConfig,
+};
 use vellum_engine::{ComputeDtype, CpuPrecision, CudaGraphs, Device, EngineArgs, PoolerConfig, Task};
 
 /// Engine options shared by every subcommand that loads a model.
@@ -124,15 +126,23 @@ pub struct EngineFlags {
     pub tensor_parallel_size: usize,
     /// Launch every op of every step on --device cuda (vLLM's flag): no CUDA
     /// graphs. By default a decode step (one new token per sequence) is
-    /// padded to a capture size, recorded as a graph the second time its
-    /// shape runs, and replayed from then on.
+    /// padded to a capture size and replayed from a graph recorded at start.
     #[arg(long)]
     pub enforce_eager: bool,
-    /// The batch sizes decode steps are padded to and recorded at on
-    /// --device cuda (vLLM's flag), comma-separated; default 1, 2, 4, then
-    /// every multiple of 8 up to 512. A larger batch runs eagerly.
+    /// The token counts steps are padded to and recorded at on --device
+    /// cuda (vLLM's flag), comma-separated; default 1, 2, 4, then every
+    /// multiple of 8 up to 512. A larger step runs eagerly.
     #[arg(long, value_delimiter = ',')]
     pub cuda_graph_sizes: Option<Vec<usize>>,
+    /// vLLM's JSON for which steps --device cuda records as CUDA graphs:
+    /// `{"cudagraph_mode": "FULL_DECODE_ONLY"}` (the default: uniform decode
+    /// steps), `"FULL"` (mixed steps too: prompt chunks beside decodes and
+    /// speculative verifications, each recorded once its shape has recurred)
+    /// or `"NONE"`; `cudagraph_capture_sizes` and
+    /// `max_cudagraph_capture_size` as vLLM's. Its torch.compile keys are
+    /// accepted and ignored, with a warning.
+    #[arg(long)]
+    pub compilation_config: Option<String>,
     /// Schedule the next step while the current one runs (vLLM's flag):
     /// a helper thread schedules and builds the next batch while the engine
     /// thread runs the forward pass; a token still being sampled is filled
@@ -186,6 +196,41 @@ impl EngineDefaults {
 pub const CPU_SERVING_BATCHED_TOKENS: usize = 1024;
 
 impl EngineFlags {
+    /// `--enforce-eager`, `--cuda-graph-sizes` and `--compilation-config`
+    /// together: `--enforce-eager` records nothing whatever the mode says
+    /// (as in vLLM); sizes given twice must agree.
+    fn cuda_graphs(&self) -> Result<CudaGraphs> {
+        let config = match &self.compilation_config {
+            Some(json) => CompilationConfig::from_json(json).map_err(|e| anyhow!("--compilation-config: {e}"))?,
+            None => CompilationConfig::default(),
+        };
+        for ignored in &config.ignored {
+            tracing::warn!("--compilation-config: {ignored}; ignored");
+        }
+        if let Some(sizes) = &self.cuda_graph_sizes {
+            if sizes.is_empty() || sizes.contains(&0) {
+                bail!("--cuda-graph-sizes takes token counts of at least 1");
+            }
+        }
+        let mut capture_sizes = match (&self.cuda_graph_sizes, &config.cudagraph_capture_sizes) {
+            (Some(a), Some(b)) if a != b => {
+                bail!("--cuda-graph-sizes {a:?} and --compilation-config's cudagraph_capture_sizes {b:?} disagree: give one")
+            }
+            (a, b) => a.clone().or_else(|| b.clone()),
+        };
+        if let Some(max) = config.max_cudagraph_capture_size {
+            capture_sizes = Some(match capture_sizes {
+                Some(sizes) => sizes.into_iter().filter(|&s| s <= max).collect(),
+                None => vellum_base::default_capture_sizes(max),
+            });
+            if capture_sizes.as_ref().is_some_and(|s| s.is_empty()) {
+                bail!("--compilation-config: max_cudagraph_capture_size {max} leaves no capture size");
+            }
+        }
+        let mode = if self.enforce_eager { CudaGraphMode::None } else { config.cudagraph_mode.unwrap_or_default() };
+        Ok(CudaGraphs { mode, capture_sizes })
+    }
+
     /// The engine arguments for `model`, with `defaults` for flags not given.
     pub fn engine_args(&self, model: Option<String>, defaults: EngineDefaults) -> Result<EngineArgs> {
         if self.block_size == 0 {
@@ -242,13 +287,7 @@ impl EngineFlags {
                 0 => bail!("--tensor-parallel-size must be at least 1"),
                 n => n,
             },
-            cuda_graphs: CudaGraphs {
-                enforce_eager: self.enforce_eager,
-                capture_sizes: match &self.cuda_graph_sizes {
-                    Some(sizes) if sizes.is_empty() || sizes.contains(&0) => bail!("--cuda-graph-sizes takes batch sizes of at least 1"),
-                    other => other.clone(),
-                },
-            },
+            cuda_graphs: self.cuda_graphs()?,
             async_scheduling: self.async_scheduling,
         })
     }
@@ -350,12 +389,36 @@ mod tests {
     #[test]
     fn cuda_graph_flags_are_vllms() {
         let args = Cli::parse_from(["x"]).engine.engine_args(None, EngineDefaults::default()).expect("valid flags");
-        assert_eq!(args.cuda_graphs, CudaGraphs { enforce_eager: false, capture_sizes: None });
+        assert_eq!(args.cuda_graphs, CudaGraphs { mode: CudaGraphMode::FullDecodeOnly, capture_sizes: None });
         let cli = Cli::parse_from(["x", "--enforce-eager", "--cuda-graph-sizes", "1,2,8,64"]);
         let args = cli.engine.engine_args(None, EngineDefaults::default()).expect("valid flags");
-        assert_eq!(args.cuda_graphs, CudaGraphs { enforce_eager: true, capture_sizes: Some(vec![1, 2, 8, 64]) });
+        assert_eq!(args.cuda_graphs, CudaGraphs { mode: CudaGraphMode::None, capture_sizes: Some(vec![1, 2, 8, 64]) });
         let zero = Cli::parse_from(["x", "--cuda-graph-sizes", "0,8"]).engine.engine_args(None, EngineDefaults::default());
         assert!(zero.is_err_and(|e| e.to_string().contains("--cuda-graph-sizes")));
+        let graphs = |flags: &[&str]| {
+            let argv: Vec<&str> = std::iter::once("x").chain(flags.iter().copied()).collect();
+            Cli::parse_from(argv).engine.engine_args(None, EngineDefaults::default()).map(|a| a.cuda_graphs)
+        };
+        // vLLM's --compilation-config: the mode, its sizes, a cap on the default sizes.
+        let full = graphs(&["--compilation-config", r#"{"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 4, 16]}"#]);
+        assert_eq!(full.expect("valid"), CudaGraphs { mode: CudaGraphMode::Full, capture_sizes: Some(vec![1, 4, 16]) });
+        let capped = graphs(&["--compilation-config", r#"{"max_cudagraph_capture_size": 16, "level": 3}"#]).expect("valid");
+        assert_eq!(capped.capture_sizes, Some(vec![1, 2, 4, 8, 16]));
+        // --enforce-eager wins over a mode, as in vLLM.
+        let eager = graphs(&["--enforce-eager", "--compilation-config", r#"{"cudagraph_mode": "FULL"}"#]).expect("valid");
+        assert_eq!(eager.mode, CudaGraphMode::None);
+        for (flags, says) in [
+            (&["--compilation-config", r#"{"cudagraph_mode": "PIECEWISE"}"#][..], "PIECEWISE is not supported"),
+            (&["--compilation-config", "{"][..], "--compilation-config"),
+            (&["--cuda-graph-sizes", "8", "--compilation-config", r#"{"cudagraph_capture_sizes": [4]}"#][..], "disagree"),
+            (
+                &["--compilation-config", r#"{"cudagraph_capture_sizes": [8], "max_cudagraph_capture_size": 4}"#][..],
+                "leaves no capture size",
+            ),
+        ] {
+            let e = graphs(flags).expect_err(says).to_string();
+            assert!(e.contains(says), "{flags:?}: {e}");
+        }
     }
 
     #[test]
