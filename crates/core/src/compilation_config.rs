@@ -93,8 +93,8 @@ impl CompilationConfig {
         let bad = |message: String| Error::InvalidConfig { field: "compilation_config", message };
         let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?;
         let obj = value.as_object().ok_or_else(|| bad("must be a JSON object".into()))?;
-        let mut config = Self::default();
-        config.ignored = obj.keys().filter(|k| !KEYS.contains(&k.as_str())).map(|k| format!("{k} (applies to torch.compile)")).collect();
+        let ignored = obj.keys().filter(|k| !KEYS.contains(&k.as_str())).map(|k| format!("{k} (applies to torch.compile)")).collect();
+        let mut config = Self { ignored, ..Self::default() };
         let size = |v: &serde_json::Value, what: &str| -> Result<usize> {
             match v.as_u64() {
                 Some(n) if n >= 1 => Ok(n as usize),
