@@ -82,38 +82,71 @@ extern "C" __global__ void gelu_tanh_and_mul(float *out, const float *__restrict
     for (int i = threadIdx.x; i < inter; i += NUM_THREADS) o[i] = gelu_tanh(xr[i]) * xr[inter + i];
 }
 
-// Each row of qkv [tokens, nq + nk + nv] (one product by the q, k and v
-// weights stacked) split into q [tokens, nq], k [tokens, nk] and v [tokens,
-// nv]; with `rotate`, q and k leave rotated as rope_half_split rotates them
-// (every head_dim-wide head, the table's cos then sin at the token's
-// position). Grid (tokens).
-extern "C" __global__ void split_qkv_rope(float *q, float *k, float *v, const float *__restrict__ qkv, const float *__restrict__ cos_sin,
-                                          const long long *__restrict__ positions, int nq, int nk, int nv, int head_dim, int rotate) {
-    const int t = blockIdx.x;
-    const float *row = qkv + (long long)t * (nq + nk + nv);
-    float *qr = q + (long long)t * nq;
-    float *kr = k + (long long)t * nk;
-    float *vr = v + (long long)t * nv;
-    for (int i = threadIdx.x; i < nv; i += NUM_THREADS) vr[i] = row[nq + nk + i];
+// One row of a stacked q/k/v product split into its q, k and v columns,
+// each value handed to `put(part, col, x)` (part 0: q, 1: k, 2: v); with
+// `rotate`, q and k are rotated as rope_half_split rotates them (every
+// head_dim-wide head, `cs` the table's cos then sin at the token's position).
+template <class Put>
+__device__ __forceinline__ void split_row(const float *row, const float *cs, int nq, int nk, int nv, int head_dim, int rotate, Put put) {
+    for (int i = threadIdx.x; i < nv; i += NUM_THREADS) put(2, i, row[nq + nk + i]);
     if (!rotate) {
         for (int i = threadIdx.x; i < nq + nk; i += NUM_THREADS) {
-            if (i < nq) qr[i] = row[i];
-            else kr[i - nq] = row[i];
+            if (i < nq) put(0, i, row[i]);
+            else put(1, i - nq, row[i]);
         }
         return;
     }
     const int half = head_dim / 2;
-    const float *cs = cos_sin + positions[t] * head_dim;
     for (int i = threadIdx.x; i < (nq + nk) / 2; i += NUM_THREADS) {
         const int head = i / half, f = i % half;
         const int col = head * head_dim + f;
         const float c = cs[f], s = cs[half + f];
         const float a = row[col], b = row[col + half];
-        float *dst = col < nq ? qr + col : kr + (col - nq);
-        dst[0] = a * c - b * s;
-        dst[half] = b * c + a * s;
+        const float lo = a * c - b * s, hi = b * c + a * s;
+        const int part = col < nq ? 0 : 1, at = col < nq ? col : col - nq;
+        put(part, at, lo);
+        put(part, at + half, hi);
     }
 }
+
+// Each row of qkv [tokens, nq + nk + nv] (one product by the q, k and v
+// weights stacked) split into q [tokens, nq], k [tokens, nk] and v [tokens,
+// nv], q and k rotated with `rotate` (split_row). Grid (tokens).
+extern "C" __global__ void split_qkv_rope(float *q, float *k, float *v, const float *__restrict__ qkv, const float *__restrict__ cos_sin,
+                                          const long long *__restrict__ positions, int nq, int nk, int nv, int head_dim, int rotate) {
+    const int t = blockIdx.x;
+    const float *row = qkv + (long long)t * (nq + nk + nv);
+    float *qr = q + (long long)t * nq, *kr = k + (long long)t * nk, *vr = v + (long long)t * nv;
+    const float *cs = rotate ? cos_sin + positions[t] * head_dim : cos_sin;
+    split_row(row, cs, nq, nk, nv, head_dim, rotate, [&](int part, int col, float x) { (part == 0 ? qr : part == 1 ? kr : vr)[col] = x; });
+}
+
+// split_qkv_rope with the keys and values going straight into the paged
+// cache as reshape_and_cache (cache.cu) writes them — times the layer's
+// inverse scales (k_inv, v_inv: 1 but for FP8), converted to the pool's
+// type, at slot `slot_mapping[t]` (a negative slot, a padding token, writes
+// none) — and only q to memory: one launch instead of two, no k and v
+// tensors. nkv = num_kv_heads · head_dim, a pool row. Grid (tokens).
+template <typename T>
+__device__ void split_qkv_rope_cache(float *q, const float *__restrict__ qkv, const float *__restrict__ cos_sin,
+                                     const long long *__restrict__ positions, T *__restrict__ k_cache, T *__restrict__ v_cache,
+                                     const long long *__restrict__ slot_mapping, int nq, int nkv, int head_dim, int rotate, float k_inv,
+                                     float v_inv) {
+    const int t = blockIdx.x;
+    const long long slot = slot_mapping[t];
+    const float *row = qkv + (long long)t * (nq + 2 * nkv);
+    float *qr = q + (long long)t * nq;
+    const float *cs = rotate ? cos_sin + positions[t] * head_dim : cos_sin;
+    split_row(row, cs, nq, nkv, nkv, head_dim, rotate, [&](int part, int col, float x) {
+        if (part == 0) qr[col] = x;
+        else if (slot >= 0 && part == 1) k_cache[slot * nkv + col] = from_float<T>(x * k_inv);
+        else if (slot >= 0) v_cache[slot * nkv + col] = from_float<T>(x * v_inv);
+    });
+}
+VELLUM_FOR_EACH_KV_DTYPE(split_qkv_rope_cache,
+                         (float *q, const float *qkv, const float *cos_sin, const long long *positions, void *k_cache, void *v_cache,
+                          const long long *slot_mapping, int nq, int nkv, int head_dim, int rotate, float k_inv, float v_inv),
+                         (q, qkv, cos_sin, positions, (T *)k_cache, (T *)v_cache, slot_mapping, nq, nkv, head_dim, rotate, k_inv, v_inv))
 
 // The same with gate and up in separate tensors [tokens, inter] (as the
 // model code computes them): out[i] = act(gate[i]) · up[i] over n elements.

@@ -46,8 +46,10 @@ pub const PAGED_ATTENTION: KernelSource = KernelSource {
     ],
 };
 
-/// `layers.cu`: RMSNorm (fused with the residual add), RoPE, gated
-/// activations, embedding gather, greedy argmax, and the executor's glue
+/// `layers.cu`: RMSNorm (fused with the residual add), RoPE, the split of
+/// a stacked q/k/v product (rotated, and with its keys and values written
+/// into the paged cache in the same launch), gated activations, embedding
+/// gather, greedy argmax, and the executor's glue
 /// (residual add, scale, bias, logits-row gather, the cast of activations
 /// to 16 bits for cuBLAS).
 pub const LAYERS: KernelSource = KernelSource {
@@ -58,6 +60,10 @@ pub const LAYERS: KernelSource = KernelSource {
         "fused_add_rms_norm",
         "rope_half_split",
         "split_qkv_rope",
+        "split_qkv_rope_cache_f32",
+        "split_qkv_rope_cache_f16",
+        "split_qkv_rope_cache_bf16",
+        "split_qkv_rope_cache_fp8",
         "silu_and_mul",
         "gelu_tanh_and_mul",
         "embedding_f32",

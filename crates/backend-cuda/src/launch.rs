@@ -969,6 +969,72 @@ impl Kernels {
         Ok(())
     }
 
+    /// [`Kernels::split_qkv`] with the keys and values written into `pool`
+    /// at `slot_mapping` (one slot a row; a negative slot writes nothing)
+    /// as [`Kernels::reshape_and_cache`] writes them, and only `q` to
+    /// memory (`split_qkv_rope_cache_*`): one launch instead of two.
+    ///
+    /// # Safety
+    /// Every slot is below the pool's `num_blocks · block_size`, and with
+    /// `rope` every position is below the rows of its table: the kernel
+    /// writes the pool and reads the table at them unchecked.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn split_qkv_into_cache(
+        &self,
+        q: &mut CudaSlice<f32>,
+        qkv: &CudaSlice<f32>,
+        tokens: usize,
+        widths: [usize; 3],
+        rope: Option<(&CudaSlice<f32>, &CudaSlice<i64>, usize)>,
+        pool: &mut KvPool,
+        slot_mapping: &CudaSlice<i64>,
+        scale: KvScale,
+    ) -> Result<(), CudaError> {
+        let [nq, nk, nv] = widths;
+        let row = pool.row();
+        if nk != row || nv != row {
+            return Err(shape_error(format!("split_qkv_into_cache: k and v of {nk} and {nv} for a pool row of {row}")));
+        }
+        if qkv.len() < tokens * (nq + nk + nv) || q.len() < tokens * nq || slot_mapping.len() < tokens {
+            return Err(shape_error(format!("split_qkv_into_cache of {tokens} rows of {nq} + {nk} + {nv}: buffer too small")));
+        }
+        if let Some((_, positions, head_dim)) = rope {
+            if head_dim == 0 || !head_dim.is_multiple_of(2) || !nq.is_multiple_of(head_dim) || !nk.is_multiple_of(head_dim) {
+                return Err(shape_error(format!("split_qkv_into_cache: q and k of {nq} and {nk} are not heads of {head_dim}")));
+            }
+            if positions.len() < tokens {
+                return Err(shape_error(format!("split_qkv_into_cache: {} positions for {tokens} rows", positions.len())));
+            }
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let f = self.function(&Variant::new(LAYERS, &[]), &format!("split_qkv_rope_cache_{}", pool.dtype.suffix()))?;
+        let (table, positions, head_dim, rotate): (&CudaSlice<f32>, Option<&CudaSlice<i64>>, usize, i32) = match rope {
+            Some((table, positions, head_dim)) => (table, Some(positions), head_dim, 1),
+            None => (qkv, None, 2, 0),
+        };
+        let ints = [to_i32(nq, "nq")?, to_i32(row, "row")?, to_i32(head_dim, "head_dim")?];
+        let (k_inv, v_inv) = (1.0f32 / scale.k, 1.0f32 / scale.v);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(q).arg(qkv).arg(table);
+        match positions {
+            Some(p) => b.arg(p),
+            // A null pointer: never read without rotation.
+            None => b.arg(&0u64),
+        };
+        b.arg(&mut pool.k).arg(&mut pool.v).arg(slot_mapping);
+        b.arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&rotate).arg(&k_inv).arg(&v_inv);
+        // SAFETY: matches split_qkv_rope_cache_*(float*, const float*, const
+        // float*, const long long*, void*, void*, const long long*, int, int,
+        // int, int, float, float); q and qkv hold the rows checked above, k
+        // and v are whole pool rows; every slot is below the pool's slots
+        // and, with rotation, every position below the table's rows (the
+        // caller's contract).
+        unsafe { b.launch(cfg((to_u32(tokens, "tokens")?, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
     /// `out [tokens, inter] = act(x[:, :inter]) · x[:, inter:]` for `x
     /// [tokens, 2·inter]` (the gate and up products stacked):
     /// `silu_and_mul`, or `gelu_tanh_and_mul` with `gelu`.

@@ -804,6 +804,62 @@ impl Ops for CudaOps {
         Ok((q, k, v))
     }
 
+    fn attention_stacked(
+        &self,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        qkv: &CudaTensor,
+        widths: [usize; 3],
+        rope: Option<&CudaRope>,
+        step: &CudaStep,
+        shape: &AttentionShape,
+    ) -> OpResult<CudaTensor> {
+        let [nq, nk, nv] = widths;
+        let row = cache.spec.num_kv_heads * cache.spec.head_dim;
+        if self.calibrating.load(std::sync::atomic::Ordering::Relaxed) || nk != row || nv != row {
+            // Calibration reads the keys and values on the host (write_kv);
+            // a product whose k/v are not a pool row is refused there by name.
+            let (q, k, v) = self.split_qkv(qkv, widths, rope.map(|r| (r, step)))?;
+            return self.attention(cache, layer, &q, &k, &v, step, shape);
+        }
+        check(qkv.cols == nq + nk + nv && qkv.rows == step.tokens, || {
+            format!("attention_stacked: [{}, {}] for {} tokens of {nq} + {nk} + {nv}", qkv.rows, qkv.cols, step.tokens)
+        })?;
+        check(step.block_size == cache.spec.block_size, || "attention_stacked: the step's block size differs from the cache's".into())?;
+        self.check_bound(
+            Bound::Slot,
+            step.bounds.max_slot,
+            cache.num_blocks * cache.spec.block_size,
+            "write_kv: slot",
+            "the pool's slots",
+        )?;
+        check(layer < cache.spec.groups.num_layers(), || format!("attention_stacked: no layer {layer}"))?;
+        let rotation = match rope {
+            Some(rope) => {
+                self.check_bound(Bound::Position, step.bounds.max_position, rope.positions, "rope: position", "the table")?;
+                Some((&rope.table, &step.inputs.positions, rope.head_dim))
+            }
+            None => None,
+        };
+        let at = cache.spec.groups.slot(layer);
+        let g = step
+            .inputs
+            .groups
+            .get(at.group)
+            .ok_or_else(|| Error::Backend(format!("attention_stacked: the step has no KV-cache group {}", at.group)))?;
+        let scale = cache.scale(layer);
+        let mut q = self.tensor(qkv.rows, nq)?;
+        // SAFETY: every slot of the step is below num_blocks · block_size
+        // (checked above against the step's bounds; negative slots write
+        // nothing) and, with a rotation, every position below the table's
+        // rows (checked above).
+        unsafe {
+            self.k.split_qkv_into_cache(&mut q.buf, &qkv.buf, qkv.rows, widths, rotation, &mut cache.pools[at.slot], &g.slots, scale)
+        }
+        .map_err(backend)?;
+        self.paged_attention(cache, layer, &q, step, shape)
+    }
+
     fn gated_mul(&self, x: &CudaTensor, act: vellum_ops::GatedActivation) -> OpResult<CudaTensor> {
         check(x.cols.is_multiple_of(2), || format!("gated_mul: rows of {} are not gate and up halves", x.cols))?;
         let inter = x.cols / 2;

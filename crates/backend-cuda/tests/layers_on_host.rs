@@ -2,8 +2,9 @@
 //! barrier, compiled for the host and run block by block, thread by thread
 //! (each thread's strided loop, one after another, covers what the threads
 //! of a block cover together): the split of a stacked q/k/v product with
-//! and without RoPE, and the gated activations of a stacked gate/up
-//! product, against Rust's own arithmetic. The kernels' text is taken from
+//! and without RoPE, the same split writing its keys and values into a
+//! paged cache (float32 pool, scaled), and the gated activations of a
+//! stacked gate/up product, against Rust's own arithmetic. The kernels' text is taken from
 //! the very source NVRTC compiles, so a mistake in their indexing shows on
 //! any machine, not only on a GPU.
 //!
@@ -31,6 +32,8 @@ struct Index { int x; };
 static Index blockIdx, threadIdx;
 // CUDA's fast exponential: the C library's exact one (tanhf is math.h's).
 #define __expf(x) std::exp((float)(x))
+// common.cuh's conversion, for a float32 pool.
+template <typename T> T from_float(float x) { return (T)x; }
 "#;
 
 /// Reads the inputs, runs every kernel over its grid, writes the outputs.
@@ -56,11 +59,11 @@ template <typename F> static void grid(int blocks, F f) {
         }
 }
 int main(int argc, char **argv) {
-    // tokens nq nk nv head_dim positions inter dir
-    if (argc != 9) return 2;
+    // tokens nq nk nv head_dim positions inter pool_slots dir
+    if (argc != 10) return 2;
     int tokens = std::atoi(argv[1]), nq = std::atoi(argv[2]), nk = std::atoi(argv[3]), nv = std::atoi(argv[4]);
-    int hd = std::atoi(argv[5]), npos = std::atoi(argv[6]), inter = std::atoi(argv[7]);
-    std::string dir = argv[8];
+    int hd = std::atoi(argv[5]), npos = std::atoi(argv[6]), inter = std::atoi(argv[7]), pool = std::atoi(argv[8]);
+    std::string dir = argv[9];
     std::vector<float> qkv = slurp((dir + "/qkv").c_str(), (size_t)tokens * (nq + nk + nv));
     std::vector<float> table = slurp((dir + "/table").c_str(), (size_t)npos * hd);
     std::vector<float> posf = slurp((dir + "/positions").c_str(), tokens);
@@ -73,6 +76,19 @@ int main(int argc, char **argv) {
         spill((dir + "/q" + tag).c_str(), q);
         spill((dir + "/k" + tag).c_str(), k);
         spill((dir + "/v" + tag).c_str(), v);
+        // The split writing k and v into a float32 pool of `pool` slots
+        // (NaN where nothing is written) at the tokens' slots, scaled.
+        std::vector<float> slotf = slurp((dir + "/slots").c_str(), tokens);
+        std::vector<long long> slots(tokens);
+        for (int t = 0; t < tokens; t++) slots[t] = (long long)slotf[t];
+        std::vector<float> qc((size_t)tokens * nq, NAN), kc((size_t)pool * nk, NAN), vc((size_t)pool * nk, NAN);
+        grid(tokens, [&] {
+            split_qkv_rope_cache<float>(qc.data(), qkv.data(), table.data(), pos.data(), kc.data(), vc.data(), slots.data(), nq, nk, hd,
+                                        rotate, 0.5f, 2.0f);
+        });
+        spill((dir + "/q_cache" + tag).c_str(), qc);
+        spill((dir + "/k_pool" + tag).c_str(), kc);
+        spill((dir + "/v_pool" + tag).c_str(), vc);
     }
     std::vector<float> gu = slurp((dir + "/gate_up").c_str(), (size_t)tokens * 2 * inter);
     std::vector<float> silu_out((size_t)tokens * inter, NAN), gelu_out((size_t)tokens * inter, NAN);
@@ -85,10 +101,16 @@ int main(int argc, char **argv) {
 "#;
 
 /// The text of the function `name` in `src`: from the line that declares it
-/// to its closing brace at the start of a line.
+/// (and the `template` line above it, if any) to its closing brace at the
+/// start of a line.
 fn function(src: &str, name: &str) -> String {
     let at = src.find(&format!(" {name}(")).unwrap_or_else(|| panic!("layers.cu defines {name}"));
-    let start = src[..at].rfind('\n').map_or(0, |i| i + 1);
+    let mut start = src[..at].rfind('\n').map_or(0, |i| i + 1);
+    if let Some(above) = src[..start.saturating_sub(1)].rfind('\n').map(|i| i + 1) {
+        if src[above..start].starts_with("template") {
+            start = above;
+        }
+    }
     let line_end = start + src[start..].find('\n').unwrap_or(src.len() - start);
     let line = &src[start..line_end];
     if line.matches('{').count() > 0 && line.matches('{').count() == line.matches('}').count() {
@@ -101,7 +123,10 @@ fn function(src: &str, name: &str) -> String {
 fn build(cxx: &str, dir: &Path) -> PathBuf {
     let layers = vellum_kernels::cuda::LAYERS;
     let kernels: Vec<String> =
-        ["silu", "gelu_tanh", "split_qkv_rope", "silu_and_mul", "gelu_tanh_and_mul"].iter().map(|n| function(layers, n)).collect();
+        ["silu", "gelu_tanh", "split_row", "split_qkv_rope", "split_qkv_rope_cache", "silu_and_mul", "gelu_tanh_and_mul"]
+            .iter()
+            .map(|n| function(layers, n))
+            .collect();
     host_cxx::build(cxx, dir, "layers", &format!("{SHIM}\n#include <string>\n{}\n{MAIN}", kernels.join("\n\n")))
 }
 
@@ -148,12 +173,18 @@ fn split_qkv_rope_and_the_stacked_gated_activations_run_on_the_host_as_the_refer
     let qkv = values(1, tokens * width);
     let table = values(2, npos * hd);
     let positions: Vec<f32> = [0, 7, 39, 12, 3].map(|p| p as f32).to_vec();
+    // Slots in an 8-slot pool, one token padding (-1).
+    let (pool, slots) = (8usize, [5i64, -1, 0, 7, 2]);
     let gate_up = values(3, tokens * 2 * inter);
-    for (name, v) in [("qkv", &qkv), ("table", &table), ("positions", &positions), ("gate_up", &gate_up)] {
+    let slot_values: Vec<f32> = slots.iter().map(|&s| s as f32).collect();
+    for (name, v) in [("qkv", &qkv), ("table", &table), ("positions", &positions), ("gate_up", &gate_up), ("slots", &slot_values)] {
         write(&dir, name, v);
     }
-    let status =
-        Command::new(&exe).args([tokens, nq, nk, nv, hd, npos, inter].map(|n| n.to_string())).arg(&dir).status().expect("run the kernels");
+    let status = Command::new(&exe)
+        .args([tokens, nq, nk, nv, hd, npos, inter, pool].map(|n| n.to_string()))
+        .arg(&dir)
+        .status()
+        .expect("run the kernels");
     assert!(status.success(), "the kernels exited with {status}");
 
     // The split alone: each part's columns of each row, exactly.
@@ -184,6 +215,28 @@ fn split_qkv_rope_and_the_stacked_gated_activations_run_on_the_host_as_the_refer
     close(&read(&dir, "q_rope"), &rotate(&q, 9), 1e-6, "q rotated");
     close(&read(&dir, "k_rope"), &rotate(&k, 3), 1e-6, "k rotated");
     close(&read(&dir, "v_rope"), &v, 0.0, "v beside the rotation");
+    // Split into the cache: q as the split gives it, bit for bit; each
+    // token's k and v (rotated k with RoPE) at its slot times 0.5 and 2;
+    // the padding token and the slots no token has left as they were.
+    for tag in ["", "_rope"] {
+        let (q_split, k_split) = (read(&dir, &format!("q{tag}")), read(&dir, &format!("k{tag}")));
+        let q_cache = read(&dir, &format!("q_cache{tag}"));
+        assert!(q_cache.iter().zip(&q_split).all(|(a, b)| a.to_bits() == b.to_bits()), "q{tag} through the cache split");
+        let (k_pool, v_pool) = (read(&dir, &format!("k_pool{tag}")), read(&dir, &format!("v_pool{tag}")));
+        for slot in 0..pool {
+            let kp = &k_pool[slot * nk..][..nk];
+            let vp = &v_pool[slot * nk..][..nk];
+            match slots.iter().position(|&s| s == slot as i64) {
+                Some(t) => {
+                    let want_k: Vec<f32> = k_split[t * nk..][..nk].iter().map(|x| x * 0.5).collect();
+                    let want_v: Vec<f32> = v[t * nv..][..nv].iter().map(|x| x * 2.0).collect();
+                    close(kp, &want_k, 0.0, &format!("k{tag} at slot {slot}"));
+                    close(vp, &want_v, 0.0, &format!("v{tag} at slot {slot}"));
+                }
+                None => assert!(kp.iter().chain(vp).all(|x| x.is_nan()), "slot {slot}{tag} was written"),
+            }
+        }
+    }
     // The gated activations of [gate | up] rows.
     let gated = |act: &dyn Fn(f32) -> f32| -> Vec<f32> {
         (0..tokens)

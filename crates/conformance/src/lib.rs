@@ -80,6 +80,7 @@ impl Suite {
         self.paged_attention(ops);
         self.copy_blocks_and_swaps(ops);
         self.stacked_projections(ops);
+        self.attention_of_a_stacked_product(ops);
         // Last: the scales a calibration takes stay with the backend and
         // apply to every FP8 cache it allocates after.
         self.fp8_scales_from_calibration(ops);
@@ -189,6 +190,78 @@ impl Suite {
                 .expect("gated activation");
                 let got = ops.gated_mul(&product, act).expect("gated_mul");
                 self.close(&host(&got), &host(&want), 1e-4, &format!("stacked {ty:?} {act:?}"));
+            }
+        }
+    }
+
+    /// Where the backend stacks projections: attention of one stacked q/k/v
+    /// product ([`vellum_ops::Ops::attention_stacked`], RoPE on the way: a
+    /// backend may write the keys and values into the cache as it splits
+    /// them) against the same backend's split, rotation, `write_kv` and
+    /// paged attention, on every KV element type it takes: the same outputs
+    /// and the same pools (prefill chunks and decodes in one batch, over a
+    /// cache written by an earlier step).
+    pub fn attention_of_a_stacked_product<O: HostIo>(&self, ops: &O) {
+        let caps = ops.capabilities();
+        let head_dim = [64usize, 128, 32, 8].into_iter().find(|&d| caps.head_dims.allows(d)).unwrap_or(64);
+        let block_size = [16usize, 8, 4].into_iter().find(|&b| caps.block_sizes.allows(b)).unwrap_or(16);
+        let case = AttnCase {
+            block_size,
+            kv_heads: 2,
+            group: 2,
+            head_dim,
+            seqs: vec![(40, 1), (30, 12), (9, 9)],
+            shared_blocks: 0,
+            window: None,
+            softcap: None,
+            seed: 23,
+        };
+        let (heads, row) = (case.kv_heads * case.group, case.kv_heads * case.head_dim);
+        let widths = [heads * head_dim, row, row];
+        let mut rng = Rng::new(61);
+        let probe = [widths[0], row, row].map(|n| random_weight(GgmlType::F32, n, 32, &mut rng));
+        // The setup runs on every backend; the comparison where q/k/v stack.
+        let stacks = ops.stacked_weight("qkv", &probe).expect("stacked_weight").is_some();
+        let config = ModelConfig::from_json_str(
+            &format!(
+                r#"{{"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":{},"intermediate_size":8,"num_hidden_layers":1,
+                    "num_attention_heads":{heads},"num_key_value_heads":{},"max_position_embeddings":512,"rope_theta":10000.0}}"#,
+                heads * head_dim,
+                case.kv_heads
+            ),
+            "conformance",
+        )
+        .expect("a valid config");
+        let table = ops.rope_table(&RopeTable::new(&config)).expect("rope_table");
+        let Built { num_blocks, early, late, kv_early: (ke, ve), .. } = case.build();
+        let shape = case.shape();
+        let layer = 1;
+        let t = late.num_tokens();
+        let product = rng.signed_vec(t * (widths[0] + 2 * row));
+        for &dtype in caps.kv_dtypes {
+            let spec = KvCacheSpec::uniform(2, case.kv_heads, case.head_dim, case.block_size, dtype);
+            let mut caches = [(); 2].map(|_| ops.allocate_kv_cache(&spec, num_blocks, 0).expect("allocate_kv_cache"));
+            let step = ops.prepare_step(&early, case.block_size).expect("prepare_step");
+            let n = early.num_tokens();
+            for cache in &mut caches {
+                let (k, v) = (ops.upload(n, row, &ke).expect("upload"), ops.upload(n, row, &ve).expect("upload"));
+                ops.write_kv(cache, layer, &k, &v, &step).expect("write_kv");
+            }
+            let step = ops.prepare_step(&late, case.block_size).expect("prepare_step");
+            let qkv = ops.upload(t, widths.iter().sum(), &product).expect("upload");
+            if !stacks {
+                continue;
+            }
+            let [split, stacked] = &mut caches;
+            let (q, k, v) = ops.split_qkv(&qkv, widths, Some((&table, &step))).expect("split_qkv");
+            let want = ops.attention(split, layer, &q, &k, &v, &step, &shape).expect("attention");
+            let got = ops.attention_stacked(stacked, layer, &qkv, widths, Some(&table), &step, &shape).expect("attention_stacked");
+            let what = format!("attention of a stacked product, {dtype:?} cache");
+            self.close(&ops.to_host(&got).expect("to_host"), &ops.to_host(&want).expect("to_host"), 1e-5, &what);
+            for value in [false, true] {
+                let (got, want) =
+                    (ops.read_kv(stacked, layer, value).expect("read_kv"), ops.read_kv(split, layer, value).expect("read_kv"));
+                self.close(&got, &want, pool_tolerance(dtype), &format!("{what}: {} pool", if value { "V" } else { "K" }));
             }
         }
     }

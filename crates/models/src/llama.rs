@@ -12,7 +12,9 @@
 //!
 //! Where the backend stacks projections ([`Ops::stacked_weight`]), q, k
 //! and v are one product split by [`Ops::split_qkv`] (RoPE on the way when
-//! no q/k norm comes between), gate and up one product under
+//! no q/k norm comes between; then [`Ops::attention_stacked`] takes the
+//! product whole, so that a backend can write the keys and values into the
+//! cache as it splits them), gate and up one product under
 //! [`Ops::gated_mul`]; each residual add goes with the norm after it
 //! ([`Ops::add_rms_norm`]).
 //!
@@ -245,20 +247,30 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
                 Some(out) => ops.add_rms_norm(&mut h, out, &layer.input_norm, eps, c.hidden_size)?,
                 None => ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?,
             };
-            // RoPE in the split where no q/k norm comes between.
-            let rope = layer.qk_norm.is_none().then_some((&self.rope, step));
-            let Projected { mut q, mut k, v, rotated } = layer.qkv.project(ops, &x, widths, rope)?;
-            if let Some([qn, kn]) = &layer.qk_norm {
-                q = ops.rms_norm(&q, qn, eps, c.head_dim)?;
-                k = ops.rms_norm(&k, kn, eps, c.head_dim)?;
-            }
-            if !rotated {
-                ops.rope_qk(&mut q, &mut k, &self.rope, step)?;
-            }
             // Each layer's own window (Qwen's `layer_types` mix full and
             // sliding layers; Mistral slides everywhere).
             let shape = AttentionShape { sliding_window: c.layer_window(l), ..self.attention };
-            let attn = ops.attention(cache, l, &q, &k, &v, step, &shape)?;
+            let attn = match (&layer.qkv, &layer.qk_norm) {
+                // One stacked product, rotated as it is split, its keys and
+                // values written to the cache on the way where the backend can.
+                (Qkv::Stacked { w, bias }, None) => {
+                    let qkv = ops.linear(&x, w, bias.as_ref())?;
+                    ops.attention_stacked(cache, l, &qkv, widths, Some(&self.rope), step, &shape)?
+                }
+                _ => {
+                    // RoPE in the split where no q/k norm comes between.
+                    let rope = layer.qk_norm.is_none().then_some((&self.rope, step));
+                    let Projected { mut q, mut k, v, rotated } = layer.qkv.project(ops, &x, widths, rope)?;
+                    if let Some([qn, kn]) = &layer.qk_norm {
+                        q = ops.rms_norm(&q, qn, eps, c.head_dim)?;
+                        k = ops.rms_norm(&k, kn, eps, c.head_dim)?;
+                    }
+                    if !rotated {
+                        ops.rope_qk(&mut q, &mut k, &self.rope, step)?;
+                    }
+                    ops.attention(cache, l, &q, &k, &v, step, &shape)?
+                }
+            };
             let mut out = ops.linear(&attn, &layer.o_proj, None)?;
             ops.all_reduce(&mut out)?;
             let x = ops.add_rms_norm(&mut h, out, &layer.post_attention_norm, eps, c.hidden_size)?;

@@ -278,6 +278,25 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
         self.paged_attention(cache, layer, q, step, shape)
     }
 
+    /// [`attention`](Self::attention) of one stacked q/k/v product (`qkv`,
+    /// `widths` wide, as [`split_qkv`](Self::split_qkv) takes it), q and k
+    /// rotated by `rope` on the way: a backend may write the keys and values
+    /// into the cache as it splits them. The default splits, then attends.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_stacked(
+        &self,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        qkv: &Self::Tensor,
+        widths: [usize; 3],
+        rope: Option<&Self::Rope>,
+        step: &Self::Step,
+        shape: &AttentionShape,
+    ) -> OpResult<Self::Tensor> {
+        let (q, k, v) = self.split_qkv(qkv, widths, rope.map(|r| (r, step)))?;
+        self.attention(cache, layer, &q, &k, &v, step, shape)
+    }
+
     /// Runs one forward pass `f` where the backend's ops run best (the CPU
     /// backend moves it onto its thread pool once per step).
     fn run_forward<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# CUDA graphs for mixed steps (`--compilation-config '{"cudagraph_mode":
+# "FULL"}'`), checked and measured in one call on a GPU machine (no Rust, no
+# network), with .gpu/ carried:
+#
+#   kernels/cuda/gpu_suite.sh stage          # here
+#   bash benchmarks/mixed_graphs_gpu.sh      # there (BUDGET_S, default 300)
+#
+# 1. the GPU suite's graph test: decode steps and mixed steps (two decodes
+#    beside a prompt chunk, sampling or not) replayed against eager
+#    launches;
+# 2. greedy `generate` on a SmolLM2-shaped random Q4_1 with mixed steps on
+#    purpose (12 prompts, at most 4 sequences, 64 tokens a step: prompt
+#    chunks beside decodes), FULL against --enforce-eager: tokens and
+#    logprobs compared, the mixed graphs recorded counted from the log;
+# 3. `vellum serve` on that model at 256 clients (128 in / 128 out), the
+#    default (FULL_DECODE_ONLY) and FULL with capture sizes up to 1,024
+#    tokens, alternated twice: output tok/s, ITL, and from /metrics the
+#    executor's time a uniform decode step and a mixed one; `bench latency`
+#    at 256 sequences beside it (the step-overhead issue's ≥ 95% row);
+# 4. if the budget allows, a Llama-3-8B-shaped Q8_0 served at 64 clients the
+#    same two ways: ITL median and p99 (the issue's p99 ≤ 3× median row).
+# $OUT gets mixed_summary.txt as it runs and mixed_logs.tgz after every step.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-.gpu/out}
+logs=$(mktemp -d)
+t0=$SECONDS
+budget=${BUDGET_S:-300}
+mkdir -p "$out"
+exec > >(tee "$out/mixed_summary.txt") 2>&1
+stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+fits() { [ $((SECONDS - t0 + $1)) -le "$budget" ]; }
+checkpoint() { tar -C "$logs" -czf "$out/mixed_logs.tgz" . 2>/dev/null; }
+# shellcheck disable=SC1091 # staged there
+source .gpu/run.sh env >/dev/null
+full='{"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 1024}'
+
+timeout 120 .gpu/x/gpu_suite --test-threads 1 --nocapture decode_steps_replayed_as_cuda_graphs >"$logs/suite_graphs.txt" 2>&1
+stamp "graph test exit $?"
+grep -E "recorded|test result|panicked|SKIPPED" "$logs/suite_graphs.txt" | cut -c1-300
+checkpoint
+
+smol=/tmp/smollm2-135m-q4_1.gguf
+timeout 60 .gpu/x/write_random_checkpoint --shape smollm2-135m --format gguf --dtype q4_1 --out "$smol" >/dev/null 2>&1
+prompts=()
+for i in $(seq 1 12); do
+    p="prompt $i:"
+    for j in $(seq 1 $((i * 9))); do p+=" word$j"; done
+    prompts+=(--prompt "$p")
+done
+for mode in full eager; do
+    fits 60 || break
+    flags=(--compilation-config "$full")
+    [ "$mode" = eager ] && flags=(--enforce-eager)
+    RUST_LOG=vellum_backend_cuda=info timeout 60 .gpu/x/vellum generate --device cuda --model "$smol" "${prompts[@]}" \
+        --max-tokens 120 --logprobs 1 --json --max-num-seqs 4 --max-num-batched-tokens 64 "${flags[@]}" \
+        >"$logs/generate_$mode.jsonl" 2>"$logs/generate_$mode.log"
+    stamp "generate ($mode) exit $?; mixed graphs recorded: $(grep -c 'mixed=true' "$logs/generate_$mode.log")"
+done
+python3 - "$logs/generate_full.jsonl" "$logs/generate_eager.jsonl" <<'EOF'
+import json, sys
+try:
+    g, e = ([json.loads(l) for l in open(p) if l.strip()] for p in sys.argv[1:])
+except (OSError, ValueError) as err:
+    sys.exit(f"generate, FULL vs eager: no comparison ({err})")
+same = total = 0
+worst = 0.0
+for a, b in zip(g, e):
+    ta, tb = a["outputs"][0]["token_ids"], b["outputs"][0]["token_ids"]
+    n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+    same += n
+    total += max(len(ta), len(tb))
+    la, lb = a["outputs"][0]["logprobs"], b["outputs"][0]["logprobs"]
+    worst = max([worst] + [abs(x[0][1] - y[0][1]) for x, y in zip(la[:n], lb[:n])])
+print(f"generate with mixed steps, FULL vs eager: {len(g)}/{len(e)} prompts, {same}/{total} tokens identical before "
+      f"the first difference, largest logprob gap there {worst:.2e}")
+EOF
+checkpoint
+
+# One `vellum serve` run: $1 model, $2 clients, $3 prompts, $4 label, then flags.
+serve() {
+    local model=$1 clients=$2 prompts=$3 label=$4
+    shift 4
+    RUST_LOG=vellum_backend_cuda=info .gpu/x/vellum serve --device cuda --model "$model" --port 8011 --max-num-seqs 256 "$@" \
+        >"$logs/serve_$label.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 240); do
+        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=1)" 2>/dev/null && break
+        sleep 0.25
+    done
+    timeout 60 .gpu/x/vellum bench serve --base-url http://127.0.0.1:8011 --model "$model" --input-len 128 --output-len 128 \
+        --num-prompts "$prompts" --max-concurrency "$clients" --json >"$logs/serve_$label.json" 2>>"$logs/serve_$label.log"
+    python3 - "$logs/serve_$label.json" "$label" <<'PY'
+import json, sys, urllib.request
+try:
+    v = json.load(open(sys.argv[1]))
+    text = urllib.request.urlopen("http://127.0.0.1:8011/metrics").read().decode()
+except (OSError, ValueError) as err:
+    sys.exit(f"serve {sys.argv[2]}: no result ({err})")
+m = {l.split("{")[0]: float(l.split()[-1]) for l in text.splitlines() if l.startswith("vellum:engine_")}
+g = lambda k: m.get("vellum:engine_" + k, 0.0)
+steps, decodes = g("steps_total"), g("decode_steps_total")
+mixed_s = g("execute_seconds_total") - g("decode_execute_seconds_total")
+print(f"serve {sys.argv[2]}: {v['output_throughput']:,.0f} output tok/s, ITL median/p99 {(v['itl_s']['median'] or 0) * 1e3:.1f}/"
+      f"{(v['itl_s']['p99'] or 0) * 1e3:.1f} ms, TTFT median {(v['ttft_s']['median'] or 0) * 1e3:.0f} ms; {steps:.0f} steps: "
+      f"{decodes:.0f} uniform decodes at {g('decode_execute_seconds_total') / max(decodes, 1) * 1e3:.2f} ms, "
+      f"{steps - decodes:.0f} others at {mixed_s / max(steps - decodes, 1) * 1e3:.2f} ms")
+PY
+    echo "  (mixed graphs recorded: $(grep -c 'mixed=true' "$logs/serve_$label.log"))"
+    kill "$pid"
+    wait "$pid" 2>/dev/null
+    checkpoint
+}
+
+if fits 20; then
+    timeout 30 .gpu/x/vellum bench latency --device cuda --model "$smol" --batch-size 256 --input-len 128 --output-len 128 \
+        --num-iters 2 --json 2>"$logs/latency_256.log" >"$logs/latency_256.json"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('bench latency, SmolLM2 decode at 256:', round(d['decode_tokens_per_s']), 'tok/s')" \
+        "$logs/latency_256.json"
+fi
+for round in 1 2; do
+    for mode in decode_only full; do
+        fits 45 || break 2
+        flags=()
+        [ "$mode" = full ] && flags=(--compilation-config "$full")
+        serve "$smol" 256 1024 "smol_256_${mode}_$round" "${flags[@]}"
+    done
+done
+
+m8=/tmp/m8.gguf
+if fits 200; then
+    timeout 90 .gpu/x/write_random_checkpoint --shape llama3-8b --format gguf --dtype q8_0 --out "$m8" >/dev/null 2>&1
+    stamp "8b written, exit $?"
+    for mode in decode_only full; do
+        fits 50 || break
+        flags=()
+        [ "$mode" = full ] && flags=(--compilation-config "$full")
+        serve "$m8" 64 256 "8b_64_$mode" "${flags[@]}"
+    done
+fi
+stamp "done"
+exec >&- 2>&-
