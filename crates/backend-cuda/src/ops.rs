@@ -8,9 +8,11 @@
 //!   Q5_K and Q6_K kept as their own values in planes of codes and scales
 //!   ([`crate::layout`]);
 //!   with bf16 products (the default) the f32 GEMV up to
-//!   [`GEMV_MAX_ROWS`] rows, the tensor-core GEMM of `gemm_mma.cu` (bf16
-//!   activations, the weight dequantized as it is staged) to
-//!   [`CUBLAS_MIN_ROWS`], cuBLAS over a bf16 copy of the weight beyond;
+//!   [`GEMV_MAX_ROWS`] rows, then cuBLAS over the bf16 copy a weight keeps
+//!   ([`WeightCopies`]: by default while the copies fit in a quarter of the
+//!   GPU); a weight without one takes the tensor-core GEMM of `gemm_mma.cu`
+//!   (bf16 activations, the weight dequantized as it is staged) to
+//!   [`CUBLAS_MIN_ROWS`], cuBLAS over a copy made for the product beyond;
 //!   bf16 weights as stored, and every type without a native layout
 //!   rounded to bf16 once, through cuBLAS at every size. With f32 products
 //!   (`--dtype float32`) the GEMV up to 8 rows and the CUDA-core GEMM
@@ -83,6 +85,43 @@ pub struct CudaTensor {
 /// A linear or embedding weight `[out, inp]`.
 pub struct CudaWeight {
     m: Stored,
+    /// A layout's values rounded to bf16 once, row-major `[n, k]`, for
+    /// cuBLAS ([`WeightCopies`]); `None`: none kept.
+    bf16_copy: Option<CudaSlice<u16>>,
+}
+
+/// Which quantized linear weights also keep a bf16 copy on the device.
+/// With one, a product of more than [`GEMV_MAX_ROWS`] rows is cuBLAS over
+/// the copy; without, it is the tensor-core GEMM, or from
+/// [`CUBLAS_MIN_ROWS`] cuBLAS over a copy dequantized for that product
+/// alone. On an H100 (`gemm_bench`, Llama 3 8B's Q8_0 weights,
+/// `benchmarks/results/2026-11-27-h100-gemm.jsonl`) cuBLAS over a kept copy
+/// took 0.39–0.61× the time of that path on the two FFN weights from 4 to
+/// 256 rows (14336 × 4096: 0.050 against 0.099 ms at 64 rows, 0.061
+/// against 0.148 at 256), 0.32–1.05× on the 4096 × 4096 one; the GEMV
+/// stays the faster at 1–2 rows, reading the quantized weight. The copy costs two bytes a weight
+/// (15 GB for Llama 3 8B) that the KV cache does not get.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightCopies {
+    /// Copies while they fit in a quarter of the GPU's memory, in the order
+    /// the weights load (the default).
+    #[default]
+    Auto,
+    /// A copy of every quantized linear weight.
+    All,
+    /// None.
+    None,
+}
+
+impl WeightCopies {
+    /// The copies' budget in bytes on a GPU of `total` bytes.
+    fn budget(self, total: u64) -> u64 {
+        match self {
+            Self::Auto => total / 4,
+            Self::All => u64::MAX,
+            Self::None => 0,
+        }
+    }
 }
 
 /// How a weight sits on the device.
@@ -321,6 +360,10 @@ pub struct CudaOps {
     /// which FP8 caches allocated afterwards take their scales.
     calibrating: std::sync::atomic::AtomicBool,
     kv_absmax: KvAbsmax,
+    /// The bytes the weights' bf16 copies may take ([`WeightCopies`]), and
+    /// the bytes they take.
+    copies_budget: u64,
+    copies_bytes: std::sync::atomic::AtomicU64,
 }
 
 /// `m` locked, whether or not a thread panicked holding it (what it guards
@@ -356,6 +399,7 @@ impl CudaOps {
                 None
             }
         };
+        let total_memory = k.info().total_memory as u64;
         let graphs = Graphs {
             options: GraphOptions::default(),
             cache: GraphCache::default(),
@@ -374,7 +418,22 @@ impl CudaOps {
             recording: Mutex::new(None),
             calibrating: Default::default(),
             kv_absmax: KvAbsmax::default(),
+            copies_budget: WeightCopies::default().budget(total_memory),
+            copies_bytes: Default::default(),
         })
+    }
+
+    /// Sets which quantized linear weights keep a bf16 copy
+    /// ([`WeightCopies`]; `Auto` by default). Weights loaded after this
+    /// call follow it.
+    pub fn with_weight_copies(mut self, copies: WeightCopies) -> Self {
+        self.copies_budget = copies.budget(self.k.info().total_memory as u64);
+        self
+    }
+
+    /// The bytes the weights' bf16 copies take on the device.
+    pub fn weight_copies_bytes(&self) -> u64 {
+        self.copies_bytes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sets which steps use CUDA graphs (uniform decode steps up to 512
@@ -664,7 +723,9 @@ impl CudaOps {
         if !always_f32 {
             if QuantFormat::native(w.dtype).is_some() {
                 let r = repack(w.dtype, &w.data, n, k).map_err(|e| refused(e.to_string()))?;
-                return Ok(CudaWeight { m: Stored::Blocks(self.upload_layout(r, n, k)?) });
+                let m = self.upload_layout(r, n, k)?;
+                let bf16_copy = self.bf16_copy(&m)?;
+                return Ok(CudaWeight { m: Stored::Blocks(m), bf16_copy });
             }
             if let Some(dtype) = self.tensor_core_dtype(w.dtype) {
                 let words: Vec<u16> = if w.dtype == GgmlType::BF16 {
@@ -673,13 +734,35 @@ impl CudaOps {
                     w.to_f32()?.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()
                 };
                 check(words.len() == n * k, || format!("{}: {} values for [{n}, {k}]", w.name, words.len()))?;
-                return Ok(CudaWeight { m: Stored::Half { data: self.htod(&words)?, dtype, n, k } });
+                return Ok(CudaWeight { m: Stored::Half { data: self.htod(&words)?, dtype, n, k }, bf16_copy: None });
             }
         }
         check(k.is_multiple_of(32), || format!("{}: rows of {k} values; the CUDA kernels need a multiple of 32", w.name))?;
         let values = w.to_f32()?;
         check(values.len() == n * k, || format!("{}: {} values for [{n}, {k}]", w.name, values.len()))?;
-        Ok(CudaWeight { m: Stored::Blocks(self.upload_layout(f32_layout(&values), n, k)?) })
+        Ok(CudaWeight { m: Stored::Blocks(self.upload_layout(f32_layout(&values), n, k)?), bf16_copy: None })
+    }
+
+    /// `m` dequantized to bf16 once ([`WeightCopies`]), when products run in
+    /// bf16 through cuBLAS and the copies' budget has room for it.
+    fn bf16_copy(&self, m: &QuantMatrix) -> OpResult<Option<CudaSlice<u16>>> {
+        use std::sync::atomic::Ordering;
+        if self.precision != CudaPrecision::Bf16 || self.blas.is_none() {
+            return Ok(None);
+        }
+        let bytes = (m.n * m.k * 2) as u64;
+        let taken = self.copies_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if taken.saturating_add(bytes) > self.copies_budget {
+            self.copies_bytes.fetch_sub(bytes, Ordering::Relaxed);
+            return Ok(None);
+        }
+        // SAFETY: uninitialized; dequantize_bf16 writes all n·k elements.
+        let copy = unsafe { self.k.stream().alloc::<u16>(m.n * m.k) }.map_err(|e| backend(e.into()));
+        let copy = copy.and_then(|mut c| self.k.dequantize_bf16(&mut c, m).map_err(backend).map(|()| c));
+        if copy.is_err() {
+            self.copies_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        }
+        copy.map(Some)
     }
 
     /// Copies a repacked weight's planes to the device.
@@ -704,17 +787,20 @@ impl CudaOps {
 
     /// `y = x · Wᵀ` for a weight in a layout of [`crate::layout`], by the
     /// batch's size. With bf16 products: up to [`GEMV_MAX_ROWS`] the f32
-    /// GEMV, then the tensor-core GEMM on bf16 activations, from
-    /// [`CUBLAS_MIN_ROWS`] cuBLAS over a bf16 copy of the weight. With f32
-    /// products: the GEMV up to 8 rows, the CUDA-core GEMM beyond.
-    fn linear_blocks(&self, y: &mut CudaSlice<f32>, m: &QuantMatrix, x: &CudaTensor) -> OpResult<()> {
+    /// GEMV; past it cuBLAS over the weight's kept bf16 copy where it has
+    /// one ([`WeightCopies`]), else the tensor-core GEMM on bf16
+    /// activations and from [`CUBLAS_MIN_ROWS`] cuBLAS over a bf16 copy
+    /// made for this product. With f32 products: the GEMV up to 8 rows, the
+    /// CUDA-core GEMM beyond.
+    fn linear_blocks(&self, y: &mut CudaSlice<f32>, m: &QuantMatrix, copy: Option<&CudaSlice<u16>>, x: &CudaTensor) -> OpResult<()> {
         let rows = x.rows;
         if rows <= GEMV_MAX_ROWS || self.precision == CudaPrecision::Float32 {
             return self.k.gemv_rows(y, m, &x.buf, rows).map_err(backend);
         }
         let x16 = self.cast_16(x, Half::Bf16)?;
-        match &self.blas {
-            Some(blas) if rows >= CUBLAS_MIN_ROWS => {
+        match (&self.blas, copy) {
+            (Some(blas), Some(w16)) => blas.linear_16(y, w16, &x16, Half::Bf16, rows, m.n, m.k).map_err(backend),
+            (Some(blas), None) if rows >= CUBLAS_MIN_ROWS => {
                 // SAFETY: uninitialized; dequantize_bf16 writes all n·k elements.
                 let mut w16 = unsafe { self.k.stream().alloc::<u16>(m.n * m.k) }.map_err(|e| backend(e.into()))?;
                 self.k.dequantize_bf16(&mut w16, m).map_err(backend)?;
@@ -945,7 +1031,7 @@ impl Ops for CudaOps {
             return Ok(out);
         }
         match &w.m {
-            Stored::Blocks(m) => self.linear_blocks(&mut out.buf, m, x)?,
+            Stored::Blocks(m) => self.linear_blocks(&mut out.buf, m, w.bf16_copy.as_ref(), x)?,
             Stored::Half { data, dtype, n, k } => {
                 let blas = self.blas.as_ref().ok_or_else(|| backend(CudaError::NoCublas))?;
                 let x16 = self.cast_16(x, *dtype)?;
@@ -1283,7 +1369,11 @@ impl AttentionBackend for CudaOps {
 
     fn describe(&self) -> String {
         let info = self.k.info();
-        format!("cuda: {} ({}, {} GiB)", info.name, info.arch(), info.total_memory >> 30)
+        let copies = match self.weight_copies_bytes() >> 20 {
+            0 => String::new(),
+            mib => format!(", bf16 weight copies {mib} MiB"),
+        };
+        format!("cuda: {} ({}, {} GiB{copies})", info.name, info.arch(), info.total_memory >> 30)
     }
 
     fn name(&self) -> &'static str {

@@ -713,12 +713,21 @@ fn argmax(v: &[f32]) -> usize {
 
 /// The shared conformance suite (`vellum-conformance`): every op and the
 /// paged attention at the head sizes, block sizes and KV types the backend
-/// declares, against the CPU's float32 path.
+/// declares, against the CPU's float32 path; its linears (1–40 rows) again
+/// with no weight keeping a bf16 copy (the tensor-core GEMM past 2 rows,
+/// where the default multiplies the copies through cuBLAS).
 #[test]
 fn the_conformance_suite_passes_or_skips_without_a_gpu() {
     let test = "the_conformance_suite_passes";
     match vellum_backend_cuda::CudaOps::new(0) {
-        Ok(ops) => vellum_conformance::Suite::new("cuda").run(&ops),
+        Ok(ops) => {
+            assert!(vellum_base::AttentionBackend::describe(&ops).contains("cuda"));
+            vellum_conformance::Suite::new("cuda").run(&ops);
+            let apart = vellum_backend_cuda::CudaOps::new(0)
+                .expect("a second instance")
+                .with_weight_copies(vellum_backend_cuda::WeightCopies::None);
+            vellum_conformance::Suite::new("cuda, no bf16 copies").linear(&apart);
+        }
         Err(e) => {
             assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
             eprintln!("SKIPPED {test}: {e}");

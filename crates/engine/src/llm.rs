@@ -1,6 +1,6 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
-use crate::backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, CudaGraphs, Device, ExecutorOptions};
+use crate::backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, CudaGraphs, CudaWeightCopies, Device, ExecutorOptions};
 use crate::calibration::calibration_token_ids;
 use crate::client::EngineClient;
 use crate::engine_core::EngineCore;
@@ -87,6 +87,9 @@ pub struct EngineArgs {
     /// (vLLM's `--enforce-eager` turns them off, `--cuda-graph-sizes` picks
     /// the batch sizes).
     pub cuda_graphs: CudaGraphs,
+    /// Which quantized weights keep a bf16 copy for cuBLAS on `--device
+    /// cuda` (`--cuda-bf16-weight-copies`).
+    pub cuda_weight_copies: CudaWeightCopies,
     /// vLLM's `--async-scheduling`: the next step is scheduled and built
     /// while the last one runs ([`EngineCore::set_async_scheduling`]); the
     /// outputs are the same. Ignored with speculative decoding.
@@ -112,6 +115,7 @@ impl Default for EngineArgs {
             pooler_config: PoolerConfig::default(),
             tensor_parallel_size: 1,
             cuda_graphs: CudaGraphs::default(),
+            cuda_weight_copies: CudaWeightCopies::default(),
             async_scheduling: false,
         }
     }
@@ -270,6 +274,7 @@ impl Llm {
             dtype: args.dtype,
             tensor_parallel_size: args.tensor_parallel_size,
             cuda_graphs: args.cuda_graphs.clone(),
+            cuda_weight_copies: args.cuda_weight_copies,
         };
         let load_started = std::time::Instant::now();
         let mut executor = make_executor(args.device, &*loaded.weights, config, options, progress)?;
