@@ -1,7 +1,7 @@
 //! Runs a trace through the real scheduler and an allocator in simulated time.
 
 use crate::cost_model::CostModel;
-use crate::workload::{generate_trace, Workload};
+use crate::workload::{generate_requests, generate_trace, Workload};
 use serde::Serialize;
 use std::collections::HashMap;
 use vellum_base::SeededRng as Rng;
@@ -74,6 +74,12 @@ pub struct SimConfig {
     pub scheduler: SchedulerConfig,
     /// Step cost.
     pub cost_model: CostModel,
+    /// Closed-loop clients instead of Poisson arrivals (`vellum bench serve
+    /// --max-concurrency`): this many requests in flight, each client
+    /// sending its next as its last one finishes, `num_prompts` in all.
+    pub max_concurrency: Option<usize>,
+    /// Requests the closed-loop clients send in all.
+    pub num_prompts: usize,
 }
 
 impl Default for SimConfig {
@@ -100,6 +106,8 @@ impl Default for SimConfig {
                 ..SchedulerConfig::default()
             },
             cost_model: CostModel::default(),
+            max_concurrency: None,
+            num_prompts: 1000,
         }
     }
 }
@@ -197,7 +205,12 @@ struct Accumulator {
 }
 
 fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
-    let trace = generate_trace(config.workload, config.request_rate, config.duration_s, config.max_model_len, config.seed);
+    let mut trace = match config.max_concurrency {
+        Some(_) => generate_requests(config.workload, config.num_prompts, config.max_model_len, config.seed),
+        None => generate_trace(config.workload, config.request_rate, config.duration_s, config.max_model_len, config.seed),
+    };
+    // Closed loop: requests in flight (a client is free when one finishes).
+    let mut in_flight = 0usize;
     let sched_config = SchedulerConfig { max_model_len: config.max_model_len, ..config.scheduler.clone() };
     let mut sched = Scheduler::new(sched_config, allocator).expect("simulator config is valid");
     sched.keep_finished_requests(false);
@@ -211,9 +224,22 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
     // Requests whose first sample was drawn (parallel samples, beams).
     let mut forked: std::collections::HashSet<RequestId> = std::collections::HashSet::new();
     let (mut t, mut next, mut num_steps) = (0.0f64, 0usize, 0u64);
-    let time_cap = config.duration_s * 20.0 + 600.0;
+    let time_cap = match config.max_concurrency {
+        Some(_) => f64::INFINITY,
+        None => config.duration_s * 20.0 + 600.0,
+    };
     while t < time_cap {
-        while next < trace.len() && trace[next].arrival_s <= t {
+        loop {
+            let due = match config.max_concurrency {
+                Some(clients) => in_flight < clients,
+                None => trace.get(next).is_some_and(|r| r.arrival_s <= t),
+            };
+            if !due || next >= trace.len() {
+                break;
+            }
+            if config.max_concurrency.is_some() {
+                trace[next].arrival_s = t;
+            }
             let r = trace[next];
             let id = RequestId(next as u64);
             let prompt: Vec<TokenId> = (0..r.prompt_len).map(|_| 3 + rng.below(49_000) as TokenId).collect();
@@ -232,13 +258,14 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
             };
             if sched.add_request(req).is_ok() {
                 arrival.insert(id, (r.arrival_s, r.output_len));
+                in_flight += 1;
             }
             next += 1;
         }
         let out = sched.schedule();
         if out.is_empty() {
             sched.update_from_output(&StepSamples::default());
-            if next < trace.len() {
+            if next < trace.len() && config.max_concurrency.is_none() {
                 t = t.max(trace[next].arrival_s);
                 continue;
             }
@@ -280,6 +307,7 @@ fn run<A: BlockAllocator>(config: &SimConfig, allocator: A) -> SimReport {
         let update = sched.update_from_output(&StepSamples { requests });
         for (id, _) in &update.finished_requests {
             last_token.remove(id);
+            in_flight = in_flight.saturating_sub(1);
             if let Some((at, out_len)) = arrival.get(id) {
                 normalized.push((t - at) / (*out_len).max(1) as f64);
             }

@@ -11,6 +11,14 @@ pub enum Workload {
     ShareGpt,
     /// Alpaca: short instructions; mean input ≈ 19, output ≈ 58 tokens.
     Alpaca,
+    /// Every request the same lengths, as `vellum bench serve --input-len
+    /// --output-len` sends them.
+    Fixed {
+        /// Prompt tokens.
+        prompt_len: usize,
+        /// Output tokens.
+        output_len: usize,
+    },
 }
 
 impl Workload {
@@ -21,15 +29,38 @@ impl Workload {
         match self {
             Workload::ShareGpt => (161.0, 338.0, 1.0),
             Workload::Alpaca => (19.0, 58.0, 0.6),
+            Workload::Fixed { prompt_len, output_len } => (prompt_len as f64, output_len as f64, 0.0),
         }
     }
 
-    /// Parses `sharegpt` or `alpaca`.
+    /// Parses `sharegpt`, `alpaca` or `fixed:IN:OUT` (IN, OUT ≥ 1).
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "sharegpt" => Some(Workload::ShareGpt),
             "alpaca" => Some(Workload::Alpaca),
-            _ => None,
+            _ => {
+                let (prompt, output) = s.strip_prefix("fixed:")?.split_once(':')?;
+                let (prompt_len, output_len) = (prompt.parse().ok()?, output.parse().ok()?);
+                (prompt_len >= 1 && output_len >= 1).then_some(Workload::Fixed { prompt_len, output_len })
+            }
+        }
+    }
+
+    /// One request's (prompt, output) lengths, kept to `prompt + output ≤
+    /// max_model_len` (a request over the limit is drawn again; a fixed
+    /// workload over it is cut to fit).
+    fn draw(self, rng: &mut Rng, max_model_len: usize) -> (usize, usize) {
+        if let Workload::Fixed { prompt_len, output_len } = self {
+            let prompt_len = prompt_len.min(max_model_len.saturating_sub(1)).max(1);
+            return (prompt_len, output_len.min(max_model_len.saturating_sub(prompt_len)).max(1));
+        }
+        let (mean_in, mean_out, sigma) = self.shape();
+        loop {
+            let p = rng.lognormal_with_mean(mean_in, sigma).round().max(1.0) as usize;
+            let o = rng.lognormal_with_mean(mean_out, sigma).round().max(1.0) as usize;
+            if p + o <= max_model_len {
+                return (p, o);
+            }
         }
     }
 }
@@ -50,7 +81,6 @@ pub struct TraceRequest {
 /// datasets, kept to `prompt + output ≤ max_model_len` (a request over the
 /// limit is drawn again).
 pub fn generate_trace(workload: Workload, rate: f64, duration_s: f64, max_model_len: usize, seed: u64) -> Vec<TraceRequest> {
-    let (mean_in, mean_out, sigma) = workload.shape();
     let mut rng = Rng::new(seed);
     let mut t = 0.0;
     let mut trace = Vec::new();
@@ -59,15 +89,22 @@ pub fn generate_trace(workload: Workload, rate: f64, duration_s: f64, max_model_
         if t > duration_s {
             return trace;
         }
-        let (prompt_len, output_len) = loop {
-            let p = rng.lognormal_with_mean(mean_in, sigma).round().max(1.0) as usize;
-            let o = rng.lognormal_with_mean(mean_out, sigma).round().max(1.0) as usize;
-            if p + o <= max_model_len {
-                break (p, o);
-            }
-        };
+        let (prompt_len, output_len) = workload.draw(&mut rng, max_model_len);
         trace.push(TraceRequest { arrival_s: t, prompt_len, output_len });
     }
+}
+
+/// `count` requests for closed-loop clients (`vellum bench serve
+/// --max-concurrency`): their lengths, each arriving when a client is free
+/// (`arrival_s` 0 here; the simulation sets it).
+pub fn generate_requests(workload: Workload, count: usize, max_model_len: usize, seed: u64) -> Vec<TraceRequest> {
+    let mut rng = Rng::new(seed);
+    (0..count)
+        .map(|_| {
+            let (prompt_len, output_len) = workload.draw(&mut rng, max_model_len);
+            TraceRequest { arrival_s: 0.0, prompt_len, output_len }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -87,5 +124,18 @@ mod tests {
         let mi = a.iter().map(|r| r.prompt_len).sum::<usize>() as f64 / a.len() as f64;
         assert!((17.0..21.0).contains(&mi), "{mi}");
         assert_eq!(tr, generate_trace(Workload::ShareGpt, 10.0, 2000.0, 2048, 1), "seeded");
+    }
+
+    #[test]
+    fn a_fixed_workload_sends_the_same_lengths() {
+        assert_eq!(Workload::parse("fixed:128:64"), Some(Workload::Fixed { prompt_len: 128, output_len: 64 }));
+        for bad in ["fixed:0:4", "fixed:4", "fixed:a:4", "fixed"] {
+            assert_eq!(Workload::parse(bad), None, "{bad}");
+        }
+        let r = generate_requests(Workload::Fixed { prompt_len: 128, output_len: 64 }, 5, 2048, 3);
+        assert!(r.len() == 5 && r.iter().all(|x| (x.prompt_len, x.output_len) == (128, 64)), "{r:?}");
+        // Cut to fit the model's length.
+        let r = generate_requests(Workload::Fixed { prompt_len: 100, output_len: 100 }, 1, 150, 3);
+        assert_eq!((r[0].prompt_len, r[0].output_len), (100, 50));
     }
 }

@@ -12,9 +12,19 @@ use vellum_simulator::{
 /// Arguments of `vellum simulate`.
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
-    /// Length distribution: sharegpt | alpaca.
+    /// Length distribution: sharegpt | alpaca | fixed:IN:OUT (every request
+    /// IN prompt and OUT output tokens, as `bench serve` sends them).
     #[arg(long, default_value = "sharegpt")]
     pub workload: String,
+    /// Closed-loop clients instead of Poisson arrivals (`bench serve
+    /// --max-concurrency`): this many requests in flight, each client
+    /// sending its next as its last one finishes (--request-rate and
+    /// --duration-s then do not apply).
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Requests the closed-loop clients send in all.
+    #[arg(long, default_value_t = 1000)]
+    pub num_prompts: usize,
     /// Poisson arrival rate, requests per second.
     #[arg(long, default_value_t = 1.0)]
     pub request_rate: f64,
@@ -42,8 +52,10 @@ pub struct SimulateArgs {
     /// Scheduling policy: fcfs | two-level | priority.
     #[arg(long, default_value = "fcfs")]
     pub policy: String,
-    /// Step cost: opt13b-a100 (the paper's setup, fitted to its Fig. 13a)
-    /// or llama3-8b-h100 (bf16 on one H100, from bandwidth and FLOPs).
+    /// Step cost: opt13b-a100 (the paper's setup, fitted to its Fig. 13a),
+    /// llama3-8b-h100 (bf16 on one H100, from bandwidth and FLOPs) or
+    /// vellum-llama3-8b-q8-h100 (Vellum's own steps of that shape in Q8_0 on
+    /// an H100, fitted to its measured decode and prefill rates).
     #[arg(long, default_value = "opt13b-a100")]
     pub cost_model: String,
     /// Most sequences in one step.
@@ -77,8 +89,11 @@ pub struct SimulateArgs {
 
 /// Builds the simulation config the arguments describe.
 pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
-    let workload =
-        Workload::parse(&args.workload).ok_or_else(|| anyhow!("--workload must be sharegpt or alpaca, got {:?}", args.workload))?;
+    let workload = Workload::parse(&args.workload)
+        .ok_or_else(|| anyhow!("--workload must be sharegpt, alpaca or fixed:IN:OUT, got {:?}", args.workload))?;
+    if args.max_concurrency == Some(0) || args.num_prompts == 0 {
+        return Err(anyhow!("--max-concurrency and --num-prompts must be at least 1"));
+    }
     let allocator = AllocatorKind::parse(&args.allocator)
         .ok_or_else(|| anyhow!("--allocator must be paged, orca-max, orca-pow2 or orca-oracle, got {:?}", args.allocator))?;
     let policy = match args.policy.as_str() {
@@ -99,8 +114,9 @@ pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
     if args.n == 0 {
         return Err(anyhow!("--n must be at least 1"));
     }
-    let cost_model = vellum_simulator::CostModel::named(&args.cost_model)
-        .ok_or_else(|| anyhow!("--cost-model must be opt13b-a100 or llama3-8b-h100, got {:?}", args.cost_model))?;
+    let cost_model = vellum_simulator::CostModel::named(&args.cost_model).ok_or_else(|| {
+        anyhow!("--cost-model must be opt13b-a100, llama3-8b-h100 or vellum-llama3-8b-q8-h100, got {:?}", args.cost_model)
+    })?;
     let base = SimConfig::default();
     let scheduler = vellum_base::SchedulerConfig {
         policy,
@@ -123,6 +139,8 @@ pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
         seed: args.seed,
         scheduler,
         cost_model,
+        max_concurrency: args.max_concurrency,
+        num_prompts: args.num_prompts,
         ..base
     })
 }
