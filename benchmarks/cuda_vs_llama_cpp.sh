@@ -70,6 +70,9 @@ run)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
     rows="$out/cuda_vs_llama_cpp.jsonl"
     for r in $(seq 1 "$rounds"); do
+        if [ ! -x "$BIN/llama-batched-bench" ]; then
+            echo "== round $r: llama.cpp is not built ($BIN): its rows are left out" >&2
+        else
         echo "== round $r: llama.cpp ($label)" >&2
         "$BIN/llama-batched-bench" -m "$model" -ngl 99 -fa on -c "$ctx" -b 2048 -ub 512 -npp "$in" -ntg "$gen" -npl "$npl" \
             >"$out/logs/llama_${label}_$r.log" 2>&1 || { tail -5 "$out/logs/llama_${label}_$r.log"; exit 1; }
@@ -83,6 +86,7 @@ for line in open(log):
         print(json.dumps({"engine": "llama.cpp", "model": label, "gpu": gpu, "round": int(r), "batch": b,
                           "prefill_tok_s": float(cells[5]), "decode_tok_s": float(cells[7])}))
 EOF
+        fi
         IFS=';' read -ra vs <<<"$variants"
         for v in "${vs[@]}"; do
             name=${v%%:*} flags=${v#*:}

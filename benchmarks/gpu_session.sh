@@ -1,26 +1,76 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs first, in one call (no Rust, no network
-# there), with .gpu/ carried:
+# there), with .gpu/ and .gpu-llama/ carried (~20 MB):
 #
-#   kernels/cuda/gpu_suite.sh stage       # here (check .gpu matches HEAD)
-#   bash benchmarks/gpu_session.sh        # there (BUDGET_S, default 540)
+#   kernels/cuda/gpu_suite.sh stage && benchmarks/cuda_vs_llama_cpp.sh pack   # here
+#   bash benchmarks/gpu_session.sh                                            # there (BUDGET_S, default 540)
 #
-# 1. benchmarks/mixed_graphs_gpu.sh within 250 s: CUDA graphs for mixed
-#    steps checked against eager launches and measured under `vellum serve`
-#    (the step-overhead issue);
-# 2. benchmarks/gemv_plans_gpu.sh with the rest, on plans 2:2:1 and 4:2:1:
-#    4:2:1's correctness test and its single-stream speed (the tensor-core
-#    issue's decode GEMV), the device sampler, serving counters.
+# In order of priority, each step only if the budget leaves it room:
+# 0. llama.cpp's CUDA build starts in the background (~4 min on 16 cores);
+# 1. the GPU suite's tests of what no GPU has run yet: the conformance suite
+#    (the q/k/v split writing the KV cache, linears with and without bf16
+#    weight copies), the graph test (mixed steps replayed), the GEMV test
+#    (plan 4:2:1 among others), the executor against the CPU;
+# 2. a Llama-3-8B-shaped Q8_0 (written there): `bench latency` at 1 / 64 /
+#    256 sequences with bf16 weight copies (the default) and without
+#    (`--cuda-bf16-weight-copies none`), against llama.cpp's
+#    `llama-batched-bench` on the same file (the tensor-core issue's decode
+#    rows), one round;
+# 3. benchmarks/mixed_graphs_gpu.sh's generate and serving steps with the
+#    rest (the step-overhead issue's mixed steps).
 # Then, in two more calls back to back, benchmarks/golden_gpu.sh stash and
-# run (the golden prompts through --device cuda, the NCCL group of one, and
+# run (the golden prompts through --device cuda, the NCCL group of one,
 # speculative decoding through --device cuda).
-# $OUT: mixed_summary.txt, mixed_logs.tgz, summary.txt, gemv.jsonl, logs.tgz.
+# $OUT: session.txt (this script's lines), mixed_summary.txt,
+# mixed_logs.tgz, logs.tgz (everything else).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+out=${OUT:-.gpu/out}
+mkdir -p "$out/logs"
 t0=$SECONDS
 budget=${BUDGET_S:-540}
-BUDGET_S=250 bash benchmarks/mixed_graphs_gpu.sh
-left=$((budget - (SECONDS - t0)))
-echo "[$((SECONDS - t0)) s] mixed graphs done; ${left} s left for the GEMV plans"
-[ "$left" -gt 60 ] && PLANS=${PLANS:-2:2:1,4:2:1} BUDGET_S=$left bash benchmarks/gemv_plans_gpu.sh
-cat "${OUT:-.gpu/out}/mixed_summary.txt"
+exec > >(tee "$out/session.txt") 2>&1
+stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+left() { echo $((budget - (SECONDS - t0))); }
+checkpoint() { tar -C "$out" -czf "$out/logs.tgz" logs 2>/dev/null; }
+
+build=""
+if [ -f .gpu-llama/llama.cpp.tar.xz ]; then
+    (bash benchmarks/cuda_vs_llama_cpp.sh build >"$out/logs/llama_build.txt" 2>&1; echo "build exit $?" >>"$out/logs/llama_build.txt") &
+    build=$!
+fi
+
+SUITE_FILTER="the_conformance_suite decode_steps gemv_and_cuda_core the_cuda_executor" SUITE_LIMIT=200 \
+    bash .gpu/run.sh suite >"$out/logs/suite.txt" 2>&1
+stamp "suite exit $?"
+grep -E "^test |test result|recorded|SKIPPED|panicked" "$out/logs/suite.txt" | cut -c1-240
+checkpoint
+
+# shellcheck disable=SC1091 # staged there
+source .gpu/run.sh env >/dev/null
+m8=/tmp/m8.gguf
+if [ "$(left)" -gt 240 ]; then
+    timeout 120 bash benchmarks/cuda_vs_llama_cpp.sh model llama3-8b-q8_0 "$m8" >/dev/null 2>&1
+    stamp "8b written, exit $?"
+    if [ -n "$build" ]; then
+        # llama.cpp's row needs its build; give it until 30 s before the end.
+        timeout $(($(left) - 200 > 0 ? $(left) - 200 : 1)) tail --pid="$build" -f /dev/null
+        stamp "$(tail -1 "$out/logs/llama_build.txt" 2>/dev/null)"
+    fi
+    VARIANTS="copies:;none:--cuda-bf16-weight-copies none" ROUNDS=1 timeout $(($(left) - 60)) \
+        bash benchmarks/cuda_vs_llama_cpp.sh run "$m8" llama3-8b-q8_0 >"$out/logs/m8_table.txt" 2>"$out/logs/m8_run.txt"
+    stamp "8b exit $?"
+    cat "$out/logs/m8_table.txt"
+    grep -h "backend=" "$out"/logs/*copies*.log 2>/dev/null | head -1 | cut -c1-260
+    checkpoint
+fi
+
+if [ "$(left)" -gt 60 ]; then
+    SKIP_SUITE=1 BUDGET_S=$(left) bash benchmarks/mixed_graphs_gpu.sh >/dev/null 2>&1
+    stamp "mixed graphs done"
+    cat "$out/mixed_summary.txt"
+fi
+[ -n "$build" ] && kill "$build" 2>/dev/null
+checkpoint
+stamp "done"
+exec >&- 2>&-
