@@ -101,14 +101,21 @@ try:
     text = urllib.request.urlopen("http://127.0.0.1:8011/metrics").read().decode()
 except (OSError, ValueError) as err:
     sys.exit(f"serve {sys.argv[2]}: no result ({err})")
-m = {l.split("{")[0]: float(l.split()[-1]) for l in text.splitlines() if l.startswith("vellum:engine_")}
+m = {l.split("{")[0]: float(l.split()[-1]) for l in text.splitlines() if l.startswith("vellum:engine_") and "le=" not in l}
 g = lambda k: m.get("vellum:engine_" + k, 0.0)
+def step_quantile(kind, q):
+    # The bucket bound where the cumulative count reaches q of the steps.
+    rows = [l for l in text.splitlines() if l.startswith("vellum:engine_step_execute_seconds_bucket") and f'kind="{kind}"' in l]
+    cum = [(l.split('le="')[1].split('"')[0], float(l.split()[-1])) for l in rows]
+    total = cum[-1][1] if cum else 0
+    return next((b for b, c in cum if total and c >= q * total), "n/a")
 steps, decodes = g("steps_total"), g("decode_steps_total")
 mixed_s = g("execute_seconds_total") - g("decode_execute_seconds_total")
 print(f"serve {sys.argv[2]}: {v['output_throughput']:,.0f} output tok/s, ITL median/p99 {(v['itl_s']['median'] or 0) * 1e3:.1f}/"
       f"{(v['itl_s']['p99'] or 0) * 1e3:.1f} ms, TTFT median {(v['ttft_s']['median'] or 0) * 1e3:.0f} ms; {steps:.0f} steps: "
       f"{decodes:.0f} uniform decodes at {g('decode_execute_seconds_total') / max(decodes, 1) * 1e3:.2f} ms, "
-      f"{steps - decodes:.0f} others at {mixed_s / max(steps - decodes, 1) * 1e3:.2f} ms")
+      f"{steps - decodes:.0f} others at {mixed_s / max(steps - decodes, 1) * 1e3:.2f} ms; step p50/p99 bucket bounds (s): "
+      f"decode {step_quantile('decode', 0.5)}/{step_quantile('decode', 0.99)}, others {step_quantile('other', 0.5)}/{step_quantile('other', 0.99)}")
 PY
     echo "  (mixed graphs recorded: $(grep -c 'mixed=true' "$logs/serve_$label.log"))"
     kill "$pid"

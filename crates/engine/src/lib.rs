@@ -59,7 +59,7 @@ pub use backend::WgpuExecutor;
 pub use backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, CudaGraphs, CudaWeightCopies, Device, ExecutorOptions};
 pub use calibration::calibration_token_ids;
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream, STREAM_BUFFER_EVENTS};
-pub use engine_core::{EngineCore, EngineCounters, QueueStats};
+pub use engine_core::{EngineCore, EngineCounters, QueueStats, StepTimes, STEP_SECONDS_BUCKETS};
 pub use error::Error;
 pub use llm::{auto_kv_cache_dtype, EngineArgs, KvSharing, Llm};
 pub use output_processor::{OutputPiece, OutputProcessor, Processed, TokenOutput};

@@ -384,6 +384,42 @@ mod tests {
         assert!((work(&free) - work(&capped)).abs() < 1.0, "the same tokens: {} vs {}", work(&free), work(&capped));
     }
 
+    /// Closed-loop clients with fixed lengths (`bench serve
+    /// --max-concurrency 64 --input-len 128 --output-len 128`): never more
+    /// requests in flight than clients, every request served whole; they
+    /// start together, so prompts arrive in waves, and the first requests
+    /// of a wave wait out its prefill chunks between their first tokens: a
+    /// smaller step budget cuts that tail of the inter-token gaps.
+    #[test]
+    fn closed_loop_clients_send_waves_whose_prefill_sets_the_inter_token_tail() {
+        let run = |budget| {
+            simulate(&SimConfig {
+                workload: Workload::Fixed { prompt_len: 128, output_len: 128 },
+                max_concurrency: Some(64),
+                num_prompts: 256,
+                kv_slots: 400_000,
+                cost_model: CostModel::vellum_llama3_8b_q8_h100(),
+                scheduler: SchedulerConfig {
+                    max_num_seqs: 256,
+                    max_num_batched_tokens: budget,
+                    enable_chunked_prefill: true,
+                    ..SchedulerConfig::default()
+                },
+                ..SimConfig::default()
+            })
+        };
+        let (wide, narrow) = (run(2048), run(512));
+        for r in [&wide, &narrow] {
+            assert_eq!((r.num_requests, r.num_finished), (256, 256), "{r:?}");
+            assert!(r.avg_batched_requests <= 64.0 + 1e-9, "{r:?}");
+            assert!((r.output_tokens_per_s * r.simulated_s - 256.0 * 128.0).abs() < 1.0, "{r:?}");
+        }
+        let ratio = |r: &SimReport| r.itl_p99_s / r.itl_median_s;
+        assert!(ratio(&wide) > 3.0, "a wave's 2048-token steps stretch the gaps: {}", ratio(&wide));
+        assert!(ratio(&narrow) < 0.6 * ratio(&wide), "{} against {}", ratio(&narrow), ratio(&wide));
+        assert!(narrow.ttft_p99_s > wide.ttft_p99_s, "the wave's last prompts wait longer: {} vs {}", narrow.ttft_p99_s, wide.ttft_p99_s);
+    }
+
     #[test]
     fn paged_beats_every_orca_baseline_on_memory() {
         let paged = small(AllocatorKind::Paged);

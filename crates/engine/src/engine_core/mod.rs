@@ -44,6 +44,35 @@ pub struct QueueStats {
     pub num_preemptions: u64,
 }
 
+/// Upper bounds (seconds) of [`StepTimes`]' buckets.
+pub const STEP_SECONDS_BUCKETS: [f64; 14] = [0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0];
+
+/// The executor's seconds of steps, bucketed: how long the slowest steps
+/// took, which the means of [`EngineCounters`] do not say (a tail of
+/// inter-token gaps is a tail of steps, or of what comes after them).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTimes {
+    /// Steps of at most each bound of [`STEP_SECONDS_BUCKETS`] and above
+    /// the one before (the last entry: above every bound).
+    pub counts: [u64; STEP_SECONDS_BUCKETS.len() + 1],
+    /// Their seconds together.
+    pub sum_s: f64,
+}
+
+impl StepTimes {
+    /// Counts a step of `seconds`.
+    pub fn observe(&mut self, seconds: f64) {
+        let at = STEP_SECONDS_BUCKETS.iter().position(|&b| seconds <= b).unwrap_or(STEP_SECONDS_BUCKETS.len());
+        self.counts[at] += 1;
+        self.sum_s += seconds;
+    }
+
+    /// Steps counted.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+}
+
 /// Running totals of what the engine did (for metrics and benchmarks).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EngineCounters {
@@ -72,6 +101,10 @@ pub struct EngineCounters {
     pub decode_steps: u64,
     /// Of `execute_s`, the seconds of those uniform decode steps.
     pub decode_execute_s: f64,
+    /// The executor's seconds of each uniform decode step, bucketed.
+    pub decode_step_times: StepTimes,
+    /// The executor's seconds of each other step, bucketed.
+    pub other_step_times: StepTimes,
 }
 
 /// Scheduler + KV-cache manager + executor + sampler, stepping in lockstep.
@@ -519,6 +552,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             let outputs = self.pool(&out, &result, &rows);
             self.counters.num_steps += 1;
             self.counters.execute_s += (t2 - t1).as_secs_f64();
+            self.counters.other_step_times.observe((t2 - t1).as_secs_f64());
             return Ok(outputs);
         }
         let (samples, draws) = if result.argmax.len() == rows.len() && batch.argmax_only {
@@ -548,6 +582,9 @@ impl<E: ModelExecutor> EngineCore<E> {
         if batch.is_uniform_decode() {
             c.decode_steps += 1;
             c.decode_execute_s += (t2 - t1).as_secs_f64();
+            c.decode_step_times.observe((t2 - t1).as_secs_f64());
+        } else {
+            c.other_step_times.observe((t2 - t1).as_secs_f64());
         }
         c.sample_s += (t3 - t2).as_secs_f64();
         Ok(outputs)
@@ -772,5 +809,22 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
             outputs.finished.extend(more.finished);
         }
         Ok(outputs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{StepTimes, STEP_SECONDS_BUCKETS};
+
+    #[test]
+    fn step_times_fall_in_the_first_bucket_that_holds_them() {
+        let mut t = StepTimes::default();
+        for s in [0.0005, 0.001, 0.0011, 0.03, 2.0] {
+            t.observe(s);
+        }
+        assert_eq!(t.counts[0], 2, "at most 1 ms: {:?}", t.counts);
+        assert_eq!((t.counts[1], t.counts[6], t.counts[STEP_SECONDS_BUCKETS.len()]), (1, 1, 1), "{:?}", t.counts);
+        assert_eq!(t.count(), 5);
+        assert!((t.sum_s - 2.0326).abs() < 1e-9);
     }
 }

@@ -326,6 +326,21 @@ impl Metrics {
             let _ = writeln!(out, "{name}_sum{{{labels}}} {}", fmt(h.sum));
             let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
         }
+        let name = "vellum:engine_step_execute_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Executor seconds of each engine step: kind=\"decode\" the uniform decode steps, kind=\"other\" the rest (prompt chunks, verifications, pooling).\n# TYPE {name} histogram"
+        );
+        for (kind, t) in [("decode", &s.counters.decode_step_times), ("other", &s.counters.other_step_times)] {
+            let mut cumulative = 0;
+            for (b, c) in vellum_engine::STEP_SECONDS_BUCKETS.iter().zip(&t.counts) {
+                cumulative += c;
+                let _ = writeln!(out, "{name}_bucket{{{labels},kind=\"{kind}\",le=\"{}\"}} {cumulative}", fmt(*b));
+            }
+            let _ = writeln!(out, "{name}_bucket{{{labels},kind=\"{kind}\",le=\"+Inf\"}} {}", t.count());
+            let _ = writeln!(out, "{name}_sum{{{labels},kind=\"{kind}\"}} {}", fmt(t.sum_s));
+            let _ = writeln!(out, "{name}_count{{{labels},kind=\"{kind}\"}} {}", t.count());
+        }
         out.push_str(&per_pos);
         out
     }
@@ -388,6 +403,27 @@ mod tests {
             assert!(text.contains(line), "{line} in {text}");
         }
         assert!(!text.contains("position=\"3\""), "positions past the last accepted one are left out");
+    }
+
+    #[test]
+    fn step_times_are_a_cumulative_histogram_by_kind() {
+        let mut s = EngineStats::default();
+        for t in [0.004, 0.012, 0.012, 3.0] {
+            s.counters.decode_step_times.observe(t);
+        }
+        s.counters.other_step_times.observe(0.04);
+        let text = Metrics::new("m", 64).render(&s);
+        for line in [
+            "# TYPE vellum:engine_step_execute_seconds histogram",
+            "vellum:engine_step_execute_seconds_bucket{model_name=\"m\",engine=\"0\",kind=\"decode\",le=\"0.005\"} 1\n",
+            "vellum:engine_step_execute_seconds_bucket{model_name=\"m\",engine=\"0\",kind=\"decode\",le=\"0.015\"} 3\n",
+            "vellum:engine_step_execute_seconds_bucket{model_name=\"m\",engine=\"0\",kind=\"decode\",le=\"1.0\"} 3\n",
+            "vellum:engine_step_execute_seconds_bucket{model_name=\"m\",engine=\"0\",kind=\"decode\",le=\"+Inf\"} 4\n",
+            "vellum:engine_step_execute_seconds_count{model_name=\"m\",engine=\"0\",kind=\"other\"} 1\n",
+            "vellum:engine_step_execute_seconds_bucket{model_name=\"m\",engine=\"0\",kind=\"other\",le=\"0.03\"} 0\n",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
     }
 
     #[test]
