@@ -43,7 +43,7 @@ use vellum_base::{CudaGraphMode, ForwardBatch, StepBounds};
 /// of paged attention v2).
 pub const MIN_CONTEXT_BUCKET: usize = 512;
 
-/// The longest context a decode step is recorded for (vLLM's
+/// The longest context a step is recorded for (vLLM's
 /// `max_seq_len_to_capture`); a batch with a longer one runs eagerly. It
 /// bounds the persistent inputs every shape keeps (block tables of
 /// `rows × 8192 / block_size` entries at most).
@@ -57,8 +57,14 @@ pub const WARMUP_RUNS: u32 = 1;
 /// steps' time, which a shape met only once or twice would not repay.
 pub const MIXED_WARMUP_RUNS: u32 = 3;
 
-/// The batch sizes decode steps are padded to and recorded at (vLLM's
-/// `cudagraph_capture_sizes`), ascending.
+/// Most mixed keys recorded: their shapes (tokens × logits rows × context
+/// bound) are many more than the decode sizes, and each recorded key keeps
+/// its inputs on the device; a mixed shape past these runs eagerly.
+pub const MAX_MIXED_GRAPHS: usize = 64;
+
+/// The token counts steps are padded to and recorded at (vLLM's
+/// `cudagraph_capture_sizes`), ascending; logits rows are padded to them
+/// too.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CaptureSizes(Vec<usize>);
 
@@ -124,11 +130,17 @@ pub struct GraphKey {
 impl GraphKey {
     /// The key of `batch` when `mode` replays it: a uniform decode batch
     /// (one new token per sequence, every row's logits, in order), or under
-    /// [`CudaGraphMode::Full`] any batch that returns logits; of no more tokens
-    /// than the largest capture size and no context past
+    /// [`CudaGraphMode::Full`] any batch but a pooling step (one without
+    /// logits rows takes one); of no more tokens than the largest capture
+    /// size, no sequence without a new token, and no context past
     /// [`MAX_CONTEXT_TO_CAPTURE`]. `None`: it runs eagerly.
     pub fn of(batch: &ForwardBatch, sizes: &CaptureSizes, block_size: usize, mode: CudaGraphMode) -> Option<Self> {
         let t = batch.num_tokens();
+        if batch.num_seqs() > t {
+            // A sequence without a new token: the padding's one-token
+            // sequences would not fit the key's sequence buffers.
+            return None;
+        }
         let uniform = batch.is_uniform_decode();
         let replayed = match mode {
             CudaGraphMode::None => false,
@@ -262,6 +274,9 @@ impl PaddedStep {
         if let Some(&c) = batch.context_lens.iter().find(|&&c| c as usize > key.context_bucket) {
             return Err(format!("a context of {c} for a graph of contexts up to {}", key.context_bucket));
         }
+        if s > n {
+            return Err(format!("{s} sequences for {n} tokens: a sequence without a new token is not padded"));
+        }
         let pad = rows - n;
         // Sequences: the batch's, then one a padding token, then (unused)
         // entries up to `rows` that repeat the end.
@@ -384,27 +399,54 @@ enum Entry<G> {
 /// what to do with its next step.
 pub struct GraphCache<G> {
     entries: HashMap<GraphKey, Entry<G>>,
+    /// Mixed keys recorded (at most [`MAX_MIXED_GRAPHS`]).
+    mixed: usize,
 }
 
 impl<G> Default for GraphCache<G> {
     fn default() -> Self {
-        Self { entries: HashMap::new() }
+        Self { entries: HashMap::new(), mixed: 0 }
     }
 }
 
 impl<G> GraphCache<G> {
-    /// The action for a step of `key`, counting it.
+    /// The action for a step of `key`, counting it. A mixed key due for
+    /// recording once [`MAX_MIXED_GRAPHS`] are recorded runs eagerly from
+    /// then on.
     pub fn next(&mut self, key: GraphKey) -> Action {
+        let full = key.mixed && self.mixed >= MAX_MIXED_GRAPHS;
         let entry = self.entries.entry(key).or_insert(Entry::Warming(0));
         match entry {
             Entry::Warming(n) if *n < key.warmup_runs() => {
                 *n += 1;
                 Action::Eager
             }
+            Entry::Warming(_) if full => {
+                *entry = Entry::Eager;
+                Action::Eager
+            }
             Entry::Warming(_) => Action::Record,
             Entry::Recorded(_) => Action::Replay,
             Entry::Eager => Action::Eager,
         }
+    }
+
+    /// What [`next`](Self::next) would answer for `key`, without counting.
+    pub fn peek(&self, key: &GraphKey) -> Action {
+        match self.entries.get(key) {
+            None => Action::Eager,
+            Some(Entry::Warming(n)) if *n < key.warmup_runs() => Action::Eager,
+            Some(Entry::Warming(_)) if key.mixed && self.mixed >= MAX_MIXED_GRAPHS => Action::Eager,
+            Some(Entry::Warming(_)) => Action::Record,
+            Some(Entry::Recorded(_)) => Action::Replay,
+            Some(Entry::Eager) => Action::Eager,
+        }
+    }
+
+    /// Whether `key` runs eagerly for good (its recording failed, or the
+    /// mixed keys' room was full when it was due).
+    pub fn gave_up(&self, key: &GraphKey) -> bool {
+        matches!(self.entries.get(key), Some(Entry::Eager))
     }
 
     /// Takes back the warm-up [`next`](Self::next) just counted for `key`
@@ -417,6 +459,9 @@ impl<G> GraphCache<G> {
 
     /// Stores `key`'s recorded graph.
     pub fn recorded(&mut self, key: GraphKey, graph: G) {
+        if key.mixed && !matches!(self.entries.get(&key), Some(Entry::Recorded(_))) {
+            self.mixed += 1;
+        }
         self.entries.insert(key, Entry::Recorded(graph));
     }
 
@@ -452,6 +497,7 @@ impl<G> GraphCache<G> {
     /// Forgets every key (the KV cache they address was replaced).
     pub fn clear(&mut self) {
         self.entries.clear();
+        self.mixed = 0;
     }
 }
 
@@ -735,13 +781,47 @@ mod tests {
     }
 
     #[test]
-    fn a_mixed_key_records_after_its_warmups() {
+    fn a_mixed_key_records_after_its_warmups_while_there_is_room() {
         let key = GraphKey { rows: 24, logits_rows: 4, mixed: true, context_bucket: 512, groups: 1, block_size: 16 };
         let mut cache = GraphCache::<&str>::default();
         for _ in 0..MIXED_WARMUP_RUNS {
-            assert_eq!(cache.next(key), Action::Eager);
+            assert_eq!((cache.peek(&key), cache.next(key)), (Action::Eager, Action::Eager));
         }
-        assert_eq!(cache.next(key), Action::Record);
+        assert_eq!((cache.peek(&key), cache.next(key)), (Action::Record, Action::Record));
+        // Room for MAX_MIXED_GRAPHS: the next mixed key due gives up; decode keys do not count.
+        for rows in 0..MAX_MIXED_GRAPHS {
+            cache.recorded(GraphKey { rows: 100 + rows, ..key }, "graph");
+        }
+        cache.recorded(GraphKey { rows: 100, ..key }, "again");
+        let late = GraphKey { rows: 8, ..key };
+        for _ in 0..MIXED_WARMUP_RUNS {
+            assert_eq!(cache.next(late), Action::Eager);
+        }
+        assert!(!cache.gave_up(&late));
+        assert_eq!((cache.peek(&late), cache.next(late)), (Action::Eager, Action::Eager));
+        assert!(cache.gave_up(&late));
+        let decode = GraphKey { mixed: false, logits_rows: 8, ..late };
+        assert_eq!((cache.next(decode), cache.next(decode)), (Action::Eager, Action::Record));
+        cache.clear();
+        assert!(!cache.gave_up(&late));
+    }
+
+    #[test]
+    fn a_batch_with_a_sequence_without_new_tokens_is_not_padded() {
+        // Three tokens in four sequences, the second with no new token.
+        let mut b = mixed_batch(&[(9, 1, true), (20, 13, true)], 1, 8);
+        b.query_start_loc = vec![0, 1, 1, 7, 14];
+        b.context_lens = vec![9, 5, 20, 20];
+        b.block_tables.extend(b.block_tables.clone());
+        assert_eq!(GraphKey::of(&b, &CaptureSizes::up_to(64), 4, CudaGraphMode::Full).map(|k| k.rows), Some(16));
+        b.token_ids.truncate(3);
+        b.positions.truncate(3);
+        b.slot_mapping.truncate(3);
+        b.query_start_loc = vec![0, 1, 1, 2, 3];
+        b.logits_indices = vec![0, 2];
+        assert_eq!(GraphKey::of(&b, &CaptureSizes::up_to(64), 4, CudaGraphMode::Full), None);
+        let key = GraphKey { rows: 4, logits_rows: 2, mixed: true, context_bucket: 512, groups: 1, block_size: 4 };
+        assert!(PaddedStep::new(&b, &key, &b.step_bounds(4).unwrap()).unwrap_err().contains("without a new token"));
     }
 
     #[test]

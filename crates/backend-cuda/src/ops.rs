@@ -205,11 +205,11 @@ pub struct GraphOptions {
     pub capture_sizes: CaptureSizes,
 }
 
-/// A recorded step: the graph, the buffer its logits land in, and
-/// the limits its ops checked.
+/// A recorded step: the graph, the buffer its logits land in (an index
+/// into `Graphs::outputs`), and the limits its ops checked.
 struct Recorded {
     graph: SendGraph,
-    output: CudaSlice<f32>,
+    output: usize,
     cols: usize,
     limits: Limits,
 }
@@ -228,6 +228,30 @@ impl Graphs {
         self.cache.clear();
         self.inputs.clear();
         self.shapes.clear();
+        self.outputs.clear();
+    }
+
+    /// Device bytes of the keys' persistent inputs and the shared outputs
+    /// (beside the graphs' own memory, which the driver reports).
+    fn buffer_bytes(&self) -> u64 {
+        let inputs: usize = self.inputs.values().map(|i| i.bytes()).sum();
+        let outputs: usize = self.outputs.iter().map(|o| o.len() * 4).sum();
+        (inputs + outputs) as u64
+    }
+}
+
+impl StepInputs {
+    /// Device bytes of these buffers.
+    fn bytes(&self) -> usize {
+        let groups: usize = self
+            .groups
+            .iter()
+            .map(|g| {
+                let m = &g.meta;
+                g.slots.len() * 8 + (m.block_tables.len() + m.token_seq.len() + m.query_start_loc.len() + m.context_lens.len()) * 4
+            })
+            .sum();
+        self.ids.len() * 4 + self.positions.len() * 8 + self.logits.len() * 4 + groups
     }
 }
 
@@ -275,6 +299,12 @@ struct Graphs {
     inputs: HashMap<GraphKey, Arc<StepInputs>>,
     /// Each key's logits shape, from its eager warm-up.
     shapes: HashMap<GraphKey, (usize, usize)>,
+    /// The buffers recorded steps leave their logits in, shared: a replay
+    /// and the copy of its rows out run in order on the one stream, under
+    /// the `graphs` lock, so the next replay cannot overwrite rows not yet
+    /// copied. Decode sizes are recorded largest first, so one buffer
+    /// usually serves every key.
+    outputs: Vec<CudaSlice<f32>>,
     /// Milliseconds spent recording, over every key.
     record_ms: f64,
 }
@@ -351,7 +381,7 @@ pub struct CudaOps {
     /// The tensor-parallel group this instance is rank `.1` of (`None`: a
     /// group of one).
     group: Option<(Arc<NcclGroup>, usize)>,
-    /// Decode steps recorded as CUDA graphs ([`crate::graphs`]).
+    /// Steps recorded as CUDA graphs ([`crate::graphs`]).
     graphs: Mutex<Graphs>,
     /// While a step is recorded: the limits its ops check indices against.
     recording: Mutex<Option<Limits>>,
@@ -405,6 +435,7 @@ impl CudaOps {
             cache: GraphCache::default(),
             inputs: HashMap::new(),
             shapes: HashMap::new(),
+            outputs: Vec::new(),
             record_ms: 0.0,
         };
         Ok(Self {
@@ -529,8 +560,32 @@ impl CudaOps {
     /// those are in use (an earlier step still holds them), so that the
     /// step runs on its own buffers.
     fn prepare_graph_step(&self, batch: &ForwardBatch, key: GraphKey, bounds: &StepBounds) -> OpResult<Option<CudaStep>> {
-        let PaddedStep { inputs: host, bounds } = PaddedStep::new(batch, &key, bounds).map_err(Error::Backend)?;
         let mut graphs = lock(&self.graphs);
+        if graphs.cache.gave_up(&key) {
+            // Eager for good: the step runs as it is, unpadded.
+            return Ok(None);
+        }
+        let PaddedStep { inputs: host, bounds } = match PaddedStep::new(batch, &key, bounds) {
+            Ok(padded) => padded,
+            Err(why) => {
+                tracing::debug!(?key, "a step not padded to its graph's shape runs eagerly: {why}");
+                return Ok(None);
+            }
+        };
+        let step = |inputs| CudaStep {
+            inputs,
+            tokens: key.rows,
+            logits_rows: key.logits_rows,
+            rows_out: batch.logits_indices.len(),
+            block_size: key.block_size,
+            bounds,
+            graph: Some(key),
+        };
+        if graphs.cache.peek(&key) == Action::Eager && !graphs.inputs.contains_key(&key) {
+            // A warm-up: the padded shape on buffers of its own; a key keeps
+            // persistent inputs only once it is to be recorded.
+            return Ok(Some(step(Arc::new(self.upload_inputs(&host, key.table_stride(), key.rows, key.context_bucket)?))));
+        }
         let inputs = match graphs.inputs.entry(key) {
             std::collections::hash_map::Entry::Vacant(slot) => {
                 slot.insert(Arc::new(self.upload_inputs(&host, key.table_stride(), key.rows, key.context_bucket)?)).clone()
@@ -561,15 +616,7 @@ impl CudaOps {
                 slot.get().clone()
             }
         };
-        Ok(Some(CudaStep {
-            inputs,
-            tokens: key.rows,
-            logits_rows: key.logits_rows,
-            rows_out: batch.logits_indices.len(),
-            block_size: key.block_size,
-            bounds,
-            graph: Some(key),
-        }))
+        Ok(Some(step(inputs)))
     }
 
     /// `host` on the device: block tables of `stride` entries a sequence,
@@ -602,15 +649,23 @@ impl CudaOps {
         let (rows, cols) = *graphs.shapes.get(&key).ok_or_else(|| RecordError::Capture("no warm-up step of this shape".into()))?;
         let capture = |e: cudarc::driver::DriverError| RecordError::Capture(e.to_string());
         let started = std::time::Instant::now();
-        let mut output = self.zeros::<f32>(rows * cols).map_err(|e| RecordError::Capture(e.to_string()))?;
+        // The smallest shared buffer that holds these logits, else a new one.
+        let fits = graphs.outputs.iter().enumerate().filter(|(_, o)| o.len() >= rows * cols).min_by_key(|(_, o)| o.len()).map(|(i, _)| i);
+        let output_at = match fits {
+            Some(i) => i,
+            None => {
+                graphs.outputs.push(self.zeros::<f32>(rows * cols).map_err(|e| RecordError::Capture(e.to_string()))?);
+                graphs.outputs.len() - 1
+            }
+        };
         let stream = self.k.stream().clone();
         stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(capture)?;
         let guard = CaptureGuard { stream: &stream };
         *lock(&self.recording) = Some(Limits::default());
         let copied = match forward() {
-            Ok(out) if (out.rows, out.cols) == (rows, cols) => {
-                stream.memcpy_dtod(&out.buf, &mut output).map_err(|e| RecordError::Capture(e.to_string()))
-            }
+            Ok(out) if (out.rows, out.cols) == (rows, cols) => stream
+                .memcpy_dtod(&out.buf, &mut graphs.outputs[output_at].slice_mut(..rows * cols))
+                .map_err(|e| RecordError::Capture(e.to_string())),
             Ok(out) => Err(RecordError::Capture(format!("[{}, {}] logits recorded for [{rows}, {cols}]", out.rows, out.cols))),
             Err(e) => Err(RecordError::Step(e)),
         };
@@ -628,7 +683,7 @@ impl CudaOps {
         graph.upload().map_err(capture)?;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         graphs.record_ms += ms;
-        let (memory, _) = self.graph_memory();
+        let memory = self.graph_memory().0 + graphs.buffer_bytes();
         tracing::info!(
             rows = key.rows,
             logits_rows = key.logits_rows,
@@ -638,7 +693,7 @@ impl CudaOps {
             graph_memory_mib = memory >> 20,
             "recorded a step as a CUDA graph"
         );
-        graphs.cache.recorded(key, Recorded { graph: SendGraph(graph), output, cols, limits });
+        graphs.cache.recorded(key, Recorded { graph: SendGraph(graph), output: output_at, cols, limits });
         Ok(())
     }
 
@@ -916,7 +971,7 @@ impl Ops for CudaOps {
             Bound::Slot,
             step.bounds.max_slot,
             cache.num_blocks * cache.spec.block_size,
-            "write_kv: slot",
+            "attention_stacked: slot",
             "the pool's slots",
         )?;
         check(layer < cache.spec.groups.num_layers(), || format!("attention_stacked: no layer {layer}"))?;
@@ -1292,7 +1347,8 @@ impl Ops for CudaOps {
             let out = forward()?;
             return self.first_rows(out, step.rows_out);
         }
-        self.copy_rows(&recorded.output, step.rows_out, recorded.cols)
+        let output = graphs.outputs.get(recorded.output).ok_or_else(|| Error::Backend("graph: its output buffer is gone".into()))?;
+        self.copy_rows(output, step.rows_out, recorded.cols)
     }
 
     fn graph_sizes(&self) -> Vec<usize> {
@@ -1310,7 +1366,8 @@ impl Ops for CudaOps {
     }
 
     fn graph_memory(&self) -> u64 {
-        CudaOps::graph_memory(self).0
+        // The graphs' own allocations, and the inputs and outputs kept for them.
+        CudaOps::graph_memory(self).0 + lock(&self.graphs).buffer_bytes()
     }
 
     fn release_graphs(&self) {
@@ -1435,9 +1492,14 @@ impl AttentionBackend for CudaOps {
         // current there.
         self.k.stream().context().bind_to_thread().map_err(|e| backend(e.into()))?;
         let bounds = batch.step_bounds(block_size)?;
+        // A calibration pass runs as it is: its keys and values are measured,
+        // and padding rows would be measured with them.
+        let calibrating = self.calibrating.load(std::sync::atomic::Ordering::Relaxed);
         let key = {
             let g = lock(&self.graphs);
-            self.graphs_on(&g).then(|| GraphKey::of(batch, &g.options.capture_sizes, block_size, g.options.mode)).flatten()
+            (self.graphs_on(&g) && !calibrating)
+                .then(|| GraphKey::of(batch, &g.options.capture_sizes, block_size, g.options.mode))
+                .flatten()
         };
         if let Some(key) = key {
             if let Some(step) = self.prepare_graph_step(batch, key, &bounds)? {
@@ -1533,7 +1595,8 @@ impl AttentionBackend for CudaOps {
         // SAFETY: every block id of the step's tables is below the pool's
         // num_blocks (checked above against the step's bounds), and the
         // group's metadata was built by prepare_step from a batch whose
-        // shape ForwardBatch::step_bounds checked.
+        // shape ForwardBatch::step_bounds checked — as it is, or padded to
+        // its graph's shape by PaddedStep, whose padding reads block 0 only.
         unsafe { self.k.paged_attention(&mut out.buf, &q.buf, &cache.pools[at.slot], &g.meta, params, None) }.map_err(backend)?;
         Ok(out)
     }

@@ -211,8 +211,14 @@ impl ForwardBatch {
         if self.context_lens.len() != s || self.block_tables.len() < groups * s * stride {
             return bad("context lengths or block tables do not match the sequences".into());
         }
-        if !self.query_start_loc.windows(2).all(|w| w[0] <= w[1]) || self.query_start_loc.last().is_some_and(|&e| e as usize != t) {
-            return bad("query_start_loc is not an offset list ending at the token count".into());
+        let offsets = self.query_start_loc.first().is_none_or(|&q| q == 0)
+            && self.query_start_loc.windows(2).all(|w| w[0] <= w[1])
+            && self.query_start_loc.last().map_or(0, |&e| e as usize) == t;
+        if !offsets {
+            return bad("query_start_loc is not an offset list from 0 to the token count".into());
+        }
+        if let Some(&r) = self.logits_indices.iter().find(|&&r| r as usize >= t) {
+            return bad(format!("logits row {r} of {t} tokens"));
         }
         let mut token_seq = Vec::with_capacity(t);
         let mut max_block = None::<u32>;
@@ -350,12 +356,20 @@ mod tests {
 
     #[test]
     fn step_bounds_refuse_inconsistent_batches() {
-        let cases: [fn(&mut ForwardBatch); 5] = [
+        let cases: [fn(&mut ForwardBatch); 9] = [
             |b| {
                 b.positions.pop();
             },
             |b| b.query_start_loc = vec![0, 2, 1],
             |b| b.query_start_loc = vec![0, 2, 4],
+            |b| b.query_start_loc = vec![1, 2, 3], // not from 0
+            |b| {
+                // No offsets for three tokens.
+                b.query_start_loc.clear();
+                b.context_lens.clear();
+            },
+            |b| b.logits_indices = vec![3], // past the tokens
+            |b| b.logits_indices = vec![0, 7],
             |b| b.context_lens[0] = 1, // 2 queries in a context of 1
             |b| b.context_lens[1] = 9, // 3 blocks in a row of 2
         ];

@@ -215,13 +215,22 @@ impl EngineFlags {
         for ignored in &config.ignored {
             tracing::warn!("--compilation-config: {ignored}; ignored");
         }
+        for note in &config.notes {
+            tracing::warn!("--compilation-config: {note}");
+        }
         if let Some(sizes) = &self.cuda_graph_sizes {
             if sizes.is_empty() || sizes.contains(&0) {
                 bail!("--cuda-graph-sizes takes token counts of at least 1");
             }
         }
+        let sorted = |v: &Vec<usize>| {
+            let mut v = v.clone();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
         let mut capture_sizes = match (&self.cuda_graph_sizes, &config.cudagraph_capture_sizes) {
-            (Some(a), Some(b)) if a != b => {
+            (Some(a), Some(b)) if sorted(a) != sorted(b) => {
                 bail!("--cuda-graph-sizes {a:?} and --compilation-config's cudagraph_capture_sizes {b:?} disagree: give one")
             }
             (a, b) => a.clone().or_else(|| b.clone()),
@@ -416,6 +425,9 @@ mod tests {
         assert_eq!(full.expect("valid"), CudaGraphs { mode: CudaGraphMode::Full, capture_sizes: Some(vec![1, 4, 16]) });
         let capped = graphs(&["--compilation-config", r#"{"max_cudagraph_capture_size": 16, "level": 3}"#]).expect("valid");
         assert_eq!(capped.capture_sizes, Some(vec![1, 2, 4, 8, 16]));
+        // The same sizes in another order agree.
+        let same = graphs(&["--cuda-graph-sizes", "1,8", "--compilation-config", r#"{"cudagraph_capture_sizes": [8, 1]}"#]);
+        assert_eq!(same.expect("the same sizes").capture_sizes, Some(vec![1, 8]));
         // --enforce-eager wins over a mode, as in vLLM.
         let eager = graphs(&["--enforce-eager", "--compilation-config", r#"{"cudagraph_mode": "FULL"}"#]).expect("valid");
         assert_eq!(eager.mode, CudaGraphMode::None);
