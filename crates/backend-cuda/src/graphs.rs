@@ -465,9 +465,14 @@ impl<G> GraphCache<G> {
         self.entries.insert(key, Entry::Recorded(graph));
     }
 
-    /// Marks `key` as failing to record: its steps run eagerly.
+    /// Marks `key` as failing to record (or to replay): its steps run
+    /// eagerly, and a recorded mixed key's room is free again.
     pub fn failed(&mut self, key: GraphKey) {
-        self.entries.insert(key, Entry::Eager);
+        if let Some(Entry::Recorded(_)) = self.entries.insert(key, Entry::Eager) {
+            if key.mixed {
+                self.mixed -= 1;
+            }
+        }
     }
 
     /// `key`'s graph, once recorded.
@@ -800,6 +805,13 @@ mod tests {
         assert!(!cache.gave_up(&late));
         assert_eq!((cache.peek(&late), cache.next(late)), (Action::Eager, Action::Eager));
         assert!(cache.gave_up(&late));
+        // A recorded mixed key that fails gives its room back.
+        cache.failed(GraphKey { rows: 100, ..key });
+        let again = GraphKey { rows: 9, ..key };
+        for _ in 0..MIXED_WARMUP_RUNS {
+            cache.next(again);
+        }
+        assert_eq!(cache.next(again), Action::Record);
         let decode = GraphKey { mixed: false, logits_rows: 8, ..late };
         assert_eq!((cache.next(decode), cache.next(decode)), (Action::Eager, Action::Record));
         cache.clear();

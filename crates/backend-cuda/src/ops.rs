@@ -91,6 +91,10 @@ pub struct CudaWeight {
 }
 
 /// Which quantized linear weights also keep a bf16 copy on the device.
+/// Under `Auto` a weight gets one only while the copies stay within a
+/// quarter of the GPU and at least half the GPU stays free after it (the
+/// rest of the weights, the activations and the KV cache still to come),
+/// and an allocation that fails leaves that weight without one.
 /// With one, a product of more than [`GEMV_MAX_ROWS`] rows is cuBLAS over
 /// the copy; without, it is the tensor-core GEMM, or from
 /// [`CUBLAS_MIN_ROWS`] cuBLAS over a copy dequantized for that product
@@ -103,8 +107,8 @@ pub struct CudaWeight {
 /// (15 GB for Llama 3 8B) that the KV cache does not get.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightCopies {
-    /// Copies while they fit in a quarter of the GPU's memory, in the order
-    /// the weights load (the default).
+    /// Copies while they fit in a quarter of the GPU's memory and leave half
+    /// of it free, in the order the weights load (the default).
     #[default]
     Auto,
     /// A copy of every quantized linear weight.
@@ -391,8 +395,10 @@ pub struct CudaOps {
     calibrating: std::sync::atomic::AtomicBool,
     kv_absmax: KvAbsmax,
     /// The bytes the weights' bf16 copies may take ([`WeightCopies`]), and
-    /// the bytes they take.
+    /// the bytes they take; under `Auto`, also the device memory that must
+    /// stay free after a copy.
     copies_budget: u64,
+    copies_keep_free: u64,
     copies_bytes: std::sync::atomic::AtomicU64,
 }
 
@@ -450,6 +456,7 @@ impl CudaOps {
             calibrating: Default::default(),
             kv_absmax: KvAbsmax::default(),
             copies_budget: WeightCopies::default().budget(total_memory),
+            copies_keep_free: total_memory / 2,
             copies_bytes: Default::default(),
         })
     }
@@ -458,7 +465,9 @@ impl CudaOps {
     /// ([`WeightCopies`]; `Auto` by default). Weights loaded after this
     /// call follow it.
     pub fn with_weight_copies(mut self, copies: WeightCopies) -> Self {
-        self.copies_budget = copies.budget(self.k.info().total_memory as u64);
+        let total = self.k.info().total_memory as u64;
+        self.copies_budget = copies.budget(total);
+        self.copies_keep_free = if copies == WeightCopies::Auto { total / 2 } else { 0 };
         self
     }
 
@@ -647,9 +656,9 @@ impl CudaOps {
     /// ([`CaptureGuard`]).
     fn record(&self, graphs: &mut Graphs, key: GraphKey, forward: &mut dyn FnMut() -> OpResult<CudaTensor>) -> Result<(), RecordError> {
         let (rows, cols) = *graphs.shapes.get(&key).ok_or_else(|| RecordError::Capture("no warm-up step of this shape".into()))?;
-        let capture = |e: cudarc::driver::DriverError| RecordError::Capture(e.to_string());
         let started = std::time::Instant::now();
-        // The smallest shared buffer that holds these logits, else a new one.
+        // The smallest shared buffer that holds these logits, else a new one
+        // (given back if the recording fails).
         let fits = graphs.outputs.iter().enumerate().filter(|(_, o)| o.len() >= rows * cols).min_by_key(|(_, o)| o.len()).map(|(i, _)| i);
         let output_at = match fits {
             Some(i) => i,
@@ -658,6 +667,25 @@ impl CudaOps {
                 graphs.outputs.len() - 1
             }
         };
+        let recorded = self.record_into(graphs, key, forward, (rows, cols), output_at, started);
+        if recorded.is_err() && fits.is_none() {
+            graphs.outputs.pop();
+        }
+        recorded
+    }
+
+    /// [`record`](Self::record)'s capture, its logits copied into the
+    /// shared output buffer `output_at`.
+    fn record_into(
+        &self,
+        graphs: &mut Graphs,
+        key: GraphKey,
+        forward: &mut dyn FnMut() -> OpResult<CudaTensor>,
+        (rows, cols): (usize, usize),
+        output_at: usize,
+        started: std::time::Instant,
+    ) -> Result<(), RecordError> {
+        let capture = |e: cudarc::driver::DriverError| RecordError::Capture(e.to_string());
         let stream = self.k.stream().clone();
         stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(capture)?;
         let guard = CaptureGuard { stream: &stream };
@@ -806,6 +834,12 @@ impl CudaOps {
             return Ok(None);
         }
         let bytes = (m.n * m.k * 2) as u64;
+        if self.copies_keep_free > 0 {
+            let free = self.k.context().mem_get_info().map_or(0, |(free, _)| free as u64);
+            if free.saturating_sub(bytes) < self.copies_keep_free {
+                return Ok(None);
+            }
+        }
         let taken = self.copies_bytes.fetch_add(bytes, Ordering::Relaxed);
         if taken.saturating_add(bytes) > self.copies_budget {
             self.copies_bytes.fetch_sub(bytes, Ordering::Relaxed);
@@ -814,10 +848,19 @@ impl CudaOps {
         // SAFETY: uninitialized; dequantize_bf16 writes all n·k elements.
         let copy = unsafe { self.k.stream().alloc::<u16>(m.n * m.k) }.map_err(|e| backend(e.into()));
         let copy = copy.and_then(|mut c| self.k.dequantize_bf16(&mut c, m).map_err(backend).map(|()| c));
-        if copy.is_err() {
-            self.copies_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        match copy {
+            Ok(c) => Ok(Some(c)),
+            // Under Auto a copy that does not fit is none; asked for all, it is an error.
+            Err(e) => {
+                self.copies_bytes.fetch_sub(bytes, Ordering::Relaxed);
+                if self.copies_keep_free > 0 {
+                    tracing::debug!("a weight keeps no bf16 copy: {e}");
+                    Ok(None)
+                } else {
+                    Err(e)
+                }
+            }
         }
-        copy.map(Some)
     }
 
     /// Copies a repacked weight's planes to the device.
@@ -1293,6 +1336,15 @@ impl Ops for CudaOps {
             return forward();
         };
         let mut graphs = lock(&self.graphs);
+        if graphs.cache.peek(&key) != Action::Eager && !graphs.inputs.get(&key).is_some_and(|i| Arc::ptr_eq(i, &step.inputs)) {
+            // Prepared as a warm-up on buffers of its own (the key became due
+            // meanwhile: another step of it ran first): recording or
+            // replaying would read those buffers at later steps. It runs
+            // eagerly, uncounted; the key's next step records or replays.
+            drop(graphs);
+            let out = forward()?;
+            return self.first_rows(out, step.rows_out);
+        }
         match graphs.cache.next(key) {
             Action::Eager => {
                 // A failed warm-up does not count: the shape is warmed up again.
@@ -1310,12 +1362,15 @@ impl Ops for CudaOps {
                     drop(graphs);
                     let out = forward()?;
                     tracing::warn!(?key, "steps of this shape run eagerly: {e}");
-                    lock(&self.graphs).cache.failed(key);
+                    let mut graphs = lock(&self.graphs);
+                    graphs.cache.failed(key);
+                    graphs.inputs.remove(&key);
                     return self.first_rows(out, step.rows_out);
                 }
                 Err(RecordError::Capture(why)) => {
                     tracing::warn!(?key, "steps of this shape run eagerly: {why}");
                     graphs.cache.failed(key);
+                    graphs.inputs.remove(&key);
                     // A stream that could not leave its capture takes no more.
                     if !matches!(
                         self.k.stream().capture_status(),
@@ -1343,6 +1398,7 @@ impl Ops for CudaOps {
             // The shape runs eagerly from now on (its graph is dropped).
             tracing::warn!(?key, "a recorded step failed to launch; eager from now on: {e}");
             graphs.cache.failed(key);
+            graphs.inputs.remove(&key);
             drop(graphs);
             let out = forward()?;
             return self.first_rows(out, step.rows_out);

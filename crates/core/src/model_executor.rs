@@ -168,7 +168,7 @@ fn device_fraction_bytes(f: f32, memory: KvMemory) -> Result<u64> {
         return Err(Error::InvalidConfig {
             field: "gpu_memory_utilization",
             message: format!(
-                "{f} of {} MiB leaves nothing for the KV cache: {} MiB are in use (weights, runtime), a forward pass of the step budget takes {} MiB more and recorded decode steps {} MiB; raise it or lower --max-num-batched-tokens",
+                "{f} of {} MiB leaves nothing for the KV cache: {} MiB are in use (weights — on --device cuda with their bf16 copies, --cuda-bf16-weight-copies — and the runtime), a forward pass of the step budget takes {} MiB more and recorded decode steps {} MiB; raise it or lower --max-num-batched-tokens",
                 d.total_bytes >> 20,
                 in_use >> 20,
                 d.activation_peak_bytes >> 20,

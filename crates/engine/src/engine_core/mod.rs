@@ -44,12 +44,20 @@ pub struct QueueStats {
     pub num_preemptions: u64,
 }
 
+/// `f()` and the seconds it took.
+fn timed<R>(f: impl FnOnce() -> R) -> (R, f64) {
+    let started = Instant::now();
+    let r = f();
+    (r, started.elapsed().as_secs_f64())
+}
+
 /// Upper bounds (seconds) of [`StepTimes`]' buckets.
 pub const STEP_SECONDS_BUCKETS: [f64; 14] = [0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0];
 
-/// The executor's seconds of steps, bucketed: how long the slowest steps
-/// took, which the means of [`EngineCounters`] do not say (a tail of
-/// inter-token gaps is a tail of steps, or of what comes after them).
+/// The executor's own seconds of steps (the forward pass alone, not the
+/// work beside it), bucketed: how long the slowest steps took, which the
+/// means of [`EngineCounters`] do not say (a tail of inter-token gaps is a
+/// tail of steps, or of what comes after them).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StepTimes {
     /// Steps of at most each bound of [`STEP_SECONDS_BUCKETS`] and above
@@ -459,16 +467,17 @@ impl<E: ModelExecutor> EngineCore<E> {
                     let started = Instant::now();
                     (sampling::structured_masks(seqs, rows), started.elapsed().as_secs_f64())
                 });
-                let result = executor.execute(batch);
+                let result = timed(|| executor.execute(batch));
                 (result, masks.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
             });
             self.counters.structured_mask_s += mask_s;
             (result, Some(masks))
         } else {
-            (executor.execute(&step.batch), None)
+            (timed(|| executor.execute(&step.batch)), None)
         };
         let t2 = Instant::now();
-        self.finish_step(step, result, masks, t1, t2)
+        let (result, exec_s) = result;
+        self.finish_step(step, result, masks, t1, t2, exec_s)
     }
 
     /// Drafts, then [`EngineCore::schedule_and_build`].
@@ -529,6 +538,7 @@ impl<E: ModelExecutor> EngineCore<E> {
         masks: Option<sampling::Masks>,
         t1: Instant,
         t2: Instant,
+        exec_s: f64,
     ) -> Result<StepOutputs, Error> {
         let Prepared { out, batch, rows, .. } = step;
         let result = match result {
@@ -552,7 +562,7 @@ impl<E: ModelExecutor> EngineCore<E> {
             let outputs = self.pool(&out, &result, &rows);
             self.counters.num_steps += 1;
             self.counters.execute_s += (t2 - t1).as_secs_f64();
-            self.counters.other_step_times.observe((t2 - t1).as_secs_f64());
+            self.counters.other_step_times.observe(exec_s);
             return Ok(outputs);
         }
         let (samples, draws) = if result.argmax.len() == rows.len() && batch.argmax_only {
@@ -582,9 +592,9 @@ impl<E: ModelExecutor> EngineCore<E> {
         if batch.is_uniform_decode() {
             c.decode_steps += 1;
             c.decode_execute_s += (t2 - t1).as_secs_f64();
-            c.decode_step_times.observe((t2 - t1).as_secs_f64());
+            c.decode_step_times.observe(exec_s);
         } else {
-            c.other_step_times.observe((t2 - t1).as_secs_f64());
+            c.other_step_times.observe(exec_s);
         }
         c.sample_s += (t3 - t2).as_secs_f64();
         Ok(outputs)
@@ -782,7 +792,7 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
                 }));
                 (ahead, ahead_s)
             });
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| executor.execute(&step.batch)));
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| timed(|| executor.execute(&step.batch))));
             let (ahead, ahead_s) = helper.join().unwrap_or_else(|panic| (Err(panic), 0.0));
             (result, ahead, ahead_s)
         });
@@ -793,12 +803,12 @@ impl<E: ModelExecutor + Send> EngineCore<E> {
         // synchronously: step N's record is not retired.)
         let retire_empty = next.is_none();
         self.pending = next;
-        let result = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        let (result, exec_s) = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         let t2 = Instant::now();
         self.counters.schedule_s += unhidden_s + (t1 - t0).as_secs_f64() + ahead_s;
         self.counters.schedule_overlapped_s += ahead_s;
         // Step N's update comes first, then an empty N+1 is retired at once.
-        let outputs = self.finish_step(step, result, masks, t1, t2);
+        let outputs = self.finish_step(step, result, masks, t1, t2, exec_s);
         if retire_empty {
             self.retire_empty_record();
         }
