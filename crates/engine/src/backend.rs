@@ -101,7 +101,8 @@ pub struct ExecutorOptions {
 /// Q8_0 FFN weights), at two bytes a weight the KV cache does not get.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CudaWeightCopies {
-    /// While the copies fit in a quarter of the GPU's memory.
+    /// While the copies fit in a quarter of the GPU's memory and leave half
+    /// of it free.
     #[default]
     Auto,
     /// Every quantized linear weight.

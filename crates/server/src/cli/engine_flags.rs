@@ -144,7 +144,8 @@ pub struct EngineFlags {
     #[arg(long)]
     pub compilation_config: Option<String>,
     /// Which quantized linear weights --device cuda also keeps as bf16 for
-    /// cuBLAS: auto (while the copies fit in a quarter of the GPU), all, or
+    /// cuBLAS: auto (while the copies fit in a quarter of the GPU and leave
+    /// half of it free), all, or
     /// none. A batch of 3+ rows then multiplies the copy instead of
     /// dequantizing the weight for every product (0.39–0.61× the time at
     /// 4–256 rows on an H100, Llama 3 8B's Q8_0 FFN weights); two bytes a
