@@ -64,7 +64,8 @@ end_summary() {
 }
 
 # The spec step: `vellum bench latency` at one sequence on the four
-# workloads, plainly, with n-gram prompt lookup, and (rewrite_code) with
+# workloads, plainly, with n-gram prompt lookup (on a GPU also with its
+# verification steps replayed as CUDA graphs), and (rewrite_code) with
 # the model file as its own draft, in alternated rounds; each run's JSON
 # tagged with its workload, mode and round in $out/spec_$device.jsonl, its
 # log in $out/spec_logs.tgz; the table last.
@@ -81,7 +82,10 @@ spec_step() { # vellum device gguf out
     for round in $(seq 1 "$rounds"); do
         for w in rewrite_text rewrite_code fix_code chat; do
             modes="plain ngram"
-            [ "$w" = rewrite_code ] && [ "${DRAFT:-1}" = 1 ] && modes="plain ngram draft_model"
+            # On a GPU, n-gram again with the verification steps (mixed steps)
+            # replayed as CUDA graphs (--compilation-config's FULL).
+            [ "$device" = cuda ] && modes="$modes ngram_full"
+            [ "$w" = rewrite_code ] && [ "${DRAFT:-1}" = 1 ] && modes="$modes draft_model"
             for mode in $modes; do
                 # A run gets what the budget leaves, 60 s at most, 15 s at least.
                 left=$((budget - (SECONDS - t0)))
@@ -92,6 +96,7 @@ spec_step() { # vellum device gguf out
                 [ "$left" -gt 60 ] && left=60
                 extra=()
                 [ "$mode" = ngram ] && extra=(--speculative-config "$spec")
+                [ "$mode" = ngram_full ] && extra=(--speculative-config "$spec" --compilation-config '{"cudagraph_mode": "FULL"}')
                 [ "$mode" = draft_model ] && extra=(--speculative-config "$draft")
                 tag=${w}_${mode}_$round
                 timeout "$left" "$vellum" bench latency --device "$device" --model "$gguf" --batch-size 1 \

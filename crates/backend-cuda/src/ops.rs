@@ -400,6 +400,9 @@ pub struct CudaOps {
     copies_budget: u64,
     copies_keep_free: u64,
     copies_bytes: std::sync::atomic::AtomicU64,
+    /// Layers whose keys and values the q/k/v split wrote into the cache
+    /// itself ([`Ops::attention_stacked`]), counted for the tests.
+    split_kv_writes: std::sync::atomic::AtomicU64,
 }
 
 /// `m` locked, whether or not a thread panicked holding it (what it guards
@@ -458,6 +461,7 @@ impl CudaOps {
             copies_budget: WeightCopies::default().budget(total_memory),
             copies_keep_free: total_memory / 2,
             copies_bytes: Default::default(),
+            split_kv_writes: Default::default(),
         })
     }
 
@@ -474,6 +478,12 @@ impl CudaOps {
     /// The bytes the weights' bf16 copies take on the device.
     pub fn weight_copies_bytes(&self) -> u64 {
         self.copies_bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many times the q/k/v split wrote a layer's keys and values into
+    /// the cache itself (the fused path of [`Ops::attention_stacked`]).
+    pub fn split_kv_writes(&self) -> u64 {
+        self.split_kv_writes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sets which steps use CUDA graphs (uniform decode steps up to 512
@@ -1041,6 +1051,7 @@ impl Ops for CudaOps {
             self.k.split_qkv_into_cache(&mut q.buf, &qkv.buf, qkv.rows, widths, rotation, &mut cache.pools[at.slot], &g.slots, scale)
         }
         .map_err(backend)?;
+        self.split_kv_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.paged_attention(cache, layer, &q, step, shape)
     }
 

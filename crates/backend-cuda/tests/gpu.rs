@@ -713,7 +713,8 @@ fn argmax(v: &[f32]) -> usize {
 
 /// The shared conformance suite (`vellum-conformance`): every op and the
 /// paged attention at the head sizes, block sizes and KV types the backend
-/// declares, against the CPU's float32 path; its linears (1–40 rows) again
+/// declares, against the CPU's float32 path (the stacked-attention check
+/// through the split that writes the cache, counted); its linears (1–40 rows) again
 /// with no weight keeping a bf16 copy (the tensor-core GEMM past 2 rows,
 /// where the default multiplies the copies through cuBLAS).
 #[test]
@@ -723,6 +724,8 @@ fn the_conformance_suite_passes_or_skips_without_a_gpu() {
         Ok(ops) => {
             assert!(vellum_base::AttentionBackend::describe(&ops).contains("cuda"));
             vellum_conformance::Suite::new("cuda").run(&ops);
+            // Its stacked-attention check took the fused path (split writing the cache).
+            assert!(ops.split_kv_writes() > 0, "attention_stacked never wrote the cache from the split");
             let apart = vellum_backend_cuda::CudaOps::new(0)
                 .expect("a second instance")
                 .with_weight_copies(vellum_backend_cuda::WeightCopies::None);
