@@ -17,7 +17,9 @@
 #    default (FULL_DECODE_ONLY) and FULL with capture sizes up to 1,024
 #    tokens, alternated twice: output tok/s, ITL, and from /metrics the
 #    executor's time a uniform decode step and a mixed one; `bench latency`
-#    at 256 sequences beside it (the step-overhead issue's ≥ 95% row);
+#    at 256 sequences beside it (the step-overhead issue's ≥ 95% row), and
+#    `bench throughput` on the same requests offline (prefill included: what
+#    serving can reach);
 # 4. if the budget allows, a Llama-3-8B-shaped Q8_0 served at 64 clients the
 #    same two ways: ITL median and p99 (the issue's p99 ≤ 3× median row).
 # $OUT gets mixed_summary.txt as it runs and mixed_logs.tgz after every step.
@@ -133,6 +135,17 @@ try:
     print("bench latency, SmolLM2 decode at 256:", round(json.load(open(sys.argv[1]))["decode_tokens_per_s"]), "tok/s")
 except (OSError, ValueError, KeyError) as err:
     print(f"bench latency, SmolLM2 decode at 256: no result ({err!r})")
+PY
+    # The same requests offline (the engine without HTTP, prefill included):
+    # what serving can reach, against which its overhead shows.
+    timeout 40 .gpu/x/vellum bench throughput --device cuda --model "$smol" --input-len 128 --output-len 128 \
+        --num-prompts "${PROMPTS:-1024}" --max-num-seqs 256 --json 2>"$logs/throughput.log" >"$logs/throughput.json"
+    python3 - "$logs/throughput.json" <<'PY'
+import json, sys
+try:
+    print("bench throughput, SmolLM2, the serving requests offline:", round(json.load(open(sys.argv[1]))["output_tokens_per_s"]), "output tok/s")
+except (OSError, ValueError, KeyError) as err:
+    print(f"bench throughput: no result ({err!r})")
 PY
 fi
 for round in 1 2; do
