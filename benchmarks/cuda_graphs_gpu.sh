@@ -63,22 +63,8 @@ for mode in graphs eager; do
         >"$out/logs/generate_$mode.jsonl" 2>"$out/logs/generate_$mode.log"
     stamp "generate ($mode) exit $?"
 done
-python3 - "$out/logs/generate_graphs.jsonl" "$out/logs/generate_eager.jsonl" <<'EOF'
-import json, sys
-g, e = ([json.loads(l) for l in open(p) if l.strip()] for p in sys.argv[1:])
-same = total = 0
-worst = 0.0
-for a, b in zip(g, e):
-    ta, tb = a["outputs"][0]["token_ids"], b["outputs"][0]["token_ids"]
-    n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-    same += n
-    total += max(len(ta), len(tb))
-    la, lb = a["outputs"][0]["logprobs"], b["outputs"][0]["logprobs"]
-    worst = max([worst] + [abs(x[0][1] - y[0][1]) for x, y in zip(la[:n], lb[:n])])
-print(f"generate, graphs vs eager: {len(g)} prompts, {same}/{total} tokens identical before the first difference, "
-      f"largest logprob gap there {worst:.2e}")
-EOF
-grep -h "recorded a decode step" "$out/logs/generate_graphs.log" | tail -3 | cut -c1-220
+python3 benchmarks/compare_generate.py "graphs vs eager" "$out/logs/generate_graphs.jsonl" "$out/logs/generate_eager.jsonl"
+grep -h "recorded a step as a CUDA graph" "$out/logs/generate_graphs.log" | tail -3 | cut -c1-220
 
 # Sampling on the device against the host sampler: seeded generation
 # (temperature 0.8, top-p 0.95, logprobs) gives the same tokens either way;
@@ -161,6 +147,6 @@ if [ $((SECONDS - t0)) -lt $((budget - 140)) ]; then
         bash benchmarks/cuda_vs_llama_cpp.sh run /tmp/m8.gguf llama3-8b-q8_0 >"$out/logs/m8_table.txt" 2>"$out/logs/m8_run.txt"
     stamp "8b exit $?"
 fi
-grep -h "recorded a decode step" "$out"/logs/graphs_smollm2*_256_1.log 2>/dev/null | tail -2 | cut -c1-220
+grep -h "recorded a step as a CUDA graph" "$out"/logs/graphs_smollm2*_256_1.log 2>/dev/null | tail -2 | cut -c1-220
 grep -h "profile run" "$out"/logs/graphs_*_1.log 2>/dev/null | tail -2 | cut -c1-260
 cat "$out/logs/smol_table.txt" "$out/logs/m8_table.txt" "$out/logs/serve_table.txt" 2>/dev/null

@@ -64,24 +64,7 @@ for mode in full eager; do
         >"$logs/generate_$mode.jsonl" 2>"$logs/generate_$mode.log"
     stamp "generate ($mode) exit $?; mixed graphs recorded: $(grep -c 'mixed=true' "$logs/generate_$mode.log")"
 done
-python3 - "$logs/generate_full.jsonl" "$logs/generate_eager.jsonl" <<'EOF'
-import json, sys
-try:
-    g, e = ([json.loads(l) for l in open(p) if l.strip()] for p in sys.argv[1:])
-except (OSError, ValueError) as err:
-    sys.exit(f"generate, FULL vs eager: no comparison ({err})")
-same = total = 0
-worst = 0.0
-for a, b in zip(g, e):
-    ta, tb = a["outputs"][0]["token_ids"], b["outputs"][0]["token_ids"]
-    n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-    same += n
-    total += max(len(ta), len(tb))
-    la, lb = a["outputs"][0]["logprobs"], b["outputs"][0]["logprobs"]
-    worst = max([worst] + [abs(x[0][1] - y[0][1]) for x, y in zip(la[:n], lb[:n])])
-print(f"generate with mixed steps, FULL vs eager: {len(g)}/{len(e)} prompts, {same}/{total} tokens identical before "
-      f"the first difference, largest logprob gap there {worst:.2e}")
-EOF
+python3 benchmarks/compare_generate.py "with mixed steps, FULL vs eager" "$logs/generate_full.jsonl" "$logs/generate_eager.jsonl"
 checkpoint
 
 # One `vellum serve` run: $1 model, $2 clients, $3 prompts, $4 label, then flags.
