@@ -101,19 +101,7 @@ impl Suite {
         if !caps.kv_dtypes.contains(&KvCacheDtype::Fp8E4m3) {
             return;
         }
-        let head_dim = [64usize, 128, 32, 8].into_iter().find(|&d| caps.head_dims.allows(d)).unwrap_or(64);
-        let block_size = [16usize, 8, 4].into_iter().find(|&b| caps.block_sizes.allows(b)).unwrap_or(16);
-        let case = AttnCase {
-            block_size,
-            kv_heads: 2,
-            group: 2,
-            head_dim,
-            seqs: vec![(40, 1), (30, 12)],
-            shared_blocks: 0,
-            window: None,
-            softcap: None,
-            seed: 77,
-        };
+        let case = AttnCase::small(&caps, vec![(40, 1), (30, 12)], 77);
         let mut built = case.build();
         let times = |x: &mut Vec<f32>, m: f32| x.iter_mut().for_each(|v| *v *= m);
         for (k, v) in [&mut built.kv_early, &mut built.kv_late].map(|(k, v)| (k, v)) {
@@ -203,20 +191,8 @@ impl Suite {
     /// cache written by an earlier step).
     pub fn attention_of_a_stacked_product<O: HostIo>(&self, ops: &O) {
         let caps = ops.capabilities();
-        let head_dim = [64usize, 128, 32, 8].into_iter().find(|&d| caps.head_dims.allows(d)).unwrap_or(64);
-        let block_size = [16usize, 8, 4].into_iter().find(|&b| caps.block_sizes.allows(b)).unwrap_or(16);
-        let case = AttnCase {
-            block_size,
-            kv_heads: 2,
-            group: 2,
-            head_dim,
-            seqs: vec![(40, 1), (30, 12), (9, 9)],
-            shared_blocks: 0,
-            window: None,
-            softcap: None,
-            seed: 23,
-        };
-        let (heads, row) = (case.kv_heads * case.group, case.kv_heads * case.head_dim);
+        let case = AttnCase::small(&caps, vec![(40, 1), (30, 12), (9, 9)], 23);
+        let (heads, row, head_dim) = (case.kv_heads * case.group, case.kv_heads * case.head_dim, case.head_dim);
         let widths = [heads * head_dim, row, row];
         let mut rng = Rng::new(61);
         let probe = [widths[0], row, row].map(|n| random_weight(GgmlType::F32, n, 32, &mut rng));
@@ -713,6 +689,22 @@ struct Built {
 }
 
 impl AttnCase {
+    /// Two KV heads of two queries each at the first head and block sizes
+    /// of a usual model the backend takes, over `seqs`, no window.
+    fn small(caps: &vellum_base::Capabilities, seqs: Vec<(usize, usize)>, seed: u64) -> Self {
+        Self {
+            block_size: [16usize, 8, 4].into_iter().find(|&b| caps.block_sizes.allows(b)).unwrap_or(16),
+            kv_heads: 2,
+            group: 2,
+            head_dim: [64usize, 128, 32, 8].into_iter().find(|&d| caps.head_dims.allows(d)).unwrap_or(64),
+            seqs,
+            shared_blocks: 0,
+            window: None,
+            softcap: None,
+            seed,
+        }
+    }
+
     fn build(&self) -> Built {
         let mut rng = Rng::new(self.seed);
         let bs = self.block_size;
