@@ -324,6 +324,39 @@ fn cfg(grid: (u32, u32, u32), threads: u32, smem: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
 }
 
+/// What the q/k/v splits (`split_qkv_rope`, `split_qkv_rope_cache_*`)
+/// take for RoPE.
+struct SplitRotation<'a> {
+    /// The cos/sin table (without RoPE, unread: `qkv` stands in).
+    table: &'a CudaSlice<f32>,
+    /// One position a row (`None`: a null pointer, unread).
+    positions: Option<&'a CudaSlice<i64>>,
+    head_dim: usize,
+    /// 1 to rotate q and k, 0 not to.
+    rotate: i32,
+}
+
+/// `rope` for a split of `tokens` rows `[nq, nk, _]` wide, checked: whole
+/// heads of an even size, a position a row.
+fn split_rotation<'a>(
+    op: &str,
+    qkv: &'a CudaSlice<f32>,
+    tokens: usize,
+    [nq, nk, _]: [usize; 3],
+    rope: Option<(&'a CudaSlice<f32>, &'a CudaSlice<i64>, usize)>,
+) -> Result<SplitRotation<'a>, CudaError> {
+    let Some((table, positions, head_dim)) = rope else {
+        return Ok(SplitRotation { table: qkv, positions: None, head_dim: 2, rotate: 0 });
+    };
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || !nq.is_multiple_of(head_dim) || !nk.is_multiple_of(head_dim) {
+        return Err(shape_error(format!("{op}: q and k of {nq} and {nk} are not heads of {head_dim}")));
+    }
+    if positions.len() < tokens {
+        return Err(shape_error(format!("{op}: {} positions for {tokens} rows", positions.len())));
+    }
+    Ok(SplitRotation { table, positions: Some(positions), head_dim, rotate: 1 })
+}
+
 fn shape_error(what: String) -> CudaError {
     CudaError::Shape(what)
 }
@@ -934,23 +967,11 @@ impl Kernels {
         if qkv.len() < tokens * (nq + nk + nv) || q.len() < tokens * nq || k.len() < tokens * nk || v.len() < tokens * nv {
             return Err(shape_error(format!("split_qkv of {tokens} rows of {nq} + {nk} + {nv}: buffer too small")));
         }
-        if let Some((_, positions, head_dim)) = rope {
-            if head_dim == 0 || !head_dim.is_multiple_of(2) || !nq.is_multiple_of(head_dim) || !nk.is_multiple_of(head_dim) {
-                return Err(shape_error(format!("split_qkv: q and k of {nq} and {nk} are not heads of {head_dim}")));
-            }
-            if positions.len() < tokens {
-                return Err(shape_error(format!("split_qkv: {} positions for {tokens} rows", positions.len())));
-            }
-        }
+        let SplitRotation { table, positions, head_dim, rotate } = split_rotation("split_qkv", qkv, tokens, widths, rope)?;
         if tokens == 0 {
             return Ok(());
         }
         let f = self.function(&Variant::new(LAYERS, &[]), "split_qkv_rope")?;
-        // Without RoPE the table and positions are not read: any buffer stands in.
-        let (table, positions, head_dim, rotate): (&CudaSlice<f32>, Option<&CudaSlice<i64>>, usize, i32) = match rope {
-            Some((table, positions, head_dim)) => (table, Some(positions), head_dim, 1),
-            None => (qkv, None, 2, 0),
-        };
         let ints = [to_i32(nq, "nq")?, to_i32(nk, "nk")?, to_i32(nv, "nv")?, to_i32(head_dim, "head_dim")?];
         let mut b = self.stream.launch_builder(&f);
         b.arg(q).arg(k).arg(v).arg(qkv).arg(table);
@@ -998,22 +1019,11 @@ impl Kernels {
         if qkv.len() < tokens * (nq + nk + nv) || q.len() < tokens * nq || slot_mapping.len() < tokens {
             return Err(shape_error(format!("split_qkv_into_cache of {tokens} rows of {nq} + {nk} + {nv}: buffer too small")));
         }
-        if let Some((_, positions, head_dim)) = rope {
-            if head_dim == 0 || !head_dim.is_multiple_of(2) || !nq.is_multiple_of(head_dim) || !nk.is_multiple_of(head_dim) {
-                return Err(shape_error(format!("split_qkv_into_cache: q and k of {nq} and {nk} are not heads of {head_dim}")));
-            }
-            if positions.len() < tokens {
-                return Err(shape_error(format!("split_qkv_into_cache: {} positions for {tokens} rows", positions.len())));
-            }
-        }
+        let SplitRotation { table, positions, head_dim, rotate } = split_rotation("split_qkv_into_cache", qkv, tokens, widths, rope)?;
         if tokens == 0 {
             return Ok(());
         }
         let f = self.function(&Variant::new(LAYERS, &[]), &format!("split_qkv_rope_cache_{}", pool.dtype.suffix()))?;
-        let (table, positions, head_dim, rotate): (&CudaSlice<f32>, Option<&CudaSlice<i64>>, usize, i32) = match rope {
-            Some((table, positions, head_dim)) => (table, Some(positions), head_dim, 1),
-            None => (qkv, None, 2, 0),
-        };
         let ints = [to_i32(nq, "nq")?, to_i32(row, "row")?, to_i32(head_dim, "head_dim")?];
         let (k_inv, v_inv) = (1.0f32 / scale.k, 1.0f32 / scale.v);
         let mut b = self.stream.launch_builder(&f);
