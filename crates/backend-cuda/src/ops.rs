@@ -558,6 +558,40 @@ impl CudaOps {
         StepBounds::check_below(max, limit, what, table)
     }
 
+    /// Where `op` writes layer `layer`'s keys and values of `step`: the
+    /// layer's pool slot and the step's group, after checking the block
+    /// size, every slot against the pool (negative ones write nothing) and
+    /// the layer.
+    fn kv_write_target<'s>(
+        &self,
+        op: &str,
+        cache: &CudaKvCache,
+        layer: usize,
+        step: &'s CudaStep,
+    ) -> OpResult<(vellum_base::KvLayerSlot, &'s GroupStep)> {
+        let spec = &cache.spec;
+        check(step.block_size == spec.block_size, || format!("{op}: the step's block size differs from the cache's"))?;
+        self.check_bound(
+            Bound::Slot,
+            step.bounds.max_slot,
+            cache.num_blocks * spec.block_size,
+            &format!("{op}: slot"),
+            "the pool's slots",
+        )?;
+        check(layer < spec.groups.num_layers(), || format!("{op}: no layer {layer}"))?;
+        let at = spec.groups.slot(layer);
+        let g =
+            step.inputs.groups.get(at.group).ok_or_else(|| Error::Backend(format!("{op}: the step has no KV-cache group {}", at.group)))?;
+        Ok((at, g))
+    }
+
+    /// RoPE's arguments for `step` (table, positions, head size), after
+    /// checking every position against the table.
+    fn rotation<'s>(&self, rope: &'s CudaRope, step: &'s CudaStep) -> OpResult<(&'s CudaSlice<f32>, &'s CudaSlice<i64>, usize)> {
+        self.check_bound(Bound::Position, step.bounds.max_position, rope.positions, "rope: position", "the table")?;
+        Ok((&rope.table, &step.inputs.positions, rope.head_dim))
+    }
+
     /// `out` with only its first `rows` rows (a padded step's real ones).
     fn first_rows(&self, out: CudaTensor, rows: usize) -> OpResult<CudaTensor> {
         if out.rows == rows {
@@ -987,8 +1021,7 @@ impl Ops for CudaOps {
         let rotation = match rope {
             Some((rope, step)) => {
                 check(rows == step.tokens, || format!("split_qkv: {rows} rows for {} tokens", step.tokens))?;
-                self.check_bound(Bound::Position, step.bounds.max_position, rope.positions, "rope: position", "the table")?;
-                Some((&rope.table, &step.inputs.positions, rope.head_dim))
+                Some(self.rotation(rope, step)?)
             }
             None => None,
         };
@@ -1019,28 +1052,8 @@ impl Ops for CudaOps {
         check(qkv.cols == nq + nk + nv && qkv.rows == step.tokens, || {
             format!("attention_stacked: [{}, {}] for {} tokens of {nq} + {nk} + {nv}", qkv.rows, qkv.cols, step.tokens)
         })?;
-        check(step.block_size == cache.spec.block_size, || "attention_stacked: the step's block size differs from the cache's".into())?;
-        self.check_bound(
-            Bound::Slot,
-            step.bounds.max_slot,
-            cache.num_blocks * cache.spec.block_size,
-            "attention_stacked: slot",
-            "the pool's slots",
-        )?;
-        check(layer < cache.spec.groups.num_layers(), || format!("attention_stacked: no layer {layer}"))?;
-        let rotation = match rope {
-            Some(rope) => {
-                self.check_bound(Bound::Position, step.bounds.max_position, rope.positions, "rope: position", "the table")?;
-                Some((&rope.table, &step.inputs.positions, rope.head_dim))
-            }
-            None => None,
-        };
-        let at = cache.spec.groups.slot(layer);
-        let g = step
-            .inputs
-            .groups
-            .get(at.group)
-            .ok_or_else(|| Error::Backend(format!("attention_stacked: the step has no KV-cache group {}", at.group)))?;
+        let (at, g) = self.kv_write_target("attention_stacked", cache, layer, step)?;
+        let rotation = rope.map(|rope| self.rotation(rope, step)).transpose()?;
         let scale = cache.scale(layer);
         let mut q = self.tensor(qkv.rows, nq)?;
         // SAFETY: every slot of the step is below num_blocks · block_size
@@ -1166,10 +1179,10 @@ impl Ops for CudaOps {
         check(x.rows == step.tokens && rope.head_dim > 0 && x.cols.is_multiple_of(rope.head_dim), || {
             format!("rope: {} rows of width {} for {} tokens, head_dim {}", x.rows, x.cols, step.tokens, rope.head_dim)
         })?;
-        self.check_bound(Bound::Position, step.bounds.max_position, rope.positions, "rope: position", "the table")?;
+        let (table, positions, d) = self.rotation(rope, step)?;
         // SAFETY: every position of the step is below the table's length
         // (checked just above against the step's bounds).
-        unsafe { self.k.rope(&mut x.buf, &rope.table, &step.inputs.positions, x.cols / rope.head_dim, rope.head_dim) }.map_err(backend)
+        unsafe { self.k.rope(&mut x.buf, table, positions, x.cols / d, d) }.map_err(backend)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> OpResult<CudaTensor> {
@@ -1201,10 +1214,10 @@ impl Ops for CudaOps {
         check(q.rows == step.tokens && k.rows == step.tokens && d > 0 && q.cols.is_multiple_of(d) && k.cols.is_multiple_of(d), || {
             format!("rope: q [{}, {}] and k [{}, {}] for {} tokens, head_dim {d}", q.rows, q.cols, k.rows, k.cols, step.tokens)
         })?;
-        self.check_bound(Bound::Position, step.bounds.max_position, rope.positions, "rope: position", "the table")?;
+        let (table, positions, _) = self.rotation(rope, step)?;
         // SAFETY: every position of the step is below the table's length
         // (checked just above against the step's bounds).
-        unsafe { self.k.rope_qk(&mut q.buf, &mut k.buf, &rope.table, &step.inputs.positions, q.cols / d, k.cols / d, d) }.map_err(backend)
+        unsafe { self.k.rope_qk(&mut q.buf, &mut k.buf, table, positions, q.cols / d, k.cols / d, d) }.map_err(backend)
     }
 
     fn scale(&self, x: &mut CudaTensor, factor: f32) -> OpResult<()> {
@@ -1597,15 +1610,7 @@ impl AttentionBackend for CudaOps {
         check(k.rows == step.tokens && v.rows == step.tokens && k.cols == row && v.cols == row, || {
             format!("write_kv: k/v are [{}, {}]/[{}, {}], {} tokens of {row} expected", k.rows, k.cols, v.rows, v.cols, step.tokens)
         })?;
-        check(step.block_size == spec.block_size, || "write_kv: the step's block size differs from the cache's".into())?;
-        self.check_bound(Bound::Slot, step.bounds.max_slot, cache.num_blocks * spec.block_size, "write_kv: slot", "the pool's slots")?;
-        check(layer < spec.groups.num_layers(), || format!("write_kv: no layer {layer}"))?;
-        let at = spec.groups.slot(layer);
-        let g = step
-            .inputs
-            .groups
-            .get(at.group)
-            .ok_or_else(|| Error::Backend(format!("write_kv: the step has no KV-cache group {}", at.group)))?;
+        let (at, g) = self.kv_write_target("write_kv", cache, layer, step)?;
         if step.tokens == 0 {
             return Ok(());
         }
