@@ -51,4 +51,4 @@ pub mod sampling;
 
 pub use error::CudaError;
 pub use graphs::{CaptureSizes, GraphKey};
-pub use ops::{CudaOps, CudaPrecision, GraphOptions, WeightCopies};
+pub use ops::{CudaOps, CudaPrecision, GraphOptions};

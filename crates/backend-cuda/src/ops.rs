@@ -51,6 +51,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use vellum_base::{
     AttentionBackend, AttentionRequirements, AttentionShape, BlockCopy, BlockSwap, Capabilities, CudaGraphMode, DeviceMemory, DeviceSample,
     Error, ForwardBatch, KvAbsmax, KvCacheDtype, KvCacheSpec, KvMemory, KvScale, PenaltyEntry, RowSampling, Sizes, StepBounds,
+    WeightCopies,
 };
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
@@ -90,41 +91,23 @@ pub struct CudaWeight {
     bf16_copy: Option<CudaSlice<u16>>,
 }
 
-/// Which quantized linear weights also keep a bf16 copy on the device.
-/// Under `Auto` a weight gets one only while the copies stay within a
-/// quarter of the GPU and at least half the GPU stays free after it (the
-/// rest of the weights, the activations and the KV cache still to come),
-/// and an allocation that fails leaves that weight without one.
-/// With one, a product of more than [`GEMV_MAX_ROWS`] rows is cuBLAS over
-/// the copy; without, it is the tensor-core GEMM, or from
-/// [`CUBLAS_MIN_ROWS`] cuBLAS over a copy dequantized for that product
-/// alone. On an H100 (`gemm_bench`, Llama 3 8B's Q8_0 weights,
+/// The bytes the weights' bf16 copies ([`WeightCopies`]) may take on a GPU
+/// of `total` bytes (under `Auto` a copy must also leave half the GPU free:
+/// `CudaOps::bf16_copy`). With a copy, a product of more than
+/// [`GEMV_MAX_ROWS`] rows is cuBLAS over it; without, the tensor-core GEMM,
+/// or from [`CUBLAS_MIN_ROWS`] cuBLAS over a copy dequantized for that
+/// product alone. On an H100 (`gemm_bench`, Llama 3 8B's Q8_0 weights,
 /// `benchmarks/results/2026-11-27-h100-gemm.jsonl`) cuBLAS over a kept copy
 /// took 0.39–0.61× the time of that path on the two FFN weights from 4 to
 /// 256 rows (14336 × 4096: 0.050 against 0.099 ms at 64 rows, 0.061
 /// against 0.148 at 256), 0.32–1.05× on the 4096 × 4096 one; the GEMV
-/// stays the faster at 1–2 rows, reading the quantized weight. The copy costs two bytes a weight
-/// (15 GB for Llama 3 8B) that the KV cache does not get.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum WeightCopies {
-    /// Copies while they fit in a quarter of the GPU's memory and leave half
-    /// of it free, in the order the weights load (the default).
-    #[default]
-    Auto,
-    /// A copy of every quantized linear weight.
-    All,
-    /// None.
-    None,
-}
-
-impl WeightCopies {
-    /// The copies' budget in bytes on a GPU of `total` bytes.
-    fn budget(self, total: u64) -> u64 {
-        match self {
-            Self::Auto => total / 4,
-            Self::All => u64::MAX,
-            Self::None => 0,
-        }
+/// stays the faster at 1–2 rows, reading the quantized weight. The copies
+/// cost two bytes a weight (15 GB for Llama 3 8B).
+fn copies_budget(copies: WeightCopies, total: u64) -> u64 {
+    match copies {
+        WeightCopies::Auto => total / 4,
+        WeightCopies::All => u64::MAX,
+        WeightCopies::None => 0,
     }
 }
 
@@ -458,7 +441,7 @@ impl CudaOps {
             recording: Mutex::new(None),
             calibrating: Default::default(),
             kv_absmax: KvAbsmax::default(),
-            copies_budget: WeightCopies::default().budget(total_memory),
+            copies_budget: copies_budget(WeightCopies::default(), total_memory),
             copies_keep_free: total_memory / 2,
             copies_bytes: Default::default(),
             split_kv_writes: Default::default(),
@@ -470,7 +453,7 @@ impl CudaOps {
     /// call follow it.
     pub fn with_weight_copies(mut self, copies: WeightCopies) -> Self {
         let total = self.k.info().total_memory as u64;
-        self.copies_budget = copies.budget(total);
+        self.copies_budget = copies_budget(copies, total);
         self.copies_keep_free = if copies == WeightCopies::Auto { total / 2 } else { 0 };
         self
     }

@@ -726,9 +726,8 @@ fn the_conformance_suite_passes_or_skips_without_a_gpu() {
             vellum_conformance::Suite::new("cuda").run(&ops);
             // Its stacked-attention check took the fused path (split writing the cache).
             assert!(ops.split_kv_writes() > 0, "attention_stacked never wrote the cache from the split");
-            let apart = vellum_backend_cuda::CudaOps::new(0)
-                .expect("a second instance")
-                .with_weight_copies(vellum_backend_cuda::WeightCopies::None);
+            let apart =
+                vellum_backend_cuda::CudaOps::new(0).expect("a second instance").with_weight_copies(vellum_base::WeightCopies::None);
             vellum_conformance::Suite::new("cuda, no bf16 copies").linear(&apart);
         }
         Err(e) => {

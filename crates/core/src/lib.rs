@@ -45,6 +45,7 @@ mod sampling_params;
 mod scheduler_config;
 mod seeded_rng;
 mod speculative_config;
+mod weight_copies;
 
 pub use architecture::{
     find_architecture, find_gguf_architecture, find_model_type, is_base_model_architecture, supported_architectures, Architecture,
@@ -70,6 +71,7 @@ pub use sampling_params::{BeamSearchParams, SamplingParams, StructuredOutput};
 pub use scheduler_config::{PreemptionMode, SchedulerConfig, SchedulingPolicy};
 pub use seeded_rng::SeededRng;
 pub use speculative_config::{SpeculativeConfig, SpeculativeMethod, MAX_SPECULATIVE_TOKENS};
+pub use weight_copies::WeightCopies;
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

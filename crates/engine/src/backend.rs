@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use vellum_base::{CudaGraphMode, Error, ModelConfig, ModelExecutor};
+use vellum_base::{CudaGraphMode, Error, ModelConfig, ModelExecutor, WeightCopies};
 use vellum_models::{RunnerOptions, WeightSource};
 
 /// A model ready to run on the CPU:
@@ -91,37 +91,7 @@ pub struct ExecutorOptions {
     pub cuda_graphs: CudaGraphs,
     /// Which quantized weights keep a bf16 copy for cuBLAS (`--device
     /// cuda`; others ignore it).
-    pub cuda_weight_copies: CudaWeightCopies,
-}
-
-/// Which quantized linear weights `--device cuda` also keeps as bf16 for
-/// cuBLAS (`--cuda-bf16-weight-copies`): batches of three rows and more
-/// then multiply the copy instead of dequantizing the weight for every
-/// product (on an H100, 0.39–0.61× the time at 4–256 rows on Llama 3 8B's
-/// Q8_0 FFN weights), at two bytes a weight the KV cache does not get.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CudaWeightCopies {
-    /// While the copies fit in a quarter of the GPU's memory and leave half
-    /// of it free.
-    #[default]
-    Auto,
-    /// Every quantized linear weight.
-    All,
-    /// None.
-    None,
-}
-
-impl FromStr for CudaWeightCopies {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "all" => Ok(Self::All),
-            "none" => Ok(Self::None),
-            other => Err(format!("unknown weight-copy setting {other:?} (auto, all, none)")),
-        }
-    }
+    pub cuda_weight_copies: WeightCopies,
 }
 
 /// How `--device cuda` records steps as CUDA graphs (thesis §4.6.3).
@@ -144,7 +114,7 @@ impl Default for ExecutorOptions {
             dtype: ComputeDtype::default(),
             tensor_parallel_size: 1,
             cuda_graphs: CudaGraphs::default(),
-            cuda_weight_copies: CudaWeightCopies::default(),
+            cuda_weight_copies: WeightCopies::default(),
         }
     }
 }
@@ -340,7 +310,7 @@ pub fn make_executor(
             if tp > 1 || collective {
                 // One rank per GPU (ordinals 0..tp), all-reduces over NCCL.
                 let group = CudaOps::tensor_parallel_group(tp, precision).map_err(cuda_unavailable)?;
-                let group = group.into_iter().map(|ops| ops.with_weight_copies(weight_copies(options.cuda_weight_copies))).collect();
+                let group = group.into_iter().map(|ops| ops.with_weight_copies(options.cuda_weight_copies)).collect();
                 return Ok(Box::new(CudaExecutor::load_tensor_parallel(group, weights, config, options.runner, progress)?));
             }
             let capture_sizes = match options.cuda_graphs.capture_sizes {
@@ -354,7 +324,7 @@ pub fn make_executor(
             let ops = CudaOps::with_precision(0, precision)
                 .map_err(cuda_unavailable)?
                 .with_graphs(graphs)
-                .with_weight_copies(weight_copies(options.cuda_weight_copies));
+                .with_weight_copies(options.cuda_weight_copies);
             Ok(Box::new(CudaExecutor::load_with(ops, weights, config, options.runner, progress)?))
         }
         #[allow(unreachable_patterns)]
@@ -372,27 +342,9 @@ fn cuda_unavailable(e: vellum_backend_cuda::CudaError) -> Error {
     Error::Unavailable { what: "--device cuda".into(), hint: e.to_string() }
 }
 
-#[cfg(feature = "cuda")]
-fn weight_copies(c: CudaWeightCopies) -> vellum_backend_cuda::WeightCopies {
-    match c {
-        CudaWeightCopies::Auto => vellum_backend_cuda::WeightCopies::Auto,
-        CudaWeightCopies::All => vellum_backend_cuda::WeightCopies::All,
-        CudaWeightCopies::None => vellum_backend_cuda::WeightCopies::None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn weight_copy_settings_parse_by_name() {
-        assert_eq!(
-            ["auto", "all", "none"].map(|s| s.parse::<CudaWeightCopies>()),
-            [Ok(CudaWeightCopies::Auto), Ok(CudaWeightCopies::All), Ok(CudaWeightCopies::None)]
-        );
-        assert!("some".parse::<CudaWeightCopies>().unwrap_err().contains("auto, all, none"));
-    }
 
     #[test]
     fn dtypes_parse_as_vllm_names_them_and_each_device_refuses_what_it_cannot_compute() {

@@ -56,7 +56,7 @@ pub use backend::CpuExecutor;
 pub use backend::CudaExecutor;
 #[cfg(feature = "wgpu")]
 pub use backend::WgpuExecutor;
-pub use backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, CudaGraphs, CudaWeightCopies, Device, ExecutorOptions};
+pub use backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, CudaGraphs, Device, ExecutorOptions};
 pub use calibration::calibration_token_ids;
 pub use client::{EngineClient, EngineStats, RequestEvent, RequestStream, STREAM_BUFFER_EVENTS};
 pub use engine_core::{EngineCore, EngineCounters, QueueStats, StepTimes, STEP_SECONDS_BUCKETS};

@@ -1,6 +1,6 @@
 //! The offline API: `Llm::new(EngineArgs::default())?.generate(...)`.
 
-use crate::backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, CudaGraphs, CudaWeightCopies, Device, ExecutorOptions};
+use crate::backend::{make_executor, ComputeDtype, CpuOptions, CpuPrecision, CudaGraphs, Device, ExecutorOptions};
 use crate::calibration::calibration_token_ids;
 use crate::client::EngineClient;
 use crate::engine_core::EngineCore;
@@ -89,7 +89,7 @@ pub struct EngineArgs {
     pub cuda_graphs: CudaGraphs,
     /// Which quantized weights keep a bf16 copy for cuBLAS on `--device
     /// cuda` (`--cuda-bf16-weight-copies`).
-    pub cuda_weight_copies: CudaWeightCopies,
+    pub cuda_weight_copies: vellum_base::WeightCopies,
     /// vLLM's `--async-scheduling`: the next step is scheduled and built
     /// while the last one runs ([`EngineCore::set_async_scheduling`]); the
     /// outputs are the same. Ignored with speculative decoding.
@@ -115,7 +115,7 @@ impl Default for EngineArgs {
             pooler_config: PoolerConfig::default(),
             tensor_parallel_size: 1,
             cuda_graphs: CudaGraphs::default(),
-            cuda_weight_copies: CudaWeightCopies::default(),
+            cuda_weight_copies: vellum_base::WeightCopies::default(),
             async_scheduling: false,
         }
     }

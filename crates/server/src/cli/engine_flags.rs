@@ -6,8 +6,9 @@ use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use vellum_base::{
     CompilationConfig, CudaGraphMode, KvCacheDtype, KvCacheSize, PreemptionMode, SchedulerConfig, SchedulingPolicy, SpeculativeConfig,
+    WeightCopies,
 };
-use vellum_engine::{ComputeDtype, CpuPrecision, CudaGraphs, CudaWeightCopies, Device, EngineArgs, PoolerConfig, Task};
+use vellum_engine::{ComputeDtype, CpuPrecision, CudaGraphs, Device, EngineArgs, PoolerConfig, Task};
 
 /// Engine options shared by every subcommand that loads a model.
 #[derive(Args, Clone, Debug)]
@@ -308,7 +309,7 @@ impl EngineFlags {
             cuda_graphs: self.cuda_graphs()?,
             cuda_weight_copies: self
                 .cuda_bf16_weight_copies
-                .parse::<CudaWeightCopies>()
+                .parse::<WeightCopies>()
                 .map_err(|e| anyhow!("--cuda-bf16-weight-copies: {e}"))?,
             async_scheduling: self.async_scheduling,
         })
