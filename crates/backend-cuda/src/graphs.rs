@@ -414,21 +414,15 @@ impl<G> GraphCache<G> {
     /// recording once [`MAX_MIXED_GRAPHS`] are recorded runs eagerly from
     /// then on.
     pub fn next(&mut self, key: GraphKey) -> Action {
-        let full = key.mixed && self.mixed >= MAX_MIXED_GRAPHS;
+        let action = self.peek(&key);
         let entry = self.entries.entry(key).or_insert(Entry::Warming(0));
         match entry {
-            Entry::Warming(n) if *n < key.warmup_runs() => {
-                *n += 1;
-                Action::Eager
-            }
-            Entry::Warming(_) if full => {
-                *entry = Entry::Eager;
-                Action::Eager
-            }
-            Entry::Warming(_) => Action::Record,
-            Entry::Recorded(_) => Action::Replay,
-            Entry::Eager => Action::Eager,
+            Entry::Warming(n) if *n < key.warmup_runs() => *n += 1,
+            // Due, but the mixed keys' room is full.
+            Entry::Warming(_) if action == Action::Eager => *entry = Entry::Eager,
+            _ => {}
         }
+        action
     }
 
     /// What [`next`](Self::next) would answer for `key`, without counting.
