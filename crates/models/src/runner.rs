@@ -499,10 +499,11 @@ impl<O: Ops> ModelRunner<O> {
     /// steps' pool: half again what an eager decode step of the most rows a
     /// graph has takes (its attention bounded by a power of two of the
     /// context); a backend that records mixed steps too has graphs of up to
-    /// `num_tokens` (the step budget) tokens, within its capture sizes. The graphs of every size share most of their memory:
-    /// on an H100 all 35 sizes up to 256 rows held 1.43 times that step's
-    /// peak for SmolLM2's shape and 1.04 times for Llama 3 8B's. 0 for a
-    /// backend that records none.
+    /// `num_tokens` (the step budget) tokens, within its capture sizes. The
+    /// graphs of every size share most of their memory: on an H100 all 35
+    /// sizes up to 256 rows held 1.43 times that step's peak for SmolLM2's
+    /// shape and 1.04 times for Llama 3 8B's. 0 for a backend that records
+    /// none.
     fn profile_graphs(&mut self, num_tokens: usize, num_seqs: usize, max_model_len: usize, block_size: usize) -> vellum_base::Result<u64> {
         let Some(mut rows) = self.recorded_sizes(num_seqs).last().copied() else {
             return Ok(0);

@@ -58,8 +58,9 @@ impl CostModel {
     /// graphs): fitted through a 64-row decode step (14.8 ms: 4,324 tok/s)
     /// and a 2,048-token prefill step (65 ms: 31.5k tok/s), so ~11.2 ms a
     /// step and ~26 µs a token. It puts a 256-row decode step at 18 ms where
-    /// 26 ms was measured (the tensor-core GEMM is slower per row at 64–256
-    /// rows than at prefill's), so it understates decode-heavy steps.
+    /// 26 ms was measured (products of 3–127 rows ran the tensor-core GEMM,
+    /// and from 128 rows each step dequantized every weight for cuBLAS, which
+    /// a 2,048-token step amortizes), so it understates steps of 64–512 rows.
     pub fn vellum_llama3_8b_q8_h100() -> Self {
         Self { fixed_s: 0.011_2, per_token_s: 0.000_026, per_context_token_s: 0.000_000_044 }
     }
