@@ -29,7 +29,7 @@ out=${OUT:-.gpu/out}
 mkdir -p "$out/logs"
 t0=$SECONDS
 budget=${BUDGET_S:-560}
-stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+. benchmarks/lib.sh  # stamp, fits, wait_up
 # Seconds left of the budget (at least 30).
 left() { local l=$((budget - (SECONDS - t0))); echo $((l < 30 ? 30 : l)); }
 
@@ -114,10 +114,7 @@ serve() { # label model mode clients...
     # shellcheck disable=SC2086
     .gpu/x/vellum serve --device cuda --model "$model" --port 8011 --max-num-seqs 256 $flags >"$out/logs/serve_${label}_$mode.log" 2>&1 &
     local pid=$!
-    for _ in $(seq 1 240); do
-        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=1)" 2>/dev/null && break
-        sleep 0.25
-    done
+    wait_up http://127.0.0.1:8011 60
     for c in "$@"; do
         .gpu/x/vellum bench serve --base-url http://127.0.0.1:8011 --model "$model" --input-len 128 --output-len 128 \
             --num-prompts $((c * 4)) --max-concurrency "$c" --label "$label-$mode-$c" --json \

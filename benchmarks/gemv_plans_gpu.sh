@@ -34,9 +34,7 @@ budget=${BUDGET_S:-540}
 mkdir -p "$out"
 exec > >(tee "$out/summary.txt") 2>&1
 tee_pid=$!
-stamp() { echo "[$((SECONDS - t0)) s] $*"; }
-# Whether $1 more seconds fit in the budget.
-fits() { [ $((SECONDS - t0 + $1)) -le "$budget" ]; }
+. benchmarks/lib.sh  # stamp, fits, wait_up
 checkpoint() { tar -C "$logs" -czf "$out/logs.tgz" . 2>/dev/null; }
 # shellcheck disable=SC1091 # staged there
 source .gpu/run.sh env >/dev/null
@@ -121,10 +119,7 @@ checkpoint
 if fits 60; then
     .gpu/x/vellum serve --device cuda --model "$smol" --port 8011 --max-num-seqs 256 >"$logs/serve.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 120); do
-        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=1)" 2>/dev/null && break
-        sleep 0.25
-    done
+    wait_up http://127.0.0.1:8011 30
     timeout 45 .gpu/x/vellum bench serve --base-url http://127.0.0.1:8011 --model "$smol" --input-len 128 --output-len 128 \
         --num-prompts 1024 --max-concurrency 256 --json >"$logs/serve_256.json" 2>>"$logs/serve.log"
     python3 - "$logs/serve_256.json" <<'PY'

@@ -49,9 +49,7 @@ cd "$(dirname "$0")/.."
 name=SmolLM2-135M-Instruct.Q4_1.gguf
 t0=$SECONDS
 budget=${BUDGET_S:-540}
-stamp() { echo "[$((SECONDS - t0)) s] $*"; }
-# Whether $1 more seconds fit in the budget.
-fits() { [ $((SECONDS - t0 + $1)) -le "$budget" ]; }
+. benchmarks/lib.sh  # stamp, fits, wait_up
 # Everything printed from here on also in $1/summary.txt, as it comes.
 summary() {
     exec > >(tee "$1/summary.txt") 2>&1

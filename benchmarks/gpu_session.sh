@@ -30,7 +30,7 @@ mkdir -p "$out/logs"
 t0=$SECONDS
 budget=${BUDGET_S:-540}
 exec > >(tee "$out/session.txt") 2>&1
-stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+. benchmarks/lib.sh  # stamp, fits, wait_up
 left() { echo $((budget - (SECONDS - t0))); }
 checkpoint() { tar -C "$out" -czf "$out/logs.tgz" logs 2>/dev/null; }
 

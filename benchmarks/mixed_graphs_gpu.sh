@@ -32,8 +32,7 @@ t0=$SECONDS
 budget=${BUDGET_S:-300}
 mkdir -p "$out"
 exec > >(tee "$out/mixed_summary.txt") 2>&1
-stamp() { echo "[$((SECONDS - t0)) s] $*"; }
-fits() { [ $((SECONDS - t0 + $1)) -le "$budget" ]; }
+. benchmarks/lib.sh  # stamp, fits, wait_up
 checkpoint() { tar -C "$logs" -czf "$out/mixed_logs.tgz" . 2>/dev/null; }
 # shellcheck disable=SC1091 # staged there
 source .gpu/run.sh env >/dev/null
@@ -74,10 +73,7 @@ serve() {
     RUST_LOG=vellum_backend_cuda=info .gpu/x/vellum serve --device cuda --model "$model" --port 8011 --max-num-seqs 256 "$@" \
         >"$logs/serve_$label.log" 2>&1 &
     local pid=$!
-    for _ in $(seq 1 240); do
-        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=1)" 2>/dev/null && break
-        sleep 0.25
-    done
+    wait_up http://127.0.0.1:8011 60
     timeout 60 .gpu/x/vellum bench serve --base-url http://127.0.0.1:8011 --model "$model" --input-len 128 --output-len 128 \
         --num-prompts "$count" --max-concurrency "$clients" --json >"$logs/serve_$label.json" 2>>"$logs/serve_$label.log"
     python3 - "$logs/serve_$label.json" "$label" <<'PY'
