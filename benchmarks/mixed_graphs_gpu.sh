@@ -93,8 +93,9 @@ def step_quantile(kind, q):
     return next((b for b, c in cum if total and c >= q * total), "n/a")
 steps, decodes = g("steps_total"), g("decode_steps_total")
 mixed_s = g("execute_seconds_total") - g("decode_execute_seconds_total")
-print(f"serve {sys.argv[2]}: {v['output_throughput']:,.0f} output tok/s, ITL median/p99 {(v['itl_s']['median'] or 0) * 1e3:.1f}/"
-      f"{(v['itl_s']['p99'] or 0) * 1e3:.1f} ms, TTFT median {(v['ttft_s']['median'] or 0) * 1e3:.0f} ms; {steps:.0f} steps: "
+ms = lambda x, d=1: "n/a" if x is None else f"{x * 1e3:.{d}f}"
+print(f"serve {sys.argv[2]}: {v['output_throughput']:,.0f} output tok/s, ITL median/p99 {ms(v['itl_s']['median'])}/"
+      f"{ms(v['itl_s']['p99'])} ms, TTFT median {ms(v['ttft_s']['median'], 0)} ms; {steps:.0f} steps: "
       f"{decodes:.0f} uniform decodes at {g('decode_execute_seconds_total') / max(decodes, 1) * 1e3:.2f} ms, "
       f"{steps - decodes:.0f} others at {mixed_s / max(steps - decodes, 1) * 1e3:.2f} ms; step p50/p99 bucket bounds (s): "
       f"decode {step_quantile('decode', 0.5)}/{step_quantile('decode', 0.99)}, others {step_quantile('other', 0.5)}/{step_quantile('other', 0.99)}")
