@@ -168,6 +168,69 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     return block_reduce(v, scratch, -3.0e38f, [](float x) { return warp_max(x); });
 }
 
+// Tensor-core primitives (sm_80 and later): `cp.async` copies into shared
+// memory, `ldmatrix` fragment loads and the m16n8k16 `mma.sync` of 16-bit
+// operands with f32 accumulation. Fragment layouts (PTX ISA, "Matrix
+// fragments for mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
+//   A (16 × 16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g,
+//     2t+8..), a3 = (g+8, 2t+8..), two 16-bit values a register, the lower
+//     column in the low half;
+//   B (16 × 8, "col"): b0 = (k 2t..2t+1, n g), b1 = (k 2t+8.., n g);
+//   C (16 × 8, f32): c0, c1 = (g, 2t), (g, 2t+1); c2, c3 = (g+8, 2t), (g+8, 2t+1).
+// `ldmatrix.x4`: lanes 8i .. 8i+7 give the row addresses of 8 × 8 matrix i;
+// each lane receives, from matrix i, row g's columns 2t, 2t+1 (`.trans`:
+// column g's rows 2t, 2t+1). The host tests (flash_on_host.rs) replace this
+// section with an emulation of exactly these rules. Tensor cores (begin)
+__device__ __forceinline__ unsigned smem_addr(const void *p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory; `src_bytes` = 0 writes zeros.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most one committed group of this thread is in flight.
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_f16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 as bf16 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// Two f32 as f16 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ unsigned pack_f16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// Tensor cores (end)
+
 // Instantiates the entry points `NAME_f32`, `NAME_f16`, `NAME_bf16` of a
 // device function template `NAME<T>`: PARAMS is the entry points' parameter
 // list (element pointers as `void *`), ARGS the call's argument list, in

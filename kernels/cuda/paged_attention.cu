@@ -35,6 +35,10 @@
 //
 // Cache layout: [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM] (cache.cu).
 //
+// `skip_min_q` (0: none): the tokens of sequences with at least that many
+// query tokens are left alone, flash_attention.cu attends them in the same
+// step.
+//
 // Scales: `scale` multiplies q·k as stored (the host folds a layer's key
 // scale into it, with the 2^8 of an FP8 code's widening, common.cuh);
 // `v_scale` multiplies the outputs (1 but for FP8).
@@ -103,6 +107,7 @@ template <typename T> __device__ __forceinline__ void load_dims(const T *__restr
 // The metadata every kernel of this file reads the same way.
 struct Query {
     int seq;     // its sequence
+    int q_len;   // its sequence's query tokens in this step
     int n_ctx;   // positions it sees: 0 .. n_ctx - 1 (itself included)
     int first;   // first position it sees (sliding window)
 };
@@ -112,8 +117,8 @@ __device__ __forceinline__ Query query_of(int t, const int *token_seq, const int
     Query q;
     q.seq = token_seq[t];
     const int q0 = query_start_loc[q.seq];
-    const int q_len = query_start_loc[q.seq + 1] - q0;
-    q.n_ctx = context_lens[q.seq] - q_len + (t - q0) + 1;
+    q.q_len = query_start_loc[q.seq + 1] - q0;
+    q.n_ctx = context_lens[q.seq] - q.q_len + (t - q0) + 1;
     q.first = (window > 0 && q.n_ctx > window) ? q.n_ctx - window : 0;
     return q;
 }
@@ -252,11 +257,12 @@ __device__ void paged_attention_v1(float *__restrict__ out, const float *__restr
                                    const T *__restrict__ v_cache, const int *__restrict__ block_tables, int max_blocks_per_seq,
                                    const int *__restrict__ token_seq, const int *__restrict__ query_start_loc,
                                    const int *__restrict__ context_lens, int num_heads, int num_kv_heads, float scale, float softcap,
-                                   int window, float v_scale) {
+                                   int window, float v_scale, int skip_min_q) {
     extern __shared__ float logits[];  // QUERIES · max_context
     __shared__ float o_s[QUERIES * HEAD_DIM];
     __shared__ float stats[2 * QUERIES];
     const Query qr = query_of(blockIdx.y, token_seq, query_start_loc, context_lens, window);
+    if (skip_min_q > 0 && qr.q_len >= skip_min_q) return;
     attend<T>(q, k_cache, v_cache, block_tables + (long long)qr.seq * max_blocks_per_seq,
               (long long)qr.seq * max_blocks_per_seq, num_heads, num_kv_heads, scale, softcap, qr.first, qr.n_ctx, logits, o_s,
               &stats[0], &stats[QUERIES]);
@@ -266,9 +272,9 @@ __device__ void paged_attention_v1(float *__restrict__ out, const float *__restr
 VELLUM_FOR_EACH_KV_DTYPE(paged_attention_v1,
                          (float *out, const float *q, const void *k_cache, const void *v_cache, const int *block_tables,
                           int max_blocks_per_seq, const int *token_seq, const int *query_start_loc, const int *context_lens,
-                          int num_heads, int num_kv_heads, float scale, float softcap, int window, float v_scale),
+                          int num_heads, int num_kv_heads, float scale, float softcap, int window, float v_scale, int skip_min_q),
                          (out, q, (const T *)k_cache, (const T *)v_cache, block_tables, max_blocks_per_seq, token_seq,
-                          query_start_loc, context_lens, num_heads, num_kv_heads, scale, softcap, window, v_scale))
+                          query_start_loc, context_lens, num_heads, num_kv_heads, scale, softcap, window, v_scale, skip_min_q))
 
 // Partition blockIdx.z of query token blockIdx.y: positions first + z·P ..
 // first + (z+1)·P - 1 of its window. tmp_out [tokens, heads, max_parts,
@@ -279,11 +285,12 @@ __device__ void paged_attention_v2(float *__restrict__ tmp_out, float *__restric
                                    const float *__restrict__ q, const T *__restrict__ k_cache, const T *__restrict__ v_cache,
                                    const int *__restrict__ block_tables, int max_blocks_per_seq, const int *__restrict__ token_seq,
                                    const int *__restrict__ query_start_loc, const int *__restrict__ context_lens, int num_heads,
-                                   int num_kv_heads, float scale, float softcap, int window, float v_scale) {
+                                   int num_kv_heads, float scale, float softcap, int window, float v_scale, int skip_min_q) {
     __shared__ float logits[QUERIES * PARTITION_SIZE];
     __shared__ float o_s[QUERIES * HEAD_DIM];
     __shared__ float stats[2 * QUERIES];
     const Query qr = query_of(blockIdx.y, token_seq, query_start_loc, context_lens, window);
+    if (skip_min_q > 0 && qr.q_len >= skip_min_q) return;
     const int start = qr.first + blockIdx.z * PARTITION_SIZE;
     if (start >= qr.n_ctx) return;  // this token's window has fewer partitions
     const int end = min(start + PARTITION_SIZE, qr.n_ctx);
@@ -304,10 +311,10 @@ VELLUM_FOR_EACH_KV_DTYPE(paged_attention_v2,
                          (float *tmp_out, float *max_logits, float *exp_sums, const float *q, const void *k_cache,
                           const void *v_cache, const int *block_tables, int max_blocks_per_seq, const int *token_seq,
                           const int *query_start_loc, const int *context_lens, int num_heads, int num_kv_heads, float scale,
-                          float softcap, int window, float v_scale),
+                          float softcap, int window, float v_scale, int skip_min_q),
                          (tmp_out, max_logits, exp_sums, q, (const T *)k_cache, (const T *)v_cache, block_tables,
                           max_blocks_per_seq, token_seq, query_start_loc, context_lens, num_heads, num_kv_heads, scale,
-                          softcap, window, v_scale))
+                          softcap, window, v_scale, skip_min_q))
 
 // Combines the partitions of v2: out = Σ_p w_p · tmp_p / Σ_p w_p with
 // w_p = exp_sum_p · exp(max_p - max). Grid (num_heads, num_tokens);
@@ -316,10 +323,11 @@ extern "C" __global__ void paged_attention_v2_reduce(float *__restrict__ out, co
                                                      const float *__restrict__ max_logits, const float *__restrict__ exp_sums,
                                                      const int *__restrict__ token_seq, const int *__restrict__ query_start_loc,
                                                      const int *__restrict__ context_lens, int num_heads, int max_parts,
-                                                     int window) {
+                                                     int window, int skip_min_q) {
     extern __shared__ float weights[];
     __shared__ float red[NUM_WARPS];
     const Query qr = query_of(blockIdx.y, token_seq, query_start_loc, context_lens, window);
+    if (skip_min_q > 0 && qr.q_len >= skip_min_q) return;
     const int parts = (qr.n_ctx - qr.first + PARTITION_SIZE - 1) / PARTITION_SIZE;
     const long long base = ((long long)blockIdx.y * num_heads + blockIdx.x) * max_parts;
     float m = -3.0e38f;

@@ -72,6 +72,8 @@ pub mod cuda {
     pub const GEMV_Q: &str = include_str!("../cuda/gemv_q.cu");
     /// `cuda/gemm_mma.cu`.
     pub const GEMM_MMA: &str = include_str!("../cuda/gemm_mma.cu");
+    /// `cuda/flash_attention.cu`.
+    pub const FLASH_ATTENTION: &str = include_str!("../cuda/flash_attention.cu");
     /// `cuda/sampling.cu`.
     pub const SAMPLING: &str = include_str!("../cuda/sampling.cu");
 }

@@ -14,14 +14,23 @@
 //! cargo build --release -p vellum-backend-cuda --example attention_bench
 //! attention_bench [--quick] > attention.jsonl   # a table on stderr
 //! attention_bench --overheads                   # what a launch, an allocation, a copy cost
+//! attention_bench --prefill [--quick]            # prefill attention: flash against the decode kernels
 //! ```
+//!
+//! `--prefill`: one sequence's whole prompt (causal, every position a query,
+//! blocks shuffled through the pool, a bf16 cache) attended by flash prefill
+//! on tensor cores and by the decode kernels (one thread block per query
+//! token and head group, as before flash prefill), in TFLOP/s: Q·Kᵀ and P·V
+//! are 4 · head_dim · heads FLOPs for each of the L(L+1)/2 causal pairs.
 //!
 //! Without a GPU it says so and exits with status 2.
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use std::time::Instant;
-use vellum_backend_cuda::launch::{AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvLayout, KvPool, PoolDtype};
+use vellum_backend_cuda::launch::{
+    AttentionParams, AttentionVersion, DeviceAttentionMetadata, Elementwise, Kernels, KvLayout, KvPool, PoolDtype, QueryLens,
+};
 
 /// A model's attention shape.
 struct Shape {
@@ -131,6 +140,82 @@ fn overheads(k: &Kernels) -> Res<()> {
     Ok(())
 }
 
+/// Prefill attention: one sequence of `len` prompt tokens, flash prefill
+/// against the decode kernels, TFLOP/s of the causal products.
+fn prefill(k: &Kernels, quick: bool) -> Res<()> {
+    let shapes = [
+        Shape { name: "llama3-8b", heads: 32, kv_heads: 8, head_dim: 128 },
+        Shape { name: "smollm2-135m", heads: 9, kv_heads: 3, head_dim: 64 },
+        Shape { name: "gemma3-270m", heads: 4, kv_heads: 1, head_dim: 256 },
+    ];
+    let lens: &[usize] = if quick { &[2048, 8192] } else { &[512, 2048, 8192, 16384] };
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    eprintln!("| shape | prompt | flash ms | flash TFLOP/s | decode kernels ms | decode kernels TFLOP/s | speed-up |");
+    eprintln!("|---|---:|---:|---:|---:|---:|---:|");
+    for shape in &shapes {
+        for &len in lens {
+            let blocks = len.div_ceil(BLOCK);
+            let mut pool = KvPool::new(k.stream(), PoolDtype::Bf16, blocks + 3, BLOCK, shape.kv_heads, shape.head_dim)?;
+            let mut table: Vec<i32> = (0..(blocks + 3) as i32).collect();
+            for i in (1..table.len()).rev() {
+                table.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+            }
+            table.truncate(blocks);
+            let row = shape.kv_heads * shape.head_dim;
+            let small =
+                |n: usize, rng: &mut Rng| -> Vec<f32> { (0..n).map(|_| (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5).collect() };
+            let (kv_k, kv_v) = (up(k, &small(len * row, &mut rng))?, up(k, &small(len * row, &mut rng))?);
+            let slots: Vec<i64> = (0..len).map(|p| i64::from(table[p / BLOCK]) * BLOCK as i64 + (p % BLOCK) as i64).collect();
+            // SAFETY: every slot is inside the pool's blocks (the table's ids).
+            unsafe { k.reshape_and_cache(&kv_k, &kv_v, &mut pool, &up(k, &slots)?, vellum_base::KvScale::ONE) }?;
+            let qsl = [0i32, len as i32];
+            let meta = DeviceAttentionMetadata {
+                block_tables: up(k, &table)?,
+                max_blocks_per_seq: blocks,
+                token_seq: up(k, &vec![0i32; len])?,
+                query_start_loc: up(k, &qsl)?,
+                context_lens: up(k, &[len as i32])?,
+                num_tokens: len,
+                max_context: len,
+                query_lens: QueryLens::of(&qsl),
+            };
+            let q = up(k, &small(len * shape.heads * shape.head_dim, &mut rng))?;
+            let mut out: CudaSlice<f32> = k.stream().alloc_zeros(len * shape.heads * shape.head_dim)?;
+            let params = AttentionParams {
+                num_heads: shape.heads,
+                scale: 1.0 / (shape.head_dim as f32).sqrt(),
+                softcap: 0.0,
+                window: 0,
+                kv_scale: vellum_base::KvScale::ONE,
+            };
+            let queries = Kernels::attention_queries(shape.heads, shape.kv_heads, shape.head_dim);
+            let decode_version = k.attention_version(len, shape.heads, queries, shape.head_dim, len);
+            let iters = if len >= 8192 { 3 } else { 10 };
+            let mut run = |version| {
+                // SAFETY: the table covers the sequence's `len` positions with the pool's own blocks.
+                time_ms(k, 1, iters, || Ok(unsafe { k.paged_attention(&mut out, &q, &pool, &meta, params, Some(version)) }?))
+            };
+            let (flash, decode) = (run(AttentionVersion::Flash)?, run(decode_version)?);
+            let flops = 4.0 * (len * (len + 1) / 2) as f64 * (shape.head_dim * shape.heads) as f64;
+            let tflops = |ms: f64| flops / (ms * 1e9);
+            eprintln!(
+                "| {} | {len} | {flash:.3} | {:.1} | {decode:.3} ({decode_version:?}) | {:.1} | {:.1}× |",
+                shape.name,
+                tflops(flash),
+                tflops(decode),
+                decode / flash
+            );
+            println!(
+                "{{\"bench\":\"prefill_attention\",\"shape\":\"{}\",\"prompt\":{len},\"flash_ms\":{flash:.5},\"flash_tflops\":{:.2},\"decode_kernels_ms\":{decode:.5},\"decode_kernels_tflops\":{:.2},\"decode_version\":\"{decode_version:?}\"}}",
+                shape.name,
+                tflops(flash),
+                tflops(decode)
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Res<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let k = match Kernels::open(0) {
@@ -142,6 +227,9 @@ fn main() -> Res<()> {
     };
     if std::env::args().any(|a| a == "--overheads") {
         return overheads(&k);
+    }
+    if std::env::args().any(|a| a == "--prefill") {
+        return prefill(&k, quick);
     }
     let info = k.info();
     let copy = copy_bandwidth(&k)?;
@@ -179,6 +267,7 @@ fn main() -> Res<()> {
                         context_lens: up(&k, &ctx)?,
                         num_tokens: batch,
                         max_context: context,
+                        query_lens: QueryLens::decode(),
                     })
                 };
                 let (meta_order, meta_shuffled) = (meta_of(&in_order)?, meta_of(&shuffled)?);

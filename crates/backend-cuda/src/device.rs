@@ -19,6 +19,9 @@ pub struct DeviceInfo {
     pub num_sms: i32,
     /// Device memory in bytes.
     pub total_memory: usize,
+    /// The most shared memory one thread block may take when its kernel
+    /// opts in (227 KiB on an H100, 99 KiB on most consumer GPUs).
+    pub max_shared_memory_optin: usize,
 }
 
 impl DeviceInfo {
@@ -53,6 +56,7 @@ pub fn open(ordinal: usize) -> Result<(Arc<CudaContext>, DeviceInfo), CudaError>
         compute_capability: ctx.compute_capability()?,
         num_sms: ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
         total_memory: ctx.total_mem()?,
+        max_shared_memory_optin: ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize,
     };
     Ok((ctx, info))
 }

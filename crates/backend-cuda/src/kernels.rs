@@ -46,6 +46,15 @@ pub const PAGED_ATTENTION: KernelSource = KernelSource {
     ],
 };
 
+/// `flash_attention.cu`: prefill attention on tensor cores over the paged
+/// cache, a tile of queries against streamed tiles of keys (16-bit and FP8
+/// caches).
+pub const FLASH_ATTENTION: KernelSource = KernelSource {
+    file: "flash_attention.cu",
+    text: vellum_kernels::cuda::FLASH_ATTENTION,
+    entry_points: &["flash_attention_f16", "flash_attention_bf16", "flash_attention_fp8"],
+};
+
 /// `layers.cu`: RMSNorm (fused with the residual add), RoPE, the split of
 /// a stacked q/k/v product (rotated, and with its keys and values written
 /// into the paged cache in the same launch), gated activations, embedding
@@ -132,7 +141,7 @@ pub const SAMPLING: KernelSource =
     KernelSource { file: "sampling.cu", text: vellum_kernels::cuda::SAMPLING, entry_points: &["sample_rows", "unpenalize_rows"] };
 
 /// Every source.
-pub const SOURCES: [KernelSource; 6] = [CACHE, PAGED_ATTENTION, LAYERS, GEMV_Q, GEMM_MMA, SAMPLING];
+pub const SOURCES: [KernelSource; 7] = [CACHE, PAGED_ATTENTION, FLASH_ATTENTION, LAYERS, GEMV_Q, GEMM_MMA, SAMPLING];
 
 /// A source with its compile-time constants.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -192,7 +201,8 @@ impl Variant {
 /// block size 16, one head a thread block (multi-head attention) at 128,
 /// block sizes 8 and 32 at 128, the bandwidth benchmark's contiguous
 /// baseline, the GEMV at 1, 2, 4 and 8 rows as launched and with four
-/// columns a warp, and the tensor-core GEMM at each of its tile heights.
+/// columns a warp, the tensor-core GEMM at each of its tile heights, and
+/// flash prefill at each head size with the key tile it launches with.
 pub fn ci_variants() -> Vec<Variant> {
     let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[]), crate::launch::sampling_variant()];
     for (head_dim, queries) in [(64, 3), (128, 4), (256, 4), (128, 1)] {
@@ -213,6 +223,9 @@ pub fn ci_variants() -> Vec<Variant> {
     }
     for bm in [32, 64, 128] {
         v.push(Variant::new(GEMM_MMA, &[("MMA_BM", bm)]));
+    }
+    for head_dim in [64, 128, 256] {
+        v.push(crate::launch::flash_variant(head_dim, 16));
     }
     v
 }

@@ -5,7 +5,7 @@
 //! Device buffers are `cudarc` slices; a KV pool is a pair of byte buffers
 //! whose element type is [`PoolDtype`] (the kernels take `void *`).
 
-use crate::kernels::{Variant, CACHE, GEMM_MMA, GEMV_Q, LAYERS, PAGED_ATTENTION, SAMPLING};
+use crate::kernels::{Variant, CACHE, FLASH_ATTENTION, GEMM_MMA, GEMV_Q, LAYERS, PAGED_ATTENTION, SAMPLING};
 use crate::layout::QuantFormat;
 use crate::{nvrtc, CudaError};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
@@ -103,6 +103,92 @@ pub enum AttentionVersion {
     V1,
     /// Partitions of [`PARTITION_SIZE`] positions, then a reduction.
     V2,
+    /// Flash prefill on tensor cores (`flash_attention.cu`) for the
+    /// sequences with at least [`FLASH_MIN_QUERIES`] query tokens, v1 or v2
+    /// for the others in the same step. 16-bit and FP8 caches.
+    Flash,
+}
+
+/// Query tokens a tile of flash prefill holds (`FLASH_BM`).
+pub const FLASH_TILE_QUERIES: usize = 64;
+/// The fewest query tokens of a sequence that flash prefill attends: a
+/// shorter one (a decode, a speculative verification) stays with the
+/// decode kernels, which give each query token thread blocks of its own.
+pub const FLASH_MIN_QUERIES: usize = 16;
+/// Threads of a flash-prefill thread block (`FLASH_THREADS`).
+const FLASH_THREADS: u32 = 128;
+
+/// Keys a flash-prefill tile streams at once (`FLASH_BN`): 64, or 32 at
+/// head size 256, whose shared memory would not fit consumer GPUs' 99 KiB
+/// with 64.
+pub fn flash_keys_per_tile(head_dim: usize) -> usize {
+    if head_dim >= 256 {
+        32
+    } else {
+        64
+    }
+}
+
+/// The `flash_attention.cu` configuration for a head size and block size.
+pub fn flash_variant(head_dim: usize, block_size: usize) -> Variant {
+    Variant::new(FLASH_ATTENTION, &[("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size), ("FLASH_BN", flash_keys_per_tile(head_dim))])
+}
+
+/// Dynamic shared memory of a flash-prefill thread block: the query tile
+/// and two stages of key and value tiles, rows of `head_dim + 8` 16-bit
+/// elements (the kernel's layout).
+pub fn flash_smem_bytes(head_dim: usize) -> usize {
+    (FLASH_TILE_QUERIES + 4 * flash_keys_per_tile(head_dim)) * (head_dim + 8) * 2
+}
+
+/// The query tiles flash prefill takes for sequences of these query
+/// lengths: ⌈q / [`FLASH_TILE_QUERIES`]⌉ for each of at least
+/// [`FLASH_MIN_QUERIES`] tokens.
+pub fn flash_tiles(query_lens: impl IntoIterator<Item = usize>) -> usize {
+    query_lens.into_iter().filter(|&q| q >= FLASH_MIN_QUERIES).map(|q| q.div_ceil(FLASH_TILE_QUERIES)).sum()
+}
+
+/// The most query tiles any batch of `num_tokens` tokens gives flash
+/// prefill, whatever its sequences: ⌈T / 64⌉ + ⌊T / 16⌋ (each long
+/// sequence adds at most one partial tile). A CUDA graph launches this many
+/// slots, so that every step of its shape finds its tiles.
+pub fn flash_tiles_bound(num_tokens: usize) -> usize {
+    num_tokens.div_ceil(FLASH_TILE_QUERIES) + num_tokens / FLASH_MIN_QUERIES
+}
+
+/// What a step's query lengths tell the attention launch (host
+/// knowledge, alongside [`DeviceAttentionMetadata`]'s device arrays).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueryLens {
+    /// Query tokens of the batch's shortest sequence.
+    pub min: usize,
+    /// Query tokens of its longest.
+    pub max: usize,
+    /// Thread-block slots flash prefill launches: at least the query tiles
+    /// of the sequences with [`FLASH_MIN_QUERIES`] query tokens or more.
+    pub flash_tiles: usize,
+}
+
+impl QueryLens {
+    /// The lengths of the batch whose `query_start_loc` (`[num_seqs + 1]`,
+    /// nondecreasing) this is.
+    pub fn of(query_start_loc: &[i32]) -> Self {
+        let lens = || query_start_loc.windows(2).map(|w| usize::try_from(w[1] - w[0]).unwrap_or(0));
+        Self { min: lens().min().unwrap_or(0), max: lens().max().unwrap_or(0), flash_tiles: flash_tiles(lens()) }
+    }
+
+    /// What every batch of `num_tokens` tokens satisfies: the lengths a
+    /// CUDA graph of mixed steps is recorded for, so that its launches
+    /// serve any composition (both kernels run; each takes its sequences
+    /// on the device).
+    pub fn any(num_tokens: usize) -> Self {
+        Self { min: 1, max: num_tokens, flash_tiles: flash_tiles_bound(num_tokens) }
+    }
+
+    /// Decode: one query token a sequence.
+    pub fn decode() -> Self {
+        Self { min: 1, max: 1, flash_tiles: 0 }
+    }
 }
 
 /// Where a sequence's KV blocks are.
@@ -151,6 +237,9 @@ pub struct DeviceAttentionMetadata {
     /// The longest context a query sees (after the window): sizes v1's
     /// shared memory and v2's partitions.
     pub max_context: usize,
+    /// The query lengths of the batch's sequences: whether flash prefill
+    /// runs, and over how many tiles.
+    pub query_lens: QueryLens,
 }
 
 /// Shapes and constants of one attention call.
@@ -245,6 +334,9 @@ pub struct Kernels {
     /// `VELLUM_GEMV`, when set: one GEMV plan for every launch (benchmarks
     /// compare plans with it).
     gemv_override: Option<GemvPlan>,
+    /// Whether flash prefill runs where it applies (`VELLUM_FLASH_ATTENTION=0`
+    /// turns it off, for comparisons).
+    flash_attention: bool,
 }
 
 /// How the GEMV of `gemv_q.cu` spreads a linear layer over warps: its
@@ -396,6 +488,7 @@ impl Kernels {
             stream,
             modules: Mutex::new(HashMap::new()),
             gemv_override,
+            flash_attention: std::env::var("VELLUM_FLASH_ATTENTION").map_or(true, |v| v != "0"),
         })
     }
 
@@ -648,7 +741,34 @@ impl Kernels {
             defines.push(("CONTIGUOUS_KV", 1));
         }
         let variant = Variant::new(PAGED_ATTENTION, &defines);
-        let version = version.unwrap_or_else(|| self.attention_version(t, p.num_heads, queries, d, meta.max_context));
+        // Scores and outputs in the pool's units (an FP8 code reads as its value / 2^8).
+        let unit = pool.dtype.unit();
+        let (qk_scale, v_scale) = (p.scale * (p.kv_scale.k * unit), p.kv_scale.v * unit);
+        let flash = match version {
+            Some(AttentionVersion::Flash) => {
+                if let Some(why) = self.flash_unsupported(pool, layout) {
+                    return Err(shape_error(format!("flash prefill: {why}")));
+                }
+                true
+            }
+            Some(_) => false,
+            None => self.flash_attention && meta.query_lens.max >= FLASH_MIN_QUERIES && self.flash_unsupported(pool, layout).is_none(),
+        };
+        let skip_min_q = if flash {
+            // SAFETY: this function's contract (the tables cover every
+            // sequence's context, ids below the pool's blocks).
+            unsafe { self.flash_prefill(out, q, pool, meta, p, qk_scale, v_scale) }?;
+            if meta.query_lens.min >= FLASH_MIN_QUERIES {
+                return Ok(());
+            }
+            to_i32(FLASH_MIN_QUERIES, "flash threshold")?
+        } else {
+            0
+        };
+        let version = match version {
+            Some(v @ (AttentionVersion::V1 | AttentionVersion::V2)) => v,
+            _ => self.attention_version(t, p.num_heads, queries, d, meta.max_context),
+        };
         let grid_xy = (to_u32(p.num_heads / queries, "head groups")?, to_u32(t, "tokens")?);
         let ints = [
             to_i32(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
@@ -657,9 +777,6 @@ impl Kernels {
             to_i32(p.window, "window")?,
         ];
         let [max_blocks, num_heads, num_kv_heads, window] = ints;
-        // Scores and outputs in the pool's units (an FP8 code reads as its value / 2^8).
-        let unit = pool.dtype.unit();
-        let (qk_scale, v_scale) = (p.scale * (p.kv_scale.k * unit), p.kv_scale.v * unit);
         match version {
             AttentionVersion::V1 => {
                 let smem = queries * meta.max_context.max(1) * 4;
@@ -670,7 +787,7 @@ impl Kernels {
                 let mut b = self.stream.launch_builder(&f);
                 b.arg(out).arg(q).arg(&pool.k).arg(&pool.v).arg(&meta.block_tables).arg(&max_blocks);
                 b.arg(&meta.token_seq).arg(&meta.query_start_loc).arg(&meta.context_lens);
-                b.arg(&num_heads).arg(&num_kv_heads).arg(&qk_scale).arg(&p.softcap).arg(&window).arg(&v_scale);
+                b.arg(&num_heads).arg(&num_kv_heads).arg(&qk_scale).arg(&p.softcap).arg(&window).arg(&v_scale).arg(&skip_min_q);
                 // SAFETY: the arguments match paged_attention_v1_* in order
                 // and type; q/out hold num_tokens·num_heads·head_dim floats
                 // (checked); the metadata was built for this batch (each
@@ -678,7 +795,7 @@ impl Kernels {
                 // shared memory; block ids < the pool's blocks).
                 unsafe { b.launch(cfg((grid_xy.0, grid_xy.1, 1), ATTENTION_THREADS, smem)) }?;
             }
-            AttentionVersion::V2 => {
+            AttentionVersion::V2 | AttentionVersion::Flash => {
                 let parts = meta.max_context.max(1).div_ceil(PARTITION_SIZE);
                 let n = t * p.num_heads * parts;
                 // SAFETY: uninitialized device memory of the right length; v2
@@ -694,6 +811,7 @@ impl Kernels {
                 b.arg(&mut tmp).arg(&mut max_logits).arg(&mut exp_sums).arg(q).arg(&pool.k).arg(&pool.v);
                 b.arg(&meta.block_tables).arg(&max_blocks).arg(&meta.token_seq).arg(&meta.query_start_loc);
                 b.arg(&meta.context_lens).arg(&num_heads).arg(&num_kv_heads).arg(&qk_scale).arg(&p.softcap).arg(&window).arg(&v_scale);
+                b.arg(&skip_min_q);
                 // SAFETY: as for v1; tmp/max_logits/exp_sums hold `parts`
                 // partitions per (token, head), the grid's z extent.
                 unsafe { b.launch(cfg((grid_xy.0, grid_xy.1, to_u32(parts, "partitions")?), ATTENTION_THREADS, 0)) }?;
@@ -701,13 +819,94 @@ impl Kernels {
                 let parts_i = to_i32(parts, "partitions")?;
                 let mut b = self.stream.launch_builder(&r);
                 b.arg(out).arg(&tmp).arg(&max_logits).arg(&exp_sums).arg(&meta.token_seq).arg(&meta.query_start_loc);
-                b.arg(&meta.context_lens).arg(&num_heads).arg(&parts_i).arg(&window);
+                b.arg(&meta.context_lens).arg(&num_heads).arg(&parts_i).arg(&window).arg(&skip_min_q);
                 // SAFETY: matches paged_attention_v2_reduce; the statistics
                 // were written above for every partition a token has; the
                 // dynamic shared memory holds `parts` weights.
                 unsafe { b.launch(cfg((to_u32(p.num_heads, "heads")?, grid_xy.1, 1), ATTENTION_THREADS, parts * 4)) }?;
             }
         }
+        Ok(())
+    }
+
+    /// Whether flash prefill runs where it applies (unless
+    /// `VELLUM_FLASH_ATTENTION=0`).
+    pub fn flash_enabled(&self) -> bool {
+        self.flash_attention
+    }
+
+    /// Why flash prefill cannot attend over `pool` here, if it cannot: a
+    /// float32 cache (the float32 path keeps f32 products), a head size
+    /// other than 64, 128 or 256, the contiguous baseline, or a device
+    /// whose thread blocks cannot hold its shared memory.
+    pub fn flash_unsupported(&self, pool: &KvPool, layout: KvLayout) -> Option<String> {
+        if pool.dtype == PoolDtype::F32 {
+            return Some("a float32 KV cache multiplies in f32 (the decode kernels attend it)".into());
+        }
+        if !matches!(pool.head_dim, 64 | 128 | 256) {
+            return Some(format!("head size {} (flash prefill takes 64, 128 or 256)", pool.head_dim));
+        }
+        if layout != KvLayout::Paged {
+            return Some("the contiguous baseline layout".into());
+        }
+        let smem = flash_smem_bytes(pool.head_dim);
+        if smem > self.info.max_shared_memory_optin {
+            return Some(format!("{smem} bytes of shared memory a block, the device allows {}", self.info.max_shared_memory_optin));
+        }
+        None
+    }
+
+    /// Flash prefill over the sequences of `meta` with at least
+    /// [`FLASH_MIN_QUERIES`] query tokens: their rows of `out`, from `q`
+    /// and the pools; the other rows are untouched.
+    ///
+    /// # Safety
+    /// As [`Kernels::attention_with_layout`]; the pool is one
+    /// [`Kernels::flash_unsupported`] accepts.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn flash_prefill(
+        &self,
+        out: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        pool: &KvPool,
+        meta: &DeviceAttentionMetadata,
+        p: AttentionParams,
+        qk_scale: f32,
+        v_scale: f32,
+    ) -> Result<(), CudaError> {
+        let slots = meta.query_lens.flash_tiles;
+        if slots == 0 {
+            return Ok(());
+        }
+        let f = self.function(&flash_variant(pool.head_dim, pool.block_size), &format!("flash_attention_{}", pool.dtype.suffix()))?;
+        let smem = flash_smem_bytes(pool.head_dim);
+        if smem > DEFAULT_SHARED_MEMORY {
+            // Not a stream operation: allowed while a graph is captured.
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                to_i32(smem, "flash shared memory")?,
+            )?;
+        }
+        let ints = [
+            to_i32(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
+            to_i32(meta.context_lens.len(), "sequences")?,
+            to_i32(FLASH_MIN_QUERIES, "flash threshold")?,
+            to_i32(p.num_heads, "heads")?,
+            to_i32(pool.num_kv_heads, "kv heads")?,
+            to_i32(p.window, "window")?,
+        ];
+        let [max_blocks, num_seqs, min_q, num_heads, num_kv_heads, window] = ints;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(out).arg(q).arg(&pool.k).arg(&pool.v).arg(&meta.block_tables).arg(&max_blocks);
+        b.arg(&meta.query_start_loc).arg(&meta.context_lens).arg(&num_seqs).arg(&min_q);
+        b.arg(&num_heads).arg(&num_kv_heads).arg(&qk_scale).arg(&p.softcap).arg(&window).arg(&v_scale);
+        // SAFETY: the arguments match flash_attention_* in order and type;
+        // q/out hold num_tokens·num_heads·head_dim floats (checked by the
+        // caller); query_start_loc has num_seqs + 1 entries and the block
+        // tables num_seqs rows covering each context (the caller's
+        // contract); a slot past the batch's tiles returns at once; the
+        // dynamic shared memory is the kernel's layout, opted in above.
+        unsafe { b.launch(cfg((to_u32(slots, "flash tiles")?, to_u32(p.num_heads, "heads")?, 1), FLASH_THREADS, smem)) }?;
         Ok(())
     }
 

@@ -40,7 +40,7 @@
 use crate::blas::{Blas, Half};
 use crate::graphs::{Action, Bound, CaptureSizes, GraphCache, GraphKey, HostInputs, Limits, PaddedStep};
 use crate::launch::{
-    AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix, SampleInputs, SampleOutputs,
+    AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix, QueryLens, SampleInputs, SampleOutputs,
 };
 use crate::layout::{f32_layout, repack, QuantFormat, Repacked};
 use crate::nccl::NcclGroup;
@@ -620,12 +620,18 @@ impl CudaOps {
         if graphs.cache.peek(&key) == Action::Eager && !graphs.inputs.contains_key(&key) {
             // A warm-up: the padded shape on buffers of its own; a key keeps
             // persistent inputs only once it is to be recorded.
-            return Ok(Some(step(Arc::new(self.upload_inputs(&host, key.table_stride(), key.rows, key.context_bucket)?))));
+            return Ok(Some(step(Arc::new(self.upload_inputs(
+                &host,
+                key.table_stride(),
+                key.rows,
+                key.context_bucket,
+                key_query_lens(&key),
+            )?))));
         }
         let inputs = match graphs.inputs.entry(key) {
-            std::collections::hash_map::Entry::Vacant(slot) => {
-                slot.insert(Arc::new(self.upload_inputs(&host, key.table_stride(), key.rows, key.context_bucket)?)).clone()
-            }
+            std::collections::hash_map::Entry::Vacant(slot) => slot
+                .insert(Arc::new(self.upload_inputs(&host, key.table_stride(), key.rows, key.context_bucket, key_query_lens(&key))?))
+                .clone(),
             std::collections::hash_map::Entry::Occupied(mut slot) => {
                 let Some(inputs) = Arc::get_mut(slot.get_mut()) else {
                     return Ok(None);
@@ -657,8 +663,16 @@ impl CudaOps {
 
     /// `host` on the device: block tables of `stride` entries a sequence,
     /// `num_tokens` tokens, contexts up to `max_context` (which sizes the
-    /// attention kernels' shared memory and partitions).
-    fn upload_inputs(&self, host: &HostInputs, stride: usize, num_tokens: usize, max_context: usize) -> OpResult<StepInputs> {
+    /// attention kernels' shared memory and partitions), sequences of
+    /// `query_lens` (which picks them).
+    fn upload_inputs(
+        &self,
+        host: &HostInputs,
+        stride: usize,
+        num_tokens: usize,
+        max_context: usize,
+        query_lens: QueryLens,
+    ) -> OpResult<StepInputs> {
         let mut groups = Vec::with_capacity(host.slots.len());
         for (slots, tables) in host.slots.iter().zip(&host.block_tables) {
             groups.push(GroupStep {
@@ -671,6 +685,7 @@ impl CudaOps {
                     context_lens: self.htod(&host.context_lens)?,
                     num_tokens,
                     max_context,
+                    query_lens,
                 },
             });
         }
@@ -1070,6 +1085,20 @@ impl Ops for CudaOps {
         match self.precision {
             CudaPrecision::Bf16 => ActivationDtype::Bf16,
             CudaPrecision::Float32 => ActivationDtype::F32,
+        }
+    }
+
+    /// Flash prefill (`flash_attention.cu`) multiplies in the cache's
+    /// 16-bit type (f16 for FP8) at bf16 precision; the float32 path and a
+    /// float32 cache keep f32 products.
+    fn attention_operand_dtype(&self, kv: KvCacheDtype) -> ActivationDtype {
+        if self.precision == CudaPrecision::Float32 || !self.k.flash_enabled() {
+            return ActivationDtype::F32;
+        }
+        match kv {
+            KvCacheDtype::Bf16 => ActivationDtype::Bf16,
+            KvCacheDtype::F16 | KvCacheDtype::Fp8E4m3 => ActivationDtype::F16,
+            KvCacheDtype::F32 => ActivationDtype::F32,
         }
     }
 
@@ -1574,7 +1603,8 @@ impl AttentionBackend for CudaOps {
         // the layers with a window (v1 sizes its shared memory by it, v2 its
         // partitions; a partition past a token's window returns at once).
         let max_context = batch.context_lens.iter().copied().max().unwrap_or(0) as usize;
-        let inputs = self.upload_inputs(&host, batch.block_table_stride, batch.num_tokens(), max_context)?;
+        let inputs =
+            self.upload_inputs(&host, batch.block_table_stride, batch.num_tokens(), max_context, QueryLens::of(&host.query_start_loc))?;
         let logits_rows = host.logits.len();
         Ok(CudaStep {
             inputs: Arc::new(inputs),
@@ -1647,12 +1677,18 @@ impl AttentionBackend for CudaOps {
             window: shape.sliding_window.unwrap_or(0),
             kv_scale: cache.scale(layer),
         };
+        // The float32 path attends prompts with the decode kernels too (f32
+        // products); otherwise the launch picks flash prefill where it applies.
+        let version = (self.precision == CudaPrecision::Float32).then(|| {
+            let queries = Kernels::attention_queries(shape.num_heads, shape.num_kv_heads, shape.head_dim);
+            self.k.attention_version(g.meta.num_tokens, shape.num_heads, queries, shape.head_dim, g.meta.max_context)
+        });
         // SAFETY: every block id of the step's tables is below the pool's
         // num_blocks (checked above against the step's bounds), and the
         // group's metadata was built by prepare_step from a batch whose
         // shape ForwardBatch::step_bounds checked — as it is, or padded to
         // its graph's shape by PaddedStep, whose padding reads block 0 only.
-        unsafe { self.k.paged_attention(&mut out.buf, &q.buf, &cache.pools[at.slot], &g.meta, params, None) }.map_err(backend)?;
+        unsafe { self.k.paged_attention(&mut out.buf, &q.buf, &cache.pools[at.slot], &g.meta, params, version) }.map_err(backend)?;
         Ok(out)
     }
 
@@ -1689,6 +1725,19 @@ impl AttentionBackend for CudaOps {
             }
         }
         stream.synchronize().map_err(|e| backend(e.into()))
+    }
+}
+
+/// The query lengths a graph of `key` is recorded for: one token a sequence
+/// for a decode key; any composition for a mixed key, so that its recorded
+/// launches (flash prefill over as many tile slots as its tokens can give,
+/// and the decode kernels for the short sequences) serve every step of the
+/// shape.
+fn key_query_lens(key: &GraphKey) -> QueryLens {
+    if key.mixed {
+        QueryLens::any(key.rows)
+    } else {
+        QueryLens::decode()
     }
 }
 

@@ -13,7 +13,7 @@
 use cudarc::driver::CudaSlice;
 use vellum_backend_cuda::blas::{Blas, Half};
 use vellum_backend_cuda::launch::{
-    AttentionParams, AttentionVersion, DeviceAttentionMetadata, GemvPlan, Kernels, KvPool, PoolDtype, QuantMatrix,
+    AttentionParams, AttentionVersion, DeviceAttentionMetadata, GemvPlan, Kernels, KvPool, PoolDtype, QuantMatrix, QueryLens,
 };
 use vellum_backend_cuda::layout;
 use vellum_base::KvScale;
@@ -129,6 +129,10 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
         Seq { context_len: 700, q_len: 1 },
         Seq { context_len: 20, q_len: 20 },
         Seq { context_len: 1100, q_len: 3 },
+        // Flash prefill's: a prefix hit over three query tiles (the last
+        // partial), and a prompt of exactly its threshold.
+        Seq { context_len: 300, q_len: 150 },
+        Seq { context_len: 16, q_len: 16 },
     ];
     let (d, row) = (case.head_dim, case.kv_heads * case.head_dim);
     let blocks_of = |s: &Seq| s.context_len.div_ceil(BLOCK);
@@ -192,7 +196,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
     }
     let max_context =
         seqs.iter().map(|s| if case.window > 0 { s.context_len.min(case.window) } else { s.context_len }).max().expect("seqs");
-    let meta = DeviceAttentionMetadata {
+    let meta_of = |query_lens| DeviceAttentionMetadata {
         block_tables: up(k, &tables),
         max_blocks_per_seq: max_blocks,
         token_seq: up(k, &token_seq),
@@ -200,11 +204,54 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
         context_lens: up(k, &ctx),
         num_tokens,
         max_context,
+        query_lens,
     };
+    let meta = meta_of(QueryLens::of(&qsl));
     let scale = 1.0 / (d as f32).sqrt();
     let params = AttentionParams { num_heads: case.heads, scale, softcap: case.softcap, window: case.window, kv_scale: sc };
+    // Flash prefill multiplies the queries rounded to its 16-bit type.
+    let q_mma: Vec<f32> = match case.dtype {
+        PoolDtype::F32 => q.clone(),
+        PoolDtype::Bf16 => q.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+        PoolDtype::F16 | PoolDtype::Fp8E4m3 => q.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
+    };
+    let expected = attention_reference(&seqs, case, &q, &keys, &values, sc, scale);
+    let expected_mma = attention_reference(&seqs, case, &q_mma, &keys, &values, sc, scale);
+    let q_dev = up(k, &q);
+    let n_out = num_tokens * case.heads * d;
+    let mut versions = vec![(AttentionVersion::V1, &meta, 2e-4), (AttentionVersion::V2, &meta, 2e-4)];
+    // Flash for the long sequences, v1/v2 for the rest; then the same over
+    // the tile slots of a CUDA graph of this many tokens (most return).
+    let meta_any = meta_of(QueryLens::any(num_tokens));
+    if case.dtype != PoolDtype::F32 {
+        // P is rounded to the 16-bit type too: bf16 keeps 8 bits, f16 11.
+        let tol = if case.dtype == PoolDtype::Bf16 { 1e-2 } else { 2e-3 };
+        versions.push((AttentionVersion::Flash, &meta, tol));
+        versions.push((AttentionVersion::Flash, &meta_any, tol));
+    }
+    for (version, meta, tol) in versions {
+        // Poisoned: a row no kernel writes stays NaN and fails.
+        let mut out: CudaSlice<f32> = up(k, &vec![f32::NAN; n_out]);
+        // SAFETY: meta's tables hold the pool's own block ids and its
+        // lengths describe the num_tokens queries built above.
+        unsafe { k.paged_attention(&mut out, &q_dev, &pool, meta, params, Some(version)) }.expect("paged attention");
+        let got = down(k, &out);
+        let want = if version == AttentionVersion::Flash { &expected_mma } else { &expected };
+        let worst =
+            got.iter().zip(want).map(|(&g, &e)| if g.is_finite() { (g as f64 - e).abs() } else { f64::INFINITY }).fold(0.0, f64::max);
+        eprintln!(
+            "head_dim {d} heads {}/{} {:?} window {} softcap {} {version:?} (flash slots {}): max |err| {worst:.2e}",
+            case.heads, case.kv_heads, case.dtype, case.window, case.softcap, meta.query_lens.flash_tiles
+        );
+        assert!(worst < tol, "{version:?}: max |err| {worst:.2e}");
+    }
+}
 
-    // The float64 reference, on the values as the cache holds them.
+/// Attention in float64 over the values as the cache holds them, for the
+/// queries `q` (as given, or rounded as a kernel multiplies them).
+fn attention_reference(seqs: &[Seq], case: &Case, q: &[f32], keys: &[Vec<f32>], values: &[Vec<f32>], sc: KvScale, scale: f32) -> Vec<f64> {
+    let (d, row) = (case.head_dim, case.kv_heads * case.head_dim);
+    let num_tokens: usize = seqs.iter().map(|s| s.q_len).sum();
     let mut expected = vec![0f64; num_tokens * case.heads * d];
     let mut t = 0;
     for (s, seq) in seqs.iter().enumerate() {
@@ -238,20 +285,7 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
             t += 1;
         }
     }
-    let q_dev = up(k, &q);
-    for version in [AttentionVersion::V1, AttentionVersion::V2] {
-        let mut out: CudaSlice<f32> = k.stream().alloc_zeros(num_tokens * case.heads * d).expect("alloc");
-        // SAFETY: meta's tables hold the pool's own block ids and its
-        // lengths describe the num_tokens queries built above.
-        unsafe { k.paged_attention(&mut out, &q_dev, &pool, &meta, params, Some(version)) }.expect("paged attention");
-        let got = down(k, &out);
-        let worst = got.iter().zip(&expected).map(|(&g, &e)| (g as f64 - e).abs()).fold(0.0, f64::max);
-        eprintln!(
-            "head_dim {d} heads {}/{} {:?} window {} softcap {} {version:?}: max |err| {worst:.2e}",
-            case.heads, case.kv_heads, case.dtype, case.window, case.softcap
-        );
-        assert!(worst < 2e-4, "{version:?}: max |err| {worst:.2e}");
-    }
+    expected
 }
 
 #[test]

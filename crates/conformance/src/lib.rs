@@ -24,7 +24,9 @@
 //!   prefill/decode batches (GQA, sliding windows, soft-caps) at every head
 //!   size, block size and KV element type the backend declares in its
 //!   `capabilities()`: 1e-4 on an f32 cache, and on f16/bf16 caches the bound
-//!   one rounding of the stored K/V implies; the pools themselves too;
+//!   one rounding of the stored K/V implies, plus one rounding of the
+//!   queries and weights where `Ops::attention_operand_dtype` says the
+//!   backend multiplies them in 16 bits; the pools themselves too;
 //! - an FP8 cache (where declared) allocated after a calibration pass over
 //!   keys and values past its range: the scales it took applied, the pools
 //!   equal to the reference's, attention within 1e-4;
@@ -531,7 +533,7 @@ impl Suite {
             c.to_host(&c.paged_attention(&cc, layer, &c.upload(t, cols, &q).expect("cpu"), &cstep, &shape).expect("cpu")).expect("cpu");
         let step = ops.prepare_step(&late, case.block_size).expect("prepare_step");
         let got = ops.paged_attention(&gc, layer, &ops.upload(t, cols, &q).expect("upload"), &step, &shape).expect("paged_attention");
-        let tol = match dtype {
+        let stored = match dtype {
             KvCacheDtype::F32 => 1e-4,
             // One rounding of the type on |k|, |v| <= 1: the two backends may round a value differently.
             KvCacheDtype::F16 => 2.0 * (shape.scale * case.head_dim as f32 * 2f32.powi(-11)).exp_m1() + 2f32.powi(-10) + 1e-4,
@@ -540,6 +542,11 @@ impl Suite {
             // same codes (checked below) and differ only in the arithmetic.
             KvCacheDtype::Fp8E4m3 => 1e-4,
         };
+        // A backend that attends on 16-bit matrix units rounds the queries
+        // (each score moves by at most scale · d · u for |q|, |k| <= 1) and the
+        // attention weights (u each, against an unrounded sum) once more.
+        let u = ops.attention_operand_dtype(dtype).unit_roundoff();
+        let tol = stored + 2.0 * (shape.scale * case.head_dim as f32 * u).exp_m1() + 2.0 * u;
         self.close(&ops.to_host(&got).expect("to_host"), &want, tol, &format!("paged attention {dtype:?} ({case:?})"));
         for value in [false, true] {
             let (got, want) = (ops.read_kv(&gc, layer, value).expect("read_kv"), c.read_kv(&cc, layer, value).expect("cpu"));

@@ -21,7 +21,7 @@
 use crate::quant::GgmlType;
 use crate::rope::RopeTable;
 use crate::{Result, WeightView};
-use vellum_base::{AttentionBackend, AttentionShape, DeviceSample, PenaltyEntry, RowSampling};
+use vellum_base::{AttentionBackend, AttentionShape, DeviceSample, KvCacheDtype, PenaltyEntry, RowSampling};
 
 /// The element type a backend rounds an activation to before a product
 /// reads it: what [`Ops::linear_input_dtype`] reports, so that a test (the
@@ -122,6 +122,15 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     /// that its results can be checked with the right bound.
     fn linear_input_dtype(&self, weight: GgmlType) -> ActivationDtype {
         let _ = weight;
+        ActivationDtype::F32
+    }
+    /// The element type paged attention rounds a prompt's queries and
+    /// attention weights to over a cache of `kv` (accumulating in f32): f32
+    /// unless the backend attends prompts on 16-bit matrix units (flash
+    /// prefill). Stated, as [`Ops::linear_input_dtype`], so that its results
+    /// can be checked with the right bound.
+    fn attention_operand_dtype(&self, kv: KvCacheDtype) -> ActivationDtype {
+        let _ = kv;
         ActivationDtype::F32
     }
     /// Uploads a 1-D parameter.

@@ -1,0 +1,610 @@
+//! `kernels/cuda/flash_attention.cu`, flash prefill on tensor cores,
+//! compiled for the host and run with one host thread per GPU thread, its
+//! warp-wide operations (`mma.sync`, `ldmatrix`, shuffles, ballots)
+//! emulated by the rules of the PTX ISA that `common.cuh`'s tensor-core
+//! section documents: a fragment-layout mistake, a wrong mask or a lost
+//! row shows on any machine, against a float64 reference, not only on a
+//! GPU. The same emulation runs `gemm_mma.cu`'s product, which passed on
+//! GPUs, so the emulation's rules are the hardware's as those kernels use
+//! them.
+//!
+//! Checked: every cache type flash prefill takes (bf16, f16, FP8 with
+//! scales), head sizes 64, 128 and 256 with their key tiles, GQA, a sliding
+//! window, a soft-cap, prefix hits (queries after cached positions), query
+//! tiles cut short, and tile slots past the batch's tiles (as a CUDA
+//! graph launches them); rows of short sequences stay untouched (the
+//! decode kernels attend those).
+//!
+//! Without a C++ compiler (`c++`, `g++` or `clang++`, or `CXX`) the test
+//! says SKIPPED by name; CI has one.
+
+#[path = "common/host_cxx.rs"]
+mod host_cxx;
+
+use std::path::Path;
+use std::process::Command;
+use vellum_backend_cuda::launch::{flash_keys_per_tile, PoolDtype, QueryLens, FLASH_MIN_QUERIES};
+
+/// CUDA for a host compiler: keywords, vector types, a block's barrier and
+/// the warp-wide operations, each lane publishing its part and reading the
+/// others' between two barriers of its warp.
+const SHIM: &str = r#"
+#include <barrier>
+#include <cmath>
+#include <math.h>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(n)
+using std::min;
+using std::max;
+struct uint2 { unsigned x, y; };
+struct uint4 { unsigned x, y, z, w; };
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+struct Dim { unsigned x, y, z; };
+static Dim blockIdx, gridDim, blockDim;
+static thread_local Dim threadIdx;
+static inline unsigned int __float_as_uint(float x) { unsigned int u; std::memcpy(&u, &x, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float x; std::memcpy(&x, &u, 4); return x; }
+static inline float __int_as_float(int u) { float x; std::memcpy(&x, &u, 4); return x; }
+static inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
+static inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+struct bf16 { unsigned short bits; };
+struct f16 { unsigned short bits; };
+
+
+static std::barrier<> *block_barrier;
+static void __syncthreads() { block_barrier->arrive_and_wait(); }
+static const int WARPS = 8;
+struct Warp {
+    std::barrier<> *bar;
+    unsigned long long word[32][6];
+    const void *ptr[32];
+};
+static Warp warps[WARPS];
+static inline int lane_id() { return threadIdx.x & 31; }
+static inline Warp &my_warp() { return warps[threadIdx.x >> 5]; }
+static inline void warp_sync() { my_warp().bar->arrive_and_wait(); }
+
+template <typename T> static unsigned long long bits_of(T v) { unsigned long long u = 0; std::memcpy(&u, &v, sizeof(T)); return u; }
+template <typename T> static T of_bits(unsigned long long u) { T v; std::memcpy(&v, &u, sizeof(T)); return v; }
+template <typename T> static T exchange(T v, int src) {
+    Warp &w = my_warp();
+    w.word[lane_id()][0] = bits_of(v);
+    warp_sync();
+    T r = of_bits<T>(w.word[src][0]);
+    warp_sync();
+    return r;
+}
+template <typename T> static T __shfl_xor_sync(unsigned, T v, int o) { return exchange(v, lane_id() ^ o); }
+template <typename T> static T __shfl_sync(unsigned, T v, int src) { return exchange(v, src & 31); }
+template <typename T> static T __shfl_up_sync(unsigned, T v, unsigned d) {
+    const int src = lane_id() - (int)d;
+    T r = exchange(v, src < 0 ? lane_id() : src);
+    return r;
+}
+static unsigned __ballot_sync(unsigned, bool p) {
+    Warp &w = my_warp();
+    w.word[lane_id()][0] = p ? 1 : 0;
+    warp_sync();
+    unsigned r = 0;
+    for (int l = 0; l < 32; l++) r |= (unsigned)w.word[l][0] << l;
+    warp_sync();
+    return r;
+}
+
+// 16-bit values.
+static float bf16_value(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
+static float f16_value(unsigned short b) { _Float16 h; std::memcpy(&h, &b, 2); return (float)h; }
+static unsigned short bf16_bits(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static unsigned short f16_bits(float x) { _Float16 h = (_Float16)x; unsigned short b; std::memcpy(&b, &h, 2); return b; }
+static unsigned pack_bf16(float lo, float hi) { return bf16_bits(lo) | ((unsigned)bf16_bits(hi) << 16); }
+static unsigned pack_f16(float lo, float hi) { return f16_bits(lo) | ((unsigned)f16_bits(hi) << 16); }
+
+// cp.async: the copy happens at once (the kernels wait before reading).
+static void cp_async16(void *dst, const void *src, int src_bytes) {
+    if (src_bytes == 16) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+}
+static void cp_async_commit() {}
+static void cp_async_wait_one() {}
+
+// ldmatrix.x4: lanes 8i .. 8i+7 give matrix i's row addresses; lane
+// (g, t) receives row g's columns 2t, 2t+1 (.trans: column g's rows 2t, 2t+1).
+static void ldmatrix_any(unsigned r[4], const void *p, bool trans) {
+    Warp &w = my_warp();
+    w.ptr[lane_id()] = p;
+    warp_sync();
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+    for (int i = 0; i < 4; i++) {
+        unsigned short lo, hi;
+        if (!trans) {
+            const unsigned short *row = (const unsigned short *)w.ptr[8 * i + g];
+            lo = row[2 * t], hi = row[2 * t + 1];
+        } else {
+            lo = ((const unsigned short *)w.ptr[8 * i + 2 * t])[g];
+            hi = ((const unsigned short *)w.ptr[8 * i + 2 * t + 1])[g];
+        }
+        r[i] = lo | ((unsigned)hi << 16);
+    }
+    warp_sync();
+}
+static void ldmatrix_x4(unsigned r[4], const void *p) { ldmatrix_any(r, p, false); }
+static void ldmatrix_x4_trans(unsigned r[4], const void *p) { ldmatrix_any(r, p, true); }
+
+// mma.m16n8k16 with f32 accumulation, from the warp's fragments.
+static void mma_any(float c[4], const unsigned a[4], unsigned b0, unsigned b1, float (*value)(unsigned short)) {
+    Warp &w = my_warp();
+    unsigned long long *mine = w.word[lane_id()];
+    for (int i = 0; i < 4; i++) mine[i] = a[i];
+    mine[4] = b0, mine[5] = b1;
+    warp_sync();
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; l++) {
+        const int g = l >> 2, t = l & 3;
+        const unsigned long long *f = w.word[l];
+        const int ar[4] = {g, g + 8, g, g + 8}, ac[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+        for (int i = 0; i < 4; i++) {
+            A[ar[i]][ac[i]] = value((unsigned short)(f[i] & 0xffffu));
+            A[ar[i]][ac[i] + 1] = value((unsigned short)(f[i] >> 16));
+        }
+        B[2 * t][g] = value((unsigned short)(f[4] & 0xffffu)), B[2 * t + 1][g] = value((unsigned short)(f[4] >> 16));
+        B[2 * t + 8][g] = value((unsigned short)(f[5] & 0xffffu)), B[2 * t + 9][g] = value((unsigned short)(f[5] >> 16));
+    }
+    warp_sync();
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+    for (int e = 0; e < 4; e++) {
+        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        float s = 0.f;
+        for (int k = 0; k < 16; k++) s += A[row][k] * B[k][col];
+        c[e] += s;
+    }
+}
+static void mma_bf16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) { mma_any(c, a, b0, b1, bf16_value); }
+static void mma_f16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) { mma_any(c, a, b0, b1, f16_value); }
+
+// Runs `kernel` over a grid of (x, y) blocks of `threads` threads.
+template <typename F> static void launch(unsigned gx, unsigned gy, int threads, F kernel) {
+    std::barrier<> bar(threads);
+    block_barrier = &bar;
+    for (int w = 0; w < threads / 32; w++) warps[w].bar = new std::barrier<>(32);
+    gridDim = {gx, gy, 1};
+    blockDim = {(unsigned)threads, 1, 1};
+    for (unsigned y = 0; y < gy; y++)
+        for (unsigned x = 0; x < gx; x++) {
+            blockIdx = {x, y, 0};
+            std::vector<std::thread> ts;
+            for (int t = 0; t < threads; t++) ts.emplace_back([&, t] { threadIdx = {(unsigned)t, 0, 0}; kernel(); });
+            for (auto &th : ts) th.join();
+        }
+    for (int w = 0; w < threads / 32; w++) delete warps[w].bar;
+}
+"#;
+
+/// Reads the inputs, runs flash prefill over its slots, writes the output.
+const MAIN: &str = r#"
+template <typename T> static std::vector<T> slurp(const std::string &path) {
+    FILE *f = std::fopen(path.c_str(), "rb");
+    if (!f) std::exit(3);
+    std::fseek(f, 0, SEEK_END);
+    long n = std::ftell(f);
+    std::fseek(f, 0, SEEK_SET);
+    std::vector<T> v(n / sizeof(T) + 16);
+    if (std::fread(v.data(), 1, n, f) != (size_t)n) std::exit(3);
+    std::fclose(f);
+    return v;
+}
+int main(int argc, char **argv) {
+    if (argc != 3) return 2;
+    const std::string dir = argv[2];
+    const int dtype = std::atoi(argv[1]);  // 0 f16, 1 bf16, 2 fp8
+    auto ints = slurp<int>(dir + "/ints");    // slots heads max_blocks num_seqs min_q num_heads num_kv_heads window out_len
+    auto floats = slurp<float>(dir + "/floats");  // scale softcap v_scale
+    auto q = slurp<float>(dir + "/q");
+    auto kc = slurp<unsigned char>(dir + "/k");
+    auto vc = slurp<unsigned char>(dir + "/v");
+    auto tables = slurp<int>(dir + "/tables");
+    auto qsl = slurp<int>(dir + "/qsl");
+    auto ctx = slurp<int>(dir + "/ctx");
+    std::vector<float> out(ints[8], NAN);
+    launch(ints[0], ints[1], 128, [&] {
+        auto run = [&](auto kernel) {
+            kernel(out.data(), q.data(), kc.data(), vc.data(), tables.data(), ints[2], qsl.data(), ctx.data(), ints[3], ints[4],
+                   ints[5], ints[6], floats[0], floats[1], ints[7], floats[2]);
+        };
+        if (dtype == 0) run(flash_attention_f16);
+        else if (dtype == 1) run(flash_attention_bf16);
+        else run(flash_attention_fp8);
+    });
+    FILE *f = std::fopen((dir + "/out").c_str(), "wb");
+    if (!f || std::fwrite(out.data(), 4, out.size(), f) != out.size()) return 4;
+    return std::fclose(f);
+}
+"#;
+
+/// The section of `common.cuh` between `begin` and `end`.
+fn section(begin: &str, end: &str) -> &'static str {
+    let common = vellum_kernels::cuda::COMMON;
+    let start = common.find(begin).unwrap_or_else(|| panic!("common.cuh has {begin:?}")) + begin.len();
+    let stop = start + common[start..].find(end).unwrap_or_else(|| panic!("common.cuh has {end:?} after {begin:?}"));
+    &common[start..stop]
+}
+
+/// The program for one head size (its key tile as launch.rs picks it).
+fn build(cxx: &str, dir: &Path, head_dim: usize) -> std::path::PathBuf {
+    let source = format!(
+        "{SHIM}
+// The dynamic shared memory of the block running now.
+#define __shared__
+#define __align__(n)
+alignas(16) unsigned short flash_smem[1 << 17];
+#define HEAD_DIM {head_dim}
+#define BLOCK_SIZE {BLOCK}
+#define FLASH_BN {}
+#line 1 \"common.cuh (FP8)\"
+{}
+#line 1 \"flash_attention.cu\"
+{}
+{MAIN}",
+        flash_keys_per_tile(head_dim),
+        section("FP8 (begin)\n", "// FP8 (end)"),
+        vellum_kernels::cuda::FLASH_ATTENTION
+    );
+    host_cxx::build_threaded(cxx, dir, &format!("flash{head_dim}"), &source)
+}
+
+/// `gemm_mma.cu` on float32 weights, y = x · Wᵀ with 32-row tiles:
+/// reads `ints` (rows n k), `x` (bf16 bits), `w` (f32), writes `y`.
+const GEMM_MAIN: &str = r#"
+template <typename T> static std::vector<T> slurp(const std::string &path) {
+    FILE *f = std::fopen(path.c_str(), "rb");
+    if (!f) std::exit(3);
+    std::fseek(f, 0, SEEK_END);
+    long n = std::ftell(f);
+    std::fseek(f, 0, SEEK_SET);
+    std::vector<T> v(n / sizeof(T) + 16);
+    if (std::fread(v.data(), 1, n, f) != (size_t)n) std::exit(3);
+    std::fclose(f);
+    return v;
+}
+int main(int argc, char **argv) {
+    if (argc != 2) return 2;
+    const std::string dir = argv[1];
+    auto ints = slurp<int>(dir + "/ints");
+    auto x = slurp<unsigned short>(dir + "/x");
+    auto w = slurp<unsigned char>(dir + "/w");
+    const int rows = ints[0], n = ints[1], k = ints[2];
+    std::vector<float> y((size_t)rows * n, NAN);
+    unsigned short scales[1] = {0};
+    launch((n + MMA_BN - 1) / MMA_BN, (rows + MMA_BM - 1) / MMA_BM, MMA_THREADS,
+           [&] { gemm_mma_f32(y.data(), w.data(), scales, x.data(), rows, n, k, k / 32); });
+    FILE *f = std::fopen((dir + "/y").c_str(), "wb");
+    if (!f || std::fwrite(y.data(), 4, y.size(), f) != y.size()) return 4;
+    return std::fclose(f);
+}
+"#;
+
+/// The tensor-core GEMM's program: static shared arrays, the weight
+/// layouts of `common.cuh` (which read f16 scales and permute bytes).
+fn build_gemm(cxx: &str, dir: &Path) -> std::path::PathBuf {
+    let source = format!(
+        "{SHIM}
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+using std::fmaf;
+static inline float to_float(f16 h) {{ return f16_value(h.bits); }}
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {{
+    const unsigned long long in = x | ((unsigned long long)y << 32);
+    unsigned r = 0;
+    for (int n = 0; n < 4; n++) r |= (unsigned)((in >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+    return r;
+}}
+#define MMA_BM 32
+#line 1 \"common.cuh (weight layouts)\"
+// Weight layouts{}
+#line 1 \"gemm_mma.cu\"
+{}
+{GEMM_MAIN}",
+        {
+            let common = vellum_kernels::cuda::COMMON;
+            &common[common.find("// Weight layouts").expect("common.cuh has its weight layouts") + "// Weight layouts".len()..]
+        },
+        vellum_kernels::cuda::GEMM_MMA
+    );
+    host_cxx::build_threaded(cxx, dir, "gemm", &source)
+}
+
+const BLOCK: usize = 16;
+
+/// xorshift64*.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+struct Case {
+    head_dim: usize,
+    dtype: PoolDtype,
+    heads: usize,
+    kv_heads: usize,
+    window: usize,
+    softcap: f32,
+    /// (context after the step, query tokens) of each sequence.
+    seqs: Vec<(usize, usize)>,
+    /// Extra tile slots past the batch's tiles (a graph's launch).
+    extra_slots: usize,
+}
+
+fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
+    // SAFETY: plain numbers viewed as their bytes, native order.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)).to_vec() }
+}
+
+/// A value stored in the cache: its bits (little-endian) and the value
+/// attention reads back (times the scale).
+fn store(x: f32, dtype: PoolDtype, scale: f32) -> (Vec<u8>, f32) {
+    match dtype {
+        PoolDtype::Bf16 => {
+            let b = half::bf16::from_f32(x);
+            (b.to_le_bytes().to_vec(), b.to_f32())
+        }
+        PoolDtype::F16 => {
+            let h = half::f16::from_f32(x);
+            (h.to_le_bytes().to_vec(), h.to_f32())
+        }
+        PoolDtype::Fp8E4m3 => {
+            let c = vellum_base::fp8::from_f32(x / scale);
+            (vec![c], vellum_base::fp8::to_f32(c) * scale)
+        }
+        PoolDtype::F32 => unreachable!("flash prefill takes 16-bit and FP8 caches"),
+    }
+}
+
+fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
+    let (d, row) = (case.head_dim, case.kv_heads * case.head_dim);
+    let (k_scale, v_scale) = if case.dtype == PoolDtype::Fp8E4m3 { (0.0123f32, 0.007f32) } else { (1.0, 1.0) };
+    // Blocks shuffled through a pool with spares.
+    let blocks_of = |c: usize| c.div_ceil(BLOCK);
+    let max_blocks = case.seqs.iter().map(|&(c, _)| blocks_of(c)).max().expect("seqs");
+    let num_blocks = case.seqs.iter().map(|&(c, _)| blocks_of(c)).sum::<usize>() + 3;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let mut tables = vec![0i32; case.seqs.len() * max_blocks];
+    let mut next = 0;
+    for (s, &(c, _)) in case.seqs.iter().enumerate() {
+        for b in 0..blocks_of(c) {
+            tables[s * max_blocks + b] = ids[next];
+            next += 1;
+        }
+    }
+    let elem = if case.dtype == PoolDtype::Fp8E4m3 { 1 } else { 2 };
+    // Unwritten slots hold a pattern no finite value has in the reference
+    // (0x7f7f: a bf16/f16 of 3.4e38 or 65k-ish, FP8 NaN): reading one shows.
+    let mut k_pool = vec![0x7fu8; num_blocks * BLOCK * row * elem];
+    let mut v_pool = k_pool.clone();
+    let mut keys: Vec<Vec<f32>> = Vec::new();
+    let mut values: Vec<Vec<f32>> = Vec::new();
+    for (s, &(c, _)) in case.seqs.iter().enumerate() {
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        for pos in 0..c {
+            let slot = tables[s * max_blocks + pos / BLOCK] as usize * BLOCK + pos % BLOCK;
+            for j in 0..row {
+                // |x| < 1: up to 81 and 143 as FP8 codes of the scales above.
+                let (kb, kv) = store(rng.f(), case.dtype, k_scale);
+                let (vb, vv) = store(rng.f(), case.dtype, v_scale);
+                let at = (slot * row + j) * elem;
+                k_pool[at..at + elem].copy_from_slice(&kb);
+                v_pool[at..at + elem].copy_from_slice(&vb);
+                ks.push(kv);
+                vs.push(vv);
+            }
+        }
+        keys.push(ks);
+        values.push(vs);
+    }
+    let num_tokens: usize = case.seqs.iter().map(|&(_, q)| q).sum();
+    let q: Vec<f32> = (0..num_tokens * case.heads * d).map(|_| rng.f()).collect();
+    let mut qsl = vec![0i32];
+    for &(_, ql) in &case.seqs {
+        qsl.push(qsl.last().copied().unwrap_or(0) + ql as i32);
+    }
+    let ctx: Vec<i32> = case.seqs.iter().map(|&(c, _)| c as i32).collect();
+    let lens = QueryLens::of(&qsl);
+    let slots = lens.flash_tiles + case.extra_slots;
+    let scale = 1.0 / (d as f32).sqrt();
+    let unit = case.dtype.unit();
+    let ints = [
+        slots as i32,
+        case.heads as i32,
+        max_blocks as i32,
+        case.seqs.len() as i32,
+        FLASH_MIN_QUERIES as i32,
+        case.heads as i32,
+        case.kv_heads as i32,
+        case.window as i32,
+        (num_tokens * case.heads * d) as i32,
+    ];
+    // As launch.rs passes them: the key scale (and an FP8 code's 2^8) in
+    // the score's scale, the value scale on the outputs.
+    let floats = [scale * k_scale * unit, case.softcap, v_scale * unit];
+    // The kernel reads FP8 codes as value / 2^8: store the codes as they are.
+    for (name, data) in [
+        ("ints", bytes_of(&ints)),
+        ("floats", bytes_of(&floats)),
+        ("q", bytes_of(&q)),
+        ("k", k_pool),
+        ("v", v_pool),
+        ("tables", bytes_of(&tables)),
+        ("qsl", bytes_of(&qsl)),
+        ("ctx", bytes_of(&ctx)),
+    ] {
+        std::fs::write(dir.join(name), data).expect("write an input");
+    }
+    let dtype_id = match case.dtype {
+        PoolDtype::F16 => 0,
+        PoolDtype::Bf16 => 1,
+        _ => 2,
+    };
+    let started = std::time::Instant::now();
+    let status = Command::new(exe).arg(dtype_id.to_string()).arg(dir).status().expect("run the kernel");
+    assert!(status.success(), "the kernel's program exited with {status}");
+    let got: Vec<f32> =
+        std::fs::read(dir.join("out")).expect("out").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+
+    // The float64 reference, the queries rounded as the kernel multiplies them.
+    let q_round = |x: f32| match case.dtype {
+        PoolDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+        _ => half::f16::from_f32(x).to_f32(),
+    };
+    let tol = if case.dtype == PoolDtype::Bf16 { 1e-2 } else { 2e-3 };
+    let (mut worst, mut t, mut flash_rows) = (0f64, 0usize, 0usize);
+    for (s, &(c, ql)) in case.seqs.iter().enumerate() {
+        for i in 0..ql {
+            for h in 0..case.heads {
+                let out = &got[(t * case.heads + h) * d..(t * case.heads + h + 1) * d];
+                if ql < FLASH_MIN_QUERIES {
+                    assert!(out.iter().all(|x| x.is_nan()), "seq {s} token {i} head {h}: a short sequence's row was written");
+                    continue;
+                }
+                let n_ctx = c - ql + i + 1;
+                let first = if case.window > 0 && n_ctx > case.window { n_ctx - case.window } else { 0 };
+                let kvh = h / (case.heads / case.kv_heads);
+                let qv: Vec<f64> =
+                    q[(t * case.heads + h) * d..(t * case.heads + h + 1) * d].iter().map(|&x| f64::from(q_round(x))).collect();
+                let scores: Vec<f64> = (first..n_ctx)
+                    .map(|pos| {
+                        let kr = &keys[s][pos * row + kvh * d..pos * row + (kvh + 1) * d];
+                        let dot = qv.iter().zip(kr).map(|(a, &b)| a * f64::from(b)).sum::<f64>() * f64::from(scale);
+                        if case.softcap > 0.0 {
+                            f64::from(case.softcap) * (dot / f64::from(case.softcap)).tanh()
+                        } else {
+                            dot
+                        }
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = scores.iter().map(|x| (x - m).exp()).sum();
+                for (e, &g) in out.iter().enumerate() {
+                    let want: f64 = (first..n_ctx)
+                        .enumerate()
+                        .map(|(j, pos)| (scores[j] - m).exp() / total * f64::from(values[s][pos * row + kvh * d + e]))
+                        .sum();
+                    let err = if g.is_finite() { (f64::from(g) - want).abs() } else { f64::INFINITY };
+                    assert!(err < tol, "seq {s} token {i} head {h} dim {e}: kernel {g} vs {want} ({:?}, head_dim {d})", case.dtype);
+                    worst = worst.max(err);
+                }
+                flash_rows += 1;
+            }
+            t += 1;
+        }
+    }
+    eprintln!(
+        "{:?} head_dim {d} heads {}/{} window {} softcap {} slots {slots}: {flash_rows} rows, max |err| {worst:.2e} ({:.1} s)",
+        case.dtype,
+        case.heads,
+        case.kv_heads,
+        case.window,
+        case.softcap,
+        started.elapsed().as_secs_f64()
+    );
+    assert!(flash_rows > 0, "the case has long sequences");
+}
+
+/// The emulation against a kernel GPUs have passed: `gemm_mma.cu`'s
+/// product over two row tiles (the second cut short) and two column tiles,
+/// against float64 products of the same bf16-rounded inputs.
+#[test]
+fn the_tensor_core_emulation_runs_gemm_mma_as_gpus_do_or_skips_without_a_compiler() {
+    let test = "the_tensor_core_emulation_runs_gemm_mma_as_gpus_do";
+    let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
+    let dir = std::env::temp_dir().join(format!("vellum-gemm-on-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let exe = build_gemm(&cxx, &dir);
+    let (rows, n, k) = (40usize, 256usize, 96usize);
+    let mut rng = Rng(0x5851_f42d_4c95_7f2d);
+    let x: Vec<u16> = (0..rows * k).map(|_| half::bf16::from_f32(rng.f()).to_bits()).collect();
+    let w: Vec<f32> = (0..n * k).map(|_| rng.f()).collect();
+    std::fs::write(dir.join("ints"), bytes_of(&[rows as i32, n as i32, k as i32])).expect("ints");
+    std::fs::write(dir.join("x"), bytes_of(&x)).expect("x");
+    std::fs::write(dir.join("w"), bytes_of(&w)).expect("w");
+    let status = Command::new(&exe).arg(&dir).status().expect("run the GEMM");
+    assert!(status.success(), "the GEMM's program exited with {status}");
+    let y: Vec<f32> =
+        std::fs::read(dir.join("y")).expect("y").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let mut worst = 0f64;
+    for r in 0..rows {
+        for c in 0..n {
+            let want: f64 = (0..k)
+                .map(|i| f64::from(half::bf16::from_bits(x[r * k + i]).to_f32()) * f64::from(half::bf16::from_f32(w[c * k + i]).to_f32()))
+                .sum();
+            let got = f64::from(y[r * n + c]);
+            let err = if got.is_finite() { (got - want).abs() } else { f64::INFINITY };
+            assert!(err < 1e-4, "y[{r}, {c}]: emulated gemm_mma {got} vs {want}");
+            worst = worst.max(err);
+        }
+    }
+    eprintln!("gemm_mma emulated, {rows} x {n} x {k}: max |err| {worst:.2e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn flash_prefill_compiled_for_the_host_matches_the_float64_reference_or_skips_without_a_compiler() {
+    let test = "flash_prefill_compiled_for_the_host_matches_the_float64_reference";
+    let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
+    let dir = std::env::temp_dir().join(format!("vellum-flash-on-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    // A decode, a prompt at the threshold, a prefix hit over two tiles (the
+    // second cut short), a short verification, a one-tile prompt.
+    let mixed = vec![(33, 1), (16, 16), (150, 70), (9, 3), (20, 20)];
+    let long = vec![(130, 100), (40, 40)];
+    // More sequences than a warp scans at once, long ones past the first 32
+    // (tile slots counted across the scan's chunks), two of several tiles.
+    let many: Vec<(usize, usize)> = std::iter::repeat_n((5, 1), 34).chain([(140, 130), (3, 2), (17, 17), (200, 200), (6, 1)]).collect();
+    let cases = [
+        Case { head_dim: 64, dtype: PoolDtype::Bf16, heads: 4, kv_heads: 2, window: 0, softcap: 0.0, seqs: mixed.clone(), extra_slots: 0 },
+        Case { head_dim: 64, dtype: PoolDtype::F16, heads: 3, kv_heads: 1, window: 0, softcap: 0.0, seqs: mixed, extra_slots: 5 },
+        Case { head_dim: 64, dtype: PoolDtype::Bf16, heads: 2, kv_heads: 1, window: 0, softcap: 0.0, seqs: many, extra_slots: 2 },
+        Case { head_dim: 128, dtype: PoolDtype::F16, heads: 2, kv_heads: 2, window: 45, softcap: 0.0, seqs: long.clone(), extra_slots: 0 },
+        Case {
+            head_dim: 256,
+            dtype: PoolDtype::Fp8E4m3,
+            heads: 2,
+            kv_heads: 1,
+            window: 50,
+            softcap: 30.0,
+            seqs: long.clone(),
+            extra_slots: 1,
+        },
+        Case { head_dim: 256, dtype: PoolDtype::Bf16, heads: 2, kv_heads: 1, window: 0, softcap: 0.0, seqs: long, extra_slots: 0 },
+    ];
+    let mut built = std::collections::HashMap::new();
+    for case in &cases {
+        let exe = built.entry(case.head_dim).or_insert_with(|| build(&cxx, &dir, case.head_dim)).clone();
+        run_case(&dir, &exe, case, &mut rng);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
