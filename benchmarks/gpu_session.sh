@@ -9,9 +9,14 @@
 # 0. llama.cpp's CUDA build starts in the background (~4 min on 16 cores);
 # 1. the GPU suite's tests of what no GPU has run yet: the conformance suite
 #    (the q/k/v split writing the KV cache, linears with and without bf16
-#    weight copies), the graph test (mixed steps replayed), the GEMV test
-#    (plan 4:2:1 among others), the executor against the CPU;
-# 2. a Llama-3-8B-shaped Q8_0 (written there): `bench latency` at 1 / 64 /
+#    weight copies, attention with flash prefill), paged attention against
+#    float64 (flash prefill among the kernels), the graph test (mixed steps
+#    replayed), the GEMV test (plan 4:2:1 among others), the executor
+#    against the CPU; then flash prefill's TFLOP/s (attention_bench
+#    --prefill --quick);
+# 2. a Llama-3-8B-shaped Q8_0 (written there): two prompts of 4,096 tokens
+#    with flash prefill and without (VELLUM_FLASH_ATTENTION=0) while
+#    llama.cpp builds; then `bench latency` at 1 / 64 /
 #    256 sequences with bf16 weight copies (the default) and without
 #    (`--cuda-bf16-weight-copies none`), against llama.cpp's
 #    `llama-batched-bench` on the same file (the tensor-core issue's decode
@@ -40,10 +45,13 @@ if [ -f .gpu-llama/llama.cpp.tar.xz ]; then
     build=$!
 fi
 
-SUITE_FILTER="the_conformance_suite decode_steps gemv_and_cuda_core the_cuda_executor" SUITE_LIMIT=200 \
+SUITE_FILTER="the_conformance_suite paged_attention_matches decode_steps gemv_and_cuda_core the_cuda_executor" SUITE_LIMIT=200 \
     bash .gpu/run.sh suite >"$out/logs/suite.txt" 2>&1
 stamp "suite exit $?"
-grep -E "^test |test result|recorded|SKIPPED|panicked" "$out/logs/suite.txt" | cut -c1-240
+grep -E "^test |test result|recorded|SKIPPED|panicked|Flash" "$out/logs/suite.txt" | cut -c1-240
+OUT="$out/logs" PREFILL_LIMIT=60 bash .gpu/run.sh prefill >"$out/logs/prefill.txt" 2>&1
+stamp "prefill exit $?"
+grep -E "^\|" "$out/logs/prefill.txt"
 checkpoint
 
 # shellcheck disable=SC1091 # staged there
@@ -52,6 +60,12 @@ m8=/tmp/m8.gguf
 if [ "$(left)" -gt 240 ]; then
     timeout 120 bash benchmarks/cuda_vs_llama_cpp.sh model llama3-8b-q8_0 "$m8" >/dev/null 2>&1
     stamp "8b written, exit $?"
+    # Flash prefill end to end: 2 × 4,096 prompt tokens in one step.
+    for flash in 1 0; do
+        VELLUM_FLASH_ATTENTION=$flash timeout 60 .gpu/x/vellum bench latency --device cuda --model "$m8" --input-len 4096 \
+            --output-len 2 --batch-size 2 --num-iters 2 --json >"$out/logs/m8_prefill_flash$flash.json" 2>"$out/logs/m8_prefill_flash$flash.log"
+        stamp "8b prefill 2x4096, flash=$flash: exit $? $(cut -c1-300 "$out/logs/m8_prefill_flash$flash.json")"
+    done
     if [ -n "$build" ]; then
         # llama.cpp's row needs its build; give it until 30 s before the end.
         timeout $(($(left) - 200 > 0 ? $(left) - 200 : 1)) tail --pid="$build" -f /dev/null

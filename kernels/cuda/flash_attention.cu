@@ -228,7 +228,11 @@ __device__ void flash_attention(float *__restrict__ out, const float *__restrict
             }
         }
 
-        // Scale, soft-cap and mask in base 2; the online softmax per row.
+        // Scale, soft-cap and mask in base 2; the online softmax per row. A
+        // tile every row sees whole (below the diagonal, inside every row's
+        // window) needs no mask: rows past the tile's last are zero queries,
+        // finite, and never written.
+        const bool whole = j0 + FLASH_BN - 1 <= tile.pos0 && (window <= 0 || j0 >= tile.pos0 + tile.rows - window);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int row = rows_of[h], pos = tile.pos0 + row;
@@ -241,7 +245,7 @@ __device__ void flash_attention(float *__restrict__ out, const float *__restrict
                     const int key = j0 + 8 * nt + t2 + e;
                     float x = sc[nt][2 * h + e] * scale;
                     if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-                    x = (row < tile.rows && key <= pos && key >= first) ? x * LOG2E : FLASH_NEG_INF;
+                    x = (whole || (row < tile.rows && key <= pos && key >= first)) ? x * LOG2E : FLASH_NEG_INF;
                     sc[nt][2 * h + e] = x;
                     mx = fmaxf(mx, x);
                 }

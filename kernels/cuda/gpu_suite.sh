@@ -14,6 +14,9 @@
 #   attention   the paged-attention decode bandwidth benchmark
 #               (examples/attention_bench.rs) -> $OUT/attention.jsonl
 #   overheads   what a launch, an allocation and a copy cost on the host
+#   prefill     (not in the default set) prefill attention, flash prefill
+#               against the decode kernels (attention_bench --prefill)
+#               -> $OUT/prefill.jsonl
 #   gemm        the linear layer's paths by batch rows at Llama 3 8B's
 #               shapes (examples/gemm_bench.rs) -> $OUT/gemm.jsonl
 #   golden      tests/golden.rs's CUDA tests (the golden prompts through

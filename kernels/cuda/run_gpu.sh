@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from .gpu/ (kernels/cuda/gpu_suite.sh stage puts it
-# there): `bash .gpu/run.sh [suite] [sampling] [attention] [overheads] [gemm] [golden] [throughput] [bf16]`,
+# there): `bash .gpu/run.sh [suite] [sampling] [attention] [overheads] [prefill] [gemm] [golden] [throughput] [bf16]`,
 # or `source .gpu/run.sh env` to set up the libraries for commands of one's own.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -60,10 +60,14 @@ step() { # name timeout command...
 for s in $steps; do
     case $s in
     # SUITE_FILTER: test-name filters (all tests when empty).
-    # shellcheck disable=SC2086 # the filters are words
-    suite) step suite "${SUITE_LIMIT:-300}" "$here/x/gpu_suite" --test-threads 1 --nocapture ${SUITE_FILTER:-} ;;
+    suite)
+        # shellcheck disable=SC2086 # the filters are words
+        step suite "${SUITE_LIMIT:-300}" "$here/x/gpu_suite" --test-threads 1 --nocapture ${SUITE_FILTER:-}
+        ;;
     attention) step attention "${ATTENTION_LIMIT:-240}" bash -c "'$here/x/attention_bench' ${ATTENTION_ARGS:-} > '$out/attention.jsonl'" ;;
     overheads) step overheads 120 "$here/x/attention_bench" --overheads ;;
+    # Prefill attention: flash prefill against the decode kernels, TFLOP/s.
+    prefill) step prefill "${PREFILL_LIMIT:-120}" bash -c "'$here/x/attention_bench' --prefill ${PREFILL_ARGS:---quick} > '$out/prefill.jsonl'" ;;
     gemm) step gemm "${GEMM_LIMIT:-240}" bash -c "'$here/x/gemm_bench' ${GEMM_ARGS:-} > '$out/gemm.jsonl'; rc=\$?; sed -n '/^| weight/,\$p' '$out/gemm.jsonl'; exit \$rc" ;;
     golden) step golden "${GOLDEN_LIMIT:-300}" "$here/x/golden" --test-threads 1 --nocapture cuda ;;
     sampling) step sampling "${SAMPLING_LIMIT:-120}" "$here/x/device_sampling" --test-threads 1 --nocapture ;;

@@ -1717,4 +1717,49 @@ mod tests {
         assert!(!GemvPlan { columns_per_warp: 5, k_split: 1, magic: false }.is_valid());
         assert!(!GemvPlan { columns_per_warp: 2, k_split: 3, magic: false }.is_valid());
     }
+
+    #[test]
+    fn flash_tiles_count_the_long_sequences_and_a_graphs_bound_covers_every_batch_of_its_tokens() {
+        // Decodes and a 15-token verification stay with the decode kernels;
+        // 16 tokens is one tile, 64 one, 65 two, 200 four.
+        let lens = QueryLens::of(&[0, 1, 17, 32, 96, 161, 361, 362]);
+        assert_eq!(lens, QueryLens { min: 1, max: 200, flash_tiles: 1 + 1 + 2 + 4 });
+        assert_eq!(QueryLens::of(&[0, 1, 2, 3]), QueryLens { min: 1, max: 1, flash_tiles: 0 });
+        assert_eq!(QueryLens::of(&[0]), QueryLens { min: 0, max: 0, flash_tiles: 0 });
+        assert_eq!(QueryLens::decode().flash_tiles, 0);
+        // Every split of T tokens into sequences gives at most the bound's
+        // tiles (random splits, and the worst: sequences of 16 or 65).
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for t in 1..=1200usize {
+            for _ in 0..4 {
+                let (mut qsl, mut at) = (vec![0i32], 0usize);
+                while at < t {
+                    s ^= s >> 12;
+                    s ^= s << 25;
+                    s ^= s >> 27;
+                    let len = (1 + (s.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % 140).min(t - at);
+                    at += len;
+                    qsl.push(at as i32);
+                }
+                assert!(QueryLens::of(&qsl).flash_tiles <= QueryLens::any(t).flash_tiles, "{t} tokens: {qsl:?}");
+            }
+            for piece in [16usize, 65] {
+                let qsl: Vec<i32> = (0..=t / piece).map(|i| (i * piece) as i32).collect();
+                assert!(QueryLens::of(&qsl).flash_tiles <= flash_tiles_bound(t), "{t} tokens in pieces of {piece}");
+            }
+        }
+        assert_eq!(QueryLens::any(512), QueryLens { min: 1, max: 512, flash_tiles: 8 + 32 });
+    }
+
+    #[test]
+    fn flash_prefill_takes_head_sizes_64_128_256_with_the_shared_memory_the_kernel_lays_out() {
+        assert_eq!((flash_keys_per_tile(64), flash_keys_per_tile(128), flash_keys_per_tile(256)), (64, 64, 32));
+        // Q [64] + K, V [2][BN] rows of head_dim + 8 bf16.
+        assert_eq!(flash_smem_bytes(128), (64 + 4 * 64) * 136 * 2);
+        assert_eq!(flash_smem_bytes(256), (64 + 4 * 32) * 264 * 2);
+        // Within a consumer GPU's 99 KiB opt-in (and an A100's and H100's).
+        assert!([64, 128, 256].iter().all(|&d| flash_smem_bytes(d) <= 101_376), "{}", flash_smem_bytes(256));
+        let v = flash_variant(256, 16);
+        assert_eq!(v.label(), "flash_attention.cu HEAD_DIM=256 BLOCK_SIZE=16 FLASH_BN=32");
+    }
 }

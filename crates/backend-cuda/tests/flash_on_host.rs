@@ -588,6 +588,18 @@ fn flash_prefill_compiled_for_the_host_matches_the_float64_reference_or_skips_wi
         Case { head_dim: 64, dtype: PoolDtype::Bf16, heads: 4, kv_heads: 2, window: 0, softcap: 0.0, seqs: mixed.clone(), extra_slots: 0 },
         Case { head_dim: 64, dtype: PoolDtype::F16, heads: 3, kv_heads: 1, window: 0, softcap: 0.0, seqs: mixed, extra_slots: 5 },
         Case { head_dim: 64, dtype: PoolDtype::Bf16, heads: 2, kv_heads: 1, window: 0, softcap: 0.0, seqs: many, extra_slots: 2 },
+        // Key tile 128..191 is whole for the first query tile's rows but for
+        // the last's window (positions 129 on): the edge of the unmasked path.
+        Case {
+            head_dim: 64,
+            dtype: PoolDtype::Bf16,
+            heads: 2,
+            kv_heads: 1,
+            window: 135,
+            softcap: 0.0,
+            seqs: vec![(400, 200)],
+            extra_slots: 0,
+        },
         Case { head_dim: 128, dtype: PoolDtype::F16, heads: 2, kv_heads: 2, window: 45, softcap: 0.0, seqs: long.clone(), extra_slots: 0 },
         Case {
             head_dim: 256,
