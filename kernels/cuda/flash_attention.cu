@@ -11,7 +11,9 @@
 // Compile-time constants (NVRTC -D): HEAD_DIM (64, 128 or 256), BLOCK_SIZE
 // (tokens per KV block), FLASH_BN (keys per tile: 16, 32 or 64).
 //
-// Grid (tile slots, num_heads), FLASH_THREADS threads. Slot x takes the
+// Grid (tile slots, num_heads), FLASH_THREADS threads (`__launch_bounds__`
+// with one block a multiprocessor: without it ptxas held the head-size-64
+// FP8 kernel to 128 registers on sm_90 and spilled). Slot x takes the
 // (gridDim.x - 1 - x)-th query tile of the batch, counting the tiles of the
 // long sequences in order (so the last, longest-context tiles start first);
 // slots past the last tile return at once. Each block finds its tile from
@@ -310,7 +312,7 @@ __device__ void flash_attention(float *__restrict__ out, const float *__restrict
 }
 
 #define FLASH_ENTRY(SUFFIX, T)                                                                                               \
-    extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                              \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 1)                                                            \
         flash_attention_##SUFFIX(float *out, const float *q, const void *k_cache, const void *v_cache, const int *block_tables, \
                                  int max_blocks_per_seq, const int *query_start_loc, const int *context_lens, int num_seqs,     \
                                  int min_q, int num_heads, int num_kv_heads, float scale, float softcap, int window,            \
