@@ -149,6 +149,14 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The gated activations (layers.cu's gated products, gemv_q.cu's gated
+// input): SiLU, and GELU with the tanh approximation.
+__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
 // Sum (or max) over a thread block of `blockDim.x` threads, a multiple of
 // 32; `scratch` holds one float per warp. Every thread gets the result.
 template <typename WarpOp>

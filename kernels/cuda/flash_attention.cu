@@ -31,8 +31,8 @@
 // Element types: a bf16 cache multiplies in bf16, an f16 cache in f16; an
 // FP8 cache is widened to f16 as it is staged (exactly: a code's value /
 // 2^8, the host folds the 2^8 into the scales as for the decode kernels).
-// Queries (f32 activations) are rounded to the same 16-bit type. Outputs
-// are f32, `out [num_tokens, num_heads, HEAD_DIM]`, times `v_scale`.
+// Queries (f32 activations) are scaled, then rounded to the same 16-bit
+// type. Outputs are f32, `out [num_tokens, num_heads, HEAD_DIM]`, times `v_scale`.
 //
 // Shared memory (dynamic, FLASH_LDS = HEAD_DIM + 8 elements a row, so the
 // eight rows an `ldmatrix` reads fall in distinct banks): Q [FLASH_BM], K
@@ -51,12 +51,17 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM mu
 static_assert(FLASH_BN == 16 || FLASH_BN == 32 || FLASH_BN == 64, "FLASH_BN must be 16, 32 or 64");
 
 // The 16-bit type a cache of T multiplies in, and its packing and product.
+// `pack_q` rounds queries (already scaled), f16's saturating at its range.
 struct Bf16Math {
     __device__ static __forceinline__ unsigned pack(float lo, float hi) { return pack_bf16(lo, hi); }
+    __device__ static __forceinline__ unsigned pack_q(float lo, float hi) { return pack_bf16(lo, hi); }
     __device__ static __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) { mma_bf16(c, a, b0, b1); }
 };
 struct F16Math {
     __device__ static __forceinline__ unsigned pack(float lo, float hi) { return pack_f16(lo, hi); }
+    __device__ static __forceinline__ unsigned pack_q(float lo, float hi) {
+        return pack_f16(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
+    }
     __device__ static __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) { mma_f16(c, a, b0, b1); }
 };
 template <typename T> struct MathOf;
@@ -178,13 +183,15 @@ __device__ void flash_attention(float *__restrict__ out, const float *__restrict
     const int j_first = begin / FLASH_BN * FLASH_BN;
     const int n_tiles = (end - j_first + FLASH_BN - 1) / FLASH_BN;
 
-    // Q: the tile's rows rounded to the 16-bit type (zeros past the last).
+    // Q: the tile's rows times the scale (so the f16 of an f16 or FP8 cache
+    // holds queries far past its range unscaled), rounded to the 16-bit
+    // type (zeros past the last row).
     for (int c = tid; c < FLASH_BM * (HEAD_DIM / 4); c += FLASH_THREADS) {
         const int r = c / (HEAD_DIM / 4), d = 4 * (c % (HEAD_DIM / 4));
         float4 x = {0.f, 0.f, 0.f, 0.f};
         if (r < tile.rows) x = *reinterpret_cast<const float4 *>(q + ((long long)(tile.q_start + tile.q0 + r) * num_heads + head) * HEAD_DIM + d);
         uint2 packed;
-        packed.x = Math::pack(x.x, x.y), packed.y = Math::pack(x.z, x.w);
+        packed.x = Math::pack_q(x.x * scale, x.y * scale), packed.y = Math::pack_q(x.z * scale, x.w * scale);
         *reinterpret_cast<uint2 *>(qs + r * FLASH_LDS + d) = packed;
     }
     stage_kv<T>(ks, k_cache, table, j_first, begin, end, num_kv_heads, kvh);
@@ -245,7 +252,7 @@ __device__ void flash_attention(float *__restrict__ out, const float *__restrict
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int key = j0 + 8 * nt + t2 + e;
-                    float x = sc[nt][2 * h + e] * scale;
+                    float x = sc[nt][2 * h + e];
                     if (softcap > 0.f) x = softcap * tanhf(x / softcap);
                     x = (whole || (row < tile.rows && key <= pos && key >= first)) ? x * LOG2E : FLASH_NEG_INF;
                     sc[nt][2 * h + e] = x;

@@ -20,6 +20,15 @@
 //  * GEMV_MAGIC: Q8 codes through `decode_unscaled` (a permute and an add
 //    a weight instead of an integer conversion and a multiply), the scale
 //    applied once per 16 products.
+// And two fusions, each saving a launch of a decode step (where launches,
+// not bytes, bound the step):
+//  * GEMV_IN: what the product reads. 0: x [ROWS, k]. 1: RMSNorm(x) · `aux`
+//    (the norm's weight): the dot product takes x · aux, each warp also sums
+//    x² over its stretch, and the sum closes the row as rsqrt(Σx²/k + eps)
+//    times the dot (the norm's scale factors out of it), so x is read once.
+//    2, 3: act(gate) · up of x [ROWS, 2k] (the stacked gate/up product's
+//    halves), act SiLU (2) or GELU-tanh (3).
+//  * GEMV_OUT: 0: y = x·Wᵀ; 1: y += x·Wᵀ (the residual stream's add).
 //
 // gemm_*: more rows, on CUDA cores (the float32 path; the default path
 // runs its larger batches on tensor cores, gemm_mma.cu). A thread block of
@@ -47,12 +56,65 @@
 #ifndef GEMV_MAGIC
 #define GEMV_MAGIC 0
 #endif
+#ifndef GEMV_IN
+#define GEMV_IN 0
+#endif
+#ifndef GEMV_OUT
+#define GEMV_OUT 0
+#endif
 #define GEMV_WARPS (GEMV_THREADS / 32)
 
 static_assert(ROWS >= 1 && ROWS <= 8, "ROWS must be 1..8");
 static_assert(NC >= 1 && NC <= 4, "GEMV_NC must be 1..4");
 static_assert(GEMV_KSPLIT == 1 || GEMV_KSPLIT == 2 || GEMV_KSPLIT == 4, "GEMV_KSPLIT must be 1, 2 or 4");
 static_assert(GEMV_WARPS % GEMV_KSPLIT == 0, "GEMV_KSPLIT must divide the block's warps");
+static_assert(GEMV_IN >= 0 && GEMV_IN <= 3 && (GEMV_OUT == 0 || GEMV_OUT == 1), "GEMV_IN 0..3, GEMV_OUT 0 or 1");
+
+// The 16 inputs of row r at k0 as the product reads them (GEMV_IN), adding
+// x² to `ss` for the norm.
+__device__ __forceinline__ void gemv_input(float xv[16], const float *__restrict__ x, const float *__restrict__ aux, int r, int k,
+                                           int k0, float &ss) {
+#if GEMV_IN >= 2
+    const float *g = x + (long long)r * 2 * k + k0, *u = g + k;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const vec4f a = load4(g + 4 * i), b = load4(u + 4 * i);
+#if GEMV_IN == 2
+        xv[4 * i] = silu(a.x) * b.x, xv[4 * i + 1] = silu(a.y) * b.y, xv[4 * i + 2] = silu(a.z) * b.z, xv[4 * i + 3] = silu(a.w) * b.w;
+#else
+        xv[4 * i] = gelu_tanh(a.x) * b.x, xv[4 * i + 1] = gelu_tanh(a.y) * b.y;
+        xv[4 * i + 2] = gelu_tanh(a.z) * b.z, xv[4 * i + 3] = gelu_tanh(a.w) * b.w;
+#endif
+    }
+#else
+    const float *xr = x + (long long)r * k + k0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const vec4f v = load4(xr + 4 * i);
+        xv[4 * i] = v.x, xv[4 * i + 1] = v.y, xv[4 * i + 2] = v.z, xv[4 * i + 3] = v.w;
+    }
+#if GEMV_IN == 1
+#pragma unroll
+    for (int i = 0; i < 16; i++) ss = fmaf(xv[i], xv[i], ss);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const vec4f w = load4(aux + k0 + 4 * i);
+        xv[4 * i] *= w.x, xv[4 * i + 1] *= w.y, xv[4 * i + 2] *= w.z, xv[4 * i + 3] *= w.w;
+    }
+#endif
+#endif
+}
+
+// Row r's output from its dot product `s` and its Σx² `ss` (GEMV_IN 1).
+__device__ __forceinline__ void gemv_output(float *__restrict__ y, long long at, float s, float ss, int k, float eps) {
+#if GEMV_IN == 1
+    s *= rsqrtf(ss / k + eps);
+#endif
+#if GEMV_OUT == 1
+    s += y[at];
+#endif
+    y[at] = s;
+}
 
 // The 16 weights at `raw` for the GEMV: w[i] · (returned scale) is the
 // weight. Every layout decodes whole values (scale 1); with GEMV_MAGIC, Q8
@@ -69,15 +131,18 @@ template <> __device__ __forceinline__ float gemv_decode<LayoutQ8>(const LayoutQ
 
 template <typename L>
 __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char *__restrict__ codes,
-                                     const unsigned short *__restrict__ scales, const float *__restrict__ x, int n_cols, int k) {
+                                     const unsigned short *__restrict__ scales, const float *__restrict__ x, int n_cols, int k,
+                                     const float *__restrict__ aux, float eps) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slice = warp % GEMV_KSPLIT;
     const int n0 = (blockIdx.x * (GEMV_WARPS / GEMV_KSPLIT) + warp / GEMV_KSPLIT) * NC;
-    float acc[ROWS][NC];
+    float acc[ROWS][NC], ss[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; r++)
+    for (int r = 0; r < ROWS; r++) {
+        ss[r] = 0.f;
 #pragma unroll
         for (int c = 0; c < NC; c++) acc[r][c] = 0.f;
+    }
     // A group past the last column still reaches the barrier below.
     if (n0 < n_cols)
         for (int k0 = 16 * lane + 512 * slice; k0 < k; k0 += 512 * GEMV_KSPLIT) {
@@ -89,13 +154,8 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
             for (int c = 0; c < NC; c++) d[c] = gemv_decode<L>(raw[c], w[c]);
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
-                const float *xr = x + (long long)r * k + k0;
                 float xv[16];
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const vec4f v = load4(xr + 4 * i);
-                    xv[4 * i] = v.x, xv[4 * i + 1] = v.y, xv[4 * i + 2] = v.z, xv[4 * i + 3] = v.w;
-                }
+                gemv_input(xv, x, aux, r, k, k0, ss[r]);
 #pragma unroll
                 for (int c = 0; c < NC; c++) {
                     float s = 0.f;
@@ -105,26 +165,36 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
                 }
             }
         }
-#if GEMV_KSPLIT > 1
-    __shared__ float part[GEMV_WARPS][ROWS][NC];
+#if GEMV_IN == 1
 #pragma unroll
-    for (int r = 0; r < ROWS; r++)
+    for (int r = 0; r < ROWS; r++) ss[r] = warp_sum(ss[r]);
+#endif
+#if GEMV_KSPLIT > 1
+    __shared__ float part[GEMV_WARPS][ROWS][NC + 1];  // the last: Σx² (GEMV_IN 1)
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
 #pragma unroll
         for (int c = 0; c < NC; c++) {
             const float s = warp_sum(acc[r][c]);
             if (lane == 0) part[warp][r][c] = s;
         }
+        if (lane == 0) part[warp][r][NC] = ss[r];
+    }
     __syncthreads();
     if (slice != 0 || lane != 0 || n0 >= n_cols) return;
 #pragma unroll
-    for (int r = 0; r < ROWS; r++)
+    for (int r = 0; r < ROWS; r++) {
+        float sq = part[warp][r][NC];
+#pragma unroll
+        for (int q = 1; q < GEMV_KSPLIT; q++) sq += part[warp + q][r][NC];
 #pragma unroll
         for (int c = 0; c < NC; c++) {
             float s = part[warp][r][c];
 #pragma unroll
             for (int q = 1; q < GEMV_KSPLIT; q++) s += part[warp + q][r][c];
-            if (n0 + c < n_cols) y[(long long)r * n_cols + n0 + c] = s;
+            if (n0 + c < n_cols) gemv_output(y, (long long)r * n_cols + n0 + c, s, sq, k, eps);
         }
+    }
 #else
     if (n0 >= n_cols) return;
 #pragma unroll
@@ -132,15 +202,16 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
 #pragma unroll
         for (int c = 0; c < NC; c++) {
             const float s = warp_sum(acc[r][c]);
-            if (lane == 0 && n0 + c < n_cols) y[(long long)r * n_cols + n0 + c] = s;
+            if (lane == 0 && n0 + c < n_cols) gemv_output(y, (long long)r * n_cols + n0 + c, s, ss[r], k, eps);
         }
 #endif
 }
 
 #define GEMV_ENTRY(SUFFIX, LAYOUT)                                                                                          \
     extern "C" __global__ void                                                                                             \
-        gemv_##SUFFIX(float *y, const unsigned char *codes, const unsigned short *scales, const float *x, int n_cols, int k) { \
-        gemv<LAYOUT>(y, codes, scales, x, n_cols, k);                                                                      \
+        gemv_##SUFFIX(float *y, const unsigned char *codes, const unsigned short *scales, const float *x, int n_cols, int k,   \
+                      const float *aux, float eps) {                                                                       \
+        gemv<LAYOUT>(y, codes, scales, x, n_cols, k, aux, eps);                                                           \
     }
 GEMV_ENTRY(q8, LayoutQ8)
 GEMV_ENTRY(q4, LayoutQ4)

@@ -63,12 +63,6 @@ extern "C" __global__ void rope_half_split(float *q, float *k, const float *__re
     }
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
-}
-
 // out[t, i] = act(x[t, i]) · x[t, inter + i] for the gate and up halves of
 // each row of x [tokens, 2·inter] (SwiGLU with silu, GeGLU with gelu-tanh).
 extern "C" __global__ void silu_and_mul(float *out, const float *__restrict__ x, int inter) {

@@ -381,10 +381,26 @@ impl GemvPlan {
 
     /// The `gemv_q.cu` configuration that launches this plan for `rows`.
     pub fn variant(&self, rows: usize) -> Variant {
-        Variant::new(
-            GEMV_Q,
-            &[("ROWS", rows), ("GEMV_NC", self.columns_per_warp), ("GEMV_KSPLIT", self.k_split), ("GEMV_MAGIC", usize::from(self.magic))],
-        )
+        self.fused_variant(rows, GemvFusion::default())
+    }
+
+    /// [`GemvPlan::variant`] with `fusion` around the product (its defines
+    /// only where it fuses something, so a plain GEMV's configuration and
+    /// its cached module stay the same).
+    pub fn fused_variant(&self, rows: usize, fusion: GemvFusion) -> Variant {
+        let mut defines = vec![
+            ("ROWS", rows),
+            ("GEMV_NC", self.columns_per_warp),
+            ("GEMV_KSPLIT", self.k_split),
+            ("GEMV_MAGIC", usize::from(self.magic)),
+        ];
+        if fusion.input != GemvInput::Plain {
+            defines.push(("GEMV_IN", fusion.input as usize));
+        }
+        if fusion.accumulate {
+            defines.push(("GEMV_OUT", 1));
+        }
+        Variant::new(GEMV_Q, &defines)
     }
 
     /// Whether the kernel takes this plan: 1–4 columns a warp, 1, 2 or 4
@@ -410,6 +426,31 @@ impl GemvPlan {
             Err(bad())
         }
     }
+}
+
+/// What the GEMV reads as its input rows (`gemv_q.cu`'s `GEMV_IN`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GemvInput {
+    /// `x [rows, k]` as it is.
+    #[default]
+    Plain = 0,
+    /// The RMSNorm of each row of `x [rows, k]` times the norm's weight.
+    RmsNorm = 1,
+    /// `silu(gate) · up` of `x [rows, 2k]`, the stacked gate/up product.
+    Silu = 2,
+    /// `gelu_tanh(gate) · up` of `x [rows, 2k]`.
+    GeluTanh = 3,
+}
+
+/// What a GEMV launch fuses around its product: the launches of a decode
+/// step it saves (a norm before, a gated activation before, a residual add
+/// after).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct GemvFusion {
+    /// What the product reads.
+    pub input: GemvInput,
+    /// `y += x·Wᵀ` (the residual stream) instead of `y = x·Wᵀ`.
+    pub accumulate: bool,
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32, smem: usize) -> LaunchConfig {
@@ -835,11 +876,14 @@ impl Kernels {
         self.flash_attention
     }
 
-    /// Why flash prefill cannot attend over `pool` here, if it cannot: a
-    /// float32 cache (the float32 path keeps f32 products), a head size
+    /// Why flash prefill cannot attend over `pool` here, if it cannot: a GPU
+    /// before Ampere, a float32 cache (the float32 path keeps f32 products), a head size
     /// other than 64, 128 or 256, the contiguous baseline, or a device
     /// whose thread blocks cannot hold its shared memory.
     pub fn flash_unsupported(&self, pool: &KvPool, layout: KvLayout) -> Option<String> {
+        if self.info.compute_capability < (8, 0) {
+            return Some(format!("compute capability {:?} (its mma and cp.async need 8.0)", self.info.compute_capability));
+        }
         if pool.dtype == PoolDtype::F32 {
             return Some("a float32 KV cache multiplies in f32 (the decode kernels attend it)".into());
         }
@@ -942,7 +986,37 @@ impl Kernels {
         if !plan.is_valid() {
             return Err(shape_error(format!("{plan:?}: a GEMV plan takes 1..4 columns a warp and 1, 2 or 4 warps a group")));
         }
-        self.gemv_launch_planned(y, w, x, rows, plan)
+        self.gemv_launch_planned(y, w, x, rows, plan, GemvFusion::default(), None)
+    }
+
+    /// `y [rows, n] (+)= in(x) · Wᵀ` by the GEMV (1..8 rows) with `fusion`:
+    /// `x` is `[rows, k]`, or `[rows, 2k]` for a gated input; `norm` is the
+    /// RMSNorm's weight (k floats) and epsilon, which [`GemvInput::RmsNorm`]
+    /// needs and nothing else takes.
+    pub fn gemv_fused(
+        &self,
+        y: &mut CudaSlice<f32>,
+        w: &QuantMatrix,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        fusion: GemvFusion,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+    ) -> Result<(), CudaError> {
+        let width = if matches!(fusion.input, GemvInput::Silu | GemvInput::GeluTanh) { 2 * w.k } else { w.k };
+        w.check()?;
+        if x.len() < rows * width || y.len() < rows * w.n {
+            return Err(shape_error(format!("fused GEMV [{rows}x{width}] into [{rows}x{}]: x or y too small", w.n)));
+        }
+        if rows == 0 || rows > 8 {
+            return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
+        }
+        match (fusion.input, norm) {
+            (GemvInput::RmsNorm, Some((n, _))) if n.len() == w.k => {}
+            (GemvInput::RmsNorm, _) => return Err(shape_error(format!("a normed GEMV needs the norm's {} weights", w.k))),
+            (_, None) => {}
+            (_, Some(_)) => return Err(shape_error("only a normed GEMV takes a norm".into())),
+        }
+        self.gemv_launch_planned(y, w, x, rows, self.gemv_plan(rows), fusion, norm)
     }
 
     /// The GEMV's plan for `rows` rows: `VELLUM_GEMV`'s, else
@@ -953,6 +1027,7 @@ impl Kernels {
 
     /// The GEMV launch with `plan`; the caller checked the buffers, that
     /// `rows` is 1..8 and that the plan is valid.
+    #[allow(clippy::too_many_arguments)]
     fn gemv_launch_planned(
         &self,
         y: &mut CudaSlice<f32>,
@@ -960,20 +1035,26 @@ impl Kernels {
         x: &CudaSlice<f32>,
         rows: usize,
         plan: GemvPlan,
+        fusion: GemvFusion,
+        norm: Option<(&CudaSlice<f32>, f32)>,
     ) -> Result<(), CudaError> {
-        let f = self.function(&plan.variant(rows), &format!("gemv_{}", w.format.suffix()))?;
+        let f = self.function(&plan.fused_variant(rows, fusion), &format!("gemv_{}", w.format.suffix()))?;
         let (n_i, k_i) = (to_i32(w.n, "n")?, to_i32(w.k, "k")?);
         // 4 warps a block; a group of k_split warps owns columns_per_warp
         // columns (gemv_q.cu).
         let per_block = 4 / plan.k_split * plan.columns_per_warp;
+        // Without a norm the kernel never reads `aux`: x stands in.
+        let (aux, eps) = norm.unwrap_or((x, 0.0));
         let mut b = self.stream.launch_builder(&f);
-        b.arg(y).arg(&w.codes).arg(&w.scales).arg(x).arg(&n_i).arg(&k_i);
+        b.arg(y).arg(&w.codes).arg(&w.scales).arg(x).arg(&n_i).arg(&k_i).arg(aux).arg(&eps);
         // SAFETY: matches gemv_*(float*, const unsigned char*, const
-        // unsigned short*, const float*, int, int); the caller checked (by
-        // check_linear) that the planes hold the layout's bytes for [n, k]
-        // (k whole blocks), x rows·k and y rows·n floats; a warp's columns
-        // past n read column n − 1 and write nothing; the block's
-        // 4 / k_split groups of columns_per_warp columns match per_block.
+        // unsigned short*, const float*, int, int, const float*, float); the
+        // caller checked (check_linear, gemv_fused) that the planes hold the
+        // layout's bytes for [n, k] (k whole blocks), x rows·k floats (rows·2k
+        // for a gated input) and y rows·n, and a norm's weight k floats (read
+        // only by a normed variant); a warp's columns past n read column
+        // n − 1 and write nothing; the block's 4 / k_split groups of
+        // columns_per_warp columns match per_block.
         unsafe { b.launch(cfg((to_u32(w.n.div_ceil(per_block), "columns")?, 1, 1), 128, 0)) }?;
         Ok(())
     }
@@ -984,7 +1065,7 @@ impl Kernels {
         Self::check_linear(w, x.len(), y.len(), rows)?;
         match rows {
             0 => Ok(()),
-            1..=8 => self.gemv_launch_planned(y, w, x, rows, self.gemv_plan(rows)),
+            1..=8 => self.gemv_launch_planned(y, w, x, rows, self.gemv_plan(rows), GemvFusion::default(), None),
             _ => self.gemm_f32_cores(y, w, x, rows),
         }
     }

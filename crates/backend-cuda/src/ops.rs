@@ -40,7 +40,8 @@
 use crate::blas::{Blas, Half};
 use crate::graphs::{Action, Bound, CaptureSizes, GraphCache, GraphKey, HostInputs, Limits, PaddedStep};
 use crate::launch::{
-    AttentionParams, DeviceAttentionMetadata, Elementwise, Kernels, KvPool, PoolDtype, QuantMatrix, QueryLens, SampleInputs, SampleOutputs,
+    AttentionParams, DeviceAttentionMetadata, Elementwise, GemvFusion, GemvInput, Kernels, KvPool, PoolDtype, QuantMatrix, QueryLens,
+    SampleInputs, SampleOutputs, FLASH_MIN_QUERIES,
 };
 use crate::layout::{f32_layout, repack, QuantFormat, Repacked};
 use crate::nccl::NcclGroup;
@@ -386,6 +387,10 @@ pub struct CudaOps {
     /// Layers whose keys and values the q/k/v split wrote into the cache
     /// itself ([`Ops::attention_stacked`]), counted for the tests.
     split_kv_writes: std::sync::atomic::AtomicU64,
+    /// Whether the GEMV fuses the norm before it, the gated activation
+    /// before it and the residual add after it (`Ops::norm_linear`,
+    /// `Ops::linear_add`); `VELLUM_FUSED_GEMV=0` turns it off.
+    fused_gemv: bool,
 }
 
 /// `m` locked, whether or not a thread panicked holding it (what it guards
@@ -445,6 +450,7 @@ impl CudaOps {
             copies_keep_free: total_memory / 2,
             copies_bytes: Default::default(),
             split_kv_writes: Default::default(),
+            fused_gemv: std::env::var("VELLUM_FUSED_GEMV").map_or(true, |v| v != "0"),
         })
     }
 
@@ -950,6 +956,14 @@ impl CudaOps {
         }
     }
 
+    /// Whether a product of `rows` rows runs on the GEMV, which fuses a norm
+    /// before it, a gated activation before it and a residual add after it
+    /// (`VELLUM_FUSED_GEMV=0` turns the fusions off, for comparisons).
+    fn gemv_fuses(&self, rows: usize) -> bool {
+        let gemv_rows = if self.precision == CudaPrecision::Float32 { 8 } else { GEMV_MAX_ROWS };
+        self.fused_gemv && (1..=gemv_rows).contains(&rows)
+    }
+
     /// `x` rounded to `dtype` (nearest even), on the device.
     fn cast_16(&self, x: &CudaTensor, dtype: Half) -> OpResult<CudaSlice<u16>> {
         let n = x.rows * x.cols;
@@ -1088,11 +1102,12 @@ impl Ops for CudaOps {
         }
     }
 
-    /// Flash prefill (`flash_attention.cu`) multiplies in the cache's
-    /// 16-bit type (f16 for FP8) at bf16 precision; the float32 path and a
-    /// float32 cache keep f32 products.
-    fn attention_operand_dtype(&self, kv: KvCacheDtype) -> ActivationDtype {
-        if self.precision == CudaPrecision::Float32 || !self.k.flash_enabled() {
+    /// Flash prefill (`flash_attention.cu`, sequences of
+    /// [`FLASH_MIN_QUERIES`] query tokens or more) multiplies in the cache's
+    /// 16-bit type (f16 for FP8) at bf16 precision; the float32 path, a
+    /// float32 cache and the decode kernels keep f32 products.
+    fn attention_operand_dtype(&self, kv: KvCacheDtype, query_tokens: usize) -> ActivationDtype {
+        if self.precision == CudaPrecision::Float32 || !self.k.flash_enabled() || query_tokens < FLASH_MIN_QUERIES {
             return ActivationDtype::F32;
         }
         match kv {
@@ -1235,6 +1250,69 @@ impl Ops for CudaOps {
     fn scale(&self, x: &mut CudaTensor, factor: f32) -> OpResult<()> {
         let n = x.rows * x.cols;
         self.k.elementwise(Elementwise::Scale(factor), &mut x.buf, n).map_err(backend)
+    }
+
+    /// One GEMV launch reading `x`, norming each row as it goes, where the
+    /// rows are the GEMV's (a decode step's) and the weight is a layout of
+    /// blocks; otherwise the norm and the product.
+    fn norm_linear(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaVector,
+        eps: f32,
+        cols: usize,
+        w: &CudaWeight,
+        bias: Option<&CudaVector>,
+    ) -> OpResult<CudaTensor> {
+        let fused = match &w.m {
+            Stored::Blocks(m) if self.gemv_fuses(x.rows) && cols == x.cols && m.k == cols && norm.data.len() == cols => Some(m),
+            _ => None,
+        };
+        let Some(m) = fused else {
+            return self.linear(&self.rms_norm(x, norm, eps, cols)?, w, bias);
+        };
+        if let Some(b) = bias {
+            check(b.data.len() == m.n, || format!("norm_linear: bias of {} for {} outputs", b.data.len(), m.n))?;
+        }
+        let mut out = self.tensor(x.rows, m.n)?;
+        let fusion = GemvFusion { input: GemvInput::RmsNorm, accumulate: false };
+        self.k.gemv_fused(&mut out.buf, m, &x.buf, x.rows, fusion, Some((&norm.data, eps))).map_err(backend)?;
+        if let Some(b) = bias {
+            self.k.add_bias_rows(&mut out.buf, &b.data, x.rows).map_err(backend)?;
+        }
+        Ok(out)
+    }
+
+    /// One GEMV launch applying the gated activation as it reads `x` and
+    /// adding into `residual` as it writes, where the rows are the GEMV's
+    /// and the weight is a layout of blocks; otherwise the three ops.
+    fn linear_add(
+        &self,
+        x: &CudaTensor,
+        act: Option<vellum_ops::GatedActivation>,
+        w: &CudaWeight,
+        residual: &mut CudaTensor,
+    ) -> OpResult<()> {
+        let width = |m: &QuantMatrix| if act.is_some() { 2 * m.k } else { m.k };
+        let fused = match &w.m {
+            Stored::Blocks(m) if self.gemv_fuses(x.rows) && x.cols == width(m) && (residual.rows, residual.cols) == (x.rows, m.n) => {
+                Some(m)
+            }
+            _ => None,
+        };
+        let Some(m) = fused else {
+            let y = match act {
+                Some(act) => self.linear(&self.gated_mul(x, act)?, w, None)?,
+                None => self.linear(x, w, None)?,
+            };
+            return self.add_assign(residual, &y);
+        };
+        let input = match act {
+            None => GemvInput::Plain,
+            Some(vellum_ops::GatedActivation::Silu) => GemvInput::Silu,
+            Some(vellum_ops::GatedActivation::GeluTanh) => GemvInput::GeluTanh,
+        };
+        self.k.gemv_fused(&mut residual.buf, m, &x.buf, x.rows, GemvFusion { input, accumulate: true }, None).map_err(backend)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> OpResult<()> {

@@ -9,189 +9,28 @@
 //! them.
 //!
 //! Checked: every cache type flash prefill takes (bf16, f16, FP8 with
-//! scales), head sizes 64, 128 and 256 with their key tiles, GQA, a sliding
+//! scales), head sizes 64, 128 and 256 with their key tiles, KV blocks of
+//! 8, 16 and 32 tokens, GQA, a sliding
 //! window, a soft-cap, prefix hits (queries after cached positions), query
 //! tiles cut short, and tile slots past the batch's tiles (as a CUDA
 //! graph launches them); rows of short sequences stay untouched (the
-//! decode kernels attend those).
+//! decode kernels attend those); nothing is written past the shared memory
+//! the launch gives a block; and `cp.async` copies land only at the wait
+//! that covers them (a stage read early reads NaN).
 //!
 //! Without a C++ compiler (`c++`, `g++` or `clang++`, or `CXX`) the test
 //! says SKIPPED by name; CI has one.
 
+#[path = "common/host_cuda.rs"]
+mod host_cuda;
 #[path = "common/host_cxx.rs"]
 mod host_cxx;
 
+use host_cuda::EMULATION as SHIM;
+
 use std::path::Path;
 use std::process::Command;
-use vellum_backend_cuda::launch::{flash_keys_per_tile, PoolDtype, QueryLens, FLASH_MIN_QUERIES};
-
-/// CUDA for a host compiler: keywords, vector types, a block's barrier and
-/// the warp-wide operations, each lane publishing its part and reading the
-/// others' between two barriers of its warp.
-const SHIM: &str = r#"
-#include <barrier>
-#include <cmath>
-#include <math.h>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-#include <thread>
-#include <vector>
-#include <algorithm>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__ __restrict
-#define __launch_bounds__(n)
-using std::min;
-using std::max;
-struct uint2 { unsigned x, y; };
-struct uint4 { unsigned x, y, z, w; };
-struct float2 { float x, y; };
-struct float4 { float x, y, z, w; };
-struct Dim { unsigned x, y, z; };
-static Dim blockIdx, gridDim, blockDim;
-static thread_local Dim threadIdx;
-static inline unsigned int __float_as_uint(float x) { unsigned int u; std::memcpy(&u, &x, 4); return u; }
-static inline float __uint_as_float(unsigned int u) { float x; std::memcpy(&x, &u, 4); return x; }
-static inline float __int_as_float(int u) { float x; std::memcpy(&x, &u, 4); return x; }
-static inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
-static inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
-struct bf16 { unsigned short bits; };
-struct f16 { unsigned short bits; };
-
-
-static std::barrier<> *block_barrier;
-static void __syncthreads() { block_barrier->arrive_and_wait(); }
-static const int WARPS = 8;
-struct Warp {
-    std::barrier<> *bar;
-    unsigned long long word[32][6];
-    const void *ptr[32];
-};
-static Warp warps[WARPS];
-static inline int lane_id() { return threadIdx.x & 31; }
-static inline Warp &my_warp() { return warps[threadIdx.x >> 5]; }
-static inline void warp_sync() { my_warp().bar->arrive_and_wait(); }
-
-template <typename T> static unsigned long long bits_of(T v) { unsigned long long u = 0; std::memcpy(&u, &v, sizeof(T)); return u; }
-template <typename T> static T of_bits(unsigned long long u) { T v; std::memcpy(&v, &u, sizeof(T)); return v; }
-template <typename T> static T exchange(T v, int src) {
-    Warp &w = my_warp();
-    w.word[lane_id()][0] = bits_of(v);
-    warp_sync();
-    T r = of_bits<T>(w.word[src][0]);
-    warp_sync();
-    return r;
-}
-template <typename T> static T __shfl_xor_sync(unsigned, T v, int o) { return exchange(v, lane_id() ^ o); }
-template <typename T> static T __shfl_sync(unsigned, T v, int src) { return exchange(v, src & 31); }
-template <typename T> static T __shfl_up_sync(unsigned, T v, unsigned d) {
-    const int src = lane_id() - (int)d;
-    T r = exchange(v, src < 0 ? lane_id() : src);
-    return r;
-}
-static unsigned __ballot_sync(unsigned, bool p) {
-    Warp &w = my_warp();
-    w.word[lane_id()][0] = p ? 1 : 0;
-    warp_sync();
-    unsigned r = 0;
-    for (int l = 0; l < 32; l++) r |= (unsigned)w.word[l][0] << l;
-    warp_sync();
-    return r;
-}
-
-// 16-bit values.
-static float bf16_value(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
-static float f16_value(unsigned short b) { _Float16 h; std::memcpy(&h, &b, 2); return (float)h; }
-static unsigned short bf16_bits(float x) {
-    unsigned u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-static unsigned short f16_bits(float x) { _Float16 h = (_Float16)x; unsigned short b; std::memcpy(&b, &h, 2); return b; }
-static unsigned pack_bf16(float lo, float hi) { return bf16_bits(lo) | ((unsigned)bf16_bits(hi) << 16); }
-static unsigned pack_f16(float lo, float hi) { return f16_bits(lo) | ((unsigned)f16_bits(hi) << 16); }
-
-// cp.async: the copy happens at once (the kernels wait before reading).
-static void cp_async16(void *dst, const void *src, int src_bytes) {
-    if (src_bytes == 16) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
-}
-static void cp_async_commit() {}
-static void cp_async_wait_one() {}
-
-// ldmatrix.x4: lanes 8i .. 8i+7 give matrix i's row addresses; lane
-// (g, t) receives row g's columns 2t, 2t+1 (.trans: column g's rows 2t, 2t+1).
-static void ldmatrix_any(unsigned r[4], const void *p, bool trans) {
-    Warp &w = my_warp();
-    w.ptr[lane_id()] = p;
-    warp_sync();
-    const int g = lane_id() >> 2, t = lane_id() & 3;
-    for (int i = 0; i < 4; i++) {
-        unsigned short lo, hi;
-        if (!trans) {
-            const unsigned short *row = (const unsigned short *)w.ptr[8 * i + g];
-            lo = row[2 * t], hi = row[2 * t + 1];
-        } else {
-            lo = ((const unsigned short *)w.ptr[8 * i + 2 * t])[g];
-            hi = ((const unsigned short *)w.ptr[8 * i + 2 * t + 1])[g];
-        }
-        r[i] = lo | ((unsigned)hi << 16);
-    }
-    warp_sync();
-}
-static void ldmatrix_x4(unsigned r[4], const void *p) { ldmatrix_any(r, p, false); }
-static void ldmatrix_x4_trans(unsigned r[4], const void *p) { ldmatrix_any(r, p, true); }
-
-// mma.m16n8k16 with f32 accumulation, from the warp's fragments.
-static void mma_any(float c[4], const unsigned a[4], unsigned b0, unsigned b1, float (*value)(unsigned short)) {
-    Warp &w = my_warp();
-    unsigned long long *mine = w.word[lane_id()];
-    for (int i = 0; i < 4; i++) mine[i] = a[i];
-    mine[4] = b0, mine[5] = b1;
-    warp_sync();
-    float A[16][16], B[16][8];
-    for (int l = 0; l < 32; l++) {
-        const int g = l >> 2, t = l & 3;
-        const unsigned long long *f = w.word[l];
-        const int ar[4] = {g, g + 8, g, g + 8}, ac[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
-        for (int i = 0; i < 4; i++) {
-            A[ar[i]][ac[i]] = value((unsigned short)(f[i] & 0xffffu));
-            A[ar[i]][ac[i] + 1] = value((unsigned short)(f[i] >> 16));
-        }
-        B[2 * t][g] = value((unsigned short)(f[4] & 0xffffu)), B[2 * t + 1][g] = value((unsigned short)(f[4] >> 16));
-        B[2 * t + 8][g] = value((unsigned short)(f[5] & 0xffffu)), B[2 * t + 9][g] = value((unsigned short)(f[5] >> 16));
-    }
-    warp_sync();
-    const int g = lane_id() >> 2, t = lane_id() & 3;
-    for (int e = 0; e < 4; e++) {
-        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-        float s = 0.f;
-        for (int k = 0; k < 16; k++) s += A[row][k] * B[k][col];
-        c[e] += s;
-    }
-}
-static void mma_bf16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) { mma_any(c, a, b0, b1, bf16_value); }
-static void mma_f16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) { mma_any(c, a, b0, b1, f16_value); }
-
-// Runs `kernel` over a grid of (x, y) blocks of `threads` threads.
-template <typename F> static void launch(unsigned gx, unsigned gy, int threads, F kernel) {
-    std::barrier<> bar(threads);
-    block_barrier = &bar;
-    for (int w = 0; w < threads / 32; w++) warps[w].bar = new std::barrier<>(32);
-    gridDim = {gx, gy, 1};
-    blockDim = {(unsigned)threads, 1, 1};
-    for (unsigned y = 0; y < gy; y++)
-        for (unsigned x = 0; x < gx; x++) {
-            blockIdx = {x, y, 0};
-            std::vector<std::thread> ts;
-            for (int t = 0; t < threads; t++) ts.emplace_back([&, t] { threadIdx = {(unsigned)t, 0, 0}; kernel(); });
-            for (auto &th : ts) th.join();
-        }
-    for (int w = 0; w < threads / 32; w++) delete warps[w].bar;
-}
-"#;
+use vellum_backend_cuda::launch::{flash_keys_per_tile, flash_smem_bytes, PoolDtype, QueryLens, FLASH_MIN_QUERIES};
 
 /// Reads the inputs, runs flash prefill over its slots, writes the output.
 const MAIN: &str = r#"
@@ -219,6 +58,7 @@ int main(int argc, char **argv) {
     auto qsl = slurp<int>(dir + "/qsl");
     auto ctx = slurp<int>(dir + "/ctx");
     std::vector<float> out(ints[8], NAN);
+    for (int i = 0; i < FLASH_GUARD; i++) flash_smem[FLASH_SMEM_ELEMS + i] = 0x7f7f;
     launch(ints[0], ints[1], 128, [&] {
         auto run = [&](auto kernel) {
             kernel(out.data(), q.data(), kc.data(), vc.data(), tables.data(), ints[2], qsl.data(), ctx.data(), ints[3], ints[4],
@@ -228,6 +68,8 @@ int main(int argc, char **argv) {
         else if (dtype == 1) run(flash_attention_bf16);
         else run(flash_attention_fp8);
     });
+    for (int i = 0; i < FLASH_GUARD; i++)
+        if (flash_smem[FLASH_SMEM_ELEMS + i] != 0x7f7f) return 6;  // wrote past its shared memory
     FILE *f = std::fopen((dir + "/out").c_str(), "wb");
     if (!f || std::fwrite(out.data(), 4, out.size(), f) != out.size()) return 4;
     return std::fclose(f);
@@ -242,27 +84,32 @@ fn section(begin: &str, end: &str) -> &'static str {
     &common[start..stop]
 }
 
-/// The program for one head size (its key tile as launch.rs picks it).
-fn build(cxx: &str, dir: &Path, head_dim: usize) -> std::path::PathBuf {
+/// The program for one head size (its key tile as launch.rs picks it) and
+/// block size.
+fn build(cxx: &str, dir: &Path, head_dim: usize, block_size: usize) -> std::path::PathBuf {
     let source = format!(
         "{SHIM}
-// The dynamic shared memory of the block running now.
+// The dynamic shared memory of the block running now: the bytes the launch
+// gives it (flash_smem_bytes), then a guard band that must stay as it is.
 #define __shared__
 #define __align__(n)
-alignas(16) unsigned short flash_smem[1 << 17];
+#define FLASH_SMEM_ELEMS {}
+#define FLASH_GUARD 4096
+alignas(16) unsigned short flash_smem[FLASH_SMEM_ELEMS + FLASH_GUARD];
 #define HEAD_DIM {head_dim}
-#define BLOCK_SIZE {BLOCK}
+#define BLOCK_SIZE {block_size}
 #define FLASH_BN {}
 #line 1 \"common.cuh (FP8)\"
 {}
 #line 1 \"flash_attention.cu\"
 {}
 {MAIN}",
+        flash_smem_bytes(head_dim) / 2,
         flash_keys_per_tile(head_dim),
         section("FP8 (begin)\n", "// FP8 (end)"),
         vellum_kernels::cuda::FLASH_ATTENTION
     );
-    host_cxx::build_threaded(cxx, dir, &format!("flash{head_dim}"), &source)
+    host_cxx::build_threaded(cxx, dir, &format!("flash{head_dim}_{block_size}"), &source)
 }
 
 /// `gemm_mma.cu` on float32 weights, y = x · Wᵀ with 32-row tiles:
@@ -296,21 +143,13 @@ int main(int argc, char **argv) {
 }
 "#;
 
-/// The tensor-core GEMM's program: static shared arrays, the weight
-/// layouts of `common.cuh` (which read f16 scales and permute bytes).
+/// The tensor-core GEMM's program: static shared arrays and the weight
+/// layouts of `common.cuh`.
 fn build_gemm(cxx: &str, dir: &Path) -> std::path::PathBuf {
     let source = format!(
         "{SHIM}
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
-using std::fmaf;
-static inline float to_float(f16 h) {{ return f16_value(h.bits); }}
-static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {{
-    const unsigned long long in = x | ((unsigned long long)y << 32);
-    unsigned r = 0;
-    for (int n = 0; n < 4; n++) r |= (unsigned)((in >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
-    return r;
-}}
 #define MMA_BM 32
 #line 1 \"common.cuh (weight layouts)\"
 // Weight layouts{}
@@ -325,8 +164,6 @@ static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {{
     );
     host_cxx::build_threaded(cxx, dir, "gemm", &source)
 }
-
-const BLOCK: usize = 16;
 
 /// xorshift64*.
 struct Rng(u64);
@@ -345,6 +182,8 @@ impl Rng {
 
 struct Case {
     head_dim: usize,
+    /// Tokens a KV block.
+    block: usize,
     dtype: PoolDtype,
     heads: usize,
     kv_heads: usize,
@@ -385,7 +224,8 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
     let (d, row) = (case.head_dim, case.kv_heads * case.head_dim);
     let (k_scale, v_scale) = if case.dtype == PoolDtype::Fp8E4m3 { (0.0123f32, 0.007f32) } else { (1.0, 1.0) };
     // Blocks shuffled through a pool with spares.
-    let blocks_of = |c: usize| c.div_ceil(BLOCK);
+    let block = case.block;
+    let blocks_of = |c: usize| c.div_ceil(block);
     let max_blocks = case.seqs.iter().map(|&(c, _)| blocks_of(c)).max().expect("seqs");
     let num_blocks = case.seqs.iter().map(|&(c, _)| blocks_of(c)).sum::<usize>() + 3;
     let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
@@ -403,14 +243,14 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
     let elem = if case.dtype == PoolDtype::Fp8E4m3 { 1 } else { 2 };
     // Unwritten slots hold a pattern no finite value has in the reference
     // (0x7f7f: a bf16/f16 of 3.4e38 or 65k-ish, FP8 NaN): reading one shows.
-    let mut k_pool = vec![0x7fu8; num_blocks * BLOCK * row * elem];
+    let mut k_pool = vec![0x7fu8; num_blocks * block * row * elem];
     let mut v_pool = k_pool.clone();
     let mut keys: Vec<Vec<f32>> = Vec::new();
     let mut values: Vec<Vec<f32>> = Vec::new();
     for (s, &(c, _)) in case.seqs.iter().enumerate() {
         let (mut ks, mut vs) = (Vec::new(), Vec::new());
         for pos in 0..c {
-            let slot = tables[s * max_blocks + pos / BLOCK] as usize * BLOCK + pos % BLOCK;
+            let slot = tables[s * max_blocks + pos / block] as usize * block + pos % block;
             for j in 0..row {
                 // |x| < 1: up to 81 and 143 as FP8 codes of the scales above.
                 let (kb, kv) = store(rng.f(), case.dtype, k_scale);
@@ -475,9 +315,14 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
         std::fs::read(dir.join("out")).expect("out").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
 
     // The float64 reference, the queries rounded as the kernel multiplies them.
-    let q_round = |x: f32| match case.dtype {
-        PoolDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
-        _ => half::f16::from_f32(x).to_f32(),
+    // (times the score's scale, in its 16-bit type).
+    let s_total = floats[0];
+    let q_round = |x: f32| {
+        let scaled = x * s_total;
+        f64::from(match case.dtype {
+            PoolDtype::Bf16 => half::bf16::from_f32(scaled).to_f32(),
+            _ => half::f16::from_f32(scaled).to_f32(),
+        }) / f64::from(s_total)
     };
     let tol = if case.dtype == PoolDtype::Bf16 { 1e-2 } else { 2e-3 };
     let (mut worst, mut t, mut flash_rows) = (0f64, 0usize, 0usize);
@@ -492,8 +337,7 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
                 let n_ctx = c - ql + i + 1;
                 let first = if case.window > 0 && n_ctx > case.window { n_ctx - case.window } else { 0 };
                 let kvh = h / (case.heads / case.kv_heads);
-                let qv: Vec<f64> =
-                    q[(t * case.heads + h) * d..(t * case.heads + h + 1) * d].iter().map(|&x| f64::from(q_round(x))).collect();
+                let qv: Vec<f64> = q[(t * case.heads + h) * d..(t * case.heads + h + 1) * d].iter().map(|&x| q_round(x)).collect();
                 let scores: Vec<f64> = (first..n_ctx)
                     .map(|pos| {
                         let kr = &keys[s][pos * row + kvh * d..pos * row + (kvh + 1) * d];
@@ -585,13 +429,34 @@ fn flash_prefill_compiled_for_the_host_matches_the_float64_reference_or_skips_wi
     // (tile slots counted across the scan's chunks), two of several tiles.
     let many: Vec<(usize, usize)> = std::iter::repeat_n((5, 1), 34).chain([(140, 130), (3, 2), (17, 17), (200, 200), (6, 1)]).collect();
     let cases = [
-        Case { head_dim: 64, dtype: PoolDtype::Bf16, heads: 4, kv_heads: 2, window: 0, softcap: 0.0, seqs: mixed.clone(), extra_slots: 0 },
-        Case { head_dim: 64, dtype: PoolDtype::F16, heads: 3, kv_heads: 1, window: 0, softcap: 0.0, seqs: mixed, extra_slots: 5 },
-        Case { head_dim: 64, dtype: PoolDtype::Bf16, heads: 2, kv_heads: 1, window: 0, softcap: 0.0, seqs: many, extra_slots: 2 },
+        Case {
+            head_dim: 64,
+            block: 16,
+            dtype: PoolDtype::Bf16,
+            heads: 4,
+            kv_heads: 2,
+            window: 0,
+            softcap: 0.0,
+            seqs: mixed.clone(),
+            extra_slots: 0,
+        },
+        Case { head_dim: 64, block: 8, dtype: PoolDtype::F16, heads: 3, kv_heads: 1, window: 0, softcap: 0.0, seqs: mixed, extra_slots: 5 },
+        Case {
+            head_dim: 64,
+            block: 16,
+            dtype: PoolDtype::Bf16,
+            heads: 2,
+            kv_heads: 1,
+            window: 0,
+            softcap: 0.0,
+            seqs: many,
+            extra_slots: 2,
+        },
         // Key tile 128..191 is whole for the first query tile's rows but for
         // the last's window (positions 129 on): the edge of the unmasked path.
         Case {
             head_dim: 64,
+            block: 32,
             dtype: PoolDtype::Bf16,
             heads: 2,
             kv_heads: 1,
@@ -600,9 +465,20 @@ fn flash_prefill_compiled_for_the_host_matches_the_float64_reference_or_skips_wi
             seqs: vec![(400, 200)],
             extra_slots: 0,
         },
-        Case { head_dim: 128, dtype: PoolDtype::F16, heads: 2, kv_heads: 2, window: 45, softcap: 0.0, seqs: long.clone(), extra_slots: 0 },
+        Case {
+            head_dim: 128,
+            block: 16,
+            dtype: PoolDtype::F16,
+            heads: 2,
+            kv_heads: 2,
+            window: 45,
+            softcap: 0.0,
+            seqs: long.clone(),
+            extra_slots: 0,
+        },
         Case {
             head_dim: 256,
+            block: 16,
             dtype: PoolDtype::Fp8E4m3,
             heads: 2,
             kv_heads: 1,
@@ -611,11 +487,21 @@ fn flash_prefill_compiled_for_the_host_matches_the_float64_reference_or_skips_wi
             seqs: long.clone(),
             extra_slots: 1,
         },
-        Case { head_dim: 256, dtype: PoolDtype::Bf16, heads: 2, kv_heads: 1, window: 0, softcap: 0.0, seqs: long, extra_slots: 0 },
+        Case {
+            head_dim: 256,
+            block: 32,
+            dtype: PoolDtype::Bf16,
+            heads: 2,
+            kv_heads: 1,
+            window: 0,
+            softcap: 0.0,
+            seqs: long,
+            extra_slots: 0,
+        },
     ];
     let mut built = std::collections::HashMap::new();
     for case in &cases {
-        let exe = built.entry(case.head_dim).or_insert_with(|| build(&cxx, &dir, case.head_dim)).clone();
+        let exe = built.entry((case.head_dim, case.block)).or_insert_with(|| build(&cxx, &dir, case.head_dim, case.block)).clone();
         run_case(&dir, &exe, case, &mut rng);
     }
     let _ = std::fs::remove_dir_all(&dir);

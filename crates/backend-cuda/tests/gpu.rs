@@ -209,12 +209,17 @@ fn check_attention(k: &Kernels, case: &Case, rng: &mut Rng) {
     let meta = meta_of(QueryLens::of(&qsl));
     let scale = 1.0 / (d as f32).sqrt();
     let params = AttentionParams { num_heads: case.heads, scale, softcap: case.softcap, window: case.window, kv_scale: sc };
-    // Flash prefill multiplies the queries rounded to its 16-bit type.
-    let q_mma: Vec<f32> = match case.dtype {
-        PoolDtype::F32 => q.clone(),
-        PoolDtype::Bf16 => q.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
-        PoolDtype::F16 | PoolDtype::Fp8E4m3 => q.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
-    };
+    // Flash prefill multiplies the queries times the score's scale (the key
+    // scale and an FP8 code's unit in it), rounded to its 16-bit type.
+    let s_total = scale * sc.k * case.dtype.unit();
+    let q_mma: Vec<f32> = q
+        .iter()
+        .map(|&x| match case.dtype {
+            PoolDtype::F32 => x,
+            PoolDtype::Bf16 => half::bf16::from_f32(x * s_total).to_f32() / s_total,
+            PoolDtype::F16 | PoolDtype::Fp8E4m3 => half::f16::from_f32(x * s_total).to_f32() / s_total,
+        })
+        .collect();
     let expected = attention_reference(&seqs, case, &q, &keys, &values, sc, scale);
     let expected_mma = attention_reference(&seqs, case, &q_mma, &keys, &values, sc, scale);
     let q_dev = up(k, &q);

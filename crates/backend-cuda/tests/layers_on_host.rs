@@ -104,7 +104,7 @@ int main(int argc, char **argv) {
 /// (and the `template` line above it, if any) to its closing brace at the
 /// start of a line.
 fn function(src: &str, name: &str) -> String {
-    let at = src.find(&format!(" {name}(")).unwrap_or_else(|| panic!("layers.cu defines {name}"));
+    let at = src.find(&format!(" {name}(")).unwrap_or_else(|| panic!("the source defines {name}"));
     let mut start = src[..at].rfind('\n').map_or(0, |i| i + 1);
     if let Some(above) = src[..start.saturating_sub(1)].rfind('\n').map(|i| i + 1) {
         if src[above..start].starts_with("template") {
@@ -121,12 +121,16 @@ fn function(src: &str, name: &str) -> String {
 }
 
 fn build(cxx: &str, dir: &Path) -> PathBuf {
-    let layers = vellum_kernels::cuda::LAYERS;
-    let kernels: Vec<String> =
-        ["silu", "gelu_tanh", "split_row", "split_qkv_rope", "split_qkv_rope_cache", "silu_and_mul", "gelu_tanh_and_mul"]
-            .iter()
-            .map(|n| function(layers, n))
-            .collect();
+    let (layers, common) = (vellum_kernels::cuda::LAYERS, vellum_kernels::cuda::COMMON);
+    let kernels: Vec<String> = ["silu", "gelu_tanh"]
+        .iter()
+        .map(|n| function(common, n))
+        .chain(
+            ["split_row", "split_qkv_rope", "split_qkv_rope_cache", "silu_and_mul", "gelu_tanh_and_mul"]
+                .iter()
+                .map(|n| function(layers, n)),
+        )
+        .collect();
     host_cxx::build(cxx, dir, "layers", &format!("{SHIM}\n#include <string>\n{}\n{MAIN}", kernels.join("\n\n")))
 }
 

@@ -25,11 +25,13 @@
 //!   size, block size and KV element type the backend declares in its
 //!   `capabilities()`: 1e-4 on an f32 cache, and on f16/bf16 caches the bound
 //!   one rounding of the stored K/V implies, plus one rounding of the
-//!   queries and weights where `Ops::attention_operand_dtype` says the
-//!   backend multiplies them in 16 bits; the pools themselves too;
+//!   queries and weights of the sequences `Ops::attention_operand_dtype`
+//!   says the backend multiplies in 16 bits; the pools themselves too;
 //! - an FP8 cache (where declared) allocated after a calibration pass over
 //!   keys and values past its range: the scales it took applied, the pools
 //!   equal to the reference's, attention within 1e-4;
+//! - the fused products (`Ops::norm_linear`, `Ops::linear_add`) against the
+//!   same backend's separate ops (1e-4);
 //! - shapes that do not fit are errors, not panics.
 //!
 //! The golden prompts (`tests/golden.rs` at the workspace root) are the
@@ -82,6 +84,7 @@ impl Suite {
         self.paged_attention(ops);
         self.copy_blocks_and_swaps(ops);
         self.stacked_projections(ops);
+        self.fused_products(ops);
         self.attention_of_a_stacked_product(ops);
         // Last: the scales a calibration takes stay with the backend and
         // apply to every FP8 cache it allocates after.
@@ -180,6 +183,57 @@ impl Suite {
                 .expect("gated activation");
                 let got = ops.gated_mul(&product, act).expect("gated_mul");
                 self.close(&host(&got), &host(&want), 1e-4, &format!("stacked {ty:?} {act:?}"));
+            }
+        }
+    }
+
+    /// The products with what comes before and after them fused
+    /// ([`vellum_ops::Ops::norm_linear`], [`vellum_ops::Ops::linear_add`],
+    /// with each gated activation where the backend stacks gate and up)
+    /// against the same backend's separate ops: 1, 2, 3 and 5 rows (a GPU
+    /// fuses its decode rows and runs the others apart), F32, Q8_0 and Q4_1
+    /// weights, k = 576 (one warp stride and a part), within 1e-4.
+    pub fn fused_products<O: HostIo>(&self, ops: &O) {
+        let (n, k, eps) = (96, 576, 1e-5);
+        let host = |t: &O::Tensor| ops.to_host(t).expect("to_host");
+        for (i, ty) in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_1].into_iter().enumerate() {
+            if !self.weight_formats.contains(&ty) {
+                continue;
+            }
+            let mut rng = Rng::new(70 + i as u64);
+            let w = ops.linear_weight(random_weight(ty, n, k, &mut rng)).expect("linear_weight");
+            let bias = ops.vector("bias", &rng.signed_vec(n)).expect("vector");
+            let norm = ops.vector("norm", &rng.signed_vec(k).iter().map(|v| 1.0 + 0.5 * v).collect::<Vec<_>>()).expect("vector");
+            let gate_up = [random_weight(ty, k, k, &mut rng), random_weight(ty, k, k, &mut rng)];
+            let stacked = ops.stacked_weight("gate_up", &gate_up).expect("stacked_weight");
+            for rows in [1, 2, 3, 5] {
+                let what = |op: &str| format!("{op}, {ty:?}, {rows} rows");
+                // A residual stream's scale: the norm takes any.
+                let x = ops.upload(rows, k, &rng.signed_vec(rows * k).iter().map(|v| 4.0 * v).collect::<Vec<_>>()).expect("upload");
+                for b in [None, Some(&bias)] {
+                    let want = ops.linear(&ops.rms_norm(&x, &norm, eps, k).expect("rms_norm"), &w, b).expect("linear");
+                    let got = ops.norm_linear(&x, &norm, eps, k, &w, b).expect("norm_linear");
+                    self.close(&host(&got), &host(&want), 1e-4, &what(&format!("norm_linear (bias: {})", b.is_some())));
+                }
+                let base = rng.signed_vec(rows * n);
+                let mut want = ops.upload(rows, n, &base).expect("upload");
+                ops.add_assign(&mut want, &ops.linear(&x, &w, None).expect("linear")).expect("add_assign");
+                let mut got = ops.upload(rows, n, &base).expect("upload");
+                ops.linear_add(&x, None, &w, &mut got).expect("linear_add");
+                self.close(&host(&got), &host(&want), 1e-4, &what("linear_add"));
+                if stacked.is_none() {
+                    continue;
+                }
+                let product =
+                    ops.upload(rows, 2 * k, &rng.signed_vec(rows * 2 * k).iter().map(|v| 3.0 * v).collect::<Vec<_>>()).expect("upload");
+                for act in [GatedActivation::Silu, GatedActivation::GeluTanh] {
+                    let mut want = ops.upload(rows, n, &base).expect("upload");
+                    let y = ops.linear(&ops.gated_mul(&product, act).expect("gated_mul"), &w, None).expect("linear");
+                    ops.add_assign(&mut want, &y).expect("add_assign");
+                    let mut got = ops.upload(rows, n, &base).expect("upload");
+                    ops.linear_add(&product, Some(act), &w, &mut got).expect("linear_add gated");
+                    self.close(&host(&got), &host(&want), 1e-4, &what(&format!("linear_add {act:?}")));
+                }
             }
         }
     }
@@ -542,12 +596,23 @@ impl Suite {
             // same codes (checked below) and differ only in the arithmetic.
             KvCacheDtype::Fp8E4m3 => 1e-4,
         };
-        // A backend that attends on 16-bit matrix units rounds the queries
-        // (each score moves by at most scale · d · u for |q|, |k| <= 1) and the
-        // attention weights (u each, against an unrounded sum) once more.
-        let u = ops.attention_operand_dtype(dtype).unit_roundoff();
-        let tol = stored + 2.0 * (shape.scale * case.head_dim as f32 * u).exp_m1() + 2.0 * u;
-        self.close(&ops.to_host(&got).expect("to_host"), &want, tol, &format!("paged attention {dtype:?} ({case:?})"));
+        // A backend that attends a sequence on 16-bit matrix units rounds its
+        // queries (each score moves by at most scale · d · u for |q|, |k| <= 1)
+        // and attention weights (u each, against an unrounded sum) once more.
+        let row_tols: Vec<f32> = case
+            .seqs
+            .iter()
+            .flat_map(|&(_, q_len)| {
+                let u = ops.attention_operand_dtype(dtype, q_len).unit_roundoff();
+                std::iter::repeat_n(stored + 2.0 * (shape.scale * case.head_dim as f32 * u).exp_m1() + 2.0 * u, q_len)
+            })
+            .collect();
+        let got = ops.to_host(&got).expect("to_host");
+        let width = got.len() / row_tols.len().max(1);
+        for (r, &tol) in row_tols.iter().enumerate() {
+            let at = r * width..(r + 1) * width;
+            self.close(&got[at.clone()], &want[at], tol, &format!("paged attention {dtype:?} ({case:?}), row {r}"));
+        }
         for value in [false, true] {
             let (got, want) = (ops.read_kv(&gc, layer, value).expect("read_kv"), c.read_kv(&cc, layer, value).expect("cpu"));
             self.close(&got, &want, pool_tolerance(dtype), &format!("{} pool after attention ({case:?})", if value { "V" } else { "K" }));

@@ -237,15 +237,21 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start, c.vocab_size)?;
-        // The previous block's MLP output, added to the residual stream by
-        // the next block's input norm (one fused op where the backend has it).
+        // The previous block's output, added to the residual stream by the
+        // next block's input norm (one fused op where the backend has it),
+        // under tensor parallelism (after its all-reduce). A single rank
+        // adds each block's output as its last product writes it
+        // (`Ops::linear_add`) and norms each block's input as its first
+        // product reads it (`Ops::norm_linear`): one launch each on a GPU's
+        // decode steps.
         let mut pending: Option<O::Tensor> = None;
+        let single = self.tp.size == 1;
         let a = &self.attention;
         let widths = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim];
         for (l, layer) in self.layers.iter().enumerate() {
-            let x = match pending.take() {
-                Some(out) => ops.add_rms_norm(&mut h, out, &layer.input_norm, eps, c.hidden_size)?,
-                None => ops.rms_norm(&h, &layer.input_norm, eps, c.hidden_size)?,
+            let normed = |ops: &O, h: &mut O::Tensor, pending: &mut Option<O::Tensor>| match pending.take() {
+                Some(out) => ops.add_rms_norm(h, out, &layer.input_norm, eps, c.hidden_size),
+                None => ops.rms_norm(h, &layer.input_norm, eps, c.hidden_size),
             };
             // Each layer's own window (Qwen's `layer_types` mix full and
             // sliding layers; Mistral slides everywhere).
@@ -254,10 +260,14 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
                 // One stacked product, rotated as it is split, its keys and
                 // values written to the cache on the way where the backend can.
                 (Qkv::Stacked { w, bias }, None) => {
-                    let qkv = ops.linear(&x, w, bias.as_ref())?;
+                    let qkv = match pending {
+                        None => ops.norm_linear(&h, &layer.input_norm, eps, c.hidden_size, w, bias.as_ref())?,
+                        Some(_) => ops.linear(&normed(ops, &mut h, &mut pending)?, w, bias.as_ref())?,
+                    };
                     ops.attention_stacked(cache, l, &qkv, widths, Some(&self.rope), step, &shape)?
                 }
                 _ => {
+                    let x = normed(ops, &mut h, &mut pending)?;
                     // RoPE in the split where no q/k norm comes between.
                     let rope = layer.qk_norm.is_none().then_some((&self.rope, step));
                     let Projected { mut q, mut k, v, rotated } = layer.qkv.project(ops, &x, widths, rope)?;
@@ -271,6 +281,21 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
                     ops.attention(cache, l, &q, &k, &v, step, &shape)?
                 }
             };
+            if single {
+                ops.linear_add(&attn, None, &layer.o_proj, &mut h)?;
+                match &layer.gate_up {
+                    GateUp::Stacked(w) => {
+                        let gate_up = ops.norm_linear(&h, &layer.post_attention_norm, eps, c.hidden_size, w, None)?;
+                        ops.linear_add(&gate_up, Some(GatedActivation::Silu), &layer.down_proj, &mut h)?;
+                    }
+                    GateUp::Apart(_) => {
+                        let x = ops.rms_norm(&h, &layer.post_attention_norm, eps, c.hidden_size)?;
+                        let act = layer.gate_up.act(ops, &x, GatedActivation::Silu)?;
+                        ops.linear_add(&act, None, &layer.down_proj, &mut h)?;
+                    }
+                }
+                continue;
+            }
             let mut out = ops.linear(&attn, &layer.o_proj, None)?;
             ops.all_reduce(&mut out)?;
             let x = ops.add_rms_norm(&mut h, out, &layer.post_attention_norm, eps, c.hidden_size)?;

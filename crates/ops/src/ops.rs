@@ -124,13 +124,14 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
         let _ = weight;
         ActivationDtype::F32
     }
-    /// The element type paged attention rounds a prompt's queries and
-    /// attention weights to over a cache of `kv` (accumulating in f32): f32
-    /// unless the backend attends prompts on 16-bit matrix units (flash
+    /// The element type paged attention rounds the queries and attention
+    /// weights of a sequence with `query_tokens` query tokens in a step to,
+    /// over a cache of `kv` (accumulating in f32): f32 unless the backend
+    /// attends such sequences (prompts) on 16-bit matrix units (flash
     /// prefill). Stated, as [`Ops::linear_input_dtype`], so that its results
     /// can be checked with the right bound.
-    fn attention_operand_dtype(&self, kv: KvCacheDtype) -> ActivationDtype {
-        let _ = kv;
+    fn attention_operand_dtype(&self, kv: KvCacheDtype, query_tokens: usize) -> ActivationDtype {
+        let _ = (kv, query_tokens);
         ActivationDtype::F32
     }
     /// Uploads a 1-D parameter.
@@ -234,6 +235,36 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     }
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> OpResult<()>;
+
+    /// `RMSNorm(x) · Wᵀ (+ bias)`, rows `cols` wide: the norm opening a block
+    /// and the product after it, one launch where the backend fuses them
+    /// (a decode step's few rows on a GPU). The default runs
+    /// [`rms_norm`](Self::rms_norm) then [`linear`](Self::linear).
+    fn norm_linear(
+        &self,
+        x: &Self::Tensor,
+        norm: &Self::Vector,
+        eps: f32,
+        cols: usize,
+        w: &Self::Weight,
+        bias: Option<&Self::Vector>,
+    ) -> OpResult<Self::Tensor> {
+        self.linear(&self.rms_norm(x, norm, eps, cols)?, w, bias)
+    }
+
+    /// `residual += in(x) · Wᵀ`: the product closing a block and the
+    /// residual add after it, where `in(x)` is `x`, or with `act` the
+    /// gated activation of `x`'s gate and up halves (a stacked gate/up
+    /// product, as [`gated_mul`](Self::gated_mul) takes it). The default
+    /// runs `gated_mul`, [`linear`](Self::linear) and
+    /// [`add_assign`](Self::add_assign).
+    fn linear_add(&self, x: &Self::Tensor, act: Option<GatedActivation>, w: &Self::Weight, residual: &mut Self::Tensor) -> OpResult<()> {
+        let y = match act {
+            Some(act) => self.linear(&self.gated_mul(x, act)?, w, None)?,
+            None => self.linear(x, w, None)?,
+        };
+        self.add_assign(residual, &y)
+    }
     /// The rows whose logits the step returns (its `logits_indices`).
     fn logits_rows(&self, x: &Self::Tensor, step: &Self::Step) -> OpResult<Self::Tensor>;
     /// Copies activations to the host, row-major.

@@ -1,0 +1,256 @@
+//! `kernels/cuda/gemv_q.cu`'s GEMV with its fusions (`GEMV_IN`: the RMSNorm
+//! of the input rows, or the gated activation of a stacked gate/up product;
+//! `GEMV_OUT`: the residual add), compiled for the host and run with a
+//! thread per GPU thread (common/host_cuda.rs: barriers, shuffles), against
+//! float64 on the layouts' exact values. The plans the launch picks at one
+//! and two rows (two columns a warp, two warps a column group, Q8's
+//! conversion-free decode) and the float32 path's at three and four;
+//! Q8_0, Q4_1 and f32 weights; k past a whole warp stride (SmolLM2's 576)
+//! and columns past the last block's.
+//!
+//! Without a C++ compiler (`c++`, `g++` or `clang++`, or `CXX`) the test
+//! says SKIPPED by name; CI has one.
+
+#[path = "common/host_cuda.rs"]
+mod host_cuda;
+#[path = "common/host_cxx.rs"]
+mod host_cxx;
+
+use host_cuda::EMULATION;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use vellum_backend_cuda::launch::{GemvFusion, GemvInput, GemvPlan};
+use vellum_backend_cuda::layout::{dequantize_repacked, f32_layout, repack, Repacked};
+use vellum_ops::quant::GgmlType;
+
+/// Runs the GEMV for one weight: reads `ints` (rows n k format) and `eps`,
+/// `codes`, `scales`, `x`, `aux` (the norm's weight), `y` (the residual),
+/// writes `out`.
+const MAIN: &str = r#"
+template <typename T> static std::vector<T> slurp(const std::string &path) {
+    FILE *f = std::fopen(path.c_str(), "rb");
+    if (!f) std::exit(3);
+    std::fseek(f, 0, SEEK_END);
+    long n = std::ftell(f);
+    std::fseek(f, 0, SEEK_SET);
+    std::vector<T> v(n / sizeof(T) + 16);
+    if (std::fread(v.data(), 1, n, f) != (size_t)n) std::exit(3);
+    std::fclose(f);
+    return v;
+}
+int main(int argc, char **argv) {
+    if (argc != 2) return 2;
+    const std::string dir = argv[1];
+    auto ints = slurp<int>(dir + "/ints");
+    auto eps = slurp<float>(dir + "/eps");
+    auto codes = slurp<unsigned char>(dir + "/codes");
+    auto scales = slurp<unsigned short>(dir + "/scales");
+    auto x = slurp<float>(dir + "/x");
+    auto aux = slurp<float>(dir + "/aux");
+    auto y = slurp<float>(dir + "/y");
+    const int rows = ints[0], n = ints[1], k = ints[2], format = ints[3];
+    if (rows != ROWS) return 5;
+    const int per_block = GEMV_WARPS / GEMV_KSPLIT * NC;
+    launch((n + per_block - 1) / per_block, 1, GEMV_THREADS, [&] {
+        auto run = [&](auto kernel) { kernel(y.data(), codes.data(), scales.data(), x.data(), n, k, aux.data(), eps[0]); };
+        if (format == 0) run(gemv_q8);
+        else if (format == 1) run(gemv_q4);
+        else run(gemv_f32);
+    });
+    FILE *f = std::fopen((dir + "/out").c_str(), "wb");
+    if (!f || std::fwrite(y.data(), 4, (size_t)rows * n, f) != (size_t)rows * n) return 4;
+    return std::fclose(f);
+}
+"#;
+
+/// The text of the function `name` in `src` (its declaration line to its
+/// closing brace at the start of a line, or its one line).
+fn function(src: &str, name: &str) -> String {
+    let at = src.find(&format!(" {name}(")).unwrap_or_else(|| panic!("the source defines {name}"));
+    let start = src[..at].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = start + src[start..].find('\n').unwrap_or(src.len() - start);
+    let line = &src[start..line_end];
+    if line.matches('{').count() > 0 && line.matches('{').count() == line.matches('}').count() {
+        return line.to_string();
+    }
+    let end = start + src[start..].find("\n}").unwrap_or_else(|| panic!("{name} ends")) + 2;
+    src[start..end].to_string()
+}
+
+/// The GEMV of `plan` at `rows` rows with `fusion`, for the host: the
+/// defines its launch uses, the activations and weight layouts of
+/// `common.cuh`, the GEMV half of `gemv_q.cu`.
+fn build(cxx: &str, dir: &Path, rows: usize, plan: GemvPlan, fusion: GemvFusion) -> PathBuf {
+    let common = vellum_kernels::cuda::COMMON;
+    let gemv = vellum_kernels::cuda::GEMV_Q;
+    let gemv = &gemv[..gemv.find("#define GEMM_BM").expect("gemv_q.cu has its GEMM after the GEMV")];
+    let layouts = &common[common.find("// Weight layouts").expect("common.cuh has its weight layouts")..];
+    let defines: String = plan.fused_variant(rows, fusion).defines.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect();
+    let source = format!(
+        "{EMULATION}
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+{defines}
+{}
+{}
+#line 1 \"common.cuh (weight layouts)\"
+{layouts}
+#line 1 \"gemv_q.cu\"
+{gemv}
+{MAIN}",
+        function(common, "silu"),
+        function(common, "gelu_tanh"),
+    );
+    let name = format!(
+        "gemv_r{rows}_nc{}_ks{}_m{}_in{}_out{}",
+        plan.columns_per_warp, plan.k_split, plan.magic as u8, fusion.input as u8, fusion.accumulate as u8
+    );
+    host_cxx::build_threaded(cxx, dir, &name, &source)
+}
+
+/// xorshift64*.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Random GGUF blocks of `dtype` (finite f16 scales and mins) for `[n, k]`.
+fn blocks(dtype: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
+    let (block, bb) = dtype.block_layout();
+    let mut data: Vec<u8> = (0..n * k / block * bb).map(|_| (rng.next() >> 56) as u8).collect();
+    let halves: &[usize] = if dtype == GgmlType::Q4_1 { &[0, 2] } else { &[0] };
+    for b in data.chunks_exact_mut(bb) {
+        for (h, &at) in halves.iter().enumerate() {
+            let v = if h == 0 { 0.01 + 0.02 * rng.f().abs() } else { -0.1 * rng.f().abs() };
+            b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+    }
+    data
+}
+
+fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
+    // SAFETY: plain numbers viewed as their bytes, native order.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)).to_vec() }
+}
+
+/// The input row r as the fused GEMV reads it, in float64.
+fn input(fusion: GemvFusion, x: &[f32], aux: &[f32], eps: f32, r: usize, k: usize) -> Vec<f64> {
+    let f = |v: f32| f64::from(v);
+    match fusion.input {
+        GemvInput::Plain => x[r * k..(r + 1) * k].iter().map(|&v| f(v)).collect(),
+        GemvInput::RmsNorm => {
+            let row = &x[r * k..(r + 1) * k];
+            let inv = 1.0 / (row.iter().map(|&v| f(v) * f(v)).sum::<f64>() / k as f64 + f(eps)).sqrt();
+            row.iter().zip(aux).map(|(&v, &w)| f(v) * inv * f(w)).collect()
+        }
+        GemvInput::Silu | GemvInput::GeluTanh => {
+            let (g, u) = (&x[r * 2 * k..r * 2 * k + k], &x[r * 2 * k + k..(r + 1) * 2 * k]);
+            g.iter()
+                .zip(u)
+                .map(|(&g, &u)| {
+                    let g = f(g);
+                    let act = if fusion.input == GemvInput::Silu {
+                        g / (1.0 + (-g).exp())
+                    } else {
+                        0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh())
+                    };
+                    act * f(u)
+                })
+                .collect()
+        }
+    }
+}
+
+/// A weight and its layout's id in the program (0 Q8, 1 Q4, 2 F32).
+struct Weight {
+    m: Repacked,
+    format: i32,
+}
+
+fn check(dir: &Path, exe: &Path, rows: usize, fusion: GemvFusion, weight: &Weight, (n, k): (usize, usize), rng: &mut Rng) {
+    let Weight { m: weight, format } = weight;
+    let format = *format;
+    let width = if matches!(fusion.input, GemvInput::Silu | GemvInput::GeluTanh) { 2 * k } else { k };
+    // Activations of a residual stream's size (RMSNorm takes any scale).
+    let x: Vec<f32> = (0..rows * width).map(|_| rng.f() * 3.0).collect();
+    let aux: Vec<f32> = (0..k).map(|_| 0.5 + rng.f().abs()).collect();
+    let y0: Vec<f32> = (0..rows * n).map(|_| rng.f() * 10.0).collect();
+    let eps = 1e-5f32;
+    for (name, data) in [
+        ("ints", bytes_of(&[rows as i32, n as i32, k as i32, format])),
+        ("eps", bytes_of(&[eps])),
+        ("codes", weight.codes.clone()),
+        ("scales", bytes_of(&weight.scales)),
+        ("x", bytes_of(&x)),
+        ("aux", bytes_of(&aux)),
+        ("y", bytes_of(&y0)),
+    ] {
+        std::fs::write(dir.join(name), data).expect("write an input");
+    }
+    let status = Command::new(exe).arg(dir).status().expect("run the GEMV");
+    assert!(status.success(), "the GEMV's program exited with {status}");
+    let got: Vec<f32> =
+        std::fs::read(dir.join("out")).expect("out").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let w = dequantize_repacked(weight, n, k);
+    let mut worst = 0f64;
+    for r in 0..rows {
+        let xin = input(fusion, &x, &aux, eps, r, k);
+        for c in 0..n {
+            let terms = w[c * k..(c + 1) * k].iter().zip(&xin).map(|(&w, &x)| f64::from(w) * x);
+            let (dot, size) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+            let want = if fusion.accumulate { f64::from(y0[r * n + c]) + dot } else { dot };
+            let g = f64::from(got[r * n + c]);
+            let err = if g.is_finite() { (g - want).abs() } else { f64::INFINITY };
+            let tol = 2e-6 * (k as f64).sqrt() * size + 1e-5 * want.abs() + 1e-6;
+            assert!(err <= tol, "{fusion:?} {format} rows {rows}: y[{r}, {c}] = {g}, want {want} (tolerance {tol:.2e})");
+            worst = worst.max(err / tol);
+        }
+    }
+    eprintln!("{fusion:?}, format {format}, {rows} rows, [{n} x {k}]: worst error {worst:.3} of its tolerance");
+}
+
+#[test]
+fn the_fused_gemv_compiled_for_the_host_norms_activates_and_accumulates_as_float64_or_skips_without_a_compiler() {
+    let test = "the_fused_gemv_compiled_for_the_host_norms_activates_and_accumulates_as_float64";
+    let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
+    let dir = std::env::temp_dir().join(format!("vellum-gemv-on-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    // 70 columns: the last block's groups run past n. k = 576: the second
+    // warp stride covers 64 of its 512.
+    let (n, k) = (70usize, 576usize);
+    let weights = [
+        Weight { m: repack(GgmlType::Q8_0, &blocks(GgmlType::Q8_0, n, k, &mut rng), n, k).expect("Q8_0"), format: 0 },
+        Weight { m: repack(GgmlType::Q4_1, &blocks(GgmlType::Q4_1, n, k, &mut rng), n, k).expect("Q4_1"), format: 1 },
+        Weight { m: f32_layout(&(0..n * k).map(|_| rng.f() * 0.05).collect::<Vec<_>>()), format: 2 },
+    ];
+    let fused = |input, accumulate| GemvFusion { input, accumulate };
+    let cases = [
+        // The launch's plans at one and two rows: a block's input norm, the
+        // o projection's residual add, the down projection's gated input
+        // and residual add; then the float32 path's plans at 3 and 4 rows.
+        (1, GemvPlan::for_rows(1), fused(GemvInput::RmsNorm, false)),
+        (1, GemvPlan::for_rows(1), fused(GemvInput::Plain, true)),
+        (2, GemvPlan::for_rows(2), fused(GemvInput::Silu, true)),
+        (2, GemvPlan::for_rows(2), fused(GemvInput::GeluTanh, true)),
+        (3, GemvPlan::for_rows(3), fused(GemvInput::RmsNorm, false)),
+        (4, GemvPlan::for_rows(4), fused(GemvInput::Silu, false)),
+        (1, GemvPlan::for_rows(1), GemvFusion::default()),
+    ];
+    for (rows, plan, fusion) in cases {
+        let exe = build(&cxx, &dir, rows, plan, fusion);
+        for weight in &weights {
+            check(&dir, &exe, rows, fusion, weight, (n, k), &mut rng);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
