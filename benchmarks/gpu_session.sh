@@ -15,7 +15,9 @@
 #    against the CPU; then flash prefill's TFLOP/s (attention_bench
 #    --prefill --quick);
 # 2. a Llama-3-8B-shaped Q8_0 (written there): two prompts of 4,096 tokens
-#    with flash prefill and without (VELLUM_FLASH_ATTENTION=0) while
+#    with flash prefill and without (VELLUM_FLASH_ATTENTION=0), and
+#    single-stream decode of it and of a SmolLM2-shaped Q4_1 with the fused
+#    GEMV and without (VELLUM_FUSED_GEMV=0, 2 alternated rounds), while
 #    llama.cpp builds; then `bench latency` at 1 / 64 /
 #    256 sequences with bf16 weight copies (the default) and without
 #    (`--cuda-bf16-weight-copies none`), against llama.cpp's
@@ -66,6 +68,20 @@ if [ "$(left)" -gt 240 ]; then
             --output-len 2 --batch-size 2 --num-iters 2 --json >"$out/logs/m8_prefill_flash$flash.json" 2>"$out/logs/m8_prefill_flash$flash.log"
         stamp "8b prefill 2x4096, flash=$flash: exit $? $(cut -c1-300 "$out/logs/m8_prefill_flash$flash.json")"
     done
+    # The fused GEMV (6 launches a layer at one row, against 9): one sequence.
+    s135=/tmp/smollm2-135m-q4_1.gguf
+    timeout 60 bash benchmarks/cuda_vs_llama_cpp.sh model smollm2-135m-q4_1 "$s135" >/dev/null 2>&1
+    for round in 1 2; do
+        for fused in 1 0; do
+            for m in "$s135" "$m8"; do
+                tag=$(basename "$m" .gguf)_fused${fused}_r$round
+                VELLUM_FUSED_GEMV=$fused timeout 60 .gpu/x/vellum bench latency --device cuda --model "$m" --input-len 128 \
+                    --output-len 128 --batch-size 1 --num-iters 2 --json >"$out/logs/single_$tag.json" 2>"$out/logs/single_$tag.log"
+                stamp "single stream $tag: exit $? $(cut -c1-300 "$out/logs/single_$tag.json")"
+            done
+        done
+    done
+    checkpoint
     if [ -n "$build" ]; then
         # llama.cpp's row needs its build; give it until 30 s before the end.
         timeout $(($(left) - 200 > 0 ? $(left) - 200 : 1)) tail --pid="$build" -f /dev/null
