@@ -26,9 +26,11 @@
 //    (the norm's weight): the dot product takes x · aux, each warp also sums
 //    x² over its stretch, and the sum closes the row as rsqrt(Σx²/k + eps)
 //    times the dot (the norm's scale factors out of it), so x is read once.
-//    2, 3: act(gate) · up of x [ROWS, 2k] (the stacked gate/up product's
-//    halves), act SiLU (2) or GELU-tanh (3).
-//  * GEMV_OUT: 0: y = x·Wᵀ; 1: y += x·Wᵀ (the residual stream's add).
+//  * GEMV_OUT: 0: y = x·Wᵀ. 1: y += x·Wᵀ (the residual stream's add). 2, 3:
+//    W is a stacked gate/up weight [2·n_cols, k] and y [ROWS, n_cols] is
+//    act(gate) · up, act SiLU (2) or GELU-tanh (3): a warp's NC columns are
+//    NC / 2 gate columns and the matching up columns, so each activation is
+//    computed once, as the product is written.
 //
 // gemm_*: more rows, on CUDA cores (the float32 path; the default path
 // runs its larger batches on tensor cores, gemm_mma.cu). A thread block of
@@ -68,25 +70,15 @@ static_assert(ROWS >= 1 && ROWS <= 8, "ROWS must be 1..8");
 static_assert(NC >= 1 && NC <= 4, "GEMV_NC must be 1..4");
 static_assert(GEMV_KSPLIT == 1 || GEMV_KSPLIT == 2 || GEMV_KSPLIT == 4, "GEMV_KSPLIT must be 1, 2 or 4");
 static_assert(GEMV_WARPS % GEMV_KSPLIT == 0, "GEMV_KSPLIT must divide the block's warps");
-static_assert(GEMV_IN >= 0 && GEMV_IN <= 3 && (GEMV_OUT == 0 || GEMV_OUT == 1), "GEMV_IN 0..3, GEMV_OUT 0 or 1");
+static_assert((GEMV_IN == 0 || GEMV_IN == 1) && GEMV_OUT >= 0 && GEMV_OUT <= 3, "GEMV_IN 0 or 1, GEMV_OUT 0..3");
+static_assert(GEMV_OUT < 2 || NC % 2 == 0, "a gated output takes an even GEMV_NC (gate and up columns in pairs)");
+// Output columns a warp writes.
+#define GEMV_COLS (GEMV_OUT >= 2 ? NC / 2 : NC)
 
 // The 16 inputs of row r at k0 as the product reads them (GEMV_IN), adding
 // x² to `ss` for the norm.
 __device__ __forceinline__ void gemv_input(float xv[16], const float *__restrict__ x, const float *__restrict__ aux, int r, int k,
                                            int k0, float &ss) {
-#if GEMV_IN >= 2
-    const float *g = x + (long long)r * 2 * k + k0, *u = g + k;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const vec4f a = load4(g + 4 * i), b = load4(u + 4 * i);
-#if GEMV_IN == 2
-        xv[4 * i] = silu(a.x) * b.x, xv[4 * i + 1] = silu(a.y) * b.y, xv[4 * i + 2] = silu(a.z) * b.z, xv[4 * i + 3] = silu(a.w) * b.w;
-#else
-        xv[4 * i] = gelu_tanh(a.x) * b.x, xv[4 * i + 1] = gelu_tanh(a.y) * b.y;
-        xv[4 * i + 2] = gelu_tanh(a.z) * b.z, xv[4 * i + 3] = gelu_tanh(a.w) * b.w;
-#endif
-    }
-#else
     const float *xr = x + (long long)r * k + k0;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -102,18 +94,42 @@ __device__ __forceinline__ void gemv_input(float xv[16], const float *__restrict
         xv[4 * i] *= w.x, xv[4 * i + 1] *= w.y, xv[4 * i + 2] *= w.z, xv[4 * i + 3] *= w.w;
     }
 #endif
-#endif
 }
 
-// Row r's output from its dot product `s` and its Σx² `ss` (GEMV_IN 1).
-__device__ __forceinline__ void gemv_output(float *__restrict__ y, long long at, float s, float ss, int k, float eps) {
+// Row r's outputs from the dot products `s` of the warp's NC columns and
+// the row's Σx² `ss` (GEMV_IN 1): column n0 + c at y[r, n0 + c] for the
+// GEMV_COLS columns inside n_cols.
+__device__ __forceinline__ void gemv_output(float *__restrict__ y, int r, int n0, int n_cols, const float s[NC], float ss, int k,
+                                            float eps) {
+    float scale = 1.f;
 #if GEMV_IN == 1
-    s *= rsqrtf(ss / k + eps);
+    scale = rsqrtf(ss / k + eps);
 #endif
-#if GEMV_OUT == 1
-    s += y[at];
+#pragma unroll
+    for (int c = 0; c < GEMV_COLS; c++) {
+        if (n0 + c >= n_cols) continue;
+        const long long at = (long long)r * n_cols + n0 + c;
+#if GEMV_OUT == 0
+        y[at] = s[c] * scale;
+#elif GEMV_OUT == 1
+        y[at] += s[c] * scale;
+#elif GEMV_OUT == 2
+        y[at] = silu(s[c] * scale) * (s[c + NC / 2] * scale);
+#else
+        y[at] = gelu_tanh(s[c] * scale) * (s[c + NC / 2] * scale);
 #endif
-    y[at] = s;
+    }
+}
+
+// The weight row of the warp's column c: n0 + c, or for a gated output the
+// gate row n0 + c and the up row n_cols + n0 + c - NC/2 (clamped inside the
+// weight: a column past the last is read and never written).
+__device__ __forceinline__ int gemv_weight_row(int n0, int c, int n_cols) {
+#if GEMV_OUT >= 2
+    return c < NC / 2 ? min(n0 + c, n_cols - 1) : n_cols + min(n0 + c - NC / 2, n_cols - 1);
+#else
+    return min(n0 + c, n_cols - 1);
+#endif
 }
 
 // The 16 weights at `raw` for the GEMV: w[i] · (returned scale) is the
@@ -135,7 +151,7 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
                                      const float *__restrict__ aux, float eps) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slice = warp % GEMV_KSPLIT;
-    const int n0 = (blockIdx.x * (GEMV_WARPS / GEMV_KSPLIT) + warp / GEMV_KSPLIT) * NC;
+    const int n0 = (blockIdx.x * (GEMV_WARPS / GEMV_KSPLIT) + warp / GEMV_KSPLIT) * GEMV_COLS;
     float acc[ROWS][NC], ss[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
@@ -148,7 +164,7 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
         for (int k0 = 16 * lane + 512 * slice; k0 < k; k0 += 512 * GEMV_KSPLIT) {
             typename L::Raw raw[NC];
 #pragma unroll
-            for (int c = 0; c < NC; c++) raw[c] = L::fetch(codes, scales, min(n0 + c, n_cols - 1), k, k0);
+            for (int c = 0; c < NC; c++) raw[c] = L::fetch(codes, scales, gemv_weight_row(n0, c, n_cols), k, k0);
             float w[NC][16], d[NC];
 #pragma unroll
             for (int c = 0; c < NC; c++) d[c] = gemv_decode<L>(raw[c], w[c]);
@@ -184,26 +200,25 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
     if (slice != 0 || lane != 0 || n0 >= n_cols) return;
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        float sq = part[warp][r][NC];
+        float sq = part[warp][r][NC], s[NC];
 #pragma unroll
         for (int q = 1; q < GEMV_KSPLIT; q++) sq += part[warp + q][r][NC];
 #pragma unroll
         for (int c = 0; c < NC; c++) {
-            float s = part[warp][r][c];
+            s[c] = part[warp][r][c];
 #pragma unroll
-            for (int q = 1; q < GEMV_KSPLIT; q++) s += part[warp + q][r][c];
-            if (n0 + c < n_cols) gemv_output(y, (long long)r * n_cols + n0 + c, s, sq, k, eps);
+            for (int q = 1; q < GEMV_KSPLIT; q++) s[c] += part[warp + q][r][c];
         }
+        gemv_output(y, r, n0, n_cols, s, sq, k, eps);
     }
 #else
-    if (n0 >= n_cols) return;
 #pragma unroll
-    for (int r = 0; r < ROWS; r++)
+    for (int r = 0; r < ROWS; r++) {
+        float s[NC];
 #pragma unroll
-        for (int c = 0; c < NC; c++) {
-            const float s = warp_sum(acc[r][c]);
-            if (lane == 0 && n0 + c < n_cols) gemv_output(y, (long long)r * n_cols + n0 + c, s, ss[r], k, eps);
-        }
+        for (int c = 0; c < NC; c++) s[c] = warp_sum(acc[r][c]);
+        if (lane == 0 && n0 < n_cols) gemv_output(y, r, n0, n_cols, s, ss[r], k, eps);
+    }
 #endif
 }
 

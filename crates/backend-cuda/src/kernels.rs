@@ -201,8 +201,9 @@ impl Variant {
 /// block size 16, one head a thread block (multi-head attention) at 128,
 /// block sizes 8 and 32 at 128, the bandwidth benchmark's contiguous
 /// baseline, the GEMV at 1, 2, 4 and 8 rows as launched and with four
-/// columns a warp, the tensor-core GEMM at each of its tile heights, and
-/// flash prefill at each head size with the key tile it launches with.
+/// columns a warp, the tensor-core GEMM at each of its tile heights,
+/// flash prefill at each head size with the key tile it launches with, and
+/// the fused GEMVs of a decode step.
 pub fn ci_variants() -> Vec<Variant> {
     let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[]), crate::launch::sampling_variant()];
     for (head_dim, queries) in [(64, 3), (128, 4), (256, 4), (128, 1)] {
@@ -227,5 +228,18 @@ pub fn ci_variants() -> Vec<Variant> {
     for head_dim in [64, 128, 256] {
         v.push(crate::launch::flash_variant(head_dim, 16));
     }
+    // The fused GEMV as a decode step launches it at one and two rows (a
+    // block's first product normed, its last added into the residual, the
+    // gate/up product normed and activated), and the float32 path's widest
+    // (eight rows, normed and activated).
+    use crate::launch::{GemvFusion, GemvInput as In, GemvOutput as Out, GemvPlan};
+    let fused = |input, output| GemvFusion { input, output };
+    for rows in [1, 2] {
+        let plan = GemvPlan::for_rows(rows);
+        v.push(plan.fused_variant(rows, fused(In::RmsNorm, Out::Store)));
+        v.push(plan.fused_variant(rows, fused(In::Plain, Out::Add)));
+        v.push(plan.paired().fused_variant(rows, fused(In::RmsNorm, Out::Silu)));
+    }
+    v.push(GemvPlan::for_rows(8).paired().fused_variant(8, fused(In::RmsNorm, Out::GeluTanh)));
     v
 }

@@ -397,10 +397,16 @@ impl GemvPlan {
         if fusion.input != GemvInput::Plain {
             defines.push(("GEMV_IN", fusion.input as usize));
         }
-        if fusion.accumulate {
-            defines.push(("GEMV_OUT", 1));
+        if fusion.output != GemvOutput::Store {
+            defines.push(("GEMV_OUT", fusion.output as usize));
         }
         Variant::new(GEMV_Q, &defines)
+    }
+
+    /// This plan for a gated output, whose warps take gate and up columns
+    /// in pairs: an odd number of columns a warp rounded up (at most 4).
+    pub fn paired(self) -> Self {
+        Self { columns_per_warp: (self.columns_per_warp + self.columns_per_warp % 2).min(4), ..self }
     }
 
     /// Whether the kernel takes this plan: 1–4 columns a warp, 1, 2 or 4
@@ -436,21 +442,39 @@ pub enum GemvInput {
     Plain = 0,
     /// The RMSNorm of each row of `x [rows, k]` times the norm's weight.
     RmsNorm = 1,
-    /// `silu(gate) · up` of `x [rows, 2k]`, the stacked gate/up product.
+}
+
+/// What the GEMV writes (`gemv_q.cu`'s `GEMV_OUT`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GemvOutput {
+    /// `y = x·Wᵀ`.
+    #[default]
+    Store = 0,
+    /// `y += x·Wᵀ` (the residual stream).
+    Add = 1,
+    /// W stacks gate and up (`[2n, k]`); `y [rows, n] = silu(gate) · up`.
     Silu = 2,
-    /// `gelu_tanh(gate) · up` of `x [rows, 2k]`.
+    /// As [`GemvOutput::Silu`] with GELU-tanh.
     GeluTanh = 3,
 }
 
+impl GemvOutput {
+    /// Whether the weight stacks gate and up and the output is their
+    /// activated product (half the weight's rows wide).
+    pub fn is_gated(self) -> bool {
+        matches!(self, GemvOutput::Silu | GemvOutput::GeluTanh)
+    }
+}
+
 /// What a GEMV launch fuses around its product: the launches of a decode
-/// step it saves (a norm before, a gated activation before, a residual add
-/// after).
+/// step it saves (the norm before it; the residual add, or the gated
+/// activation, after it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct GemvFusion {
     /// What the product reads.
     pub input: GemvInput,
-    /// `y += x·Wᵀ` (the residual stream) instead of `y = x·Wᵀ`.
-    pub accumulate: bool,
+    /// What it writes.
+    pub output: GemvOutput,
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32, smem: usize) -> LaunchConfig {
@@ -989,10 +1013,11 @@ impl Kernels {
         self.gemv_launch_planned(y, w, x, rows, plan, GemvFusion::default(), None)
     }
 
-    /// `y [rows, n] (+)= in(x) · Wᵀ` by the GEMV (1..8 rows) with `fusion`:
-    /// `x` is `[rows, k]`, or `[rows, 2k]` for a gated input; `norm` is the
-    /// RMSNorm's weight (k floats) and epsilon, which [`GemvInput::RmsNorm`]
-    /// needs and nothing else takes.
+    /// `y = out(in(x) · Wᵀ)` by the GEMV (1..8 rows) with `fusion`: `x` is
+    /// `[rows, k]`; `y` is `[rows, n]`, or `[rows, n / 2]` for a gated
+    /// output (W stacking gate and up); `norm` is the RMSNorm's weight (k
+    /// floats) and epsilon, which [`GemvInput::RmsNorm`] needs and nothing
+    /// else takes.
     pub fn gemv_fused(
         &self,
         y: &mut CudaSlice<f32>,
@@ -1002,10 +1027,14 @@ impl Kernels {
         fusion: GemvFusion,
         norm: Option<(&CudaSlice<f32>, f32)>,
     ) -> Result<(), CudaError> {
-        let width = if matches!(fusion.input, GemvInput::Silu | GemvInput::GeluTanh) { 2 * w.k } else { w.k };
         w.check()?;
-        if x.len() < rows * width || y.len() < rows * w.n {
-            return Err(shape_error(format!("fused GEMV [{rows}x{width}] into [{rows}x{}]: x or y too small", w.n)));
+        let gated = fusion.output.is_gated();
+        let n_out = if gated { w.n / 2 } else { w.n };
+        if gated && !w.n.is_multiple_of(2) {
+            return Err(shape_error(format!("a gated GEMV takes a stacked gate/up weight, not {} rows", w.n)));
+        }
+        if x.len() < rows * w.k || y.len() < rows * n_out {
+            return Err(shape_error(format!("fused GEMV [{rows}x{}] into [{rows}x{n_out}]: x or y too small", w.k)));
         }
         if rows == 0 || rows > 8 {
             return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
@@ -1016,7 +1045,8 @@ impl Kernels {
             (_, None) => {}
             (_, Some(_)) => return Err(shape_error("only a normed GEMV takes a norm".into())),
         }
-        self.gemv_launch_planned(y, w, x, rows, self.gemv_plan(rows), fusion, norm)
+        let plan = if gated { self.gemv_plan(rows).paired() } else { self.gemv_plan(rows) };
+        self.gemv_launch_planned(y, w, x, rows, plan, fusion, norm)
     }
 
     /// The GEMV's plan for `rows` rows: `VELLUM_GEMV`'s, else
@@ -1039,10 +1069,14 @@ impl Kernels {
         norm: Option<(&CudaSlice<f32>, f32)>,
     ) -> Result<(), CudaError> {
         let f = self.function(&plan.fused_variant(rows, fusion), &format!("gemv_{}", w.format.suffix()))?;
-        let (n_i, k_i) = (to_i32(w.n, "n")?, to_i32(w.k, "k")?);
-        // 4 warps a block; a group of k_split warps owns columns_per_warp
+        // Output columns: a gated output's are half the weight's rows, a
+        // warp's columns_per_warp weight rows half gate, half up.
+        let (n_out, cols_per_warp) =
+            if fusion.output.is_gated() { (w.n / 2, plan.columns_per_warp / 2) } else { (w.n, plan.columns_per_warp) };
+        let (n_i, k_i) = (to_i32(n_out, "n")?, to_i32(w.k, "k")?);
+        // 4 warps a block; a group of k_split warps owns cols_per_warp output
         // columns (gemv_q.cu).
-        let per_block = 4 / plan.k_split * plan.columns_per_warp;
+        let per_block = 4 / plan.k_split * cols_per_warp;
         // Without a norm the kernel never reads `aux`: x stands in.
         let (aux, eps) = norm.unwrap_or((x, 0.0));
         let mut b = self.stream.launch_builder(&f);
@@ -1050,12 +1084,13 @@ impl Kernels {
         // SAFETY: matches gemv_*(float*, const unsigned char*, const
         // unsigned short*, const float*, int, int, const float*, float); the
         // caller checked (check_linear, gemv_fused) that the planes hold the
-        // layout's bytes for [n, k] (k whole blocks), x rows·k floats (rows·2k
-        // for a gated input) and y rows·n, and a norm's weight k floats (read
-        // only by a normed variant); a warp's columns past n read column
-        // n − 1 and write nothing; the block's 4 / k_split groups of
-        // columns_per_warp columns match per_block.
-        unsafe { b.launch(cfg((to_u32(w.n.div_ceil(per_block), "columns")?, 1, 1), 128, 0)) }?;
+        // layout's bytes for [n, k] (k whole blocks), x rows·k floats and y
+        // rows·n_out (n / 2 for a gated output, n even), and a norm's weight
+        // k floats (read only by a normed variant); a warp's columns past
+        // n_out read the last one's weight rows and write nothing; the
+        // block's 4 / k_split groups of cols_per_warp output columns match
+        // per_block.
+        unsafe { b.launch(cfg((to_u32(n_out.div_ceil(per_block), "columns")?, 1, 1), 128, 0)) }?;
         Ok(())
     }
 

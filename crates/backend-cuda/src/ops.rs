@@ -40,8 +40,8 @@
 use crate::blas::{Blas, Half};
 use crate::graphs::{Action, Bound, CaptureSizes, GraphCache, GraphKey, HostInputs, Limits, PaddedStep};
 use crate::launch::{
-    AttentionParams, DeviceAttentionMetadata, Elementwise, GemvFusion, GemvInput, Kernels, KvPool, PoolDtype, QuantMatrix, QueryLens,
-    SampleInputs, SampleOutputs, FLASH_MIN_QUERIES,
+    AttentionParams, DeviceAttentionMetadata, Elementwise, GemvFusion, GemvInput, GemvOutput, Kernels, KvPool, PoolDtype, QuantMatrix,
+    QueryLens, SampleInputs, SampleOutputs, FLASH_MIN_QUERIES,
 };
 use crate::layout::{f32_layout, repack, QuantFormat, Repacked};
 use crate::nccl::NcclGroup;
@@ -57,7 +57,7 @@ use vellum_base::{
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
 use vellum_ops::WeightView;
-use vellum_ops::{ActivationDtype, HostIo, OpResult, Ops};
+use vellum_ops::{ActivationDtype, HostIo, Norm, OpResult, Ops};
 
 /// Device memory kept free for activations and kernel workspaces when the
 /// KV cache is sized: a tenth of the GPU.
@@ -1252,67 +1252,78 @@ impl Ops for CudaOps {
         self.k.elementwise(Elementwise::Scale(factor), &mut x.buf, n).map_err(backend)
     }
 
-    /// One GEMV launch reading `x`, norming each row as it goes, where the
-    /// rows are the GEMV's (a decode step's) and the weight is a layout of
-    /// blocks; otherwise the norm and the product.
+    /// One GEMV launch where the rows are the GEMV's (a decode step's) and
+    /// the weight is a layout of blocks: the norm as it reads (unless the
+    /// residual add pending goes with the norm first, one launch), the
+    /// gated activation as it writes. Otherwise the separate ops.
     fn norm_linear(
         &self,
-        x: &CudaTensor,
-        norm: &CudaVector,
-        eps: f32,
-        cols: usize,
+        residual: &mut CudaTensor,
+        pending: Option<CudaTensor>,
+        norm: Norm<'_, CudaVector>,
         w: &CudaWeight,
         bias: Option<&CudaVector>,
+        act: Option<vellum_ops::GatedActivation>,
     ) -> OpResult<CudaTensor> {
+        let added = match pending {
+            Some(y) => Some(self.add_rms_norm(residual, y, norm.w, norm.eps, norm.cols)?),
+            None => None,
+        };
+        let x = added.as_ref().unwrap_or(residual);
+        let output = match act {
+            None => GemvOutput::Store,
+            Some(vellum_ops::GatedActivation::Silu) => GemvOutput::Silu,
+            Some(vellum_ops::GatedActivation::GeluTanh) => GemvOutput::GeluTanh,
+        };
         let fused = match &w.m {
-            Stored::Blocks(m) if self.gemv_fuses(x.rows) && cols == x.cols && m.k == cols && norm.data.len() == cols => Some(m),
+            Stored::Blocks(m)
+                if self.gemv_fuses(x.rows)
+                    && m.k == x.cols
+                    && (added.is_some() || (norm.cols == x.cols && norm.w.data.len() == x.cols))
+                    && (act.is_none() || (m.n.is_multiple_of(2) && bias.is_none())) =>
+            {
+                Some(m)
+            }
             _ => None,
         };
         let Some(m) = fused else {
-            return self.linear(&self.rms_norm(x, norm, eps, cols)?, w, bias);
+            let x = match added {
+                Some(x) => x,
+                None => self.rms_norm(residual, norm.w, norm.eps, norm.cols)?,
+            };
+            let y = self.linear(&x, w, bias)?;
+            return match act {
+                Some(act) => self.gated_mul(&y, act),
+                None => Ok(y),
+            };
         };
         if let Some(b) = bias {
             check(b.data.len() == m.n, || format!("norm_linear: bias of {} for {} outputs", b.data.len(), m.n))?;
         }
-        let mut out = self.tensor(x.rows, m.n)?;
-        let fusion = GemvFusion { input: GemvInput::RmsNorm, accumulate: false };
-        self.k.gemv_fused(&mut out.buf, m, &x.buf, x.rows, fusion, Some((&norm.data, eps))).map_err(backend)?;
+        let (input, norm_arg) = match added {
+            Some(_) => (GemvInput::Plain, None),
+            None => (GemvInput::RmsNorm, Some((&norm.w.data, norm.eps))),
+        };
+        let mut out = self.tensor(x.rows, if output.is_gated() { m.n / 2 } else { m.n })?;
+        self.k.gemv_fused(&mut out.buf, m, &x.buf, x.rows, GemvFusion { input, output }, norm_arg).map_err(backend)?;
         if let Some(b) = bias {
             self.k.add_bias_rows(&mut out.buf, &b.data, x.rows).map_err(backend)?;
         }
         Ok(out)
     }
 
-    /// One GEMV launch applying the gated activation as it reads `x` and
-    /// adding into `residual` as it writes, where the rows are the GEMV's
-    /// and the weight is a layout of blocks; otherwise the three ops.
-    fn linear_add(
-        &self,
-        x: &CudaTensor,
-        act: Option<vellum_ops::GatedActivation>,
-        w: &CudaWeight,
-        residual: &mut CudaTensor,
-    ) -> OpResult<()> {
-        let width = |m: &QuantMatrix| if act.is_some() { 2 * m.k } else { m.k };
-        let fused = match &w.m {
-            Stored::Blocks(m) if self.gemv_fuses(x.rows) && x.cols == width(m) && (residual.rows, residual.cols) == (x.rows, m.n) => {
-                Some(m)
+    /// One GEMV launch adding into `residual` as it writes, where the rows
+    /// are the GEMV's and the weight is a layout of blocks; otherwise the
+    /// product, for the next norm to add.
+    fn linear_add(&self, x: &CudaTensor, w: &CudaWeight, residual: &mut CudaTensor) -> OpResult<Option<CudaTensor>> {
+        match &w.m {
+            Stored::Blocks(m) if self.gemv_fuses(x.rows) && x.cols == m.k && (residual.rows, residual.cols) == (x.rows, m.n) => {
+                let fusion = GemvFusion { input: GemvInput::Plain, output: GemvOutput::Add };
+                self.k.gemv_fused(&mut residual.buf, m, &x.buf, x.rows, fusion, None).map_err(backend)?;
+                Ok(None)
             }
-            _ => None,
-        };
-        let Some(m) = fused else {
-            let y = match act {
-                Some(act) => self.linear(&self.gated_mul(x, act)?, w, None)?,
-                None => self.linear(x, w, None)?,
-            };
-            return self.add_assign(residual, &y);
-        };
-        let input = match act {
-            None => GemvInput::Plain,
-            Some(vellum_ops::GatedActivation::Silu) => GemvInput::Silu,
-            Some(vellum_ops::GatedActivation::GeluTanh) => GemvInput::GeluTanh,
-        };
-        self.k.gemv_fused(&mut residual.buf, m, &x.buf, x.rows, GemvFusion { input, accumulate: true }, None).map_err(backend)
+            _ => Ok(Some(self.linear(x, w, None)?)),
+        }
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> OpResult<()> {

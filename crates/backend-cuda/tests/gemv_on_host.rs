@@ -1,12 +1,14 @@
 //! `kernels/cuda/gemv_q.cu`'s GEMV with its fusions (`GEMV_IN`: the RMSNorm
-//! of the input rows, or the gated activation of a stacked gate/up product;
-//! `GEMV_OUT`: the residual add), compiled for the host and run with a
-//! thread per GPU thread (common/host_cuda.rs: barriers, shuffles), against
-//! float64 on the layouts' exact values. The plans the launch picks at one
-//! and two rows (two columns a warp, two warps a column group, Q8's
-//! conversion-free decode) and the float32 path's at three and four;
-//! Q8_0, Q4_1 and f32 weights; k past a whole warp stride (SmolLM2's 576)
-//! and columns past the last block's.
+//! of the input rows; `GEMV_OUT`: the residual add, or the gated activation
+//! of a stacked gate/up weight's columns in pairs), compiled for the host
+//! and run with a thread per GPU thread (common/host_cuda.rs: barriers,
+//! shuffles), against float64 on the layouts' exact values. The plans the
+//! launch picks at one and two rows (two columns a warp, two warps a column
+//! group, Q8's conversion-free decode), four warps a group, and the float32
+//! path's at three, five and eight rows (one warp a group, 2–4 columns a
+//! warp); Q8_0, Q4_1 and f32 weights; k past a whole warp stride
+//! (SmolLM2's 576); 69 output columns, so that the last column group is
+//! cut short; inputs with no slack past their last element.
 //!
 //! Without a C++ compiler (`c++`, `g++` or `clang++`, or `CXX`) the test
 //! says SKIPPED by name; CI has one.
@@ -19,21 +21,22 @@ mod host_cxx;
 use host_cuda::EMULATION;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use vellum_backend_cuda::launch::{GemvFusion, GemvInput, GemvPlan};
+use vellum_backend_cuda::launch::{GemvFusion, GemvInput, GemvOutput, GemvPlan};
 use vellum_backend_cuda::layout::{dequantize_repacked, f32_layout, repack, Repacked};
 use vellum_ops::quant::GgmlType;
 
-/// Runs the GEMV for one weight: reads `ints` (rows n k format) and `eps`,
+/// Runs the GEMV for one weight: reads `ints` (rows, output columns, k,
+/// format) and `eps`,
 /// `codes`, `scales`, `x`, `aux` (the norm's weight), `y` (the residual),
 /// writes `out`.
 const MAIN: &str = r#"
-template <typename T> static std::vector<T> slurp(const std::string &path) {
+template <typename T> static std::vector<T> slurp(const std::string &path, size_t pad = 0) {
     FILE *f = std::fopen(path.c_str(), "rb");
     if (!f) std::exit(3);
     std::fseek(f, 0, SEEK_END);
     long n = std::ftell(f);
     std::fseek(f, 0, SEEK_SET);
-    std::vector<T> v(n / sizeof(T) + 16);
+    std::vector<T> v(n / sizeof(T) + pad);
     if (std::fread(v.data(), 1, n, f) != (size_t)n) std::exit(3);
     std::fclose(f);
     return v;
@@ -44,13 +47,14 @@ int main(int argc, char **argv) {
     auto ints = slurp<int>(dir + "/ints");
     auto eps = slurp<float>(dir + "/eps");
     auto codes = slurp<unsigned char>(dir + "/codes");
-    auto scales = slurp<unsigned short>(dir + "/scales");
+    auto scales = slurp<unsigned short>(dir + "/scales", 1);  // an F32 weight has none
     auto x = slurp<float>(dir + "/x");
     auto aux = slurp<float>(dir + "/aux");
     auto y = slurp<float>(dir + "/y");
+    // n: the output columns (a gated weight has twice as many rows).
     const int rows = ints[0], n = ints[1], k = ints[2], format = ints[3];
     if (rows != ROWS) return 5;
-    const int per_block = GEMV_WARPS / GEMV_KSPLIT * NC;
+    const int per_block = GEMV_WARPS / GEMV_KSPLIT * GEMV_COLS;
     launch((n + per_block - 1) / per_block, 1, GEMV_THREADS, [&] {
         auto run = [&](auto kernel) { kernel(y.data(), codes.data(), scales.data(), x.data(), n, k, aux.data(), eps[0]); };
         if (format == 0) run(gemv_q8);
@@ -103,7 +107,7 @@ fn build(cxx: &str, dir: &Path, rows: usize, plan: GemvPlan, fusion: GemvFusion)
     );
     let name = format!(
         "gemv_r{rows}_nc{}_ks{}_m{}_in{}_out{}",
-        plan.columns_per_warp, plan.k_split, plan.magic as u8, fusion.input as u8, fusion.accumulate as u8
+        plan.columns_per_warp, plan.k_split, plan.magic as u8, fusion.input as u8, fusion.output as u8
     );
     host_cxx::build_threaded(cxx, dir, &name, &source)
 }
@@ -144,49 +148,44 @@ fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
 
 /// The input row r as the fused GEMV reads it, in float64.
 fn input(fusion: GemvFusion, x: &[f32], aux: &[f32], eps: f32, r: usize, k: usize) -> Vec<f64> {
-    let f = |v: f32| f64::from(v);
+    let row = &x[r * k..(r + 1) * k];
     match fusion.input {
-        GemvInput::Plain => x[r * k..(r + 1) * k].iter().map(|&v| f(v)).collect(),
+        GemvInput::Plain => row.iter().map(|&v| f64::from(v)).collect(),
         GemvInput::RmsNorm => {
-            let row = &x[r * k..(r + 1) * k];
-            let inv = 1.0 / (row.iter().map(|&v| f(v) * f(v)).sum::<f64>() / k as f64 + f(eps)).sqrt();
-            row.iter().zip(aux).map(|(&v, &w)| f(v) * inv * f(w)).collect()
-        }
-        GemvInput::Silu | GemvInput::GeluTanh => {
-            let (g, u) = (&x[r * 2 * k..r * 2 * k + k], &x[r * 2 * k + k..(r + 1) * 2 * k]);
-            g.iter()
-                .zip(u)
-                .map(|(&g, &u)| {
-                    let g = f(g);
-                    let act = if fusion.input == GemvInput::Silu {
-                        g / (1.0 + (-g).exp())
-                    } else {
-                        0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh())
-                    };
-                    act * f(u)
-                })
-                .collect()
+            let inv = 1.0 / (row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / k as f64 + f64::from(eps)).sqrt();
+            row.iter().zip(aux).map(|(&v, &w)| f64::from(v) * inv * f64::from(w)).collect()
         }
     }
 }
 
-/// A weight and its layout's id in the program (0 Q8, 1 Q4, 2 F32).
+/// The gated activation, in float64.
+fn act(output: GemvOutput, g: f64) -> f64 {
+    if output == GemvOutput::Silu {
+        g / (1.0 + (-g).exp())
+    } else {
+        0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh())
+    }
+}
+
+/// A weight and its layout's id in the program (0 Q8, 1 Q4, 2 F32), with
+/// `n_out` output columns (its rows, or half of them when gated).
 struct Weight {
     m: Repacked,
     format: i32,
 }
 
-fn check(dir: &Path, exe: &Path, rows: usize, fusion: GemvFusion, weight: &Weight, (n, k): (usize, usize), rng: &mut Rng) {
+fn check(dir: &Path, exe: &Path, rows: usize, fusion: GemvFusion, weight: &Weight, (n_out, k): (usize, usize), rng: &mut Rng) {
     let Weight { m: weight, format } = weight;
     let format = *format;
-    let width = if matches!(fusion.input, GemvInput::Silu | GemvInput::GeluTanh) { 2 * k } else { k };
+    let gated = fusion.output.is_gated();
+    let n_rows = if gated { 2 * n_out } else { n_out };
     // Activations of a residual stream's size (RMSNorm takes any scale).
-    let x: Vec<f32> = (0..rows * width).map(|_| rng.f() * 3.0).collect();
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.f() * 3.0).collect();
     let aux: Vec<f32> = (0..k).map(|_| 0.5 + rng.f().abs()).collect();
-    let y0: Vec<f32> = (0..rows * n).map(|_| rng.f() * 10.0).collect();
+    let y0: Vec<f32> = (0..rows * n_out).map(|_| rng.f() * 10.0).collect();
     let eps = 1e-5f32;
     for (name, data) in [
-        ("ints", bytes_of(&[rows as i32, n as i32, k as i32, format])),
+        ("ints", bytes_of(&[rows as i32, n_out as i32, k as i32, format])),
         ("eps", bytes_of(&[eps])),
         ("codes", weight.codes.clone()),
         ("scales", bytes_of(&weight.scales)),
@@ -200,22 +199,34 @@ fn check(dir: &Path, exe: &Path, rows: usize, fusion: GemvFusion, weight: &Weigh
     assert!(status.success(), "the GEMV's program exited with {status}");
     let got: Vec<f32> =
         std::fs::read(dir.join("out")).expect("out").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-    let w = dequantize_repacked(weight, n, k);
+    let w = dequantize_repacked(weight, n_rows, k);
+    let dot = |xin: &[f64], c: usize| -> (f64, f64) {
+        w[c * k..(c + 1) * k].iter().zip(xin).map(|(&w, &x)| f64::from(w) * x).fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()))
+    };
     let mut worst = 0f64;
     for r in 0..rows {
         let xin = input(fusion, &x, &aux, eps, r, k);
-        for c in 0..n {
-            let terms = w[c * k..(c + 1) * k].iter().zip(&xin).map(|(&w, &x)| f64::from(w) * x);
-            let (dot, size) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
-            let want = if fusion.accumulate { f64::from(y0[r * n + c]) + dot } else { dot };
-            let g = f64::from(got[r * n + c]);
+        for c in 0..n_out {
+            let (want, size) = match fusion.output {
+                GemvOutput::Store => dot(&xin, c),
+                GemvOutput::Add => {
+                    let (d, size) = dot(&xin, c);
+                    (f64::from(y0[r * n_out + c]) + d, size)
+                }
+                GemvOutput::Silu | GemvOutput::GeluTanh => {
+                    let ((g, gs), (u, us)) = (dot(&xin, c), dot(&xin, n_out + c));
+                    // The gate's error passes through the activation's slope (< 1.2).
+                    (act(fusion.output, g) * u, 1.2 * gs * u.abs() + act(fusion.output, g).abs() * us)
+                }
+            };
+            let g = f64::from(got[r * n_out + c]);
             let err = if g.is_finite() { (g - want).abs() } else { f64::INFINITY };
             let tol = 2e-6 * (k as f64).sqrt() * size + 1e-5 * want.abs() + 1e-6;
-            assert!(err <= tol, "{fusion:?} {format} rows {rows}: y[{r}, {c}] = {g}, want {want} (tolerance {tol:.2e})");
+            assert!(err <= tol, "{fusion:?} format {format} rows {rows}: y[{r}, {c}] = {g}, want {want} (tolerance {tol:.2e})");
             worst = worst.max(err / tol);
         }
     }
-    eprintln!("{fusion:?}, format {format}, {rows} rows, [{n} x {k}]: worst error {worst:.3} of its tolerance");
+    eprintln!("{fusion:?}, format {format}, {rows} rows, [{n_out} x {k}]: worst error {worst:.3} of its tolerance");
 }
 
 #[test]
@@ -225,31 +236,42 @@ fn the_fused_gemv_compiled_for_the_host_norms_activates_and_accumulates_as_float
     let dir = std::env::temp_dir().join(format!("vellum-gemv-on-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-    // 70 columns: the last block's groups run past n. k = 576: the second
-    // warp stride covers 64 of its 512.
-    let (n, k) = (70usize, 576usize);
-    let weights = [
-        Weight { m: repack(GgmlType::Q8_0, &blocks(GgmlType::Q8_0, n, k, &mut rng), n, k).expect("Q8_0"), format: 0 },
-        Weight { m: repack(GgmlType::Q4_1, &blocks(GgmlType::Q4_1, n, k, &mut rng), n, k).expect("Q4_1"), format: 1 },
-        Weight { m: f32_layout(&(0..n * k).map(|_| rng.f() * 0.05).collect::<Vec<_>>()), format: 2 },
-    ];
-    let fused = |input, accumulate| GemvFusion { input, accumulate };
+    // 69 output columns: the last column group is cut short. k = 576: the
+    // second warp stride covers 64 of its 512.
+    let (n, k) = (69usize, 576usize);
+    let weight = |ty: GgmlType, rows: usize, rng: &mut Rng, format: i32| Weight {
+        m: if ty == GgmlType::F32 {
+            f32_layout(&(0..rows * k).map(|_| rng.f() * 0.05).collect::<Vec<_>>())
+        } else {
+            repack(ty, &blocks(ty, rows, k, rng), rows, k).expect("repacks")
+        },
+        format,
+    };
+    let kinds = [(GgmlType::Q8_0, 0), (GgmlType::Q4_1, 1), (GgmlType::F32, 2)];
+    let plain: Vec<Weight> = kinds.iter().map(|&(ty, f)| weight(ty, n, &mut rng, f)).collect();
+    let stacked: Vec<Weight> = kinds.iter().map(|&(ty, f)| weight(ty, 2 * n, &mut rng, f)).collect();
+    let fused = |input, output| GemvFusion { input, output };
+    let four_warps = GemvPlan { columns_per_warp: 2, k_split: 4, magic: true };
     let cases = [
-        // The launch's plans at one and two rows: a block's input norm, the
-        // o projection's residual add, the down projection's gated input
-        // and residual add; then the float32 path's plans at 3 and 4 rows.
-        (1, GemvPlan::for_rows(1), fused(GemvInput::RmsNorm, false)),
-        (1, GemvPlan::for_rows(1), fused(GemvInput::Plain, true)),
-        (2, GemvPlan::for_rows(2), fused(GemvInput::Silu, true)),
-        (2, GemvPlan::for_rows(2), fused(GemvInput::GeluTanh, true)),
-        (3, GemvPlan::for_rows(3), fused(GemvInput::RmsNorm, false)),
-        (4, GemvPlan::for_rows(4), fused(GemvInput::Silu, false)),
+        // The launch's plans at one and two rows: a block's first product
+        // normed, the o and down projections added into the residual, the
+        // gate/up product normed and activated.
+        (1, GemvPlan::for_rows(1), fused(GemvInput::RmsNorm, GemvOutput::Store)),
+        (1, GemvPlan::for_rows(1), fused(GemvInput::Plain, GemvOutput::Add)),
+        (2, GemvPlan::for_rows(2), fused(GemvInput::RmsNorm, GemvOutput::Add)),
+        (2, GemvPlan::for_rows(2).paired(), fused(GemvInput::RmsNorm, GemvOutput::Silu)),
+        // Four warps a column group.
+        (1, four_warps, fused(GemvInput::RmsNorm, GemvOutput::GeluTanh)),
+        // The float32 path's plans: one warp a group, 2, 3 and 4 columns a warp.
+        (3, GemvPlan::for_rows(3), fused(GemvInput::RmsNorm, GemvOutput::Store)),
+        (5, GemvPlan::for_rows(5), fused(GemvInput::Plain, GemvOutput::Add)),
+        (8, GemvPlan::for_rows(8).paired(), fused(GemvInput::RmsNorm, GemvOutput::Silu)),
         (1, GemvPlan::for_rows(1), GemvFusion::default()),
     ];
     for (rows, plan, fusion) in cases {
         let exe = build(&cxx, &dir, rows, plan, fusion);
-        for weight in &weights {
-            check(&dir, &exe, rows, fusion, weight, (n, k), &mut rng);
+        for w in if fusion.output.is_gated() { &stacked } else { &plain } {
+            check(&dir, &exe, rows, fusion, w, (n, k), &mut rng);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

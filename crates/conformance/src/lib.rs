@@ -49,7 +49,7 @@ use vellum_base::{
 };
 use vellum_ops::quant::GgmlType;
 use vellum_ops::rope::RopeTable;
-use vellum_ops::{ActivationDtype, GatedActivation, HostIo, Ops, WeightView};
+use vellum_ops::{ActivationDtype, GatedActivation, HostIo, Norm, Ops, WeightView};
 
 /// The suite, configured for one backend.
 #[derive(Clone, Debug)]
@@ -188,13 +188,15 @@ impl Suite {
     }
 
     /// The products with what comes before and after them fused
-    /// ([`vellum_ops::Ops::norm_linear`], [`vellum_ops::Ops::linear_add`],
-    /// with each gated activation where the backend stacks gate and up)
-    /// against the same backend's separate ops: 1, 2, 3 and 5 rows (a GPU
-    /// fuses its decode rows and runs the others apart), F32, Q8_0 and Q4_1
-    /// weights, k = 576 (one warp stride and a part), within 1e-4.
+    /// ([`vellum_ops::Ops::norm_linear`]: with and without a pending
+    /// residual add, a bias, the gated activation of a stacked gate/up
+    /// weight; [`vellum_ops::Ops::linear_add`]: added or left pending)
+    /// against the same backend's separate ops, within 1e-4: 1, 2, 3, 5
+    /// and 8 rows (a GPU fuses a decode step's few rows and runs the others
+    /// apart), F32, Q8_0 and Q4_1 weights of 98 outputs (a partial last
+    /// column group), k = 576 (one warp stride and a part).
     pub fn fused_products<O: HostIo>(&self, ops: &O) {
-        let (n, k, eps) = (96, 576, 1e-5);
+        let (n, k, eps) = (98, 576, 1e-5);
         let host = |t: &O::Tensor| ops.to_host(t).expect("to_host");
         for (i, ty) in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_1].into_iter().enumerate() {
             if !self.weight_formats.contains(&ty) {
@@ -203,37 +205,62 @@ impl Suite {
             let mut rng = Rng::new(70 + i as u64);
             let w = ops.linear_weight(random_weight(ty, n, k, &mut rng)).expect("linear_weight");
             let bias = ops.vector("bias", &rng.signed_vec(n)).expect("vector");
-            let norm = ops.vector("norm", &rng.signed_vec(k).iter().map(|v| 1.0 + 0.5 * v).collect::<Vec<_>>()).expect("vector");
-            let gate_up = [random_weight(ty, k, k, &mut rng), random_weight(ty, k, k, &mut rng)];
+            let norm_w = ops.vector("norm", &rng.signed_vec(k).iter().map(|v| 1.0 + 0.5 * v).collect::<Vec<_>>()).expect("vector");
+            let norm = Norm { w: &norm_w, eps, cols: k };
+            let gate_up = [random_weight(ty, n, k, &mut rng), random_weight(ty, n, k, &mut rng)];
             let stacked = ops.stacked_weight("gate_up", &gate_up).expect("stacked_weight");
-            for rows in [1, 2, 3, 5] {
+            for rows in [1, 2, 3, 5, 8] {
                 let what = |op: &str| format!("{op}, {ty:?}, {rows} rows");
-                // A residual stream's scale: the norm takes any.
-                let x = ops.upload(rows, k, &rng.signed_vec(rows * k).iter().map(|v| 4.0 * v).collect::<Vec<_>>()).expect("upload");
-                for b in [None, Some(&bias)] {
-                    let want = ops.linear(&ops.rms_norm(&x, &norm, eps, k).expect("rms_norm"), &w, b).expect("linear");
-                    let got = ops.norm_linear(&x, &norm, eps, k, &w, b).expect("norm_linear");
-                    self.close(&host(&got), &host(&want), 1e-4, &what(&format!("norm_linear (bias: {})", b.is_some())));
+                // A residual stream's scale (the norm takes any), and a
+                // pending block output.
+                let base = rng.signed_vec(rows * k).iter().map(|v| 4.0 * v).collect::<Vec<_>>();
+                let out = rng.signed_vec(rows * k);
+                for with_pending in [false, true] {
+                    for b in [None, Some(&bias)] {
+                        let mut want_h = ops.upload(rows, k, &base).expect("upload");
+                        let x = match with_pending {
+                            true => ops.add_rms_norm(&mut want_h, ops.upload(rows, k, &out).expect("upload"), &norm_w, eps, k),
+                            false => ops.rms_norm(&want_h, &norm_w, eps, k),
+                        }
+                        .expect("norm");
+                        let want = ops.linear(&x, &w, b).expect("linear");
+                        let mut h = ops.upload(rows, k, &base).expect("upload");
+                        let pending = with_pending.then(|| ops.upload(rows, k, &out).expect("upload"));
+                        let got = ops.norm_linear(&mut h, pending, norm, &w, b, None).expect("norm_linear");
+                        let tag = format!("norm_linear (pending: {with_pending}, bias: {})", b.is_some());
+                        self.close(&host(&got), &host(&want), 1e-4, &what(&tag));
+                        self.close(&host(&h), &host(&want_h), 1e-6, &what(&format!("{tag}: the residual")));
+                    }
+                    let Some(gu) = &stacked else { continue };
+                    for act in [GatedActivation::Silu, GatedActivation::GeluTanh] {
+                        let mut want_h = ops.upload(rows, k, &base).expect("upload");
+                        let x = match with_pending {
+                            true => ops.add_rms_norm(&mut want_h, ops.upload(rows, k, &out).expect("upload"), &norm_w, eps, k),
+                            false => ops.rms_norm(&want_h, &norm_w, eps, k),
+                        }
+                        .expect("norm");
+                        let want = ops.gated_mul(&ops.linear(&x, gu, None).expect("linear"), act).expect("gated_mul");
+                        let mut h = ops.upload(rows, k, &base).expect("upload");
+                        let pending = with_pending.then(|| ops.upload(rows, k, &out).expect("upload"));
+                        let got = ops.norm_linear(&mut h, pending, norm, gu, None, Some(act)).expect("norm_linear gated");
+                        self.close(&host(&got), &host(&want), 1e-4, &what(&format!("norm_linear {act:?} (pending: {with_pending})")));
+                    }
                 }
-                let base = rng.signed_vec(rows * n);
-                let mut want = ops.upload(rows, n, &base).expect("upload");
-                ops.add_assign(&mut want, &ops.linear(&x, &w, None).expect("linear")).expect("add_assign");
-                let mut got = ops.upload(rows, n, &base).expect("upload");
-                ops.linear_add(&x, None, &w, &mut got).expect("linear_add");
-                self.close(&host(&got), &host(&want), 1e-4, &what("linear_add"));
-                if stacked.is_none() {
-                    continue;
-                }
-                let product =
-                    ops.upload(rows, 2 * k, &rng.signed_vec(rows * 2 * k).iter().map(|v| 3.0 * v).collect::<Vec<_>>()).expect("upload");
-                for act in [GatedActivation::Silu, GatedActivation::GeluTanh] {
-                    let mut want = ops.upload(rows, n, &base).expect("upload");
-                    let y = ops.linear(&ops.gated_mul(&product, act).expect("gated_mul"), &w, None).expect("linear");
-                    ops.add_assign(&mut want, &y).expect("add_assign");
-                    let mut got = ops.upload(rows, n, &base).expect("upload");
-                    ops.linear_add(&product, Some(act), &w, &mut got).expect("linear_add gated");
-                    self.close(&host(&got), &host(&want), 1e-4, &what(&format!("linear_add {act:?}")));
-                }
+                // The product closing a block: added into the residual, or
+                // left pending (then the residual is as it was).
+                let x = ops.upload(rows, k, &rng.signed_vec(rows * k)).expect("upload");
+                let residual = rng.signed_vec(rows * n);
+                let product = host(&ops.linear(&x, &w, None).expect("linear"));
+                let mut h = ops.upload(rows, n, &residual).expect("upload");
+                let left = ops.linear_add(&x, &w, &mut h).expect("linear_add");
+                let want: Vec<f32> = match &left {
+                    None => residual.iter().zip(&product).map(|(r, p)| r + p).collect(),
+                    Some(y) => {
+                        self.close(&host(y), &product, 1e-4, &what("linear_add's product left pending"));
+                        residual.clone()
+                    }
+                };
+                self.close(&host(&h), &want, 1e-4, &what("linear_add's residual"));
             }
         }
     }

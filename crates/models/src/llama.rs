@@ -15,14 +15,16 @@
 //! no q/k norm comes between; then [`Ops::attention_stacked`] takes the
 //! product whole, so that a backend can write the keys and values into the
 //! cache as it splits them), gate and up one product under
-//! [`Ops::gated_mul`]; each residual add goes with the norm after it
-//! ([`Ops::add_rms_norm`]).
+//! [`Ops::gated_mul`]; each block opens with [`Ops::norm_linear`] (its
+//! norm, and the residual add of the block before where that is still
+//! pending: [`Ops::add_rms_norm`]) and closes with [`Ops::linear_add`] (the
+//! product added into the residual where the backend fuses it).
 //!
 //! Under tensor parallelism a rank holds its heads, its MLP columns and its
 //! vocabulary rows ([`TensorParallel`]); the outputs of `o` and `down` (and
 //! the embedding) are summed over the ranks, the logits gathered.
 
-use crate::ops::{GatedActivation, OpResult, Ops};
+use crate::ops::{GatedActivation, Norm, OpResult, Ops};
 use crate::registry::CausalLm;
 use crate::rope::RopeTable;
 use crate::tensor_parallel::{embed, ShardLoader, TensorParallel};
@@ -237,22 +239,31 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         let mut h = embed(ops, &self.embed_tokens, step, self.tp, self.vocab_start, c.vocab_size)?;
-        // The previous block's output, added to the residual stream by the
-        // next block's input norm (one fused op where the backend has it),
-        // under tensor parallelism (after its all-reduce). A single rank
-        // adds each block's output as its last product writes it
-        // (`Ops::linear_add`) and norms each block's input as its first
-        // product reads it (`Ops::norm_linear`): one launch each on a GPU's
-        // decode steps.
+        // A block's output, added to the residual stream by the next block's
+        // norm (one fused op where the backend has it): after its all-reduce
+        // under tensor parallelism, else where the backend does not add it
+        // as the product is written (`Ops::linear_add`: one launch with the
+        // product on a GPU's decode steps, as `Ops::norm_linear` norms as
+        // the next product reads).
         let mut pending: Option<O::Tensor> = None;
         let single = self.tp.size == 1;
         let a = &self.attention;
         let widths = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim];
+        let norm = |w| Norm { w, eps, cols: c.hidden_size };
+        let normed = |h: &mut O::Tensor, pending: Option<O::Tensor>, w| match pending {
+            Some(out) => ops.add_rms_norm(h, out, w, eps, c.hidden_size),
+            None => ops.rms_norm(h, w, eps, c.hidden_size),
+        };
+        // The product closing a block: added into the residual, or pending.
+        let close = |x: &O::Tensor, w: &O::Weight, h: &mut O::Tensor| -> OpResult<Option<O::Tensor>> {
+            if single {
+                return ops.linear_add(x, w, h);
+            }
+            let mut out = ops.linear(x, w, None)?;
+            ops.all_reduce(&mut out)?;
+            Ok(Some(out))
+        };
         for (l, layer) in self.layers.iter().enumerate() {
-            let normed = |ops: &O, h: &mut O::Tensor, pending: &mut Option<O::Tensor>| match pending.take() {
-                Some(out) => ops.add_rms_norm(h, out, &layer.input_norm, eps, c.hidden_size),
-                None => ops.rms_norm(h, &layer.input_norm, eps, c.hidden_size),
-            };
             // Each layer's own window (Qwen's `layer_types` mix full and
             // sliding layers; Mistral slides everywhere).
             let shape = AttentionShape { sliding_window: c.layer_window(l), ..self.attention };
@@ -260,14 +271,11 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
                 // One stacked product, rotated as it is split, its keys and
                 // values written to the cache on the way where the backend can.
                 (Qkv::Stacked { w, bias }, None) => {
-                    let qkv = match pending {
-                        None => ops.norm_linear(&h, &layer.input_norm, eps, c.hidden_size, w, bias.as_ref())?,
-                        Some(_) => ops.linear(&normed(ops, &mut h, &mut pending)?, w, bias.as_ref())?,
-                    };
+                    let qkv = ops.norm_linear(&mut h, pending.take(), norm(&layer.input_norm), w, bias.as_ref(), None)?;
                     ops.attention_stacked(cache, l, &qkv, widths, Some(&self.rope), step, &shape)?
                 }
                 _ => {
-                    let x = normed(ops, &mut h, &mut pending)?;
+                    let x = normed(&mut h, pending.take(), &layer.input_norm)?;
                     // RoPE in the split where no q/k norm comes between.
                     let rope = layer.qk_norm.is_none().then_some((&self.rope, step));
                     let Projected { mut q, mut k, v, rotated } = layer.qkv.project(ops, &x, widths, rope)?;
@@ -281,28 +289,17 @@ impl<O: Ops> CausalLm<O> for LlamaModel<O> {
                     ops.attention(cache, l, &q, &k, &v, step, &shape)?
                 }
             };
-            if single {
-                ops.linear_add(&attn, None, &layer.o_proj, &mut h)?;
-                match &layer.gate_up {
-                    GateUp::Stacked(w) => {
-                        let gate_up = ops.norm_linear(&h, &layer.post_attention_norm, eps, c.hidden_size, w, None)?;
-                        ops.linear_add(&gate_up, Some(GatedActivation::Silu), &layer.down_proj, &mut h)?;
-                    }
-                    GateUp::Apart(_) => {
-                        let x = ops.rms_norm(&h, &layer.post_attention_norm, eps, c.hidden_size)?;
-                        let act = layer.gate_up.act(ops, &x, GatedActivation::Silu)?;
-                        ops.linear_add(&act, None, &layer.down_proj, &mut h)?;
-                    }
+            pending = close(&attn, &layer.o_proj, &mut h)?;
+            let act = match &layer.gate_up {
+                GateUp::Stacked(w) => {
+                    ops.norm_linear(&mut h, pending.take(), norm(&layer.post_attention_norm), w, None, Some(GatedActivation::Silu))?
                 }
-                continue;
-            }
-            let mut out = ops.linear(&attn, &layer.o_proj, None)?;
-            ops.all_reduce(&mut out)?;
-            let x = ops.add_rms_norm(&mut h, out, &layer.post_attention_norm, eps, c.hidden_size)?;
-            let act = layer.gate_up.act(ops, &x, GatedActivation::Silu)?;
-            let mut out = ops.linear(&act, &layer.down_proj, None)?;
-            ops.all_reduce(&mut out)?;
-            pending = Some(out);
+                GateUp::Apart(_) => {
+                    let x = normed(&mut h, pending.take(), &layer.post_attention_norm)?;
+                    layer.gate_up.act(ops, &x, GatedActivation::Silu)?
+                }
+            };
+            pending = close(&act, &layer.down_proj, &mut h)?;
         }
         if let Some(out) = pending {
             ops.add_assign(&mut h, &out)?;

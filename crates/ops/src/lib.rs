@@ -29,6 +29,6 @@ mod tensor;
 mod weight_view;
 
 pub use error::{Error, Result};
-pub use ops::{ActivationDtype, GatedActivation, HostIo, OpResult, Ops, GROUP_FAILED};
+pub use ops::{ActivationDtype, GatedActivation, HostIo, Norm, OpResult, Ops, GROUP_FAILED};
 pub use tensor::Tensor;
 pub use weight_view::WeightView;

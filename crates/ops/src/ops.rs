@@ -23,6 +23,25 @@ use crate::rope::RopeTable;
 use crate::{Result, WeightView};
 use vellum_base::{AttentionBackend, AttentionShape, DeviceSample, KvCacheDtype, PenaltyEntry, RowSampling};
 
+/// An RMSNorm: its weight, epsilon and the width of the rows it norms
+/// ([`Ops::norm_linear`]).
+#[derive(Debug)]
+pub struct Norm<'a, V> {
+    /// The norm's weight (`cols` values).
+    pub w: &'a V,
+    /// Added to the mean square.
+    pub eps: f32,
+    /// Row width.
+    pub cols: usize,
+}
+
+impl<V> Clone for Norm<'_, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<V> Copy for Norm<'_, V> {}
+
 /// The element type a backend rounds an activation to before a product
 /// reads it: what [`Ops::linear_input_dtype`] reports, so that a test (the
 /// conformance suite) knows which rounding error to allow.
@@ -236,34 +255,43 @@ pub trait Ops: AttentionBackend<Tensor: Send + Sync, KvCache: Send, Step: Send +
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> OpResult<()>;
 
-    /// `RMSNorm(x) · Wᵀ (+ bias)`, rows `cols` wide: the norm opening a block
-    /// and the product after it, one launch where the backend fuses them
-    /// (a decode step's few rows on a GPU). The default runs
-    /// [`rms_norm`](Self::rms_norm) then [`linear`](Self::linear).
+    /// The product opening a block, normed: `RMSNorm(residual) · Wᵀ (+
+    /// bias)`, after `residual += pending` where the block before left its
+    /// output pending ([`linear_add`](Self::linear_add), or a product an
+    /// all-reduce had to see first), then with `act` the gated activation of
+    /// the product's gate and up halves (a stacked gate/up weight). One
+    /// launch where the backend fuses it (a decode step's few rows on a
+    /// GPU). The default runs [`add_rms_norm`](Self::add_rms_norm) (or
+    /// [`rms_norm`](Self::rms_norm)), [`linear`](Self::linear) and
+    /// [`gated_mul`](Self::gated_mul).
     fn norm_linear(
         &self,
-        x: &Self::Tensor,
-        norm: &Self::Vector,
-        eps: f32,
-        cols: usize,
+        residual: &mut Self::Tensor,
+        pending: Option<Self::Tensor>,
+        norm: Norm<'_, Self::Vector>,
         w: &Self::Weight,
         bias: Option<&Self::Vector>,
+        act: Option<GatedActivation>,
     ) -> OpResult<Self::Tensor> {
-        self.linear(&self.rms_norm(x, norm, eps, cols)?, w, bias)
+        let x = match pending {
+            Some(y) => self.add_rms_norm(residual, y, norm.w, norm.eps, norm.cols)?,
+            None => self.rms_norm(residual, norm.w, norm.eps, norm.cols)?,
+        };
+        let y = self.linear(&x, w, bias)?;
+        match act {
+            Some(act) => self.gated_mul(&y, act),
+            None => Ok(y),
+        }
     }
 
-    /// `residual += in(x) · Wᵀ`: the product closing a block and the
-    /// residual add after it, where `in(x)` is `x`, or with `act` the
-    /// gated activation of `x`'s gate and up halves (a stacked gate/up
-    /// product, as [`gated_mul`](Self::gated_mul) takes it). The default
-    /// runs `gated_mul`, [`linear`](Self::linear) and
-    /// [`add_assign`](Self::add_assign).
-    fn linear_add(&self, x: &Self::Tensor, act: Option<GatedActivation>, w: &Self::Weight, residual: &mut Self::Tensor) -> OpResult<()> {
-        let y = match act {
-            Some(act) => self.linear(&self.gated_mul(x, act)?, w, None)?,
-            None => self.linear(x, w, None)?,
-        };
-        self.add_assign(residual, &y)
+    /// The product closing a block, `x · Wᵀ`, added into `residual` where
+    /// the backend fuses the add (`None`), else returned for the next
+    /// [`norm_linear`](Self::norm_linear) to add with its norm (`Some`).
+    /// Not for a product that an all-reduce must see before the add. The
+    /// default returns the product.
+    fn linear_add(&self, x: &Self::Tensor, w: &Self::Weight, residual: &mut Self::Tensor) -> OpResult<Option<Self::Tensor>> {
+        let _ = residual;
+        Ok(Some(self.linear(x, w, None)?))
     }
     /// The rows whose logits the step returns (its `logits_indices`).
     fn logits_rows(&self, x: &Self::Tensor, step: &Self::Step) -> OpResult<Self::Tensor>;
