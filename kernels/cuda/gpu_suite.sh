@@ -66,7 +66,10 @@ stage)
     done
     cp ../shared/golden/*.json .gpu/golden/
     cp kernels/cuda/run_gpu.sh .gpu/run.sh
-    echo "staged $(du -sh .gpu | cut -f1) in .gpu/: run it there with bash .gpu/run.sh"
+    # The commit staged (a `+` when the tree had changes), for the notes of
+    # the run that uses it.
+    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu' || echo +)" >.gpu/COMMIT
+    echo "staged $(du -sh .gpu | cut -f1) in .gpu/ at $(cat .gpu/COMMIT): run it there with bash .gpu/run.sh"
     ;;
 *)
     echo "usage: $0 stage" >&2
