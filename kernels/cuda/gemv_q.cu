@@ -75,10 +75,10 @@ static_assert(GEMV_OUT < 2 || NC % 2 == 0, "a gated output takes an even GEMV_NC
 // Output columns a warp writes.
 #define GEMV_COLS (GEMV_OUT >= 2 ? NC / 2 : NC)
 
-// The 16 inputs of row r at k0 as the product reads them (GEMV_IN), adding
-// x² to `ss` for the norm.
-__device__ __forceinline__ void gemv_input(float xv[16], const float *__restrict__ x, const float *__restrict__ aux, int r, int k,
-                                           int k0, float &ss) {
+// The 16 inputs of row r at k0 as the product reads them (GEMV_IN): times
+// the norm's 16 weights `nw` (loaded once for every row), adding x² to `ss`.
+__device__ __forceinline__ void gemv_input(float xv[16], const float *__restrict__ x, const float nw[16], int r, int k, int k0,
+                                           float &ss) {
     const float *xr = x + (long long)r * k + k0;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -87,11 +87,9 @@ __device__ __forceinline__ void gemv_input(float xv[16], const float *__restrict
     }
 #if GEMV_IN == 1
 #pragma unroll
-    for (int i = 0; i < 16; i++) ss = fmaf(xv[i], xv[i], ss);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const vec4f w = load4(aux + k0 + 4 * i);
-        xv[4 * i] *= w.x, xv[4 * i + 1] *= w.y, xv[4 * i + 2] *= w.z, xv[4 * i + 3] *= w.w;
+    for (int i = 0; i < 16; i++) {
+        ss = fmaf(xv[i], xv[i], ss);
+        xv[i] *= nw[i];
     }
 #endif
 }
@@ -168,10 +166,18 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
             float w[NC][16], d[NC];
 #pragma unroll
             for (int c = 0; c < NC; c++) d[c] = gemv_decode<L>(raw[c], w[c]);
+            float nw[16];
+#if GEMV_IN == 1
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const vec4f w = load4(aux + k0 + 4 * i);
+                nw[4 * i] = w.x, nw[4 * i + 1] = w.y, nw[4 * i + 2] = w.z, nw[4 * i + 3] = w.w;
+            }
+#endif
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 float xv[16];
-                gemv_input(xv, x, aux, r, k, k0, ss[r]);
+                gemv_input(xv, x, nw, r, k, k0, ss[r]);
 #pragma unroll
                 for (int c = 0; c < NC; c++) {
                     float s = 0.f;
@@ -194,15 +200,20 @@ __device__ __forceinline__ void gemv(float *__restrict__ y, const unsigned char 
             const float s = warp_sum(acc[r][c]);
             if (lane == 0) part[warp][r][c] = s;
         }
+#if GEMV_IN == 1
         if (lane == 0) part[warp][r][NC] = ss[r];
+#endif
     }
     __syncthreads();
     if (slice != 0 || lane != 0 || n0 >= n_cols) return;
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        float sq = part[warp][r][NC], s[NC];
+        float sq = 0.f, s[NC];
+#if GEMV_IN == 1
+        sq = part[warp][r][NC];
 #pragma unroll
         for (int q = 1; q < GEMV_KSPLIT; q++) sq += part[warp + q][r][NC];
+#endif
 #pragma unroll
         for (int c = 0; c < NC; c++) {
             s[c] = part[warp][r][c];

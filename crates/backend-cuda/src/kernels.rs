@@ -240,6 +240,9 @@ pub fn ci_variants() -> Vec<Variant> {
         v.push(plan.fused_variant(rows, fused(In::Plain, Out::Add)));
         v.push(plan.paired().fused_variant(rows, fused(In::RmsNorm, Out::Silu)));
     }
+    // Gate/up activated without the norm (the add before it pending, or a
+    // tensor-parallel rank's).
+    v.push(GemvPlan::for_rows(1).paired().fused_variant(1, fused(In::Plain, Out::Silu)));
     v.push(GemvPlan::for_rows(8).paired().fused_variant(8, fused(In::RmsNorm, Out::GeluTanh)));
     v
 }

@@ -1068,6 +1068,7 @@ impl Kernels {
         fusion: GemvFusion,
         norm: Option<(&CudaSlice<f32>, f32)>,
     ) -> Result<(), CudaError> {
+        debug_assert!(plan.is_valid() && (!fusion.output.is_gated() || plan.columns_per_warp.is_multiple_of(2)), "{plan:?} {fusion:?}");
         let f = self.function(&plan.fused_variant(rows, fusion), &format!("gemv_{}", w.format.suffix()))?;
         // Output columns: a gated output's are half the weight's rows, a
         // warp's columns_per_warp weight rows half gate, half up.

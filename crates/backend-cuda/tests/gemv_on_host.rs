@@ -260,6 +260,7 @@ fn the_fused_gemv_compiled_for_the_host_norms_activates_and_accumulates_as_float
         (1, GemvPlan::for_rows(1), fused(GemvInput::Plain, GemvOutput::Add)),
         (2, GemvPlan::for_rows(2), fused(GemvInput::RmsNorm, GemvOutput::Add)),
         (2, GemvPlan::for_rows(2).paired(), fused(GemvInput::RmsNorm, GemvOutput::Silu)),
+        (1, GemvPlan::for_rows(1).paired(), fused(GemvInput::Plain, GemvOutput::Silu)),
         // Four warps a column group.
         (1, four_warps, fused(GemvInput::RmsNorm, GemvOutput::GeluTanh)),
         // The float32 path's plans: one warp a group, 2, 3 and 4 columns a warp.

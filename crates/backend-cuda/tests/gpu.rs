@@ -755,7 +755,8 @@ fn argmax(v: &[f32]) -> usize {
 /// declares, against the CPU's float32 path (the stacked-attention check
 /// through the split that writes the cache, counted); its linears (1–40 rows) again
 /// with no weight keeping a bf16 copy (the tensor-core GEMM past 2 rows,
-/// where the default multiplies the copies through cuBLAS).
+/// where the default multiplies the copies through cuBLAS); and the fused
+/// products again on the float32 path.
 #[test]
 fn the_conformance_suite_passes_or_skips_without_a_gpu() {
     let test = "the_conformance_suite_passes";
@@ -768,6 +769,11 @@ fn the_conformance_suite_passes_or_skips_without_a_gpu() {
             let apart =
                 vellum_backend_cuda::CudaOps::new(0).expect("a second instance").with_weight_copies(vellum_base::WeightCopies::None);
             vellum_conformance::Suite::new("cuda, no bf16 copies").linear(&apart);
+            // The float32 path fuses up to 8 rows (the GEMV's plans of 3–8
+            // rows, an odd count of columns a warp paired for gate and up).
+            let f32_path =
+                vellum_backend_cuda::CudaOps::with_precision(0, vellum_backend_cuda::CudaPrecision::Float32).expect("a float32 instance");
+            vellum_conformance::Suite::new("cuda, float32").fused_products(&f32_path);
         }
         Err(e) => {
             assert!(std::env::var_os("VELLUM_REQUIRE_GPU").is_none(), "VELLUM_REQUIRE_GPU is set but: {e}");
