@@ -81,7 +81,13 @@ impl Server {
 
     /// A plain HTTP/1.1 request; returns (status, body).
     pub fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
-        let mut s = TcpStream::connect(("127.0.0.1", self.port)).expect("connecting");
+        self.try_request(method, path, headers, body).expect("connecting")
+    }
+
+    /// [`Server::request`], or `None` when nothing listens any more (a
+    /// server that is shutting down may have closed its socket already).
+    pub fn try_request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Option<(u16, String)> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(120))).ok();
         let mut req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
         for (k, v) in headers {
@@ -90,14 +96,14 @@ impl Server {
         req.push_str("\r\n");
         req.push_str(body);
         if s.write_all(req.as_bytes()).is_err() {
-            return (0, String::new());
+            return Some((0, String::new()));
         }
         let mut out = Vec::new();
         let _ = s.read_to_end(&mut out);
         let text = String::from_utf8_lossy(&out).to_string();
         let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
         let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-        (status, body)
+        Some((status, body))
     }
 
     pub fn get(&self, path: &str) -> (u16, String) {
