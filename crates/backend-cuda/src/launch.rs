@@ -860,6 +860,7 @@ impl Kernels {
                 // shared memory; block ids < the pool's blocks).
                 unsafe { b.launch(cfg((grid_xy.0, grid_xy.1, 1), ATTENTION_THREADS, smem)) }?;
             }
+            // (`version` is v1 or v2 here: flash prefill ran above.)
             AttentionVersion::V2 | AttentionVersion::Flash => {
                 let parts = meta.max_context.max(1).div_ceil(PARTITION_SIZE);
                 let n = t * p.num_heads * parts;
@@ -895,9 +896,17 @@ impl Kernels {
     }
 
     /// Whether flash prefill runs where it applies (unless
-    /// `VELLUM_FLASH_ATTENTION=0`).
+    /// `VELLUM_FLASH_ATTENTION=0`, or turned off by
+    /// [`Kernels::without_flash_attention`]).
     pub fn flash_enabled(&self) -> bool {
         self.flash_attention
+    }
+
+    /// These kernels with prompts attended by the decode kernels, in f32
+    /// (the float32 path's choice).
+    pub fn without_flash_attention(mut self) -> Self {
+        self.flash_attention = false;
+        self
     }
 
     /// Why flash prefill cannot attend over `pool` here, if it cannot: a GPU
@@ -1003,14 +1012,7 @@ impl Kernels {
         rows: usize,
         plan: GemvPlan,
     ) -> Result<(), CudaError> {
-        Self::check_linear(w, x.len(), y.len(), rows)?;
-        if rows == 0 || rows > 8 {
-            return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
-        }
-        if !plan.is_valid() {
-            return Err(shape_error(format!("{plan:?}: a GEMV plan takes 1..4 columns a warp and 1, 2 or 4 warps a group")));
-        }
-        self.gemv_launch_planned(y, w, x, rows, plan, GemvFusion::default(), None)
+        self.gemv_checked(y, w, x, rows, plan, GemvFusion::default(), None)
     }
 
     /// `y = out(in(x) · Wᵀ)` by the GEMV (1..8 rows) with `fusion`: `x` is
@@ -1027,17 +1029,38 @@ impl Kernels {
         fusion: GemvFusion,
         norm: Option<(&CudaSlice<f32>, f32)>,
     ) -> Result<(), CudaError> {
+        let plan = if fusion.output.is_gated() { self.gemv_plan(rows).paired() } else { self.gemv_plan(rows) };
+        self.gemv_checked(y, w, x, rows, plan, fusion, norm)
+    }
+
+    /// The GEMV launch after checking everything it reads and writes: the
+    /// weight's planes, x and y for `rows` (1..8) rows, the plan (paired
+    /// for a gated output), the norm's weight where the input is normed.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_checked(
+        &self,
+        y: &mut CudaSlice<f32>,
+        w: &QuantMatrix,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        plan: GemvPlan,
+        fusion: GemvFusion,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+    ) -> Result<(), CudaError> {
         w.check()?;
         let gated = fusion.output.is_gated();
         let n_out = if gated { w.n / 2 } else { w.n };
-        if gated && !w.n.is_multiple_of(2) {
-            return Err(shape_error(format!("a gated GEMV takes a stacked gate/up weight, not {} rows", w.n)));
+        if gated && !(w.n.is_multiple_of(2) && plan.columns_per_warp.is_multiple_of(2)) {
+            return Err(shape_error(format!("a gated GEMV takes a stacked gate/up weight ({} rows) and paired columns ({plan:?})", w.n)));
         }
         if x.len() < rows * w.k || y.len() < rows * n_out {
-            return Err(shape_error(format!("fused GEMV [{rows}x{}] into [{rows}x{n_out}]: x or y too small", w.k)));
+            return Err(shape_error(format!("GEMV [{rows}x{}] into [{rows}x{n_out}]: x or y too small", w.k)));
         }
         if rows == 0 || rows > 8 {
             return Err(shape_error(format!("gemv takes 1..8 rows, got {rows}")));
+        }
+        if !plan.is_valid() {
+            return Err(shape_error(format!("{plan:?}: a GEMV plan takes 1..4 columns a warp and 1, 2 or 4 warps a group")));
         }
         match (fusion.input, norm) {
             (GemvInput::RmsNorm, Some((n, _))) if n.len() == w.k => {}
@@ -1045,7 +1068,6 @@ impl Kernels {
             (_, None) => {}
             (_, Some(_)) => return Err(shape_error("only a normed GEMV takes a norm".into())),
         }
-        let plan = if gated { self.gemv_plan(rows).paired() } else { self.gemv_plan(rows) };
         self.gemv_launch_planned(y, w, x, rows, plan, fusion, norm)
     }
 
@@ -1056,7 +1078,8 @@ impl Kernels {
     }
 
     /// The GEMV launch with `plan`; the caller checked the buffers, that
-    /// `rows` is 1..8 and that the plan is valid.
+    /// `rows` is 1..8 and that the plan is valid (`gemv_checked`, or
+    /// `gemv_rows`' check of the buffers with the default plan).
     #[allow(clippy::too_many_arguments)]
     fn gemv_launch_planned(
         &self,
@@ -1068,7 +1091,6 @@ impl Kernels {
         fusion: GemvFusion,
         norm: Option<(&CudaSlice<f32>, f32)>,
     ) -> Result<(), CudaError> {
-        debug_assert!(plan.is_valid() && (!fusion.output.is_gated() || plan.columns_per_warp.is_multiple_of(2)), "{plan:?} {fusion:?}");
         let f = self.function(&plan.fused_variant(rows, fusion), &format!("gemv_{}", w.format.suffix()))?;
         // Output columns: a gated output's are half the weight's rows, a
         // warp's columns_per_warp weight rows half gate, half up.
@@ -1084,7 +1106,7 @@ impl Kernels {
         b.arg(y).arg(&w.codes).arg(&w.scales).arg(x).arg(&n_i).arg(&k_i).arg(aux).arg(&eps);
         // SAFETY: matches gemv_*(float*, const unsigned char*, const
         // unsigned short*, const float*, int, int, const float*, float); the
-        // caller checked (check_linear, gemv_fused) that the planes hold the
+        // caller checked (check_linear, gemv_checked) that the planes hold the
         // layout's bytes for [n, k] (k whole blocks), x rows·k floats and y
         // rows·n_out (n / 2 for a gated output, n even), and a norm's weight
         // k floats (read only by a normed variant); a warp's columns past

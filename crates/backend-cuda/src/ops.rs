@@ -415,7 +415,10 @@ impl CudaOps {
 
     /// Operations on GPU `ordinal` multiplying in `precision`.
     pub fn with_precision(ordinal: usize, precision: CudaPrecision) -> Result<Self, CudaError> {
+        // The float32 path attends prompts with the decode kernels too (f32
+        // products), not flash prefill's 16-bit ones.
         let k = Kernels::open(ordinal)?;
+        let k = if precision == CudaPrecision::Float32 { k.without_flash_attention() } else { k };
         if !crate::nvrtc::is_available() {
             return Err(CudaError::NoNvrtc);
         }
@@ -1104,10 +1107,11 @@ impl Ops for CudaOps {
 
     /// Flash prefill (`flash_attention.cu`, sequences of
     /// [`FLASH_MIN_QUERIES`] query tokens or more) multiplies in the cache's
-    /// 16-bit type (f16 for FP8) at bf16 precision; the float32 path, a
-    /// float32 cache and the decode kernels keep f32 products.
+    /// 16-bit type (f16 for FP8) at bf16 precision; the float32 path (its
+    /// kernels opened without flash prefill), a float32 cache and the
+    /// decode kernels keep f32 products.
     fn attention_operand_dtype(&self, kv: KvCacheDtype, query_tokens: usize) -> ActivationDtype {
-        if self.precision == CudaPrecision::Float32 || !self.k.flash_enabled() || query_tokens < FLASH_MIN_QUERIES {
+        if !self.k.flash_enabled() || query_tokens < FLASH_MIN_QUERIES {
             return ActivationDtype::F32;
         }
         match kv {
@@ -1766,18 +1770,14 @@ impl AttentionBackend for CudaOps {
             window: shape.sliding_window.unwrap_or(0),
             kv_scale: cache.scale(layer),
         };
-        // The float32 path attends prompts with the decode kernels too (f32
-        // products); otherwise the launch picks flash prefill where it applies.
-        let version = (self.precision == CudaPrecision::Float32).then(|| {
-            let queries = Kernels::attention_queries(shape.num_heads, shape.num_kv_heads, shape.head_dim);
-            self.k.attention_version(g.meta.num_tokens, shape.num_heads, queries, shape.head_dim, g.meta.max_context)
-        });
+        // The launch picks flash prefill where it applies (never at Float32:
+        // the instance's kernels were opened without it).
         // SAFETY: every block id of the step's tables is below the pool's
         // num_blocks (checked above against the step's bounds), and the
         // group's metadata was built by prepare_step from a batch whose
         // shape ForwardBatch::step_bounds checked — as it is, or padded to
         // its graph's shape by PaddedStep, whose padding reads block 0 only.
-        unsafe { self.k.paged_attention(&mut out.buf, &q.buf, &cache.pools[at.slot], &g.meta, params, version) }.map_err(backend)?;
+        unsafe { self.k.paged_attention(&mut out.buf, &q.buf, &cache.pools[at.slot], &g.meta, params, None) }.map_err(backend)?;
         Ok(out)
     }
 

@@ -31,20 +31,10 @@ use host_cuda::EMULATION as SHIM;
 use std::path::Path;
 use std::process::Command;
 use vellum_backend_cuda::launch::{flash_keys_per_tile, flash_smem_bytes, PoolDtype, QueryLens, FLASH_MIN_QUERIES};
+use vellum_base::SeededRng;
 
 /// Reads the inputs, runs flash prefill over its slots, writes the output.
 const MAIN: &str = r#"
-template <typename T> static std::vector<T> slurp(const std::string &path) {
-    FILE *f = std::fopen(path.c_str(), "rb");
-    if (!f) std::exit(3);
-    std::fseek(f, 0, SEEK_END);
-    long n = std::ftell(f);
-    std::fseek(f, 0, SEEK_SET);
-    std::vector<T> v(n / sizeof(T) + 16);
-    if (std::fread(v.data(), 1, n, f) != (size_t)n) std::exit(3);
-    std::fclose(f);
-    return v;
-}
 int main(int argc, char **argv) {
     if (argc != 3) return 2;
     const std::string dir = argv[2];
@@ -115,17 +105,6 @@ alignas(16) unsigned short flash_smem[FLASH_SMEM_ELEMS + FLASH_GUARD];
 /// `gemm_mma.cu` on float32 weights, y = x · Wᵀ with 32-row tiles:
 /// reads `ints` (rows n k), `x` (bf16 bits), `w` (f32), writes `y`.
 const GEMM_MAIN: &str = r#"
-template <typename T> static std::vector<T> slurp(const std::string &path) {
-    FILE *f = std::fopen(path.c_str(), "rb");
-    if (!f) std::exit(3);
-    std::fseek(f, 0, SEEK_END);
-    long n = std::ftell(f);
-    std::fseek(f, 0, SEEK_SET);
-    std::vector<T> v(n / sizeof(T) + 16);
-    if (std::fread(v.data(), 1, n, f) != (size_t)n) std::exit(3);
-    std::fclose(f);
-    return v;
-}
 int main(int argc, char **argv) {
     if (argc != 2) return 2;
     const std::string dir = argv[1];
@@ -165,21 +144,6 @@ fn build_gemm(cxx: &str, dir: &Path) -> std::path::PathBuf {
     host_cxx::build_threaded(cxx, dir, "gemm", &source)
 }
 
-/// xorshift64*.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
 struct Case {
     head_dim: usize,
     /// Tokens a KV block.
@@ -193,11 +157,6 @@ struct Case {
     seqs: Vec<(usize, usize)>,
     /// Extra tile slots past the batch's tiles (a graph's launch).
     extra_slots: usize,
-}
-
-fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
-    // SAFETY: plain numbers viewed as their bytes, native order.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)).to_vec() }
 }
 
 /// A value stored in the cache: its bits (little-endian) and the value
@@ -220,7 +179,7 @@ fn store(x: f32, dtype: PoolDtype, scale: f32) -> (Vec<u8>, f32) {
     }
 }
 
-fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
+fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut SeededRng) {
     let (d, row) = (case.head_dim, case.kv_heads * case.head_dim);
     let (k_scale, v_scale) = if case.dtype == PoolDtype::Fp8E4m3 { (0.0123f32, 0.007f32) } else { (1.0, 1.0) };
     // Blocks shuffled through a pool with spares.
@@ -229,9 +188,7 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
     let max_blocks = case.seqs.iter().map(|&(c, _)| blocks_of(c)).max().expect("seqs");
     let num_blocks = case.seqs.iter().map(|&(c, _)| blocks_of(c)).sum::<usize>() + 3;
     let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-    for i in (1..ids.len()).rev() {
-        ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
-    }
+    rng.shuffle(&mut ids);
     let mut tables = vec![0i32; case.seqs.len() * max_blocks];
     let mut next = 0;
     for (s, &(c, _)) in case.seqs.iter().enumerate() {
@@ -253,8 +210,8 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
             let slot = tables[s * max_blocks + pos / block] as usize * block + pos % block;
             for j in 0..row {
                 // |x| < 1: up to 81 and 143 as FP8 codes of the scales above.
-                let (kb, kv) = store(rng.f(), case.dtype, k_scale);
-                let (vb, vv) = store(rng.f(), case.dtype, v_scale);
+                let (kb, kv) = store(rng.signed_f32(), case.dtype, k_scale);
+                let (vb, vv) = store(rng.signed_f32(), case.dtype, v_scale);
                 let at = (slot * row + j) * elem;
                 k_pool[at..at + elem].copy_from_slice(&kb);
                 v_pool[at..at + elem].copy_from_slice(&vb);
@@ -266,7 +223,7 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
         values.push(vs);
     }
     let num_tokens: usize = case.seqs.iter().map(|&(_, q)| q).sum();
-    let q: Vec<f32> = (0..num_tokens * case.heads * d).map(|_| rng.f()).collect();
+    let q: Vec<f32> = (0..num_tokens * case.heads * d).map(|_| rng.signed_f32()).collect();
     let mut qsl = vec![0i32];
     for &(_, ql) in &case.seqs {
         qsl.push(qsl.last().copied().unwrap_or(0) + ql as i32);
@@ -292,14 +249,14 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut Rng) {
     let floats = [scale * k_scale * unit, case.softcap, v_scale * unit];
     // The kernel reads FP8 codes as value / 2^8: store the codes as they are.
     for (name, data) in [
-        ("ints", bytes_of(&ints)),
-        ("floats", bytes_of(&floats)),
-        ("q", bytes_of(&q)),
+        ("ints", host_cxx::bytes_of(&ints)),
+        ("floats", host_cxx::bytes_of(&floats)),
+        ("q", host_cxx::bytes_of(&q)),
         ("k", k_pool),
         ("v", v_pool),
-        ("tables", bytes_of(&tables)),
-        ("qsl", bytes_of(&qsl)),
-        ("ctx", bytes_of(&ctx)),
+        ("tables", host_cxx::bytes_of(&tables)),
+        ("qsl", host_cxx::bytes_of(&qsl)),
+        ("ctx", host_cxx::bytes_of(&ctx)),
     ] {
         std::fs::write(dir.join(name), data).expect("write an input");
     }
@@ -388,12 +345,12 @@ fn the_tensor_core_emulation_runs_gemm_mma_as_gpus_do_or_skips_without_a_compile
     std::fs::create_dir_all(&dir).expect("temp dir");
     let exe = build_gemm(&cxx, &dir);
     let (rows, n, k) = (40usize, 256usize, 96usize);
-    let mut rng = Rng(0x5851_f42d_4c95_7f2d);
-    let x: Vec<u16> = (0..rows * k).map(|_| half::bf16::from_f32(rng.f()).to_bits()).collect();
-    let w: Vec<f32> = (0..n * k).map(|_| rng.f()).collect();
-    std::fs::write(dir.join("ints"), bytes_of(&[rows as i32, n as i32, k as i32])).expect("ints");
-    std::fs::write(dir.join("x"), bytes_of(&x)).expect("x");
-    std::fs::write(dir.join("w"), bytes_of(&w)).expect("w");
+    let mut rng = SeededRng::new(0x5851_f42d_4c95_7f2d);
+    let x: Vec<u16> = (0..rows * k).map(|_| half::bf16::from_f32(rng.signed_f32()).to_bits()).collect();
+    let w: Vec<f32> = (0..n * k).map(|_| rng.signed_f32()).collect();
+    std::fs::write(dir.join("ints"), host_cxx::bytes_of(&[rows as i32, n as i32, k as i32])).expect("ints");
+    std::fs::write(dir.join("x"), host_cxx::bytes_of(&x)).expect("x");
+    std::fs::write(dir.join("w"), host_cxx::bytes_of(&w)).expect("w");
     let status = Command::new(&exe).arg(&dir).status().expect("run the GEMM");
     assert!(status.success(), "the GEMM's program exited with {status}");
     let y: Vec<f32> =
@@ -420,7 +377,7 @@ fn flash_prefill_compiled_for_the_host_matches_the_float64_reference_or_skips_wi
     let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
     let dir = std::env::temp_dir().join(format!("vellum-flash-on-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = SeededRng::new(0x9e37_79b9_7f4a_7c15);
     // A decode, a prompt at the threshold, a prefix hit over two tiles (the
     // second cut short), a short verification, a one-tile prompt.
     let mixed = vec![(33, 1), (16, 16), (150, 70), (9, 3), (20, 20)];

@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use vellum_backend_cuda::launch::{GemvFusion, GemvInput, GemvOutput, GemvPlan};
 use vellum_backend_cuda::layout::{dequantize_repacked, f32_layout, repack, Repacked};
+use vellum_base::SeededRng;
 use vellum_ops::quant::GgmlType;
 
 /// Runs the GEMV for one weight: reads `ints` (rows, output columns, k,
@@ -30,17 +31,6 @@ use vellum_ops::quant::GgmlType;
 /// `codes`, `scales`, `x`, `aux` (the norm's weight), `y` (the residual),
 /// writes `out`.
 const MAIN: &str = r#"
-template <typename T> static std::vector<T> slurp(const std::string &path, size_t pad = 0) {
-    FILE *f = std::fopen(path.c_str(), "rb");
-    if (!f) std::exit(3);
-    std::fseek(f, 0, SEEK_END);
-    long n = std::ftell(f);
-    std::fseek(f, 0, SEEK_SET);
-    std::vector<T> v(n / sizeof(T) + pad);
-    if (std::fread(v.data(), 1, n, f) != (size_t)n) std::exit(3);
-    std::fclose(f);
-    return v;
-}
 int main(int argc, char **argv) {
     if (argc != 2) return 2;
     const std::string dir = argv[1];
@@ -112,38 +102,18 @@ fn build(cxx: &str, dir: &Path, rows: usize, plan: GemvPlan, fusion: GemvFusion)
     host_cxx::build_threaded(cxx, dir, &name, &source)
 }
 
-/// xorshift64*.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
 /// Random GGUF blocks of `dtype` (finite f16 scales and mins) for `[n, k]`.
-fn blocks(dtype: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
+fn blocks(dtype: GgmlType, n: usize, k: usize, rng: &mut SeededRng) -> Vec<u8> {
     let (block, bb) = dtype.block_layout();
-    let mut data: Vec<u8> = (0..n * k / block * bb).map(|_| (rng.next() >> 56) as u8).collect();
+    let mut data: Vec<u8> = (0..n * k / block * bb).map(|_| (rng.next_u64() >> 56) as u8).collect();
     let halves: &[usize] = if dtype == GgmlType::Q4_1 { &[0, 2] } else { &[0] };
     for b in data.chunks_exact_mut(bb) {
         for (h, &at) in halves.iter().enumerate() {
-            let v = if h == 0 { 0.01 + 0.02 * rng.f().abs() } else { -0.1 * rng.f().abs() };
+            let v = if h == 0 { 0.01 + 0.02 * rng.signed_f32().abs() } else { -0.1 * rng.signed_f32().abs() };
             b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
         }
     }
     data
-}
-
-fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
-    // SAFETY: plain numbers viewed as their bytes, native order.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)).to_vec() }
 }
 
 /// The input row r as the fused GEMV reads it, in float64.
@@ -174,24 +144,24 @@ struct Weight {
     format: i32,
 }
 
-fn check(dir: &Path, exe: &Path, rows: usize, fusion: GemvFusion, weight: &Weight, (n_out, k): (usize, usize), rng: &mut Rng) {
+fn check(dir: &Path, exe: &Path, rows: usize, fusion: GemvFusion, weight: &Weight, (n_out, k): (usize, usize), rng: &mut SeededRng) {
     let Weight { m: weight, format } = weight;
     let format = *format;
     let gated = fusion.output.is_gated();
     let n_rows = if gated { 2 * n_out } else { n_out };
     // Activations of a residual stream's size (RMSNorm takes any scale).
-    let x: Vec<f32> = (0..rows * k).map(|_| rng.f() * 3.0).collect();
-    let aux: Vec<f32> = (0..k).map(|_| 0.5 + rng.f().abs()).collect();
-    let y0: Vec<f32> = (0..rows * n_out).map(|_| rng.f() * 10.0).collect();
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.signed_f32() * 3.0).collect();
+    let aux: Vec<f32> = (0..k).map(|_| 0.5 + rng.signed_f32().abs()).collect();
+    let y0: Vec<f32> = (0..rows * n_out).map(|_| rng.signed_f32() * 10.0).collect();
     let eps = 1e-5f32;
     for (name, data) in [
-        ("ints", bytes_of(&[rows as i32, n_out as i32, k as i32, format])),
-        ("eps", bytes_of(&[eps])),
+        ("ints", host_cxx::bytes_of(&[rows as i32, n_out as i32, k as i32, format])),
+        ("eps", host_cxx::bytes_of(&[eps])),
         ("codes", weight.codes.clone()),
-        ("scales", bytes_of(&weight.scales)),
-        ("x", bytes_of(&x)),
-        ("aux", bytes_of(&aux)),
-        ("y", bytes_of(&y0)),
+        ("scales", host_cxx::bytes_of(&weight.scales)),
+        ("x", host_cxx::bytes_of(&x)),
+        ("aux", host_cxx::bytes_of(&aux)),
+        ("y", host_cxx::bytes_of(&y0)),
     ] {
         std::fs::write(dir.join(name), data).expect("write an input");
     }
@@ -235,13 +205,13 @@ fn the_fused_gemv_compiled_for_the_host_norms_activates_and_accumulates_as_float
     let Some(cxx) = host_cxx::compiler_or_skip(test) else { return };
     let dir = std::env::temp_dir().join(format!("vellum-gemv-on-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut rng = SeededRng::new(0x2545_f491_4f6c_dd1d);
     // 69 output columns: the last column group is cut short. k = 576: the
     // second warp stride covers 64 of its 512.
     let (n, k) = (69usize, 576usize);
-    let weight = |ty: GgmlType, rows: usize, rng: &mut Rng, format: i32| Weight {
+    let weight = |ty: GgmlType, rows: usize, rng: &mut SeededRng, format: i32| Weight {
         m: if ty == GgmlType::F32 {
-            f32_layout(&(0..rows * k).map(|_| rng.f() * 0.05).collect::<Vec<_>>())
+            f32_layout(&(0..rows * k).map(|_| rng.signed_f32() * 0.05).collect::<Vec<_>>())
         } else {
             repack(ty, &blocks(ty, rows, k, rng), rows, k).expect("repacks")
         },

@@ -191,6 +191,19 @@ static inline float warp_sum(float v) {
 static void mma_bf16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) { mma_any(c, a, b0, b1, bf16_value); }
 static void mma_f16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) { mma_any(c, a, b0, b1, f16_value); }
 
+// A whole file as values of T, with `pad` more (zeros) after them.
+template <typename T> static std::vector<T> slurp(const std::string &path, size_t pad = 0) {
+    FILE *f = std::fopen(path.c_str(), "rb");
+    if (!f) std::exit(3);
+    std::fseek(f, 0, SEEK_END);
+    long n = std::ftell(f);
+    std::fseek(f, 0, SEEK_SET);
+    std::vector<T> v(n / sizeof(T) + pad);
+    if (std::fread(v.data(), 1, n, f) != (size_t)n) std::exit(3);
+    std::fclose(f);
+    return v;
+}
+
 // Runs `kernel` over a grid of (x, y) blocks of `threads` threads.
 template <typename F> static void launch(unsigned gx, unsigned gy, int threads, F kernel) {
     std::barrier<> bar(threads);

@@ -52,3 +52,12 @@ fn build_with(cxx: &str, dir: &Path, name: &str, source: &str, flags: &[&str]) -
     assert!(out.status.success(), "{cxx} failed:\n{}", String::from_utf8_lossy(&out.stderr));
     exe
 }
+
+/// Plain numbers as their bytes (native order), an input file of a host
+/// program.
+#[allow(dead_code)] // Each test crate that includes this file uses what it needs.
+pub fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
+    // SAFETY: `T` is a plain number type (f32, i32, u16, f64 in the
+    // callers): every byte of the slice is initialized and readable.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)).to_vec() }
+}
