@@ -13,7 +13,9 @@
 #    float64 (flash prefill among the kernels), the graph test (mixed steps
 #    replayed), the GEMV test (plan 4:2:1 among others), the executor
 #    against the CPU; then flash prefill's TFLOP/s (attention_bench
-#    --prefill --quick);
+#    --prefill --quick) and the paged decode kernels' loads side by side
+#    (attention_bench --loads: tiled values and prefetch against the
+#    kernel before them, GB/s);
 # 2. a Llama-3-8B-shaped Q8_0 (written there): two prompts of 4,096 tokens
 #    with flash prefill and without (VELLUM_FLASH_ATTENTION=0), and
 #    single-stream decode of it and of a SmolLM2-shaped Q4_1 with the fused
@@ -54,8 +56,8 @@ grep -E "^test |test result|recorded|SKIPPED|panicked|Flash" "$out/logs/suite.tx
 # A new path the suite failed is turned off for the measurements after it
 # (each is still compared on and off where its own step does that).
 if grep -A3 "panicked" "$out/logs/suite.txt" | grep -qE "Flash|paged attention"; then
-    export VELLUM_FLASH_ATTENTION=0
-    stamp "flash prefill failed the suite: VELLUM_FLASH_ATTENTION=0 from here"
+    export VELLUM_FLASH_ATTENTION=0 VELLUM_PAGED_LOADS=plain
+    stamp "attention failed the suite: VELLUM_FLASH_ATTENTION=0 VELLUM_PAGED_LOADS=plain from here"
 fi
 if grep -A3 "panicked" "$out/logs/suite.txt" | grep -qE "norm_linear|linear_add"; then
     export VELLUM_FUSED_GEMV=0
@@ -64,6 +66,9 @@ fi
 OUT="$out/logs" PREFILL_LIMIT=60 bash .gpu/run.sh prefill >"$out/logs/prefill.txt" 2>&1
 stamp "prefill exit $?"
 grep -E "^\|" "$out/logs/prefill.txt"
+OUT="$out/logs" LOADS_LIMIT=75 bash .gpu/run.sh loads >"$out/logs/loads.txt" 2>&1
+stamp "paged loads exit $?"
+grep -E "^\|" "$out/logs/loads.txt"
 checkpoint
 
 # shellcheck disable=SC1091 # staged there

@@ -108,13 +108,12 @@ template <> struct Vec4<bf16> {
     typedef uint2 storage;
 };
 
-__device__ __forceinline__ vec4f load4(const float *p) {
-    float4 v = *reinterpret_cast<const float4 *>(p);
+// The four values of one load's bits.
+__device__ __forceinline__ vec4f unpack4(float4 v) {
     vec4f r = {v.x, v.y, v.z, v.w};
     return r;
 }
-template <typename T> __device__ __forceinline__ vec4f load4_16(const T *p) {
-    uint2 v = *reinterpret_cast<const uint2 *>(p);
+template <typename T> __device__ __forceinline__ vec4f unpack4_16(uint2 v) {
     T a, b, c, d;
     a.bits = (unsigned short)(v.x & 0xffffu);
     b.bits = (unsigned short)(v.x >> 16);
@@ -123,10 +122,7 @@ template <typename T> __device__ __forceinline__ vec4f load4_16(const T *p) {
     vec4f r = {to_float(a), to_float(b), to_float(c), to_float(d)};
     return r;
 }
-__device__ __forceinline__ vec4f load4(const f16 *p) { return load4_16(p); }
-__device__ __forceinline__ vec4f load4(const bf16 *p) { return load4_16(p); }
-__device__ __forceinline__ vec4f load4(const fp8e4m3 *p) {
-    const unsigned int v = *reinterpret_cast<const unsigned int *>(p);
+__device__ __forceinline__ vec4f unpack4_fp8(unsigned int v) {
     fp8e4m3 a, b, c, d;
     a.bits = (unsigned char)(v & 0xffu);
     b.bits = (unsigned char)((v >> 8) & 0xffu);
@@ -134,6 +130,38 @@ __device__ __forceinline__ vec4f load4(const fp8e4m3 *p) {
     d.bits = (unsigned char)(v >> 24);
     vec4f r = {to_float(a), to_float(b), to_float(c), to_float(d)};
     return r;
+}
+
+__device__ __forceinline__ vec4f load4(const float *p) { return unpack4(*reinterpret_cast<const float4 *>(p)); }
+__device__ __forceinline__ vec4f load4(const f16 *p) { return unpack4_16<f16>(*reinterpret_cast<const uint2 *>(p)); }
+__device__ __forceinline__ vec4f load4(const bf16 *p) { return unpack4_16<bf16>(*reinterpret_cast<const uint2 *>(p)); }
+__device__ __forceinline__ vec4f load4(const fp8e4m3 *p) { return unpack4_fp8(*reinterpret_cast<const unsigned int *>(p)); }
+
+// `load4` through the read-only data path (`ld.global.nc`), named: for a
+// kernel with inline asm that has side effects (a prefetch), after which
+// the compiler no longer proves on its own that its inputs stay unwritten.
+__device__ __forceinline__ vec4f load4_nc(const float *p) { return unpack4(__ldg(reinterpret_cast<const float4 *>(p))); }
+__device__ __forceinline__ vec4f load4_nc(const f16 *p) { return unpack4_16<f16>(__ldg(reinterpret_cast<const uint2 *>(p))); }
+__device__ __forceinline__ vec4f load4_nc(const bf16 *p) { return unpack4_16<bf16>(__ldg(reinterpret_cast<const uint2 *>(p))); }
+__device__ __forceinline__ vec4f load4_nc(const fp8e4m3 *p) {
+    return unpack4_fp8(__ldg(reinterpret_cast<const unsigned int *>(p)));
+}
+// One element so.
+__device__ __forceinline__ float load1_nc(const float *p) { return __ldg(p); }
+__device__ __forceinline__ float load1_nc(const f16 *p) {
+    f16 x;
+    x.bits = __ldg(reinterpret_cast<const unsigned short *>(p));
+    return to_float(x);
+}
+__device__ __forceinline__ float load1_nc(const bf16 *p) {
+    bf16 x;
+    x.bits = __ldg(reinterpret_cast<const unsigned short *>(p));
+    return to_float(x);
+}
+__device__ __forceinline__ float load1_nc(const fp8e4m3 *p) {
+    fp8e4m3 x;
+    x.bits = __ldg(reinterpret_cast<const unsigned char *>(p));
+    return to_float(x);
 }
 
 __device__ __forceinline__ float dot4(vec4f a, vec4f b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
@@ -148,6 +176,11 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+
+// Asks L2 for the 128-byte line holding `p` (global memory), ahead of the
+// loads that read it: no register waits for it, so a kernel can have the
+// lines of its next iteration on their way while it works on this one.
+__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // The gated activations (layers.cu's gated products, gemv_q.cu's gated
 // input): SiLU, and GELU with the tanh approximation.

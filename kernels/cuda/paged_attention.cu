@@ -30,8 +30,10 @@
 // BLOCK_SIZE lanes per token, each lane taking every LANES-th group of four
 // dims (so the lanes of one token read adjacent pieces). Softmax: a warp per
 // query head. Values: each lane owns HEAD_DIM / 32 consecutive dims and
-// accumulates p · v over the warp's tokens for every head of the group;
-// warps add their sums in shared memory in a fixed order.
+// accumulates p · v over the warp's tokens for every head of the group,
+// loading V_TILE tokens' dims before it uses the first (a token at a time,
+// a lane had one 8-byte load in flight and the phase waited on each one's
+// latency); warps add their sums in shared memory in a fixed order.
 //
 // Cache layout: [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM] (cache.cu).
 //
@@ -63,6 +65,17 @@
 #ifndef QUERIES
 #define QUERIES 1
 #endif
+// Tokens whose values a lane loads before it uses the first (32 floats of
+// registers: 16 tokens at head size 64, 8 at 128, 4 at 256; at most a KV
+// block). 1: a token at a time.
+#ifndef V_TILE
+#define V_TILE ((32 / (HEAD_DIM / 32)) < BLOCK_SIZE ? (32 / (HEAD_DIM / 32)) : BLOCK_SIZE)
+#endif
+// 1: a warp asks L2 for the keys (values) of its next KV block while it
+// works on this one, and for its first block's values during the softmax.
+#ifndef PA_PREFETCH
+#define PA_PREFETCH 1
+#endif
 
 #define NUM_WARPS (NUM_THREADS / 32)
 #define LANES (32 / BLOCK_SIZE)
@@ -74,6 +87,7 @@ static_assert(BLOCK_SIZE == 8 || BLOCK_SIZE == 16 || BLOCK_SIZE == 32, "BLOCK_SI
 static_assert(CHUNKS % LANES == 0, "a token's dims split evenly over its lanes");
 static_assert(NUM_THREADS % 32 == 0 && NUM_THREADS <= 1024, "NUM_THREADS must be whole warps");
 static_assert(QUERIES >= 1 && QUERIES * HEAD_DIM <= 2048, "QUERIES heads of HEAD_DIM must fit the registers");
+static_assert(V_TILE >= 1 && V_TILE <= BLOCK_SIZE, "V_TILE: 1 to BLOCK_SIZE tokens");
 
 // Lane l's share of a warp's walk over KV blocks b0, b0 + NUM_WARPS, ...:
 // the physical id of block b0 + l · NUM_WARPS (0 past the last). A warp
@@ -89,18 +103,30 @@ __device__ __forceinline__ int block_ids(const int *__restrict__ block_table, in
 #endif
 }
 
+// Prefetches (PA_PREFETCH) the rows of kv head `kvh` in physical block
+// `phys` of `cache`: its BLOCK_SIZE tokens' HEAD_DIM elements, a 128-byte
+// line a lane.
+template <typename T>
+__device__ __forceinline__ void prefetch_block(const T *__restrict__ cache, long long phys, long long row, int kvh, int lane) {
+#if PA_PREFETCH
+    const int line = 128 / (int)sizeof(T), per_token = (HEAD_DIM + line - 1) / line;
+    for (int x = lane; x < BLOCK_SIZE * per_token; x += 32)
+        prefetch_l2(cache + (phys * BLOCK_SIZE + x / per_token) * row + (long long)kvh * HEAD_DIM + (x % per_token) * line);
+#endif
+}
+
 // A lane's VDIMS consecutive value dims, in loads of four where they divide
 // (VDIMS · lane elements in: aligned for the 8- and 16-byte loads).
 template <typename T> __device__ __forceinline__ void load_dims(const T *__restrict__ v, float out[VDIMS]) {
 #if VDIMS % 4 == 0
 #pragma unroll
     for (int c = 0; c < VDIMS; c += 4) {
-        const vec4f x = load4(v + c);
+        const vec4f x = load4_nc(v + c);
         out[c] = x.x, out[c + 1] = x.y, out[c + 2] = x.z, out[c + 3] = x.w;
     }
 #else
 #pragma unroll
-    for (int c = 0; c < VDIMS; c++) out[c] = to_float(v[c]);
+    for (int c = 0; c < VDIMS; c++) out[c] = load1_nc(v + c);
 #endif
 }
 
@@ -156,8 +182,11 @@ __device__ void attend(const float *__restrict__ q, const T *__restrict__ k_cach
             const int pos = b * BLOCK_SIZE + tok;
 #ifdef CONTIGUOUS_KV
             const long long phys = contig_base + b;
+            if (PA_PREFETCH && i + 1 < count) prefetch_block(k_cache, phys + NUM_WARPS, row, kvh, lane);
 #else
             const long long phys = __shfl_sync(0xffffffffu, ids, i);
+            // (count is the warp's: every lane shuffles, or none.)
+            if (PA_PREFETCH && i + 1 < count) prefetch_block(k_cache, (long long)__shfl_sync(0xffffffffu, ids, i + 1), row, kvh, lane);
 #endif
             const T *k = k_cache + (phys * BLOCK_SIZE + tok) * row + (long long)kvh * HEAD_DIM;
             float dot[QUERIES];
@@ -168,7 +197,7 @@ __device__ void attend(const float *__restrict__ q, const T *__restrict__ k_cach
 #pragma unroll 8
             for (int j = 0; j < CHUNKS / LANES; j++) {
                 const int c = sub + LANES * j;
-                const vec4f kv = load4(k + 4 * c);
+                const vec4f kv = load4_nc(k + 4 * c);
 #pragma unroll
                 for (int g = 0; g < QUERIES; g++) {
                     const vec4f qv = {q_s[g][4 * c], q_s[g][4 * c + 1], q_s[g][4 * c + 2], q_s[g][4 * c + 3]};
@@ -187,6 +216,17 @@ __device__ void attend(const float *__restrict__ q, const T *__restrict__ k_cach
             }
         }
     }
+#if PA_PREFETCH
+    // The values of the warp's first block, on their way during the softmax.
+    if (first_block + warp <= last_block) {
+#ifdef CONTIGUOUS_KV
+        const long long phys0 = contig_base + first_block + warp;
+#else
+        const long long phys0 = block_table[first_block + warp];
+#endif
+        prefetch_block(v_cache, phys0, row, kvh, lane);
+    }
+#endif
     __syncthreads();
 
     // 2. Softmax statistics, a warp per head; the scores become exp(s - max).
@@ -222,15 +262,37 @@ __device__ void attend(const float *__restrict__ q, const T *__restrict__ k_cach
             const int b = b0 + bi * NUM_WARPS;
 #ifdef CONTIGUOUS_KV
             const long long phys = contig_base + b;
+            if (PA_PREFETCH && bi + 1 < count) prefetch_block(v_cache, phys + NUM_WARPS, row, kvh, lane);
 #else
             const long long phys = __shfl_sync(0xffffffffu, ids, bi);
+            if (PA_PREFETCH && bi + 1 < count) prefetch_block(v_cache, (long long)__shfl_sync(0xffffffffu, ids, bi + 1), row, kvh, lane);
 #endif
             const int lo = max(start - b * BLOCK_SIZE, 0), hi = min(end - b * BLOCK_SIZE, BLOCK_SIZE);
-            for (int i = lo; i < hi; i++) {
+            const T *vb = v_cache + phys * BLOCK_SIZE * row + (long long)kvh * HEAD_DIM + VDIMS * lane;
+            // V_TILE tokens' values in flight before the first is used, in
+            // the same order of additions as one token at a time.
+            int i = lo;
+#if V_TILE > 1
+            for (; i + V_TILE <= hi; i += V_TILE) {
+                float vv[V_TILE][VDIMS];
+#pragma unroll
+                for (int j = 0; j < V_TILE; j++) load_dims(vb + (long long)(i + j) * row, vv[j]);
+#pragma unroll
+                for (int j = 0; j < V_TILE; j++) {
+                    const int at = b * BLOCK_SIZE + i + j - start;
+#pragma unroll
+                    for (int g = 0; g < QUERIES; g++) {
+                        const float p = logits[g * n + at];
+#pragma unroll
+                        for (int c = 0; c < VDIMS; c++) acc[g][c] += p * vv[j][c];
+                    }
+                }
+            }
+#endif
+            for (; i < hi; i++) {
                 const int at = b * BLOCK_SIZE + i - start;
-                const T *v = v_cache + (phys * BLOCK_SIZE + i) * row + (long long)kvh * HEAD_DIM + VDIMS * lane;
                 float vv[VDIMS];
-                load_dims(v, vv);
+                load_dims(vb + (long long)i * row, vv);
 #pragma unroll
                 for (int g = 0; g < QUERIES; g++) {
                     const float p = logits[g * n + at];

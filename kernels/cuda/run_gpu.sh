@@ -68,6 +68,8 @@ for s in $steps; do
     overheads) step overheads 120 "$here/x/attention_bench" --overheads ;;
     # Prefill attention: flash prefill against the decode kernels, TFLOP/s.
     prefill) step prefill "${PREFILL_LIMIT:-120}" bash -c "'$here/x/attention_bench' --prefill ${PREFILL_ARGS:---quick} > '$out/prefill.jsonl'" ;;
+    # The paged decode kernels' loads (tiled values, prefetch) side by side, GB/s.
+    loads) step loads "${LOADS_LIMIT:-120}" bash -c "'$here/x/attention_bench' --loads > '$out/loads.jsonl'" ;;
     gemm) step gemm "${GEMM_LIMIT:-240}" bash -c "'$here/x/gemm_bench' ${GEMM_ARGS:-} > '$out/gemm.jsonl'; rc=\$?; sed -n '/^| weight/,\$p' '$out/gemm.jsonl'; exit \$rc" ;;
     golden) step golden "${GOLDEN_LIMIT:-300}" "$here/x/golden" --test-threads 1 --nocapture cuda ;;
     sampling) step sampling "${SAMPLING_LIMIT:-120}" "$here/x/device_sampling" --test-threads 1 --nocapture ;;

@@ -15,6 +15,7 @@
 //! attention_bench [--quick] > attention.jsonl   # a table on stderr
 //! attention_bench --overheads                   # what a launch, an allocation, a copy cost
 //! attention_bench --prefill [--quick]            # prefill attention: flash against the decode kernels
+//! attention_bench --loads                        # the decode kernels' loads (PagedLoads) side by side
 //! ```
 //!
 //! `--prefill`: one sequence's whole prompt (causal, every position a query,
@@ -29,7 +30,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use std::time::Instant;
 use vellum_backend_cuda::launch::{
-    AttentionParams, AttentionVersion, DeviceAttentionMetadata, Elementwise, Kernels, KvLayout, KvPool, PoolDtype, QueryLens,
+    AttentionParams, AttentionVersion, DeviceAttentionMetadata, Elementwise, Kernels, KvLayout, KvPool, PagedLoads, PoolDtype, QueryLens,
 };
 
 /// A model's attention shape.
@@ -153,6 +154,77 @@ fn overheads(k: &Kernels) -> Res<()> {
     Ok(())
 }
 
+/// The paged decode kernels' loads ([`PagedLoads`]) side by side: the
+/// shuffled layout of the decode benchmark's largest cases, each load
+/// choice in two mirrored rounds (the best of two), GB/s and the share of
+/// the device's copy bandwidth.
+fn loads(k: &mut Kernels) -> Res<()> {
+    let copy = copy_bandwidth(k)?;
+    eprintln!("{:?}; device-to-device copy {copy:.0} GB/s (read + write)", k.info());
+    println!("{{\"bench\":\"paged_loads\",\"device\":{:?},\"copy_gbps\":{copy:.1}}}", format!("{:?}", k.info()));
+    let cases: [(&Shape, usize, usize); 6] = [
+        (&SHAPES[0], 16384, 256),
+        (&SHAPES[0], 16384, 16),
+        (&SHAPES[0], 4096, 64),
+        (&SHAPES[0], 1024, 256),
+        (&SHAPES[1], 16384, 256),
+        (&SHAPES[1], 4096, 64),
+    ];
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let names: Vec<&str> = PagedLoads::ALL.iter().map(|l| l.name()).collect();
+    eprintln!("| shape | context | batch | version | {} GB/s (% of copy) |", names.join(" GB/s (% of copy) | "));
+    eprintln!("|---|---:|---:|---|{}", "---:|".repeat(names.len()));
+    for (shape, context, batch) in cases {
+        let blocks = batch * context / BLOCK;
+        let pool = KvPool::new(k.stream(), PoolDtype::F16, blocks, BLOCK, shape.kv_heads, shape.head_dim)?;
+        let mut table: Vec<i32> = (0..blocks as i32).collect();
+        for i in (1..table.len()).rev() {
+            table.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        }
+        let qsl: Vec<i32> = (0..=batch as i32).collect();
+        let meta = DeviceAttentionMetadata {
+            block_tables: up(k, &table)?,
+            max_blocks_per_seq: context / BLOCK,
+            token_seq: up(k, &(0..batch as i32).collect::<Vec<_>>())?,
+            query_start_loc: up(k, &qsl)?,
+            context_lens: up(k, &vec![context as i32; batch])?,
+            num_tokens: batch,
+            max_context: context,
+            query_lens: QueryLens::decode(),
+        };
+        let q = up(k, &vec![0.01f32; batch * shape.heads * shape.head_dim])?;
+        let mut out: CudaSlice<f32> = k.stream().alloc_zeros(batch * shape.heads * shape.head_dim)?;
+        let params = shape.params();
+        let queries = Kernels::attention_queries(shape.heads, shape.kv_heads, shape.head_dim);
+        let version = k.attention_version(batch, shape.heads, queries, shape.head_dim, context);
+        let iters = if batch * context >= 1 << 20 { 10 } else { 50 };
+        let mut best = [f64::MAX; PagedLoads::ALL.len()];
+        for round in 0..2 {
+            for i in 0..PagedLoads::ALL.len() {
+                let which = if round == 0 { i } else { PagedLoads::ALL.len() - 1 - i };
+                k.set_paged_loads(PagedLoads::ALL[which]);
+                let k = &*k;
+                // SAFETY: the table holds `batch` sequences of `context`
+                // tokens in the pool's own blocks.
+                let ms = time_ms(k, 3, iters, || Ok(unsafe { k.paged_attention(&mut out, &q, &pool, &meta, params, None) }?))?;
+                best[which] = best[which].min(ms);
+            }
+        }
+        k.set_paged_loads(PagedLoads::default());
+        let bytes = (2 * batch * context * shape.kv_heads * shape.head_dim * PoolDtype::F16.size()) as f64;
+        let gbps = |ms: f64| bytes / (ms * 1e6);
+        let cells: Vec<String> = best.iter().map(|&ms| format!("{:.0} ({:.0}%)", gbps(ms), 100.0 * gbps(ms) / copy)).collect();
+        eprintln!("| {} | {context} | {batch} | {version:?} | {} |", shape.name, cells.join(" | "));
+        let fields: Vec<String> = PagedLoads::ALL.iter().zip(&best).map(|(l, ms)| format!("\"{}_ms\":{ms:.5}", l.name())).collect();
+        println!(
+            "{{\"bench\":\"paged_loads\",\"shape\":\"{}\",\"context\":{context},\"batch\":{batch},\"version\":\"{version:?}\",\"kv_bytes\":{bytes},{},\"copy_gbps\":{copy:.1}}}",
+            shape.name,
+            fields.join(",")
+        );
+    }
+    Ok(())
+}
+
 /// Prefill attention: one sequence of `len` prompt tokens, flash prefill
 /// against the decode kernels, TFLOP/s of the causal products.
 fn prefill(k: &Kernels, quick: bool) -> Res<()> {
@@ -222,7 +294,7 @@ fn prefill(k: &Kernels, quick: bool) -> Res<()> {
 
 fn main() -> Res<()> {
     let quick = std::env::args().any(|a| a == "--quick");
-    let k = match Kernels::open(0) {
+    let mut k = match Kernels::open(0) {
         Ok(k) => k,
         Err(e) => {
             eprintln!("no GPU: {e}");
@@ -234,6 +306,9 @@ fn main() -> Res<()> {
     }
     if std::env::args().any(|a| a == "--prefill") {
         return prefill(&k, quick);
+    }
+    if std::env::args().any(|a| a == "--loads") {
+        return loads(&mut k);
     }
     let info = k.info();
     let copy = copy_bandwidth(&k)?;

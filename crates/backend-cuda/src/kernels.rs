@@ -200,7 +200,7 @@ impl Variant {
 /// 3: SmolLM2; 128 with 4: Llama 3 8B; 256 with 4: Gemma 3) at the default
 /// block size 16, one head a thread block (multi-head attention) at 128,
 /// block sizes 8 and 32 at 128, the bandwidth benchmark's contiguous
-/// baseline, the GEMV at 1, 2, 4 and 8 rows as launched and with four
+/// baseline and the paged loads it compares (`PagedLoads`), the GEMV at 1, 2, 4 and 8 rows as launched and with four
 /// columns a warp, the tensor-core GEMM at each of its tile heights,
 /// flash prefill at each head size with the key tile it launches with, and
 /// the fused GEMVs of a decode step.
@@ -213,6 +213,12 @@ pub fn ci_variants() -> Vec<Variant> {
         v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", block_size), ("QUERIES", 4)]));
     }
     v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("QUERIES", 4), ("CONTIGUOUS_KV", 1)]));
+    // Llama's shape with the loads the benchmark compares the default with.
+    for loads in [crate::launch::PagedLoads::TiledNoPrefetch, crate::launch::PagedLoads::Plain] {
+        let mut defines = vec![("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("QUERIES", 4)];
+        defines.extend_from_slice(loads.defines());
+        v.push(Variant::new(PAGED_ATTENTION, &defines));
+    }
     // The GEMV with the plans launch.rs picks at 1, 2, 4 and 8 rows, and
     // with four columns a warp and two warps a group (measured faster from
     // 2 rows, not yet the default).

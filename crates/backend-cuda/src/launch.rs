@@ -96,6 +96,54 @@ impl KvPool {
     }
 }
 
+/// How the paged decode kernels (`paged_attention.cu`) load keys and
+/// values: its `V_TILE` and `PA_PREFETCH` knobs. `VELLUM_PAGED_LOADS`
+/// (`tiled`, `tiled-no-prefetch`, `plain`) picks one, for comparisons
+/// (`attention_bench --loads`); every choice gives the same bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PagedLoads {
+    /// A lane loads several tokens' values before it uses the first, and a
+    /// warp asks L2 for its next KV block while it works on this one.
+    #[default]
+    Tiled,
+    /// The values tiled, nothing prefetched.
+    TiledNoPrefetch,
+    /// A token's values at a time, nothing prefetched (the kernel the
+    /// H200 measured at 72% of copy bandwidth, docs/benchmarks.md).
+    Plain,
+}
+
+impl PagedLoads {
+    /// Every choice, the default first.
+    pub const ALL: [PagedLoads; 3] = [PagedLoads::Tiled, PagedLoads::TiledNoPrefetch, PagedLoads::Plain];
+
+    /// Its name in `VELLUM_PAGED_LOADS`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PagedLoads::Tiled => "tiled",
+            PagedLoads::TiledNoPrefetch => "tiled-no-prefetch",
+            PagedLoads::Plain => "plain",
+        }
+    }
+
+    /// Parses [`PagedLoads::name`]'s form.
+    pub fn parse(text: &str) -> Result<Self, CudaError> {
+        Self::ALL
+            .into_iter()
+            .find(|l| l.name() == text.trim())
+            .ok_or_else(|| CudaError::Setting(format!("VELLUM_PAGED_LOADS={text:?}: expected one of tiled, tiled-no-prefetch, plain")))
+    }
+
+    /// The kernel's defines for it (none: the kernel's defaults).
+    pub fn defines(self) -> &'static [(&'static str, usize)] {
+        match self {
+            PagedLoads::Tiled => &[],
+            PagedLoads::TiledNoPrefetch => &[("PA_PREFETCH", 0)],
+            PagedLoads::Plain => &[("V_TILE", 1), ("PA_PREFETCH", 0)],
+        }
+    }
+}
+
 /// Which paged-attention kernel runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionVersion {
@@ -337,6 +385,9 @@ pub struct Kernels {
     /// Whether flash prefill runs where it applies (`VELLUM_FLASH_ATTENTION=0`
     /// turns it off, for comparisons).
     flash_attention: bool,
+    /// How the paged decode kernels load keys and values
+    /// (`VELLUM_PAGED_LOADS`, for comparisons).
+    paged_loads: PagedLoads,
 }
 
 /// How the GEMV of `gemv_q.cu` spreads a linear layer over warps: its
@@ -545,6 +596,10 @@ impl Kernels {
             Ok(v) if !v.is_empty() => Some(GemvPlan::parse(&v)?),
             _ => None,
         };
+        let paged_loads = match std::env::var("VELLUM_PAGED_LOADS") {
+            Ok(v) if !v.is_empty() => PagedLoads::parse(&v)?,
+            _ => PagedLoads::default(),
+        };
         Ok(Self {
             arch: info.arch(),
             num_sms: info.num_sms.max(1) as usize,
@@ -554,6 +609,7 @@ impl Kernels {
             modules: Mutex::new(HashMap::new()),
             gemv_override,
             flash_attention: std::env::var("VELLUM_FLASH_ATTENTION").map_or(true, |v| v != "0"),
+            paged_loads,
         })
     }
 
@@ -805,6 +861,7 @@ impl Kernels {
         if layout == KvLayout::ContiguousBaseline {
             defines.push(("CONTIGUOUS_KV", 1));
         }
+        defines.extend_from_slice(self.paged_loads.defines());
         let variant = Variant::new(PAGED_ATTENTION, &defines);
         // Scores and outputs in the pool's units (an FP8 code reads as its value / 2^8).
         let unit = pool.dtype.unit();
@@ -907,6 +964,17 @@ impl Kernels {
     pub fn without_flash_attention(mut self) -> Self {
         self.flash_attention = false;
         self
+    }
+
+    /// How the paged decode kernels load keys and values now.
+    pub fn paged_loads(&self) -> PagedLoads {
+        self.paged_loads
+    }
+
+    /// Makes the paged decode kernels load keys and values as `loads` says
+    /// (the outputs are the same bits; benchmarks compare the speed).
+    pub fn set_paged_loads(&mut self, loads: PagedLoads) {
+        self.paged_loads = loads;
     }
 
     /// Why flash prefill cannot attend over `pool` here, if it cannot: a GPU
@@ -1837,6 +1905,20 @@ pub struct SampleOutputs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paged_loads_parse_by_name_and_refuse_the_rest() {
+        for loads in PagedLoads::ALL {
+            assert_eq!(PagedLoads::parse(loads.name()).ok(), Some(loads));
+        }
+        assert_eq!(PagedLoads::ALL[0], PagedLoads::default());
+        assert!(PagedLoads::default().defines().is_empty(), "the default is the kernel's own");
+        assert_eq!(PagedLoads::Plain.defines(), [("V_TILE", 1), ("PA_PREFETCH", 0)]);
+        for bad in ["", "Tiled", "tiled,plain", "v1"] {
+            let err = PagedLoads::parse(bad).expect_err(bad).to_string();
+            assert!(err.contains("VELLUM_PAGED_LOADS") && err.contains("tiled-no-prefetch"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn gemv_plans_parse_in_range_and_refuse_the_rest_by_name() {

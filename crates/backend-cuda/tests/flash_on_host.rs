@@ -21,11 +21,14 @@
 //! Without a C++ compiler (`c++`, `g++` or `clang++`, or `CXX`) the test
 //! says SKIPPED by name; CI has one.
 
+#[path = "common/attention_case.rs"]
+mod attention_case;
 #[path = "common/host_cuda.rs"]
 mod host_cuda;
 #[path = "common/host_cxx.rs"]
 mod host_cxx;
 
+use attention_case::Case;
 use host_cuda::EMULATION as SHIM;
 
 use std::path::Path;
@@ -144,126 +147,45 @@ fn build_gemm(cxx: &str, dir: &Path) -> std::path::PathBuf {
     host_cxx::build_threaded(cxx, dir, "gemm", &source)
 }
 
-struct Case {
-    head_dim: usize,
-    /// Tokens a KV block.
-    block: usize,
-    dtype: PoolDtype,
-    heads: usize,
-    kv_heads: usize,
-    window: usize,
-    softcap: f32,
-    /// (context after the step, query tokens) of each sequence.
-    seqs: Vec<(usize, usize)>,
-    /// Extra tile slots past the batch's tiles (a graph's launch).
-    extra_slots: usize,
-}
-
-/// A value stored in the cache: its bits (little-endian) and the value
-/// attention reads back (times the scale).
-fn store(x: f32, dtype: PoolDtype, scale: f32) -> (Vec<u8>, f32) {
-    match dtype {
-        PoolDtype::Bf16 => {
-            let b = half::bf16::from_f32(x);
-            (b.to_le_bytes().to_vec(), b.to_f32())
-        }
-        PoolDtype::F16 => {
-            let h = half::f16::from_f32(x);
-            (h.to_le_bytes().to_vec(), h.to_f32())
-        }
-        PoolDtype::Fp8E4m3 => {
-            let c = vellum_base::fp8::from_f32(x / scale);
-            (vec![c], vellum_base::fp8::to_f32(c) * scale)
-        }
-        PoolDtype::F32 => unreachable!("flash prefill takes 16-bit and FP8 caches"),
-    }
-}
-
 fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut SeededRng) {
-    let (d, row) = (case.head_dim, case.kv_heads * case.head_dim);
-    let (k_scale, v_scale) = if case.dtype == PoolDtype::Fp8E4m3 { (0.0123f32, 0.007f32) } else { (1.0, 1.0) };
-    // Blocks shuffled through a pool with spares.
-    let block = case.block;
-    let blocks_of = |c: usize| c.div_ceil(block);
-    let max_blocks = case.seqs.iter().map(|&(c, _)| blocks_of(c)).max().expect("seqs");
-    let num_blocks = case.seqs.iter().map(|&(c, _)| blocks_of(c)).sum::<usize>() + 3;
-    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-    rng.shuffle(&mut ids);
-    let mut tables = vec![0i32; case.seqs.len() * max_blocks];
-    let mut next = 0;
-    for (s, &(c, _)) in case.seqs.iter().enumerate() {
-        for b in 0..blocks_of(c) {
-            tables[s * max_blocks + b] = ids[next];
-            next += 1;
-        }
-    }
-    let elem = if case.dtype == PoolDtype::Fp8E4m3 { 1 } else { 2 };
-    // Unwritten slots hold a pattern no finite value has in the reference
-    // (0x7f7f: a bf16/f16 of 3.4e38 or 65k-ish, FP8 NaN): reading one shows.
-    let mut k_pool = vec![0x7fu8; num_blocks * block * row * elem];
-    let mut v_pool = k_pool.clone();
-    let mut keys: Vec<Vec<f32>> = Vec::new();
-    let mut values: Vec<Vec<f32>> = Vec::new();
-    for (s, &(c, _)) in case.seqs.iter().enumerate() {
-        let (mut ks, mut vs) = (Vec::new(), Vec::new());
-        for pos in 0..c {
-            let slot = tables[s * max_blocks + pos / block] as usize * block + pos % block;
-            for j in 0..row {
-                // |x| < 1: up to 81 and 143 as FP8 codes of the scales above.
-                let (kb, kv) = store(rng.signed_f32(), case.dtype, k_scale);
-                let (vb, vv) = store(rng.signed_f32(), case.dtype, v_scale);
-                let at = (slot * row + j) * elem;
-                k_pool[at..at + elem].copy_from_slice(&kb);
-                v_pool[at..at + elem].copy_from_slice(&vb);
-                ks.push(kv);
-                vs.push(vv);
-            }
-        }
-        keys.push(ks);
-        values.push(vs);
-    }
-    let num_tokens: usize = case.seqs.iter().map(|&(_, q)| q).sum();
-    let q: Vec<f32> = (0..num_tokens * case.heads * d).map(|_| rng.signed_f32()).collect();
-    let mut qsl = vec![0i32];
-    for &(_, ql) in &case.seqs {
-        qsl.push(qsl.last().copied().unwrap_or(0) + ql as i32);
-    }
-    let ctx: Vec<i32> = case.seqs.iter().map(|&(c, _)| c as i32).collect();
-    let lens = QueryLens::of(&qsl);
+    let d = case.head_dim;
+    let b = case.batch(rng);
+    let lens = QueryLens::of(&b.qsl);
     let slots = lens.flash_tiles + case.extra_slots;
     let scale = 1.0 / (d as f32).sqrt();
     let unit = case.dtype.unit();
     let ints = [
         slots as i32,
         case.heads as i32,
-        max_blocks as i32,
+        b.max_blocks as i32,
         case.seqs.len() as i32,
         FLASH_MIN_QUERIES as i32,
         case.heads as i32,
         case.kv_heads as i32,
         case.window as i32,
-        (num_tokens * case.heads * d) as i32,
+        (b.num_tokens * case.heads * d) as i32,
     ];
     // As launch.rs passes them: the key scale (and an FP8 code's 2^8) in
     // the score's scale, the value scale on the outputs.
-    let floats = [scale * k_scale * unit, case.softcap, v_scale * unit];
+    let floats = [scale * b.k_scale * unit, case.softcap, b.v_scale * unit];
     // The kernel reads FP8 codes as value / 2^8: store the codes as they are.
     for (name, data) in [
         ("ints", host_cxx::bytes_of(&ints)),
         ("floats", host_cxx::bytes_of(&floats)),
-        ("q", host_cxx::bytes_of(&q)),
-        ("k", k_pool),
-        ("v", v_pool),
-        ("tables", host_cxx::bytes_of(&tables)),
-        ("qsl", host_cxx::bytes_of(&qsl)),
-        ("ctx", host_cxx::bytes_of(&ctx)),
+        ("q", host_cxx::bytes_of(&b.q)),
+        ("k", b.k_pool.clone()),
+        ("v", b.v_pool.clone()),
+        ("tables", host_cxx::bytes_of(&b.tables)),
+        ("qsl", host_cxx::bytes_of(&b.qsl)),
+        ("ctx", host_cxx::bytes_of(&b.ctx)),
     ] {
         std::fs::write(dir.join(name), data).expect("write an input");
     }
     let dtype_id = match case.dtype {
         PoolDtype::F16 => 0,
         PoolDtype::Bf16 => 1,
-        _ => 2,
+        PoolDtype::Fp8E4m3 => 2,
+        PoolDtype::F32 => unreachable!("flash prefill takes 16-bit and FP8 caches"),
     };
     let started = std::time::Instant::now();
     let status = Command::new(exe).arg(dtype_id.to_string()).arg(dir).status().expect("run the kernel");
@@ -283,7 +205,7 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut SeededRng) {
     };
     let tol = if case.dtype == PoolDtype::Bf16 { 1e-2 } else { 2e-3 };
     let (mut worst, mut t, mut flash_rows) = (0f64, 0usize, 0usize);
-    for (s, &(c, ql)) in case.seqs.iter().enumerate() {
+    for (s, &(_, ql)) in case.seqs.iter().enumerate() {
         for i in 0..ql {
             for h in 0..case.heads {
                 let out = &got[(t * case.heads + h) * d..(t * case.heads + h + 1) * d];
@@ -291,28 +213,7 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut SeededRng) {
                     assert!(out.iter().all(|x| x.is_nan()), "seq {s} token {i} head {h}: a short sequence's row was written");
                     continue;
                 }
-                let n_ctx = c - ql + i + 1;
-                let first = if case.window > 0 && n_ctx > case.window { n_ctx - case.window } else { 0 };
-                let kvh = h / (case.heads / case.kv_heads);
-                let qv: Vec<f64> = q[(t * case.heads + h) * d..(t * case.heads + h + 1) * d].iter().map(|&x| q_round(x)).collect();
-                let scores: Vec<f64> = (first..n_ctx)
-                    .map(|pos| {
-                        let kr = &keys[s][pos * row + kvh * d..pos * row + (kvh + 1) * d];
-                        let dot = qv.iter().zip(kr).map(|(a, &b)| a * f64::from(b)).sum::<f64>() * f64::from(scale);
-                        if case.softcap > 0.0 {
-                            f64::from(case.softcap) * (dot / f64::from(case.softcap)).tanh()
-                        } else {
-                            dot
-                        }
-                    })
-                    .collect();
-                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let total: f64 = scores.iter().map(|x| (x - m).exp()).sum();
-                for (e, &g) in out.iter().enumerate() {
-                    let want: f64 = (first..n_ctx)
-                        .enumerate()
-                        .map(|(j, pos)| (scores[j] - m).exp() / total * f64::from(values[s][pos * row + kvh * d + e]))
-                        .sum();
+                for (e, (&g, want)) in out.iter().zip(case.reference(&b, s, i, t, h, q_round)).enumerate() {
                     let err = if g.is_finite() { (f64::from(g) - want).abs() } else { f64::INFINITY };
                     assert!(err < tol, "seq {s} token {i} head {h} dim {e}: kernel {g} vs {want} ({:?}, head_dim {d})", case.dtype);
                     worst = worst.max(err);

@@ -204,20 +204,23 @@ template <typename T> static std::vector<T> slurp(const std::string &path, size_
     return v;
 }
 
-// Runs `kernel` over a grid of (x, y) blocks of `threads` threads.
-template <typename F> static void launch(unsigned gx, unsigned gy, int threads, F kernel) {
+// Runs `kernel` over a grid of (x, y, z) blocks of `threads` threads.
+template <typename F> static void launch3(unsigned gx, unsigned gy, unsigned gz, int threads, F kernel) {
     std::barrier<> bar(threads);
     block_barrier = &bar;
     for (int w = 0; w < threads / 32; w++) warps[w].bar = new std::barrier<>(32);
-    gridDim = {gx, gy, 1};
+    gridDim = {gx, gy, gz};
     blockDim = {(unsigned)threads, 1, 1};
-    for (unsigned y = 0; y < gy; y++)
-        for (unsigned x = 0; x < gx; x++) {
-            blockIdx = {x, y, 0};
-            std::vector<std::thread> ts;
-            for (int t = 0; t < threads; t++) ts.emplace_back([&, t] { threadIdx = {(unsigned)t, 0, 0}; kernel(); });
-            for (auto &th : ts) th.join();
-        }
+    for (unsigned z = 0; z < gz; z++)
+        for (unsigned y = 0; y < gy; y++)
+            for (unsigned x = 0; x < gx; x++) {
+                blockIdx = {x, y, z};
+                std::vector<std::thread> ts;
+                for (int t = 0; t < threads; t++) ts.emplace_back([&, t] { threadIdx = {(unsigned)t, 0, 0}; kernel(); });
+                for (auto &th : ts) th.join();
+            }
     for (int w = 0; w < threads / 32; w++) delete warps[w].bar;
 }
+// Runs `kernel` over a grid of (x, y) blocks of `threads` threads.
+template <typename F> static void launch(unsigned gx, unsigned gy, int threads, F kernel) { launch3(gx, gy, 1, threads, kernel); }
 "#;
