@@ -133,6 +133,18 @@ struct RawConfig {
 }
 
 impl ModelConfig {
+    /// The weights a token multiplies in the decoder layers: q, k, v and o,
+    /// and a gated MLP's gate, up and down, in every layer (the embedding
+    /// and the LM head left out). `2 ·` this is a prompt token's FLOPs in
+    /// the linears.
+    pub fn layer_parameters(&self) -> u64 {
+        let (h, d) = (self.hidden_size as u64, self.head_dim as u64);
+        let q = h * self.num_attention_heads as u64 * d;
+        let kv = 2 * h * self.num_key_value_heads as u64 * d;
+        let mlp = 3 * h * self.intermediate_size as u64;
+        self.num_hidden_layers as u64 * (2 * q + kv + mlp)
+    }
+
     /// Parses `config.json` text. `source_name` appears in errors.
     pub fn from_json_str(json: &str, source_name: &str) -> Result<Self> {
         let parse_err = |message: String| Error::ModelConfigParse { source_name: source_name.to_string(), message };

@@ -59,6 +59,32 @@ impl Default for SchedulerConfig {
     }
 }
 
+/// The fewest prompt tokens a step budget from [`step_budget_for`] leaves
+/// room for.
+pub const MIN_AUTO_PROMPT_TOKENS: usize = 256;
+
+/// A step's token budget from the compute its prompt tokens may take: room
+/// for every running sequence's decode (`max_num_seqs`) plus the largest
+/// power of two of prompt tokens, at least [`MIN_AUTO_PROMPT_TOKENS`],
+/// whose `flops_per_token` stay within `step_flops`; at most `max_tokens`.
+///
+/// Why: a step that carries a prompt chunk lasts about the decode step plus
+/// the chunk's compute, and the decodes beside it wait for all of it. On a
+/// GPU a prompt token costs `2 · parameters` FLOPs of tensor-core time, so
+/// a fixed token budget that suits a small model stretches a large model's
+/// steps: Llama 3 8B at 2,048 tokens a step is ~29 TFLOP, ~50 ms of an
+/// H100, beside ~13 ms decode steps (docs/benchmarks.md, "A step budget
+/// from the model's size"). A budget in FLOPs keeps the stretch alike at
+/// every model size, and the decodes' share keeps a full batch from
+/// crowding the prompts out.
+pub fn step_budget_for(flops_per_token: f64, step_flops: f64, max_tokens: usize, max_num_seqs: usize) -> usize {
+    let mut prompt = MIN_AUTO_PROMPT_TOKENS;
+    while prompt < max_tokens && (prompt * 2) as f64 * flops_per_token <= step_flops {
+        prompt *= 2;
+    }
+    (max_num_seqs + prompt).min(max_tokens)
+}
+
 impl SchedulerConfig {
     /// Checks that the budgets are positive and consistent.
     pub fn validate(&self) -> Result<()> {
@@ -101,6 +127,23 @@ impl SchedulerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_budgets_follow_the_flops_between_the_floor_and_the_cap() {
+        let step = 8e12;
+        // Llama 3 8B's layers (7.0 G weights), Llama 3.2 3B's (2.8 G), 1B's
+        // (0.97 G), SmolLM2-135M's (0.11 G), a 70B's (68.5 G); 256 sequences.
+        let budget = |params: f64| step_budget_for(2.0 * params, step, 2048, 256);
+        assert_eq!(budget(6.98e9), 256 + 512);
+        assert_eq!(budget(2.82e9), 256 + 1024);
+        assert_eq!(budget(0.97e9), 2048, "capped by the configured budget");
+        assert_eq!(budget(0.106e9), 2048);
+        assert_eq!(budget(68.5e9), 256 + MIN_AUTO_PROMPT_TOKENS, "the floor");
+        // Every sequence can still decode beside the prompt tokens.
+        assert_eq!(step_budget_for(2.0 * 68.5e9, step, 4096, 1000), 1000 + MIN_AUTO_PROMPT_TOKENS);
+        // A cap below it all wins.
+        assert_eq!(step_budget_for(1.0, step, 300, 256), 300);
+    }
 
     #[test]
     fn validation() {

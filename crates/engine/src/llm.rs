@@ -94,6 +94,15 @@ pub struct EngineArgs {
     /// while the last one runs ([`EngineCore::set_async_scheduling`]); the
     /// outputs are the same. Ignored with speculative decoding.
     pub async_scheduling: bool,
+    /// When set, the step's token budget is chosen once the model is known,
+    /// up to `scheduler.max_num_batched_tokens`: `max_num_seqs` decodes
+    /// plus the largest power of two of prompt tokens that take at most
+    /// this many FLOPs in the model's linears
+    /// ([`vellum_base::step_budget_for`]). `vellum serve` on a GPU
+    /// sets it when `--max-num-batched-tokens` is not given, so that a
+    /// prompt chunk stretches the decodes beside it by about as much on an
+    /// 8B model as on a small one.
+    pub step_flop_budget: Option<f64>,
 }
 
 impl Default for EngineArgs {
@@ -117,6 +126,7 @@ impl Default for EngineArgs {
             cuda_graphs: CudaGraphs::default(),
             cuda_weight_copies: vellum_base::WeightCopies::default(),
             async_scheduling: false,
+            step_flop_budget: None,
         }
     }
 }
@@ -259,6 +269,18 @@ impl Llm {
             // A prompt in one step: no chunks, no cap per prompt.
             scheduler.enable_chunked_prefill = false;
             scheduler.long_prefill_token_threshold = 0;
+        }
+        if let Some(step_flops) = args.step_flop_budget.filter(|_| scheduler.enable_chunked_prefill) {
+            let flops_per_token = 2.0 * config.layer_parameters() as f64;
+            let tokens =
+                vellum_base::step_budget_for(flops_per_token, step_flops, scheduler.max_num_batched_tokens, scheduler.max_num_seqs);
+            tracing::info!(
+                max_num_batched_tokens = tokens,
+                gflop_per_token = format!("{:.2}", flops_per_token / 1e9),
+                step_tflop = format!("{:.1}", step_flops / 1e12),
+                "step budget from the model's size (--max-num-batched-tokens sets it)"
+            );
+            scheduler.max_num_batched_tokens = tokens;
         }
         // The budgets against the model's context, before any weight is read.
         scheduler.validate()?;

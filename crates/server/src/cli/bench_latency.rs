@@ -81,6 +81,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         max_num_seqs: args.batch_size,
         max_num_batched_tokens: (args.batch_size * args.input_len).max(8192),
         max_model_len: (args.input_len + args.output_len).max(2048),
+        step_flop_budget: None,
     };
     let engine_args = args.engine.engine_args(args.model.clone(), defaults)?;
     let mut llm = super::load_with_progress(engine_args)?;

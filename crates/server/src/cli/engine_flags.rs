@@ -172,11 +172,15 @@ pub struct EngineDefaults {
     pub max_num_batched_tokens: usize,
     /// `--max-model-len` (the model's context caps it).
     pub max_model_len: usize,
+    /// Without `--max-num-batched-tokens`: the FLOPs a step's prompt tokens
+    /// may take, from which the engine picks the budget once the model is
+    /// known (`EngineArgs::step_flop_budget`); `None`: the budget above.
+    pub step_flop_budget: Option<f64>,
 }
 
 impl Default for EngineDefaults {
     fn default() -> Self {
-        Self { max_num_seqs: 256, max_num_batched_tokens: 2048, max_model_len: usize::MAX / 4 }
+        Self { max_num_seqs: 256, max_num_batched_tokens: 2048, max_model_len: usize::MAX / 4, step_flop_budget: None }
     }
 }
 
@@ -192,18 +196,35 @@ impl EngineDefaults {
     /// median time to first token of 3.8 s at 2048, 1.9 s at 1024 and 1.2 s
     /// at 512, for the same output tokens/s and a median time per output
     /// token of 87, 113 and 129 ms.
+    ///
+    /// On a GPU the budget follows the model's size: room for
+    /// `--max-num-seqs` decodes plus the prompt tokens whose compute stays
+    /// within [`GPU_SERVING_STEP_FLOPS`], at most 2048 (768 for an 8B model
+    /// at 256 sequences, 1,280 for 3B, 2048 for 1B and below;
+    /// `vellum_base::step_budget_for`). A step with a prompt chunk lasts the
+    /// decode step plus the chunk's compute, and the decodes beside it wait
+    /// for all of it: for Llama 3 8B at 64 clients the simulated p99
+    /// inter-token latency is 4.7× its median at 2,048 tokens a step and
+    /// 2.4× at 768, for the same output tokens/s (docs/benchmarks.md, "A
+    /// step budget from the model's size").
     pub fn serving(device: &str) -> Self {
         let base = Self::default();
         if device == "cpu" {
             Self { max_num_batched_tokens: CPU_SERVING_BATCHED_TOKENS, ..base }
         } else {
-            base
+            Self { step_flop_budget: Some(GPU_SERVING_STEP_FLOPS), ..base }
         }
     }
 }
 
 /// `vellum serve`'s step budget on the CPU (see [`EngineDefaults::serving`]).
 pub const CPU_SERVING_BATCHED_TOKENS: usize = 1024;
+
+/// The prompt compute a step of `vellum serve` on a GPU may carry when
+/// `--max-num-batched-tokens` is not given: 8 TFLOP, ~13 ms of an H100's
+/// bf16 tensor cores, about an 8B model's decode step at 64 sequences (see
+/// [`EngineDefaults::serving`]).
+pub const GPU_SERVING_STEP_FLOPS: f64 = 8e12;
 
 impl EngineFlags {
     /// `--enforce-eager`, `--cuda-graph-sizes` and `--compilation-config`
@@ -312,6 +333,7 @@ impl EngineFlags {
                 .parse::<WeightCopies>()
                 .map_err(|e| anyhow!("--cuda-bf16-weight-copies: {e}"))?,
             async_scheduling: self.async_scheduling,
+            step_flop_budget: if self.max_num_batched_tokens.is_some() { None } else { defaults.step_flop_budget },
         })
     }
 }
@@ -455,7 +477,22 @@ mod tests {
         let told = Cli::parse_from(["x", "--max-num-batched-tokens", "4096"]);
         let args = told.engine.engine_args(None, EngineDefaults::serving(&told.engine.device)).expect("valid flags");
         assert_eq!(args.scheduler.max_num_batched_tokens, 4096);
+        assert_eq!(args.step_flop_budget, None, "the CPU's budget is fixed");
         assert_eq!(EngineDefaults::serving("cuda").max_num_batched_tokens, 2048);
+    }
+
+    #[test]
+    fn serving_on_a_gpu_sizes_its_steps_by_the_model_unless_told() {
+        let gpu = Cli::parse_from(["x", "--device", "cuda"]);
+        let args = gpu.engine.engine_args(None, EngineDefaults::serving(&gpu.engine.device)).expect("valid flags");
+        assert_eq!(args.step_flop_budget, Some(GPU_SERVING_STEP_FLOPS));
+        assert_eq!(args.scheduler.max_num_batched_tokens, 2048, "the cap the model's budget stays within");
+        let told = Cli::parse_from(["x", "--device", "cuda", "--max-num-batched-tokens", "4096"]);
+        let args = told.engine.engine_args(None, EngineDefaults::serving(&told.engine.device)).expect("valid flags");
+        assert_eq!((args.scheduler.max_num_batched_tokens, args.step_flop_budget), (4096, None), "a given budget is kept");
+        // Offline (generate, bench) the budget is fixed on every device.
+        let offline = gpu.engine.engine_args(None, EngineDefaults::default()).expect("valid flags");
+        assert_eq!(offline.step_flop_budget, None);
     }
 
     #[test]
