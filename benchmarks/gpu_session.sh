@@ -55,9 +55,15 @@ stamp "suite exit $?"
 grep -E "^test |test result|recorded|SKIPPED|panicked|Flash" "$out/logs/suite.txt" | cut -c1-240
 # A new path the suite failed is turned off for the measurements after it
 # (each is still compared on and off where its own step does that).
-if grep -A3 "panicked" "$out/logs/suite.txt" | grep -qE "Flash|paged attention"; then
-    export VELLUM_FLASH_ATTENTION=0 VELLUM_PAGED_LOADS=plain
-    stamp "attention failed the suite: VELLUM_FLASH_ATTENTION=0 VELLUM_PAGED_LOADS=plain from here"
+# (gpu.rs's check_attention names the kernel first: "Flash: max |err| …",
+# "V1 with Plain loads: …".)
+if grep -A3 "panicked" "$out/logs/suite.txt" | grep -qE "Flash"; then
+    export VELLUM_FLASH_ATTENTION=0
+    stamp "flash prefill failed the suite: VELLUM_FLASH_ATTENTION=0 from here"
+fi
+if grep -A3 "panicked" "$out/logs/suite.txt" | grep -qE "(^|failed: )V[12]( with [A-Za-z]+ loads)?: "; then
+    export VELLUM_PAGED_LOADS=plain
+    stamp "the paged decode kernels failed the suite: VELLUM_PAGED_LOADS=plain from here"
 fi
 if grep -A3 "panicked" "$out/logs/suite.txt" | grep -qE "norm_linear|linear_add"; then
     export VELLUM_FUSED_GEMV=0
@@ -66,7 +72,7 @@ fi
 OUT="$out/logs" PREFILL_LIMIT=60 bash .gpu/run.sh prefill >"$out/logs/prefill.txt" 2>&1
 stamp "prefill exit $?"
 grep -E "^\|" "$out/logs/prefill.txt"
-OUT="$out/logs" LOADS_LIMIT=75 bash .gpu/run.sh loads >"$out/logs/loads.txt" 2>&1
+OUT="$out/logs" LOADS_LIMIT=60 bash .gpu/run.sh loads >"$out/logs/loads.txt" 2>&1
 stamp "paged loads exit $?"
 grep -E "^\|" "$out/logs/loads.txt"
 checkpoint

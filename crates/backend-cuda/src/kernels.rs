@@ -198,7 +198,8 @@ impl Variant {
 /// The configurations CI compiles and `docs/cuda_kernels.md` records: the
 /// attention shapes of the models we serve (head size 64 with GQA groups of
 /// 3: SmolLM2; 128 with 4: Llama 3 8B; 256 with 4: Gemma 3) at the default
-/// block size 16, one head a thread block (multi-head attention) at 128,
+/// block size 16, one head a thread block (multi-head attention) and a
+/// group of 8 (Llama 3 70B) at 128,
 /// block sizes 8 and 32 at 128, the bandwidth benchmark's contiguous
 /// baseline and the paged loads it compares (`PagedLoads`), the GEMV at 1, 2, 4 and 8 rows as launched and with four
 /// columns a warp, the tensor-core GEMM at each of its tile heights,
@@ -206,7 +207,7 @@ impl Variant {
 /// the fused GEMVs of a decode step.
 pub fn ci_variants() -> Vec<Variant> {
     let mut v = vec![Variant::new(CACHE, &[]), Variant::new(LAYERS, &[]), crate::launch::sampling_variant()];
-    for (head_dim, queries) in [(64, 3), (128, 4), (256, 4), (128, 1)] {
+    for (head_dim, queries) in [(64, 3), (128, 4), (256, 4), (128, 1), (128, 8)] {
         v.push(Variant::new(PAGED_ATTENTION, &[("HEAD_DIM", head_dim), ("BLOCK_SIZE", 16), ("QUERIES", queries)]));
     }
     for block_size in [8, 32] {

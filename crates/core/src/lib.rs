@@ -68,7 +68,7 @@ pub use model_executor::{DeviceSample, GraphCapture, ModelExecutor, StepOutput};
 pub use pooling::{Pooler, PoolingParams, PoolingType};
 pub use request::RequestState;
 pub use sampling_params::{BeamSearchParams, SamplingParams, StructuredOutput};
-pub use scheduler_config::{step_budget_for, PreemptionMode, SchedulerConfig, SchedulingPolicy, MIN_AUTO_PROMPT_TOKENS};
+pub use scheduler_config::{prefill_budget_for, PreemptionMode, SchedulerConfig, SchedulingPolicy, MIN_AUTO_PREFILL_TOKENS};
 pub use seeded_rng::SeededRng;
 pub use speculative_config::{SpeculativeConfig, SpeculativeMethod, MAX_SPECULATIVE_TOKENS};
 pub use weight_copies::WeightCopies;

@@ -350,6 +350,20 @@ mod tests {
     }
 
     #[test]
+    fn layer_parameters_count_the_linears_a_token_multiplies() {
+        // Llama 3 8B's config.json: 6.98 G of its 8.03 G weights are in the
+        // layers' linears (the rest: embeddings and LM head, norms).
+        let json = r#"{"architectures":["LlamaForCausalLM"],"vocab_size":128256,"hidden_size":4096,
+          "intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8}"#;
+        let c = ModelConfig::from_json_str(json, "llama3-8b").unwrap();
+        assert_eq!(c.layer_parameters(), 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336));
+        assert_eq!(c.layer_parameters() / 10_000_000, 697);
+        // SmolLM2-135M: 30 layers of 576 × (576 + 192 + 192 + 576) + 3 · 576 · 1536.
+        let c = ModelConfig::from_json_str(SMOLLM2, "smollm2").unwrap();
+        assert_eq!(c.layer_parameters(), 30 * (576 * 1536 + 3 * 576 * 1536));
+    }
+
+    #[test]
     fn qwen_flags() {
         let base = r#""vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2"#;
         let q2 = ModelConfig::from_json_str(

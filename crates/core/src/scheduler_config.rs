@@ -41,6 +41,12 @@ pub struct SchedulerConfig {
     pub enable_chunked_prefill: bool,
     /// Most tokens one prefill may take in a step (0 = only the budget).
     pub long_prefill_token_threshold: usize,
+    /// Most tokens all prefills together (prompts, and recomputations after
+    /// a preemption) may take in a step beside its decodes (0 = only the
+    /// budget): Sarathi-Serve's prefill budget. A step lasts about its
+    /// decodes plus its prompt chunk's compute, so this bounds how long a
+    /// prompt stalls the decodes beside it whatever their number.
+    pub max_num_prefill_tokens: usize,
     /// Recompute (default) or swap.
     pub preemption_mode: PreemptionMode,
 }
@@ -54,35 +60,39 @@ impl Default for SchedulerConfig {
             policy: SchedulingPolicy::Fcfs,
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
+            max_num_prefill_tokens: 0,
             preemption_mode: PreemptionMode::Recompute,
         }
     }
 }
 
-/// The fewest prompt tokens a step budget from [`step_budget_for`] leaves
-/// room for.
-pub const MIN_AUTO_PROMPT_TOKENS: usize = 256;
+/// The fewest prefill tokens [`prefill_budget_for`] gives a step.
+pub const MIN_AUTO_PREFILL_TOKENS: usize = 256;
 
-/// A step's token budget from the compute its prompt tokens may take: room
-/// for every running sequence's decode (`max_num_seqs`) plus the largest
-/// power of two of prompt tokens, at least [`MIN_AUTO_PROMPT_TOKENS`],
-/// whose `flops_per_token` stay within `step_flops`; at most `max_tokens`.
+/// A step's prefill budget ([`SchedulerConfig::max_num_prefill_tokens`])
+/// from the compute its prompt tokens may take: the largest power of two,
+/// at least [`MIN_AUTO_PREFILL_TOKENS`], whose `flops_per_token` stay
+/// within `step_flops`; 0 (no budget of its own) where that reaches
+/// `max_tokens`, the whole step's budget.
 ///
-/// Why: a step that carries a prompt chunk lasts about the decode step plus
-/// the chunk's compute, and the decodes beside it wait for all of it. On a
-/// GPU a prompt token costs `2 · parameters` FLOPs of tensor-core time, so
-/// a fixed token budget that suits a small model stretches a large model's
-/// steps: Llama 3 8B at 2,048 tokens a step is ~29 TFLOP, ~50 ms of an
-/// H100, beside ~13 ms decode steps (docs/benchmarks.md, "A step budget
-/// from the model's size"). A budget in FLOPs keeps the stretch alike at
-/// every model size, and the decodes' share keeps a full batch from
-/// crowding the prompts out.
-pub fn step_budget_for(flops_per_token: f64, step_flops: f64, max_tokens: usize, max_num_seqs: usize) -> usize {
-    let mut prompt = MIN_AUTO_PROMPT_TOKENS;
-    while prompt < max_tokens && (prompt * 2) as f64 * flops_per_token <= step_flops {
-        prompt *= 2;
+/// Why: a step that carries a prompt chunk lasts about its decodes plus the
+/// chunk's compute, and the decodes wait for all of it. On a GPU a prompt
+/// token costs `2 · parameters` FLOPs of tensor-core time, so a token
+/// budget that suits a small model stretches a large model's steps: Llama
+/// 3 8B at 2,048 tokens a step is ~29 TFLOP, ~50 ms of an H100, beside
+/// ~13 ms decode steps (docs/benchmarks.md, "A prefill budget from the
+/// model's size"). A budget in FLOPs keeps the stretch alike at every
+/// model size.
+pub fn prefill_budget_for(flops_per_token: f64, step_flops: f64, max_tokens: usize) -> usize {
+    let mut tokens = MIN_AUTO_PREFILL_TOKENS;
+    while tokens < max_tokens && (tokens * 2) as f64 * flops_per_token <= step_flops {
+        tokens *= 2;
     }
-    (max_num_seqs + prompt).min(max_tokens)
+    if tokens >= max_tokens {
+        0
+    } else {
+        tokens
+    }
 }
 
 impl SchedulerConfig {
@@ -117,6 +127,15 @@ impl SchedulerConfig {
                 ),
             );
         }
+        if !self.enable_chunked_prefill && self.max_num_prefill_tokens > 0 && self.max_num_prefill_tokens < self.max_model_len {
+            return bad(
+                "max_num_prefill_tokens",
+                format!(
+                    "without chunked prefill it must be 0 or at least max_model_len ({}), got {}",
+                    self.max_model_len, self.max_num_prefill_tokens
+                ),
+            );
+        }
         if let SchedulingPolicy::TwoLevel { staging_queue_size: 0 } = self.policy {
             return bad("staging_queue_size", "must be at least 1".into());
         }
@@ -129,20 +148,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn step_budgets_follow_the_flops_between_the_floor_and_the_cap() {
+    fn prefill_budgets_follow_the_flops_from_the_floor_up_to_the_step() {
         let step = 8e12;
         // Llama 3 8B's layers (7.0 G weights), Llama 3.2 3B's (2.8 G), 1B's
-        // (0.97 G), SmolLM2-135M's (0.11 G), a 70B's (68.5 G); 256 sequences.
-        let budget = |params: f64| step_budget_for(2.0 * params, step, 2048, 256);
-        assert_eq!(budget(6.98e9), 256 + 512);
-        assert_eq!(budget(2.82e9), 256 + 1024);
-        assert_eq!(budget(0.97e9), 2048, "capped by the configured budget");
-        assert_eq!(budget(0.106e9), 2048);
-        assert_eq!(budget(68.5e9), 256 + MIN_AUTO_PROMPT_TOKENS, "the floor");
-        // Every sequence can still decode beside the prompt tokens.
-        assert_eq!(step_budget_for(2.0 * 68.5e9, step, 4096, 1000), 1000 + MIN_AUTO_PROMPT_TOKENS);
-        // A cap below it all wins.
-        assert_eq!(step_budget_for(1.0, step, 300, 256), 300);
+        // (0.97 G), SmolLM2-135M's (0.11 G), a 70B's (68.5 G).
+        let budget = |params: f64| prefill_budget_for(2.0 * params, step, 2048);
+        assert_eq!(budget(6.98e9), 512);
+        assert_eq!(budget(2.82e9), 1024);
+        assert_eq!(budget(0.97e9), 0, "the whole step may be prompt: no budget of its own");
+        assert_eq!(budget(0.106e9), 0);
+        assert_eq!(budget(68.5e9), MIN_AUTO_PREFILL_TOKENS, "the floor");
+        assert_eq!(prefill_budget_for(1.0, step, 200), 0, "a step below the floor");
+        let capped = SchedulerConfig {
+            enable_chunked_prefill: false,
+            max_num_prefill_tokens: 512,
+            max_num_batched_tokens: 4096,
+            max_model_len: 4096,
+            ..Default::default()
+        };
+        assert!(capped.validate().is_err_and(|e| e.to_string().contains("max_num_prefill_tokens")), "a cap no prompt could pass");
     }
 
     #[test]

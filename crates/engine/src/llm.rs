@@ -94,14 +94,13 @@ pub struct EngineArgs {
     /// while the last one runs ([`EngineCore::set_async_scheduling`]); the
     /// outputs are the same. Ignored with speculative decoding.
     pub async_scheduling: bool,
-    /// When set, the step's token budget is chosen once the model is known,
-    /// up to `scheduler.max_num_batched_tokens`: `max_num_seqs` decodes
-    /// plus the largest power of two of prompt tokens that take at most
-    /// this many FLOPs in the model's linears
-    /// ([`vellum_base::step_budget_for`]). `vellum serve` on a GPU
-    /// sets it when `--max-num-batched-tokens` is not given, so that a
-    /// prompt chunk stretches the decodes beside it by about as much on an
-    /// 8B model as on a small one.
+    /// When set (and `scheduler.max_num_prefill_tokens` is not), a step's
+    /// prefill budget is chosen once the model is known: the largest power
+    /// of two of prompt tokens that take at most this many FLOPs in the
+    /// model's linears ([`vellum_base::prefill_budget_for`]). `vellum serve`
+    /// on a GPU sets it when `--max-num-batched-tokens` is not given, so
+    /// that a prompt chunk stretches the decodes beside it by about as much
+    /// on an 8B model as on a small one.
     pub step_flop_budget: Option<f64>,
 }
 
@@ -243,6 +242,8 @@ impl Llm {
                         speculative_config: None,
                         kv_cache: KvCacheSize::Auto,
                         swap_space_bytes: 0,
+                        // Its steps run inside one of the target's: no decodes of its own to keep going.
+                        step_flop_budget: None,
                         ..args.clone()
                     })?;
                     check_same_vocabulary(&loaded.tokenizer, &draft.tokenizer, model)?;
@@ -270,17 +271,20 @@ impl Llm {
             scheduler.enable_chunked_prefill = false;
             scheduler.long_prefill_token_threshold = 0;
         }
-        if let Some(step_flops) = args.step_flop_budget.filter(|_| scheduler.enable_chunked_prefill) {
-            let flops_per_token = 2.0 * config.layer_parameters() as f64;
-            let tokens =
-                vellum_base::step_budget_for(flops_per_token, step_flops, scheduler.max_num_batched_tokens, scheduler.max_num_seqs);
+        // (Pooling has no decodes for a prefill budget to keep going.)
+        if let Some(step_flops) =
+            args.step_flop_budget.filter(|_| scheduler.enable_chunked_prefill && scheduler.max_num_prefill_tokens == 0 && !embed)
+        {
+            // Each of the tensor-parallel GPUs computes its share of a token.
+            let flops_per_token = 2.0 * config.layer_parameters() as f64 / args.tensor_parallel_size.max(1) as f64;
+            let tokens = vellum_base::prefill_budget_for(flops_per_token, step_flops, scheduler.max_num_batched_tokens);
             tracing::info!(
-                max_num_batched_tokens = tokens,
+                max_num_prefill_tokens = tokens,
                 gflop_per_token = format!("{:.2}", flops_per_token / 1e9),
                 step_tflop = format!("{:.1}", step_flops / 1e12),
-                "step budget from the model's size (--max-num-batched-tokens sets it)"
+                "prefill budget from the model's size (0: the step's whole budget)"
             );
-            scheduler.max_num_batched_tokens = tokens;
+            scheduler.max_num_prefill_tokens = tokens;
         }
         // The budgets against the model's context, before any weight is read.
         scheduler.validate()?;

@@ -834,18 +834,19 @@ fn a_written_random_checkpoint_loads_and_generates_on_the_cpu() {
     assert!(seq.token_ids.iter().all(|&t| (t as usize) < shape.vocab));
     assert!(seq.logprobs.iter().flatten().all(|(_, lp)| lp.is_finite() && *lp <= 0.0), "{:?}", seq.logprobs);
 
-    // A step budget in FLOPs (`vellum serve` on a GPU) becomes tokens once
-    // the model is loaded: its layers' weights, twice, a token.
+    // A step's prompt compute in FLOPs (`vellum serve` on a GPU) becomes a
+    // prefill budget once the model is loaded: its layers' weights, twice,
+    // a token; none where the whole step fits.
     let per_token = 2 * shape.layers as u64 * {
         let (h, d) = (shape.hidden as u64, (shape.hidden / shape.heads) as u64);
         2 * h * shape.heads as u64 * d + 2 * h * shape.kv_heads as u64 * d + 3 * h * shape.intermediate as u64
     };
-    // 256 decodes and 1024 prompt tokens; 256 and the floor of 256.
-    for (flops, tokens) in [(None, 2048), (Some(1024.0 * per_token as f64), 1280), (Some(1.0), 512)] {
+    for (flops, tokens) in [(None, 0), (Some(1024.0 * per_token as f64), 1024), (Some(1.0), 256), (Some(1e15), 0)] {
         let args =
             vellum_engine::EngineArgs { model: Some(a.to_string_lossy().into_owned()), step_flop_budget: flops, ..Default::default() };
         let mut llm = vellum_engine::Llm::new(args).expect("loads");
-        assert_eq!(llm.engine().scheduler().config().max_num_batched_tokens, tokens, "{flops:?} FLOPs a step");
+        let config = llm.engine().scheduler().config().clone();
+        assert_eq!((config.max_num_prefill_tokens, config.max_num_batched_tokens), (tokens, 2048), "{flops:?} FLOPs a step");
     }
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -104,6 +104,30 @@ fn row_chunked_prefill_splits_under_the_budget_and_mixes_with_decodes() {
 }
 
 #[test]
+fn a_prefill_budget_caps_the_prompt_tokens_of_a_step_but_never_its_decodes() {
+    let mut s = sched(256, 16, SchedulerConfig { max_num_prefill_tokens: 100, ..cfg(2048) });
+    for id in 0..3 {
+        add(&mut s, id, prompt(80, id as u32), 4);
+    }
+    // 80 of A's prompt and a 20-token chunk of B; C waits.
+    let out = step(&mut s);
+    let of = |out: &SchedulerOutput, id: u64| out.scheduled.iter().find(|x| x.request_id == RequestId(id)).map(|x| x.num_scheduled_tokens);
+    assert_eq!((of(&out, 0), of(&out, 1), of(&out, 2)), (Some(80), Some(20), None));
+    // A decodes beside the next 100 prompt tokens: the rest of B and 40 of C.
+    let out = step(&mut s);
+    assert_eq!((of(&out, 0), of(&out, 1), of(&out, 2)), (Some(1), Some(60), Some(40)));
+    assert_eq!(out.num_scheduled_tokens(), 101);
+    // Decodes only ever count against the step's whole budget.
+    let out = step(&mut s);
+    assert_eq!((of(&out, 0), of(&out, 1), of(&out, 2)), (Some(1), Some(1), Some(40)));
+    // Every request finishes with its tokens.
+    while s.has_unfinished_requests() {
+        step(&mut s);
+    }
+    assert_eq!(s.allocator().stats().num_used_blocks, 0, "every block comes back");
+}
+
+#[test]
 fn row_preemption_resets_computed_and_recomputes_in_one_pass() {
     // 4 blocks of 4: A (8 tokens) takes 2, B (7 tokens) takes 2.
     let mut s = sched(4, 4, cfg(64));

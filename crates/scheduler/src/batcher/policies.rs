@@ -32,6 +32,9 @@ enum Victims {
 /// Per-step bookkeeping of `schedule()`.
 pub(super) struct StepState {
     pub(super) budget: usize,
+    /// Of `budget`, what prefills may still take
+    /// ([`SchedulerConfig::max_num_prefill_tokens`]; `usize::MAX`: all of it).
+    pub(super) prefill_budget: usize,
     pub(super) step_id: u64,
     pub(super) preempted: bool,
     /// Sequence slots held by running requests, counted on first need (only
@@ -50,8 +53,17 @@ impl<A: BlockAllocator> Scheduler<A> {
             ..Default::default()
         };
         self.step_slots.clear();
-        let mut step =
-            StepState { budget: self.config.max_num_batched_tokens, step_id: self.next_step_id, preempted: false, num_running_seqs: None };
+        let prefill_budget = match self.config.max_num_prefill_tokens {
+            0 => usize::MAX,
+            n => n,
+        };
+        let mut step = StepState {
+            budget: self.config.max_num_batched_tokens,
+            prefill_budget,
+            step_id: self.next_step_id,
+            preempted: false,
+            num_running_seqs: None,
+        };
         match self.config.policy {
             SchedulingPolicy::Fcfs | SchedulingPolicy::Priority => self.schedule_in_order(&mut step, &mut out),
             SchedulingPolicy::TwoLevel { staging_queue_size } => self.schedule_two_level(staging_queue_size, &mut step, &mut out),
@@ -290,6 +302,7 @@ impl<A: BlockAllocator> Scheduler<A> {
         // truncates them away again.
         let mark = out.scheduled.len();
         let mut budget = step.budget;
+        let mut prefill_budget = step.prefill_budget;
         // A sequence recomputing from scratch (after preemption) waits while
         // a sibling is still computing the prompt, so that it then finds the
         // whole prompt in the prefix cache instead of computing a copy.
@@ -335,6 +348,12 @@ impl<A: BlockAllocator> Scheduler<A> {
             let mut delta = remaining.min(budget - seqs_left);
             if threshold > 0 {
                 delta = delta.min(threshold);
+            }
+            // A prefill (a prompt, or a recomputation) is more than a token
+            // besides drafts; decodes never count against the prefill budget.
+            let prefill = remaining.saturating_sub(seq.state.num_draft_tokens()) > 1;
+            if prefill {
+                delta = delta.min(prefill_budget);
             }
             // Drafts are verified in one step or not at all: without the
             // budget for all of them the sequence decodes one token.
@@ -389,6 +408,9 @@ impl<A: BlockAllocator> Scheduler<A> {
             });
             self.step_slots.push(slot);
             budget -= delta;
+            if prefill {
+                prefill_budget -= delta;
+            }
         }
         if out.scheduled.len() == mark {
             return Attempt::Idle;
@@ -399,6 +421,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             seq.num_in_flight_samples += p.samples as usize;
         }
         step.budget = budget;
+        step.prefill_budget = prefill_budget;
         req.scheduled_step = step.step_id;
         Attempt::Scheduled
     }

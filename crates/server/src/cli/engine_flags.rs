@@ -26,7 +26,9 @@ pub struct EngineFlags {
     #[arg(long)]
     pub max_num_seqs: Option<usize>,
     /// Token budget of one engine step (default 2048; `serve` on the CPU
-    /// 1024; bench latency: the whole batch's prompts).
+    /// 1024; bench latency: the whole batch's prompts). Left out, `serve` on
+    /// a GPU also caps a step's prompt tokens by the model's size (512 for
+    /// an 8B model; docs/serving.md).
     #[arg(long)]
     pub max_num_batched_tokens: Option<usize>,
     /// Tokens per KV block.
@@ -197,19 +199,19 @@ impl EngineDefaults {
     /// at 512, for the same output tokens/s and a median time per output
     /// token of 87, 113 and 129 ms.
     ///
-    /// On a GPU the budget follows the model's size: room for
-    /// `--max-num-seqs` decodes plus the prompt tokens whose compute stays
-    /// within [`GPU_SERVING_STEP_FLOPS`], at most 2048 (768 for an 8B model
-    /// at 256 sequences, 1,280 for 3B, 2048 for 1B and below;
-    /// `vellum_base::step_budget_for`). A step with a prompt chunk lasts the
-    /// decode step plus the chunk's compute, and the decodes beside it wait
-    /// for all of it: for Llama 3 8B at 64 clients the simulated p99
-    /// inter-token latency is 4.7× its median at 2,048 tokens a step and
-    /// 2.4× at 768, for the same output tokens/s (docs/benchmarks.md, "A
-    /// step budget from the model's size").
+    /// On a GPU the prompt tokens of a step get a budget of their own, by
+    /// the model's size: the largest power of two whose compute stays
+    /// within [`GPU_SERVING_STEP_FLOPS`] (512 tokens for an 8B model, 1024
+    /// for 3B, none below the step's 2048 for 1B and smaller;
+    /// `vellum_base::prefill_budget_for`), the decodes beside them as many
+    /// as run. A step with a prompt chunk lasts its decodes plus the chunk's
+    /// compute, and the decodes wait for all of it: for Llama 3 8B at 64
+    /// clients the simulated p99 inter-token latency is 4.7× its median
+    /// without the budget and 2.0× with it, for the same output tokens/s
+    /// (docs/benchmarks.md, "A prefill budget from the model's size").
     pub fn serving(device: &str) -> Self {
         let base = Self::default();
-        if device == "cpu" {
+        if device.parse::<Device>().is_ok_and(|d| d == Device::Cpu) {
             Self { max_num_batched_tokens: CPU_SERVING_BATCHED_TOKENS, ..base }
         } else {
             Self { step_flop_budget: Some(GPU_SERVING_STEP_FLOPS), ..base }
@@ -287,6 +289,7 @@ impl EngineFlags {
             preemption_mode: parse_preemption(&self.preemption_mode)?,
             enable_chunked_prefill: !self.no_enable_chunked_prefill,
             long_prefill_token_threshold: self.long_prefill_token_threshold,
+            max_num_prefill_tokens: 0,
         };
         // The model's context caps --max-model-len once it is loaded (and the
         // scheduler checks the budgets against it again then): an unset

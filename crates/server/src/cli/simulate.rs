@@ -71,6 +71,11 @@ pub struct SimulateArgs {
     /// Most tokens one prompt may take in a step (0: only the budget).
     #[arg(long, default_value_t = 0)]
     pub long_prefill_token_threshold: usize,
+    /// Most tokens all prompts together may take in a step beside its
+    /// decodes (0: only the budget; `vellum serve` on a GPU sets it by the
+    /// model's size).
+    #[arg(long, default_value_t = 0)]
+    pub max_num_prefill_tokens: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -124,6 +129,7 @@ pub fn config_from(args: &SimulateArgs) -> Result<SimConfig> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         enable_chunked_prefill: args.enable_chunked_prefill,
         long_prefill_token_threshold: args.long_prefill_token_threshold,
+        max_num_prefill_tokens: args.max_num_prefill_tokens,
         ..base.scheduler.clone()
     };
     scheduler.validate().map_err(|e| anyhow!("{e}"))?;
