@@ -45,7 +45,12 @@ pub struct SchedulerConfig {
     /// a preemption) may take in a step beside its decodes (0 = only the
     /// budget): Sarathi-Serve's prefill budget. A step lasts about its
     /// decodes plus its prompt chunk's compute, so this bounds how long a
-    /// prompt stalls the decodes beside it whatever their number.
+    /// prompt stalls the decodes beside it whatever their number. A
+    /// sequence with more than one token to compute besides its drafts is
+    /// a prefill (a last chunk of one token runs as a decode would); a beam
+    /// search recomputing its candidates together is held to the step's
+    /// budget alone, as they must run whole. Speculative verifications are
+    /// decodes here.
     pub max_num_prefill_tokens: usize,
     /// Recompute (default) or swap.
     pub preemption_mode: PreemptionMode,

@@ -97,7 +97,9 @@ pub struct EngineArgs {
     /// When set (and `scheduler.max_num_prefill_tokens` is not), a step's
     /// prefill budget is chosen once the model is known: the largest power
     /// of two of prompt tokens that take at most this many FLOPs in the
-    /// model's linears ([`vellum_base::prefill_budget_for`]). `vellum serve`
+    /// model's linears on each tensor-parallel GPU
+    /// ([`vellum_base::prefill_budget_for`]); only with chunked prefill,
+    /// and never for embeddings (no decodes to keep going). `vellum serve`
     /// on a GPU sets it when `--max-num-batched-tokens` is not given, so
     /// that a prompt chunk stretches the decodes beside it by about as much
     /// on an 8B model as on a small one.
@@ -244,6 +246,7 @@ impl Llm {
                         swap_space_bytes: 0,
                         // Its steps run inside one of the target's: no decodes of its own to keep going.
                         step_flop_budget: None,
+                        scheduler: SchedulerConfig { max_num_prefill_tokens: 0, ..args.scheduler.clone() },
                         ..args.clone()
                     })?;
                     check_same_vocabulary(&loaded.tokenizer, &draft.tokenizer, model)?;
@@ -280,9 +283,9 @@ impl Llm {
             let tokens = vellum_base::prefill_budget_for(flops_per_token, step_flops, scheduler.max_num_batched_tokens);
             tracing::info!(
                 max_num_prefill_tokens = tokens,
-                gflop_per_token = format!("{:.2}", flops_per_token / 1e9),
+                gflop_per_token_per_gpu = format!("{:.2}", flops_per_token / 1e9),
                 step_tflop = format!("{:.1}", step_flops / 1e12),
-                "prefill budget from the model's size (0: the step's whole budget)"
+                "prefill budget from the model's size (0: the step's whole budget; giving --max-num-batched-tokens turns it off)"
             );
             scheduler.max_num_prefill_tokens = tokens;
         }

@@ -534,8 +534,8 @@ fn policy() -> impl Strategy<Value = SchedulingPolicy> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
-    /// Random workloads on a small pool: budget respected, counters and
-    /// blocks agree after every step, preempted requests resume with exactly
+    /// Random workloads on a small pool: budgets (the step's, the
+    /// prefills') respected, counters and blocks agree after every step, preempted requests resume with exactly
     /// their tokens, and the pool is full again at the end.
     #[test]
     fn scheduler_invariants(
@@ -544,11 +544,13 @@ proptest! {
         swap in any::<bool>(),
         num_blocks in 12usize..40,
         budget in 8usize..64,
+        prefill_cap in prop_oneof![3 => Just(0usize), 1 => 1usize..16],
         aborts in prop::collection::vec((0usize..60, any::<usize>()), 0..4),
     ) {
         let config = SchedulerConfig {
             max_num_seqs: 8,
             max_num_batched_tokens: budget,
+            max_num_prefill_tokens: prefill_cap,
             max_model_len: 96,
             policy: pol,
             preemption_mode: if swap { PreemptionMode::Swap } else { PreemptionMode::Recompute },
@@ -558,7 +560,8 @@ proptest! {
         // What each sequence was fed, to check nothing is lost by preemption.
         let mut fed: HashMap<SeqId, Vec<TokenId>> = HashMap::new();
         let mut admitted = Vec::new();
-        for stepno in 0..400 {
+        // (A prefill budget of one token computes a prompt a token a step.)
+        for stepno in 0..4000 {
             for (i, a) in arrivals.iter().enumerate().filter(|(_, a)| a.at_step == stepno) {
                 let p = if a.shared_prefix { prompt(a.prompt_len, 9) } else { prompt(a.prompt_len, i as u32) };
                 let params = SamplingParams { n: a.n, temperature: 1.0, max_tokens: Some(a.max_tokens), ignore_eos: true, ..SamplingParams::default() };
@@ -573,6 +576,9 @@ proptest! {
             }
             let out = s.schedule();
             prop_assert!(out.num_scheduled_tokens() <= budget, "budget exceeded");
+            // Sequences given more than one token are prefills (no drafts here).
+            let prefill: usize = out.scheduled.iter().map(|x| x.num_scheduled_tokens).filter(|&t| t > 1).sum();
+            prop_assert!(prefill_cap == 0 || prefill <= prefill_cap, "prefill budget exceeded: {} > {}", prefill, prefill_cap);
             prop_assert!(out.scheduled.len() <= 8, "max_num_seqs exceeded");
             // Every scheduled sequence continues exactly from what it was fed.
             let mut per_req: HashMap<RequestId, Vec<(SeqId, TokenId)>> = HashMap::new();

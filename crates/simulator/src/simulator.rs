@@ -431,6 +431,24 @@ mod tests {
         }
     }
 
+    /// Preemption by recompute under a prefill budget: a parallel request's
+    /// sequences and a beam search's candidates recompute while the budget
+    /// is spent by others, and every request still finishes (a group that
+    /// failed whole every step once stalled the run: 67 of 110 finished).
+    #[test]
+    fn groups_recomputing_under_a_prefill_budget_all_finish() {
+        let base = SimConfig { workload: Workload::ShareGpt, duration_s: 60.0, request_rate: 2.0, ..SimConfig::default() };
+        let scheduler = SchedulerConfig { enable_chunked_prefill: true, max_num_batched_tokens: 2048, ..base.scheduler.clone() };
+        for (n, beam_width) in [(4, 0), (1, 2), (1, 4)] {
+            for max_num_prefill_tokens in [256, 512] {
+                let scheduler = SchedulerConfig { max_num_prefill_tokens, ..scheduler.clone() };
+                let r = simulate(&SimConfig { n, beam_width, scheduler, ..base.clone() });
+                assert!(r.num_preemptions > 0, "n {n} beams {beam_width}: the pool is small enough to preempt");
+                assert_eq!(r.num_finished, r.num_requests, "n {n} beams {beam_width}, prefill budget {max_num_prefill_tokens}");
+            }
+        }
+    }
+
     #[test]
     fn sharing_is_measured_for_parallel_sampling_and_beams() {
         let base = SimConfig { workload: Workload::Alpaca, duration_s: 20.0, request_rate: 2.0, ..SimConfig::default() };

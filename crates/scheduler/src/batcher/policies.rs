@@ -312,6 +312,7 @@ impl<A: BlockAllocator> Scheduler<A> {
         // allows, in full in one step (a candidate sampled alone would see
         // the others dropped as unextended).
         let beam_gang = req.hot.is_beam && req.forked;
+        let multi_seq = req.seqs.len() > 1;
         let whole_only = beam_gang && step.budget < self.config.max_num_batched_tokens;
         let num_prompt = req.num_prompt_tokens();
         let prompt_leader =
@@ -351,8 +352,16 @@ impl<A: BlockAllocator> Scheduler<A> {
             }
             // A prefill (a prompt, or a recomputation) is more than a token
             // besides drafts; decodes never count against the prefill budget.
+            // A beam gang's recomputation is not held to it (its candidates
+            // are ranked together and run whole, as without the budget), but
+            // uses it up. The other sequences of a group are independent: one
+            // that finds the budget spent waits for the next step while its
+            // siblings run (each keeps its own generator).
             let prefill = remaining.saturating_sub(seq.state.num_draft_tokens()) > 1;
-            if prefill {
+            if prefill && !beam_gang {
+                if prefill_budget == 0 && multi_seq {
+                    continue;
+                }
                 delta = delta.min(prefill_budget);
             }
             // Drafts are verified in one step or not at all: without the
@@ -409,7 +418,7 @@ impl<A: BlockAllocator> Scheduler<A> {
             self.step_slots.push(slot);
             budget -= delta;
             if prefill {
-                prefill_budget -= delta;
+                prefill_budget = prefill_budget.saturating_sub(delta);
             }
         }
         if out.scheduled.len() == mark {

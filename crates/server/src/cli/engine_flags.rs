@@ -175,8 +175,9 @@ pub struct EngineDefaults {
     /// `--max-model-len` (the model's context caps it).
     pub max_model_len: usize,
     /// Without `--max-num-batched-tokens`: the FLOPs a step's prompt tokens
-    /// may take, from which the engine picks the budget once the model is
-    /// known (`EngineArgs::step_flop_budget`); `None`: the budget above.
+    /// may take, from which the engine picks a prefill budget once the model
+    /// is known (`EngineArgs::step_flop_budget`; the step's budget stays the
+    /// one above); `None`: no prefill budget of its own.
     pub step_flop_budget: Option<f64>,
 }
 

@@ -71,9 +71,9 @@ pub struct SimulateArgs {
     /// Most tokens one prompt may take in a step (0: only the budget).
     #[arg(long, default_value_t = 0)]
     pub long_prefill_token_threshold: usize,
-    /// Most tokens all prompts together may take in a step beside its
-    /// decodes (0: only the budget; `vellum serve` on a GPU sets it by the
-    /// model's size).
+    /// Most tokens all prefills together (prompts, and recomputations after
+    /// a preemption) may take in a step beside its decodes (0: only the
+    /// budget; `vellum serve` on a GPU sets it by the model's size).
     #[arg(long, default_value_t = 0)]
     pub max_num_prefill_tokens: usize,
     /// Print one JSON object instead of a table.
@@ -199,6 +199,14 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print_table(&report);
+    }
+    if report.num_finished < report.num_requests {
+        // The scheduler ran out of anything to schedule with requests left:
+        // a stall the figures above do not show.
+        tracing::warn!(
+            unfinished = report.num_requests - report.num_finished,
+            "the simulation stopped with requests unfinished: nothing could be scheduled"
+        );
     }
     Ok(())
 }
