@@ -152,8 +152,6 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut SeededRng) {
     let b = case.batch(rng);
     let lens = QueryLens::of(&b.qsl);
     let slots = lens.flash_tiles + case.extra_slots;
-    let scale = 1.0 / (d as f32).sqrt();
-    let unit = case.dtype.unit();
     let ints = [
         slots as i32,
         case.heads as i32,
@@ -165,22 +163,10 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut SeededRng) {
         case.window as i32,
         (b.num_tokens * case.heads * d) as i32,
     ];
-    // As launch.rs passes them: the key scale (and an FP8 code's 2^8) in
-    // the score's scale, the value scale on the outputs.
-    let floats = [scale * b.k_scale * unit, case.softcap, b.v_scale * unit];
-    // The kernel reads FP8 codes as value / 2^8: store the codes as they are.
-    for (name, data) in [
-        ("ints", host_cxx::bytes_of(&ints)),
-        ("floats", host_cxx::bytes_of(&floats)),
-        ("q", host_cxx::bytes_of(&b.q)),
-        ("k", b.k_pool.clone()),
-        ("v", b.v_pool.clone()),
-        ("tables", host_cxx::bytes_of(&b.tables)),
-        ("qsl", host_cxx::bytes_of(&b.qsl)),
-        ("ctx", host_cxx::bytes_of(&b.ctx)),
-    ] {
-        std::fs::write(dir.join(name), data).expect("write an input");
-    }
+    let floats = case.kernel_scales(&b);
+    b.write(dir);
+    std::fs::write(dir.join("ints"), host_cxx::bytes_of(&ints)).expect("write ints");
+    std::fs::write(dir.join("floats"), host_cxx::bytes_of(&floats)).expect("write floats");
     let dtype_id = match case.dtype {
         PoolDtype::F16 => 0,
         PoolDtype::Bf16 => 1,
@@ -190,8 +176,7 @@ fn run_case(dir: &Path, exe: &Path, case: &Case, rng: &mut SeededRng) {
     let started = std::time::Instant::now();
     let status = Command::new(exe).arg(dtype_id.to_string()).arg(dir).status().expect("run the kernel");
     assert!(status.success(), "the kernel's program exited with {status}");
-    let got: Vec<f32> =
-        std::fs::read(dir.join("out")).expect("out").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let got = host_cxx::read_f32s(&dir.join("out"));
 
     // The float64 reference, the queries rounded as the kernel multiplies them.
     // (times the score's scale, in its 16-bit type).
@@ -254,8 +239,7 @@ fn the_tensor_core_emulation_runs_gemm_mma_as_gpus_do_or_skips_without_a_compile
     std::fs::write(dir.join("w"), host_cxx::bytes_of(&w)).expect("w");
     let status = Command::new(&exe).arg(&dir).status().expect("run the GEMM");
     assert!(status.success(), "the GEMM's program exited with {status}");
-    let y: Vec<f32> =
-        std::fs::read(dir.join("y")).expect("y").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let y = host_cxx::read_f32s(&dir.join("y"));
     let mut worst = 0f64;
     for r in 0..rows {
         for c in 0..n {

@@ -167,8 +167,7 @@ fn check(dir: &Path, exe: &Path, rows: usize, fusion: GemvFusion, weight: &Weigh
     }
     let status = Command::new(exe).arg(dir).status().expect("run the GEMV");
     assert!(status.success(), "the GEMV's program exited with {status}");
-    let got: Vec<f32> =
-        std::fs::read(dir.join("out")).expect("out").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let got = host_cxx::read_f32s(&dir.join("out"));
     let w = dequantize_repacked(weight, n_rows, k);
     let dot = |xin: &[f64], c: usize| -> (f64, f64) {
         w[c * k..(c + 1) * k].iter().zip(xin).map(|(&w, &x)| f64::from(w) * x).fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()))

@@ -208,7 +208,7 @@ fn run(exe: &Path, dir: &Path, dtype: PoolDtype, version: u32) -> Vec<f32> {
     };
     let status = Command::new(exe).arg(dtype_id.to_string()).arg(version.to_string()).arg(dir).status().expect("run the kernel");
     assert!(status.success(), "{} (v{version}) exited with {status}", exe.display());
-    std::fs::read(dir.join("out")).expect("out").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    host_cxx::read_f32s(&dir.join("out"))
 }
 
 /// Writes `case`'s batch, runs v1 and v2 with both value loops, checks
@@ -232,21 +232,11 @@ fn check(dir: &Path, exes: (&Path, &Path), c: Config, case: &Case, skip_min_q: u
         max_parts as i32,
         max_context as i32,
     ];
-    // As launch.rs passes them: the key scale (and an FP8 code's 2^8) in
-    // the score's scale, the value scale on the outputs.
-    let unit = case.dtype.unit();
-    let floats = [1.0 / (d as f32).sqrt() * b.k_scale * unit, case.softcap, b.v_scale * unit];
-    for (name, data) in [
-        ("ints", host_cxx::bytes_of(&ints)),
-        ("floats", host_cxx::bytes_of(&floats)),
-        ("q", host_cxx::bytes_of(&b.q)),
-        ("k", b.k_pool.clone()),
-        ("v", b.v_pool.clone()),
-        ("tables", host_cxx::bytes_of(&b.tables)),
-        ("qsl", host_cxx::bytes_of(&b.qsl)),
-        ("ctx", host_cxx::bytes_of(&b.ctx)),
-        ("token_seq", host_cxx::bytes_of(&token_seq)),
-    ] {
+    let floats = case.kernel_scales(&b);
+    b.write(dir);
+    for (name, data) in
+        [("ints", host_cxx::bytes_of(&ints)), ("floats", host_cxx::bytes_of(&floats)), ("token_seq", host_cxx::bytes_of(&token_seq))]
+    {
         std::fs::write(dir.join(name), data).expect("write an input");
     }
     let started = std::time::Instant::now();

@@ -69,7 +69,33 @@ fn store(x: f32, dtype: PoolDtype, scale: f32) -> (Vec<u8>, f32) {
     }
 }
 
+impl Batch {
+    /// Writes what every attention program reads, one file each: `q`, the
+    /// pools `k` and `v` (FP8 as the codes, which the kernels read as
+    /// value / 2^8), `tables`, `qsl`, `ctx`.
+    pub fn write(&self, dir: &std::path::Path) {
+        for (name, data) in [
+            ("q", crate::host_cxx::bytes_of(&self.q)),
+            ("k", self.k_pool.clone()),
+            ("v", self.v_pool.clone()),
+            ("tables", crate::host_cxx::bytes_of(&self.tables)),
+            ("qsl", crate::host_cxx::bytes_of(&self.qsl)),
+            ("ctx", crate::host_cxx::bytes_of(&self.ctx)),
+        ] {
+            std::fs::write(dir.join(name), data).expect("write an input");
+        }
+    }
+}
+
 impl Case {
+    /// The scales as launch.rs passes them: the key scale (and an FP8
+    /// code's 2^8) in the score's scale `head_dim^-½`, the soft-cap, the
+    /// value scale on the outputs.
+    pub fn kernel_scales(&self, b: &Batch) -> [f32; 3] {
+        let unit = self.dtype.unit();
+        [1.0 / (self.head_dim as f32).sqrt() * b.k_scale * unit, self.softcap, b.v_scale * unit]
+    }
+
     /// Random inputs for this case. Unwritten slots of the pools hold 0x7f
     /// bytes (a bf16/f16 of 3.4e38 or 65k-ish, an f32 of 3.4e38, an FP8
     /// NaN): a kernel that reads one is far off the reference.

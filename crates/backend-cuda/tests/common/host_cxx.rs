@@ -61,3 +61,11 @@ pub fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
     // callers): every byte of the slice is initialized and readable.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)).to_vec() }
 }
+
+/// A host program's output file of plain f32s (native order, as
+/// [`bytes_of`] writes its inputs).
+#[allow(dead_code)] // Each test crate that includes this file uses what it needs.
+pub fn read_f32s(path: &Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect()
+}
