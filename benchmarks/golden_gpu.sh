@@ -4,39 +4,41 @@
 # in two calls because one call carries at most 64 MiB:
 #
 #   kernels/cuda/gpu_suite.sh stage         # here: .gpu/ (12 MB, with vellum)
-#   bash benchmarks/golden_gpu.sh split     # here: .gpu-golden/a and b (43 MB)
-#   bash benchmarks/golden_gpu.sh stash     # there, carrying .gpu-golden/a:
-#                                           #   kept in /tmp while the machine
-#                                           #   stays warm (30 s)
-#   bash benchmarks/golden_gpu.sh run       # there, at once, carrying .gpu and
-#                                           #   .gpu-golden/b (55 MB together)
+#   bash benchmarks/golden_gpu.sh split     # here: .gpu-golden/a (40 MB) and b
+#   bash benchmarks/gpu_session.sh          # there, carrying .gpu, .gpu-llama
+#                                           #   and .gpu-golden/a: keeps a in
+#                                           #   /tmp while the machine stays
+#                                           #   warm (30 s); or, alone,
+#   bash benchmarks/golden_gpu.sh stash     #   carrying .gpu-golden/a
+#   bash benchmarks/golden_gpu.sh run       # there, at once, carrying
+#                                           #   .gpu-golden/b (58 MB; .gpu
+#                                           #   stays from the call before,
+#                                           #   or carry it too after `stash`)
 #
-# `run` joins the halves (checking the SHA-256 taken here), then:
+# `run` joins the halves (checking the SHA-256 taken here), then, while
+# BUDGET_S (180 s from the start of `run`: a session has 15 minutes of
+# device time in all) leaves room:
 # 1. tests/golden.rs's CUDA tests (float32 path against the 0.02-nats rule,
-#    bf16 path against llama.cpp's gaps, chunking/prefix/batching invariance)
-#    twice: on the plain executor, and with VELLUM_TP_COLLECTIVE=1 — the
-#    tensor-parallel path over an NCCL group of one, the parallelism issue's
-#    single-GPU check (200 s at most each);
-# 2. the `spec` step: benchmarks/spec_decode.sh's measurement through
-#    --device cuda on the joined file — `vellum bench latency --batch-size 1
-#    --output-len 128 --num-iters 2 --prompt … --chat` on the four
-#    benchmarks/prompts/ workloads without speculation and with the same
-#    n-gram SPEC, in ROUNDS (2) alternated rounds, and on rewrite_code also
-#    with the file as its own draft model (`"method": "draft_model"`: only
-#    proves the path and prices a draft as costly as the target; DRAFT=0
-#    leaves it out). JSON lines in $OUT/spec_cuda.jsonl, the runs' logs in
-#    $OUT/spec_logs.tgz (after every run), and benchmarks/spec_table.py's
-#    table of medians printed last.
+#    bf16 path against llama.cpp's gaps, chunking/prefix/batching
+#    invariance) on the plain executor (120 s at most), then, with 60 s
+#    left, with VELLUM_TP_COLLECTIVE=1 — the tensor-parallel path over an
+#    NCCL group of one, the parallelism issue's single-GPU check;
+# 2. the `spec` step with what is left: benchmarks/spec_decode.sh's
+#    measurement through --device cuda on the joined file — `vellum bench
+#    latency --batch-size 1 --output-len 128 --num-iters 2 --prompt …
+#    --chat` on the four benchmarks/prompts/ workloads without speculation
+#    and with the same n-gram SPEC, in ROUNDS (2) alternated rounds, and on
+#    rewrite_code also with the file as its own draft model (`"method":
+#    "draft_model"`: only proves the path and prices a draft as costly as
+#    the target; DRAFT=0 leaves it out). JSON lines in $OUT/spec_cuda.jsonl,
+#    the runs' logs in $OUT/spec_logs.tgz (after every run), and
+#    benchmarks/spec_table.py's table of medians printed last.
 # Everything printed also goes to $OUT/summary.txt as it runs. A run starts
-# only while BUDGET_S (540 s from the start of `run`) leaves it 15 s; the
-# rest print "SKIPPED (budget)". How long, estimated (neither step has run
-# on a GPU yet): the golden tests never ran through this script, so up to
-# 2 × 200 s; the spec step is 18 runs (start, load, 1 + 2 iterations of 128
-# tokens), 52 s in all on the 2-core CPU (`DEVICE=cpu`, 2.9 s a run), and
-# should take 1–1.5 min on a GPU (CUDA's start and the weights' upload per
-# run, the kernels already compiled into .gpu/models/kernels by the golden
-# tests). So 2–5 min if the golden tests take 30–100 s each, and never past
-# BUDGET_S whatever they take: within one call.
+# only while the budget leaves it 15 s; the rest print "SKIPPED (budget)".
+# The spec step is 18 runs (start, load, 1 + 2 iterations of 128 tokens),
+# 52 s in all on the 2-core CPU (`DEVICE=cpu`, 2.9 s a run); on a GPU it
+# gets what the golden tests leave (BUDGET_S=540 in a call of its own runs
+# it whole).
 #
 #   bash benchmarks/golden_gpu.sh spec      # the spec step alone; here on the
 #                                           #   CPU with DEVICE=cpu
@@ -48,7 +50,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 name=SmolLM2-135M-Instruct.Q4_1.gguf
 t0=$SECONDS
-budget=${BUDGET_S:-540}
+budget=${BUDGET_S:-180}
 . benchmarks/lib.sh  # stamp, fits, wait_up
 # Everything printed from here on also in $1/summary.txt, as it comes.
 summary() {
@@ -127,8 +129,10 @@ split)
     src=${VELLUM_CACHE:-$HOME/.cache/vellum}/$name
     [ -f "$src" ] || { echo "no $src: run the README's first command once to download it" >&2; exit 1; }
     mkdir -p .gpu-golden
-    head -c 55000000 "$src" >.gpu-golden/a
-    tail -c +55000001 "$src" >.gpu-golden/b
+    # 40 MB beside .gpu and .gpu-llama (~20 MB) and the tree (~5 MB) in the
+    # first call; the rest (58 MB) alone in the second.
+    head -c 40000000 "$src" >.gpu-golden/a
+    tail -c +40000001 "$src" >.gpu-golden/b
     sha256sum "$src" | cut -d' ' -f1 >.gpu-golden/b.sha256
     ls -la .gpu-golden
     ;;
@@ -146,9 +150,13 @@ run)
     # shellcheck disable=SC1091 # staged there
     source .gpu/run.sh env >/dev/null
     for mode in plain collective; do
-        collective=0
-        [ "$mode" = collective ] && collective=1
-        VELLUM_TP_COLLECTIVE=$collective timeout 200 .gpu/x/golden --test-threads 1 --nocapture cuda >"$out/golden_$mode.txt" 2>&1
+        collective=0 limit=120
+        [ "$mode" = collective ] && collective=1 limit=$((budget - (SECONDS - t0) - 15))
+        if [ "$mode" = collective ] && [ "$limit" -lt 45 ]; then
+            stamp "golden ($mode): SKIPPED (budget)"
+            continue
+        fi
+        VELLUM_TP_COLLECTIVE=$collective timeout "$limit" .gpu/x/golden --test-threads 1 --nocapture cuda >"$out/golden_$mode.txt" 2>&1
         stamp "golden ($mode): exit $?"
         grep -E "^test |test result|agree|largest|SKIPPED|panicked" "$out/golden_$mode.txt" | cut -c1-200
     done

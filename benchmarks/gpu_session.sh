@@ -1,35 +1,39 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs first, in one call (no Rust, no network
-# there), with .gpu/ and .gpu-llama/ carried (~20 MB):
+# there). A session has 15 minutes of device time, the machine's start
+# (a minute or more) included, so the plan is two calls back to back:
 #
-#   kernels/cuda/gpu_suite.sh stage && benchmarks/cuda_vs_llama_cpp.sh pack   # here
-#   bash benchmarks/gpu_session.sh                                            # there (BUDGET_S, default 540)
+#   kernels/cuda/gpu_suite.sh stage && benchmarks/cuda_vs_llama_cpp.sh pack \
+#       && bash benchmarks/golden_gpu.sh split                  # here
+#   bash benchmarks/gpu_session.sh    # there, carrying .gpu, .gpu-llama and
+#                                     # .gpu-golden/a (~62 MB; BUDGET_S,
+#                                     # default 450)
+#   bash benchmarks/golden_gpu.sh run # there, at once, carrying
+#                                     # .gpu-golden/b (BUDGET_S, default 180)
 #
-# In order of priority, each step only if the budget leaves it room:
+# This script first keeps .gpu-golden/a in /tmp for the second call (the
+# default model is 98 MB; a call carries 64 MiB), then, in order of
+# priority, each step only if the budget leaves it room:
 # 0. llama.cpp's CUDA build starts in the background (~4 min on 16 cores);
 # 1. the GPU suite's tests of what no GPU has run yet: the conformance suite
 #    (the q/k/v split writing the KV cache, linears with and without bf16
 #    weight copies, attention with flash prefill), paged attention against
-#    float64 (flash prefill among the kernels), the graph test (mixed steps
-#    replayed), the GEMV test (plan 4:2:1 among others), the executor
-#    against the CPU; then flash prefill's TFLOP/s (attention_bench
-#    --prefill --quick) and the paged decode kernels' loads side by side
-#    (attention_bench --loads: tiled values and prefetch against the
-#    kernel before them, GB/s);
+#    float64 (flash prefill and every paged-load variant among the
+#    kernels), the graph test (mixed steps replayed), the GEMV test (plan
+#    4:2:1 among others), the executor against the CPU; then flash
+#    prefill's TFLOP/s (attention_bench --prefill --quick) and the paged
+#    decode kernels' loads side by side (attention_bench --loads: tiled
+#    values and prefetch against the kernel before them, GB/s);
 # 2. a Llama-3-8B-shaped Q8_0 (written there): two prompts of 4,096 tokens
 #    with flash prefill and without (VELLUM_FLASH_ATTENTION=0), and
 #    single-stream decode of it and of a SmolLM2-shaped Q4_1 with the fused
-#    GEMV and without (VELLUM_FUSED_GEMV=0, 2 alternated rounds), while
-#    llama.cpp builds; then `bench latency` at 1 / 64 /
-#    256 sequences with bf16 weight copies (the default) and without
-#    (`--cuda-bf16-weight-copies none`), against llama.cpp's
-#    `llama-batched-bench` on the same file (the tensor-core issue's decode
-#    rows), one round;
+#    GEMV and without (VELLUM_FUSED_GEMV=0, one round), while llama.cpp
+#    builds; then `bench latency` at 1 / 64 / 256 sequences (bf16 weight
+#    copies, the default) against llama.cpp's `llama-batched-bench` on the
+#    same file (the tensor-core issue's rows), one round;
 # 3. benchmarks/mixed_graphs_gpu.sh's generate and serving steps with the
-#    rest (the step-overhead issue's mixed steps).
-# Then, in two more calls back to back, benchmarks/golden_gpu.sh stash and
-# run (the golden prompts through --device cuda, the NCCL group of one,
-# speculative decoding through --device cuda).
+#    rest (the step-overhead issue's mixed steps and its 8B p99 ITL).
+# A step the suite failed is turned off for the steps after it.
 # $OUT: session.txt (this script's lines), mixed_summary.txt,
 # mixed_logs.tgz, logs.tgz (everything else).
 set -uo pipefail
@@ -37,11 +41,14 @@ cd "$(dirname "$0")/.."
 out=${OUT:-.gpu/out}
 mkdir -p "$out/logs"
 t0=$SECONDS
-budget=${BUDGET_S:-540}
+budget=${BUDGET_S:-450}
 exec > >(tee "$out/session.txt") 2>&1
 . benchmarks/lib.sh  # stamp, fits, wait_up
 left() { echo $((budget - (SECONDS - t0))); }
 checkpoint() { tar -C "$out" -czf "$out/logs.tgz" logs 2>/dev/null; }
+
+# The default model's first part, for golden_gpu.sh run in the next call.
+[ -f .gpu-golden/a ] && cp .gpu-golden/a /tmp/vellum-golden.a && stamp "golden part a kept in /tmp"
 
 build=""
 if [ -f .gpu-llama/llama.cpp.tar.xz ]; then
@@ -92,14 +99,12 @@ if [ "$(left)" -gt 240 ]; then
     # The fused GEMV (6 launches a layer at one row, against 9): one sequence.
     s135=/tmp/smollm2-135m-q4_1.gguf
     timeout 60 bash benchmarks/cuda_vs_llama_cpp.sh model smollm2-135m-q4_1 "$s135" >/dev/null 2>&1
-    for round in 1 2; do
-        for fused in 1 0; do
-            for m in "$s135" "$m8"; do
-                tag=$(basename "$m" .gguf)_fused${fused}_r$round
-                VELLUM_FUSED_GEMV=$fused timeout 60 .gpu/x/vellum bench latency --device cuda --model "$m" --input-len 128 \
-                    --output-len 128 --batch-size 1 --num-iters 2 --json >"$out/logs/single_$tag.json" 2>"$out/logs/single_$tag.log"
-                stamp "single stream $tag: exit $? $(cut -c1-300 "$out/logs/single_$tag.json")"
-            done
+    for fused in 1 0; do
+        for m in "$s135" "$m8"; do
+            tag=$(basename "$m" .gguf)_fused$fused
+            VELLUM_FUSED_GEMV=$fused timeout 45 .gpu/x/vellum bench latency --device cuda --model "$m" --input-len 128 \
+                --output-len 128 --batch-size 1 --num-iters 2 --json >"$out/logs/single_$tag.json" 2>"$out/logs/single_$tag.log"
+            stamp "single stream $tag: exit $? $(cut -c1-300 "$out/logs/single_$tag.json")"
         done
     done
     checkpoint
@@ -108,7 +113,7 @@ if [ "$(left)" -gt 240 ]; then
         timeout $(($(left) - 200 > 0 ? $(left) - 200 : 1)) tail --pid="$build" -f /dev/null
         stamp "$(tail -1 "$out/logs/llama_build.txt" 2>/dev/null)"
     fi
-    VARIANTS="copies:;none:--cuda-bf16-weight-copies none" ROUNDS=1 timeout $(($(left) - 60)) \
+    VARIANTS="copies:" ROUNDS=1 timeout $(($(left) - 60)) \
         bash benchmarks/cuda_vs_llama_cpp.sh run "$m8" llama3-8b-q8_0 >"$out/logs/m8_table.txt" 2>"$out/logs/m8_run.txt"
     stamp "8b exit $?"
     cat "$out/logs/m8_table.txt"
