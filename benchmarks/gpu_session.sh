@@ -23,7 +23,10 @@
 #    4:2:1 among others), the executor against the CPU; then flash
 #    prefill's TFLOP/s (attention_bench --prefill --quick) and the paged
 #    decode kernels' loads side by side (attention_bench --loads: tiled
-#    values and prefetch against the kernel before them, GB/s);
+#    values and prefetch against the kernel before them, GB/s); then
+#    sampling on the device against the host sampler, and 256 top-p rows
+#    of Gemma 3's vocabulary drawn from the score bins against the radix
+#    descents and greedy (tests/device_sampling.rs);
 # 2. a Llama-3-8B-shaped Q8_0 (written there): two prompts of 4,096 tokens
 #    with flash prefill and without (VELLUM_FLASH_ATTENTION=0), and
 #    single-stream decode of it and of a SmolLM2-shaped Q4_1 with the fused
@@ -82,6 +85,16 @@ grep -E "^\|" "$out/logs/prefill.txt"
 OUT="$out/logs" LOADS_LIMIT=60 bash .gpu/run.sh loads >"$out/logs/loads.txt" 2>&1
 stamp "paged loads exit $?"
 grep -E "^\|" "$out/logs/loads.txt"
+# Sampling on the device against the host sampler, then 256 top-p rows of
+# 262,144 drawn from the score bins, by the descents and greedily (ms).
+SAMPLING_LIMIT=90 bash .gpu/run.sh sampling >"$out/logs/sampling.txt" 2>&1
+rc=$?
+stamp "sampling exit $rc"
+grep -E "rows of|test result|panicked" "$out/logs/sampling.txt" | cut -c1-240
+if [ "$rc" != 0 ]; then
+    export VELLUM_SAMPLE_BINNED=0
+    stamp "device sampling failed: VELLUM_SAMPLE_BINNED=0 from here"
+fi
 checkpoint
 
 # shellcheck disable=SC1091 # staged there

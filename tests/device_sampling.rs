@@ -124,4 +124,56 @@ fn sampling_on_the_device_draws_the_host_samplers_tokens() {
         eprintln!("{rows} rows of {vocab}: {differ} draws differ; sampling took {ms:.3} ms");
         assert!(differ <= usize::from(vocab > 1000), "{differ} of {rows} draws differ from the host's");
     }
+
+    // The step-overhead issue's sampled row: 256 rows of Gemma 3's
+    // vocabulary at temperature 0.8 and top-p 0.95, drawn from the score
+    // bins (two passes over a row after the first) and by the radix
+    // descents alone (a pass a digit), against greedy (the first pass
+    // alone): the same tokens both ways, and the time of each (the best of
+    // three calls; 268 MB of logits a call).
+    let (vocab, rows) = (262_144usize, 256usize);
+    let mut logits = Vec::with_capacity(rows * vocab);
+    let mut top_p = Vec::with_capacity(rows);
+    for r in 0..rows {
+        let flat = r % 2 == 1;
+        for i in 0..vocab {
+            let x = rng.signed_f32();
+            logits.push(if flat { x * 0.5 } else { x * 4.0 + if i % 97 == 3 { 6.0 } else { 0.0 } });
+        }
+        top_p.push(RowSampling { top_p: 0.95, uniform: rng.uniform(), ..base });
+    }
+    let greedy: Vec<RowSampling> = top_p.iter().map(|s| RowSampling { temperature: 0.0, ..*s }).collect();
+    let x = ops.upload(rows, vocab, &logits).expect("upload");
+    let time = |rows: &[RowSampling]| {
+        let mut best = f64::INFINITY;
+        let mut tokens = Vec::new();
+        for _ in 0..3 {
+            let started = std::time::Instant::now();
+            let got = ops.sample_rows(&x, rows, &[]).expect("sample").expect("sampled on the device");
+            best = best.min(started.elapsed().as_secs_f64() * 1e3);
+            tokens = got.iter().map(|d| d.token).collect::<Vec<_>>();
+        }
+        (best, tokens)
+    };
+    let (greedy_ms, _) = time(&greedy);
+    let kernels = ops.kernels();
+    let was = kernels.sample_binned();
+    kernels.set_sample_binned(true);
+    let (binned_ms, binned) = time(&top_p);
+    kernels.set_sample_binned(false);
+    let (descents_ms, descents) = time(&top_p);
+    kernels.set_sample_binned(was);
+    assert_eq!(binned, descents, "the bins and the descents draw the same tokens");
+    let differ = (0..rows)
+        .filter(|&r| binned[r] != vellum::engine::sampler::sample_row(&logits[r * vocab..(r + 1) * vocab], &top_p[r], &[]).token)
+        .count();
+    assert!(differ <= 1, "{differ} of {rows} top-p draws differ from the host's");
+    let gb = (rows * vocab * 4) as f64 / 1e9;
+    eprintln!(
+        "{rows} rows of {vocab}, temperature 0.8, top-p 0.95: binned {binned_ms:.3} ms, descents {descents_ms:.3} ms, greedy {greedy_ms:.3} ms \
+         ({:.0} / {:.0} / {:.0} GB/s of logits a call)",
+        gb / binned_ms * 1e3,
+        gb / descents_ms * 1e3,
+        gb / greedy_ms * 1e3
+    );
 }

@@ -40,6 +40,16 @@
 // normalization without top-k or min-p, the draw's kept mass after min-p
 // alone); min-p needs one pass for the total and one for its floor.
 //
+// Rows without min-p take a shorter way first (`sample_binned`): one pass
+// bins the candidates by score into SAMPLE_HIST_BINS bins (runs of rank
+// keys), counting and weighing them; a second gathers the entries of the
+// bins where the cuts fall (at most SAMPLE_GATHER) and weighs everything
+// above them; the gathered entries are sorted in shared memory and walked
+// in rank order with the descents' arithmetic. Three passes in all for
+// top-k and top-p rows (16 or more by the descents on a flat 262,144-wide
+// row); a row whose cut bins are too full to gather is left to the
+// descents.
+//
 // Sums run in a different order than the host's, so a draw within ~1e-15
 // of a boundary may land on the neighbour; nowhere else do they differ
 // (-0 ranks as +0, as the host's comparisons have it).
@@ -52,9 +62,11 @@
 // the token -1: the host samples that step (the host sampler's rules for
 // NaN are its own).
 //
-// The kernel uses shared memory and barriers only (no warp shuffles, no
-// atomics: its sums are the same from run to run), so the host tests run
-// its very text with one host thread per GPU thread.
+// The kernel uses shared memory, barriers and integer atomics only (no warp
+// shuffles; no float atomics: its sums are the same from run to run, the
+// bins' weights being summed in fixed point and the gathered entries
+// sorted before they are walked), so the host tests run its very text with
+// one host thread per GPU thread.
 
 #ifndef SAMPLE_THREADS
 #define SAMPLE_THREADS 256
@@ -141,11 +153,40 @@ template <class F> __device__ __forceinline__ void for_entries(const float *x, i
 // weight columns' memory (never in use at once). The last descent's
 // passes: each one's digit totals (`hm`, `hn`), prefix (`hp`), digit
 // position (`hs`) and digit taken (`hd`), `levels` of them.
+// The histogram's bins and the entries a gather pass keeps (see
+// `sample_binned`): 2,048 bins of 8 + 4 bytes and 1,024 keys, the 32 KB of
+// the descent's weight columns at 256 threads, whose memory they share.
+#ifndef SAMPLE_HIST_BINS
+#define SAMPLE_HIST_BINS 2048
+#endif
+#ifndef SAMPLE_GATHER
+#define SAMPLE_GATHER 1024
+#endif
+static_assert(SAMPLE_GATHER <= SAMPLE_HIST_BINS && (SAMPLE_GATHER & (SAMPLE_GATHER - 1)) == 0,
+              "SAMPLE_GATHER: a power of two, at most SAMPLE_HIST_BINS");
+// SAMPLE_BINNED 0 leaves every rank cut to the descents (the host tests).
+#ifndef SAMPLE_BINNED
+#define SAMPLE_BINNED 1
+#endif
+// A hook for the host tests (which path a row took); nothing on a GPU.
+#ifndef SAMPLE_NOTE_BINNED
+#define SAMPLE_NOTE_BINNED(took)
+#endif
+struct SampleHist {
+    // Per bin: the weights in fixed point (× 2^40, integer sums: the same
+    // from run to run in any order), and the entries. Once the bins are
+    // read, `mass` holds the gathered entries' weights (as doubles).
+    unsigned long long mass[SAMPLE_HIST_BINS];
+    unsigned count[SAMPLE_HIST_BINS];
+    unsigned long long keys[SAMPLE_GATHER];
+};
+
 struct SampleShared {
     double red[SAMPLE_THREADS];
     union {
         double m[SAMPLE_BINS][SAMPLE_THREADS];
         unsigned long long kred[SAMPLE_THREADS];
+        SampleHist hist;
     };
     unsigned short n[SAMPLE_BINS][SAMPLE_THREADS];
     unsigned gn[SAMPLE_BINS][SAMPLE_GROUPS];
@@ -393,6 +434,259 @@ __device__ __noinline__ unsigned long long select_cut(const float *s, int vocab,
     return best;
 }
 
+// The bin of score `v`: bin 0 holds the largest scores; scores at or
+// under `lo` share the last bin. Larger scores never land in a later bin
+// (each rounded step is monotone), so bins are runs of rank keys.
+__device__ __forceinline__ int hist_bin(float v, float smax, float lo, float scale) {
+    if (!(v > lo)) return SAMPLE_HIST_BINS - 1;
+    const int b = (int)__fmul_rn(__fsub_rn(smax, v), scale);
+    return b < SAMPLE_HIST_BINS - 1 ? b : SAMPLE_HIST_BINS - 1;
+}
+
+// The gathered entries' weights `q[from..end)` (in rank order) turned in
+// place into the mass through each, starting from `m0` (one thread, in
+// order: the descents' running sums).
+__device__ void hist_through(double *q, int from, int end, double m0) {
+    double a = m0;
+    for (int i = from; i < end; i++) {
+        a += q[i];
+        q[i] = a;
+    }
+}
+
+// The last entry in [from, end) whose mass before it (`m0` for `from`,
+// else `q[i - 1]`: `hist_through`'s masses) divided by `total` is under
+// (`strict`) or at most `target`, as `cut_holds` compares it; -1 when not
+// even `from` holds. The masses only grow, so a binary search.
+__device__ int hist_find(const double *q, int from, int end, double m0, double total, double target, bool strict) {
+    int lo = from - 1, hi = end; // holds at lo (or none), fails from hi
+    while (hi - lo > 1) {
+        const int mid = lo + (hi - lo) / 2;
+        const double a = mid == from ? m0 : q[mid - 1];
+        const double before = total > 0.0 ? a / total : a;
+        if (strict ? before < target : before <= target) lo = mid;
+        else hi = mid;
+    }
+    return lo >= from ? lo : -1;
+}
+
+// The rank cuts of a row without min-p in two passes over it, where the
+// descents of `select_cut` take one a digit: the token, or -1 to leave the
+// row to them. The same cuts and sums as theirs (masses in rank order,
+// divided by the same totals), so the same token up to the order of the
+// sums.
+//
+// Pass 1 bins the candidates by score (SAMPLE_HIST_BINS bins spanning the
+// largest score down to 40 temperatures below it, or the smallest score),
+// counting them and weighing them in fixed point, and sums the row's
+// weights in double. The bins place each cut: top-k's exactly (counts),
+// top-p's and the draw's up to the fixed point's rounding (2^-40 an
+// entry). Pass 2 gathers the entries of the bins that hold the cuts (at
+// most SAMPLE_GATHER) and weighs, in double, every entry above them; the
+// gathered entries are sorted by rank key and walked in order. A bin too
+// full to gather, or a cut the exact masses place outside its bins, leaves
+// the row to the descents.
+//
+// top-k (0 < k < vocab): the bins down to the k-th entry's, gathered
+// whole, hold the k largest entries, so top-p and the draw are walked
+// among them. top-p alone: the bin of top-p's cut and the bins the draw
+// can fall in (its target is u times the kept mass, which lies between the
+// mass above the cut's bin and the mass through it).
+__device__ int sample_binned(const float *s, int vocab, float max, float temperature, float inv_t, double u, int top_k, float top_p,
+                             unsigned long long bottom, SampleShared &b) {
+    __shared__ int plan_s, g0_s, g1_s, c_s, ng_s, nd_s, token_s;
+    __shared__ double total_s;
+    const int t = (int)threadIdx.x;
+    SampleHist &h = b.hist;
+    const bool by_k = top_k > 0 && top_k < vocab;
+    const float smin = key_score(bottom);
+    const float lo = fmaxf(smin, __fsub_rn(max, __fmul_rn(40.0f, temperature)));
+    const float scale = (float)SAMPLE_HIST_BINS / __fsub_rn(max, lo);
+    if (!(max > lo) || !(scale < 3.0e38f) || max > 3.0e38f || lo < -3.0e38f) {
+        if (t == 0) SAMPLE_NOTE_BINNED(false);
+        return -1;
+    }
+
+    // Pass 1: the histogram, and the row's weight.
+    for (int i = t; i < SAMPLE_HIST_BINS; i += SAMPLE_THREADS) {
+        h.mass[i] = 0;
+        h.count[i] = 0;
+    }
+    __syncthreads();
+    double acc = 0.0;
+    unsigned last_n = 0;          // the last bin's entries, added once a thread:
+    unsigned long long last_m = 0; // the many far below the top would all
+                                   // contend for its counters
+    for_entries(s, vocab, [&](int, float v) {
+        const float w = sample_weight(v, max, inv_t);
+        acc += (double)w;
+        const unsigned long long fixed = (unsigned long long)__fmul_rn(w, 1099511627776.0f);
+        const int bin = hist_bin(v, max, lo, scale);
+        if (bin == SAMPLE_HIST_BINS - 1) {
+            last_n += 1;
+            last_m += fixed;
+        } else {
+            atomicAdd(&h.count[bin], 1u);
+            atomicAdd(&h.mass[bin], fixed);
+        }
+    });
+    atomicAdd(&h.count[SAMPLE_HIST_BINS - 1], last_n);
+    atomicAdd(&h.mass[SAMPLE_HIST_BINS - 1], last_m);
+    const double total = sample_sum(acc, b.red); // its barriers publish the bins
+
+    // The bins to gather: [g0, g1], and with top-p alone also bin c (the
+    // cut's, when past g1).
+    if (t == 0) {
+        const double unit = 1.0 / 1099511627776.0;
+        int plan = 0, g0 = 0, g1 = -1, c = -1, nd = 0;
+        if (by_k) {
+            unsigned n = 0;
+            for (int i = 0; i < SAMPLE_HIST_BINS; i++) {
+                n += h.count[i];
+                if (n >= (unsigned)top_k) {
+                    g1 = i;
+                    break;
+                }
+            }
+            if (g1 >= 0 && n <= SAMPLE_GATHER) plan = 1;
+        } else {
+            // top-p's cut: the last nonempty bin whose mass above is under
+            // top_p of the total; the draw's target lies in u times
+            // [mass above it, mass through it], widened by the fixed
+            // point's error.
+            double above = 0.0, above_c = 0.0, through_c = 0.0;
+            for (int i = 0; i < SAMPLE_HIST_BINS; i++) {
+                if (h.count[i] == 0) continue;
+                if (!(above / total < (double)top_p)) break;
+                c = i;
+                above_c = above;
+                above += (double)h.mass[i] * unit;
+                through_c = above;
+            }
+            const double slack = 1e-9 * total + (double)vocab * unit;
+            const double lo_t = u * above_c - slack, hi_t = u * through_c + slack;
+            double a = 0.0;
+            g0 = -1;
+            for (int i = 0; c >= 0 && i <= c; i++) {
+                if (h.count[i] == 0) continue;
+                if (a <= hi_t) g1 = i; // the draw's last possible bin
+                if (a <= lo_t || g0 < 0) g0 = i;
+                a += (double)h.mass[i] * unit;
+            }
+            unsigned n = 0;
+            for (int i = g0; c >= 0 && g0 >= 0 && i <= g1; i++) n += h.count[i];
+            nd = (int)n;
+            if (c > g1) n += h.count[c];
+            unsigned after = 0; // entries past the cut's bin
+            for (int i = c + 1; c >= 0 && i < SAMPLE_HIST_BINS; i++) after += h.count[i];
+            if (c >= 0 && g0 >= 0 && g1 >= g0 && n <= SAMPLE_GATHER) plan = after > 0 ? 2 : 3; // 3: nothing follows bin c
+        }
+        plan_s = plan;
+        g0_s = g0;
+        g1_s = g1;
+        c_s = c;
+        ng_s = 0;
+        nd_s = nd;
+        total_s = total;
+    }
+    __syncthreads();
+    const int plan = plan_s;
+    if (plan == 0) {
+        if (t == 0) SAMPLE_NOTE_BINNED(false);
+        return -1;
+    }
+    const int g0 = g0_s, g1 = g1_s, c = c_s;
+
+    // Pass 2: gather, and weigh what lies above the gathered bins.
+    double above_g = 0.0, above_c = 0.0;
+    for_entries(s, vocab, [&](int i, float v) {
+        const int bin = hist_bin(v, max, lo, scale);
+        if ((bin >= g0 && bin <= g1) || bin == c) {
+            const int slot = (int)atomicAdd((unsigned *)&ng_s, 1u);
+            if (slot < SAMPLE_GATHER) h.keys[slot] = rank_key(v, i, vocab);
+        }
+        if (plan >= 2 && bin < c) {
+            const double w = (double)sample_weight(v, max, inv_t);
+            if (bin < g0) above_g += w;
+            above_c += w;
+        }
+    });
+    if (plan >= 2) {
+        above_g = sample_sum(above_g, b.red);
+        above_c = sample_sum(above_c, b.red);
+    } else {
+        __syncthreads();
+    }
+    const int n = ng_s < SAMPLE_GATHER ? ng_s : SAMPLE_GATHER; // (never more: the counts said)
+    // Sort descending (bitonic, padded with key 0, below every entry).
+    int size = 1;
+    while (size < n) size <<= 1;
+    for (int i = n + t; i < size; i += SAMPLE_THREADS) h.keys[i] = 0;
+    __syncthreads();
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = t; i < size; i += SAMPLE_THREADS) {
+                const int p = i ^ j;
+                if (p > i) {
+                    const unsigned long long x = h.keys[i], y = h.keys[p];
+                    if (((i & k) == 0) ? x < y : x > y) {
+                        h.keys[i] = y;
+                        h.keys[p] = x;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    double *w = (double *)h.mass; // the bins are read: the weights go there
+    for (int i = t; i < n; i += SAMPLE_THREADS) w[i] = (double)sample_weight(key_score(h.keys[i]), max, inv_t);
+    __syncthreads();
+
+    if (t == 0) {
+        int pick = -1;
+        if (plan == 1) {
+            // The k largest entries, in rank order: top-k's mass, top-p
+            // among them, the draw.
+            hist_through(w, 0, top_k, 0.0);
+            const double tot = w[top_k - 1];
+            double kept = tot;
+            int end = top_k;
+            if (top_p < 1.0f) {
+                const int cut = hist_find(w, 0, top_k, 0.0, tot, (double)top_p, true);
+                kept = cut >= 0 ? w[cut] : 0.0;
+                end = cut + 1;
+            }
+            pick = hist_find(w, 0, end, 0.0, tot, u * (kept / tot), false);
+        } else {
+            // top-p alone. The draw's bins come first among the gathered
+            // entries (nd of them), then the cut's bin when it lies past
+            // them; else all are one run from the draw's first bin.
+            const double tot = total_s;
+            const int nd = nd_s;
+            const bool apart = c > g1;
+            const int cs = apart ? nd : 0;               // where the cut's run starts
+            const double cm = apart ? above_c : above_g; // the mass before it
+            if (apart) hist_through(w, 0, nd, above_g);
+            hist_through(w, cs, n, cm);
+            const int cut = hist_find(w, cs, n, cm, tot, (double)top_p, true);
+            // The cut must fall in its bin: its first entry kept, and the
+            // entry after the bin (if any) not.
+            const bool cut_ok = cut >= 0 && (cut < n - 1 || plan == 3 || !(w[n - 1] / tot < (double)top_p));
+            if (cut_ok) {
+                const double target = u * (w[cut] / tot);
+                // (Past the draw's bins, when they end before the cut's, the
+                // next entry fails: its mass above passes u times the mass
+                // through the cut's bin, the fixed point's error included.)
+                pick = hist_find(w, 0, apart ? nd : cut + 1, above_g, tot, target, false);
+            }
+        }
+        token_s = pick >= 0 ? key_id(h.keys[pick], vocab) : -1;
+        SAMPLE_NOTE_BINNED(pick >= 0);
+    }
+    __syncthreads();
+    return token_s;
+}
+
 // Per row: fparams [temperature, top_p, min_p, -], iparams [top_k (0 or
 // ≥ vocab: none), num_logprobs, penalty start, penalty end, wants the
 // sampled logprob (0/1)]; penalties: tokens (increasing within a row) and
@@ -555,7 +849,10 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
             }
             __syncthreads();
             if (c != -1) token = chosen_s;
+        } else if (SAMPLE_BINNED && min_p <= 0.0f && (token = sample_binned(s, vocab, max, temperature, inv_t, u, top_k, top_p, bottom, sh)) >= 0) {
+            // Drawn from the bins (two passes).
         } else {
+            token = argmax;
             // Rank cuts: top-k, then min-p, then top-p; then the draw. Each
             // descent's candidates lie between `floor` (or the smallest key)
             // and the largest key.

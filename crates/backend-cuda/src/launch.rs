@@ -262,7 +262,18 @@ pub const SAMPLE_THREADS: u32 = 256;
 /// from [`SAMPLE_THREADS`], so the kernel's strides and reductions and the
 /// launch agree.
 pub fn sampling_variant() -> Variant {
-    Variant::new(SAMPLING, &[("SAMPLE_THREADS", SAMPLE_THREADS as usize)])
+    sampling_variant_with(true)
+}
+
+/// [`sampling_variant`], or with `binned` false the same kernel leaving
+/// every rank cut to its radix descents (`SAMPLE_BINNED 0`: one pass over
+/// the row per digit instead of two passes in all), for comparisons.
+pub fn sampling_variant_with(binned: bool) -> Variant {
+    if binned {
+        Variant::new(SAMPLING, &[("SAMPLE_THREADS", SAMPLE_THREADS as usize)])
+    } else {
+        Variant::new(SAMPLING, &[("SAMPLE_THREADS", SAMPLE_THREADS as usize), ("SAMPLE_BINNED", 0)])
+    }
 }
 /// The shared memory (static and dynamic) a thread block may take without
 /// opting in.
@@ -388,6 +399,10 @@ pub struct Kernels {
     /// How the paged decode kernels load keys and values
     /// (`VELLUM_PAGED_LOADS`, for comparisons).
     paged_loads: PagedLoads,
+    /// Whether `sample_rows` draws rows without min-p from its score bins
+    /// (`VELLUM_SAMPLE_BINNED=0` turns it off, for comparisons; the same
+    /// tokens either way).
+    sample_binned: std::sync::atomic::AtomicBool,
 }
 
 /// How the GEMV of `gemv_q.cu` spreads a linear layer over warps: its
@@ -610,6 +625,7 @@ impl Kernels {
             gemv_override,
             flash_attention: std::env::var("VELLUM_FLASH_ATTENTION").map_or(true, |v| v != "0"),
             paged_loads,
+            sample_binned: std::sync::atomic::AtomicBool::new(std::env::var("VELLUM_SAMPLE_BINNED").map_or(true, |v| v != "0")),
         })
     }
 
@@ -969,6 +985,19 @@ impl Kernels {
     /// How the paged decode kernels load keys and values now.
     pub fn paged_loads(&self) -> PagedLoads {
         self.paged_loads
+    }
+
+    /// Whether `sample_rows` takes its score bins now
+    /// ([`sampling_variant_with`]).
+    pub fn sample_binned(&self) -> bool {
+        self.sample_binned.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Makes `sample_rows` take its score bins or not from its next launch
+    /// (the same tokens; benchmarks compare the speed). A step already
+    /// recorded as a CUDA graph keeps the kernel it recorded.
+    pub fn set_sample_binned(&self, on: bool) {
+        self.sample_binned.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Makes the paged decode kernels load keys and values as `loads` says
@@ -1706,7 +1735,7 @@ impl Kernels {
         if rows == 0 {
             return Ok(());
         }
-        let f = self.function(&sampling_variant(), "sample_rows")?;
+        let f = self.function(&sampling_variant_with(self.sample_binned()), "sample_rows")?;
         let (vocab_i, stride) = (to_i32(vocab, "vocab")?, to_i32(out.top_stride.max(1), "top logprobs")?);
         let mut b = self.stream.launch_builder(&f);
         b.arg(&mut out.tokens).arg(&mut out.logprobs).arg(&mut out.top_ids).arg(&mut out.top_logprobs).arg(&stride);
@@ -1715,7 +1744,7 @@ impl Kernels {
         // SAFETY: sample_rows(int*, float*, int*, float*, int, float*,
         // float*, int, const float*, const int*, const double*, const int*,
         // const float*); one block of SAMPLE_THREADS per row, the block
-        // size the module was compiled for (sampling_variant); the buffers' sizes are checked above, and the
+        // size the module was compiled for (sampling_variant_with); the buffers' sizes are checked above, and the
         // penalty ranges inside them are the caller's contract (`pack`'s).
         // The kernel writes `logits`, passed by shared reference: cudarc
         // records it as read, which orders nothing on this one stream.
@@ -1749,7 +1778,7 @@ impl Kernels {
         if rows == 0 || !params.any_penalties {
             return Ok(());
         }
-        let f = self.function(&sampling_variant(), "unpenalize_rows")?;
+        let f = self.function(&sampling_variant_with(self.sample_binned()), "unpenalize_rows")?;
         let vocab_i = to_i32(vocab, "vocab")?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(logits).arg(&vocab_i).arg(&params.iparams).arg(&out.tokens).arg(&params.pen_tokens).arg(&out.pen_raw);

@@ -5,7 +5,11 @@
 //! greedy, plain draws, top-k, top-p, min-p and their mix, penalties and
 //! logit bias, the sampled token's logprob and the top logprobs, over
 //! peaked, flat, tied and one-hot rows. The kernel's text is the very one
-//! NVRTC compiles, so a mistake in its cuts shows on any machine.
+//! NVRTC compiles, so a mistake in its cuts shows on any machine. It runs
+//! three ways: as NVRTC builds it (rows without min-p drawn from the score
+//! bins, the rest by the radix descents), with few bins and a small gather
+//! (many rows left to the descents, the bins' walks across several bins),
+//! and with the bins off (the descents alone).
 //!
 //! Without a C++ compiler (`c++`, `g++` or `clang++`, or `CXX`) the test
 //! says SKIPPED by name; CI has one.
@@ -23,6 +27,7 @@ const SHIM: &str = r#"
 #include <barrier>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -46,7 +51,13 @@ static float __fmul_rn(float a, float b) { return a * b; }
 static unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static double __longlong_as_double(long long u) { double f; std::memcpy(&f, &u, 8); return f; }
+static unsigned atomicAdd(unsigned *p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+static unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 using std::log;
+using std::fmaxf;
+// Per row: drawn from the bins (1), left to the descents (0), neither (-1).
+static std::vector<int> binned_row;
+#define SAMPLE_NOTE_BINNED(took) (binned_row[blockIdx.x] = (took) ? 1 : 0)
 "#;
 
 const MAIN: &str = r#"
@@ -77,6 +88,7 @@ int main(int argc, char **argv) {
     auto pen_tokens = slurp<int>(dir + "/pen_tokens");
     auto pen_values = slurp<float>(dir + "/pen_values");
     const int rows = (int)uniform.size();
+    binned_row.assign(rows, -1);
     std::vector<int> tokens(rows, -7), top_ids((size_t)rows * stride, -7);
     std::vector<float> lps(rows), top_lp((size_t)rows * stride), pen_raw(pen_tokens.size());
     std::barrier<> bar(SAMPLE_THREADS);
@@ -96,6 +108,7 @@ int main(int argc, char **argv) {
     spill(dir + "/logprobs", lps);
     spill(dir + "/top_ids", top_ids);
     spill(dir + "/top_lp", top_lp);
+    spill(dir + "/binned", binned_row);
     return 0;
 }
 "#;
@@ -165,19 +178,49 @@ fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_sk
     // groups of 16 threads, so only the larger block adds groups together
     // as a GPU block (256) does.
     for threads in [16, 64] {
-        check_at(&cxx, threads);
+        // Of the 276 rows with rank cuts and no min-p, all but the tied rows
+        // of 20,011 (a score shared by ~1,180 entries, past the gather) and
+        // the one-hot rows' top-k of 5 and 50 (every entry but one in the
+        // last bin) are drawn from the bins: 249 on 2026-11-28. Fewer means
+        // the walks or the bins' placing left rows to the descents that
+        // they used to draw.
+        let took = check_at(&cxx, threads, Bins::AsBuilt);
+        assert!(took[1] >= 240 && took[0] <= 36, "{threads} threads: {took:?} rows [left to the descents, drawn from the bins]");
     }
+    let took = check_at(&cxx, 16, Bins::Few);
+    assert!(took[0] >= 50 && took[1] >= 50, "few bins: both paths run ({took:?}: [left to the descents, binned])");
+    let took = check_at(&cxx, 64, Bins::Off);
+    assert_eq!(took, [0, 0], "the bins off");
 }
 
-fn check_at(cxx: &str, threads: usize) {
-    let dir = std::env::temp_dir().join(format!("vellum-sampling-on-host-{}-{threads}", std::process::id()));
+/// How `sample_binned` is built for a run.
+#[derive(Clone, Copy, Debug)]
+enum Bins {
+    /// As NVRTC builds it.
+    AsBuilt,
+    /// 64 bins and 16 gathered entries: bins full past the gather, cuts
+    /// the fixed point places wrongly on coarse bins.
+    Few,
+    /// `SAMPLE_BINNED 0`: the radix descents alone.
+    Off,
+}
+
+/// Runs the kernel on every row kind and parameter set against the host
+/// sampler; returns how many rows the bins [left to the descents, drew].
+fn check_at(cxx: &str, threads: usize, bins: Bins) -> [i32; 2] {
+    let dir = std::env::temp_dir().join(format!("vellum-sampling-on-host-{}-{threads}-{bins:?}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let shim = SHIM.replace("#define SAMPLE_THREADS 16", &format!("#define SAMPLE_THREADS {threads}"));
+    let mut shim = SHIM.replace("#define SAMPLE_THREADS 16", &format!("#define SAMPLE_THREADS {threads}"));
     assert!(shim.contains(&format!("SAMPLE_THREADS {threads}\n")), "the shim sets the block size");
+    match bins {
+        Bins::AsBuilt => {}
+        Bins::Few => shim.push_str("#define SAMPLE_HIST_BINS 64\n#define SAMPLE_GATHER 16\n"),
+        Bins::Off => shim.push_str("#define SAMPLE_BINNED 0\n"),
+    }
     let exe = host_cxx::build_threaded(cxx, &dir, "sampling", &format!("{shim}\n{}\n{MAIN}", vellum_kernels::cuda::SAMPLING));
 
-    let (mut rows_checked, mut draws, mut disagreements) = (0, 0, Vec::new());
-    for vocab in [37usize, 3001] {
+    let (mut rows_checked, mut draws, mut disagreements, mut took) = (0, 0, Vec::new(), [0i32; 2]);
+    for vocab in [37usize, 3001, 20011] {
         let mut gen = SeededRng::new(vocab as u64);
         let (mut logits, mut rows, mut pens, mut want) = (Vec::new(), Vec::new(), Vec::<PenaltyEntry>::new(), Vec::new());
         let prompt: Vec<TokenId> = vec![1, 2, 3, 5, 8, 13];
@@ -233,6 +276,8 @@ fn check_at(cxx: &str, threads: usize) {
         let lps: Vec<f32> = read(&dir.join("logprobs"));
         let top_ids: Vec<i32> = read(&dir.join("top_ids"));
         let top_lp: Vec<f32> = read(&dir.join("top_lp"));
+        let binned: Vec<i32> = read(&dir.join("binned"));
+        assert_eq!(binned.len(), rows.len());
         assert_eq!(tokens.len(), rows.len());
         for (i, (s, kind, p)) in want.iter().enumerate() {
             rows_checked += 1;
@@ -244,6 +289,9 @@ fn check_at(cxx: &str, threads: usize) {
                 assert_eq!((tokens[i], s.token), (0, 0), "-0 and +0 tie: the lower id");
             }
             draws += usize::from(p.temperature > 0.0);
+            if binned[i] >= 0 {
+                took[binned[i] as usize] += 1;
+            }
             if tokens[i] != s.token as i32 {
                 disagreements.push(format!(
                     "vocab {vocab}, row kind {kind}, {p:?}: device {} host {} (u = {})",
@@ -262,7 +310,13 @@ fn check_at(cxx: &str, threads: usize) {
             }
         }
     }
-    eprintln!("{threads} threads a block: {rows_checked} rows, {draws} of them draws: {} disagreements", disagreements.len());
+    eprintln!(
+        "{threads} threads a block, bins {bins:?}: {rows_checked} rows, {draws} of them draws ({} from the bins, {} left to the descents): {} disagreements",
+        took[1],
+        took[0],
+        disagreements.len()
+    );
     assert!(disagreements.is_empty(), "the device sampler drew other tokens than the host's:\n{}", disagreements.join("\n"));
     let _ = std::fs::remove_dir_all(&dir);
+    took
 }
