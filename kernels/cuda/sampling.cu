@@ -173,7 +173,7 @@ static_assert(SAMPLE_GATHER <= SAMPLE_HIST_BINS && (SAMPLE_GATHER & (SAMPLE_GATH
 #define SAMPLE_NOTE_BINNED(took)
 #endif
 struct SampleHist {
-    // Per bin: the weights in fixed point (× 2^40, integer sums: the same
+    // Per bin: the weights in fixed point (× 2^32, integer sums: the same
     // from run to run in any order), and the entries. Once the bins are
     // read, `mass` holds the gathered entries' weights (as doubles).
     unsigned long long mass[SAMPLE_HIST_BINS];
@@ -434,6 +434,18 @@ __device__ __noinline__ unsigned long long select_cut(const float *s, int vocab,
     return best;
 }
 
+// `*m += v` for a bin's fixed-point weight (v ≤ 2^32), as two 32-bit
+// atomic additions (the low word, then the high word on a carry; a 64-bit
+// addition to shared memory is a compare-and-swap loop): the sum is exact,
+// so the same in any order.
+__device__ __forceinline__ void hist_add(unsigned long long *m, unsigned long long v) {
+    unsigned *w = (unsigned *)m; // little-endian: the low word first
+    const unsigned lo = (unsigned)v, hi = (unsigned)(v >> 32);
+    const unsigned old = atomicAdd(&w[0], lo);
+    const unsigned carry = old + lo < old ? 1u : 0u;
+    if (hi + carry != 0u) atomicAdd(&w[1], hi + carry);
+}
+
 // The bin of score `v`: bin 0 holds the largest scores; scores at or
 // under `lo` share the last bin. Larger scores never land in a later bin
 // (each rounded step is monotone), so bins are runs of rank keys.
@@ -477,10 +489,11 @@ __device__ int hist_find(const double *q, int from, int end, double m0, double t
 // sums.
 //
 // Pass 1 bins the candidates by score (SAMPLE_HIST_BINS bins spanning the
-// largest score down to 40 temperatures below it, or the smallest score),
+// largest score down to 40 temperatures below it for top-p, 1,024 for
+// top-k, or to the smallest score),
 // counting them and weighing them in fixed point, and sums the row's
 // weights in double. The bins place each cut: top-k's exactly (counts),
-// top-p's and the draw's up to the fixed point's rounding (2^-40 an
+// top-p's and the draw's up to the fixed point's rounding (2^-32 an
 // entry). Pass 2 gathers the entries of the bins that hold the cuts (at
 // most SAMPLE_GATHER) and weighs, in double, every entry above them; the
 // gathered entries are sorted by rank key and walked in order. A bin too
@@ -492,17 +505,24 @@ __device__ int hist_find(const double *q, int from, int end, double m0, double t
 // among them. top-p alone: the bin of top-p's cut and the bins the draw
 // can fall in (its target is u times the kept mass, which lies between the
 // mass above the cut's bin and the mass through it).
-__device__ int sample_binned(const float *s, int vocab, float max, float temperature, float inv_t, double u, int top_k, float top_p,
-                             unsigned long long bottom, SampleShared &b) {
+__device__ int sample_binned(const float *s, int vocab, int argmax, float max, float temperature, float inv_t, double u, int top_k,
+                             float top_p, unsigned long long bottom, SampleShared &b) {
     __shared__ int plan_s, g0_s, g1_s, c_s, ng_s, nd_s, token_s;
     __shared__ double total_s;
     const int t = (int)threadIdx.x;
     SampleHist &h = b.hist;
     const bool by_k = top_k > 0 && top_k < vocab;
+    if (by_k && top_k == 1) { // whatever top-p says, one entry is kept
+        if (t == 0) SAMPLE_NOTE_BINNED(true);
+        return argmax;
+    }
+    // top-k places its cut by counts alone: its bins span 1,024 below the
+    // largest score, wherever the weights vanish; top-p's span the 40
+    // temperatures below it where the mass is.
     const float smin = key_score(bottom);
-    const float lo = fmaxf(smin, __fsub_rn(max, __fmul_rn(40.0f, temperature)));
+    const float lo = fmaxf(smin, __fsub_rn(max, by_k ? 1024.0f : __fmul_rn(40.0f, temperature)));
     const float scale = (float)SAMPLE_HIST_BINS / __fsub_rn(max, lo);
-    if (!(max > lo) || !(scale < 3.0e38f) || max > 3.0e38f || lo < -3.0e38f) {
+    if (!(max > lo) || !(scale > 0.0f) || !(scale < 3.0e38f) || max > 3.0e38f || lo < -3.0e38f || top_k > SAMPLE_GATHER) {
         if (t == 0) SAMPLE_NOTE_BINNED(false);
         return -1;
     }
@@ -514,30 +534,35 @@ __device__ int sample_binned(const float *s, int vocab, float max, float tempera
     }
     __syncthreads();
     double acc = 0.0;
-    unsigned last_n = 0;          // the last bin's entries, added once a thread:
-    unsigned long long last_m = 0; // the many far below the top would all
-                                   // contend for its counters
+    unsigned last_n = 0;   // the last bin's entries, added once a thread: the
+    unsigned long long last_m = 0; // many far below the top would all contend
+                                   // for its counters
     for_entries(s, vocab, [&](int, float v) {
+        const int bin = hist_bin(v, max, lo, scale);
+        if (by_k) { // counts alone
+            if (bin == SAMPLE_HIST_BINS - 1) last_n += 1;
+            else atomicAdd(&h.count[bin], 1u);
+            return;
+        }
         const float w = sample_weight(v, max, inv_t);
         acc += (double)w;
-        const unsigned long long fixed = (unsigned long long)__fmul_rn(w, 1099511627776.0f);
-        const int bin = hist_bin(v, max, lo, scale);
+        const unsigned long long fixed = (unsigned long long)__fmul_rn(w, 4294967296.0f);
         if (bin == SAMPLE_HIST_BINS - 1) {
             last_n += 1;
             last_m += fixed;
         } else {
             atomicAdd(&h.count[bin], 1u);
-            atomicAdd(&h.mass[bin], fixed);
+            hist_add(&h.mass[bin], fixed);
         }
     });
     atomicAdd(&h.count[SAMPLE_HIST_BINS - 1], last_n);
-    atomicAdd(&h.mass[SAMPLE_HIST_BINS - 1], last_m);
+    hist_add(&h.mass[SAMPLE_HIST_BINS - 1], last_m);
     const double total = sample_sum(acc, b.red); // its barriers publish the bins
 
     // The bins to gather: [g0, g1], and with top-p alone also bin c (the
     // cut's, when past g1).
     if (t == 0) {
-        const double unit = 1.0 / 1099511627776.0;
+        const double unit = 1.0 / 4294967296.0;
         int plan = 0, g0 = 0, g1 = -1, c = -1, nd = 0;
         if (by_k) {
             unsigned n = 0;
@@ -555,9 +580,10 @@ __device__ int sample_binned(const float *s, int vocab, float max, float tempera
             // [mass above it, mass through it], widened by the fixed
             // point's error.
             double above = 0.0, above_c = 0.0, through_c = 0.0;
+            const double p_mass = (double)top_p * total; // (placing only: the walk divides)
             for (int i = 0; i < SAMPLE_HIST_BINS; i++) {
                 if (h.count[i] == 0) continue;
-                if (!(above / total < (double)top_p)) break;
+                if (!(above < p_mass)) break;
                 c = i;
                 above_c = above;
                 above += (double)h.mass[i] * unit;
@@ -577,8 +603,9 @@ __device__ int sample_binned(const float *s, int vocab, float max, float tempera
             for (int i = g0; c >= 0 && g0 >= 0 && i <= g1; i++) n += h.count[i];
             nd = (int)n;
             if (c > g1) n += h.count[c];
-            unsigned after = 0; // entries past the cut's bin
-            for (int i = c + 1; c >= 0 && i < SAMPLE_HIST_BINS; i++) after += h.count[i];
+            unsigned through = 0; // entries down to the cut's bin
+            for (int i = 0; i <= c; i++) through += h.count[i];
+            const unsigned after = (unsigned)vocab - through;
             if (c >= 0 && g0 >= 0 && g1 >= g0 && n <= SAMPLE_GATHER) plan = after > 0 ? 2 : 3; // 3: nothing follows bin c
         }
         plan_s = plan;
@@ -849,7 +876,7 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
             }
             __syncthreads();
             if (c != -1) token = chosen_s;
-        } else if (SAMPLE_BINNED && min_p <= 0.0f && (token = sample_binned(s, vocab, max, temperature, inv_t, u, top_k, top_p, bottom, sh)) >= 0) {
+        } else if (SAMPLE_BINNED && min_p <= 0.0f && (token = sample_binned(s, vocab, argmax, max, temperature, inv_t, u, top_k, top_p, bottom, sh)) >= 0) {
             // Drawn from the bins (two passes).
         } else {
             token = argmax;

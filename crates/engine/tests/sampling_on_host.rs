@@ -4,7 +4,7 @@
 //! (`vellum_engine::sampler::sample`) on the same rows and the same draws:
 //! greedy, plain draws, top-k, top-p, min-p and their mix, penalties and
 //! logit bias, the sampled token's logprob and the top logprobs, over
-//! peaked, flat, tied and one-hot rows. The kernel's text is the very one
+//! peaked, flat, tied, one-hot and banned (-inf) rows. The kernel's text is the very one
 //! NVRTC compiles, so a mistake in its cuts shows on any machine. It runs
 //! three ways: as NVRTC builds it (rows without min-p drawn from the score
 //! bins, the rest by the radix descents), with few bins and a small gather
@@ -137,7 +137,9 @@ fn row(kind: usize, vocab: usize, rng: &mut SeededRng) -> Vec<f32> {
         // Tied: a quarter-step grid, equal scores everywhere.
         2 => (0..vocab).map(|_| (rng.signed_f32() * 8.0).round() / 4.0).collect(),
         // One far ahead: every other weight underflows to zero.
-        _ => (0..vocab).map(|i| if i == vocab / 3 { 150.0 } else { rng.signed_f32() }).collect(),
+        3 => (0..vocab).map(|i| if i == vocab / 3 { 150.0 } else { rng.signed_f32() }).collect(),
+        // Banned tokens: every seventh at -inf (a logit bias of -inf).
+        _ => (0..vocab).map(|i| if i % 7 == 2 { f32::NEG_INFINITY } else { (rng.normal() * 2.0) as f32 }).collect(),
     }
 }
 
@@ -178,14 +180,13 @@ fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_sk
     // groups of 16 threads, so only the larger block adds groups together
     // as a GPU block (256) does.
     for threads in [16, 64] {
-        // Of the 276 rows with rank cuts and no min-p, all but the tied rows
-        // of 20,011 (a score shared by ~1,180 entries, past the gather) and
-        // the one-hot rows' top-k of 5 and 50 (every entry but one in the
-        // last bin) are drawn from the bins: 249 on 2026-11-28. Fewer means
-        // the walks or the bins' placing left rows to the descents that
-        // they used to draw.
+        // Of the 345 rows with rank cuts and no min-p, all but the tied top-p
+        // rows of 20,011 (a score shared by ~1,180 entries, past the
+        // gather: 15 rows) are drawn from the bins (top-k 1 as the argmax):
+        // 330 on 2026-11-28. Fewer means the walks or the bins' placing
+        // left rows to the descents that they used to draw.
         let took = check_at(&cxx, threads, Bins::AsBuilt);
-        assert!(took[1] >= 240 && took[0] <= 36, "{threads} threads: {took:?} rows [left to the descents, drawn from the bins]");
+        assert!(took[1] >= 320 && took[0] <= 21, "{threads} threads: {took:?} rows [left to the descents, drawn from the bins]");
     }
     let took = check_at(&cxx, 16, Bins::Few);
     assert!(took[0] >= 50 && took[1] >= 50, "few bins: both paths run ({took:?}: [left to the descents, binned])");
@@ -225,7 +226,7 @@ fn check_at(cxx: &str, threads: usize, bins: Bins) -> [i32; 2] {
         let (mut logits, mut rows, mut pens, mut want) = (Vec::new(), Vec::new(), Vec::<PenaltyEntry>::new(), Vec::new());
         let prompt: Vec<TokenId> = vec![1, 2, 3, 5, 8, 13];
         let output: Vec<TokenId> = vec![3, 3, 21, 34, 2, 3];
-        for kind in 0..4 {
+        for kind in 0..5 {
             for p in params() {
                 for seed in 0..3u64 {
                     let x = row(kind, vocab, &mut gen);
