@@ -30,7 +30,10 @@
 //
 // Full passes over a row: one for the NaN check and the largest and
 // smallest keys; with penalties, one more for those of the scores; with
-// logprobs, one for the log-sum and one per top entry after the first;
+// logprobs, one for the log-sum, and for top logprobs past the first one
+// more (`top_binned`: the log-sum's pass bins the row by score, the second
+// gathers the bins down to the last entry asked for, sorted in shared
+// memory) or, where those bins are too full, one per entry after the first;
 // then per descent one a digit taken and one for the entry found (none when
 // every digit was taken). A descent whose floor is the entry the last one
 // found (top-p after top-k, the draw after either) starts from the last
@@ -171,6 +174,9 @@ static_assert(SAMPLE_GATHER <= SAMPLE_HIST_BINS && (SAMPLE_GATHER & (SAMPLE_GATH
 // A hook for the host tests (which path a row took); nothing on a GPU.
 #ifndef SAMPLE_NOTE_BINNED
 #define SAMPLE_NOTE_BINNED(took)
+#endif
+#ifndef SAMPLE_NOTE_TOP
+#define SAMPLE_NOTE_TOP(took)
 #endif
 struct SampleHist {
     // Per bin: the weights in fixed point (× 2^32, integer sums: the same
@@ -482,6 +488,86 @@ __device__ int hist_find(const double *q, int from, int end, double m0, double t
     return lo >= from ? lo : -1;
 }
 
+// The first `n` gathered keys sorted descending (bitonic, padded with key
+// 0, below every entry), by the whole block; ends with a barrier.
+__device__ void hist_sort(SampleHist &h, int n) {
+    const int t = (int)threadIdx.x;
+    int size = 1;
+    while (size < n) size <<= 1;
+    for (int i = n + t; i < size; i += SAMPLE_THREADS) h.keys[i] = 0;
+    __syncthreads();
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = t; i < size; i += SAMPLE_THREADS) {
+                const int p = i ^ j;
+                if (p > i) {
+                    const unsigned long long x = h.keys[i], y = h.keys[p];
+                    if (((i & k) == 0) ? x < y : x > y) {
+                        h.keys[i] = y;
+                        h.keys[p] = x;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// The raw row's `n_top` largest entries (the top logprobs), where the
+// block maxima take a pass each: bins by score over the 1,024 below the
+// largest (`mx`), counted in one pass that also adds this thread's
+// exp(x − mx) to `acc` (the log-sum's terms, in the order the plain pass
+// adds them), then the bins down to the n_top-th entry's gathered and
+// sorted into `h.keys`. Returns 2 when they are there, 1 when `acc` is
+// added but the bins were too full (the caller lists them a pass each),
+// 0 when neither (the caller adds `acc` too).
+__device__ int top_binned(const float *x, int vocab, float mx, unsigned long long bottom, int n_top, double &acc, SampleShared &b) {
+    __shared__ int plan_s, g1_s, ng_s;
+    const int t = (int)threadIdx.x;
+    SampleHist &h = b.hist;
+    const float lo = fmaxf(key_score(bottom), __fsub_rn(mx, 1024.0f));
+    const float scale = (float)SAMPLE_HIST_BINS / __fsub_rn(mx, lo);
+    if (n_top > SAMPLE_GATHER || !(mx > lo) || !(scale > 0.0f) || !(scale < 3.0e38f) || mx > 3.0e38f || lo < -3.0e38f) {
+        if (t == 0) SAMPLE_NOTE_TOP(false);
+        return 0;
+    }
+    for (int i = t; i < SAMPLE_HIST_BINS; i += SAMPLE_THREADS) h.count[i] = 0;
+    __syncthreads();
+    unsigned last_n = 0; // the last bin's entries, added once a thread
+    for_entries(x, vocab, [&](int, float v) {
+        acc += (double)sample_weight(v, mx, 1.0f);
+        const int bin = hist_bin(v, mx, lo, scale);
+        if (bin == SAMPLE_HIST_BINS - 1) last_n += 1;
+        else atomicAdd(&h.count[bin], 1u);
+    });
+    atomicAdd(&h.count[SAMPLE_HIST_BINS - 1], last_n);
+    __syncthreads();
+    if (t == 0) {
+        unsigned n = 0;
+        int g1 = -1;
+        for (int i = 0; i < SAMPLE_HIST_BINS && g1 < 0; i++) {
+            n += h.count[i];
+            if (n >= (unsigned)n_top) g1 = i;
+        }
+        plan_s = g1 >= 0 && n <= SAMPLE_GATHER;
+        g1_s = g1;
+        ng_s = 0;
+        SAMPLE_NOTE_TOP(plan_s != 0);
+    }
+    __syncthreads();
+    if (!plan_s) return 1;
+    const int g1 = g1_s;
+    for_entries(x, vocab, [&](int i, float v) {
+        if (hist_bin(v, mx, lo, scale) <= g1) {
+            const int slot = (int)atomicAdd((unsigned *)&ng_s, 1u);
+            if (slot < SAMPLE_GATHER) h.keys[slot] = rank_key(v, i, vocab);
+        }
+    });
+    __syncthreads();
+    hist_sort(h, ng_s < SAMPLE_GATHER ? ng_s : SAMPLE_GATHER);
+    return 2;
+}
+
 // The rank cuts of a row without min-p in two passes over it, where the
 // descents of `select_cut` take one a digit: the token, or -1 to leave the
 // row to them. The same cuts and sums as theirs (masses in rank order,
@@ -645,26 +731,7 @@ __device__ int sample_binned(const float *s, int vocab, int argmax, float max, f
         __syncthreads();
     }
     const int n = ng_s < SAMPLE_GATHER ? ng_s : SAMPLE_GATHER; // (never more: the counts said)
-    // Sort descending (bitonic, padded with key 0, below every entry).
-    int size = 1;
-    while (size < n) size <<= 1;
-    for (int i = n + t; i < size; i += SAMPLE_THREADS) h.keys[i] = 0;
-    __syncthreads();
-    for (int k = 2; k <= size; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = t; i < size; i += SAMPLE_THREADS) {
-                const int p = i ^ j;
-                if (p > i) {
-                    const unsigned long long x = h.keys[i], y = h.keys[p];
-                    if (((i & k) == 0) ? x < y : x > y) {
-                        h.keys[i] = y;
-                        h.keys[p] = x;
-                    }
-                }
-            }
-            __syncthreads();
-        }
-    }
+    hist_sort(h, n);
     double *w = (double *)h.mass; // the bins are read: the weights go there
     for (int i = t; i < n; i += SAMPLE_THREADS) w[i] = (double)sample_weight(key_score(h.keys[i]), max, inv_t);
     __syncthreads();
@@ -760,16 +827,24 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
     if (wants_logprob || num_logprobs > 0) {
         const float mx = key_score(top);
         double acc = 0.0;
-        for_entries(x, vocab, [&](int, float v) { acc += (double)sample_weight(v, mx, 1.0f); });
+        const int n_top = num_logprobs < top_stride ? (num_logprobs < vocab ? num_logprobs : vocab) : (top_stride < vocab ? top_stride : vocab);
+        const int listed = SAMPLE_BINNED && n_top >= 2 ? top_binned(x, vocab, mx, bottom, n_top, acc, sh) : 0;
+        if (listed == 0) for_entries(x, vocab, [&](int, float v) { acc += (double)sample_weight(v, mx, 1.0f); });
         lse = log(sample_sum(acc, red)) + (double)mx;
-        // The top entries, one block maximum each, every one below the last.
         unsigned long long below = top;
         if (threadIdx.x == 0 && num_logprobs > 0 && top_stride > 0) {
             const int id = key_id(top, vocab);
             out_top_ids[row * top_stride] = id;
             out_top_lp[row * top_stride] = (float)((double)x[id] - lse);
+            // From the bins, sorted: the first is `top`.
+            for (int j = 1; listed == 2 && j < n_top; j++) {
+                const int e = key_id(sh.hist.keys[j], vocab);
+                out_top_ids[row * top_stride + j] = e;
+                out_top_lp[row * top_stride + j] = (float)((double)x[e] - lse);
+            }
         }
-        for (int j = 1; j < num_logprobs && j < top_stride && j < vocab; j++) {
+        // Else the top entries, one block maximum each, every one below the last.
+        for (int j = 1; listed != 2 && j < num_logprobs && j < top_stride && j < vocab; j++) {
             unsigned long long best = 0;
             for_entries(x, vocab, [&](int i, float v) {
                 const unsigned long long k = rank_key(v, i, vocab);

@@ -7,7 +7,8 @@
 use vellum_base::{DeviceSample, Error, PenaltyEntry, RowSampling};
 
 /// Most top logprobs a row may ask for on the device (the OpenAI API's
-/// limit is 20; the kernel takes one pass over the row per entry).
+/// limit is 20; the kernel lists them from its score bins in two passes
+/// over the row, or, where the bins are too full, one pass an entry).
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// The kernel's inputs, on the host.

@@ -55,9 +55,11 @@ static unsigned atomicAdd(unsigned *p, unsigned v) { return __atomic_fetch_add(p
 static unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 using std::log;
 using std::fmaxf;
-// Per row: drawn from the bins (1), left to the descents (0), neither (-1).
-static std::vector<int> binned_row;
+// Per row: drawn from the bins (1), left to the descents (0), neither (-1);
+// the top logprobs listed from the bins likewise.
+static std::vector<int> binned_row, top_row;
 #define SAMPLE_NOTE_BINNED(took) (binned_row[blockIdx.x] = (took) ? 1 : 0)
+#define SAMPLE_NOTE_TOP(took) (top_row[blockIdx.x] = (took) ? 1 : 0)
 "#;
 
 const MAIN: &str = r#"
@@ -89,6 +91,7 @@ int main(int argc, char **argv) {
     auto pen_values = slurp<float>(dir + "/pen_values");
     const int rows = (int)uniform.size();
     binned_row.assign(rows, -1);
+    top_row.assign(rows, -1);
     std::vector<int> tokens(rows, -7), top_ids((size_t)rows * stride, -7);
     std::vector<float> lps(rows), top_lp((size_t)rows * stride), pen_raw(pen_tokens.size());
     std::barrier<> bar(SAMPLE_THREADS);
@@ -109,6 +112,7 @@ int main(int argc, char **argv) {
     spill(dir + "/top_ids", top_ids);
     spill(dir + "/top_lp", top_lp);
     spill(dir + "/binned", binned_row);
+    spill(dir + "/top_binned", top_row);
     return 0;
 }
 "#;
@@ -192,13 +196,16 @@ fn the_device_sampler_compiled_for_the_host_draws_the_host_samplers_tokens_or_sk
         // drawn from the bins (top-k 1 as the argmax): 465 on 2026-11-28.
         // Fewer means the walks or the bins' placing left rows to the
         // descents that they used to draw.
+        // The 90 rows asking for 3 or 5 top logprobs are all listed from the
+        // bins (the tied rows' top score is shared by ~625 entries).
         let took = check_at(&cxx, threads, Bins::AsBuilt);
-        assert!(took[1] >= 455 && took[0] <= 45, "{threads} threads: {took:?} rows [left to the descents, drawn from the bins]");
+        assert!(took[1] >= 455 && took[0] <= 45, "{threads} threads: {took:?} rows [drawn: descents, bins; top: passes, bins]");
+        assert!(took[3] >= 85 && took[2] <= 5, "{threads} threads: {took:?} rows [drawn: descents, bins; top: passes, bins]");
     }
     let took = check_at(&cxx, 16, Bins::Few);
-    assert!(took[0] >= 50 && took[1] >= 50, "few bins: both paths run ({took:?}: [left to the descents, binned])");
+    assert!(took.iter().all(|&n| n >= 20), "few bins: both paths run ({took:?}: [drawn: descents, bins; top: passes, bins])");
     let took = check_at(&cxx, 64, Bins::Off);
-    assert_eq!(took, [0, 0], "the bins off");
+    assert_eq!(took, [0; 4], "the bins off");
 }
 
 /// How `sample_binned` is built for a run.
@@ -214,8 +221,9 @@ enum Bins {
 }
 
 /// Runs the kernel on every row kind and parameter set against the host
-/// sampler; returns how many rows the bins [left to the descents, drew].
-fn check_at(cxx: &str, threads: usize, bins: Bins) -> [i32; 2] {
+/// sampler; returns how many rows the bins [left to the descents, drew],
+/// and whose top logprobs they [left to a pass each, listed].
+fn check_at(cxx: &str, threads: usize, bins: Bins) -> [i32; 4] {
     let dir = std::env::temp_dir().join(format!("vellum-sampling-on-host-{}-{threads}-{bins:?}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let mut shim = SHIM.replace("#define SAMPLE_THREADS 16", &format!("#define SAMPLE_THREADS {threads}"));
@@ -227,7 +235,7 @@ fn check_at(cxx: &str, threads: usize, bins: Bins) -> [i32; 2] {
     }
     let exe = host_cxx::build_threaded(cxx, &dir, "sampling", &format!("{shim}\n{}\n{MAIN}", vellum_kernels::cuda::SAMPLING));
 
-    let (mut rows_checked, mut draws, mut disagreements, mut took) = (0, 0, Vec::new(), [0i32; 2]);
+    let (mut rows_checked, mut draws, mut disagreements, mut took) = (0, 0, Vec::new(), [0i32; 4]);
     for vocab in [37usize, 3001, 20011] {
         let mut gen = SeededRng::new(vocab as u64);
         let (mut logits, mut rows, mut pens, mut want) = (Vec::new(), Vec::new(), Vec::<PenaltyEntry>::new(), Vec::new());
@@ -285,6 +293,7 @@ fn check_at(cxx: &str, threads: usize, bins: Bins) -> [i32; 2] {
         let top_ids: Vec<i32> = read(&dir.join("top_ids"));
         let top_lp: Vec<f32> = read(&dir.join("top_lp"));
         let binned: Vec<i32> = read(&dir.join("binned"));
+        let top_binned: Vec<i32> = read(&dir.join("top_binned"));
         assert_eq!(binned.len(), rows.len());
         assert_eq!(tokens.len(), rows.len());
         for (i, (s, kind, p)) in want.iter().enumerate() {
@@ -299,6 +308,9 @@ fn check_at(cxx: &str, threads: usize, bins: Bins) -> [i32; 2] {
             draws += usize::from(p.temperature > 0.0);
             if binned[i] >= 0 {
                 took[binned[i] as usize] += 1;
+            }
+            if top_binned[i] >= 0 {
+                took[2 + top_binned[i] as usize] += 1;
             }
             if tokens[i] != s.token as i32 {
                 disagreements.push(format!(
@@ -319,9 +331,12 @@ fn check_at(cxx: &str, threads: usize, bins: Bins) -> [i32; 2] {
         }
     }
     eprintln!(
-        "{threads} threads a block, bins {bins:?}: {rows_checked} rows, {draws} of them draws ({} from the bins, {} left to the descents): {} disagreements",
+        "{threads} threads a block, bins {bins:?}: {rows_checked} rows, {draws} of them draws ({} from the bins, {} left to the descents), \
+         top logprobs of {} rows from the bins, {} a pass each: {} disagreements",
         took[1],
         took[0],
+        took[3],
+        took[2],
         disagreements.len()
     );
     assert!(disagreements.is_empty(), "the device sampler drew other tokens than the host's:\n{}", disagreements.join("\n"));
