@@ -648,7 +648,6 @@ __device__ int sample_binned(const float *s, int vocab, int argmax, float max, f
     // The bins to gather: [g0, g1], and with top-p alone also bin c (the
     // cut's, when past g1).
     if (t == 0) {
-        const double unit = 1.0 / 4294967296.0;
         int plan = 0, g0 = 0, g1 = -1, c = -1, nd = 0;
         if (by_k) {
             unsigned n = 0;
@@ -664,33 +663,38 @@ __device__ int sample_binned(const float *s, int vocab, int argmax, float max, f
             // top-p's cut: the last nonempty bin whose mass above is under
             // top_p of the total; the draw's target lies in u times
             // [mass above it, mass through it], widened by the fixed
-            // point's error.
-            double above = 0.0, above_c = 0.0, through_c = 0.0;
-            const double p_mass = (double)top_p * total; // (placing only: the walk divides)
+            // point's error. Masses in the bins' fixed point (integer
+            // sums: one thread's loop with no floating-point chain),
+            // compared with thresholds converted once.
+            const double fix = 4294967296.0; // a unit of weight
+            const unsigned long long p_fixed = (unsigned long long)((double)top_p * total * fix);
+            unsigned long long above = 0, above_c = 0, through_c = 0;
+            unsigned through = 0; // entries down to the cut's bin
             for (int i = 0; i < SAMPLE_HIST_BINS; i++) {
-                if (h.count[i] == 0) continue;
-                if (!(above < p_mass)) break;
+                const unsigned k = h.count[i];
+                if (k == 0) continue;
+                if (!(above < p_fixed)) break;
                 c = i;
                 above_c = above;
-                above += (double)h.mass[i] * unit;
+                above += h.mass[i];
                 through_c = above;
+                through += k;
             }
-            const double slack = 1e-9 * total + (double)vocab * unit;
-            const double lo_t = u * above_c - slack, hi_t = u * through_c + slack;
-            double a = 0.0;
+            const double slack = 1e-9 * total * fix + (double)vocab;
+            const double lo_t = u * (double)above_c - slack, hi_t = u * (double)through_c + slack;
+            unsigned long long a = 0;
             g0 = -1;
             for (int i = 0; c >= 0 && i <= c; i++) {
                 if (h.count[i] == 0) continue;
-                if (a <= hi_t) g1 = i; // the draw's last possible bin
-                if (a <= lo_t || g0 < 0) g0 = i;
-                a += (double)h.mass[i] * unit;
+                const double ad = (double)a;
+                if (ad <= hi_t) g1 = i; // the draw's last possible bin
+                if (ad <= lo_t || g0 < 0) g0 = i;
+                a += h.mass[i];
             }
             unsigned n = 0;
             for (int i = g0; c >= 0 && g0 >= 0 && i <= g1; i++) n += h.count[i];
             nd = (int)n;
             if (c > g1) n += h.count[c];
-            unsigned through = 0; // entries down to the cut's bin
-            for (int i = 0; i <= c; i++) through += h.count[i];
             const unsigned after = (unsigned)vocab - through;
             if (c >= 0 && g0 >= 0 && g1 >= g0 && n <= SAMPLE_GATHER) plan = after > 0 ? 2 : 3; // 3: nothing follows bin c
         }
