@@ -165,6 +165,11 @@ template <class F> __device__ __forceinline__ void for_entries(const float *x, i
 #ifndef SAMPLE_GATHER
 #define SAMPLE_GATHER 1024
 #endif
+// How far below the largest score the bins reach where only ranks matter
+// (top-k, the top logprobs): a row's 1,024th entry lies well within it in
+// practice, and a score of -inf (a banned token) does not stretch the bins
+// to the smallest finite score's depth. Deeper entries share the last bin.
+#define SAMPLE_RANK_SPAN 256.0f
 static_assert(SAMPLE_GATHER <= SAMPLE_HIST_BINS && (SAMPLE_GATHER & (SAMPLE_GATHER - 1)) == 0,
               "SAMPLE_GATHER: a power of two, at most SAMPLE_HIST_BINS");
 // SAMPLE_BINNED 0 leaves every rank cut to the descents (the host tests).
@@ -440,7 +445,8 @@ __device__ __noinline__ unsigned long long select_cut(const float *s, int vocab,
     return best;
 }
 
-// `*m += v` for a bin's fixed-point weight (v ≤ 2^32), as two 32-bit
+// `*m += v` for a bin's fixed-point weights (any v: a weight is at most
+// 2^32, a thread's last-bin total more), as two 32-bit
 // atomic additions (the low word, then the high word on a carry; a 64-bit
 // addition to shared memory is a compare-and-swap loop): the sum is exact,
 // so the same in any order.
@@ -514,7 +520,7 @@ __device__ void hist_sort(SampleHist &h, int n) {
 }
 
 // The raw row's `n_top` largest entries (the top logprobs), where the
-// block maxima take a pass each: bins by score over the 1,024 below the
+// block maxima take a pass each: bins by score over the SAMPLE_RANK_SPAN below the
 // largest (`mx`), counted in one pass that also adds this thread's
 // exp(x − mx) to `acc` (the log-sum's terms, in the order the plain pass
 // adds them), then the bins down to the n_top-th entry's gathered and
@@ -525,7 +531,7 @@ __device__ int top_binned(const float *x, int vocab, float mx, unsigned long lon
     __shared__ int plan_s, g1_s, ng_s;
     const int t = (int)threadIdx.x;
     SampleHist &h = b.hist;
-    const float lo = fmaxf(key_score(bottom), __fsub_rn(mx, 1024.0f));
+    const float lo = fmaxf(key_score(bottom), __fsub_rn(mx, SAMPLE_RANK_SPAN));
     const float scale = (float)SAMPLE_HIST_BINS / __fsub_rn(mx, lo);
     if (n_top > SAMPLE_GATHER || !(mx > lo) || !(scale > 0.0f) || !(scale < 3.0e38f) || mx > 3.0e38f || lo < -3.0e38f) {
         if (t == 0) SAMPLE_NOTE_TOP(false);
@@ -575,7 +581,7 @@ __device__ int top_binned(const float *x, int vocab, float mx, unsigned long lon
 // sums.
 //
 // Pass 1 bins the candidates by score (SAMPLE_HIST_BINS bins spanning the
-// largest score down to 40 temperatures below it for top-p, 1,024 for
+// largest score down to 40 temperatures below it for top-p, SAMPLE_RANK_SPAN for
 // top-k, or to the smallest score),
 // counting them and weighing them in fixed point, and sums the row's
 // weights in double. The bins place each cut: top-k's exactly (counts),
@@ -602,11 +608,11 @@ __device__ int sample_binned(const float *s, int vocab, int argmax, float max, f
         if (t == 0) SAMPLE_NOTE_BINNED(true);
         return argmax;
     }
-    // top-k places its cut by counts alone: its bins span 1,024 below the
+    // top-k places its cut by counts alone: its bins span SAMPLE_RANK_SPAN below the
     // largest score, wherever the weights vanish; top-p's span the 40
     // temperatures below it where the mass is.
     const float smin = key_score(bottom);
-    const float lo = fmaxf(smin, __fsub_rn(max, by_k ? 1024.0f : __fmul_rn(40.0f, temperature)));
+    const float lo = fmaxf(smin, __fsub_rn(max, by_k ? SAMPLE_RANK_SPAN : __fmul_rn(40.0f, temperature)));
     const float scale = (float)SAMPLE_HIST_BINS / __fsub_rn(max, lo);
     if (!(max > lo) || !(scale > 0.0f) || !(scale < 3.0e38f) || max > 3.0e38f || lo < -3.0e38f || top_k > SAMPLE_GATHER) {
         if (t == 0) SAMPLE_NOTE_BINNED(false);

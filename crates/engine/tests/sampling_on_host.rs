@@ -176,6 +176,8 @@ fn params() -> Vec<SamplingParams> {
         SamplingParams { top_p: 1e-6, ..base.clone() },
         SamplingParams { top_p: 0.9, temperature: 1e-3, ..base.clone() },
         SamplingParams { top_k: 50, top_p: 0.95, temperature: 100.0, ..base.clone() },
+        SamplingParams { top_k: 20, logprobs: Some(20), ..base.clone() },
+        SamplingParams { temperature: 0.0, logprobs: Some(2), ..base.clone() },
         SamplingParams { temperature: 0.0, ..pens.clone() },
         SamplingParams { logprobs: Some(3), ..pens.clone() },
         SamplingParams { top_p: 0.9, ..pens },
