@@ -60,7 +60,9 @@ fn sampling_on_the_device_draws_the_host_samplers_tokens() {
         PenaltyEntry { token: 8, repetition: 1.3, subtract: 0.0, bias: -100.0 },
     ];
     let mut rng = vellum::core::SeededRng::new(42);
-    for (vocab, rows) in [(1000usize, 200usize), (262_144, 256)] {
+    // Rows of `vocab` logits, peaked (even rows) and flat (odd), each row's
+    // parameters from `kind(r)` with a uniform number of its own.
+    let mut batch = |rows: usize, vocab: usize, kind: &dyn Fn(usize) -> RowSampling| {
         let mut logits = Vec::with_capacity(rows * vocab);
         let mut sampling = Vec::with_capacity(rows);
         for r in 0..rows {
@@ -69,9 +71,12 @@ fn sampling_on_the_device_draws_the_host_samplers_tokens() {
                 let x = rng.signed_f32();
                 logits.push(if flat { x * 0.5 } else { x * 4.0 + if i % 97 == 3 { 6.0 } else { 0.0 } });
             }
-            let u = rng.uniform();
-            sampling.push(RowSampling { uniform: u, ..kinds[r % kinds.len()] });
+            sampling.push(RowSampling { uniform: rng.uniform(), ..kind(r) });
         }
+        (logits, sampling)
+    };
+    for (vocab, rows) in [(1000usize, 200usize), (262_144, 256)] {
+        let (logits, sampling) = batch(rows, vocab, &|r| kinds[r % kinds.len()]);
         // Rows with penalties are overwritten with their scores: each call
         // gets the logits afresh.
         let x = ops.upload(rows, vocab, &logits).expect("upload");
@@ -132,54 +137,37 @@ fn sampling_on_the_device_draws_the_host_samplers_tokens() {
     // alone): the same tokens both ways, and the time of each (the best of
     // three calls; 268 MB of logits a call).
     let (vocab, rows) = (262_144usize, 256usize);
-    let mut logits = Vec::with_capacity(rows * vocab);
-    let mut top_p = Vec::with_capacity(rows);
-    for r in 0..rows {
-        let flat = r % 2 == 1;
-        for i in 0..vocab {
-            let x = rng.signed_f32();
-            logits.push(if flat { x * 0.5 } else { x * 4.0 + if i % 97 == 3 { 6.0 } else { 0.0 } });
-        }
-        top_p.push(RowSampling { top_p: 0.95, uniform: rng.uniform(), ..base });
-    }
+    let (logits, top_p) = batch(rows, vocab, &|_| RowSampling { top_p: 0.95, ..base });
     let greedy: Vec<RowSampling> = top_p.iter().map(|s| RowSampling { temperature: 0.0, ..*s }).collect();
-    let x = ops.upload(rows, vocab, &logits).expect("upload");
-    let time = |rows: &[RowSampling]| {
-        let mut best = f64::INFINITY;
-        let mut tokens = Vec::new();
-        for _ in 0..3 {
-            let started = std::time::Instant::now();
-            let got = ops.sample_rows(&x, rows, &[]).expect("sample").expect("sampled on the device");
-            best = best.min(started.elapsed().as_secs_f64() * 1e3);
-            tokens = got.iter().map(|d| d.token).collect::<Vec<_>>();
-        }
-        (best, tokens)
-    };
-    let (greedy_ms, _) = time(&greedy);
-    let kernels = ops.kernels();
-    let was = kernels.sample_binned();
-    kernels.set_sample_binned(true);
-    let (binned_ms, binned) = time(&top_p);
-    kernels.set_sample_binned(false);
-    let (descents_ms, descents) = time(&top_p);
     // Greedy with 20 top logprobs (what an evaluation asks): listed from the
     // bins (two passes, one shared with the log-sum) and a pass each.
     let listing: Vec<RowSampling> = greedy.iter().map(|s| RowSampling { num_logprobs: 20, logprob: true, ..*s }).collect();
-    let list = |binned: bool| {
+    let x = ops.upload(rows, vocab, &logits).expect("upload");
+    let kernels = ops.kernels();
+    let was = kernels.sample_binned();
+    // The best of three calls (ms) with the bins on or off, and the draws.
+    let time = |rows: &[RowSampling], binned: bool| {
         kernels.set_sample_binned(binned);
         let mut best = f64::INFINITY;
-        let mut tops = Vec::new();
+        let mut got = Vec::new();
         for _ in 0..3 {
             let started = std::time::Instant::now();
-            let got = ops.sample_rows(&x, &listing, &[]).expect("sample").expect("sampled on the device");
+            got = ops.sample_rows(&x, rows, &[]).expect("sample").expect("sampled on the device");
             best = best.min(started.elapsed().as_secs_f64() * 1e3);
-            tops = got.iter().map(|d| d.top_logprobs.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>();
         }
-        (best, tops)
+        (best, got)
     };
-    let (listed_ms, listed) = list(true);
-    let (passes_ms, passes) = list(false);
+    let tokens = |got: &[DeviceSample]| got.iter().map(|d| d.token).collect::<Vec<_>>();
+    let tops = |got: &[DeviceSample]| {
+        got.iter().map(|d| d.top_logprobs.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>()
+    };
+    let (greedy_ms, _) = time(&greedy, true);
+    let (binned_ms, binned) = time(&top_p, true);
+    let (descents_ms, descents) = time(&top_p, false);
+    let (listed_ms, listed) = time(&listing, true);
+    let (passes_ms, passes) = time(&listing, false);
     kernels.set_sample_binned(was);
+    let (binned, descents, listed, passes) = (tokens(&binned), tokens(&descents), tops(&listed), tops(&passes));
     assert_eq!(listed, passes, "the bins and the passes list the same top logprobs, bit for bit");
     assert!(listed.iter().all(|t| t.len() == 20), "20 top logprobs a row");
     assert_eq!(binned, descents, "the bins and the descents draw the same tokens");

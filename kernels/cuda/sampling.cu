@@ -519,29 +519,35 @@ __device__ void hist_sort(SampleHist &h, int n) {
     }
 }
 
-// The raw row's `n_top` largest entries (the top logprobs), where the
-// block maxima take a pass each: bins by score over the SAMPLE_RANK_SPAN below the
-// largest (`mx`), counted in one pass that also adds this thread's
-// exp(x − mx) to `acc` (the log-sum's terms, in the order the plain pass
-// adds them), then the bins down to the n_top-th entry's gathered and
-// sorted into `h.keys`. Returns 2 when they are there, 1 when `acc` is
-// added but the bins were too full (the caller lists them a pass each),
-// 0 when neither (the caller adds `acc` too).
-__device__ int top_binned(const float *x, int vocab, float mx, unsigned long long bottom, int n_top, double &acc, SampleShared &b) {
-    __shared__ int plan_s, g1_s, ng_s;
+// The bins' reach: scores from `max` down to `depth` below it (or the
+// smallest score, `bottom`'s) over SAMPLE_HIST_BINS bins; false where that
+// is no finite, nonempty range (the caller then keeps to its passes).
+__device__ __forceinline__ bool hist_span(float max, unsigned long long bottom, float depth, float &lo, float &scale) {
+    lo = fmaxf(key_score(bottom), __fsub_rn(max, depth));
+    scale = (float)SAMPLE_HIST_BINS / __fsub_rn(max, lo);
+    return max > lo && scale > 0.0f && scale < 3.0e38f && max < 3.0e38f && lo > -3.0e38f;
+}
+
+// The row's `n` largest entries (top-k's candidates, the top logprobs),
+// where block maxima or descents take a pass a digit: one pass counts the
+// row into bins over the SAMPLE_RANK_SPAN below the largest score (`mx`),
+// adding, when `acc` is given, this thread's exp(x − mx) to it (the
+// log-sum's terms, in the order the plain pass adds them); a second
+// gathers the bins down to the n-th entry's, sorted into `h.keys` (the n
+// entries first). Returns how many were gathered (at least n), 0 when the
+// bins were too full (`acc` added) and -1 when the row has no span for
+// them (`acc` not added).
+__device__ int top_binned(const float *x, int vocab, float mx, unsigned long long bottom, int n, double *acc, SampleShared &b) {
+    __shared__ int g1_s, ng_s;
     const int t = (int)threadIdx.x;
     SampleHist &h = b.hist;
-    const float lo = fmaxf(key_score(bottom), __fsub_rn(mx, SAMPLE_RANK_SPAN));
-    const float scale = (float)SAMPLE_HIST_BINS / __fsub_rn(mx, lo);
-    if (n_top > SAMPLE_GATHER || !(mx > lo) || !(scale > 0.0f) || !(scale < 3.0e38f) || mx > 3.0e38f || lo < -3.0e38f) {
-        if (t == 0) SAMPLE_NOTE_TOP(false);
-        return 0;
-    }
+    float lo, scale;
+    if (n > SAMPLE_GATHER || !hist_span(mx, bottom, SAMPLE_RANK_SPAN, lo, scale)) return -1;
     for (int i = t; i < SAMPLE_HIST_BINS; i += SAMPLE_THREADS) h.count[i] = 0;
     __syncthreads();
     unsigned last_n = 0; // the last bin's entries, added once a thread
     for_entries(x, vocab, [&](int, float v) {
-        acc += (double)sample_weight(v, mx, 1.0f);
+        if (acc) *acc += (double)sample_weight(v, mx, 1.0f);
         const int bin = hist_bin(v, mx, lo, scale);
         if (bin == SAMPLE_HIST_BINS - 1) last_n += 1;
         else atomicAdd(&h.count[bin], 1u);
@@ -549,20 +555,18 @@ __device__ int top_binned(const float *x, int vocab, float mx, unsigned long lon
     atomicAdd(&h.count[SAMPLE_HIST_BINS - 1], last_n);
     __syncthreads();
     if (t == 0) {
-        unsigned n = 0;
+        unsigned through = 0;
         int g1 = -1;
         for (int i = 0; i < SAMPLE_HIST_BINS && g1 < 0; i++) {
-            n += h.count[i];
-            if (n >= (unsigned)n_top) g1 = i;
+            through += h.count[i];
+            if (through >= (unsigned)n) g1 = i;
         }
-        plan_s = g1 >= 0 && n <= SAMPLE_GATHER;
-        g1_s = g1;
+        g1_s = through <= SAMPLE_GATHER ? g1 : -1;
         ng_s = 0;
-        SAMPLE_NOTE_TOP(plan_s != 0);
     }
     __syncthreads();
-    if (!plan_s) return 1;
     const int g1 = g1_s;
+    if (g1 < 0) return 0;
     for_entries(x, vocab, [&](int i, float v) {
         if (hist_bin(v, mx, lo, scale) <= g1) {
             const int slot = (int)atomicAdd((unsigned *)&ng_s, 1u);
@@ -570,8 +574,9 @@ __device__ int top_binned(const float *x, int vocab, float mx, unsigned long lon
         }
     });
     __syncthreads();
-    hist_sort(h, ng_s < SAMPLE_GATHER ? ng_s : SAMPLE_GATHER);
-    return 2;
+    const int gathered = ng_s < SAMPLE_GATHER ? ng_s : SAMPLE_GATHER; // (never more: the counts said)
+    hist_sort(h, gathered);
+    return gathered;
 }
 
 // The rank cuts of a row without min-p in two passes over it, where the
@@ -580,45 +585,63 @@ __device__ int top_binned(const float *x, int vocab, float mx, unsigned long lon
 // divided by the same totals), so the same token up to the order of the
 // sums.
 //
-// Pass 1 bins the candidates by score (SAMPLE_HIST_BINS bins spanning the
-// largest score down to 40 temperatures below it for top-p, SAMPLE_RANK_SPAN for
-// top-k, or to the smallest score),
-// counting them and weighing them in fixed point, and sums the row's
-// weights in double. The bins place each cut: top-k's exactly (counts),
-// top-p's and the draw's up to the fixed point's rounding (2^-32 an
-// entry). Pass 2 gathers the entries of the bins that hold the cuts (at
-// most SAMPLE_GATHER) and weighs, in double, every entry above them; the
-// gathered entries are sorted by rank key and walked in order. A bin too
-// full to gather, or a cut the exact masses place outside its bins, leaves
-// the row to the descents.
+// top-k (0 < k < vocab): `top_binned` gathers the k largest entries, and
+// top-p and the draw are walked among them.
 //
-// top-k (0 < k < vocab): the bins down to the k-th entry's, gathered
-// whole, hold the k largest entries, so top-p and the draw are walked
-// among them. top-p alone: the bin of top-p's cut and the bins the draw
-// can fall in (its target is u times the kept mass, which lies between the
-// mass above the cut's bin and the mass through it).
+// top-p alone: pass 1 bins the row by score (SAMPLE_HIST_BINS bins from the
+// largest score down to 40 temperatures below it, or to the smallest
+// score), counting and weighing them in fixed point, and sums the row's
+// weights in double. The bins place top-p's cut and the draw up to the
+// fixed point's rounding (2^-32 an entry): the cut's bin, and the bins the
+// draw can fall in (its target is u times the kept mass, which lies
+// between the mass above the cut's bin and the mass through it). Pass 2
+// gathers their entries (at most SAMPLE_GATHER) and weighs, in double,
+// every entry above them; the gathered entries are sorted by rank key and
+// walked in order. Bins too full to gather, or a cut the exact masses
+// place outside its bin, leave the row to the descents.
 __device__ int sample_binned(const float *s, int vocab, int argmax, float max, float temperature, float inv_t, double u, int top_k,
                              float top_p, unsigned long long bottom, SampleShared &b) {
-    __shared__ int plan_s, g0_s, g1_s, c_s, ng_s, nd_s, token_s;
+    __shared__ int go_s, g0_s, g1_s, c_s, ng_s, nd_s, tail_s, token_s;
     __shared__ double total_s;
     const int t = (int)threadIdx.x;
     SampleHist &h = b.hist;
-    const bool by_k = top_k > 0 && top_k < vocab;
-    if (by_k && top_k == 1) { // whatever top-p says, one entry is kept
-        if (t == 0) SAMPLE_NOTE_BINNED(true);
-        return argmax;
+    double *w = (double *)h.mass; // once the bins are read: the gathered entries' weights
+    if (top_k > 0 && top_k < vocab) {
+        if (top_k == 1) { // whatever top-p says, one entry is kept
+            if (t == 0) SAMPLE_NOTE_BINNED(true);
+            return argmax;
+        }
+        const bool gathered = top_binned(s, vocab, max, bottom, top_k, nullptr, b) > 0;
+        for (int i = t; gathered && i < top_k; i += SAMPLE_THREADS) w[i] = (double)sample_weight(key_score(h.keys[i]), max, inv_t);
+        __syncthreads();
+        if (t == 0) {
+            int pick = -1;
+            if (gathered) {
+                // The k largest entries, in rank order: top-k's mass, top-p
+                // among them, the draw.
+                hist_through(w, 0, top_k, 0.0);
+                const double tot = w[top_k - 1];
+                double kept = tot;
+                int end = top_k;
+                if (top_p < 1.0f) {
+                    const int cut = hist_find(w, 0, top_k, 0.0, tot, (double)top_p, true);
+                    kept = cut >= 0 ? w[cut] : 0.0;
+                    end = cut + 1;
+                }
+                pick = hist_find(w, 0, end, 0.0, tot, u * (kept / tot), false);
+            }
+            token_s = pick >= 0 ? key_id(h.keys[pick], vocab) : -1;
+            SAMPLE_NOTE_BINNED(pick >= 0);
+        }
+        __syncthreads();
+        return token_s;
     }
-    // top-k places its cut by counts alone: its bins span SAMPLE_RANK_SPAN below the
-    // largest score, wherever the weights vanish; top-p's span the 40
-    // temperatures below it where the mass is.
-    const float smin = key_score(bottom);
-    const float lo = fmaxf(smin, __fsub_rn(max, by_k ? SAMPLE_RANK_SPAN : __fmul_rn(40.0f, temperature)));
-    const float scale = (float)SAMPLE_HIST_BINS / __fsub_rn(max, lo);
-    if (!(max > lo) || !(scale > 0.0f) || !(scale < 3.0e38f) || max > 3.0e38f || lo < -3.0e38f || top_k > SAMPLE_GATHER) {
+
+    float lo, scale;
+    if (!hist_span(max, bottom, __fmul_rn(40.0f, temperature), lo, scale)) {
         if (t == 0) SAMPLE_NOTE_BINNED(false);
         return -1;
     }
-
     // Pass 1: the histogram, and the row's weight.
     for (int i = t; i < SAMPLE_HIST_BINS; i += SAMPLE_THREADS) {
         h.mass[i] = 0;
@@ -631,14 +654,9 @@ __device__ int sample_binned(const float *s, int vocab, int argmax, float max, f
                                    // for its counters
     for_entries(s, vocab, [&](int, float v) {
         const int bin = hist_bin(v, max, lo, scale);
-        if (by_k) { // counts alone
-            if (bin == SAMPLE_HIST_BINS - 1) last_n += 1;
-            else atomicAdd(&h.count[bin], 1u);
-            return;
-        }
-        const float w = sample_weight(v, max, inv_t);
-        acc += (double)w;
-        const unsigned long long fixed = (unsigned long long)__fmul_rn(w, 4294967296.0f);
+        const float wv = sample_weight(v, max, inv_t);
+        acc += (double)wv;
+        const unsigned long long fixed = (unsigned long long)__fmul_rn(wv, 4294967296.0f);
         if (bin == SAMPLE_HIST_BINS - 1) {
             last_n += 1;
             last_m += fixed;
@@ -651,70 +669,53 @@ __device__ int sample_binned(const float *s, int vocab, int argmax, float max, f
     hist_add(&h.mass[SAMPLE_HIST_BINS - 1], last_m);
     const double total = sample_sum(acc, b.red); // its barriers publish the bins
 
-    // The bins to gather: [g0, g1], and with top-p alone also bin c (the
-    // cut's, when past g1).
+    // The bins to gather: the draw's [g0, g1], and the cut's c (past g1,
+    // or g1 itself).
     if (t == 0) {
-        int plan = 0, g0 = 0, g1 = -1, c = -1, nd = 0;
-        if (by_k) {
-            unsigned n = 0;
-            for (int i = 0; i < SAMPLE_HIST_BINS; i++) {
-                n += h.count[i];
-                if (n >= (unsigned)top_k) {
-                    g1 = i;
-                    break;
-                }
-            }
-            if (g1 >= 0 && n <= SAMPLE_GATHER) plan = 1;
-        } else {
-            // top-p's cut: the last nonempty bin whose mass above is under
-            // top_p of the total; the draw's target lies in u times
-            // [mass above it, mass through it], widened by the fixed
-            // point's error. Masses in the bins' fixed point (integer
-            // sums: one thread's loop with no floating-point chain),
-            // compared with thresholds converted once.
-            const double fix = 4294967296.0; // a unit of weight
-            const unsigned long long p_fixed = (unsigned long long)((double)top_p * total * fix);
-            unsigned long long above = 0, above_c = 0, through_c = 0;
-            unsigned through = 0; // entries down to the cut's bin
-            for (int i = 0; i < SAMPLE_HIST_BINS; i++) {
-                const unsigned k = h.count[i];
-                if (k == 0) continue;
-                if (!(above < p_fixed)) break;
-                c = i;
-                above_c = above;
-                above += h.mass[i];
-                through_c = above;
-                through += k;
-            }
-            const double slack = 1e-9 * total * fix + (double)vocab;
-            const double lo_t = u * (double)above_c - slack, hi_t = u * (double)through_c + slack;
-            unsigned long long a = 0;
-            g0 = -1;
-            for (int i = 0; c >= 0 && i <= c; i++) {
-                if (h.count[i] == 0) continue;
-                const double ad = (double)a;
-                if (ad <= hi_t) g1 = i; // the draw's last possible bin
-                if (ad <= lo_t || g0 < 0) g0 = i;
-                a += h.mass[i];
-            }
-            unsigned n = 0;
-            for (int i = g0; c >= 0 && g0 >= 0 && i <= g1; i++) n += h.count[i];
-            nd = (int)n;
-            if (c > g1) n += h.count[c];
-            const unsigned after = (unsigned)vocab - through;
-            if (c >= 0 && g0 >= 0 && g1 >= g0 && n <= SAMPLE_GATHER) plan = after > 0 ? 2 : 3; // 3: nothing follows bin c
+        // top-p's cut: the last nonempty bin whose mass above is under
+        // top_p of the total; the draw's target lies in u times [mass above
+        // it, mass through it], widened by the fixed point's error. Masses
+        // in the bins' fixed point (integer sums: one thread's loop with no
+        // floating-point chain), compared with thresholds converted once.
+        const double fix = 4294967296.0; // a unit of weight
+        const unsigned long long p_fixed = (unsigned long long)((double)top_p * total * fix);
+        unsigned long long above = 0, above_c = 0, through_c = 0;
+        unsigned through = 0; // entries down to the cut's bin
+        int c = -1, g0 = -1, g1 = -1;
+        for (int i = 0; i < SAMPLE_HIST_BINS; i++) {
+            const unsigned k = h.count[i];
+            if (k == 0) continue;
+            if (!(above < p_fixed)) break;
+            c = i;
+            above_c = above;
+            above += h.mass[i];
+            through_c = above;
+            through += k;
         }
-        plan_s = plan;
+        const double slack = 1e-9 * total * fix + (double)vocab;
+        const double lo_t = u * (double)above_c - slack, hi_t = u * (double)through_c + slack;
+        unsigned long long a = 0;
+        for (int i = 0; i <= c; i++) {
+            if (h.count[i] == 0) continue;
+            const double ad = (double)a;
+            if (ad <= hi_t) g1 = i; // the draw's last possible bin
+            if (ad <= lo_t || g0 < 0) g0 = i;
+            a += h.mass[i];
+        }
+        unsigned n = 0;
+        for (int i = g0; g0 >= 0 && i <= g1; i++) n += h.count[i];
+        nd_s = (int)n;
+        if (c > g1) n += h.count[c];
+        go_s = c >= 0 && g0 >= 0 && g1 >= g0 && n <= SAMPLE_GATHER;
+        tail_s = through < (unsigned)vocab; // entries follow bin c
         g0_s = g0;
         g1_s = g1;
         c_s = c;
         ng_s = 0;
-        nd_s = nd;
         total_s = total;
     }
     __syncthreads();
-    const int plan = plan_s;
-    if (plan == 0) {
+    if (!go_s) {
         if (t == 0) SAMPLE_NOTE_BINNED(false);
         return -1;
     }
@@ -728,61 +729,41 @@ __device__ int sample_binned(const float *s, int vocab, int argmax, float max, f
             const int slot = (int)atomicAdd((unsigned *)&ng_s, 1u);
             if (slot < SAMPLE_GATHER) h.keys[slot] = rank_key(v, i, vocab);
         }
-        if (plan >= 2 && bin < c) {
-            const double w = (double)sample_weight(v, max, inv_t);
-            if (bin < g0) above_g += w;
-            above_c += w;
+        if (bin < c) {
+            const double wv = (double)sample_weight(v, max, inv_t);
+            if (bin < g0) above_g += wv;
+            above_c += wv;
         }
     });
-    if (plan >= 2) {
-        above_g = sample_sum(above_g, b.red);
-        above_c = sample_sum(above_c, b.red);
-    } else {
-        __syncthreads();
-    }
+    above_g = sample_sum(above_g, b.red);
+    above_c = sample_sum(above_c, b.red);
     const int n = ng_s < SAMPLE_GATHER ? ng_s : SAMPLE_GATHER; // (never more: the counts said)
     hist_sort(h, n);
-    double *w = (double *)h.mass; // the bins are read: the weights go there
     for (int i = t; i < n; i += SAMPLE_THREADS) w[i] = (double)sample_weight(key_score(h.keys[i]), max, inv_t);
     __syncthreads();
 
     if (t == 0) {
+        // The draw's bins come first among the gathered entries (nd of
+        // them), then the cut's bin when it lies past them; else all are
+        // one run from the draw's first bin.
         int pick = -1;
-        if (plan == 1) {
-            // The k largest entries, in rank order: top-k's mass, top-p
-            // among them, the draw.
-            hist_through(w, 0, top_k, 0.0);
-            const double tot = w[top_k - 1];
-            double kept = tot;
-            int end = top_k;
-            if (top_p < 1.0f) {
-                const int cut = hist_find(w, 0, top_k, 0.0, tot, (double)top_p, true);
-                kept = cut >= 0 ? w[cut] : 0.0;
-                end = cut + 1;
-            }
-            pick = hist_find(w, 0, end, 0.0, tot, u * (kept / tot), false);
-        } else {
-            // top-p alone. The draw's bins come first among the gathered
-            // entries (nd of them), then the cut's bin when it lies past
-            // them; else all are one run from the draw's first bin.
-            const double tot = total_s;
-            const int nd = nd_s;
-            const bool apart = c > g1;
-            const int cs = apart ? nd : 0;               // where the cut's run starts
-            const double cm = apart ? above_c : above_g; // the mass before it
-            if (apart) hist_through(w, 0, nd, above_g);
-            hist_through(w, cs, n, cm);
-            const int cut = hist_find(w, cs, n, cm, tot, (double)top_p, true);
-            // The cut must fall in its bin: its first entry kept, and the
-            // entry after the bin (if any) not.
-            const bool cut_ok = cut >= 0 && (cut < n - 1 || plan == 3 || !(w[n - 1] / tot < (double)top_p));
-            if (cut_ok) {
-                const double target = u * (w[cut] / tot);
-                // (Past the draw's bins, when they end before the cut's, the
-                // next entry fails: its mass above passes u times the mass
-                // through the cut's bin, the fixed point's error included.)
-                pick = hist_find(w, 0, apart ? nd : cut + 1, above_g, tot, target, false);
-            }
+        const double tot = total_s;
+        const int nd = nd_s;
+        const bool apart = c > g1;
+        const int cs = apart ? nd : 0;               // where the cut's run starts
+        const double cm = apart ? above_c : above_g; // the mass before it
+        if (apart) hist_through(w, 0, nd, above_g);
+        hist_through(w, cs, n, cm);
+        const int cut = hist_find(w, cs, n, cm, tot, (double)top_p, true);
+        // The cut must fall in its bin: its first entry kept, and the
+        // entry after the bin (if any) not.
+        const bool cut_ok = cut >= 0 && (cut < n - 1 || !tail_s || !(w[n - 1] / tot < (double)top_p));
+        if (cut_ok) {
+            const double target = u * (w[cut] / tot);
+            // (Past the draw's bins, when they end before the cut's, the
+            // next entry fails: its mass above passes u times the mass
+            // through the cut's bin, the fixed point's error included.)
+            pick = hist_find(w, 0, apart ? nd : cut + 1, above_g, tot, target, false);
         }
         token_s = pick >= 0 ? key_id(h.keys[pick], vocab) : -1;
         SAMPLE_NOTE_BINNED(pick >= 0);
@@ -838,8 +819,12 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
         const float mx = key_score(top);
         double acc = 0.0;
         const int n_top = num_logprobs < top_stride ? (num_logprobs < vocab ? num_logprobs : vocab) : (top_stride < vocab ? top_stride : vocab);
-        const int listed = SAMPLE_BINNED && n_top >= 2 ? top_binned(x, vocab, mx, bottom, n_top, acc, sh) : 0;
-        if (listed == 0) for_entries(x, vocab, [&](int, float v) { acc += (double)sample_weight(v, mx, 1.0f); });
+        // From the bins (2 passes, the first adding the log-sum's terms), or
+        // a block maximum a pass each.
+        const int binned = SAMPLE_BINNED && n_top >= 2 ? top_binned(x, vocab, mx, bottom, n_top, &acc, sh) : -1;
+        if (SAMPLE_BINNED && threadIdx.x == 0 && n_top >= 2) SAMPLE_NOTE_TOP(binned > 0);
+        if (binned < 0) for_entries(x, vocab, [&](int, float v) { acc += (double)sample_weight(v, mx, 1.0f); });
+        const bool listed = binned > 0;
         lse = log(sample_sum(acc, red)) + (double)mx;
         unsigned long long below = top;
         if (threadIdx.x == 0 && num_logprobs > 0 && top_stride > 0) {
@@ -847,14 +832,14 @@ extern "C" __global__ void sample_rows(int *out_token, float *out_logprob, int *
             out_top_ids[row * top_stride] = id;
             out_top_lp[row * top_stride] = (float)((double)x[id] - lse);
             // From the bins, sorted: the first is `top`.
-            for (int j = 1; listed == 2 && j < n_top; j++) {
+            for (int j = 1; listed && j < n_top; j++) {
                 const int e = key_id(sh.hist.keys[j], vocab);
                 out_top_ids[row * top_stride + j] = e;
                 out_top_lp[row * top_stride + j] = (float)((double)x[e] - lse);
             }
         }
         // Else the top entries, one block maximum each, every one below the last.
-        for (int j = 1; listed != 2 && j < num_logprobs && j < top_stride && j < vocab; j++) {
+        for (int j = 1; !listed && j < num_logprobs && j < top_stride && j < vocab; j++) {
             unsigned long long best = 0;
             for_entries(x, vocab, [&](int i, float v) {
                 const unsigned long long k = rank_key(v, i, vocab);
