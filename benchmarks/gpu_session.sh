@@ -20,7 +20,10 @@
 #    weight copies, attention with flash prefill), paged attention against
 #    float64 (flash prefill and every paged-load variant among the
 #    kernels), the graph test (mixed steps replayed), the GEMV test (plan
-#    4:2:1 among others), the executor against the CPU; then flash
+#    4:2:1 among others), the tensor-core GEMM test (the staged kernel bit
+#    for bit against the one before it), the executor against the CPU; then
+#    the staged GEMM's milliseconds at 3-128 rows against that kernel and
+#    cuBLAS on bf16 copies (gemm_bench --staged); then flash
 #    prefill's TFLOP/s (attention_bench --prefill --quick) and the paged
 #    decode kernels' loads side by side (attention_bench --loads: tiled
 #    values and prefetch against the kernel before them, GB/s); then
@@ -30,7 +33,9 @@
 # 2. a Llama-3-8B-shaped Q8_0 (written there): two prompts of 4,096 tokens
 #    with flash prefill and without (VELLUM_FLASH_ATTENTION=0), and
 #    single-stream decode of it and of a SmolLM2-shaped Q4_1 with the fused
-#    GEMV and without (VELLUM_FUSED_GEMV=0, one round), while llama.cpp
+#    GEMV and without (VELLUM_FUSED_GEMV=0, one round), and its decode at
+#    64 sequences without bf16 weight copies (the staged GEMM reading the
+#    Q8_0 blocks), while llama.cpp
 #    builds; then `bench latency` at 1 / 64 / 256 sequences (bf16 weight
 #    copies, the default) against llama.cpp's `llama-batched-bench` on the
 #    same file (the tensor-core issue's rows), one round;
@@ -59,7 +64,7 @@ if [ -f .gpu-llama/llama.cpp.tar.xz ]; then
     build=$!
 fi
 
-SUITE_FILTER="the_conformance_suite paged_attention_matches decode_steps gemv_and_cuda_core the_cuda_executor" SUITE_LIMIT=200 \
+SUITE_FILTER="the_conformance_suite paged_attention_matches decode_steps gemv_and_cuda_core tensor_core_gemm the_cuda_executor" SUITE_LIMIT=200 \
     bash .gpu/run.sh suite >"$out/logs/suite.txt" 2>&1
 stamp "suite exit $?"
 grep -E "^test |test result|recorded|SKIPPED|panicked|Flash" "$out/logs/suite.txt" | cut -c1-240
@@ -79,6 +84,14 @@ if grep -A3 "panicked" "$out/logs/suite.txt" | grep -qE "norm_linear|linear_add"
     export VELLUM_FUSED_GEMV=0
     stamp "the fused GEMV failed the suite: VELLUM_FUSED_GEMV=0 from here"
 fi
+if grep -A3 "panicked" "$out/logs/suite.txt" | grep -qE "gemm_mma_staged"; then
+    export VELLUM_GEMM_MMA=registers
+    stamp "the staged GEMM failed the suite: VELLUM_GEMM_MMA=registers from here"
+fi
+# The staged GEMM against the kernel before it and cuBLAS on bf16 copies.
+OUT="$out/logs" GEMM_ARGS=--staged GEMM_LIMIT=60 bash .gpu/run.sh gemm >"$out/logs/gemm_staged.txt" 2>&1
+stamp "gemm staged exit $?"
+grep -E "^\|" "$out/logs/gemm_staged.txt"
 OUT="$out/logs" PREFILL_LIMIT=60 bash .gpu/run.sh prefill >"$out/logs/prefill.txt" 2>&1
 stamp "prefill exit $?"
 grep -E "^\|" "$out/logs/prefill.txt"
@@ -120,6 +133,12 @@ if [ "$(left)" -gt 240 ]; then
             stamp "single stream $tag: exit $? $(cut -c1-300 "$out/logs/single_$tag.json")"
         done
     done
+    # Decode at 64 rows with no bf16 copies: the staged GEMM on the Q8_0
+    # blocks (the table's 64 row below takes cuBLAS on the copies).
+    timeout 60 .gpu/x/vellum bench latency --device cuda --model "$m8" --input-len 128 --output-len 128 \
+        --batch-size 64 --num-iters 2 --cuda-bf16-weight-copies none \
+        --json >"$out/logs/m8_b64_nocopies.json" 2>"$out/logs/m8_b64_nocopies.log"
+    stamp "8b decode 64 rows, no copies (staged GEMM): exit $? $(cut -c1-300 "$out/logs/m8_b64_nocopies.json")"
     checkpoint
     if [ -n "$build" ]; then
         # llama.cpp's row needs its build; give it until 30 s before the end.

@@ -163,6 +163,192 @@ MMA_ENTRY(q5k, LayoutQ5K)
 MMA_ENTRY(q6k, LayoutQ6K)
 MMA_ENTRY(f32, LayoutF32)
 
+// ---------------------------------------------------------------------------
+// `gemm_mma_staged_*`: the same product for Q8 and Q4 weights, with the
+// weight's bytes brought in by `cp.async` several steps ahead. Decode
+// batches (3 to 127 rows) are bound by reading the weight once, and
+// `gemm_mma` has one step of 32 (a sixteen-byte load a thread) in flight;
+// here each thread block has MMA_STAGES − 1 steps of 64 in flight (24 KB of
+// Q8 codes), and no register holds them.
+//
+// - A stage (dynamic shared memory, `mma_staged_smem_bytes` on the host):
+//   x's MMA_BM rows × 64 bf16 (rows STG_ALD = 72 apart), the 128 columns'
+//   64 weights as the file's codes (`Staged<L>::CODE_LD` bytes apart), and
+//   their two blocks' scales. Every part comes by `cp.async`; rows past the
+//   batch read as zeros, columns past n repeat the last (never stored).
+// - The warps split the columns: warp w owns columns 16w .. 16w + 15 of the
+//   tile for all MMA_BM rows (MMA_BM / 16 × 2 fragments), so each weight is
+//   decoded once. A lane builds its B fragments straight from the codes in
+//   shared memory (`Staged<L>::pair`: two weights, decoded as `L::decode`
+//   does and rounded to bf16 as `store16_bf16` does), and its A fragments
+//   by `ldmatrix.x4`.
+// - Each output takes its k in the same order and its products from the same
+//   bf16 values as `gemm_mma`'s, so the two kernels agree bit for bit.
+// - One barrier a step: waiting for step i's group, then issuing step
+//   i + MMA_STAGES − 1's into the slot step i − 1 used.
+// The host sends here only weights whose k/32 and whose parts of k are even
+// (a step is two scale blocks; the scales' copies are then aligned).
+
+#define STG_KC 64
+#define STG_ALD (STG_KC + 8)
+#ifndef MMA_STAGES
+#define MMA_STAGES (MMA_BM == 128 ? 3 : 4)
+#endif
+#define STG_MT (MMA_BM / 16)
+
+template <typename L> struct Staged;
+
+// Q8: 64 one-byte codes a column a step (rows 80 bytes apart: the eight
+// columns a fragment reads fall in distinct banks), two f16 scales.
+template <> struct Staged<LayoutQ8> {
+    static constexpr int CODE_BYTES = 64, CODE_LD = 80, SCALE_BYTES = 4;
+    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
+        return codes + (long long)n * k + 32 * kb;
+    }
+    __device__ static __forceinline__ const void *scales_at(const unsigned short *scales, int n, int k, int kb) {
+        return scales + (long long)n * (k / 32) + kb;
+    }
+    // Weights kk and kk + 1 (kk even) of a column's step as bf16x2.
+    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const unsigned char *scale, int kk) {
+        const unsigned two = *reinterpret_cast<const unsigned short *>(col + kk);
+        const float d = half_bits_to_float(reinterpret_cast<const unsigned short *>(scale)[kk >> 5]);
+        return pack_bf16(d * (float)(signed char)(two & 0xffu), d * (float)(signed char)(two >> 8));
+    }
+};
+
+// Q4 (Q4_0, Q4_1): 32 bytes of nibbles a column a step (rows 48 apart),
+// two (d, m) pairs.
+template <> struct Staged<LayoutQ4> {
+    static constexpr int CODE_BYTES = 32, CODE_LD = 48, SCALE_BYTES = 8;
+    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
+        return codes + (long long)n * (k / 2) + 16 * kb;
+    }
+    __device__ static __forceinline__ const void *scales_at(const unsigned short *scales, int n, int k, int kb) {
+        return scales + 2 * ((long long)n * (k / 32) + kb);
+    }
+    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const unsigned char *scale, int kk) {
+        const unsigned byte = col[kk >> 1];
+        const unsigned dm = reinterpret_cast<const unsigned *>(scale)[kk >> 5];
+        const float d = half_bits_to_float((unsigned short)(dm & 0xffffu)), m = half_bits_to_float((unsigned short)(dm >> 16));
+        return pack_bf16(fmaf(d, (float)(byte & 0xfu), m), fmaf(d, (float)(byte >> 4), m));
+    }
+};
+
+template <typename L> struct StagedSizes {
+    static constexpr int A = MMA_BM * STG_ALD * 2;
+    static constexpr int W = MMA_BN * Staged<L>::CODE_LD;
+    static constexpr int SCALES = MMA_BN * Staged<L>::SCALE_BYTES;
+    static constexpr int STAGE = A + W + SCALES;
+};
+
+template <typename L>
+__device__ __forceinline__ void gemm_mma_staged(float *__restrict__ y, const unsigned char *__restrict__ codes,
+                                                const unsigned short *__restrict__ scales, const unsigned short *__restrict__ x,
+                                                int rows, int n_cols, int k, int kb_per_split) {
+    typedef Staged<L> S;
+    typedef StagedSizes<L> Z;
+    static_assert(Z::A % 16 == 0 && Z::W % 16 == 0 && Z::STAGE % 16 == 0, "stage parts 16-byte aligned");
+    extern __shared__ __align__(16) unsigned char stg_smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int r0 = blockIdx.y * MMA_BM, n0 = blockIdx.x * MMA_BN;
+    const int kb_begin = blockIdx.z * kb_per_split, kb_end = min(k / 32, kb_begin + kb_per_split);
+    const int steps = kb_end > kb_begin ? (kb_end - kb_begin) / 2 : 0;
+    y += (long long)blockIdx.z * rows * n_cols;
+
+    float acc[STG_MT][2][4];
+#pragma unroll
+    for (int i = 0; i < STG_MT; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+
+    auto load_stage = [&](int slot, int step) {
+        unsigned char *base = stg_smem + slot * Z::STAGE;
+        unsigned short *as = reinterpret_cast<unsigned short *>(base);
+        const int kb = kb_begin + 2 * step;
+        // x: MMA_BM rows × 8 copies of 8 bf16.
+#pragma unroll
+        for (int c = tid; c < MMA_BM * 8; c += MMA_THREADS) {
+            const int row = c >> 3, part = c & 7, gr = r0 + row;
+            const unsigned short *src = x + (long long)min(gr, rows - 1) * k + 32 * kb + 8 * part;
+            cp_async16(&as[row * STG_ALD + 8 * part], src, gr < rows ? 16 : 0);
+        }
+        // The codes: 128 columns × CODE_BYTES / 16 copies.
+        constexpr int per_col = S::CODE_BYTES / 16;
+#pragma unroll
+        for (int c = tid; c < MMA_BN * per_col; c += MMA_THREADS) {
+            const int col = c / per_col, part = c % per_col;
+            const int gc = min(n0 + col, n_cols - 1);
+            cp_async16(base + Z::A + col * S::CODE_LD + 16 * part, S::codes_at(codes, gc, k, kb) + 16 * part, 16);
+        }
+        // The scales: one copy a column.
+        if (tid < MMA_BN) {
+            const int gc = min(n0 + tid, n_cols - 1);
+            cp_async_small<S::SCALE_BYTES>(base + Z::A + Z::W + tid * S::SCALE_BYTES, S::scales_at(scales, gc, k, kb));
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < MMA_STAGES - 1; s++) {
+        if (s < steps) load_stage(s, s);
+        cp_async_commit();
+    }
+    const int g = lane >> 2, t4 = lane & 3;
+    for (int i = 0; i < steps; i++) {
+        cp_async_wait<MMA_STAGES - 2>();
+        __syncthreads();
+        if (i + MMA_STAGES - 1 < steps) load_stage((i + MMA_STAGES - 1) % MMA_STAGES, i + MMA_STAGES - 1);
+        cp_async_commit();
+        const unsigned char *base = stg_smem + (i % MMA_STAGES) * Z::STAGE;
+        const unsigned short *as = reinterpret_cast<const unsigned short *>(base);
+        const unsigned char *cols[2], *col_scales[2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int col = 16 * warp + 8 * j + g;
+            cols[j] = base + Z::A + col * S::CODE_LD;
+            col_scales[j] = base + Z::A + Z::W + col * S::SCALE_BYTES;
+        }
+#pragma unroll
+        for (int ks = 0; ks < STG_KC; ks += 16) {
+            unsigned a[STG_MT][4], b[2][2];
+#pragma unroll
+            for (int mi = 0; mi < STG_MT; mi++)
+                ldmatrix_x4(a[mi], &as[(16 * mi + (lane & 15)) * STG_ALD + ks + 8 * (lane >> 4)]);
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                b[j][0] = S::pair(cols[j], col_scales[j], ks + 2 * t4);
+                b[j][1] = S::pair(cols[j], col_scales[j], ks + 2 * t4 + 8);
+            }
+#pragma unroll
+            for (int mi = 0; mi < STG_MT; mi++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) mma_bf16(acc[mi][j], a[mi], b[j][0], b[j][1]);
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int mi = 0; mi < STG_MT; mi++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = r0 + 16 * mi + g + 8 * (e >> 1);
+                const int n = n0 + 16 * warp + 8 * j + 2 * t4 + (e & 1);
+                if (r < rows && n < n_cols) y[(long long)r * n_cols + n] = acc[mi][j][e];
+            }
+}
+
+#define MMA_STAGED_ENTRY(SUFFIX, LAYOUT)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                             \
+        gemm_mma_staged_##SUFFIX(float *y, const unsigned char *codes, const unsigned short *scales,                      \
+                                 const unsigned short *x, int rows, int n_cols, int k, int kb_per_split) {                \
+        gemm_mma_staged<LAYOUT>(y, codes, scales, x, rows, n_cols, k, kb_per_split);                                     \
+    }
+MMA_STAGED_ENTRY(q8, LayoutQ8)
+MMA_STAGED_ENTRY(q4, LayoutQ4)
+
 // out[n, k] = W[n, k] as bf16, 16 weights a thread (grid-stride).
 template <typename L>
 __device__ __forceinline__ void dequantize_bf16(unsigned short *__restrict__ out, const unsigned char *__restrict__ codes,

@@ -21,6 +21,7 @@
 //! cargo build --release -p vellum-backend-cuda --example gemm_bench
 //! gemm_bench [--quick] > gemm.jsonl
 //! gemm_bench --gemv-plans 1:1:0,2:2:1 > gemv.jsonl
+//! gemm_bench --staged > staged.jsonl
 //! ```
 //!
 //! `--gemv-plans` measures only the GEMV, at 1, 2, 4 and 8 rows, once per
@@ -29,6 +30,13 @@
 //! `GEMV_MAX_ROWS`), adding
 //! the shapes where it matters most: the 1024-column k/v projections and
 //! the 128,256-column LM head.
+//!
+//! `--staged` measures the tensor-core GEMM at decode batches (3 to 128
+//! rows) two ways, `gemm_mma_staged_*` (`mma-staged`, the default for Q8
+//! and Q4) and `gemm_mma_*` (`mma-registers`, one step in flight), beside
+//! cuBLAS on a bf16 copy of the weight (`cublas-bf16`, the path of a
+//! weight with a kept copy); its table gives each path's milliseconds and
+//! the weight's GB/s as the file stores it.
 //!
 //! Without a GPU it says so and exits with status 2.
 
@@ -117,10 +125,19 @@ fn run() -> Res<()> {
         }
         None => None,
     };
+    let staged = args.iter().any(|a| a == "--staged");
     let k = Kernels::open(0)?;
     let blas = Blas::new(k.stream().clone())?;
     eprintln!("{} ({} SMs)", k.info().name, k.info().num_sms);
-    let shapes: &[(GgmlType, usize, usize)] = if plans.is_some() {
+    let shapes: &[(GgmlType, usize, usize)] = if staged {
+        &[
+            (GgmlType::Q8_0, 6144, 4096),
+            (GgmlType::Q8_0, 4096, 4096),
+            (GgmlType::Q8_0, 28672, 4096),
+            (GgmlType::Q8_0, 4096, 14336),
+            (GgmlType::Q4_1, 14336, 4096),
+        ]
+    } else if plans.is_some() {
         &[
             (GgmlType::Q8_0, 1024, 4096),
             (GgmlType::Q8_0, 4096, 4096),
@@ -134,7 +151,9 @@ fn run() -> Res<()> {
     } else {
         &[(GgmlType::Q8_0, 4096, 4096), (GgmlType::Q8_0, 14336, 4096), (GgmlType::Q8_0, 4096, 14336), (GgmlType::Q4_1, 14336, 4096)]
     };
-    let all_rows: &[usize] = if plans.is_some() {
+    let all_rows: &[usize] = if staged {
+        &[3, 8, 16, 32, 64, 96, 128]
+    } else if plans.is_some() {
         &[1, 2, 4, 8]
     } else if quick {
         &[1, 8, 64, 256, 1024]
@@ -187,6 +206,23 @@ fn run() -> Res<()> {
                 eprintln!("{:<16} {:<24} rows {:>5}: {:>8.4} ms {:>7.1} TFLOP/s {:>7.0} GB/s", path, name, rows, ms, row.tflops, row.gbs);
                 table.push(row);
             };
+            if staged {
+                for (label, on) in [("mma-registers", false), ("mma-staged", true)] {
+                    k.set_gemm_staged(on);
+                    let ms = time_ms(&k, |i| {
+                        k.cast_to_16(&mut x16, &x, rows * kk, Half::Bf16)?;
+                        Ok(k.gemm_mma(&mut y, &ws[i % copies], &x16, rows)?)
+                    })?;
+                    record(label, ms, weight_bytes);
+                }
+                k.set_gemm_staged(true);
+                let ms = time_ms(&k, |i| {
+                    k.cast_to_16(&mut x16, &x, rows * kk, Half::Bf16)?;
+                    Ok(blas.linear_16(&mut y, &w16s[i % copies], &x16, Half::Bf16, rows, n, kk)?)
+                })?;
+                record("cublas-bf16", ms, weight_bytes);
+                continue;
+            }
             if let Some(plans) = &plans {
                 for (label, plan) in plans {
                     let ms = time_ms(&k, |i| Ok(k.gemv_q_planned(&mut y, &ws[i % copies], &x, rows, *plan)?))?;
@@ -229,6 +265,29 @@ fn run() -> Res<()> {
             })?;
             record("cublas-bf16", ms, n as f64 * kk as f64 * 2.0);
         }
+    }
+    if staged {
+        // Milliseconds per path, the staged kernel's weight GB/s, and its
+        // speed-up over each of the others.
+        println!("\n| weight | rows | mma-registers ms | mma-staged ms | cublas-bf16 ms | staged GB/s | staged vs registers | staged vs cuBLAS |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+        let mut keys: Vec<(String, usize)> = table.iter().map(|r| (r.weight.clone(), r.rows)).collect();
+        keys.dedup();
+        for (w, rows) in keys {
+            let mine = |p: &str| table.iter().find(|r| r.weight == w && r.rows == rows && r.path == p);
+            if let (Some(a), Some(b), Some(c)) = (mine("mma-registers"), mine("mma-staged"), mine("cublas-bf16")) {
+                println!(
+                    "| {w} | {rows} | {:.4} | {:.4} | {:.4} | {:.0} | {:.2}× | {:.2}× |",
+                    a.ms,
+                    b.ms,
+                    c.ms,
+                    b.gbs,
+                    a.ms / b.ms,
+                    c.ms / b.ms
+                );
+            }
+        }
+        return Ok(());
     }
     if let Some(plans) = &plans {
         // Weight GB/s per plan, and the fastest.

@@ -360,6 +360,21 @@ pub const MMA_TILE_ROWS: [usize; 3] = [32, 64, 128];
 /// The tile width of `gemm_mma.cu`.
 pub const MMA_TILE_COLS: usize = 128;
 
+/// The dynamic shared memory of `gemm_mma_staged_*` for a weight format
+/// and tile height (`gemm_mma.cu`'s `StagedSizes` times `MMA_STAGES`):
+/// `None` for a format it does not take.
+pub fn mma_staged_smem_bytes(format: QuantFormat, bm: usize) -> Option<usize> {
+    // A column's codes a step and their row pitch, its scales a step.
+    let (code_ld, scale_bytes) = match format {
+        QuantFormat::Q8 => (80, 4),
+        QuantFormat::Q4 => (48, 8),
+        _ => return None,
+    };
+    let stage = bm * (64 + 8) * 2 + MMA_TILE_COLS * (code_ld + scale_bytes);
+    let stages = if bm == 128 { 3 } else { 4 };
+    Some(stage * stages)
+}
+
 /// The operands of [`Kernels::elementwise`].
 #[derive(Clone, Copy)]
 pub enum Elementwise<'a> {
@@ -403,6 +418,10 @@ pub struct Kernels {
     /// (`VELLUM_SAMPLE_BINNED=0` turns it off, for comparisons; the same
     /// tokens either way).
     sample_binned: std::sync::atomic::AtomicBool,
+    /// Whether [`Kernels::gemm_mma`] takes `gemm_mma_staged_*` where it
+    /// applies (`VELLUM_GEMM_MMA=registers` turns it off, for comparisons;
+    /// the same bits either way).
+    gemm_staged: std::sync::atomic::AtomicBool,
 }
 
 /// How the GEMV of `gemv_q.cu` spreads a linear layer over warps: its
@@ -626,6 +645,7 @@ impl Kernels {
             flash_attention: std::env::var("VELLUM_FLASH_ATTENTION").map_or(true, |v| v != "0"),
             paged_loads,
             sample_binned: std::sync::atomic::AtomicBool::new(std::env::var("VELLUM_SAMPLE_BINNED").map_or(true, |v| v != "0")),
+            gemm_staged: std::sync::atomic::AtomicBool::new(std::env::var("VELLUM_GEMM_MMA").map_or(true, |v| v != "registers")),
         })
     }
 
@@ -1000,6 +1020,19 @@ impl Kernels {
         self.sample_binned.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Whether [`Kernels::gemm_mma`] takes the staged kernel where it
+    /// applies ([`Kernels::mma_staged_applies`]).
+    pub fn gemm_staged(&self) -> bool {
+        self.gemm_staged.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Makes [`Kernels::gemm_mma`] take the staged kernel or not from its
+    /// next launch (the same bits; benchmarks compare the speed). A step
+    /// already recorded as a CUDA graph keeps the kernel it recorded.
+    pub fn set_gemm_staged(&self, on: bool) {
+        self.gemm_staged.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Makes the paged decode kernels load keys and values as `loads` says
     /// (the outputs are the same bits; benchmarks compare the speed).
     pub fn set_paged_loads(&mut self, loads: PagedLoads) {
@@ -1247,17 +1280,40 @@ impl Kernels {
         (bm, self.splits_for(rows.div_ceil(bm) * n.div_ceil(MMA_TILE_COLS), k / 32))
     }
 
+    /// Whether a product of `rows` rows with `w` takes `gemm_mma_staged_*`
+    /// (as [`Kernels::gemm_mma`] decides): the staged kernel on, a Q8 or Q4
+    /// weight whose k is an even number of blocks of 32, and the stages
+    /// within the device's shared memory.
+    pub fn mma_staged_applies(&self, w: &QuantMatrix, rows: usize) -> bool {
+        let bm = self.mma_plan(rows, w.n, w.k).0;
+        self.gemm_staged()
+            && (w.k / 32).is_multiple_of(2)
+            && mma_staged_smem_bytes(w.format, bm).is_some_and(|b| b <= self.info.max_shared_memory_optin)
+    }
+
+    /// The staged kernel's plan: [`Kernels::mma_plan`]'s tile height and
+    /// parts, each part an even number of blocks of 32 (a step is two);
+    /// returns (tile height, parts, blocks a part).
+    pub fn mma_staged_plan(&self, rows: usize, n: usize, k: usize) -> (usize, usize, usize) {
+        let (bm, splits) = self.mma_plan(rows, n, k);
+        let blocks = k / 32;
+        let per_split = (blocks.div_ceil(splits.max(1)).div_ceil(2) * 2).max(2);
+        (bm, blocks.div_ceil(per_split).max(1), per_split)
+    }
+
     /// Launches a GEMM kernel `f(float *y, codes, scales, x, int rows, int
-    /// n, int k, int kb_per_split)` over `grid` (z: the parts of k), with k
-    /// split in `splits` parts: straight into `y` for one part, else into a
-    /// workspace of `splits · rows · n` floats that `gemm_sum_splits` adds
-    /// into `y` in order.
+    /// n, int k, int kb_per_split)` over `grid` (z: the parts of k) with
+    /// `smem` bytes of dynamic shared memory, k split in `splits` parts of
+    /// `per_split` blocks of 32: straight into `y` for one part, else into
+    /// a workspace of `splits · rows · n` floats that `gemm_sum_splits`
+    /// adds into `y` in order.
     ///
     /// # Safety
     /// `f` has that signature, with `x`'s element type, and writes, for
     /// each z < `splits`, every one of the `rows · n` floats at `y + z ·
     /// rows · n` and nothing else, reading only within `w`'s checked planes
-    /// and `rows · k` elements of `x`.
+    /// and `rows · k` elements of `x`; `splits · per_split` blocks cover k;
+    /// `f` may use `smem` bytes of dynamic shared memory.
     #[allow(clippy::too_many_arguments)]
     unsafe fn launch_split<X: cudarc::driver::DeviceRepr>(
         &self,
@@ -1266,16 +1322,17 @@ impl Kernels {
         w: &QuantMatrix,
         x: &CudaSlice<X>,
         rows: usize,
-        splits: usize,
+        (splits, per_split): (usize, usize),
         grid: (u32, u32, u32),
+        smem: usize,
     ) -> Result<(), CudaError> {
-        let per_split = to_i32((w.k / 32).div_ceil(splits), "blocks")?;
+        let per_split = to_i32(per_split, "blocks")?;
         let (rows_i, n_i, k_i) = (to_i32(rows, "rows")?, to_i32(w.n, "n")?, to_i32(w.k, "k")?);
         if splits == 1 {
             let mut b = self.stream.launch_builder(f);
             b.arg(&mut *y).arg(&w.codes).arg(&w.scales).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i).arg(&per_split);
             // SAFETY: the caller's contract: f writes the rows·n floats of y.
-            unsafe { b.launch(cfg(grid, 256, 0)) }?;
+            unsafe { b.launch(cfg(grid, 256, smem)) }?;
             return Ok(());
         }
         let len = rows * w.n;
@@ -1286,7 +1343,7 @@ impl Kernels {
         let mut b = self.stream.launch_builder(f);
         b.arg(&mut parts).arg(&w.codes).arg(&w.scales).arg(x).arg(&rows_i).arg(&n_i).arg(&k_i).arg(&per_split);
         // SAFETY: as above, into parts, which holds splits · len floats.
-        unsafe { b.launch(cfg(grid, 256, 0)) }?;
+        unsafe { b.launch(cfg(grid, 256, smem)) }?;
         // In the module of the one-row GEMV (gemv_q.cu holds both).
         let sum = self.function(&GemvPlan::for_rows(1).variant(1), "gemm_sum_splits")?;
         let (len_i, splits_i) = (len as i64, to_i32(splits, "splits")?);
@@ -1309,17 +1366,44 @@ impl Kernels {
         // the planes (layout bytes for [n, k]), x (rows·k) and y (rows·n);
         // the kernel guards rows and columns past the edges and writes every
         // in-range output of split z at y + z·rows·n; the splits cover k.
-        unsafe { self.launch_split(&f, y, w, x, rows, splits, grid) }
+        unsafe { self.launch_split(&f, y, w, x, rows, (splits, (w.k / 32).div_ceil(splits)), grid, 0) }
     }
 
     /// `y [rows, n] = x16 [rows, k] · Wᵀ` on tensor cores: `x16` bf16
     /// (`cast_to_16`), the weight dequantized to bf16 as it is staged, f32
     /// accumulation and output. Any number of rows (tiles of 32, 64 or 128
-    /// by [`Kernels::mma_plan`], k split when the tiles are too few).
+    /// by [`Kernels::mma_plan`], k split when the tiles are too few). Q8
+    /// and Q4 weights take `gemm_mma_staged_*` where
+    /// [`Kernels::mma_staged_applies`] (the same bits, more of the weight
+    /// in flight), the rest `gemm_mma_*`.
     pub fn gemm_mma(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x16: &CudaSlice<u16>, rows: usize) -> Result<(), CudaError> {
         Self::check_linear(w, x16.len(), y.len(), rows)?;
         if rows == 0 {
             return Ok(());
+        }
+        if self.mma_staged_applies(w, rows) {
+            let (bm, splits, per_split) = self.mma_staged_plan(rows, w.n, w.k);
+            let smem = mma_staged_smem_bytes(w.format, bm).unwrap_or(0);
+            let f = self.function(&Variant::new(GEMM_MMA, &[("MMA_BM", bm)]), &format!("gemm_mma_staged_{}", w.format.suffix()))?;
+            if smem > DEFAULT_SHARED_MEMORY {
+                // Not a stream operation: allowed while a graph is captured.
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    to_i32(smem, "staged GEMM shared memory")?,
+                )?;
+            }
+            let grid =
+                (to_u32(w.n.div_ceil(MMA_TILE_COLS), "column tiles")?, to_u32(rows.div_ceil(bm), "row tiles")?, to_u32(splits, "splits")?);
+            // SAFETY: gemm_mma_staged_*(float*, const unsigned char*, const
+            // unsigned short*, const unsigned short*, int, int, int, int);
+            // check_linear verified the planes for [n, k] (k a multiple of
+            // 32), x16 (rows·k) and y (rows·n); mma_staged_applies checked k/32
+            // even and the format (whose copies are then aligned), and the
+            // plan's parts are even, so every step's two blocks lie in k; the
+            // kernel clamps its loads to row rows − 1 and column n − 1, uses
+            // `smem` bytes (within the device's limit, checked) and writes
+            // every in-range output of split z at y + z·rows·n.
+            return unsafe { self.launch_split(&f, y, w, x16, rows, (splits, per_split), grid, smem) };
         }
         let (bm, splits) = self.mma_plan(rows, w.n, w.k);
         let f = self.function(&Variant::new(GEMM_MMA, &[("MMA_BM", bm)]), &format!("gemm_mma_{}", w.format.suffix()))?;
@@ -1331,7 +1415,7 @@ impl Kernels {
         // and y (rows·n); the kernel clamps its loads to row rows − 1 and
         // column n − 1 and writes every in-range output of split z at
         // y + z·rows·n; the splits cover k.
-        unsafe { self.launch_split(&f, y, w, x16, rows, splits, grid) }
+        unsafe { self.launch_split(&f, y, w, x16, rows, (splits, (w.k / 32).div_ceil(splits)), grid, 0) }
     }
 
     /// `out [n, k]` = the weight's values as bf16 (round to nearest even):

@@ -142,7 +142,12 @@ fn build_gemm(cxx: &str, dir: &Path) -> std::path::PathBuf {
             let common = vellum_kernels::cuda::COMMON;
             &common[common.find("// Weight layouts").expect("common.cuh has its weight layouts") + "// Weight layouts".len()..]
         },
-        vellum_kernels::cuda::GEMM_MMA
+        // The staged kernel (gemm_on_host.rs runs it) has no shared memory here.
+        vellum_kernels::cuda::GEMM_MMA.replacen(
+            "extern __shared__ __align__(16) unsigned char stg_smem[];",
+            "unsigned char *stg_smem = nullptr;",
+            1
+        )
     );
     host_cxx::build_threaded(cxx, dir, "gemm", &source)
 }

@@ -21,6 +21,7 @@ pub const EMULATION: &str = r#"
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <cstdint>
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -109,25 +110,32 @@ static unsigned pack_f16(float lo, float hi) { return f16_bits(lo) | ((unsigned)
 // cp.async: the source is read at issue (global memory nobody writes
 // meanwhile); the destination reads as garbage (all ones: a 16-bit NaN)
 // until a wait lands the copy's group, so a kernel that reads a stage
-// before waiting for it, or waits too little, reads NaN.
-struct PendingCopy { void *dst; unsigned char data[16]; };
+// before waiting for it, or waits too little, reads NaN. A copy whose
+// addresses are not aligned to its size (a fault on a GPU) ends the
+// program with status 7.
+struct PendingCopy { void *dst; int bytes; unsigned char data[16]; };
 static thread_local std::vector<std::vector<PendingCopy>> cp_groups;
 static thread_local std::vector<PendingCopy> cp_open;
-static void cp_async16(void *dst, const void *src, int src_bytes) {
+static void cp_async_any(void *dst, const void *src, int bytes, int src_bytes) {
+    if ((uintptr_t)dst % bytes != 0 || (uintptr_t)src % bytes != 0) std::exit(7);
     PendingCopy c;
     c.dst = dst;
-    if (src_bytes == 16) std::memcpy(c.data, src, 16); else std::memset(c.data, 0, 16);
-    std::memset(dst, 0xff, 16);
+    c.bytes = bytes;
+    if (src_bytes == bytes) std::memcpy(c.data, src, bytes); else std::memset(c.data, 0, bytes);
+    std::memset(dst, 0xff, bytes);
     cp_open.push_back(c);
 }
+static void cp_async16(void *dst, const void *src, int src_bytes) { cp_async_any(dst, src, 16, src_bytes); }
+template <int BYTES> static void cp_async_small(void *dst, const void *src) { cp_async_any(dst, src, BYTES, BYTES); }
 static void cp_async_commit() { cp_groups.push_back(cp_open); cp_open.clear(); }
-// Lands every committed group but the newest.
-static void cp_async_wait_one() {
-    while (cp_groups.size() > 1) {
-        for (auto &c : cp_groups.front()) std::memcpy(c.dst, c.data, 16);
+// Lands every committed group but the newest N.
+template <int N> static void cp_async_wait() {
+    while (cp_groups.size() > (size_t)N) {
+        for (auto &c : cp_groups.front()) std::memcpy(c.dst, c.data, c.bytes);
         cp_groups.erase(cp_groups.begin());
     }
 }
+static void cp_async_wait_one() { cp_async_wait<1>(); }
 
 // ldmatrix.x4: lanes 8i .. 8i+7 give matrix i's row addresses; lane
 // (g, t) receives row g's columns 2t, 2t+1 (.trans: column g's rows 2t, 2t+1).
