@@ -164,8 +164,8 @@ MMA_ENTRY(q6k, LayoutQ6K)
 MMA_ENTRY(f32, LayoutF32)
 
 // ---------------------------------------------------------------------------
-// `gemm_mma_staged_*`: the same product for Q8 and Q4 weights, with the
-// weight's bytes brought in by `cp.async` several steps ahead. Decode
+// `gemm_mma_staged_*`: the same product for Q8, Q4 and the K-quants, with
+// the weight's bytes brought in by `cp.async` several steps ahead. Decode
 // batches (3 to 127 rows) are bound by reading the weight once, and
 // `gemm_mma` has one step of 32 (a sixteen-byte load a thread) in flight;
 // here each thread block has MMA_STAGES − 1 steps of 64 in flight (24 KB of
@@ -187,7 +187,8 @@ MMA_ENTRY(f32, LayoutF32)
 // - One barrier a step: waiting for step i's group, then issuing step
 //   i + MMA_STAGES − 1's into the slot step i − 1 used.
 // The host sends here only weights whose k/32 and whose parts of k are even
-// (a step is two scale blocks; the scales' copies are then aligned).
+// (a step is two scale blocks; the scales' copies are then aligned), and
+// Q6_K weights only with k/256 even.
 
 #define STG_KC 64
 #define STG_ALD (STG_KC + 8)
@@ -195,42 +196,144 @@ MMA_ENTRY(f32, LayoutF32)
 #define MMA_STAGES (MMA_BM == 128 ? 3 : 4)
 #endif
 #define STG_MT (MMA_BM / 16)
+// Blocks a multiprocessor is to hold (registers for them: at most 85 a
+// thread at tile height 32, 128 above): three of 61 KB of stages at tile
+// height 32, two of 80-88 KB above.
+#define STG_MIN_BLOCKS (MMA_BM == 32 ? 3 : 2)
 
 template <typename L> struct Staged;
+// Each layout's staging: CODE_BYTES of codes a column a step (rows
+// CODE_LD bytes apart in shared memory: the eight columns a fragment reads
+// fall in distinct banks), SCALE_BYTES of scales, copied by
+// `copy_scales` in aligned 4- or 8-byte pieces; `step` turns a column's
+// scales into the floats its weights take, once a step (at block kb), and
+// `pair` decodes weights kk and kk + 1 (kk even, in the 16 from `ks`) as
+// bf16x2, by the arithmetic of the layout's `decode`.
 
-// Q8: 64 one-byte codes a column a step (rows 80 bytes apart: the eight
-// columns a fragment reads fall in distinct banks), two f16 scales.
+// Q8: int8 codes, an f16 scale a block.
 template <> struct Staged<LayoutQ8> {
     static constexpr int CODE_BYTES = 64, CODE_LD = 80, SCALE_BYTES = 4;
+    struct Step {
+        float d[2];
+    };
     __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
         return codes + (long long)n * k + 32 * kb;
     }
-    __device__ static __forceinline__ const void *scales_at(const unsigned short *scales, int n, int k, int kb) {
-        return scales + (long long)n * (k / 32) + kb;
+    __device__ static __forceinline__ void copy_scales(unsigned char *dst, const unsigned short *scales, int n, int k, int kb) {
+        cp_async_small<4>(dst, scales + (long long)n * (k / 32) + kb);
     }
-    // Weights kk and kk + 1 (kk even) of a column's step as bf16x2.
-    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const unsigned char *scale, int kk) {
+    __device__ static __forceinline__ Step step(const unsigned char *s, int) {
+        const unsigned short *h = reinterpret_cast<const unsigned short *>(s);
+        return Step{{half_bits_to_float(h[0]), half_bits_to_float(h[1])}};
+    }
+    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
         const unsigned two = *reinterpret_cast<const unsigned short *>(col + kk);
-        const float d = half_bits_to_float(reinterpret_cast<const unsigned short *>(scale)[kk >> 5]);
+        const float d = t.d[ks / 32];
         return pack_bf16(d * (float)(signed char)(two & 0xffu), d * (float)(signed char)(two >> 8));
     }
 };
 
-// Q4 (Q4_0, Q4_1): 32 bytes of nibbles a column a step (rows 48 apart),
-// two (d, m) pairs.
+// Q4 (Q4_0, Q4_1): nibbles (code 2i low in byte i), an f16 (d, m) a block.
 template <> struct Staged<LayoutQ4> {
     static constexpr int CODE_BYTES = 32, CODE_LD = 48, SCALE_BYTES = 8;
+    struct Step {
+        float d[2], m[2];
+    };
     __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
         return codes + (long long)n * (k / 2) + 16 * kb;
     }
-    __device__ static __forceinline__ const void *scales_at(const unsigned short *scales, int n, int k, int kb) {
-        return scales + 2 * ((long long)n * (k / 32) + kb);
+    __device__ static __forceinline__ void copy_scales(unsigned char *dst, const unsigned short *scales, int n, int k, int kb) {
+        cp_async_small<8>(dst, scales + 2 * ((long long)n * (k / 32) + kb));
     }
-    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const unsigned char *scale, int kk) {
+    __device__ static __forceinline__ Step step(const unsigned char *s, int) {
+        const unsigned short *h = reinterpret_cast<const unsigned short *>(s);
+        return Step{{half_bits_to_float(h[0]), half_bits_to_float(h[2])}, {half_bits_to_float(h[1]), half_bits_to_float(h[3])}};
+    }
+    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
         const unsigned byte = col[kk >> 1];
-        const unsigned dm = reinterpret_cast<const unsigned *>(scale)[kk >> 5];
-        const float d = half_bits_to_float((unsigned short)(dm & 0xffffu)), m = half_bits_to_float((unsigned short)(dm >> 16));
+        const float d = t.d[ks / 32], m = t.m[ks / 32];
         return pack_bf16(fmaf(d, (float)(byte & 0xfu), m), fmaf(d, (float)(byte >> 4), m));
+    }
+};
+
+// Q4_K and Q5_K: a step's two (sc, m) sub-block words (4 bytes) and its
+// super-block's (d, dmin) pair (4 bytes; a step of 64 lies in one super
+// block of 256); w = fma(d·sc, q, −dmin·m) as `decode_k4`.
+struct StagedK4 {
+    static constexpr int SCALE_BYTES = 8;
+    struct Step {
+        float d[2], min[2];
+    };
+    __device__ static __forceinline__ void copy_scales(unsigned char *dst, const unsigned short *scales, int n, int k, int kb) {
+        const unsigned short *row = scales + (long long)n * (k / 32 + k / 128);
+        cp_async_small<4>(dst, row + kb);
+        cp_async_small<4>(dst + 4, row + k / 32 + 2 * (kb / 8));
+    }
+    __device__ static __forceinline__ Step step(const unsigned char *s, int) {
+        const unsigned short *h = reinterpret_cast<const unsigned short *>(s);
+        const float d = half_bits_to_float(h[2]), dmin = half_bits_to_float(h[3]);
+        Step t;
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            t.d[b] = d * (float)(h[b] & 0xffu);
+            t.min[b] = dmin * (float)(h[b] >> 8);
+        }
+        return t;
+    }
+};
+template <> struct Staged<LayoutQ4K> : StagedK4 {
+    static constexpr int CODE_BYTES = 32, CODE_LD = 48;
+    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
+        return codes + (long long)n * (k / 2) + 16 * kb;
+    }
+    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
+        const unsigned byte = col[kk >> 1];
+        const float d = t.d[ks / 32], m = -t.min[ks / 32];
+        return pack_bf16(fmaf(d, (float)(byte & 0xfu), m), fmaf(d, (float)(byte >> 4), m));
+    }
+};
+template <> struct Staged<LayoutQ5K> : StagedK4 {
+    static constexpr int CODE_BYTES = 64, CODE_LD = 80;
+    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
+        return codes + (long long)n * k + 32 * kb;
+    }
+    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
+        const unsigned two = *reinterpret_cast<const unsigned short *>(col + kk);
+        const float d = t.d[ks / 32], m = -t.min[ks / 32];
+        return pack_bf16(fmaf(d, (float)(two & 0xffu), m), fmaf(d, (float)(two >> 8), m));
+    }
+};
+
+// Q6_K: int8 codes (−32..31); a step's two sub-block words (an int8 scale
+// per 16) and, as an aligned 4-byte copy, the word pair holding its super
+// block's f16 d (the host sends only weights whose k/256 is even, so the
+// rows' words are aligned and the pair lies in the row);
+// w = (d·sc)·q as `LayoutQ6K::decode`.
+template <> struct Staged<LayoutQ6K> {
+    static constexpr int CODE_BYTES = 64, CODE_LD = 80, SCALE_BYTES = 8;
+    struct Step {
+        float ds[4];
+    };
+    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
+        return codes + (long long)n * k + 32 * kb;
+    }
+    __device__ static __forceinline__ void copy_scales(unsigned char *dst, const unsigned short *scales, int n, int k, int kb) {
+        const unsigned short *row = scales + (long long)n * (k / 32 + k / 256);
+        cp_async_small<4>(dst, row + kb);
+        cp_async_small<4>(dst + 4, row + k / 32 + ((kb / 8) & ~1));
+    }
+    __device__ static __forceinline__ Step step(const unsigned char *s, int kb) {
+        const unsigned short *h = reinterpret_cast<const unsigned short *>(s);
+        const float d = half_bits_to_float(h[2 + ((kb / 8) & 1)]);
+        Step t;
+#pragma unroll
+        for (int i = 0; i < 4; i++) t.ds[i] = d * (float)(signed char)((h[i >> 1] >> (8 * (i & 1))) & 0xffu);
+        return t;
+    }
+    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
+        const unsigned two = *reinterpret_cast<const unsigned short *>(col + kk);
+        const float ds = t.ds[ks / 16];
+        return pack_bf16(ds * (float)(signed char)(two & 0xffu), ds * (float)(signed char)(two >> 8));
     }
 };
 
@@ -282,11 +385,8 @@ __device__ __forceinline__ void gemm_mma_staged(float *__restrict__ y, const uns
             const int gc = min(n0 + col, n_cols - 1);
             cp_async16(base + Z::A + col * S::CODE_LD + 16 * part, S::codes_at(codes, gc, k, kb) + 16 * part, 16);
         }
-        // The scales: one copy a column.
-        if (tid < MMA_BN) {
-            const int gc = min(n0 + tid, n_cols - 1);
-            cp_async_small<S::SCALE_BYTES>(base + Z::A + Z::W + tid * S::SCALE_BYTES, S::scales_at(scales, gc, k, kb));
-        }
+        // The scales: a thread a column.
+        if (tid < MMA_BN) S::copy_scales(base + Z::A + Z::W + tid * S::SCALE_BYTES, scales, min(n0 + tid, n_cols - 1), k, kb);
     };
 
 #pragma unroll
@@ -302,12 +402,13 @@ __device__ __forceinline__ void gemm_mma_staged(float *__restrict__ y, const uns
         cp_async_commit();
         const unsigned char *base = stg_smem + (i % MMA_STAGES) * Z::STAGE;
         const unsigned short *as = reinterpret_cast<const unsigned short *>(base);
-        const unsigned char *cols[2], *col_scales[2];
+        const unsigned char *cols[2];
+        typename S::Step scale[2];
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int col = 16 * warp + 8 * j + g;
             cols[j] = base + Z::A + col * S::CODE_LD;
-            col_scales[j] = base + Z::A + Z::W + col * S::SCALE_BYTES;
+            scale[j] = S::step(base + Z::A + Z::W + col * S::SCALE_BYTES, kb_begin + 2 * i);
         }
 #pragma unroll
         for (int ks = 0; ks < STG_KC; ks += 16) {
@@ -317,8 +418,8 @@ __device__ __forceinline__ void gemm_mma_staged(float *__restrict__ y, const uns
                 ldmatrix_x4(a[mi], &as[(16 * mi + (lane & 15)) * STG_ALD + ks + 8 * (lane >> 4)]);
 #pragma unroll
             for (int j = 0; j < 2; j++) {
-                b[j][0] = S::pair(cols[j], col_scales[j], ks + 2 * t4);
-                b[j][1] = S::pair(cols[j], col_scales[j], ks + 2 * t4 + 8);
+                b[j][0] = S::pair(cols[j], scale[j], ks + 2 * t4, ks);
+                b[j][1] = S::pair(cols[j], scale[j], ks + 2 * t4 + 8, ks);
             }
 #pragma unroll
             for (int mi = 0; mi < STG_MT; mi++)
@@ -341,13 +442,16 @@ __device__ __forceinline__ void gemm_mma_staged(float *__restrict__ y, const uns
 }
 
 #define MMA_STAGED_ENTRY(SUFFIX, LAYOUT)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                             \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, STG_MIN_BLOCKS)                                             \
         gemm_mma_staged_##SUFFIX(float *y, const unsigned char *codes, const unsigned short *scales,                      \
                                  const unsigned short *x, int rows, int n_cols, int k, int kb_per_split) {                \
         gemm_mma_staged<LAYOUT>(y, codes, scales, x, rows, n_cols, k, kb_per_split);                                     \
     }
 MMA_STAGED_ENTRY(q8, LayoutQ8)
 MMA_STAGED_ENTRY(q4, LayoutQ4)
+MMA_STAGED_ENTRY(q4k, LayoutQ4K)
+MMA_STAGED_ENTRY(q5k, LayoutQ5K)
+MMA_STAGED_ENTRY(q6k, LayoutQ6K)
 
 // out[n, k] = W[n, k] as bf16, 16 weights a thread (grid-stride).
 template <typename L>

@@ -114,8 +114,8 @@ pub const GEMV_Q: KernelSource = KernelSource {
 };
 
 /// `gemm_mma.cu`: linear layers on tensor cores (bf16 activations, weights
-/// dequantized to bf16 as they are staged, f32 accumulation; Q8 and Q4 also
-/// through deeper `cp.async` stages), and the dequantization of a whole
+/// dequantized to bf16 as they are staged, f32 accumulation; quantized
+/// weights also through deeper `cp.async` stages), and the dequantization of a whole
 /// weight to bf16 for cuBLAS.
 pub const GEMM_MMA: KernelSource = KernelSource {
     file: "gemm_mma.cu",
@@ -129,6 +129,9 @@ pub const GEMM_MMA: KernelSource = KernelSource {
         "gemm_mma_f32",
         "gemm_mma_staged_q8",
         "gemm_mma_staged_q4",
+        "gemm_mma_staged_q4k",
+        "gemm_mma_staged_q5k",
+        "gemm_mma_staged_q6k",
         "dequantize_bf16_q8",
         "dequantize_bf16_q4",
         "dequantize_bf16_q4k",

@@ -362,13 +362,14 @@ pub const MMA_TILE_COLS: usize = 128;
 
 /// The dynamic shared memory of `gemm_mma_staged_*` for a weight format
 /// and tile height (`gemm_mma.cu`'s `StagedSizes` times `MMA_STAGES`):
-/// `None` for a format it does not take.
+/// `None` for a format it does not take (f32).
 pub fn mma_staged_smem_bytes(format: QuantFormat, bm: usize) -> Option<usize> {
     // A column's codes a step and their row pitch, its scales a step.
     let (code_ld, scale_bytes) = match format {
         QuantFormat::Q8 => (80, 4),
-        QuantFormat::Q4 => (48, 8),
-        _ => return None,
+        QuantFormat::Q4 | QuantFormat::Q4K => (48, 8),
+        QuantFormat::Q5K | QuantFormat::Q6K => (80, 8),
+        QuantFormat::F32 => return None,
     };
     let stage = bm * (64 + 8) * 2 + MMA_TILE_COLS * (code_ld + scale_bytes);
     let stages = if bm == 128 { 3 } else { 4 };
@@ -1281,13 +1282,15 @@ impl Kernels {
     }
 
     /// Whether a product of `rows` rows with `w` takes `gemm_mma_staged_*`
-    /// (as [`Kernels::gemm_mma`] decides): the staged kernel on, a Q8 or Q4
-    /// weight whose k is an even number of blocks of 32, and the stages
-    /// within the device's shared memory.
+    /// (as [`Kernels::gemm_mma`] decides): the staged kernel on, a quantized
+    /// weight whose k is an even number of blocks of 32 (of 256 for Q6_K,
+    /// whose scale rows are then 4-byte aligned), and the stages within the
+    /// device's shared memory.
     pub fn mma_staged_applies(&self, w: &QuantMatrix, rows: usize) -> bool {
         let bm = self.mma_plan(rows, w.n, w.k).0;
         self.gemm_staged()
             && (w.k / 32).is_multiple_of(2)
+            && (w.format != QuantFormat::Q6K || (w.k / 256).is_multiple_of(2))
             && mma_staged_smem_bytes(w.format, bm).is_some_and(|b| b <= self.info.max_shared_memory_optin)
     }
 
@@ -1372,8 +1375,8 @@ impl Kernels {
     /// `y [rows, n] = x16 [rows, k] · Wᵀ` on tensor cores: `x16` bf16
     /// (`cast_to_16`), the weight dequantized to bf16 as it is staged, f32
     /// accumulation and output. Any number of rows (tiles of 32, 64 or 128
-    /// by [`Kernels::mma_plan`], k split when the tiles are too few). Q8
-    /// and Q4 weights take `gemm_mma_staged_*` where
+    /// by [`Kernels::mma_plan`], k split when the tiles are too few).
+    /// Quantized weights take `gemm_mma_staged_*` where
     /// [`Kernels::mma_staged_applies`] (the same bits, more of the weight
     /// in flight), the rest `gemm_mma_*`.
     pub fn gemm_mma(&self, y: &mut CudaSlice<f32>, w: &QuantMatrix, x16: &CudaSlice<u16>, rows: usize) -> Result<(), CudaError> {
