@@ -60,10 +60,13 @@ impl Rng {
     }
 }
 
-/// Random GGUF blocks of `dtype` (Q8_0 or Q4_1) for `[n, k]`, scales small.
+/// Random GGUF blocks of `dtype` for `[n, k]`, the first f16 of a block
+/// (Q8_0's and Q4_1's scale, Q4_K's d) small; Q4_1's min set too. The
+/// K-quants' other fields stay random bytes: a benchmark's values need not
+/// be finite.
 fn blocks(rng: &mut Rng, dtype: GgmlType, n: usize, k: usize) -> Vec<u8> {
-    let (_, bb) = dtype.block_layout();
-    let mut out = vec![0u8; n * k / 32 * bb];
+    let (bk, bb) = dtype.block_layout();
+    let mut out = vec![0u8; n * k / bk * bb];
     for chunk in out.chunks_mut(8) {
         let r = rng.next().to_le_bytes();
         chunk.copy_from_slice(&r[..chunk.len()]);
@@ -136,6 +139,8 @@ fn run() -> Res<()> {
             (GgmlType::Q8_0, 28672, 4096),
             (GgmlType::Q8_0, 4096, 14336),
             (GgmlType::Q4_1, 14336, 4096),
+            (GgmlType::Q4_K, 14336, 4096),
+            (GgmlType::Q6_K, 4096, 14336),
         ]
     } else if plans.is_some() {
         &[
@@ -163,7 +168,7 @@ fn run() -> Res<()> {
     let mut rng = Rng(0x5eed);
     let mut table = Vec::new();
     for &(dtype, n, kk) in shapes {
-        let bytes_per_weight = dtype.block_layout().1 as f64 / 32.0;
+        let bytes_per_weight = dtype.block_layout().1 as f64 / dtype.block_layout().0 as f64;
         let weight_bytes = n as f64 * kk as f64 * bytes_per_weight;
         // Enough copies to exceed the L2 cache (50-60 MB) together.
         let copies = ((200e6 / weight_bytes).ceil() as usize).clamp(1, 64);
