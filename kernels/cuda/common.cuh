@@ -249,6 +249,13 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void *p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(p)));
 }
+// `ldmatrix_x4` at a shared-memory address (`smem_addr`'s), for a loop that
+// steps the address itself.
+__device__ __forceinline__ void ldmatrix_x4_at(unsigned r[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -266,6 +273,20 @@ __device__ __forceinline__ void mma_f16(float c[4], const unsigned a[4], unsigne
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Byte 0 (byte 1) of `v` as a signed 32-bit integer: `prmt`'s sign mode
+// (`__byte_perm` masks its selector to three bits, dropping it), which
+// ptxas turns, with the conversion to float after it, into sm_90's fast
+// integer-to-float instruction.
+__device__ __forceinline__ int sext_byte0(unsigned v) {
+    int r;
+    asm("prmt.b32 %0, %1, 0, 0x8880;" : "=r"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ int sext_byte1(unsigned v) {
+    int r;
+    asm("prmt.b32 %0, %1, 0, 0x9991;" : "=r"(r) : "r"(v));
+    return r;
+}
 // Two f32 as bf16 (round to nearest even), `lo` in the low half.
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     unsigned r;

@@ -229,7 +229,7 @@ template <> struct Staged<LayoutQ8> {
     __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
         const unsigned two = *reinterpret_cast<const unsigned short *>(col + kk);
         const float d = t.d[ks / 32];
-        return pack_bf16(d * (float)(signed char)(two & 0xffu), d * (float)(signed char)(two >> 8));
+        return pack_bf16(d * (float)sext_byte0(two), d * (float)sext_byte1(two));
     }
 };
 
@@ -333,7 +333,7 @@ template <> struct Staged<LayoutQ6K> {
     __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
         const unsigned two = *reinterpret_cast<const unsigned short *>(col + kk);
         const float ds = t.ds[ks / 16];
-        return pack_bf16(ds * (float)(signed char)(two & 0xffu), ds * (float)(signed char)(two >> 8));
+        return pack_bf16(ds * (float)sext_byte0(two), ds * (float)sext_byte1(two));
     }
 };
 
@@ -370,19 +370,25 @@ __device__ __forceinline__ void gemm_mma_staged(float *__restrict__ y, const uns
         unsigned char *base = stg_smem + slot * Z::STAGE;
         unsigned short *as = reinterpret_cast<unsigned short *>(base);
         const int kb = kb_begin + 2 * step;
-        // x: MMA_BM rows × 8 copies of 8 bf16.
+        // x: MMA_BM rows × 8 copies of 8 bf16. (Loops of a constant count,
+        // fully unrolled, and unsigned division by powers of two: a loop
+        // bounded by the thread's index cost a third of the kernel's
+        // instructions.)
+        static_assert(MMA_BM * 8 % MMA_THREADS == 0, "whole rounds of row copies");
 #pragma unroll
-        for (int c = tid; c < MMA_BM * 8; c += MMA_THREADS) {
-            const int row = c >> 3, part = c & 7, gr = r0 + row;
+        for (int it = 0; it < MMA_BM * 8 / MMA_THREADS; it++) {
+            const unsigned c = tid + it * MMA_THREADS, row = c / 8, part = c % 8;
+            const int gr = r0 + (int)row;
             const unsigned short *src = x + (long long)min(gr, rows - 1) * k + 32 * kb + 8 * part;
             cp_async16(&as[row * STG_ALD + 8 * part], src, gr < rows ? 16 : 0);
         }
         // The codes: 128 columns × CODE_BYTES / 16 copies.
-        constexpr int per_col = S::CODE_BYTES / 16;
+        constexpr unsigned per_col = S::CODE_BYTES / 16;
+        static_assert(MMA_BN * per_col % MMA_THREADS == 0, "whole rounds of code copies");
 #pragma unroll
-        for (int c = tid; c < MMA_BN * per_col; c += MMA_THREADS) {
-            const int col = c / per_col, part = c % per_col;
-            const int gc = min(n0 + col, n_cols - 1);
+        for (int it = 0; it < (int)(MMA_BN * per_col / MMA_THREADS); it++) {
+            const unsigned c = tid + it * MMA_THREADS, col = c / per_col, part = c % per_col;
+            const int gc = min(n0 + (int)col, n_cols - 1);
             cp_async16(base + Z::A + col * S::CODE_LD + 16 * part, S::codes_at(codes, gc, k, kb) + 16 * part, 16);
         }
         // The scales: a thread a column.
@@ -395,13 +401,20 @@ __device__ __forceinline__ void gemm_mma_staged(float *__restrict__ y, const uns
         cp_async_commit();
     }
     const int g = lane >> 2, t4 = lane & 3;
+    // A lane's ldmatrix row in the stages, as a shared-memory address (no
+    // generic-to-shared conversion a load).
+    const unsigned a_lane = smem_addr(stg_smem) + 2 * ((lane & 15) * STG_ALD + 8 * (lane >> 4));
+    // Fragments of rows past the batch are skipped (their outputs are never
+    // stored); the first always holds a row.
+    const int live_rows = rows - r0;
     for (int i = 0; i < steps; i++) {
         cp_async_wait<MMA_STAGES - 2>();
         __syncthreads();
         if (i + MMA_STAGES - 1 < steps) load_stage((i + MMA_STAGES - 1) % MMA_STAGES, i + MMA_STAGES - 1);
         cp_async_commit();
-        const unsigned char *base = stg_smem + (i % MMA_STAGES) * Z::STAGE;
-        const unsigned short *as = reinterpret_cast<const unsigned short *>(base);
+        const int slot = i % MMA_STAGES;
+        const unsigned char *base = stg_smem + slot * Z::STAGE;
+        const unsigned a_stage = a_lane + slot * Z::STAGE;
         const unsigned char *cols[2];
         typename S::Step scale[2];
 #pragma unroll
@@ -415,7 +428,7 @@ __device__ __forceinline__ void gemm_mma_staged(float *__restrict__ y, const uns
             unsigned a[STG_MT][4], b[2][2];
 #pragma unroll
             for (int mi = 0; mi < STG_MT; mi++)
-                ldmatrix_x4(a[mi], &as[(16 * mi + (lane & 15)) * STG_ALD + ks + 8 * (lane >> 4)]);
+                if (mi == 0 || 16 * mi < live_rows) ldmatrix_x4_at(a[mi], a_stage + 2 * (16 * mi * STG_ALD + ks));
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 b[j][0] = S::pair(cols[j], scale[j], ks + 2 * t4, ks);
@@ -423,8 +436,10 @@ __device__ __forceinline__ void gemm_mma_staged(float *__restrict__ y, const uns
             }
 #pragma unroll
             for (int mi = 0; mi < STG_MT; mi++)
+                if (mi == 0 || 16 * mi < live_rows) {
 #pragma unroll
-                for (int j = 0; j < 2; j++) mma_bf16(acc[mi][j], a[mi], b[j][0], b[j][1]);
+                    for (int j = 0; j < 2; j++) mma_bf16(acc[mi][j], a[mi], b[j][0], b[j][1]);
+                }
         }
     }
     cp_async_wait<0>();

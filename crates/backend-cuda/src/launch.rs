@@ -360,10 +360,59 @@ pub const MMA_TILE_ROWS: [usize; 3] = [32, 64, 128];
 /// The tile width of `gemm_mma.cu`.
 pub const MMA_TILE_COLS: usize = 128;
 
-/// The dynamic shared memory of `gemm_mma_staged_*` for a weight format
-/// and tile height (`gemm_mma.cu`'s `StagedSizes` times `MMA_STAGES`):
-/// `None` for a format it does not take (f32).
-pub fn mma_staged_smem_bytes(format: QuantFormat, bm: usize) -> Option<usize> {
+/// How many parts a GEMM of `tiles` output tiles splits k (`blocks`
+/// blocks of 32) into on a GPU of `num_sms` multiprocessors: one when the
+/// tiles fill the GPU twice over, else enough to (at most 16, at least two
+/// blocks a part), rounded to parts of equal size.
+fn splits_for(tiles: usize, blocks: usize, num_sms: usize) -> usize {
+    let wanted = (2 * num_sms).div_ceil(tiles.max(1));
+    let splits = wanted.min(16).min(blocks / 2).max(1);
+    blocks.div_ceil(blocks.div_ceil(splits).max(1)).max(1)
+}
+
+/// How the tensor-core GEMMs (`gemm_mma_*` and `gemm_mma_staged_*`) cut a
+/// product: the tile height, and k in `parts` of `blocks_per_part` blocks
+/// of 32 (the last part may be shorter), summed in order when more than one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmaPlan {
+    /// `MMA_BM`: 32, 64 or 128.
+    pub tile_rows: usize,
+    /// Parts of k (grid z).
+    pub parts: usize,
+    /// Blocks of 32 a part.
+    pub blocks_per_part: usize,
+}
+
+/// The plan for `rows` rows and an `[n, k]` weight on `num_sms`
+/// multiprocessors: the smallest tile height that holds the rows (128 past
+/// them), and k split where the output tiles are too few for the GPU. When
+/// k/32 is even the parts are even too (the last one included), for the
+/// staged kernel's steps of two blocks; both kernels take this one plan,
+/// so that they give the same bits.
+pub fn mma_plan_for(rows: usize, n: usize, k: usize, num_sms: usize) -> MmaPlan {
+    let tile_rows = MMA_TILE_ROWS.into_iter().find(|&bm| rows <= bm).unwrap_or(128);
+    let blocks = k / 32;
+    let splits = splits_for(rows.div_ceil(tile_rows) * n.div_ceil(MMA_TILE_COLS), blocks, num_sms);
+    let mut per_part = blocks.div_ceil(splits).max(1);
+    if blocks.is_multiple_of(2) {
+        per_part = per_part.div_ceil(2) * 2;
+    }
+    MmaPlan { tile_rows, parts: blocks.div_ceil(per_part).max(1), blocks_per_part: per_part }
+}
+
+/// `gemm_mma.cu`'s default `MMA_STAGES` at tile height `bm`.
+pub fn mma_default_stages(bm: usize) -> usize {
+    if bm == 128 {
+        3
+    } else {
+        4
+    }
+}
+
+/// The dynamic shared memory of `gemm_mma_staged_*` for a weight format,
+/// tile height and number of stages (`gemm_mma.cu`'s `StagedSizes` times
+/// `MMA_STAGES`): `None` for a format it does not take (f32).
+pub fn mma_staged_smem_bytes(format: QuantFormat, bm: usize, stages: usize) -> Option<usize> {
     // A column's codes a step and their row pitch, its scales a step.
     let (code_ld, scale_bytes) = match format {
         QuantFormat::Q8 => (80, 4),
@@ -372,7 +421,6 @@ pub fn mma_staged_smem_bytes(format: QuantFormat, bm: usize) -> Option<usize> {
         QuantFormat::F32 => return None,
     };
     let stage = bm * (64 + 8) * 2 + MMA_TILE_COLS * (code_ld + scale_bytes);
-    let stages = if bm == 128 { 3 } else { 4 };
     Some(stage * stages)
 }
 
@@ -423,6 +471,8 @@ pub struct Kernels {
     /// applies (`VELLUM_GEMM_MMA=registers` turns it off, for comparisons;
     /// the same bits either way).
     gemm_staged: std::sync::atomic::AtomicBool,
+    /// The staged GEMM's stages when not its default (0), for benchmarks.
+    gemm_stages: std::sync::atomic::AtomicUsize,
 }
 
 /// How the GEMV of `gemv_q.cu` spreads a linear layer over warps: its
@@ -647,6 +697,7 @@ impl Kernels {
             paged_loads,
             sample_binned: std::sync::atomic::AtomicBool::new(std::env::var("VELLUM_SAMPLE_BINNED").map_or(true, |v| v != "0")),
             gemm_staged: std::sync::atomic::AtomicBool::new(std::env::var("VELLUM_GEMM_MMA").map_or(true, |v| v != "registers")),
+            gemm_stages: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -1034,6 +1085,22 @@ impl Kernels {
         self.gemm_staged.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Gives the staged GEMM `stages` stages (2 to 6) from its next launch,
+    /// or its default ([`mma_default_stages`]) with `None`: for benchmarks
+    /// (the same bits either way).
+    pub fn set_gemm_stages(&self, stages: Option<usize>) {
+        let stages = stages.map_or(0, |s| s.clamp(2, 6));
+        self.gemm_stages.store(stages, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The staged GEMM's stages at tile height `bm` now.
+    pub fn gemm_stages(&self, bm: usize) -> usize {
+        match self.gemm_stages.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => mma_default_stages(bm),
+            s => s,
+        }
+    }
+
     /// Makes the paged decode kernels load keys and values as `loads` says
     /// (the outputs are the same bits; benchmarks compare the speed).
     pub fn set_paged_loads(&mut self, loads: PagedLoads) {
@@ -1264,9 +1331,7 @@ impl Kernels {
     /// else enough to (at most 16, at least two blocks a part), rounded to
     /// parts of equal size.
     fn splits_for(&self, tiles: usize, blocks: usize) -> usize {
-        let wanted = (2 * self.num_sms).div_ceil(tiles.max(1));
-        let splits = wanted.min(16).min(blocks / 2).max(1);
-        blocks.div_ceil(blocks.div_ceil(splits).max(1)).max(1)
+        splits_for(tiles, blocks, self.num_sms)
     }
 
     /// How many parts the CUDA-core GEMM (64 × 64 tiles) splits k into.
@@ -1274,11 +1339,10 @@ impl Kernels {
         self.splits_for(rows.div_ceil(64) * n.div_ceil(64), k / 32)
     }
 
-    /// The tensor-core GEMM's tile height for `rows` rows, and how many
-    /// parts it splits k into.
-    pub fn mma_plan(&self, rows: usize, n: usize, k: usize) -> (usize, usize) {
-        let bm = MMA_TILE_ROWS.into_iter().find(|&bm| rows <= bm).unwrap_or(128);
-        (bm, self.splits_for(rows.div_ceil(bm) * n.div_ceil(MMA_TILE_COLS), k / 32))
+    /// How the tensor-core GEMMs cut a product of `rows` rows with an
+    /// `[n, k]` weight on this device ([`mma_plan_for`]).
+    pub fn mma_plan(&self, rows: usize, n: usize, k: usize) -> MmaPlan {
+        mma_plan_for(rows, n, k, self.num_sms)
     }
 
     /// Whether a product of `rows` rows with `w` takes `gemm_mma_staged_*`
@@ -1287,21 +1351,11 @@ impl Kernels {
     /// whose scale rows are then 4-byte aligned), and the stages within the
     /// device's shared memory.
     pub fn mma_staged_applies(&self, w: &QuantMatrix, rows: usize) -> bool {
-        let bm = self.mma_plan(rows, w.n, w.k).0;
+        let bm = self.mma_plan(rows, w.n, w.k).tile_rows;
         self.gemm_staged()
             && (w.k / 32).is_multiple_of(2)
             && (w.format != QuantFormat::Q6K || (w.k / 256).is_multiple_of(2))
-            && mma_staged_smem_bytes(w.format, bm).is_some_and(|b| b <= self.info.max_shared_memory_optin)
-    }
-
-    /// The staged kernel's plan: [`Kernels::mma_plan`]'s tile height and
-    /// parts, each part an even number of blocks of 32 (a step is two);
-    /// returns (tile height, parts, blocks a part).
-    pub fn mma_staged_plan(&self, rows: usize, n: usize, k: usize) -> (usize, usize, usize) {
-        let (bm, splits) = self.mma_plan(rows, n, k);
-        let blocks = k / 32;
-        let per_split = (blocks.div_ceil(splits.max(1)).div_ceil(2) * 2).max(2);
-        (bm, blocks.div_ceil(per_split).max(1), per_split)
+            && mma_staged_smem_bytes(w.format, bm, self.gemm_stages(bm)).is_some_and(|b| b <= self.info.max_shared_memory_optin)
     }
 
     /// Launches a GEMM kernel `f(float *y, codes, scales, x, int rows, int
@@ -1384,10 +1438,22 @@ impl Kernels {
         if rows == 0 {
             return Ok(());
         }
+        // Both kernels take the same plan, so that they give the same bits.
+        let plan = self.mma_plan(rows, w.n, w.k);
+        let bm = plan.tile_rows;
+        let grid =
+            (to_u32(w.n.div_ceil(MMA_TILE_COLS), "column tiles")?, to_u32(rows.div_ceil(bm), "row tiles")?, to_u32(plan.parts, "parts")?);
+        let parts = (plan.parts, plan.blocks_per_part);
         if self.mma_staged_applies(w, rows) {
-            let (bm, splits, per_split) = self.mma_staged_plan(rows, w.n, w.k);
-            let smem = mma_staged_smem_bytes(w.format, bm).unwrap_or(0);
-            let f = self.function(&Variant::new(GEMM_MMA, &[("MMA_BM", bm)]), &format!("gemm_mma_staged_{}", w.format.suffix()))?;
+            let stages = self.gemm_stages(bm);
+            let smem = mma_staged_smem_bytes(w.format, bm, stages).unwrap_or(0);
+            // The default stages compile with the module's default defines.
+            let variant = if stages == mma_default_stages(bm) {
+                Variant::new(GEMM_MMA, &[("MMA_BM", bm)])
+            } else {
+                Variant::new(GEMM_MMA, &[("MMA_BM", bm), ("MMA_STAGES", stages)])
+            };
+            let f = self.function(&variant, &format!("gemm_mma_staged_{}", w.format.suffix()))?;
             if smem > DEFAULT_SHARED_MEMORY {
                 // Not a stream operation: allowed while a graph is captured.
                 f.set_attribute(
@@ -1395,30 +1461,26 @@ impl Kernels {
                     to_i32(smem, "staged GEMM shared memory")?,
                 )?;
             }
-            let grid =
-                (to_u32(w.n.div_ceil(MMA_TILE_COLS), "column tiles")?, to_u32(rows.div_ceil(bm), "row tiles")?, to_u32(splits, "splits")?);
             // SAFETY: gemm_mma_staged_*(float*, const unsigned char*, const
             // unsigned short*, const unsigned short*, int, int, int, int);
             // check_linear verified the planes for [n, k] (k a multiple of
             // 32), x16 (rows·k) and y (rows·n); mma_staged_applies checked k/32
             // even and the format (whose copies are then aligned), and the
-            // plan's parts are even, so every step's two blocks lie in k; the
-            // kernel clamps its loads to row rows − 1 and column n − 1, uses
-            // `smem` bytes (within the device's limit, checked) and writes
-            // every in-range output of split z at y + z·rows·n.
-            return unsafe { self.launch_split(&f, y, w, x16, rows, (splits, per_split), grid, smem) };
+            // plan's parts are then even (mma_plan_for), so every step's two
+            // blocks lie in k; the kernel clamps its loads to row rows − 1 and
+            // column n − 1, uses `smem` bytes (within the device's limit,
+            // checked) and writes every in-range output of part z at
+            // y + z·rows·n.
+            return unsafe { self.launch_split(&f, y, w, x16, rows, parts, grid, smem) };
         }
-        let (bm, splits) = self.mma_plan(rows, w.n, w.k);
         let f = self.function(&Variant::new(GEMM_MMA, &[("MMA_BM", bm)]), &format!("gemm_mma_{}", w.format.suffix()))?;
-        let grid =
-            (to_u32(w.n.div_ceil(MMA_TILE_COLS), "column tiles")?, to_u32(rows.div_ceil(bm), "row tiles")?, to_u32(splits, "splits")?);
         // SAFETY: gemm_mma_*(float*, const unsigned char*, const unsigned
         // short*, const unsigned short*, int, int, int, int); check_linear
         // verified the planes for [n, k] (k a multiple of 32), x16 (rows·k)
         // and y (rows·n); the kernel clamps its loads to row rows − 1 and
-        // column n − 1 and writes every in-range output of split z at
-        // y + z·rows·n; the splits cover k.
-        unsafe { self.launch_split(&f, y, w, x16, rows, (splits, (w.k / 32).div_ceil(splits)), grid, 0) }
+        // column n − 1 and writes every in-range output of part z at
+        // y + z·rows·n; the parts cover k.
+        unsafe { self.launch_split(&f, y, w, x16, rows, parts, grid, 0) }
     }
 
     /// `out [n, k]` = the weight's values as bf16 (round to nearest even):
@@ -2021,6 +2083,34 @@ pub struct SampleOutputs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Both tensor-core GEMMs' plan: parts that cover k with none empty,
+    /// even (the staged kernel's steps) wherever k/32 is, on the GPUs'
+    /// multiprocessor counts, at decode and prefill sizes and the shapes of
+    /// the models this repository runs.
+    #[test]
+    fn mma_plans_cover_k_in_nonempty_parts_even_where_k_blocks_are() {
+        for num_sms in [46, 84, 108, 132] {
+            for rows in [1, 3, 8, 31, 33, 64, 65, 100, 128, 129, 300, 8192] {
+                for n in [8, 77, 576, 1024, 4096, 14336, 128256] {
+                    for k in [32, 64, 96, 320, 576, 1536, 4096, 11008, 14336, 18944] {
+                        let plan = mma_plan_for(rows, n, k, num_sms);
+                        let blocks = k / 32;
+                        let what = format!("{rows} x [{n}, {k}] on {num_sms} SMs: {plan:?}");
+                        assert!(plan.tile_rows >= rows.min(128) && MMA_TILE_ROWS.contains(&plan.tile_rows), "{what}");
+                        assert!(plan.parts * plan.blocks_per_part >= blocks, "{what}: k not covered");
+                        assert!((plan.parts - 1) * plan.blocks_per_part < blocks, "{what}: an empty part");
+                        assert!(plan.parts <= 16, "{what}");
+                        if blocks.is_multiple_of(2) {
+                            assert!(plan.blocks_per_part.is_multiple_of(2), "{what}: odd parts for the staged kernel");
+                        }
+                    }
+                }
+            }
+        }
+        // Llama 3 8B's FFN weight at 8 rows on an H100: three parts of 44.
+        assert_eq!(mma_plan_for(8, 14336, 4096, 132), MmaPlan { tile_rows: 32, parts: 3, blocks_per_part: 44 });
+    }
 
     #[test]
     fn paged_loads_parse_by_name_and_refuse_the_rest() {

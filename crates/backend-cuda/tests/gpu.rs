@@ -539,24 +539,22 @@ fn tensor_core_gemm_on_the_weight_layouts_matches_the_float64_product_of_its_bf1
             let mut y = up(&k, &vec![f32::NAN; rows * n]);
             k.set_gemm_staged(false);
             k.gemm_mma(&mut y, &w_dev, &x16, rows).expect("gemm_mma");
-            let (bm, splits) = k.mma_plan(rows, n, kk);
-            let what = format!("{dtype} gemm_mma [{rows}x{kk}]·[{n}x{kk}]ᵀ (tile {bm}, {splits} splits)");
+            let plan = k.mma_plan(rows, n, kk);
+            let what = format!("{dtype} gemm_mma [{rows}x{kk}]·[{n}x{kk}]ᵀ ({plan:?})");
             let registers = down(&k, &y);
             check_bf16_product(&registers, &x16_host, &w16, rows, n, kk, &what, seed);
-            // The staged kernel where it applies (Q8 and Q4, k/32 even): the
-            // same bits, as it takes each output's k in the same order.
+            // The staged kernel where it applies (quantized, k/32 even): the
+            // same bits, as it takes the same plan and each output's k in the
+            // same order.
             k.set_gemm_staged(true);
             if k.mma_staged_applies(&w_dev, rows) {
                 let mut y = up(&k, &vec![f32::NAN; rows * n]);
                 k.gemm_mma(&mut y, &w_dev, &x16, rows).expect("gemm_mma_staged");
-                let (bm, splits, per_split) = k.mma_staged_plan(rows, n, kk);
-                let what = format!("{dtype} gemm_mma_staged [{rows}x{kk}]·[{n}x{kk}]ᵀ (tile {bm}, {splits} parts of {per_split})");
+                let what = format!("{dtype} gemm_mma_staged [{rows}x{kk}]·[{n}x{kk}]ᵀ ({plan:?})");
                 let staged = down(&k, &y);
                 check_bf16_product(&staged, &x16_host, &w16, rows, n, kk, &what, seed);
-                if splits == k.mma_plan(rows, n, kk).1 {
-                    let same = staged.iter().zip(&registers).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
-                    assert_eq!(same, rows * n, "{what}: {same} of {} outputs have gemm_mma's bits (seed {seed})", rows * n);
-                }
+                let same = staged.iter().zip(&registers).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+                assert_eq!(same, rows * n, "{what}: {same} of {} outputs have gemm_mma's bits (seed {seed})", rows * n);
                 staged_cases += 1;
             }
             // The whole weight as bf16: the host's rounding of the same values.
@@ -571,13 +569,13 @@ fn tensor_core_gemm_on_the_weight_layouts_matches_the_float64_product_of_its_bf1
         }
     }
     // The plans the cases above were chosen to cover.
-    assert_eq!(k.mma_plan(9, 101, 320).0, 32);
-    assert_eq!(k.mma_plan(64, 515, 1024).0, 64);
-    assert_eq!(k.mma_plan(300, 260, 256).0, 128);
-    assert!(k.mma_plan(64, 515, 1024).1 > 1 && k.mma_plan(300, 260, 256).1 > 1, "split-K is exercised");
-    assert_eq!(k.mma_plan(16, 200, 64).1, 1, "two blocks of 32 along k: one part");
+    assert_eq!(k.mma_plan(9, 101, 320).tile_rows, 32);
+    assert_eq!(k.mma_plan(64, 515, 1024).tile_rows, 64);
+    assert_eq!(k.mma_plan(300, 260, 256).tile_rows, 128);
+    assert!(k.mma_plan(64, 515, 1024).parts > 1 && k.mma_plan(300, 260, 256).parts > 1, "split-K is exercised");
+    assert_eq!(k.mma_plan(16, 200, 64).parts, 1, "two blocks of 32 along k: one part");
     assert!(staged_cases >= 12, "the staged kernel ran {staged_cases} cases");
-    eprintln!("gemm_mma_staged: {staged_cases} cases, bit for bit with gemm_mma where the parts agree");
+    eprintln!("gemm_mma_staged: {staged_cases} cases, bit for bit with gemm_mma");
 }
 
 #[test]

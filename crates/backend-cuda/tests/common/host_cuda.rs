@@ -105,6 +105,8 @@ static unsigned short bf16_bits(float x) {
 }
 static unsigned short f16_bits(float x) { _Float16 h = (_Float16)x; unsigned short b; std::memcpy(&b, &h, 2); return b; }
 static unsigned pack_bf16(float lo, float hi) { return bf16_bits(lo) | ((unsigned)bf16_bits(hi) << 16); }
+static int sext_byte0(unsigned v) { return (int)(signed char)(v & 0xffu); }
+static int sext_byte1(unsigned v) { return (int)(signed char)((v >> 8) & 0xffu); }
 static unsigned pack_f16(float lo, float hi) { return f16_bits(lo) | ((unsigned)f16_bits(hi) << 16); }
 
 // cp.async: the source is read at issue (global memory nobody writes
@@ -158,6 +160,12 @@ static void ldmatrix_any(unsigned r[4], const void *p, bool trans) {
     warp_sync();
 }
 static void ldmatrix_x4(unsigned r[4], const void *p) { ldmatrix_any(r, p, false); }
+// Shared-memory addresses: offsets into the program's shared window (a
+// kernel of dynamic shared memory: the buffer standing for it), which the
+// program sets before a launch.
+static unsigned char *shared_window = nullptr;
+static unsigned smem_addr(const void *p) { return (unsigned)((const unsigned char *)p - shared_window); }
+static void ldmatrix_x4_at(unsigned r[4], unsigned addr) { ldmatrix_any(r, shared_window + addr, false); }
 static void ldmatrix_x4_trans(unsigned r[4], const void *p) { ldmatrix_any(r, p, true); }
 
 // mma.m16n8k16 with f32 accumulation, from the warp's fragments.
