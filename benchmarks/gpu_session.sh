@@ -34,8 +34,8 @@
 #    with flash prefill and without (VELLUM_FLASH_ATTENTION=0), and
 #    single-stream decode of it and of a SmolLM2-shaped Q4_1 with the fused
 #    GEMV and without (VELLUM_FUSED_GEMV=0, one round), and its decode at
-#    64 sequences without bf16 weight copies (the staged GEMM reading the
-#    Q8_0 blocks), while llama.cpp
+#    64 sequences through the staged GEMM on the Q8_0 blocks
+#    (VELLUM_COPIES_FROM_ROWS=128), while llama.cpp
 #    builds; then `bench latency` at 1 / 64 / 256 sequences (bf16 weight
 #    copies, the default) against llama.cpp's `llama-batched-bench` on the
 #    same file (the tensor-core issue's rows), one round;
@@ -133,12 +133,13 @@ if [ "$(left)" -gt 240 ]; then
             stamp "single stream $tag: exit $? $(cut -c1-300 "$out/logs/single_$tag.json")"
         done
     done
-    # Decode at 64 rows with no bf16 copies: the staged GEMM on the Q8_0
-    # blocks (the table's 64 row below takes cuBLAS on the copies).
-    timeout 60 .gpu/x/vellum bench latency --device cuda --model "$m8" --input-len 128 --output-len 128 \
-        --batch-size 64 --num-iters 2 --cuda-bf16-weight-copies none \
-        --json >"$out/logs/m8_b64_nocopies.json" 2>"$out/logs/m8_b64_nocopies.log"
-    stamp "8b decode 64 rows, no copies (staged GEMM): exit $? $(cut -c1-300 "$out/logs/m8_b64_nocopies.json")"
+    # Decode at 64 rows through the staged GEMM on the Q8_0 blocks, the
+    # bf16 copies kept for products of 128 rows and more (the prompts); the
+    # table's 64 row below takes cuBLAS on the copies.
+    VELLUM_COPIES_FROM_ROWS=128 timeout 60 .gpu/x/vellum bench latency --device cuda --model "$m8" --input-len 128 \
+        --output-len 128 --batch-size 64 --num-iters 2 \
+        --json >"$out/logs/m8_b64_staged.json" 2>"$out/logs/m8_b64_staged.log"
+    stamp "8b decode 64 rows, staged GEMM below 128 rows: exit $? $(cut -c1-300 "$out/logs/m8_b64_staged.json")"
     checkpoint
     if [ -n "$build" ]; then
         # llama.cpp's row needs its build; give it until 30 s before the end.

@@ -391,6 +391,11 @@ pub struct CudaOps {
     /// before it and the residual add after it (`Ops::norm_linear`,
     /// `Ops::linear_add`); `VELLUM_FUSED_GEMV=0` turns it off.
     fused_gemv: bool,
+    /// The fewest rows a product takes a weight's bf16 copy for
+    /// (`VELLUM_COPIES_FROM_ROWS`, for comparisons: fewer rows then take
+    /// the tensor-core GEMM on the quantized blocks); by default every
+    /// product past the GEMV's rows.
+    copies_from_rows: usize,
 }
 
 /// `m` locked, whether or not a thread panicked holding it (what it guards
@@ -454,6 +459,7 @@ impl CudaOps {
             copies_bytes: Default::default(),
             split_kv_writes: Default::default(),
             fused_gemv: std::env::var("VELLUM_FUSED_GEMV").map_or(true, |v| v != "0"),
+            copies_from_rows: std::env::var("VELLUM_COPIES_FROM_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
         })
     }
 
@@ -937,7 +943,8 @@ impl CudaOps {
     /// `y = x · Wᵀ` for a weight in a layout of [`crate::layout`], by the
     /// batch's size. With bf16 products: up to [`GEMV_MAX_ROWS`] the f32
     /// GEMV; past it cuBLAS over the weight's kept bf16 copy where it has
-    /// one ([`WeightCopies`]), else the tensor-core GEMM on bf16
+    /// one ([`WeightCopies`]; from `VELLUM_COPIES_FROM_ROWS` rows when set),
+    /// else the tensor-core GEMM on bf16
     /// activations and from [`CUBLAS_MIN_ROWS`] cuBLAS over a bf16 copy
     /// made for this product. With f32 products: the GEMV up to 8 rows, the
     /// CUDA-core GEMM beyond.
@@ -948,7 +955,9 @@ impl CudaOps {
         }
         let x16 = self.cast_16(x, Half::Bf16)?;
         match (&self.blas, copy) {
-            (Some(blas), Some(w16)) => blas.linear_16(y, w16, &x16, Half::Bf16, rows, m.n, m.k).map_err(backend),
+            (Some(blas), Some(w16)) if rows >= self.copies_from_rows => {
+                blas.linear_16(y, w16, &x16, Half::Bf16, rows, m.n, m.k).map_err(backend)
+            }
             (Some(blas), None) if rows >= CUBLAS_MIN_ROWS => {
                 // SAFETY: uninitialized; dequantize_bf16 writes all n·k elements.
                 let mut w16 = unsafe { self.k.stream().alloc::<u16>(m.n * m.k) }.map_err(|e| backend(e.into()))?;
