@@ -28,7 +28,7 @@ mod host_cxx;
 use host_cuda::EMULATION as SHIM;
 use std::path::Path;
 use std::process::Command;
-use vellum_backend_cuda::launch::{mma_default_stages, mma_staged_smem_bytes, MMA_TILE_COLS};
+use vellum_backend_cuda::launch::{mma_staged_smem_bytes, MMA_TILE_COLS};
 use vellum_backend_cuda::layout::QuantFormat;
 use vellum_base::SeededRng;
 
@@ -74,8 +74,8 @@ int main(int argc, char **argv) {
 
 /// The program for tile height `bm`: both kernels of `gemm_mma.cu`, the
 /// staged one's dynamic shared memory a static buffer with a guard band.
-fn build(cxx: &str, dir: &Path, bm: usize) -> std::path::PathBuf {
-    let bytes = LAYOUTS.map(|l| mma_staged_smem_bytes(l.format(), bm, mma_default_stages(bm)).expect("every quantized layout is staged"));
+fn build(cxx: &str, dir: &Path, bm: usize, stages: usize) -> std::path::PathBuf {
+    let bytes = LAYOUTS.map(|l| mma_staged_smem_bytes(l.format(), bm, stages).expect("every quantized layout is staged"));
     let declaration = "extern __shared__ __align__(16) unsigned char stg_smem[];";
     let kernels = vellum_kernels::cuda::GEMM_MMA;
     assert!(kernels.contains(declaration), "gemm_mma.cu declares the staged kernel's dynamic shared memory");
@@ -86,6 +86,7 @@ fn build(cxx: &str, dir: &Path, bm: usize) -> std::path::PathBuf {
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 #define MMA_BM {bm}
+#define MMA_STAGES {stages}
 #define STG_BYTES_Q8 {}
 #define STG_BYTES_Q4 {}
 #define STG_BYTES_Q4K {}
@@ -105,7 +106,7 @@ alignas(16) static unsigned char stg_smem[{} + {GUARD}];
         bytes.iter().max().expect("five layouts"),
         kernels.replacen(declaration, "", 1)
     );
-    host_cxx::build_threaded(cxx, dir, &format!("gemm_staged_{bm}"), &source)
+    host_cxx::build_threaded(cxx, dir, &format!("gemm_staged_{bm}_{stages}"), &source)
 }
 
 /// The quantized layouts of `crates/backend-cuda/src/layout.rs`, in the
@@ -286,9 +287,10 @@ fn the_staged_tensor_core_gemm_matches_gemm_mma_bit_for_bit_on_every_quantized_l
     // odd count), k in several parts, in one, in fewer steps than stages and
     // in enough to go round the stages several times. The K-quants take k in super blocks of
     // 256 (Q6_K an even number of them, as the host sends it).
-    let plans: [(usize, Vec<Case>); 3] = [
+    let plans: [(usize, usize, Vec<Case>); 5] = [
         (
             32,
+            4,
             vec![
                 Case { rows: 9, n: 200, k: 320, per_split: 4 },
                 Case { rows: 32, n: 64, k: 64, per_split: 2 },
@@ -299,6 +301,7 @@ fn the_staged_tensor_core_gemm_matches_gemm_mma_bit_for_bit_on_every_quantized_l
         ),
         (
             64,
+            4,
             vec![
                 Case { rows: 40, n: 130, k: 512, per_split: 16 },
                 Case { rows: 64, n: 128, k: 256, per_split: 2 },
@@ -307,6 +310,7 @@ fn the_staged_tensor_core_gemm_matches_gemm_mma_bit_for_bit_on_every_quantized_l
         ),
         (
             128,
+            3,
             vec![
                 Case { rows: 100, n: 136, k: 192, per_split: 6 },
                 Case { rows: 128, n: 16, k: 128, per_split: 4 },
@@ -315,10 +319,13 @@ fn the_staged_tensor_core_gemm_matches_gemm_mma_bit_for_bit_on_every_quantized_l
                 Case { rows: 127, n: 8, k: 704, per_split: 22 },
             ],
         ),
+        // Three stages where four is the default (gemm_bench compares them).
+        (32, 3, vec![Case { rows: 20, n: 150, k: 1024, per_split: 32 }]),
+        (64, 3, vec![Case { rows: 50, n: 77, k: 1024, per_split: 12 }]),
     ];
     let mut ran = [0usize; 5];
-    for (bm, cases) in &plans {
-        let exe = build(&cxx, &dir, *bm);
+    for (bm, stages, cases) in &plans {
+        let exe = build(&cxx, &dir, *bm, *stages);
         for case in cases {
             assert!(case.rows <= *bm, "the case fits tile height {bm}");
             assert!(case.per_split.is_multiple_of(2) && (case.k / 32).is_multiple_of(2), "the host sends even parts");
@@ -334,7 +341,7 @@ fn the_staged_tensor_core_gemm_matches_gemm_mma_bit_for_bit_on_every_quantized_l
                 let worst = run_case(&dir, &exe, case, layout, &mut rng);
                 ran[layout.id() as usize] += 1;
                 eprintln!(
-                    "tile {bm}: {layout:?} [{}x{}]·[{}x{}]ᵀ, parts of {} blocks ({} column tiles): bit for bit, max |err| {worst:.2e}",
+                    "tile {bm}, {stages} stages: {layout:?} [{}x{}]·[{}x{}]ᵀ, parts of {} blocks ({} column tiles): bit for bit, max |err| {worst:.2e}",
                     case.rows,
                     case.k,
                     case.n,
@@ -345,6 +352,6 @@ fn the_staged_tensor_core_gemm_matches_gemm_mma_bit_for_bit_on_every_quantized_l
             }
         }
     }
-    assert!(ran.iter().all(|&r| r >= 3), "every layout ran at every tile height: {ran:?}");
+    assert!(ran.iter().all(|&r| r >= 5), "every layout ran at every tile height and stage count: {ran:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
