@@ -210,15 +210,44 @@ template <typename L> struct Staged;
 // `pair` decodes weights kk and kk + 1 (kk even, in the 16 from `ks`) as
 // bf16x2, by the arithmetic of the layout's `decode`.
 
-// Q8: int8 codes, an f16 scale a block.
-template <> struct Staged<LayoutQ8> {
-    static constexpr int CODE_BYTES = 64, CODE_LD = 80, SCALE_BYTES = 4;
-    struct Step {
-        float d[2];
-    };
+// The code planes: a byte a weight (Q8, Q5_K, Q6_K; rows 80 bytes apart)
+// or a nibble (Q4, Q4_K; 48), code 2i in the low nibble of byte i. `two`
+// gives codes kk and kk + 1 (kk even) as the low two bytes of a word.
+struct StagedBytes {
+    static constexpr int CODE_BYTES = 64, CODE_LD = 80;
     __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
         return codes + (long long)n * k + 32 * kb;
     }
+    __device__ static __forceinline__ unsigned two(const unsigned char *col, int kk) {
+        return *reinterpret_cast<const unsigned short *>(col + kk);
+    }
+};
+struct StagedNibbles {
+    static constexpr int CODE_BYTES = 32, CODE_LD = 48;
+    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
+        return codes + (long long)n * (k / 2) + 16 * kb;
+    }
+    __device__ static __forceinline__ unsigned two(const unsigned char *col, int kk) {
+        const unsigned byte = col[kk >> 1];
+        return (byte & 0xfu) | (byte >> 4) << 8;
+    }
+};
+
+// Two signed byte codes times d (Q8, Q6_K), and two unsigned codes as
+// fma(d, q, m) (Q4, Q4_K, Q5_K), as bf16x2.
+__device__ __forceinline__ unsigned pair_scaled(unsigned two, float d) {
+    return pack_bf16(d * (float)sext_byte0(two), d * (float)sext_byte1(two));
+}
+__device__ __forceinline__ unsigned pair_fma(unsigned two, float d, float m) {
+    return pack_bf16(fmaf(d, (float)(two & 0xffu), m), fmaf(d, (float)(two >> 8), m));
+}
+
+// Q8: int8 codes, an f16 scale a block.
+template <> struct Staged<LayoutQ8> : StagedBytes {
+    static constexpr int SCALE_BYTES = 4;
+    struct Step {
+        float d[2];
+    };
     __device__ static __forceinline__ void copy_scales(unsigned char *dst, const unsigned short *scales, int n, int k, int kb) {
         cp_async_small<4>(dst, scales + (long long)n * (k / 32) + kb);
     }
@@ -227,21 +256,16 @@ template <> struct Staged<LayoutQ8> {
         return Step{{half_bits_to_float(h[0]), half_bits_to_float(h[1])}};
     }
     __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
-        const unsigned two = *reinterpret_cast<const unsigned short *>(col + kk);
-        const float d = t.d[ks / 32];
-        return pack_bf16(d * (float)sext_byte0(two), d * (float)sext_byte1(two));
+        return pair_scaled(two(col, kk), t.d[ks / 32]);
     }
 };
 
-// Q4 (Q4_0, Q4_1): nibbles (code 2i low in byte i), an f16 (d, m) a block.
-template <> struct Staged<LayoutQ4> {
-    static constexpr int CODE_BYTES = 32, CODE_LD = 48, SCALE_BYTES = 8;
+// Q4 (Q4_0, Q4_1): nibbles, an f16 (d, m) a block.
+template <> struct Staged<LayoutQ4> : StagedNibbles {
+    static constexpr int SCALE_BYTES = 8;
     struct Step {
         float d[2], m[2];
     };
-    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
-        return codes + (long long)n * (k / 2) + 16 * kb;
-    }
     __device__ static __forceinline__ void copy_scales(unsigned char *dst, const unsigned short *scales, int n, int k, int kb) {
         cp_async_small<8>(dst, scales + 2 * ((long long)n * (k / 32) + kb));
     }
@@ -250,16 +274,15 @@ template <> struct Staged<LayoutQ4> {
         return Step{{half_bits_to_float(h[0]), half_bits_to_float(h[2])}, {half_bits_to_float(h[1]), half_bits_to_float(h[3])}};
     }
     __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
-        const unsigned byte = col[kk >> 1];
-        const float d = t.d[ks / 32], m = t.m[ks / 32];
-        return pack_bf16(fmaf(d, (float)(byte & 0xfu), m), fmaf(d, (float)(byte >> 4), m));
+        return pair_fma(two(col, kk), t.d[ks / 32], t.m[ks / 32]);
     }
 };
 
-// Q4_K and Q5_K: a step's two (sc, m) sub-block words (4 bytes) and its
-// super-block's (d, dmin) pair (4 bytes; a step of 64 lies in one super
-// block of 256); w = fma(d·sc, q, −dmin·m) as `decode_k4`.
-struct StagedK4 {
+// Q4_K (nibbles) and Q5_K (bytes 0..31): a step's two (sc, m) sub-block
+// words (4 bytes) and its super-block's (d, dmin) pair (4 bytes; a step of
+// 64 lies in one super block of 256); w = fma(d·sc, q, −dmin·m) as
+// `decode_k4`.
+template <typename Codes> struct StagedK4 : Codes {
     static constexpr int SCALE_BYTES = 8;
     struct Step {
         float d[2], min[2];
@@ -280,43 +303,23 @@ struct StagedK4 {
         }
         return t;
     }
-};
-template <> struct Staged<LayoutQ4K> : StagedK4 {
-    static constexpr int CODE_BYTES = 32, CODE_LD = 48;
-    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
-        return codes + (long long)n * (k / 2) + 16 * kb;
-    }
     __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
-        const unsigned byte = col[kk >> 1];
-        const float d = t.d[ks / 32], m = -t.min[ks / 32];
-        return pack_bf16(fmaf(d, (float)(byte & 0xfu), m), fmaf(d, (float)(byte >> 4), m));
+        return pair_fma(Codes::two(col, kk), t.d[ks / 32], -t.min[ks / 32]);
     }
 };
-template <> struct Staged<LayoutQ5K> : StagedK4 {
-    static constexpr int CODE_BYTES = 64, CODE_LD = 80;
-    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
-        return codes + (long long)n * k + 32 * kb;
-    }
-    __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
-        const unsigned two = *reinterpret_cast<const unsigned short *>(col + kk);
-        const float d = t.d[ks / 32], m = -t.min[ks / 32];
-        return pack_bf16(fmaf(d, (float)(two & 0xffu), m), fmaf(d, (float)(two >> 8), m));
-    }
-};
+template <> struct Staged<LayoutQ4K> : StagedK4<StagedNibbles> {};
+template <> struct Staged<LayoutQ5K> : StagedK4<StagedBytes> {};
 
 // Q6_K: int8 codes (−32..31); a step's two sub-block words (an int8 scale
 // per 16) and, as an aligned 4-byte copy, the word pair holding its super
 // block's f16 d (the host sends only weights whose k/256 is even, so the
 // rows' words are aligned and the pair lies in the row);
 // w = (d·sc)·q as `LayoutQ6K::decode`.
-template <> struct Staged<LayoutQ6K> {
-    static constexpr int CODE_BYTES = 64, CODE_LD = 80, SCALE_BYTES = 8;
+template <> struct Staged<LayoutQ6K> : StagedBytes {
+    static constexpr int SCALE_BYTES = 8;
     struct Step {
         float ds[4];
     };
-    __device__ static __forceinline__ const unsigned char *codes_at(const unsigned char *codes, int n, int k, int kb) {
-        return codes + (long long)n * k + 32 * kb;
-    }
     __device__ static __forceinline__ void copy_scales(unsigned char *dst, const unsigned short *scales, int n, int k, int kb) {
         const unsigned short *row = scales + (long long)n * (k / 32 + k / 256);
         cp_async_small<4>(dst, row + kb);
@@ -331,9 +334,7 @@ template <> struct Staged<LayoutQ6K> {
         return t;
     }
     __device__ static __forceinline__ unsigned pair(const unsigned char *col, const Step &t, int kk, int ks) {
-        const unsigned two = *reinterpret_cast<const unsigned short *>(col + kk);
-        const float ds = t.ds[ks / 16];
-        return pack_bf16(ds * (float)sext_byte0(two), ds * (float)sext_byte1(two));
+        return pair_scaled(two(col, kk), t.ds[ks / 16]);
     }
 };
 

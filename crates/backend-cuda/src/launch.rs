@@ -1351,7 +1351,11 @@ impl Kernels {
     /// whose scale rows are then 4-byte aligned), and the stages within the
     /// device's shared memory.
     pub fn mma_staged_applies(&self, w: &QuantMatrix, rows: usize) -> bool {
-        let bm = self.mma_plan(rows, w.n, w.k).tile_rows;
+        self.staged_applies_at(w, self.mma_plan(rows, w.n, w.k).tile_rows)
+    }
+
+    /// [`Kernels::mma_staged_applies`] at tile height `bm`.
+    fn staged_applies_at(&self, w: &QuantMatrix, bm: usize) -> bool {
         self.gemm_staged()
             && (w.k / 32).is_multiple_of(2)
             && (w.format != QuantFormat::Q6K || (w.k / 256).is_multiple_of(2))
@@ -1444,7 +1448,7 @@ impl Kernels {
         let grid =
             (to_u32(w.n.div_ceil(MMA_TILE_COLS), "column tiles")?, to_u32(rows.div_ceil(bm), "row tiles")?, to_u32(plan.parts, "parts")?);
         let parts = (plan.parts, plan.blocks_per_part);
-        if self.mma_staged_applies(w, rows) {
+        if self.staged_applies_at(w, bm) {
             let stages = self.gemm_stages(bm);
             let smem = mma_staged_smem_bytes(w.format, bm, stages).unwrap_or(0);
             // The default stages compile with the module's default defines.
